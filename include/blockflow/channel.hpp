@@ -1,0 +1,100 @@
+#pragma once
+/// @file
+/// @brief TensorChannel: the interface every hand-off between two blocks goes through.
+///
+/// A channel is one direction of a hand-off. The in-process backend (inproc_channel.hpp) moves a
+/// reference; the cross-process backends (shared memory, CUDA IPC, serialized ZeroMQ) implement the
+/// same interface, so the session's routing never knows which one an edge uses.
+
+#include <blockflow/tensor.hpp>
+
+#include <absl/status/status.h>
+#include <absl/time/time.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace blockflow {
+
+namespace detail {
+struct RequestState;
+}
+
+/// @brief What a bounded queue does when a message arrives and it is full.
+enum class FullPolicy {
+  kBlock,       ///< the sender waits until there is room (or the channel closes)
+  kReject,      ///< the new message is refused; its request fails with ResourceExhausted
+  kDropOldest,  ///< the oldest queued message is evicted; its request fails with ResourceExhausted
+};
+
+/// @brief "block", "reject" or "drop-oldest".
+std::string_view to_string(FullPolicy policy);
+
+/// @brief One request's tensors on their way to one node of the request's path.
+///
+/// Cross-process backends carry `request_id`, `node` and the tensors; `local` is the in-process
+/// shortcut to the request's state and is never serialised.
+struct Envelope {
+  std::uint64_t request_id = 0;
+  std::uint32_t node = 0;      ///< index of the receiving node in the request's path plan
+  Tensors tensors;
+  std::int64_t sent_ns = 0;    ///< steady-clock time the channel accepted it (set by the channel)
+  std::shared_ptr<detail::RequestState> local;
+};
+
+/// @brief Counters of one channel. Zero-copy backends report `bytes_copied == 0`.
+struct ChannelStats {
+  std::string kind;
+  std::uint64_t sent = 0;
+  std::uint64_t received = 0;
+  std::uint64_t rejected = 0;
+  std::uint64_t dropped = 0;
+  std::uint64_t bytes_copied = 0;
+  std::size_t depth = 0;
+  std::size_t capacity = 0;
+  std::size_t high_watermark = 0;
+};
+
+/// @brief The outcome of TensorChannel::send().
+///
+/// `status` is OK when the envelope was accepted. ResourceExhausted: refused by kReject (the
+/// envelope comes back in `displaced`). Cancelled: the channel is closed (the envelope comes back
+/// in `displaced`). With kDropOldest the status is OK and `displaced` holds the evicted envelope.
+/// Whoever receives a displaced envelope must resolve its request.
+struct [[nodiscard]] SendOutcome {
+  absl::Status status;
+  std::optional<Envelope> displaced;
+};
+
+/// @brief One direction of a tensor hand-off. Implementations are thread-safe: any number of
+/// threads may send and receive concurrently.
+class TensorChannel {
+ public:
+  virtual ~TensorChannel() = default;
+
+  /// @brief Hands the envelope over, applying the channel's FullPolicy when it is full.
+  /// With kBlock this waits until a receiver makes room or close() is called.
+  virtual SendOutcome send(Envelope&& envelope) = 0;
+
+  /// @brief Waits for the next envelope until `deadline`. Returns nullopt on timeout, or once the
+  /// channel is closed (envelopes still queued then stay there for drain()). Woken by send() and
+  /// close().
+  [[nodiscard]] virtual std::optional<Envelope> receive(absl::Time deadline) = 0;
+
+  /// @brief Refuses further sends and wakes every waiting sender and receiver. Idempotent.
+  virtual void close() = 0;
+
+  /// @brief Removes and returns everything still queued (used after close() to fail requests).
+  [[nodiscard]] virtual std::vector<Envelope> drain() = 0;
+
+  [[nodiscard]] virtual bool closed() const = 0;
+  [[nodiscard]] virtual ChannelStats stats() const = 0;
+  /// @brief "inproc", "shm", "cuda" or "zmq".
+  [[nodiscard]] virtual std::string_view kind() const = 0;
+};
+
+}  // namespace blockflow

@@ -1,0 +1,93 @@
+#pragma once
+// Internal: the machinery behind blockflow::Session.
+
+#include <blockflow/block.hpp>
+#include <blockflow/metrics.hpp>
+#include <blockflow/path.hpp>
+#include <blockflow/session.hpp>
+#include <blockflow/detail/histogram.hpp>
+#include <blockflow/detail/request_state.hpp>
+#include <blockflow/detail/routing.hpp>
+
+#include <absl/container/flat_hash_map.h>
+#include <absl/synchronization/blocking_counter.h>
+#include <absl/synchronization/mutex.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace blockflow::detail {
+
+/// A block as the session runs it: the block, its input channel, its worker threads, its counters.
+struct BlockRuntime {
+  std::shared_ptr<Block> block;
+  std::unique_ptr<TensorChannel> inbox;
+  std::vector<std::thread> workers;
+  Histogram wait, compute, overhead;
+  std::atomic<std::uint64_t> processed{0};
+  std::atomic<std::uint64_t> failed{0};
+};
+
+/// Per-task counters.
+struct PathRuntime {
+  std::string task;
+  std::atomic<std::uint64_t> submitted{0}, completed{0}, failed{0};
+  Histogram e2e, wait, compute, overhead;
+};
+
+class SessionCore {
+ public:
+  explicit SessionCore(SessionOptions options) : options_(options) {}
+  ~SessionCore();
+
+  void add_block(std::shared_ptr<Block> block);
+  void add_path(Path path);
+  absl::Status start();
+  void submit(const std::string& task, Tensors inputs, std::function<void(Result&&)> done);
+  MetricsSnapshot metrics() const;
+  void shutdown(absl::Duration drain);
+
+ private:
+  using StatePtr = std::shared_ptr<RequestState>;
+
+  absl::Status build();
+  absl::Status start_workers();
+  void worker_main(BlockRuntime& runtime, int index, absl::Status* warmup_status, absl::BlockingCounter& ready);
+  void process(BlockRuntime& runtime, Envelope&& envelope);
+  void forward_outputs(const StatePtr& state, int node, Tensors&& outputs, BlockRuntime* runtime);
+  void deliver(const StatePtr& state, int node, int slot, Tensors&& tensors, std::int64_t ready_ns);
+  void run_join(const StatePtr& state, int node, std::vector<Tensors>&& inputs, std::int64_t ready_ns);
+  void handle_displaced(SendOutcome&& outcome, const PlanNode& target);
+  void fail(const StatePtr& state, absl::Status status);
+  void resolve(const StatePtr& state, absl::Status status, Tensors outputs);
+  void reject_now(const std::string& task, absl::Status status, const std::function<void(Result&&)>& done);
+  std::shared_ptr<const RoutingTable> routing() const;
+
+  const SessionOptions options_;
+  std::vector<std::shared_ptr<Block>> pending_blocks_;
+  std::vector<Path> pending_paths_;
+
+  std::vector<std::unique_ptr<BlockRuntime>> blocks_;
+  absl::flat_hash_map<std::string, BlockRuntime*> block_by_name_;
+  std::vector<std::unique_ptr<PathRuntime>> paths_;
+
+  mutable absl::Mutex routing_mu_;
+  std::shared_ptr<const RoutingTable> routing_ ABSL_GUARDED_BY(routing_mu_);
+
+  // Live requests, so shutdown can resolve anything no channel still holds.
+  mutable absl::Mutex live_mu_;
+  absl::flat_hash_map<std::uint64_t, std::weak_ptr<RequestState>> live_ ABSL_GUARDED_BY(live_mu_);
+  std::atomic<std::int64_t> in_flight_{0};
+
+  std::atomic<std::uint64_t> next_id_{1};
+  std::atomic<bool> admitting_{false};
+  std::atomic<bool> started_{false};
+  std::atomic<bool> stopped_{false};
+  std::int64_t started_ns_ = 0;
+  absl::Mutex shutdown_mu_;
+};
+
+}  // namespace blockflow::detail

@@ -1,0 +1,53 @@
+#pragma once
+/// @file
+/// @brief Snapshot of a session's built-in measurements, serialisable to JSON.
+
+#include <blockflow/channel.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace blockflow {
+
+/// @brief Distribution of a latency, in milliseconds (percentiles within ~1% relative error).
+struct LatencyStats {
+  std::uint64_t count = 0;
+  double mean_ms = 0, p50_ms = 0, p90_ms = 0, p99_ms = 0, max_ms = 0;
+};
+
+/// @brief Per-block aggregates since the session started.
+struct BlockMetrics {
+  std::string name;
+  std::string kind;    ///< "callable" or "torchscript"
+  std::string device;
+  int workers = 0;
+  int intra_op_threads = 0;  ///< 0: libtorch's default
+  std::uint64_t processed = 0;  ///< forward() calls that returned outputs
+  std::uint64_t failed = 0;     ///< requests that failed at this block
+  LatencyStats wait, compute, overhead;
+  double throughput_per_s = 0;  ///< processed / uptime
+  ChannelStats queue;           ///< the block's input queue (depth = current depth)
+};
+
+/// @brief Per-path (task) aggregates since the session started.
+struct PathMetrics {
+  std::string task;
+  std::uint64_t submitted = 0, completed = 0, failed = 0;
+  LatencyStats e2e, wait, compute, overhead;  ///< per request, summed over its critical path
+  double throughput_per_s = 0;                 ///< completed / uptime
+};
+
+/// @brief A consistent-enough copy of the counters (each counter is read atomically; the
+/// snapshot as a whole is not a transaction).
+struct MetricsSnapshot {
+  double uptime_s = 0;
+  std::uint64_t in_flight = 0;
+  std::vector<BlockMetrics> blocks;
+  std::vector<PathMetrics> paths;
+
+  /// @brief JSON object; `indent` < 0 gives one line.
+  [[nodiscard]] std::string to_json(int indent = -1) const;
+};
+
+}  // namespace blockflow

@@ -1,0 +1,83 @@
+#pragma once
+/// @file
+/// @brief Session: owns blocks and paths, runs blocks in worker threads, routes requests.
+
+#include <blockflow/block.hpp>
+#include <blockflow/metrics.hpp>
+#include <blockflow/path.hpp>
+#include <blockflow/result.hpp>
+
+#include <absl/status/status.h>
+#include <absl/time/time.h>
+
+#include <functional>
+#include <future>
+#include <memory>
+#include <string>
+
+namespace blockflow {
+
+/// @brief Session-wide settings.
+struct SessionOptions {
+  /// How long an idle block worker polls its queue before sleeping (see InProcessChannelOptions).
+  absl::Duration receive_spin = absl::Microseconds(50);
+};
+
+namespace detail {
+class SessionCore;
+}
+
+/// @brief Runs blocks in worker threads and routes each task's requests along its path.
+///
+/// Lifecycle: add_block()/add_path() describe the session; start() validates everything (unknown
+/// blocks, cycles, empty paths, ... are reported with the path and the problem), starts one input
+/// queue and BlockOptions::workers threads per block and warms blocks up; submit() may then be
+/// called from any number of threads; shutdown() (also run by the destructor) stops admissions,
+/// lets in-flight requests finish for up to `drain`, then fails whatever is left with Cancelled.
+///
+/// Guarantee: every submit() resolves exactly once, with outputs or with an error status naming the
+/// block or path and the cause. Thread-safety: submit(), metrics() and shutdown() are thread-safe;
+/// add_block(), add_path() and start() must not race with each other.
+///
+/// @code
+/// blockflow::Session session;
+/// session.add_block(blockflow::Block::callable("twice", twice_fn))
+///        .add_path(blockflow::Path::chain("task", {"twice"}));
+/// if (auto status = session.start(); !status.ok()) { /* names the problem */ }
+/// blockflow::Result r = session.submit("task", torch::ones({2})).get();
+/// @endcode
+class Session {
+ public:
+  explicit Session(SessionOptions options = {});
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  /// @brief Adds a block (before start()). Names must be unique; a duplicate fails start().
+  Session& add_block(std::shared_ptr<Block> block);
+  /// @brief Adds a path for `path.task()` (before start()).
+  Session& add_path(Path path);
+
+  /// @brief Validates the blocks and paths and starts the workers. Returns InvalidArgument naming
+  /// the offending path/block, or the first warm-up failure. Call once.
+  [[nodiscard]] absl::Status start();
+
+  /// @brief Submits one request. The future always becomes ready: see the class comment.
+  [[nodiscard]] std::future<Result> submit(const std::string& task, Tensors inputs);
+  [[nodiscard]] std::future<Result> submit(const std::string& task, Tensor input);
+  /// @brief Callback flavour: `done` runs exactly once, on a worker thread (or inline when the
+  /// request is refused at once). It must not block for long.
+  void submit(const std::string& task, Tensors inputs, std::function<void(Result&&)> done);
+
+  /// @brief A snapshot of the built-in measurements.
+  [[nodiscard]] MetricsSnapshot metrics() const;
+
+  /// @brief Stops admissions, waits up to `drain` for in-flight requests, then cancels the rest
+  /// (each fails with Cancelled naming the block it was at) and joins the workers. Idempotent.
+  void shutdown(absl::Duration drain = absl::Seconds(5));
+
+ private:
+  std::unique_ptr<detail::SessionCore> core_;
+};
+
+}  // namespace blockflow

@@ -1,0 +1,53 @@
+#include <blockflow/metrics.hpp>
+
+#include <nlohmann/json.hpp>
+
+namespace blockflow {
+namespace {
+
+nlohmann::json to_json(const LatencyStats& s) {
+  return {{"count", s.count}, {"mean_ms", s.mean_ms}, {"p50_ms", s.p50_ms},
+          {"p90_ms", s.p90_ms}, {"p99_ms", s.p99_ms}, {"max_ms", s.max_ms}};
+}
+
+nlohmann::json to_json(const ChannelStats& s) {
+  return {{"kind", s.kind},         {"depth", s.depth},       {"capacity", s.capacity},
+          {"high_watermark", s.high_watermark}, {"sent", s.sent}, {"received", s.received},
+          {"rejected", s.rejected}, {"dropped", s.dropped},   {"bytes_copied", s.bytes_copied}};
+}
+
+}  // namespace
+
+std::string MetricsSnapshot::to_json(int indent) const {
+  nlohmann::json blocks_json = nlohmann::json::array();
+  for (const auto& b : blocks) {
+    blocks_json.push_back({{"name", b.name},
+                           {"kind", b.kind},
+                           {"device", b.device},
+                           {"workers", b.workers},
+                           {"intra_op_threads", b.intra_op_threads},
+                           {"processed", b.processed},
+                           {"failed", b.failed},
+                           {"throughput_per_s", b.throughput_per_s},
+                           {"wait", blockflow::to_json(b.wait)},
+                           {"compute", blockflow::to_json(b.compute)},
+                           {"overhead", blockflow::to_json(b.overhead)},
+                           {"queue", blockflow::to_json(b.queue)}});
+  }
+  nlohmann::json paths_json = nlohmann::json::array();
+  for (const auto& p : paths) {
+    paths_json.push_back({{"task", p.task},
+                          {"submitted", p.submitted},
+                          {"completed", p.completed},
+                          {"failed", p.failed},
+                          {"throughput_per_s", p.throughput_per_s},
+                          {"e2e", blockflow::to_json(p.e2e)},
+                          {"wait", blockflow::to_json(p.wait)},
+                          {"compute", blockflow::to_json(p.compute)},
+                          {"overhead", blockflow::to_json(p.overhead)}});
+  }
+  nlohmann::json root{{"uptime_s", uptime_s}, {"in_flight", in_flight}, {"blocks", blocks_json}, {"paths", paths_json}};
+  return root.dump(indent);
+}
+
+}  // namespace blockflow

@@ -1,0 +1,476 @@
+#include <blockflow/session.hpp>
+#include <blockflow/inproc_channel.hpp>
+#include <blockflow/detail/clock.hpp>
+#include <blockflow/detail/session_core.hpp>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/zeros.h>
+#include <absl/synchronization/blocking_counter.h>
+#include <c10/core/InferenceMode.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <pthread.h>
+
+#include <algorithm>
+#include <future>
+
+namespace blockflow {
+namespace detail {
+namespace {
+
+absl::Status with_prefix(const absl::Status& status, std::string_view prefix) {
+  return absl::Status(status.code(), fmt::format("{}: {}", prefix, std::string(status.message())));
+}
+
+// Runs forward(), turning exceptions into statuses that name the block.
+absl::StatusOr<Tensors> guarded_forward(Block& block, Tensors&& inputs) {
+  try {
+    auto out = block.forward(std::move(inputs));
+    if (!out.ok()) return with_prefix(out.status(), fmt::format("block '{}'", block.name()));
+    return out;
+  } catch (const c10::Error& e) {
+    return absl::InternalError(fmt::format("block '{}': forward raised: {}", block.name(), e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return absl::InternalError(fmt::format("block '{}': forward raised: {}", block.name(), e.what()));
+  } catch (...) {
+    return absl::InternalError(fmt::format("block '{}': forward raised a non-standard exception", block.name()));
+  }
+}
+
+void name_thread(const std::string& block, int index) {
+  std::string name = fmt::format("bf-{}", block).substr(0, 12) + fmt::format("/{}", index % 100);
+  pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+}
+
+}  // namespace
+
+SessionCore::~SessionCore() { shutdown(absl::ZeroDuration()); }
+
+void SessionCore::add_block(std::shared_ptr<Block> block) {
+  if (started_) throw std::logic_error("Session::add_block() after start()");
+  if (!block) throw std::invalid_argument("Session::add_block(): null block");
+  pending_blocks_.push_back(std::move(block));
+}
+
+void SessionCore::add_path(Path path) {
+  if (started_) throw std::logic_error("Session::add_path() after start()");
+  pending_paths_.push_back(std::move(path));
+}
+
+absl::Status SessionCore::build() {
+  for (auto& block : pending_blocks_) {
+    auto runtime = std::make_unique<BlockRuntime>();
+    runtime->block = block;
+    InProcessChannelOptions channel_options;
+    channel_options.capacity = block->options().queue_capacity;
+    channel_options.full_policy = block->options().full_policy;
+    channel_options.receive_spin = options_.receive_spin;
+    runtime->inbox = std::make_unique<InProcessChannel>(channel_options);
+    if (!block_by_name_.emplace(block->name(), runtime.get()).second) {
+      return absl::InvalidArgumentError(fmt::format("two blocks are named '{}'", block->name()));
+    }
+    blocks_.push_back(std::move(runtime));
+  }
+  auto table = std::make_shared<RoutingTable>();
+  const BlockLookup lookup = [this](const std::string& name) -> BlockRuntime* {
+    auto it = block_by_name_.find(name);
+    return it == block_by_name_.end() ? nullptr : it->second;
+  };
+  const auto channel_of = [](BlockRuntime* runtime) { return runtime->inbox.get(); };
+  for (const auto& path : pending_paths_) {
+    auto plan = compile_path(path, lookup, channel_of);
+    if (!plan.ok()) return plan.status();
+    if (table->plans.contains(path.task())) {
+      return absl::InvalidArgumentError(fmt::format("path '{}': the task has two paths", path.task()));
+    }
+    auto runtime = std::make_unique<PathRuntime>();
+    runtime->task = path.task();
+    auto owned = std::const_pointer_cast<PathPlan>(*plan);
+    owned->metrics = runtime.get();
+    paths_.push_back(std::move(runtime));
+    table->plans.emplace(path.task(), std::move(owned));
+  }
+  absl::MutexLock lock(&routing_mu_);
+  routing_ = std::move(table);
+  return absl::OkStatus();
+}
+
+absl::Status SessionCore::start() {
+  if (started_.exchange(true)) return absl::FailedPreconditionError("Session::start() called twice");
+  if (auto status = build(); !status.ok()) {
+    stopped_ = true;
+    return status;
+  }
+  started_ns_ = now_ns();
+  if (auto status = start_workers(); !status.ok()) {
+    shutdown(absl::ZeroDuration());
+    return status;
+  }
+  admitting_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status SessionCore::start_workers() {
+  std::size_t total = 0;
+  for (const auto& runtime : blocks_) total += static_cast<std::size_t>(runtime->block->options().workers);
+  std::vector<absl::Status> warmup(total);
+  absl::BlockingCounter ready(static_cast<int>(total));
+  std::size_t k = 0;
+  for (auto& runtime : blocks_) {
+    for (int i = 0; i < runtime->block->options().workers; ++i, ++k) {
+      absl::Status* slot = &warmup[k];
+      runtime->workers.emplace_back([this, rt = runtime.get(), i, slot, &ready] {
+        worker_main(*rt, i, slot, ready);
+      });
+    }
+  }
+  ready.Wait();
+  for (const auto& status : warmup) {
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+void SessionCore::worker_main(BlockRuntime& runtime, int index, absl::Status* warmup_status,
+                              absl::BlockingCounter& ready) {
+  name_thread(runtime.block->name(), index);
+  c10::InferenceMode inference_mode;
+  Block& block = *runtime.block;
+  const auto& options = block.options();
+  if (options.intra_op_threads > 0) {
+    // Set after the lazy initialisation, so this thread's OpenMP team keeps this size.
+    at::internal::lazy_init_num_threads();
+    at::set_num_threads(options.intra_op_threads);
+  }
+  if (!options.input_shapes.empty()) {
+    Tensors zeros;
+    for (auto shape : options.input_shapes) {
+      for (auto& d : shape) d = d < 0 ? 1 : d;
+      zeros.push_back(at::zeros(shape, at::TensorOptions().device(block.device())));
+    }
+    for (int run = 0; run < options.warmup_runs && warmup_status->ok(); ++run) {
+      auto out = guarded_forward(block, Tensors(zeros));
+      if (!out.ok()) *warmup_status = with_prefix(out.status(), "warm-up failed");
+    }
+  }
+  ready.DecrementCount();
+  while (auto envelope = runtime.inbox->receive(absl::InfiniteFuture())) process(runtime, std::move(*envelope));
+}
+
+void SessionCore::process(BlockRuntime& runtime, Envelope&& envelope) {
+  const std::int64_t dequeued = now_ns();
+  StatePtr state = std::move(envelope.local);
+  if (state->resolved.load(std::memory_order_acquire)) return;  // a sibling branch failed it already
+  const int node = static_cast<int>(envelope.node);
+  HopTiming& hop = state->hops[static_cast<std::size_t>(node)];
+  hop.arrived_ns = envelope.sent_ns;
+  hop.dequeued_ns = dequeued;
+  Block& block = *runtime.block;
+
+  Tensors inputs = std::move(envelope.tensors);
+  absl::Status status = check_inputs(block, inputs);
+  if (status.ok()) {
+    for (auto& t : inputs) {
+      if (t.defined() && t.device() != block.device()) t = t.to(block.device());
+    }
+  }
+  hop.compute_start_ns = now_ns();
+  absl::StatusOr<Tensors> outputs = status.ok() ? guarded_forward(block, std::move(inputs)) : status;
+  hop.compute_end_ns = now_ns();
+  if (!outputs.ok()) {
+    runtime.failed.fetch_add(1, std::memory_order_relaxed);
+    fail(state, outputs.status());
+    return;
+  }
+  runtime.processed.fetch_add(1, std::memory_order_relaxed);
+  forward_outputs(state, node, std::move(*outputs), &runtime);
+}
+
+void SessionCore::forward_outputs(const StatePtr& state, int node, Tensors&& outputs, BlockRuntime* runtime) {
+  const PathPlan& plan = *state->plan;
+  HopTiming& hop = state->hops[static_cast<std::size_t>(node)];
+  hop.done_ns = now_ns();
+  if (runtime != nullptr) {
+    // Recorded before the hand-off, so a caller woken by the result sees this hop counted.
+    runtime->wait.record(hop.dequeued_ns - hop.arrived_ns);
+    runtime->compute.record(hop.compute_end_ns - hop.compute_start_ns);
+    runtime->overhead.record((hop.arrived_ns - hop.input_ready_ns) + (hop.compute_start_ns - hop.dequeued_ns) +
+                             (hop.done_ns - hop.compute_end_ns));
+  }
+  if (node == plan.sink) return resolve(state, absl::OkStatus(), std::move(outputs));
+  const auto& successors = plan.nodes[static_cast<std::size_t>(node)].successors;
+  const std::int64_t ready = hop.done_ns;
+  for (std::size_t i = 0; i < successors.size(); ++i) {
+    const bool last = i + 1 == successors.size();
+    deliver(state, successors[i].node, successors[i].slot, last ? std::move(outputs) : Tensors(outputs), ready);
+  }
+}
+
+void SessionCore::deliver(const StatePtr& state, int node, int slot, Tensors&& tensors, std::int64_t ready_ns) {
+  const PlanNode& target = state->plan->nodes[static_cast<std::size_t>(node)];
+  if (target.join_index >= 0) {
+    JoinState& join = state->joins[static_cast<std::size_t>(target.join_index)];
+    join.inputs[static_cast<std::size_t>(slot)] = std::move(tensors);
+    join.ready_ns[static_cast<std::size_t>(slot)] = ready_ns;
+    if (join.remaining.fetch_sub(1, std::memory_order_acq_rel) != 1) return;  // siblings still running
+    const auto last = std::max_element(join.ready_ns.begin(), join.ready_ns.end());
+    const auto last_slot = static_cast<std::size_t>(last - join.ready_ns.begin());
+    state->critical_pred[static_cast<std::size_t>(node)] = target.inputs[last_slot];
+    run_join(state, node, std::move(join.inputs), *last);
+    return;
+  }
+  state->critical_pred[static_cast<std::size_t>(node)] = target.inputs.empty() ? -1 : target.inputs.front();
+  state->hops[static_cast<std::size_t>(node)].input_ready_ns = ready_ns;
+  SendOutcome outcome = target.channel->send(Envelope{state->id, static_cast<std::uint32_t>(node), std::move(tensors), 0, state});
+  handle_displaced(std::move(outcome), target);
+}
+
+void SessionCore::run_join(const StatePtr& state, int node, std::vector<Tensors>&& inputs, std::int64_t ready_ns) {
+  const PlanNode& target = state->plan->nodes[static_cast<std::size_t>(node)];
+  HopTiming& hop = state->hops[static_cast<std::size_t>(node)];
+  hop.input_ready_ns = ready_ns;
+  if (target.block != nullptr) {
+    // A block with several inputs: merge, then queue like any other hop (the merge is overhead).
+    auto merged = target.combine.apply(std::move(inputs));
+    if (!merged.ok()) {
+      return fail(state, with_prefix(merged.status(), fmt::format("path '{}', inputs of block '{}'",
+                                                                  state->plan->task, target.name)));
+    }
+    SendOutcome outcome =
+        target.channel->send(Envelope{state->id, static_cast<std::uint32_t>(node), std::move(*merged), 0, state});
+    return handle_displaced(std::move(outcome), target);
+  }
+  // A block-less join runs the combine rule inline; it counts as the node's compute.
+  hop.arrived_ns = hop.dequeued_ns = hop.compute_start_ns = now_ns();
+  auto merged = target.combine.apply(std::move(inputs));
+  hop.compute_end_ns = now_ns();
+  if (!merged.ok()) {
+    return fail(state, with_prefix(merged.status(), fmt::format("path '{}', join '{}'", state->plan->task, target.name)));
+  }
+  forward_outputs(state, node, std::move(*merged), nullptr);
+}
+
+void SessionCore::handle_displaced(SendOutcome&& outcome, const PlanNode& target) {
+  if (!outcome.displaced) return;
+  StatePtr victim = std::move(outcome.displaced->local);
+  const std::string& block = target.block->block->name();
+  absl::Status why;
+  if (outcome.status.ok()) {
+    why = absl::ResourceExhaustedError(fmt::format("block '{}': dropped from its full input queue (policy drop-oldest)", block));
+  } else if (absl::IsCancelled(outcome.status)) {
+    why = absl::CancelledError(fmt::format("block '{}': session shut down before the request reached it", block));
+  } else {
+    why = with_prefix(outcome.status, fmt::format("block '{}': input", block));
+  }
+  target.block->failed.fetch_add(1, std::memory_order_relaxed);
+  fail(victim, why);
+}
+
+void SessionCore::fail(const StatePtr& state, absl::Status status) { resolve(state, std::move(status), {}); }
+
+void SessionCore::resolve(const StatePtr& state, absl::Status status, Tensors outputs) {
+  if (state->resolved.exchange(true, std::memory_order_acq_rel)) return;
+  Result result;
+  result.trace.request_id = state->id;
+  result.trace.task = state->plan->task;
+  result.trace.submitted_ns = state->submitted_ns;
+  result.trace.resolved_ns = now_ns();
+  PathRuntime& path = *state->plan->metrics;
+  if (status.ok()) {
+    // Walk the critical path back from the sink.
+    for (int node = state->plan->sink; node >= 0; node = state->critical_pred[static_cast<std::size_t>(node)]) {
+      HopTiming hop = state->hops[static_cast<std::size_t>(node)];
+      hop.node = state->plan->nodes[static_cast<std::size_t>(node)].name;
+      const auto* block = state->plan->nodes[static_cast<std::size_t>(node)].block;
+      if (block != nullptr) hop.block = block->block->name();
+      result.trace.hops.push_back(std::move(hop));
+    }
+    std::reverse(result.trace.hops.begin(), result.trace.hops.end());
+    // The last hop ends when the request resolves: its resolution cost is overhead too.
+    result.trace.hops.back().done_ns = result.trace.resolved_ns;
+    result.outputs = std::move(outputs);
+    path.completed.fetch_add(1, std::memory_order_relaxed);
+    auto ms_to_ns = [](double ms) { return static_cast<std::int64_t>(ms * 1e6); };
+    path.e2e.record(result.trace.resolved_ns - result.trace.submitted_ns);
+    path.wait.record(ms_to_ns(result.trace.wait_ms()));
+    path.compute.record(ms_to_ns(result.trace.compute_ms()));
+    path.overhead.record(ms_to_ns(result.trace.overhead_ms()));
+  } else {
+    path.failed.fetch_add(1, std::memory_order_relaxed);
+  }
+  result.status = std::move(status);
+  {
+    absl::MutexLock lock(&live_mu_);
+    live_.erase(state->id);
+  }
+  auto done = std::move(state->done);
+  done(std::move(result));
+  in_flight_.fetch_sub(1, std::memory_order_acq_rel);
+}
+
+void SessionCore::reject_now(const std::string& task, absl::Status status, const std::function<void(Result&&)>& done) {
+  Result result;
+  result.status = std::move(status);
+  result.trace.task = task;
+  result.trace.submitted_ns = result.trace.resolved_ns = now_ns();
+  done(std::move(result));
+}
+
+std::shared_ptr<const RoutingTable> SessionCore::routing() const {
+  absl::MutexLock lock(&routing_mu_);
+  return routing_;
+}
+
+void SessionCore::submit(const std::string& task, Tensors inputs, std::function<void(Result&&)> done) {
+  in_flight_.fetch_add(1, std::memory_order_acq_rel);  // before the check: shutdown waits on it
+  if (!admitting_.load(std::memory_order_acquire)) {
+    in_flight_.fetch_sub(1, std::memory_order_acq_rel);
+    return reject_now(task, absl::FailedPreconditionError(
+                                stopped_ ? "session is shut down" : "session is not started (call start() first)"),
+                      done);
+  }
+  auto table = routing();
+  auto it = table->plans.find(task);
+  if (it == table->plans.end()) {
+    in_flight_.fetch_sub(1, std::memory_order_acq_rel);
+    std::vector<std::string> known;
+    for (const auto& [name, plan] : table->plans) known.push_back(name);
+    std::sort(known.begin(), known.end());
+    return reject_now(task, absl::NotFoundError(fmt::format("unknown task '{}' (known: {})", task, fmt::join(known, ", "))),
+                      done);
+  }
+  auto state = std::make_shared<RequestState>();
+  state->id = next_id_.fetch_add(1, std::memory_order_relaxed);
+  state->plan = it->second;
+  const PathPlan& plan = *state->plan;
+  state->submitted_ns = now_ns();
+  state->hops.resize(plan.nodes.size());
+  state->critical_pred.assign(plan.nodes.size(), -1);
+  if (plan.num_joins > 0) {
+    state->joins = std::make_unique<JoinState[]>(static_cast<std::size_t>(plan.num_joins));
+    for (const auto& node : plan.nodes) {
+      if (node.join_index < 0) continue;
+      JoinState& join = state->joins[static_cast<std::size_t>(node.join_index)];
+      join.remaining.store(static_cast<int>(node.inputs.size()), std::memory_order_relaxed);
+      join.inputs.resize(node.inputs.size());
+      join.ready_ns.resize(node.inputs.size());
+    }
+  }
+  state->done = std::move(done);
+  plan.metrics->submitted.fetch_add(1, std::memory_order_relaxed);
+  {
+    absl::MutexLock lock(&live_mu_);
+    live_.emplace(state->id, state);
+  }
+  for (std::size_t i = 0; i < plan.entries.size(); ++i) {
+    const bool last = i + 1 == plan.entries.size();
+    deliver(state, plan.entries[i], 0, last ? std::move(inputs) : Tensors(inputs), state->submitted_ns);
+  }
+}
+
+MetricsSnapshot SessionCore::metrics() const {
+  MetricsSnapshot snapshot;
+  snapshot.uptime_s = started_ns_ == 0 ? 0.0 : static_cast<double>(now_ns() - started_ns_) / 1e9;
+  snapshot.in_flight = static_cast<std::uint64_t>(std::max<std::int64_t>(in_flight_.load(), 0));
+  const double uptime = std::max(snapshot.uptime_s, 1e-9);
+  for (const auto& runtime : blocks_) {
+    BlockMetrics b;
+    const Block& block = *runtime->block;
+    b.name = block.name();
+    b.kind = std::string(block.kind());
+    b.device = block.device().str();
+    b.workers = block.options().workers;
+    b.intra_op_threads = block.options().intra_op_threads;
+    b.processed = runtime->processed.load();
+    b.failed = runtime->failed.load();
+    b.wait = runtime->wait.stats();
+    b.compute = runtime->compute.stats();
+    b.overhead = runtime->overhead.stats();
+    b.throughput_per_s = static_cast<double>(b.processed) / uptime;
+    b.queue = runtime->inbox->stats();
+    snapshot.blocks.push_back(std::move(b));
+  }
+  for (const auto& runtime : paths_) {
+    PathMetrics p;
+    p.task = runtime->task;
+    p.submitted = runtime->submitted.load();
+    p.completed = runtime->completed.load();
+    p.failed = runtime->failed.load();
+    p.e2e = runtime->e2e.stats();
+    p.wait = runtime->wait.stats();
+    p.compute = runtime->compute.stats();
+    p.overhead = runtime->overhead.stats();
+    p.throughput_per_s = static_cast<double>(p.completed) / uptime;
+    snapshot.paths.push_back(std::move(p));
+  }
+  return snapshot;
+}
+
+void SessionCore::shutdown(absl::Duration drain) {
+  absl::MutexLock serial(&shutdown_mu_);
+  stopped_ = true;
+  admitting_ = false;
+  const absl::Time deadline = absl::Now() + drain;
+  while (in_flight_.load(std::memory_order_acquire) > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  for (auto& runtime : blocks_) runtime->inbox->close();
+  for (auto& runtime : blocks_) {
+    for (auto& worker : runtime->workers) {
+      if (worker.joinable()) worker.join();
+    }
+  }
+  for (auto& runtime : blocks_) {
+    for (auto& envelope : runtime->inbox->drain()) {
+      runtime->failed.fetch_add(1, std::memory_order_relaxed);
+      fail(envelope.local, absl::CancelledError(fmt::format(
+                               "block '{}': session shut down while the request waited in its queue",
+                               runtime->block->name())));
+    }
+  }
+  std::vector<StatePtr> leftovers;
+  {
+    absl::MutexLock lock(&live_mu_);
+    for (auto& [id, weak] : live_) {
+      if (auto state = weak.lock()) leftovers.push_back(std::move(state));
+    }
+  }
+  for (auto& state : leftovers) fail(state, absl::CancelledError("session shut down while the request was in flight"));
+}
+
+}  // namespace detail
+
+Session::Session(SessionOptions options) : core_(std::make_unique<detail::SessionCore>(options)) {}
+Session::~Session() = default;
+
+Session& Session::add_block(std::shared_ptr<Block> block) {
+  core_->add_block(std::move(block));
+  return *this;
+}
+
+Session& Session::add_path(Path path) {
+  core_->add_path(std::move(path));
+  return *this;
+}
+
+absl::Status Session::start() { return core_->start(); }
+
+std::future<Result> Session::submit(const std::string& task, Tensors inputs) {
+  auto promise = std::make_shared<std::promise<Result>>();
+  auto future = promise->get_future();
+  core_->submit(task, std::move(inputs), [promise](Result&& result) { promise->set_value(std::move(result)); });
+  return future;
+}
+
+std::future<Result> Session::submit(const std::string& task, Tensor input) {
+  return submit(task, Tensors{std::move(input)});
+}
+
+void Session::submit(const std::string& task, Tensors inputs, std::function<void(Result&&)> done) {
+  if (!done) throw std::invalid_argument("Session::submit(): empty callback");
+  core_->submit(task, std::move(inputs), std::move(done));
+}
+
+MetricsSnapshot Session::metrics() const { return core_->metrics(); }
+
+void Session::shutdown(absl::Duration drain) { core_->shutdown(drain); }
+
+}  // namespace blockflow

@@ -1,0 +1,107 @@
+// Built-in measurement: per-request decomposition adds up; aggregates count; JSON round-trips.
+#include "test_util.hpp"
+
+#include <blockflow/detail/histogram.hpp>
+
+#include <nlohmann/json.hpp>
+
+using namespace blockflow;
+using namespace std::chrono_literals;
+
+TEST_CASE("wait + compute + overhead per request equals its end-to-end time", "[metrics]") {
+  Session session;
+  BlockOptions options;
+  options.intra_op_threads = 2;
+  options.input_shapes = {{-1, 3, 16, 16}};
+  session.add_block(test::load_block("b1", "cnn_block1.pt", options))
+      .add_block(test::slow_plus_one("sleepy", 3ms))
+      .add_path(Path::chain("t", {"b1", "sleepy"}));
+  test::require_started(session);
+  // Concurrent requests, so that queueing (wait) is non-zero for some of them.
+  std::vector<std::future<Result>> futures;
+  std::vector<std::int64_t> submitted;
+  for (int i = 0; i < 12; ++i) {
+    submitted.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now().time_since_epoch()).count());
+    futures.push_back(session.submit("t", at::randn({1, 3, 16, 16})));
+  }
+  double total_wait = 0;
+  for (std::size_t i = 0; i < futures.size(); ++i) {
+    Result r = futures[i].get();
+    const auto got = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         std::chrono::steady_clock::now().time_since_epoch()).count();
+    REQUIRE(r.ok());
+    const auto& t = r.trace;
+    REQUIRE(t.hops.size() == 2);
+    const double parts = t.wait_ms() + t.compute_ms() + t.overhead_ms();
+    CHECK(parts == Approx(t.e2e_ms()).margin(1e-6));  // the decomposition leaves no gap
+    // The trace lies inside what the client observed.
+    CHECK(t.submitted_ns >= submitted[i]);
+    CHECK(t.resolved_ns <= got);
+    for (const auto& hop : t.hops) {
+      CHECK(hop.wait_ms() >= 0);
+      CHECK(hop.compute_ms() > 0);
+      CHECK(hop.overhead_ms() >= 0);
+      CHECK(hop.input_ready_ns <= hop.arrived_ns);
+      CHECK(hop.arrived_ns <= hop.dequeued_ns);
+      CHECK(hop.dequeued_ns <= hop.compute_start_ns);
+      CHECK(hop.compute_end_ns <= hop.done_ns);
+    }
+    CHECK(t.hops[1].compute_ms() >= 3.0);  // the sleep is inside compute
+    CHECK(t.hops[0].done_ns == t.hops[1].input_ready_ns);
+    total_wait += t.wait_ms();
+  }
+  CHECK(total_wait > 0);  // 12 requests at once through a 3 ms block must have queued
+
+  const auto m = session.metrics();
+  REQUIRE(m.blocks.size() == 2);
+  CHECK(m.blocks[0].processed == 12);
+  CHECK(m.blocks[1].processed == 12);
+  CHECK(m.blocks[1].compute.count == 12);
+  CHECK(m.blocks[1].compute.p50_ms >= 2.9);
+  CHECK(m.blocks[1].compute.p50_ms <= m.blocks[1].compute.p99_ms);
+  CHECK(m.blocks[1].queue.high_watermark >= 1);
+  REQUIRE(m.paths.size() == 1);
+  CHECK(m.paths[0].submitted == 12);
+  CHECK(m.paths[0].completed == 12);
+  CHECK(m.paths[0].e2e.p50_ms >= m.paths[0].compute.p50_ms);
+  CHECK(m.paths[0].throughput_per_s > 0);
+}
+
+TEST_CASE("the metrics snapshot serialises to JSON with every field", "[metrics]") {
+  Session session;
+  session.add_block(test::unary("a", [](const Tensor& x) { return x; })).add_path(Path::chain("t", {"a"}));
+  test::require_started(session);
+  for (int i = 0; i < 3; ++i) REQUIRE(session.submit("t", at::ones({1})).get().ok());
+  const auto snapshot = session.metrics();
+  const auto json = nlohmann::json::parse(snapshot.to_json());
+  CHECK(json["in_flight"] == 0);
+  REQUIRE(json["blocks"].size() == 1);
+  const auto& block = json["blocks"][0];
+  CHECK(block["name"] == "a");
+  CHECK(block["kind"] == "callable");
+  CHECK(block["device"] == "cpu");
+  CHECK(block["processed"] == 3);
+  CHECK(block["compute"]["count"] == 3);
+  CHECK(block["queue"]["kind"] == "inproc");
+  CHECK(block["queue"]["bytes_copied"] == 0);
+  CHECK(block["queue"]["capacity"] == 64);
+  const auto& path = json["paths"][0];
+  CHECK(path["task"] == "t");
+  CHECK(path["completed"] == 3);
+  CHECK(path["e2e"]["p50_ms"].get<double>() == Approx(snapshot.paths[0].e2e.p50_ms));
+  CHECK(path["e2e"]["p99_ms"].get<double>() >= path["e2e"]["p50_ms"].get<double>());
+}
+
+TEST_CASE("histogram percentiles are within 2% of the exact values", "[metrics]") {
+  blockflow::detail::Histogram h;
+  for (int i = 1; i <= 1000; ++i) h.record(std::int64_t{i} * 1000);  // 1 us .. 1 ms
+  const auto s = h.stats();
+  CHECK(s.count == 1000);
+  CHECK(s.p50_ms == Approx(0.5).epsilon(0.02));
+  CHECK(s.p90_ms == Approx(0.9).epsilon(0.02));
+  CHECK(s.p99_ms == Approx(0.99).epsilon(0.02));
+  CHECK(s.max_ms == Approx(1.0));
+  CHECK(s.mean_ms == Approx(0.5005));
+  CHECK(blockflow::detail::Histogram().stats().count == 0);
+}

@@ -1,0 +1,287 @@
+// Session: results, exactly-once resolution, errors naming the block, queue policies, shutdown.
+#include "test_util.hpp"
+
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <thread>
+
+using namespace blockflow;
+using Catch::Matchers::Contains;
+using namespace std::chrono_literals;
+
+TEST_CASE("a chain of callable blocks computes the composition", "[session]") {
+  Session session;
+  session.add_block(test::unary("twice", [](const Tensor& x) { return x * 2; }))
+      .add_block(test::unary("plus_one", [](const Tensor& x) { return x + 1; }))
+      .add_path(Path::chain("task", {"twice", "plus_one"}));
+  test::require_started(session);
+  const Result r = session.submit("task", at::full({3}, 5.0)).get();
+  REQUIRE(r.ok());
+  CHECK(at::equal(r.output(), at::full({3}, 11.0)));
+  CHECK(r.trace.hops.size() == 2);
+  CHECK(r.trace.hops[0].block == "twice");
+  CHECK(r.trace.hops[1].block == "plus_one");
+}
+
+TEST_CASE("many concurrent submitters: every request resolves exactly once with its own result", "[session]") {
+  Session session;
+  BlockOptions two_workers;
+  two_workers.workers = 2;
+  two_workers.queue_capacity = 4;  // small, so senders block (kBlock) and wake often
+  session.add_block(test::unary("square", [](const Tensor& x) { return x * x; }, two_workers))
+      .add_block(test::unary("neg", [](const Tensor& x) { return -x; }))
+      .add_path(Path::chain("sq", {"square"}))
+      .add_path(Path::chain("sqneg", {"square", "neg"}));
+  test::require_started(session);
+
+  constexpr int kThreads = 8, kPerThread = 250;
+  std::vector<std::atomic<int>> calls(kThreads * kPerThread);
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> submitters;
+  for (int t = 0; t < kThreads; ++t) {
+    submitters.emplace_back([&, t] {
+      std::vector<std::future<Result>> futures;
+      for (int i = 0; i < kPerThread; ++i) {
+        const int id = t * kPerThread + i;
+        const bool negate = id % 2 == 1;
+        if (i % 3 == 0) {  // the callback flavour: count invocations
+          session.submit(negate ? "sqneg" : "sq", Tensors{at::full({1}, double(id))}, [&, id, negate](Result&& r) {
+            calls[static_cast<std::size_t>(id)].fetch_add(1);
+            const double want = negate ? -double(id) * id : double(id) * id;
+            if (!r.ok() || r.output().item<double>() != want) ++wrong;
+          });
+        } else {
+          futures.push_back(session.submit(negate ? "sqneg" : "sq", at::full({1}, double(id))));
+          calls[static_cast<std::size_t>(id)].fetch_add(1);
+        }
+      }
+      for (std::size_t k = 0; k < futures.size(); ++k) {
+        Result r = futures[k].get();
+        if (!r.ok()) ++wrong;
+      }
+    });
+  }
+  for (auto& s : submitters) s.join();
+  session.shutdown();
+  CHECK(wrong.load() == 0);
+  for (auto& c : calls) REQUIRE(c.load() == 1);
+  const auto m = session.metrics();
+  std::uint64_t completed = 0;
+  for (const auto& p : m.paths) completed += p.completed;
+  CHECK(completed == kThreads * kPerThread);
+  CHECK(m.in_flight == 0);
+}
+
+TEST_CASE("an exception inside forward fails the request with the block's name and the cause", "[session]") {
+  Session session;
+  session.add_block(test::unary("ok", [](const Tensor& x) { return x; }))
+      .add_block(Block::callable("thrower", [](Tensors&&) -> absl::StatusOr<Tensors> {
+        throw std::runtime_error("disk on fire");
+      }))
+      .add_block(Block::callable("refuser", [](Tensors&&) -> absl::StatusOr<Tensors> {
+        return absl::FailedPreconditionError("not today");
+      }))
+      .add_path(Path::chain("t", {"ok", "thrower"}))
+      .add_path(Path::chain("u", {"refuser", "ok"}));
+  test::require_started(session);
+  Result r = session.submit("t", at::ones({1})).get();
+  CHECK(absl::IsInternal(r.status));
+  CHECK_THAT(std::string(r.status.message()), Contains("block 'thrower'") && Contains("disk on fire"));
+  Result u = session.submit("u", at::ones({1})).get();
+  CHECK(absl::IsFailedPrecondition(u.status));
+  CHECK_THAT(std::string(u.status.message()), Contains("block 'refuser'") && Contains("not today"));
+  // The session keeps serving after a failure.
+  CHECK(session.submit("t", at::ones({1})).get().status.code() == absl::StatusCode::kInternal);
+  const auto m = session.metrics();
+  for (const auto& b : m.blocks) {
+    if (b.name == "thrower") CHECK(b.failed == 2);
+  }
+}
+
+TEST_CASE("a wrong input shape fails the request naming the block and both shapes", "[session]") {
+  BlockOptions options;
+  options.input_shapes = {{-1, 3}};
+  Session session;
+  session.add_block(test::unary("needs_3", [](const Tensor& x) { return x; }, options))
+      .add_path(Path::chain("t", {"needs_3"}));
+  test::require_started(session);
+  CHECK(session.submit("t", at::ones({2, 3})).get().ok());
+  Result r = session.submit("t", at::ones({2, 4})).get();
+  CHECK(absl::IsInvalidArgument(r.status));
+  CHECK_THAT(std::string(r.status.message()), Contains("block 'needs_3'") && Contains("[2, 4]") && Contains("[-1, 3]"));
+  Result two = session.submit("t", Tensors{at::ones({2, 3}), at::ones({2, 3})}).get();
+  CHECK_THAT(std::string(two.status.message()), Contains("expects 1 input(s), got 2"));
+}
+
+TEST_CASE("unknown tasks and submits outside start/shutdown resolve at once with a clear error", "[session]") {
+  Session session;
+  session.add_block(test::unary("a", [](const Tensor& x) { return x; })).add_path(Path::chain("known", {"a"}));
+  Result early = session.submit("known", at::ones({1})).get();
+  CHECK(absl::IsFailedPrecondition(early.status));
+  CHECK_THAT(std::string(early.status.message()), Contains("not started"));
+  test::require_started(session);
+  Result unknown = session.submit("nope", at::ones({1})).get();
+  CHECK(absl::IsNotFound(unknown.status));
+  CHECK_THAT(std::string(unknown.status.message()), Contains("unknown task 'nope'") && Contains("known"));
+  session.shutdown();
+  Result late = session.submit("known", at::ones({1})).get();
+  CHECK_THAT(std::string(late.status.message()), Contains("shut down"));
+}
+
+namespace {
+
+// A block that waits on a gate, so a test controls when its queue moves.
+struct Gate {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false;
+  std::atomic<bool> entered{false};
+  void release() {
+    std::lock_guard lock(mu);
+    open = true;
+    cv.notify_all();
+  }
+  void wait() {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return open; });
+  }
+};
+
+std::shared_ptr<Block> gated(const std::string& name, Gate& gate, BlockOptions options) {
+  return test::unary(name, [&gate](const Tensor& x) {
+    gate.entered = true;
+    gate.wait();
+    return x;
+  }, std::move(options));
+}
+
+// Submits n requests numbered 0..n-1 while the gated block holds request 0.
+void wait_for(const std::function<bool()>& condition) {
+  while (!condition()) std::this_thread::sleep_for(1ms);
+}
+
+std::vector<std::future<Result>> fill(Session& session, Gate& gate, int n) {
+  std::vector<std::future<Result>> futures;
+  futures.push_back(session.submit("t", at::full({1}, 0.0)));
+  wait_for([&] { return gate.entered.load(); });  // request 0 is inside forward(), not in the queue
+  for (int i = 1; i < n; ++i) futures.push_back(session.submit("t", at::full({1}, double(i))));
+  return futures;
+}
+
+}  // namespace
+
+TEST_CASE("queue policy reject: requests beyond the capacity fail with ResourceExhausted", "[session]") {
+  Gate gate;
+  BlockOptions options;
+  options.queue_capacity = 2;
+  options.full_policy = FullPolicy::kReject;
+  Session session;
+  session.add_block(gated("gated", gate, options)).add_path(Path::chain("t", {"gated"}));
+  test::require_started(session);
+  auto futures = fill(session, gate, 5);  // 1 in forward, 2 queued, 2 rejected
+  for (int i : {3, 4}) {
+    Result r = futures[static_cast<std::size_t>(i)].get();  // ready before the gate opens
+    CHECK(absl::IsResourceExhausted(r.status));
+    CHECK_THAT(std::string(r.status.message()), Contains("block 'gated'") && Contains("reject"));
+  }
+  gate.release();
+  for (int i : {0, 1, 2}) CHECK(futures[static_cast<std::size_t>(i)].get().output().item<double>() == i);
+  CHECK(session.metrics().blocks.at(0).queue.rejected == 2);
+}
+
+TEST_CASE("queue policy drop-oldest: the oldest queued requests fail, the newest run", "[session]") {
+  Gate gate;
+  BlockOptions options;
+  options.queue_capacity = 2;
+  options.full_policy = FullPolicy::kDropOldest;
+  Session session;
+  session.add_block(gated("gated", gate, options)).add_path(Path::chain("t", {"gated"}));
+  test::require_started(session);
+  auto futures = fill(session, gate, 5);  // 1 in forward; 1 and 2 dropped by 3 and 4
+  for (int i : {1, 2}) {
+    Result r = futures[static_cast<std::size_t>(i)].get();
+    CHECK(absl::IsResourceExhausted(r.status));
+    CHECK_THAT(std::string(r.status.message()), Contains("block 'gated'") && Contains("drop-oldest"));
+  }
+  gate.release();
+  for (int i : {0, 3, 4}) CHECK(futures[static_cast<std::size_t>(i)].get().output().item<double>() == i);
+  CHECK(session.metrics().blocks.at(0).queue.dropped == 2);
+}
+
+TEST_CASE("queue policy block: a full queue holds the submitter back, nothing fails", "[session]") {
+  Gate gate;
+  BlockOptions options;
+  options.queue_capacity = 1;
+  options.full_policy = FullPolicy::kBlock;
+  Session session;
+  session.add_block(gated("gated", gate, options)).add_path(Path::chain("t", {"gated"}));
+  test::require_started(session);
+  std::atomic<int> submitted{0};
+  std::vector<std::future<Result>> futures;
+  std::thread client([&] {
+    for (int i = 0; i < 4; ++i) {
+      futures.push_back(session.submit("t", at::full({1}, double(i))));
+      ++submitted;
+    }
+  });
+  wait_for([&] { return submitted.load() >= 2; });
+  std::this_thread::sleep_for(50ms);
+  CHECK(submitted.load() == 2);  // one in forward, one queued, the third submit waits for room
+  gate.release();
+  client.join();
+  for (int i = 0; i < 4; ++i) CHECK(futures[static_cast<std::size_t>(i)].get().output().item<double>() == i);
+  CHECK(session.metrics().blocks.at(0).queue.high_watermark == 1);
+}
+
+TEST_CASE("shutdown with requests in flight resolves every one of them", "[session]") {
+  Session session;
+  BlockOptions small;
+  small.queue_capacity = 4;
+  session.add_block(test::slow_plus_one("slow", 20ms, small))
+      .add_block(test::unary("fast", [](const Tensor& x) { return x; }))
+      .add_path(Path::chain("t", {"slow", "fast"}));
+  test::require_started(session);
+  std::atomic<int> resolved{0}, ok{0}, cancelled{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 3; ++c) {
+    clients.emplace_back([&] {
+      for (int i = 0; i < 10; ++i) {
+        session.submit("t", Tensors{at::zeros({1})}, [&](Result&& r) {
+          ++resolved;
+          if (r.ok()) ++ok;
+          if (absl::IsCancelled(r.status) || absl::IsFailedPrecondition(r.status)) ++cancelled;
+        });
+      }
+    });
+  }
+  std::this_thread::sleep_for(50ms);
+  session.shutdown(absl::ZeroDuration());  // no drain: cancel what is queued
+  for (auto& c : clients) c.join();
+  CHECK(resolved.load() == 30);
+  CHECK(ok.load() + cancelled.load() == 30);
+  CHECK(cancelled.load() >= 1);
+  CHECK(session.metrics().in_flight == 0);
+}
+
+TEST_CASE("shutdown with a drain period lets in-flight requests finish", "[session]") {
+  Session session;
+  session.add_block(test::slow_plus_one("slow", 5ms)).add_path(Path::chain("t", {"slow"}));
+  test::require_started(session);
+  std::vector<std::future<Result>> futures;
+  for (int i = 0; i < 10; ++i) futures.push_back(session.submit("t", at::zeros({1})));
+  session.shutdown(absl::Seconds(30));
+  for (auto& f : futures) CHECK(f.get().ok());
+}
+
+TEST_CASE("a block's warm-up failure makes start() fail, naming the block", "[session]") {
+  BlockOptions options;
+  options.input_shapes = {{1, 2}};
+  Session session;
+  session.add_block(Block::callable("bad_warmup", [](Tensors&&) -> absl::StatusOr<Tensors> {
+    throw std::runtime_error("cannot warm up");
+  }, options)).add_path(Path::chain("t", {"bad_warmup"}));
+  auto status = session.start();
+  CHECK_FALSE(status.ok());
+  CHECK_THAT(std::string(status.message()), Contains("block 'bad_warmup'") && Contains("cannot warm up"));
+}

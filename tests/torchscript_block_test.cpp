@@ -1,0 +1,95 @@
+// TorchScript blocks: split small CNN == monolithic, tuple/list/multi-input modules, load errors.
+#include "test_util.hpp"
+
+using namespace blockflow;
+using Catch::Matchers::Contains;
+
+namespace {
+
+BlockOptions two_threads(std::vector<std::int64_t> shape) {
+  BlockOptions options;
+  options.intra_op_threads = 2;
+  options.input_shapes = {std::move(shape)};
+  return options;
+}
+
+}  // namespace
+
+TEST_CASE("a split small CNN gives the monolithic model's output", "[torchscript]") {
+  Session session;
+  session.add_block(test::load_block("b1", "cnn_block1.pt", two_threads({-1, 3, 16, 16})))
+      .add_block(test::load_block("b2", "cnn_block2.pt", two_threads({-1, 8, 16, 16})))
+      .add_block(test::load_block("b3", "cnn_block3.pt", two_threads({-1, 16, 8, 8})))
+      .add_block(test::load_block("mono", "cnn_monolithic.pt", two_threads({-1, 3, 16, 16})))
+      .add_path(Path::chain("split", {"b1", "b2", "b3"}))
+      .add_path(Path::chain("whole", {"mono"}));
+  test::require_started(session);
+  at::manual_seed(7);
+  for (int i = 0; i < 5; ++i) {
+    const Tensor x = at::randn({1 + i % 2, 3, 16, 16});
+    Result split = session.submit("split", x).get();
+    Result whole = session.submit("whole", x).get();
+    REQUIRE(split.ok());
+    REQUIRE(whole.ok());
+    CHECK(split.output().sizes() == whole.output().sizes());
+    CHECK(split.output().size(1) == 5);
+    const double diff = (split.output() - whole.output()).abs().max().item<double>();
+    CHECK(diff <= 1e-5);
+  }
+  const auto m = session.metrics();
+  CHECK(m.blocks.at(0).kind == "torchscript");
+  CHECK(m.blocks.at(0).intra_op_threads == 2);
+}
+
+TEST_CASE("tuple and list outputs are flattened; multi-input forward takes positional tensors", "[torchscript]") {
+  BlockOptions two_in;
+  two_in.input_shapes = {{2, 3}, {2, 3}};
+  Session session;
+  session.add_block(test::load_block("tuple", "tuple_block.pt"))
+      .add_block(test::load_block("list", "list_block.pt"))
+      .add_block(test::load_block("mul", "two_input_block.pt", two_in))
+      .add_path(Path::chain("t", {"tuple"}))
+      .add_path(Path::chain("l", {"list"}))
+      .add_path(Path::chain("m", {"mul"}))
+      .add_path(Path::chain("tm", {"tuple", "mul"}));  // tuple's two outputs feed mul's two inputs
+  test::require_started(session);
+  const Tensor x = at::arange(6, at::kFloat).reshape({2, 3});
+  Result t = session.submit("t", x).get();
+  REQUIRE(t.outputs.size() == 2);
+  CHECK(at::equal(t.outputs[0], x * 2));
+  CHECK(at::equal(t.outputs[1], x + 1));
+  Result l = session.submit("l", x).get();
+  REQUIRE(l.outputs.size() == 2);
+  CHECK(at::equal(l.outputs[1], x * 3));
+  Result m = session.submit("m", Tensors{x, x}).get();
+  CHECK(at::equal(m.output(), x * x + 1));
+  Result tm = session.submit("tm", x).get();
+  CHECK(at::equal(tm.output(), (x * 2) * (x + 1) + 1));
+}
+
+TEST_CASE("a TorchScript exception fails the request with the block name and the message", "[torchscript]") {
+  Session session;
+  session.add_block(test::load_block("raiser", "raise_block.pt")).add_path(Path::chain("t", {"raiser"}));
+  test::require_started(session);
+  Result r = session.submit("t", at::ones({2, 3})).get();
+  CHECK(absl::IsInternal(r.status));
+  CHECK_THAT(std::string(r.status.message()), Contains("block 'raiser'") && Contains("boom from raise_block"));
+}
+
+TEST_CASE("a wrong input shape inside TorchScript fails naming the block", "[torchscript]") {
+  Session session;  // no declared input_shapes: the module itself rejects the tensor
+  session.add_block(test::load_block("b2", "cnn_block2.pt")).add_path(Path::chain("t", {"b2"}));
+  test::require_started(session);
+  Result r = session.submit("t", at::ones({1, 3, 16, 16})).get();
+  CHECK_FALSE(r.ok());
+  CHECK_THAT(std::string(r.status.message()), Contains("block 'b2'"));
+}
+
+TEST_CASE("loading a missing or invalid file names the block and the file", "[torchscript]") {
+  auto missing = load_torchscript_block("ghost", "/nonexistent/ghost.pt");
+  CHECK(absl::IsNotFound(missing.status()));
+  CHECK_THAT(std::string(missing.status().message()), Contains("block 'ghost'") && Contains("/nonexistent/ghost.pt"));
+  auto not_ts = load_torchscript_block("json", test::model_path("manifest.json"));
+  CHECK(absl::IsInvalidArgument(not_ts.status()));
+  CHECK_THAT(std::string(not_ts.status().message()), Contains("block 'json'") && Contains("manifest.json"));
+}
