@@ -304,8 +304,8 @@ void SessionCore::resolve(const StatePtr& state, absl::Status status, Tensors ou
     live_.erase(state->id);
   }
   auto done = std::move(state->done);
+  in_flight_.fetch_sub(1, std::memory_order_acq_rel);  // before done(): its caller may read metrics
   done(std::move(result));
-  in_flight_.fetch_sub(1, std::memory_order_acq_rel);
 }
 
 void SessionCore::reject_now(const std::string& task, absl::Status status, const std::function<void(Result&&)>& done) {
