@@ -1,0 +1,27 @@
+# Install rules and the package config, so find_package(blockflow) works for an installed copy.
+include(CMakePackageConfigHelpers)
+
+install(TARGETS blockflow_core EXPORT blockflowTargets
+        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+        LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+        RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/blockflow DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(EXPORT blockflowTargets NAMESPACE blockflow:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/blockflow)
+
+configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/blockflowConfig.cmake.in
+                              ${PROJECT_BINARY_DIR}/blockflowConfig.cmake
+                              INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/blockflow)
+write_basic_package_version_file(${PROJECT_BINARY_DIR}/blockflowConfigVersion.cmake
+                                 COMPATIBILITY SameMinorVersion)
+install(FILES ${PROJECT_BINARY_DIR}/blockflowConfig.cmake ${PROJECT_BINARY_DIR}/blockflowConfigVersion.cmake
+        DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/blockflow)
+install(FILES ${PROJECT_SOURCE_DIR}/LICENSE DESTINATION ${CMAKE_INSTALL_DATADIR}/doc/blockflow)
+
+if(BLOCKFLOW_BUILD_TESTS)
+  # Installs this build into a private prefix and builds tests/consumer against it.
+  add_test(NAME install_consumer
+           COMMAND ${CMAKE_COMMAND} -DBUILD_DIR=${PROJECT_BINARY_DIR} -DSOURCE_DIR=${PROJECT_SOURCE_DIR}
+                   -DGENERATOR=${CMAKE_GENERATOR} -P ${PROJECT_SOURCE_DIR}/cmake/RunConsumerTest.cmake)
+  set_tests_properties(install_consumer PROPERTIES LABELS "cpu;install" TIMEOUT 600
+                       PASS_REGULAR_EXPRESSION "consumer: ok")
+endif()

@@ -1,0 +1,15 @@
+# ctest helper: cmake --install into BUILD_DIR/_install, then configure, build and run the consumer
+# project in tests/consumer with find_package(blockflow).
+set(prefix ${BUILD_DIR}/_install)
+set(consumer_build ${BUILD_DIR}/_consumer)
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "failed (${rc}): ${ARGN}")
+  endif()
+endfunction()
+run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
+run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${consumer_build} -G ${GENERATOR}
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix})
+run(${CMAKE_COMMAND} --build ${consumer_build})
+run(${consumer_build}/consumer)
