@@ -3,7 +3,9 @@
 #include <blockflow/detail/clock.hpp>
 #include <blockflow/detail/session_core.hpp>
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <ATen/ops/zeros.h>
 #include <absl/synchronization/blocking_counter.h>
 #include <c10/core/InferenceMode.h>
@@ -37,6 +39,20 @@ absl::StatusOr<Tensors> guarded_forward(Block& block, Tensors&& inputs) {
   }
 }
 
+// A block placed on a GPU this process cannot see is a configuration error, reported at start().
+absl::Status check_device(const Block& block) {
+  const c10::Device device = block.device();
+  if (device.is_cpu()) return absl::OkStatus();
+  if (device.is_cuda()) {
+    const int count = at::hasCUDA() ? at::detail::getCUDAHooks().getNumGPUs() : 0;
+    if (device.index() < count) return absl::OkStatus();
+    return absl::InvalidArgumentError(fmt::format("block '{}': device '{}' is not present ({} CUDA device(s) visible)",
+                                                  block.name(), device.str(), count));
+  }
+  return absl::InvalidArgumentError(
+      fmt::format("block '{}': device '{}' is not supported (use cpu or cuda:N)", block.name(), device.str()));
+}
+
 void name_thread(const std::string& block, int index) {
   std::string name = fmt::format("bf-{}", block).substr(0, 12) + fmt::format("/{}", index % 100);
   pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
@@ -59,6 +75,7 @@ void SessionCore::add_path(Path path) {
 
 absl::Status SessionCore::build() {
   for (auto& block : pending_blocks_) {
+    if (auto status = check_device(*block); !status.ok()) return status;
     auto runtime = std::make_unique<BlockRuntime>();
     runtime->block = block;
     InProcessChannelOptions channel_options;
@@ -154,7 +171,16 @@ void SessionCore::worker_main(BlockRuntime& runtime, int index, absl::Status* wa
     }
   }
   ready.DecrementCount();
-  while (auto envelope = runtime.inbox->receive(absl::InfiniteFuture())) process(runtime, std::move(*envelope));
+  while (auto envelope = runtime.inbox->receive(absl::InfiniteFuture())) {
+    StatePtr state = envelope->local;
+    try {
+      process(runtime, std::move(*envelope));
+    } catch (const std::exception& e) {
+      // Nothing may escape a worker thread: the request fails, the worker keeps serving.
+      runtime.failed.fetch_add(1, std::memory_order_relaxed);
+      fail(state, absl::InternalError(fmt::format("block '{}': {}", block.name(), e.what())));
+    }
+  }
 }
 
 void SessionCore::process(BlockRuntime& runtime, Envelope&& envelope) {

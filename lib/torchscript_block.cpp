@@ -17,9 +17,10 @@ absl::Status flatten(const c10::IValue& value, Tensors& out) {
       if (auto status = flatten(element, out); !status.ok()) return status;
     }
   } else if (value.isTensorList()) {
-    for (const at::Tensor t : value.toTensorList()) out.push_back(t);
+    const auto list = value.toTensorList();
+    for (std::size_t i = 0; i < list.size(); ++i) out.push_back(list.get(i));
   } else if (value.isList()) {
-    for (const c10::IValue element : value.toListRef()) {
+    for (const c10::IValue& element : value.toListRef()) {
       if (auto status = flatten(element, out); !status.ok()) return status;
     }
   } else {

@@ -285,3 +285,23 @@ TEST_CASE("a block's warm-up failure makes start() fail, naming the block", "[se
   CHECK_FALSE(status.ok());
   CHECK_THAT(std::string(status.message()), Contains("block 'bad_warmup'") && Contains("cannot warm up"));
 }
+
+TEST_CASE("a block on a device this machine does not have is rejected at start(), naming it", "[session]") {
+  BlockOptions options;
+  options.device = "cuda:7";
+  Session session;
+  session.add_block(test::unary("gpu_block", [](const Tensor& x) { return x; }, options))
+      .add_path(Path::chain("t", {"gpu_block"}));
+  auto status = session.start();
+  CHECK(absl::IsInvalidArgument(status));
+  CHECK_THAT(std::string(status.message()), Contains("block 'gpu_block'") && Contains("cuda:7") &&
+                                                 Contains("not present"));
+}
+
+TEST_CASE("an exception thrown by a done callback does not take the worker down", "[session]") {
+  Session session;
+  session.add_block(test::unary("a", [](const Tensor& x) { return x + 1; })).add_path(Path::chain("t", {"a"}));
+  test::require_started(session);
+  session.submit("t", Tensors{at::zeros({1})}, [](Result&&) { throw std::runtime_error("callback bug"); });
+  CHECK(session.submit("t", at::zeros({1})).get().output().item<float>() == 1.0f);
+}
