@@ -111,14 +111,14 @@ int main(int argc, char** argv) try {
   }
 
   const bf::MetricsSnapshot m = session.metrics();
-  fmt::print("per block (ms, p50 / mean over {} processed requests):\n", args.requests);
-  fmt::print("{:<14}{:>6}{:>16}{:>16}{:>16}{:>7}\n", "block", "count", "wait", "compute", "overhead", "queue");
+  fmt::print("per block, ms as p50 / mean ({} timed requests + the equality checks):\n", args.requests);
+  fmt::print("{:<14}{:>6}{:>18}{:>18}{:>18}{:>7}\n", "block", "count", "wait", "compute", "overhead", "queue");
   for (const auto& b : m.blocks) {
     auto cell = [](const bf::LatencyStats& s) { return fmt::format("{:.3f} / {:.3f}", s.p50_ms, s.mean_ms); };
-    fmt::print("{:<14}{:>6}{:>16}{:>16}{:>16}{:>7}\n", b.name, b.processed, cell(b.wait), cell(b.compute),
+    fmt::print("{:<14}{:>6}{:>18}{:>18}{:>18}{:>7}\n", b.name, b.processed, cell(b.wait), cell(b.compute),
                cell(b.overhead), b.queue.depth);
   }
-  fmt::print("\nper task (ms):\n");
+  fmt::print("\nper task, ms (wait, compute, overhead: means summed over the request's hops):\n");
   fmt::print("{:<8}{:>6}{:>10}{:>10}{:>10}{:>12}{:>12}{:>12}\n", "task", "count", "e2e p50", "e2e p90", "e2e p99",
              "wait mean", "compute", "overhead");
   for (const auto& p : m.paths) {
