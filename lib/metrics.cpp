@@ -24,6 +24,7 @@ std::string MetricsSnapshot::to_json(int indent) const {
     blocks_json.push_back({{"name", b.name},
                            {"kind", b.kind},
                            {"device", b.device},
+                           {"placement", b.placement},
                            {"workers", b.workers},
                            {"intra_op_threads", b.intra_op_threads},
                            {"processed", b.processed},
@@ -46,7 +47,19 @@ std::string MetricsSnapshot::to_json(int indent) const {
                           {"compute", blockflow::to_json(p.compute)},
                           {"overhead", blockflow::to_json(p.overhead)}});
   }
-  nlohmann::json root{{"uptime_s", uptime_s}, {"in_flight", in_flight}, {"blocks", blocks_json}, {"paths", paths_json}};
+  nlohmann::json sites_json = nlohmann::json::array();
+  for (const auto& s : sites) {
+    sites_json.push_back({{"name", s.name},
+                          {"kind", s.kind},
+                          {"pid", s.pid},
+                          {"restarts", s.restarts},
+                          {"failed_requests", s.failed_requests},
+                          {"in_flight", s.in_flight},
+                          {"malformed_frames", s.malformed_frames},
+                          {"data", blockflow::to_json(s.data)}});
+  }
+  nlohmann::json root{{"uptime_s", uptime_s}, {"in_flight", in_flight}, {"blocks", blocks_json},
+                      {"paths", paths_json}, {"sites", sites_json}};
   return root.dump(indent);
 }
 

@@ -68,25 +68,66 @@ void SessionCore::add_block(std::shared_ptr<Block> block) {
   pending_blocks_.push_back(std::move(block));
 }
 
+void SessionCore::add_block(BlockDescription description) {
+  if (started_) throw std::logic_error("Session::add_block() after start()");
+  pending_descriptions_.push_back(std::move(description));
+}
+
+void SessionCore::add_site(std::shared_ptr<RemoteSite> site) {
+  if (started_) throw std::logic_error("Session::add_site() after start()");
+  if (!site) throw std::invalid_argument("Session::add_site(): null site");
+  auto runtime = std::make_unique<SiteRuntime>();
+  runtime->site = std::move(site);
+  sites_.push_back(std::move(runtime));
+}
+
 void SessionCore::add_path(Path path) {
   if (started_) throw std::logic_error("Session::add_path() after start()");
   pending_paths_.push_back(std::move(path));
 }
 
+absl::Status SessionCore::add_runtime(std::unique_ptr<BlockRuntime> runtime) {
+  const BlockOptions& options = runtime->description.options;
+  InProcessChannelOptions channel_options;
+  channel_options.capacity = options.queue_capacity;
+  channel_options.full_policy = options.full_policy;
+  channel_options.receive_spin = options_.receive_spin;
+  runtime->inbox = std::make_unique<InProcessChannel>(channel_options);
+  if (!block_by_name_.emplace(runtime->name(), runtime.get()).second) {
+    return absl::InvalidArgumentError(fmt::format("two blocks are named '{}'", runtime->name()));
+  }
+  blocks_.push_back(std::move(runtime));
+  return absl::OkStatus();
+}
+
 absl::Status SessionCore::build() {
+  for (auto& description : pending_descriptions_) {
+    if (!description.placement.empty()) continue;
+    auto block = make_block(description);
+    if (!block.ok()) return block.status();
+    pending_blocks_.push_back(*std::move(block));
+  }
   for (auto& block : pending_blocks_) {
     if (auto status = check_device(*block); !status.ok()) return status;
     auto runtime = std::make_unique<BlockRuntime>();
     runtime->block = block;
-    InProcessChannelOptions channel_options;
-    channel_options.capacity = block->options().queue_capacity;
-    channel_options.full_policy = block->options().full_policy;
-    channel_options.receive_spin = options_.receive_spin;
-    runtime->inbox = std::make_unique<InProcessChannel>(channel_options);
-    if (!block_by_name_.emplace(block->name(), runtime.get()).second) {
-      return absl::InvalidArgumentError(fmt::format("two blocks are named '{}'", block->name()));
+    runtime->description.name = block->name();
+    runtime->description.options = block->options();
+    if (auto status = add_runtime(std::move(runtime)); !status.ok()) return status;
+  }
+  for (auto& description : pending_descriptions_) {
+    if (description.placement.empty()) continue;
+    auto site = std::find_if(sites_.begin(), sites_.end(),
+                             [&](const auto& s) { return s->site->name() == description.placement; });
+    if (site == sites_.end()) {
+      return absl::InvalidArgumentError(fmt::format("block '{}': placement '{}' names no site (add it with add_site())",
+                                                    description.name, description.placement));
     }
-    blocks_.push_back(std::move(runtime));
+    auto runtime = std::make_unique<BlockRuntime>();
+    runtime->description = description;
+    runtime->site = site->get();
+    (*site)->blocks.push_back(runtime.get());
+    if (auto status = add_runtime(std::move(runtime)); !status.ok()) return status;
   }
   auto table = std::make_shared<RoutingTable>();
   const BlockLookup lookup = [this](const std::string& name) -> BlockRuntime* {
@@ -119,6 +160,10 @@ absl::Status SessionCore::start() {
     return status;
   }
   started_ns_ = now_ns();
+  if (auto status = start_sites(); !status.ok()) {
+    shutdown(absl::ZeroDuration());
+    return status;
+  }
   if (auto status = start_workers(); !status.ok()) {
     shutdown(absl::ZeroDuration());
     return status;
@@ -127,13 +172,73 @@ absl::Status SessionCore::start() {
   return absl::OkStatus();
 }
 
+absl::Status SessionCore::start_sites() {
+  for (auto& site : sites_) {
+    std::vector<BlockDescription> descriptions;
+    for (const auto* runtime : site->blocks) descriptions.push_back(runtime->description);
+    SiteRuntime* raw = site.get();
+    auto status = site->site->start(descriptions, [this, raw](SiteCompletion&& c) { on_site_completion(*raw, std::move(c)); });
+    if (!status.ok()) return status;
+  }
+  for (auto& runtime : blocks_) {
+    if (runtime->site != nullptr) runtime->workers.emplace_back([this, rt = runtime.get()] { forward_to_site(*rt); });
+  }
+  return absl::OkStatus();
+}
+
+void SessionCore::forward_to_site(BlockRuntime& runtime) {
+  name_thread(runtime.name(), 0);
+  while (auto envelope = runtime.inbox->receive(absl::InfiniteFuture())) {
+    const std::int64_t dequeued = now_ns();
+    StatePtr state = std::move(envelope->local);
+    if (state->resolved.load(std::memory_order_acquire)) continue;
+    HopTiming& hop = state->hops[envelope->node];
+    hop.arrived_ns = envelope->sent_ns;
+    hop.dequeued_ns = dequeued;  // provisional: on completion it also absorbs the site's queueing
+    {
+      absl::MutexLock lock(&runtime.site->mu);
+      runtime.site->in_flight[{envelope->request_id, envelope->node}] = {state, &runtime};
+    }
+    runtime.site->site->run(runtime.name(), std::move(*envelope));
+  }
+}
+
+void SessionCore::on_site_completion(SiteRuntime& site, SiteCompletion&& c) {
+  const std::int64_t received = now_ns();
+  std::pair<StatePtr, BlockRuntime*> entry;
+  {
+    absl::MutexLock lock(&site.mu);
+    auto it = site.in_flight.find({c.request_id, c.node});
+    if (it == site.in_flight.end()) return;  // already reported (exactly once)
+    entry = std::move(it->second);
+    site.in_flight.erase(it);
+  }
+  auto& [state, runtime] = entry;
+  if (!c.outputs.ok()) {
+    runtime->failed.fetch_add(1, std::memory_order_relaxed);
+    return fail(state, c.outputs.status());
+  }
+  HopTiming& hop = state->hops[c.node];
+  // Same host, same steady clock: wait = our queue + the site's queue; the transfers are overhead.
+  const std::int64_t start = c.compute_start_ns != 0 ? c.compute_start_ns : received;
+  const std::int64_t end = c.compute_end_ns != 0 ? c.compute_end_ns : received;
+  hop.dequeued_ns = std::min(hop.dequeued_ns + c.wait_ns, start);
+  hop.compute_start_ns = start;
+  hop.compute_end_ns = end;
+  runtime->processed.fetch_add(1, std::memory_order_relaxed);
+  forward_outputs(state, static_cast<int>(c.node), *std::move(c.outputs), runtime);
+}
+
 absl::Status SessionCore::start_workers() {
   std::size_t total = 0;
-  for (const auto& runtime : blocks_) total += static_cast<std::size_t>(runtime->block->options().workers);
+  for (const auto& runtime : blocks_) {
+    if (runtime->block) total += static_cast<std::size_t>(runtime->block->options().workers);
+  }
   std::vector<absl::Status> warmup(total);
   absl::BlockingCounter ready(static_cast<int>(total));
   std::size_t k = 0;
   for (auto& runtime : blocks_) {
+    if (!runtime->block) continue;
     for (int i = 0; i < runtime->block->options().workers; ++i, ++k) {
       absl::Status* slot = &warmup[k];
       runtime->workers.emplace_back([this, rt = runtime.get(), i, slot, &ready] {
@@ -279,7 +384,7 @@ void SessionCore::run_join(const StatePtr& state, int node, std::vector<Tensors>
 void SessionCore::handle_displaced(SendOutcome&& outcome, const PlanNode& target) {
   if (!outcome.displaced) return;
   StatePtr victim = std::move(outcome.displaced->local);
-  const std::string& block = target.block->block->name();
+  const std::string& block = target.block->name();
   absl::Status why;
   if (outcome.status.ok()) {
     why = absl::ResourceExhaustedError(fmt::format("block '{}': dropped from its full input queue (policy drop-oldest)", block));
@@ -308,7 +413,7 @@ void SessionCore::resolve(const StatePtr& state, absl::Status status, Tensors ou
       HopTiming hop = state->hops[static_cast<std::size_t>(node)];
       hop.node = state->plan->nodes[static_cast<std::size_t>(node)].name;
       const auto* block = state->plan->nodes[static_cast<std::size_t>(node)].block;
-      if (block != nullptr) hop.block = block->block->name();
+      if (block != nullptr) hop.block = block->name();
       result.trace.hops.push_back(std::move(hop));
     }
     std::reverse(result.trace.hops.begin(), result.trace.hops.end());
@@ -401,12 +506,14 @@ MetricsSnapshot SessionCore::metrics() const {
   const double uptime = std::max(snapshot.uptime_s, 1e-9);
   for (const auto& runtime : blocks_) {
     BlockMetrics b;
-    const Block& block = *runtime->block;
-    b.name = block.name();
-    b.kind = std::string(block.kind());
-    b.device = block.device().str();
-    b.workers = block.options().workers;
-    b.intra_op_threads = block.options().intra_op_threads;
+    const BlockOptions& options = runtime->description.options;
+    b.name = runtime->name();
+    b.kind = runtime->block ? std::string(runtime->block->kind())
+                            : (runtime->description.torchscript.empty() ? "factory" : "torchscript");
+    b.device = options.device;
+    b.placement = runtime->site ? runtime->site->site->name() : "threads";
+    b.workers = options.workers;
+    b.intra_op_threads = options.intra_op_threads;
     b.processed = runtime->processed.load();
     b.failed = runtime->failed.load();
     b.wait = runtime->wait.stats();
@@ -416,6 +523,7 @@ MetricsSnapshot SessionCore::metrics() const {
     b.queue = runtime->inbox->stats();
     snapshot.blocks.push_back(std::move(b));
   }
+  for (const auto& site : sites_) snapshot.sites.push_back(site->site->stats());
   for (const auto& runtime : paths_) {
     PathMetrics p;
     p.task = runtime->task;
@@ -444,12 +552,13 @@ void SessionCore::shutdown(absl::Duration drain) {
       if (worker.joinable()) worker.join();
     }
   }
+  for (auto& site : sites_) site->site->stop();  // fails, through completions, what is still inside
   for (auto& runtime : blocks_) {
     for (auto& envelope : runtime->inbox->drain()) {
       runtime->failed.fetch_add(1, std::memory_order_relaxed);
       fail(envelope.local, absl::CancelledError(fmt::format(
                                "block '{}': session shut down while the request waited in its queue",
-                               runtime->block->name())));
+                               runtime->name())));
     }
   }
   std::vector<StatePtr> leftovers;
@@ -469,6 +578,16 @@ Session::~Session() = default;
 
 Session& Session::add_block(std::shared_ptr<Block> block) {
   core_->add_block(std::move(block));
+  return *this;
+}
+
+Session& Session::add_block(BlockDescription description) {
+  core_->add_block(std::move(description));
+  return *this;
+}
+
+Session& Session::add_site(std::shared_ptr<RemoteSite> site) {
+  core_->add_site(std::move(site));
   return *this;
 }
 

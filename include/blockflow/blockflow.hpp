@@ -3,6 +3,8 @@
 /// @brief The core of BlockFlow: blocks, paths, sessions and the in-process channel.
 
 #include <blockflow/block.hpp>
+#include <blockflow/block_registry.hpp>
+#include <blockflow/remote_site.hpp>
 #include <blockflow/channel.hpp>
 #include <blockflow/inproc_channel.hpp>
 #include <blockflow/metrics.hpp>

@@ -3,6 +3,7 @@
 /// @brief Snapshot of a session's built-in measurements, serialisable to JSON.
 
 #include <blockflow/channel.hpp>
+#include <blockflow/remote_site.hpp>
 
 #include <cstdint>
 #include <string>
@@ -21,6 +22,7 @@ struct BlockMetrics {
   std::string name;
   std::string kind;    ///< "callable" or "torchscript"
   std::string device;
+  std::string placement;  ///< "threads" or the name of the site (worker) running it
   int workers = 0;
   int intra_op_threads = 0;  ///< 0: libtorch's default
   std::uint64_t processed = 0;  ///< forward() calls that returned outputs
@@ -45,6 +47,7 @@ struct MetricsSnapshot {
   std::uint64_t in_flight = 0;
   std::vector<BlockMetrics> blocks;
   std::vector<PathMetrics> paths;
+  std::vector<SiteStats> sites;  ///< worker processes and other remote sites
 
   /// @brief JSON object; `indent` < 0 gives one line.
   [[nodiscard]] std::string to_json(int indent = -1) const;

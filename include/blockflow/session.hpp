@@ -3,6 +3,8 @@
 /// @brief Session: owns blocks and paths, runs blocks in worker threads, routes requests.
 
 #include <blockflow/block.hpp>
+#include <blockflow/block_registry.hpp>
+#include <blockflow/remote_site.hpp>
 #include <blockflow/metrics.hpp>
 #include <blockflow/path.hpp>
 #include <blockflow/result.hpp>
@@ -55,6 +57,11 @@ class Session {
 
   /// @brief Adds a block (before start()). Names must be unique; a duplicate fails start().
   Session& add_block(std::shared_ptr<Block> block);
+  /// @brief Adds a block by description (before start()): built in this process at start() when
+  /// `placement` is empty, otherwise shipped to the site of that name (see add_site()).
+  Session& add_block(BlockDescription description);
+  /// @brief Adds a site where blocks can be placed, e.g. a blockflow::WorkerSite (a child process).
+  Session& add_site(std::shared_ptr<RemoteSite> site);
   /// @brief Adds a path for `path.task()` (before start()).
   Session& add_path(Path path);
 
@@ -73,7 +80,8 @@ class Session {
   [[nodiscard]] MetricsSnapshot metrics() const;
 
   /// @brief Stops admissions, waits up to `drain` for in-flight requests, then cancels the rest
-  /// (each fails with Cancelled naming the block it was at) and joins the workers. Idempotent.
+  /// (each fails with Cancelled naming the block it was at), joins the workers and stops the sites.
+  /// Idempotent. Must not be called from a submit() callback (it joins the thread running it).
   void shutdown(absl::Duration drain = absl::Seconds(5));
 
  private:

@@ -2,6 +2,8 @@
 // Internal: the machinery behind blockflow::Session.
 
 #include <blockflow/block.hpp>
+#include <blockflow/block_registry.hpp>
+#include <blockflow/remote_site.hpp>
 #include <blockflow/metrics.hpp>
 #include <blockflow/path.hpp>
 #include <blockflow/session.hpp>
@@ -21,14 +23,30 @@
 
 namespace blockflow::detail {
 
-/// A block as the session runs it: the block, its input channel, its worker threads, its counters.
+struct SiteRuntime;
+
+/// A block as the session runs it: the block, its input channel, its worker threads (or, for a
+/// block placed at a remote site, the one thread that forwards its queue to the site), its counters.
 struct BlockRuntime {
-  std::shared_ptr<Block> block;
+  std::shared_ptr<Block> block;     ///< null for a block placed at a remote site
+  BlockDescription description;     ///< name, options and placement (set for every block)
+  SiteRuntime* site = nullptr;      ///< where it runs when not in this process's threads
   std::unique_ptr<TensorChannel> inbox;
   std::vector<std::thread> workers;
   Histogram wait, compute, overhead;
   std::atomic<std::uint64_t> processed{0};
   std::atomic<std::uint64_t> failed{0};
+
+  [[nodiscard]] const std::string& name() const { return description.name; }
+};
+
+/// A remote site and the requests the session has handed to it, keyed by (request id, node).
+struct SiteRuntime {
+  std::shared_ptr<RemoteSite> site;
+  std::vector<BlockRuntime*> blocks;
+  absl::Mutex mu;
+  absl::flat_hash_map<std::pair<std::uint64_t, std::uint32_t>, std::pair<std::shared_ptr<RequestState>, BlockRuntime*>>
+      in_flight ABSL_GUARDED_BY(mu);
 };
 
 /// Per-task counters.
@@ -44,6 +62,8 @@ class SessionCore {
   ~SessionCore();
 
   void add_block(std::shared_ptr<Block> block);
+  void add_block(BlockDescription description);
+  void add_site(std::shared_ptr<RemoteSite> site);
   void add_path(Path path);
   absl::Status start();
   void submit(const std::string& task, Tensors inputs, std::function<void(Result&&)> done);
@@ -54,9 +74,13 @@ class SessionCore {
   using StatePtr = std::shared_ptr<RequestState>;
 
   absl::Status build();
+  absl::Status add_runtime(std::unique_ptr<BlockRuntime> runtime);
   absl::Status start_workers();
   void worker_main(BlockRuntime& runtime, int index, absl::Status* warmup_status, absl::BlockingCounter& ready);
   void process(BlockRuntime& runtime, Envelope&& envelope);
+  void forward_to_site(BlockRuntime& runtime);
+  void on_site_completion(SiteRuntime& site, SiteCompletion&& completion);
+  absl::Status start_sites();
   void forward_outputs(const StatePtr& state, int node, Tensors&& outputs, BlockRuntime* runtime);
   void deliver(const StatePtr& state, int node, int slot, Tensors&& tensors, std::int64_t ready_ns);
   void run_join(const StatePtr& state, int node, std::vector<Tensors>&& inputs, std::int64_t ready_ns);
@@ -68,6 +92,8 @@ class SessionCore {
 
   const SessionOptions options_;
   std::vector<std::shared_ptr<Block>> pending_blocks_;
+  std::vector<BlockDescription> pending_descriptions_;
+  std::vector<std::unique_ptr<SiteRuntime>> sites_;
   std::vector<Path> pending_paths_;
 
   std::vector<std::unique_ptr<BlockRuntime>> blocks_;

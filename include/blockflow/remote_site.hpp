@@ -1,0 +1,63 @@
+#pragma once
+/// @file
+/// @brief RemoteSite: a place outside the session's threads where blocks run (a child worker
+/// process, a worker on another host). The session routes; the site executes and reports back.
+
+#include <blockflow/block_registry.hpp>
+#include <blockflow/channel.hpp>
+
+#include <absl/status/status.h>
+#include <absl/status/statusor.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace blockflow {
+
+/// @brief What a site reports for each request it was given: outputs or an error, plus the remote
+/// timestamps (steady clock of the same host; 0 where unknown).
+struct SiteCompletion {
+  std::uint64_t request_id = 0;
+  std::uint32_t node = 0;
+  absl::StatusOr<Tensors> outputs;
+  std::int64_t arrived_ns = 0;        ///< the site received it
+  std::int64_t wait_ns = 0;           ///< time queued inside the site
+  std::int64_t compute_start_ns = 0;
+  std::int64_t compute_end_ns = 0;
+};
+
+/// @brief Counters of a site, for metrics.
+struct SiteStats {
+  std::string name;
+  std::string kind;          ///< "worker"
+  std::int64_t pid = 0;      ///< current process id (0 when down)
+  std::uint64_t restarts = 0;
+  std::uint64_t failed_requests = 0;  ///< requests failed because the site died or was stopped
+  std::uint64_t in_flight = 0;
+  std::uint64_t malformed_frames = 0;
+  ChannelStats data;          ///< the channel that carries requests to the site
+};
+
+/// @brief Contract between a session and a place where blocks run.
+///
+/// start() builds the given blocks there and returns once they are warmed up (or an error naming
+/// the site and the block). run() hands over one request for one block; it may block for
+/// backpressure. Every request given to run() is reported exactly once through the completion
+/// callback: with outputs, or with an error naming the site and the cause (for instance
+/// "worker w2 killed by signal 9"). stop() fails whatever is still inside, then returns.
+/// Implementations are thread-safe.
+class RemoteSite {
+ public:
+  using CompletionFn = std::function<void(SiteCompletion&&)>;
+  virtual ~RemoteSite() = default;
+
+  [[nodiscard]] virtual const std::string& name() const = 0;
+  virtual absl::Status start(const std::vector<BlockDescription>& blocks, CompletionFn done) = 0;
+  virtual void run(const std::string& block, Envelope&& envelope) = 0;
+  virtual void stop() = 0;
+  [[nodiscard]] virtual SiteStats stats() const = 0;
+};
+
+}  // namespace blockflow
