@@ -1,0 +1,33 @@
+#pragma once
+// Internal: the control-plane messages between a session and its worker processes.
+//
+// Control frames are JSON objects with a "type" (never code): the worker sends hello {pid},
+// loaded, load_error {message} and heartbeat {rss_bytes}; the host sends config {blocks, plugins,
+// heartbeat_ms}, ping and stop. Data frames use the binary wire format (wire_format.hpp).
+
+#include <blockflow/block_registry.hpp>
+#include <blockflow/worker_site.hpp>
+
+#include <absl/status/statusor.h>
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+namespace blockflow::detail {
+
+inline constexpr const char* kHello = "hello";
+inline constexpr const char* kLoaded = "loaded";
+inline constexpr const char* kLoadError = "load_error";
+inline constexpr const char* kHeartbeat = "heartbeat";
+inline constexpr const char* kPing = "ping";
+inline constexpr const char* kStop = "stop";
+inline constexpr const char* kConfig = "config";
+
+nlohmann::json to_json(const BlockDescription& description);
+/// Validates every field; errors name the block and the field.
+absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json);
+
+nlohmann::json make_config(const std::vector<BlockDescription>& blocks, const WorkerOptions& options);
+
+}  // namespace blockflow::detail

@@ -1,0 +1,65 @@
+#pragma once
+/// @file
+/// @brief WorkerSite: blocks in a child worker process, reached over serialized ZeroMQ (`ipc://`).
+/// Part of the optional `blockflow::zmq` target.
+
+#include <blockflow/remote_site.hpp>
+
+#include <absl/time/time.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace blockflow {
+
+/// @brief How a worker process is started and supervised.
+struct WorkerOptions {
+  std::string name;  ///< e.g. "w1"; names the worker in errors and metrics
+  /// The worker executable; empty: $BLOCKFLOW_WORKER, else the `blockflow-worker` built or installed
+  /// with this library.
+  std::string executable;
+  /// Shared libraries the worker dlopen()s before building blocks; each exports
+  /// `extern "C" void blockflow_register_blocks(blockflow::BlockRegistry&)` (see BlockRegistry).
+  std::vector<std::string> plugins;
+  int max_restarts = 5;                                  ///< per session; then the worker stays down
+  absl::Duration restart_backoff = absl::Milliseconds(100);  ///< doubled after each restart
+  absl::Duration heartbeat_interval = absl::Milliseconds(100);
+  absl::Duration heartbeat_timeout = absl::Milliseconds(800);  ///< silence that counts as death
+  absl::Duration start_timeout = absl::Seconds(120);           ///< spawn + load + warm-up
+  std::size_t max_in_flight = 64;  ///< requests sent and not answered (credits); run() waits beyond
+};
+
+/// @brief A RemoteSite that runs blocks in a child process started with posix_spawn (never fork) of
+/// the worker executable, configured over a ROUTER/DEALER control channel, fed over PUSH/PULL data
+/// sockets in a private 0700 directory.
+///
+/// Supervision: a worker that exits, is killed, or misses heartbeats for heartbeat_timeout is
+/// detected (process status is polled every 50 ms); every request inside it fails with an error
+/// naming the worker and the cause ("worker w2 killed by signal 9"); it is restarted with backoff,
+/// and queued requests flow again. The worker dies with the host (parent-death signal). Thread-safe.
+class WorkerSite final : public RemoteSite {
+ public:
+  explicit WorkerSite(WorkerOptions options);
+  ~WorkerSite() override;
+
+  const std::string& name() const override;
+  absl::Status start(const std::vector<BlockDescription>& blocks, CompletionFn done) override;
+  void run(const std::string& block, Envelope&& envelope) override;
+  void stop() override;
+  SiteStats stats() const override;
+
+  /// @brief The worker's process id (0 while it is down). For tests and tools.
+  [[nodiscard]] std::int64_t pid() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// @brief Convenience: a shared WorkerSite for Session::add_site().
+inline std::shared_ptr<WorkerSite> make_worker(WorkerOptions options) {
+  return std::make_shared<WorkerSite>(std::move(options));
+}
+
+}  // namespace blockflow

@@ -1,0 +1,112 @@
+#include <blockflow/detail/tensor_codec.hpp>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+namespace blockflow::detail {
+
+absl::StatusOr<wire::DType> to_wire_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return wire::DType::kFloat32;
+    case at::kDouble: return wire::DType::kFloat64;
+    case at::kHalf: return wire::DType::kFloat16;
+    case at::kBFloat16: return wire::DType::kBFloat16;
+    case at::kChar: return wire::DType::kInt8;
+    case at::kByte: return wire::DType::kUInt8;
+    case at::kShort: return wire::DType::kInt16;
+    case at::kInt: return wire::DType::kInt32;
+    case at::kLong: return wire::DType::kInt64;
+    case at::kBool: return wire::DType::kBool;
+    default: return absl::InvalidArgumentError(fmt::format("dtype {} has no wire code", c10::toString(type)));
+  }
+}
+
+absl::StatusOr<at::ScalarType> from_wire_dtype(wire::DType type) {
+  switch (type) {
+    case wire::DType::kFloat32: return at::kFloat;
+    case wire::DType::kFloat64: return at::kDouble;
+    case wire::DType::kFloat16: return at::kHalf;
+    case wire::DType::kBFloat16: return at::kBFloat16;
+    case wire::DType::kInt8: return at::kChar;
+    case wire::DType::kUInt8: return at::kByte;
+    case wire::DType::kInt16: return at::kShort;
+    case wire::DType::kInt32: return at::kInt;
+    case wire::DType::kInt64: return at::kLong;
+    case wire::DType::kBool: return at::kBool;
+  }
+  return absl::InvalidArgumentError(fmt::format("wire dtype code {} unknown", static_cast<int>(type)));
+}
+
+absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, const Tensors& tensors,
+                                  zmq::send_flags flags, std::uint64_t* bytes_copied) {
+  std::vector<at::Tensor> owned;
+  owned.reserve(tensors.size());
+  header.tensors.clear();
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (!t.defined()) return absl::InvalidArgumentError(fmt::format("tensor {} is undefined", i));
+    if (!t.device().is_cpu()) {
+      return absl::InvalidArgumentError(
+          fmt::format("tensor {} is on {}: the serialized channel carries CPU tensors", i, t.device().str()));
+    }
+    auto dtype = to_wire_dtype(t.scalar_type());
+    if (!dtype.ok()) return absl::InvalidArgumentError(fmt::format("tensor {}: {}", i, std::string(dtype.status().message())));
+    at::Tensor c = t.contiguous();
+    if (bytes_copied != nullptr && c.data_ptr() != t.data_ptr()) *bytes_copied += byte_size(c);
+    wire::TensorDesc desc;
+    desc.dtype = *dtype;
+    desc.shape.assign(c.sizes().begin(), c.sizes().end());
+    desc.strides = wire::contiguous_strides(desc.shape);
+    desc.byte_count = byte_size(c);
+    header.tensors.push_back(std::move(desc));
+    owned.push_back(std::move(c));
+  }
+  std::string encoded = wire::encode_header(header);
+  const bool more = !owned.empty();
+  auto sent = socket.send(zmq::buffer(encoded), more ? (flags | zmq::send_flags::sndmore) : flags);
+  if (!sent) return false;
+  for (std::size_t i = 0; i < owned.size(); ++i) {
+    // The frame keeps a reference to the tensor until ZeroMQ has written its bytes.
+    auto* keep = new at::Tensor(owned[i]);
+    zmq::message_t frame(keep->data_ptr(), byte_size(*keep),
+                         [](void*, void* hint) { delete static_cast<at::Tensor*>(hint); }, keep);
+    const bool last = i + 1 == owned.size();
+    // Later parts of a multipart message never block once the first part was accepted.
+    (void)socket.send(frame, last ? zmq::send_flags::none : zmq::send_flags::sndmore);
+  }
+  return true;
+}
+
+absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& frames) {
+  if (frames.empty()) return absl::InvalidArgumentError("empty message");
+  DecodedMessage out;
+  auto header = wire::decode_header(frames[0].data(), frames[0].size());
+  if (!header.ok()) return header.status();
+  out.header = *std::move(header);
+  std::vector<std::size_t> sizes;
+  for (std::size_t i = 1; i < frames.size(); ++i) sizes.push_back(frames[i].size());
+  if (auto status = wire::check_frames(out.header, sizes); !status.ok()) return status;
+  for (std::size_t i = 0; i < out.header.tensors.size(); ++i) {
+    const auto& desc = out.header.tensors[i];
+    auto type = from_wire_dtype(desc.dtype);
+    if (!type.ok()) return type.status();
+    auto* frame = new zmq::message_t(std::move(frames[i + 1]));
+    const auto options = at::TensorOptions().dtype(*type);
+    const auto element = wire::element_size(desc.dtype);
+    void* data = frame->data();
+    if (desc.byte_count == 0 || reinterpret_cast<std::uintptr_t>(data) % element != 0) {
+      // Empty or misaligned for its dtype: copy into an aligned tensor.
+      at::Tensor t = at::empty_strided(desc.shape, desc.strides, options);
+      if (desc.byte_count > 0) std::memcpy(t.data_ptr(), data, desc.byte_count);
+      out.bytes_copied += desc.byte_count;
+      delete frame;
+      out.tensors.push_back(std::move(t));
+      continue;
+    }
+    out.tensors.push_back(at::from_blob(
+        data, desc.shape, desc.strides, [frame](void*) { delete frame; }, options));
+  }
+  return out;
+}
+
+}  // namespace blockflow::detail

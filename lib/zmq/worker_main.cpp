@@ -1,0 +1,290 @@
+// blockflow-worker: hosts blocks of a session in a child process.
+//
+// Started by the session (posix_spawn) with the endpoints of its private directory. It says hello
+// over the control channel, receives its configuration (block descriptions, plugins), builds and
+// warms the blocks up in a local Session, then serves data messages until told to stop. It dies
+// with its parent (PR_SET_PDEATHSIG) and exits if the parent changed before that was set.
+
+#include <blockflow/blockflow.hpp>
+#include <blockflow/detail/clock.hpp>
+#include <blockflow/detail/tensor_codec.hpp>
+#include <blockflow/detail/worker_protocol.hpp>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include <dlfcn.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <csignal>
+#include <deque>
+#include <fstream>
+#include <iostream>
+#include <mutex>
+#include <set>
+#include <thread>
+
+namespace bf = blockflow;
+using bf::detail::now_ns;
+
+namespace {
+
+struct Args {
+  std::string name, control, requests, results;
+  pid_t parent = 0;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--name") a.name = v;
+    else if (k == "--control") a.control = v;
+    else if (k == "--requests") a.requests = v;
+    else if (k == "--results") a.results = v;
+    else if (k == "--parent") a.parent = static_cast<pid_t>(std::stol(v));
+    else throw std::invalid_argument("unknown argument " + k);
+  }
+  if (a.name.empty() || a.control.empty() || a.requests.empty() || a.results.empty() || a.parent == 0) {
+    throw std::invalid_argument(
+        "usage: blockflow-worker --name N --control EP --requests EP --results EP --parent PID "
+        "(started by a BlockFlow session, not by hand)");
+  }
+  return a;
+}
+
+std::int64_t rss_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  std::int64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * ::sysconf(_SC_PAGESIZE);
+}
+
+// One reply on its way back to the host.
+struct Reply {
+  bf::wire::Header header;
+  bf::Tensors tensors;
+};
+
+// A small blocking queue: worker threads produce replies, the one thread owning the PUSH socket
+// consumes them.
+class ReplyQueue {
+ public:
+  void push(Reply&& r) {
+    {
+      std::lock_guard lock(mu_);
+      queue_.push_back(std::move(r));
+    }
+    cv_.notify_one();
+  }
+  std::optional<Reply> pop() {  // nullopt once closed and empty
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return closed_ || !queue_.empty(); });
+    if (queue_.empty()) return std::nullopt;
+    Reply r = std::move(queue_.front());
+    queue_.pop_front();
+    return r;
+  }
+  void close() {
+    {
+      std::lock_guard lock(mu_);
+      closed_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Reply> queue_;
+  bool closed_ = false;
+};
+
+bf::wire::Header error_header(std::uint64_t id, std::uint32_t node, const absl::Status& status) {
+  bf::wire::Header h;
+  h.kind = bf::wire::MessageKind::kError;
+  h.request_id = id;
+  h.node = node;
+  h.status_code = static_cast<std::int32_t>(status.code());
+  h.message = std::string(std::string(status.message())).substr(0, bf::wire::kMaxMessageBytes);
+  return h;
+}
+
+absl::Status load_plugins(const nlohmann::json& plugins) {
+  for (const auto& p : plugins) {
+    const std::string path = p.get<std::string>();
+    void* handle = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (handle == nullptr) return absl::NotFoundError(fmt::format("plugin '{}': {}", path, ::dlerror()));
+    using RegisterFn = void (*)(bf::BlockRegistry&);
+    auto fn = reinterpret_cast<RegisterFn>(::dlsym(handle, "blockflow_register_blocks"));
+    if (fn == nullptr) {
+      return absl::NotFoundError(fmt::format("plugin '{}' does not export blockflow_register_blocks", path));
+    }
+    fn(bf::BlockRegistry::global());
+  }
+  return absl::OkStatus();
+}
+
+class Worker {
+ public:
+  explicit Worker(Args args) : args_(std::move(args)), control_(context_, zmq::socket_type::dealer) {
+    control_.set(zmq::sockopt::routing_id, fmt::format("{}-{}", args_.name, ::getpid()));
+    control_.set(zmq::sockopt::linger, 0);
+    control_.connect(args_.control);
+  }
+
+  int run() {
+    send_control({{"type", bf::detail::kHello}, {"pid", ::getpid()}, {"rss_bytes", rss_bytes()}});
+    auto config = wait_config();
+    if (!config) return 1;
+    if (auto status = load(*config); !status.ok()) {
+      send_control({{"type", bf::detail::kLoadError}, {"message", std::string(std::string(status.message()))}});
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let the message leave
+      return 1;
+    }
+    std::thread sender([this] { sender_main(); });
+    std::thread receiver([this] { receiver_main(); });
+    send_control({{"type", bf::detail::kLoaded}, {"rss_bytes", rss_bytes()}});
+    control_loop();
+    stopping_ = true;
+    receiver.join();
+    session_.shutdown(absl::Seconds(1));
+    replies_.close();
+    sender.join();
+    return 0;
+  }
+
+ private:
+  void send_control(const nlohmann::json& message) { (void)control_.send(zmq::buffer(message.dump()), zmq::send_flags::none); }
+
+  bool parent_alive() const { return ::getppid() == args_.parent; }
+
+  std::optional<nlohmann::json> wait_config() {
+    while (parent_alive()) {
+      zmq::pollitem_t item{control_.handle(), 0, ZMQ_POLLIN, 0};
+      zmq::poll(&item, 1, std::chrono::milliseconds(200));
+      if ((item.revents & ZMQ_POLLIN) == 0) continue;
+      zmq::message_t msg;
+      if (!control_.recv(msg, zmq::recv_flags::dontwait)) continue;
+      auto json = nlohmann::json::parse(msg.to_string(), nullptr, false);
+      if (!json.is_discarded() && json.value("type", "") == bf::detail::kConfig) return json;
+    }
+    return std::nullopt;
+  }
+
+  absl::Status load(const nlohmann::json& config) {
+    if (auto status = load_plugins(config.value("plugins", nlohmann::json::array())); !status.ok()) return status;
+    for (const auto& b : config.at("blocks")) {
+      auto description = bf::detail::block_from_json(b);
+      if (!description.ok()) return description.status();
+      description->placement.clear();  // here, it runs in this process's threads
+      hosted_.insert(description->name);
+      session_.add_block(*description);
+      session_.add_path(bf::Path::chain(description->name, {description->name}));
+    }
+    return session_.start();
+  }
+
+  void control_loop() {
+    while (parent_alive()) {
+      zmq::pollitem_t item{control_.handle(), 0, ZMQ_POLLIN, 0};
+      zmq::poll(&item, 1, std::chrono::milliseconds(100));
+      if ((item.revents & ZMQ_POLLIN) == 0) continue;
+      zmq::message_t msg;
+      if (!control_.recv(msg, zmq::recv_flags::dontwait)) continue;
+      auto json = nlohmann::json::parse(msg.to_string(), nullptr, false);
+      if (json.is_discarded()) continue;
+      const std::string type = json.value("type", "");
+      if (type == bf::detail::kStop) return;
+      if (type == bf::detail::kPing) send_control({{"type", bf::detail::kHeartbeat}, {"rss_bytes", rss_bytes()}});
+    }
+  }
+
+  void receiver_main() {
+    zmq::socket_t pull(context_, zmq::socket_type::pull);
+    pull.set(zmq::sockopt::linger, 0);
+    pull.set(zmq::sockopt::rcvtimeo, 100);
+    pull.connect(args_.requests);
+    while (!stopping_) {
+      std::vector<zmq::message_t> frames;
+      if (!zmq::recv_multipart(pull, std::back_inserter(frames))) continue;
+      const std::int64_t arrived = now_ns();
+      std::optional<std::uint64_t> id;
+      if (!frames.empty()) id = bf::wire::peek_request_id(frames[0].data(), frames[0].size());
+      auto message = bf::detail::decode_message(std::move(frames));
+      if (!message.ok()) {
+        std::cerr << fmt::format("blockflow-worker {}: malformed request frame dropped: {}\n", args_.name,
+                                 std::string(message.status().message()));
+        if (id) replies_.push({error_header(*id, 0, absl::InvalidArgumentError(fmt::format(
+                                                    "malformed request frame: {}", std::string(message.status().message())))),
+                               {}});
+        continue;
+      }
+      dispatch(std::move(*message), arrived);
+    }
+  }
+
+  void dispatch(bf::detail::DecodedMessage&& message, std::int64_t arrived) {
+    const std::uint64_t id = message.header.request_id;
+    const std::uint32_t node = message.header.node;
+    const std::string& block = message.header.target;
+    if (hosted_.count(block) == 0) {
+      replies_.push({error_header(id, node, absl::NotFoundError(fmt::format("does not host block '{}'", block))), {}});
+      return;
+    }
+    session_.submit(block, std::move(message.tensors), [this, id, node, arrived](bf::Result&& r) {
+      if (!r.ok()) return replies_.push({error_header(id, node, r.status), {}});
+      bf::wire::Header h;
+      h.kind = bf::wire::MessageKind::kResult;
+      h.request_id = id;
+      h.node = node;
+      h.times.arrived_ns = arrived;
+      if (!r.trace.hops.empty()) {
+        const auto& hop = r.trace.hops.front();
+        h.times.dequeued_ns = hop.dequeued_ns;
+        h.times.compute_start_ns = hop.compute_start_ns;
+        h.times.compute_end_ns = hop.compute_end_ns;
+      }
+      replies_.push({std::move(h), std::move(r.outputs)});
+    });
+  }
+
+  void sender_main() {
+    zmq::socket_t push(context_, zmq::socket_type::push);
+    push.set(zmq::sockopt::linger, 1000);
+    push.connect(args_.results);
+    while (auto reply = replies_.pop()) {
+      reply->header.times.sent_ns = now_ns();
+      auto sent = bf::detail::send_message(push, reply->header, reply->tensors);
+      if (!sent.ok()) {  // e.g. an output dtype the wire cannot carry: report it instead
+        (void)bf::detail::send_message(
+            push, error_header(reply->header.request_id, reply->header.node, sent.status()), {});
+      }
+    }
+  }
+
+  Args args_;
+  zmq::context_t context_{1};
+  zmq::socket_t control_;
+  bf::Session session_;
+  std::set<std::string> hosted_;
+  ReplyQueue replies_;
+  std::atomic<bool> stopping_{false};
+};
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  Args args = parse(argc, argv);
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // no orphans: die with the host
+  if (::getppid() != args.parent) return 1;  // the host died before the line above
+  return Worker(std::move(args)).run();
+} catch (const std::exception& e) {
+  std::cerr << "blockflow-worker: " << e.what() << "\n";
+  return 2;
+}

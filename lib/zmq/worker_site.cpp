@@ -1,0 +1,507 @@
+#include <blockflow/worker_site.hpp>
+#include <blockflow/detail/clock.hpp>
+#include <blockflow/detail/runtime_dir.hpp>
+#include <blockflow/detail/tensor_codec.hpp>
+#include <blockflow/detail/worker_protocol.hpp>
+
+#include <absl/container/flat_hash_map.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <csignal>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <iostream>
+#include <mutex>
+#include <thread>
+
+extern char** environ;
+
+namespace blockflow {
+namespace {
+
+using detail::now_ns;
+
+std::string default_executable() {
+  if (const char* env = std::getenv("BLOCKFLOW_WORKER"); env != nullptr && *env != '\0') return env;
+  std::error_code ec;
+  if (std::filesystem::exists(BLOCKFLOW_WORKER_BUILD_PATH, ec)) return BLOCKFLOW_WORKER_BUILD_PATH;
+  return BLOCKFLOW_WORKER_INSTALL_PATH;
+}
+
+std::string describe_exit(int status) {
+  if (WIFSIGNALED(status)) return fmt::format("killed by signal {}", WTERMSIG(status));
+  if (WIFEXITED(status)) return fmt::format("exited with status {}", WEXITSTATUS(status));
+  return "stopped";
+}
+
+struct Outbound {
+  std::string block;
+  Envelope envelope;
+};
+
+}  // namespace
+
+struct WorkerSite::Impl {
+  enum class State { kIdle, kStarting, kReady, kDown, kFailed, kStopped };
+
+  WorkerOptions options;
+  std::vector<BlockDescription> blocks;
+  CompletionFn done;
+  std::string dir, control_endpoint, request_endpoint, result_endpoint;
+  zmq::context_t context{1};
+
+  mutable std::mutex mu;
+  std::condition_variable changed;  // state, outbound, in_flight: wakes the sender, run() and start()
+  State state = State::kIdle;
+  std::string cause;                // why the worker is down / failed
+  std::string start_error;
+  bool ever_ready = false;
+  pid_t pid = 0;
+  std::string identity;             // routing id of the live worker
+  std::int64_t last_heartbeat_ns = 0;
+  std::int64_t start_deadline_ns = 0;
+  std::int64_t restart_at_ns = 0;
+  std::string kill_cause;           // set when we killed it (heartbeat, start timeout)
+  std::uint64_t restarts = 0, failed_requests = 0, malformed = 0, sent = 0, received = 0;
+  std::deque<Outbound> outbound;
+  absl::flat_hash_map<std::pair<std::uint64_t, std::uint32_t>, std::string> in_flight;
+  bool stopping = false;
+  std::thread control, sender, receiver;
+
+  explicit Impl(WorkerOptions o) : options(std::move(o)) {
+    if (options.executable.empty()) options.executable = default_executable();
+  }
+
+  std::string prefix() const { return fmt::format("worker {}", options.name); }
+
+  absl::Status spawn_locked() {
+    std::vector<std::string> args = {options.executable,       "--name",    options.name,   "--control",
+                                     control_endpoint,         "--requests", request_endpoint, "--results",
+                                     result_endpoint,          "--parent",  std::to_string(::getpid())};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_t child = 0;
+    const int rc = ::posix_spawn(&child, options.executable.c_str(), nullptr, nullptr, argv.data(), environ);
+    if (rc != 0) {
+      return absl::UnavailableError(
+          fmt::format("{}: cannot start '{}': {}", prefix(), options.executable, std::strerror(rc)));
+    }
+    pid = child;
+    identity.clear();
+    state = State::kStarting;
+    kill_cause.clear();
+    start_deadline_ns = now_ns() + absl::ToInt64Nanoseconds(options.start_timeout);
+    last_heartbeat_ns = now_ns();
+    return absl::OkStatus();
+  }
+
+  // Fails the given requests outside the lock.
+  void fail_all(std::vector<std::pair<std::uint64_t, std::uint32_t>> lost, const absl::Status& why) {
+    for (const auto& [id, node] : lost) {
+      SiteCompletion c;
+      c.request_id = id;
+      c.node = node;
+      c.outputs = why;
+      done(std::move(c));
+    }
+  }
+
+  void on_death(std::string what) {
+    std::vector<std::pair<std::uint64_t, std::uint32_t>> lost;
+    std::vector<Outbound> queued;
+    absl::Status why;
+    {
+      std::lock_guard lock(mu);
+      pid = 0;
+      identity.clear();
+      cause = kill_cause.empty() ? what : kill_cause;
+      for (const auto& [key, block] : in_flight) lost.push_back(key);
+      in_flight.clear();
+      failed_requests += lost.size();
+      why = absl::UnavailableError(fmt::format("{} {}", prefix(), cause));
+      if (!ever_ready) {
+        state = State::kFailed;
+        if (start_error.empty()) start_error = fmt::format("{} {} while starting", prefix(), cause);
+      } else if (restarts < static_cast<std::uint64_t>(options.max_restarts) && !stopping) {
+        ++restarts;
+        state = State::kDown;
+        const auto backoff = options.restart_backoff * static_cast<double>(1ull << std::min<std::uint64_t>(restarts - 1, 10));
+        restart_at_ns = now_ns() + absl::ToInt64Nanoseconds(backoff);
+        std::cerr << fmt::format("blockflow: {} {}; {} request(s) failed; restart {} of {}\n", prefix(), cause,
+                                 lost.size(), restarts, options.max_restarts);
+      } else {
+        state = State::kFailed;
+        for (auto& o : outbound) queued.push_back(std::move(o));
+        outbound.clear();
+        failed_requests += queued.size();
+        std::cerr << fmt::format("blockflow: {} {}; not restarted ({} restarts used)\n", prefix(), cause, restarts);
+      }
+    }
+    changed.notify_all();
+    fail_all(std::move(lost), why);
+    for (auto& o : queued) {
+      fail_all({{o.envelope.request_id, o.envelope.node}},
+               absl::UnavailableError(fmt::format("{} is down: {}", prefix(), cause)));
+    }
+  }
+
+  void send_control(zmq::socket_t& router, const std::string& to, const nlohmann::json& message) {
+    try {
+      (void)router.send(zmq::buffer(to), zmq::send_flags::sndmore);
+      (void)router.send(zmq::buffer(message.dump()), zmq::send_flags::none);
+    } catch (const zmq::error_t& e) {
+      // ROUTER_MANDATORY: the peer is gone; supervision notices through the process status.
+      std::cerr << fmt::format("blockflow: {}: control message lost: {}\n", prefix(), e.what());
+    }
+  }
+
+  void handle_control(zmq::socket_t& router, const std::string& from, const std::string& payload) {
+    auto message = nlohmann::json::parse(payload, nullptr, false);
+    if (message.is_discarded() || !message.contains("type")) {
+      std::cerr << fmt::format("blockflow: {}: malformed control message dropped\n", prefix());
+      return;
+    }
+    const std::string type = message.value("type", "");
+    std::unique_lock lock(mu);
+    if (type == detail::kHello) {
+      if (message.value("pid", 0) != pid) return;  // a stale worker
+      identity = from;
+      last_heartbeat_ns = now_ns();
+      nlohmann::json config = detail::make_config(blocks, options);
+      lock.unlock();
+      send_control(router, from, config);
+    } else if (from != identity) {
+      return;  // from an earlier incarnation
+    } else if (type == detail::kLoaded) {
+      state = State::kReady;
+      ever_ready = true;
+      last_heartbeat_ns = now_ns();
+      lock.unlock();
+      changed.notify_all();
+    } else if (type == detail::kLoadError) {
+      start_error = fmt::format("{}: {}", prefix(), message.value("message", "load failed"));
+      kill_cause = "failed to load its blocks";
+      if (pid != 0) ::kill(pid, SIGKILL);
+    } else if (type == detail::kHeartbeat) {
+      last_heartbeat_ns = now_ns();
+    }
+  }
+
+  // Reaps the child, enforces heartbeats and start timeouts, restarts after backoff.
+  void supervise() {
+    pid_t child = 0;
+    {
+      std::lock_guard lock(mu);
+      child = pid;
+      const std::int64_t now = now_ns();
+      if (child != 0 && state == State::kReady &&
+          now - last_heartbeat_ns > absl::ToInt64Nanoseconds(options.heartbeat_timeout)) {
+        kill_cause = fmt::format("missed heartbeats for {} ms", (now - last_heartbeat_ns) / 1000000);
+        ::kill(child, SIGKILL);
+      } else if (child != 0 && state == State::kStarting && now > start_deadline_ns) {
+        kill_cause = fmt::format("did not start within {}", absl::FormatDuration(options.start_timeout));
+        ::kill(child, SIGKILL);
+      } else if (child == 0 && state == State::kDown && now >= restart_at_ns) {
+        if (auto status = spawn_locked(); !status.ok()) {
+          state = State::kFailed;
+          cause = std::string(std::string(status.message()));
+        }
+        return;
+      }
+    }
+    if (child == 0) return;
+    int status = 0;
+    if (::waitpid(child, &status, WNOHANG) == child) on_death(describe_exit(status));
+  }
+
+  void control_main() {
+    zmq::socket_t router(context, zmq::socket_type::router);
+    router.set(zmq::sockopt::router_mandatory, 1);
+    router.set(zmq::sockopt::linger, 0);
+    router.bind(control_endpoint);
+    {
+      std::lock_guard lock(mu);
+      if (auto status = spawn_locked(); !status.ok()) {
+        state = State::kFailed;
+        start_error = std::string(std::string(status.message()));
+      }
+    }
+    changed.notify_all();
+    std::int64_t next_ping = 0;
+    while (true) {
+      {
+        std::lock_guard lock(mu);
+        if (stopping) break;
+      }
+      zmq::pollitem_t item{router.handle(), 0, ZMQ_POLLIN, 0};
+      zmq::poll(&item, 1, std::chrono::milliseconds(50));
+      if ((item.revents & ZMQ_POLLIN) != 0) {
+        std::vector<zmq::message_t> parts;
+        if (zmq::recv_multipart(router, std::back_inserter(parts), zmq::recv_flags::dontwait) && parts.size() == 2) {
+          handle_control(router, parts[0].to_string(), parts[1].to_string());
+        }
+      }
+      supervise();
+      if (now_ns() >= next_ping) {  // the worker answers pings with heartbeats
+        std::string to;
+        {
+          std::lock_guard lock(mu);
+          to = identity;
+        }
+        if (!to.empty()) send_control(router, to, {{"type", detail::kPing}});
+        next_ping = now_ns() + absl::ToInt64Nanoseconds(options.heartbeat_interval);
+      }
+    }
+    shutdown_worker(router);
+  }
+
+  void shutdown_worker(zmq::socket_t& router) {
+    pid_t child = 0;
+    std::string to;
+    {
+      std::lock_guard lock(mu);
+      child = pid;
+      to = identity;
+    }
+    if (child == 0) return;
+    if (!to.empty()) send_control(router, to, {{"type", detail::kStop}});
+    int status = 0;
+    for (int i = 0; i < 200; ++i) {  // up to 2 s for a clean exit
+      if (::waitpid(child, &status, WNOHANG) == child) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ::kill(child, SIGKILL);
+    ::waitpid(child, &status, 0);
+  }
+
+  void sender_main() {
+    zmq::socket_t push(context, zmq::socket_type::push);
+    push.set(zmq::sockopt::linger, 0);
+    push.set(zmq::sockopt::sndhwm, static_cast<int>(options.max_in_flight) + 1);
+    push.bind(request_endpoint);
+    while (true) {
+      Outbound next;
+      {
+        std::unique_lock lock(mu);
+        changed.wait(lock, [&] {
+          return stopping || (!outbound.empty() && state == State::kReady && in_flight.size() < options.max_in_flight);
+        });
+        if (stopping) return;
+        next = std::move(outbound.front());
+        outbound.pop_front();
+        in_flight[{next.envelope.request_id, next.envelope.node}] = next.block;
+        ++sent;
+      }
+      changed.notify_all();  // room in outbound for run()
+      wire::Header header;
+      header.kind = wire::MessageKind::kData;
+      header.request_id = next.envelope.request_id;
+      header.node = next.envelope.node;
+      header.target = next.block;
+      header.times.sent_ns = now_ns();
+      absl::Status status;
+      try {
+        auto sent_ok = detail::send_message(push, header, next.envelope.tensors);
+        if (!sent_ok.ok()) status = sent_ok.status();
+      } catch (const zmq::error_t& e) {
+        status = absl::UnavailableError(e.what());
+      }
+      if (!status.ok()) complete_error(next.envelope.request_id, next.envelope.node,
+                                       absl::Status(status.code(), fmt::format("{}: block '{}': cannot send: {}",
+                                                                               prefix(), next.block, std::string(status.message()))));
+    }
+  }
+
+  // Reports an error for one in-flight request unless it was already reported.
+  void complete_error(std::uint64_t id, std::uint32_t node, absl::Status why) {
+    {
+      std::lock_guard lock(mu);
+      if (in_flight.erase({id, node}) == 0) return;
+    }
+    changed.notify_all();
+    fail_all({{id, node}}, why);
+  }
+
+  void receiver_main() {
+    zmq::socket_t pull(context, zmq::socket_type::pull);
+    pull.set(zmq::sockopt::linger, 0);
+    pull.set(zmq::sockopt::rcvtimeo, 100);
+    pull.bind(result_endpoint);
+    while (true) {
+      {
+        std::lock_guard lock(mu);
+        if (stopping) return;
+      }
+      std::vector<zmq::message_t> frames;
+      if (!zmq::recv_multipart(pull, std::back_inserter(frames))) continue;  // timeout
+      std::optional<std::uint64_t> id;
+      if (!frames.empty()) id = wire::peek_request_id(frames[0].data(), frames[0].size());
+      auto decoded = detail::decode_message(std::move(frames));
+      if (!decoded.ok()) {
+        on_malformed(id, decoded.status());
+        continue;
+      }
+      deliver(std::move(*decoded));
+    }
+  }
+
+  void on_malformed(std::optional<std::uint64_t> id, const absl::Status& why) {
+    std::vector<std::pair<std::uint64_t, std::uint32_t>> affected;
+    {
+      std::lock_guard lock(mu);
+      ++malformed;
+      if (id) {
+        for (auto it = in_flight.begin(); it != in_flight.end();) {
+          if (it->first.first == *id) {
+            affected.push_back(it->first);
+            in_flight.erase(it++);
+          } else {
+            ++it;
+          }
+        }
+      }
+    }
+    std::cerr << fmt::format("blockflow: {}: malformed result frame dropped: {}\n", prefix(), std::string(why.message()));
+    fail_all(std::move(affected),
+             absl::DataLossError(fmt::format("{} sent a malformed result: {}", prefix(), std::string(why.message()))));
+  }
+
+  void deliver(detail::DecodedMessage&& message) {
+    const auto& h = message.header;
+    {
+      std::lock_guard lock(mu);
+      if (in_flight.erase({h.request_id, h.node}) == 0) return;  // already failed (worker declared dead)
+      ++received;
+    }
+    changed.notify_all();
+    SiteCompletion c;
+    c.request_id = h.request_id;
+    c.node = h.node;
+    c.arrived_ns = h.times.arrived_ns;
+    c.wait_ns = std::max<std::int64_t>(0, h.times.dequeued_ns - h.times.arrived_ns);
+    c.compute_start_ns = h.times.compute_start_ns;
+    c.compute_end_ns = h.times.compute_end_ns;
+    if (h.kind == wire::MessageKind::kResult) {
+      c.outputs = std::move(message.tensors);
+    } else {
+      const auto code = static_cast<absl::StatusCode>(h.status_code == 0 ? 13 : h.status_code);
+      c.outputs = absl::Status(code, fmt::format("{}: {}", prefix(), h.message));
+    }
+    done(std::move(c));
+  }
+};
+
+WorkerSite::WorkerSite(WorkerOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {
+  if (impl_->options.name.empty()) throw std::invalid_argument("WorkerOptions::name must not be empty");
+}
+
+WorkerSite::~WorkerSite() { stop(); }
+
+const std::string& WorkerSite::name() const { return impl_->options.name; }
+
+absl::Status WorkerSite::start(const std::vector<BlockDescription>& blocks, CompletionFn done) {
+  Impl& s = *impl_;
+  auto dir = detail::make_private_dir(s.options.name);
+  if (!dir.ok()) return dir.status();
+  s.dir = *dir;
+  s.control_endpoint = "ipc://" + s.dir + "/control";
+  s.request_endpoint = "ipc://" + s.dir + "/requests";
+  s.result_endpoint = "ipc://" + s.dir + "/results";
+  s.blocks = blocks;
+  s.done = std::move(done);
+  s.receiver = std::thread([&s] { s.receiver_main(); });
+  s.sender = std::thread([&s] { s.sender_main(); });
+  s.control = std::thread([&s] { s.control_main(); });
+  std::unique_lock lock(s.mu);
+  s.changed.wait(lock, [&] { return s.state == Impl::State::kReady || s.state == Impl::State::kFailed; });
+  if (s.state == Impl::State::kFailed) {
+    const std::string error = s.start_error.empty() ? s.prefix() + " failed to start" : s.start_error;
+    lock.unlock();
+    stop();
+    return absl::UnavailableError(error);
+  }
+  return absl::OkStatus();
+}
+
+void WorkerSite::run(const std::string& block, Envelope&& envelope) {
+  Impl& s = *impl_;
+  envelope.local.reset();  // never crosses the process boundary
+  std::unique_lock lock(s.mu);
+  s.changed.wait(lock, [&] {
+    return s.stopping || s.state == Impl::State::kFailed || s.outbound.size() < s.options.max_in_flight;
+  });
+  if (s.stopping || s.state == Impl::State::kFailed) {
+    const std::string why = s.stopping ? "stopped" : "down: " + s.cause;
+    ++s.failed_requests;
+    lock.unlock();
+    s.fail_all({{envelope.request_id, envelope.node}}, absl::UnavailableError(fmt::format("{} is {}", s.prefix(), why)));
+    return;
+  }
+  s.outbound.push_back(Outbound{block, std::move(envelope)});
+  lock.unlock();
+  s.changed.notify_all();
+}
+
+void WorkerSite::stop() {
+  Impl& s = *impl_;
+  {
+    std::lock_guard lock(s.mu);
+    if (s.state == Impl::State::kStopped || s.state == Impl::State::kIdle) {
+      s.state = Impl::State::kStopped;
+      return;
+    }
+    s.stopping = true;
+  }
+  s.changed.notify_all();
+  for (auto* t : {&s.control, &s.sender, &s.receiver}) {
+    if (t->joinable()) t->join();
+  }
+  std::vector<std::pair<std::uint64_t, std::uint32_t>> lost;
+  {
+    std::lock_guard lock(s.mu);
+    for (const auto& [key, block] : s.in_flight) lost.push_back(key);
+    for (const auto& o : s.outbound) lost.emplace_back(o.envelope.request_id, o.envelope.node);
+    s.in_flight.clear();
+    s.outbound.clear();
+    s.state = Impl::State::kStopped;
+    s.pid = 0;
+  }
+  s.fail_all(std::move(lost), absl::CancelledError(fmt::format("{} stopped", s.prefix())));
+  detail::remove_private_dir(s.dir);
+}
+
+SiteStats WorkerSite::stats() const {
+  const Impl& s = *impl_;
+  std::lock_guard lock(s.mu);
+  SiteStats out;
+  out.name = s.options.name;
+  out.kind = "worker";
+  out.pid = s.pid;
+  out.restarts = s.restarts;
+  out.failed_requests = s.failed_requests;
+  out.in_flight = s.in_flight.size();
+  out.malformed_frames = s.malformed;
+  out.data.kind = "zmq-ipc";
+  out.data.sent = s.sent;
+  out.data.received = s.received;
+  out.data.depth = s.outbound.size();
+  out.data.capacity = s.options.max_in_flight;
+  return out;
+}
+
+std::int64_t WorkerSite::pid() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->pid;
+}
+
+}  // namespace blockflow

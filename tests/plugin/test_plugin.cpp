@@ -1,0 +1,23 @@
+// A worker plugin: registers C++ blocks that worker processes can build by factory name.
+#include <blockflow/block_registry.hpp>
+
+#include <ATen/ATen.h>
+
+#include <thread>
+
+extern "C" void blockflow_register_blocks(blockflow::BlockRegistry& registry) {
+  registry.add("affine", [](const std::string& name, const blockflow::BlockOptions& options) {
+    return blockflow::Block::callable(
+        name, [](blockflow::Tensors&& in) -> absl::StatusOr<blockflow::Tensors> { return blockflow::Tensors{in.at(0) * 3 + 1}; },
+        options);
+  });
+  registry.add("slow_identity", [](const std::string& name, const blockflow::BlockOptions& options) {
+    return blockflow::Block::callable(
+        name,
+        [](blockflow::Tensors&& in) -> absl::StatusOr<blockflow::Tensors> {
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          return blockflow::Tensors{in.at(0)};
+        },
+        options);
+  });
+}

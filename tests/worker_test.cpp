@@ -1,0 +1,198 @@
+// Blocks in child worker processes: equality with threads mode, mixed placement, C++ blocks through
+// a plugin, kill -9 under load (every request resolves, the worker restarts), start errors, no
+// orphans.
+#include "test_util.hpp"
+
+#include <blockflow/worker_site.hpp>
+
+#include <csignal>
+#include <sys/types.h>
+
+using namespace blockflow;
+using Catch::Matchers::Contains;
+using namespace std::chrono_literals;
+
+namespace {
+
+BlockDescription ts(const std::string& name, const std::string& file, const std::string& placement,
+                    std::vector<std::int64_t> shape) {
+  BlockDescription d;
+  d.name = name;
+  d.torchscript = test::model_path(file);
+  d.placement = placement;
+  d.options.intra_op_threads = 1;
+  d.options.input_shapes = {std::move(shape)};
+  return d;
+}
+
+BlockDescription plugin_block(const std::string& name, const std::string& factory, const std::string& placement) {
+  BlockDescription d;
+  d.name = name;
+  d.factory = factory;
+  d.placement = placement;
+  return d;
+}
+
+WorkerOptions worker(const std::string& name) {
+  WorkerOptions o;
+  o.name = name;
+  o.plugins = {BLOCKFLOW_TEST_PLUGIN};
+  o.restart_backoff = absl::Milliseconds(20);
+  return o;
+}
+
+bool process_exists(std::int64_t pid) { return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) == 0; }
+
+}  // namespace
+
+TEST_CASE("a split small CNN in two workers equals the same blocks in threads", "[worker]") {
+  Session threads, workers;
+  threads.add_block(ts("b1", "cnn_block1.pt", "", {-1, 3, 16, 16}))
+      .add_block(ts("b2", "cnn_block2.pt", "", {-1, 8, 16, 16}))
+      .add_block(ts("b3", "cnn_block3.pt", "", {-1, 16, 8, 8}))
+      .add_path(Path::chain("cnn", {"b1", "b2", "b3"}));
+  workers.add_site(make_worker(worker("w1")))
+      .add_site(make_worker(worker("w2")))
+      .add_block(ts("b1", "cnn_block1.pt", "w1", {-1, 3, 16, 16}))
+      .add_block(ts("b2", "cnn_block2.pt", "w2", {-1, 8, 16, 16}))
+      .add_block(ts("b3", "cnn_block3.pt", "", {-1, 16, 8, 8}))  // mixed: the head stays in the host
+      .add_path(Path::chain("cnn", {"b1", "b2", "b3"}));
+  test::require_started(threads);
+  test::require_started(workers);
+  at::manual_seed(11);
+  for (int i = 0; i < 6; ++i) {
+    const Tensor x = at::randn({1 + i % 3, 3, 16, 16});
+    Result a = threads.submit("cnn", x).get();
+    Result b = workers.submit("cnn", x).get();
+    REQUIRE(a.ok());
+    INFO(b.status.ToString());
+    REQUIRE(b.ok());
+    CHECK(at::equal(a.output(), b.output()));
+    REQUIRE(b.trace.hops.size() == 3);
+    const double parts = b.trace.wait_ms() + b.trace.compute_ms() + b.trace.overhead_ms();
+    CHECK(parts == Approx(b.trace.e2e_ms()).margin(1e-6));
+    CHECK(b.trace.hops[0].compute_ms() > 0);
+  }
+  const auto m = workers.metrics();
+  REQUIRE(m.sites.size() == 2);
+  CHECK(m.sites[0].name == "w1");
+  CHECK(m.sites[0].pid > 0);
+  CHECK(m.sites[0].data.sent == 6);
+  for (const auto& b : m.blocks) CHECK(b.placement == (b.name == "b1" ? "w1" : b.name == "b2" ? "w2" : "threads"));
+}
+
+TEST_CASE("C++ blocks run in a worker through a plugin; errors come back named", "[worker]") {
+  Session session;
+  session.add_site(make_worker(worker("w1")))
+      .add_block(plugin_block("affine", "affine", "w1"))
+      .add_block(ts("raiser", "raise_block.pt", "w1", {-1, 3}))
+      .add_path(Path::chain("t", {"affine"}))
+      .add_path(Path::chain("boom", {"affine", "raiser"}));
+  // The warm-up of raise_block raises: warm-up failures must name the worker and the block.
+  auto status = session.start();
+  CHECK_FALSE(status.ok());
+  CHECK_THAT(std::string(status.message()), Contains("worker w1") && Contains("raiser") && Contains("boom from raise_block"));
+
+  Session ok;
+  BlockDescription raiser = ts("raiser", "raise_block.pt", "w1", {});
+  raiser.options.input_shapes.clear();  // no warm-up: the failure happens per request
+  ok.add_site(make_worker(worker("w1")))
+      .add_block(plugin_block("affine", "affine", "w1"))
+      .add_block(raiser)
+      .add_path(Path::chain("t", {"affine"}))
+      .add_path(Path::chain("boom", {"affine", "raiser"}));
+  test::require_started(ok);
+  Result r = ok.submit("t", at::full({2}, 2.0)).get();
+  REQUIRE(r.ok());
+  CHECK(at::equal(r.output(), at::full({2}, 7.0)));
+  Result e = ok.submit("boom", at::ones({2, 3})).get();
+  CHECK_THAT(std::string(e.status.message()), Contains("worker w1") && Contains("block 'raiser'") &&
+                                                  Contains("boom from raise_block"));
+  CHECK(ok.submit("t", at::zeros({1})).get().ok());  // still serving
+}
+
+TEST_CASE("a worker that cannot load its blocks fails start(), naming worker and block", "[worker]") {
+  Session session;
+  BlockDescription missing = ts("ghost", "no_such_file.pt", "w1", {1});
+  session.add_site(make_worker(worker("w1"))).add_block(missing).add_path(Path::chain("t", {"ghost"}));
+  auto status = session.start();
+  CHECK_FALSE(status.ok());
+  CHECK_THAT(std::string(status.message()), Contains("worker w1") && Contains("block 'ghost'") &&
+                                                Contains("not found"));
+  Session unknown_site;
+  unknown_site.add_block(plugin_block("a", "affine", "nowhere")).add_path(Path::chain("t", {"a"}));
+  CHECK_THAT(std::string(unknown_site.start().message()), Contains("block 'a'") && Contains("'nowhere'"));
+}
+
+TEST_CASE("kill -9 of a worker under load: every request resolves, the worker restarts, traffic flows", "[worker]") {
+  auto site = make_worker(worker("w2"));
+  Session session;
+  session.add_site(site)
+      .add_block(plugin_block("slow", "slow_identity", "w2"))
+      .add_path(Path::chain("t", {"slow"}));
+  test::require_started(session);
+  const std::int64_t first_pid = site->pid();
+  REQUIRE(process_exists(first_pid));
+
+  std::atomic<int> resolved{0}, ok{0}, named_errors{0}, other_errors{0};
+  std::atomic<bool> run{true};
+  std::mutex mu;
+  std::string sample_error;
+  std::vector<std::thread> clients;
+  std::atomic<int> submitted{0};
+  for (int c = 0; c < 3; ++c) {
+    clients.emplace_back([&] {
+      while (run) {
+        ++submitted;
+        Result r = session.submit("t", at::ones({4})).get();
+        ++resolved;
+        if (r.ok()) {
+          ++ok;
+        } else if (std::string(r.status.message()).find("worker w2 killed by signal 9") != std::string::npos) {
+          ++named_errors;
+          std::lock_guard lock(mu);
+          sample_error = std::string(r.status.message());
+        } else {
+          ++other_errors;
+          std::lock_guard lock(mu);
+          sample_error = std::string(r.status.message());
+        }
+      }
+    });
+  }
+  while (ok.load() < 20) std::this_thread::sleep_for(1ms);
+  REQUIRE(::kill(static_cast<pid_t>(first_pid), SIGKILL) == 0);
+  // Wait until the restarted worker has served requests again.
+  const int ok_at_kill = ok.load();
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while ((site->pid() == first_pid || site->pid() == 0 || ok.load() < ok_at_kill + 20) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(5ms);
+  }
+  run = false;
+  for (auto& c : clients) c.join();
+  INFO(sample_error);
+  CHECK(resolved.load() == submitted.load());
+  CHECK(named_errors.load() >= 1);
+  CHECK(other_errors.load() == 0);
+  CHECK(ok.load() >= ok_at_kill + 20);
+  CHECK(site->pid() != first_pid);
+  CHECK_FALSE(process_exists(first_pid));
+  const auto m = session.metrics();
+  CHECK(m.sites.at(0).restarts == 1);
+  CHECK(m.sites.at(0).failed_requests >= 1);
+}
+
+TEST_CASE("no orphans: workers are gone after shutdown and after the session is destroyed", "[worker]") {
+  std::int64_t pid = 0;
+  {
+    auto site = make_worker(worker("w1"));
+    Session session;
+    session.add_site(site).add_block(plugin_block("affine", "affine", "w1")).add_path(Path::chain("t", {"affine"}));
+    test::require_started(session);
+    pid = site->pid();
+    REQUIRE(process_exists(pid));
+    REQUIRE(session.submit("t", at::zeros({1})).get().ok());
+  }
+  CHECK_FALSE(process_exists(pid));
+}
