@@ -4,16 +4,27 @@
 // the receiver's acknowledgement before the next one; the receiver, blocked in receive() as a
 // block's worker is, records the one-way latency (same steady clock). Prints one JSON line per
 // size: {"bench":"hop","channel":"inproc","bytes":B,"p50_us":..,"p99_us":..}.
+//
+// zmq-ipc / zmq-tcp: the same, through the serialized channel as workers use it: the wire header
+// plus the tensor's bytes sent without a copy on a PUSH socket, received on a PULL socket and
+// decoded into a tensor over the received buffer. Each line also has "memcpy_us": one memcpy of
+// the same bytes (p50), measured in the same run.
 
 #include "bench_util.hpp"
 
 #include <blockflow/inproc_channel.hpp>
 #include <blockflow/detail/clock.hpp>
+#include <blockflow/detail/runtime_dir.hpp>
+#include <blockflow/detail/tensor_codec.hpp>
 
 #include <ATen/ops/empty.h>
 #include <fmt/format.h>
 
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
 #include <atomic>
+#include <cstring>
 #include <string>
 #include <thread>
 
@@ -51,14 +62,79 @@ HopFigures measure(std::size_t bytes, int iterations) {
   return {bf::bench::percentile(latencies_us, 0.5), bf::bench::percentile(latencies_us, 0.99)};
 }
 
+// One-way latency over PUSH/PULL with the wire format; the ack goes back on a second pair.
+HopFigures measure_zmq(const std::string& endpoint, std::size_t bytes, int iterations) {
+  zmq::context_t context(1);
+  zmq::socket_t push(context, zmq::socket_type::push), pull(context, zmq::socket_type::pull);
+  zmq::socket_t ack_push(context, zmq::socket_type::push), ack_pull(context, zmq::socket_type::pull);
+  pull.bind(endpoint);
+  push.connect(pull.get(zmq::sockopt::last_endpoint));
+  ack_pull.bind(endpoint.rfind("ipc://", 0) == 0 ? endpoint + "-ack" : "tcp://127.0.0.1:*");
+  ack_push.connect(ack_pull.get(zmq::sockopt::last_endpoint));
+  const bf::Tensor payload = at::empty({static_cast<std::int64_t>(bytes)}, at::kByte).fill_(7);
+  std::vector<double> latencies_us;
+  std::thread receiver([&] {
+    for (int i = 0; i < iterations; ++i) {
+      std::vector<zmq::message_t> frames;
+      (void)zmq::recv_multipart(pull, std::back_inserter(frames));
+      auto message = bf::detail::decode_message(std::move(frames));
+      const std::int64_t now = bf::detail::now_ns();
+      if (!message.ok() || message->tensors.at(0).numel() != static_cast<std::int64_t>(bytes)) std::abort();
+      latencies_us.push_back(static_cast<double>(now - message->header.times.sent_ns) / 1e3);
+      (void)ack_push.send(zmq::str_buffer("ok"), zmq::send_flags::none);
+    }
+  });
+  for (int i = 0; i < iterations; ++i) {
+    bf::wire::Header header;
+    header.request_id = static_cast<std::uint64_t>(i);
+    header.times.sent_ns = bf::detail::now_ns();
+    if (!bf::detail::send_message(push, header, {payload}).ok()) std::abort();
+    zmq::message_t ack;
+    (void)ack_pull.recv(ack);
+  }
+  receiver.join();
+  latencies_us.erase(latencies_us.begin(), latencies_us.begin() + iterations / 10);
+  return {bf::bench::percentile(latencies_us, 0.5), bf::bench::percentile(latencies_us, 0.99)};
+}
+
+double memcpy_us(std::size_t bytes) {
+  std::vector<char> src(bytes, 1), dst(bytes, 2);
+  std::vector<double> samples;
+  for (int i = 0; i < 21; ++i) {
+    const std::int64_t t0 = bf::detail::now_ns();
+    std::memcpy(dst.data(), src.data(), bytes);
+    const std::int64_t t1 = bf::detail::now_ns();
+    samples.push_back(static_cast<double>(t1 - t0) / 1e3);
+    if (dst[bytes / 2] != 1) std::abort();  // keeps the copy from being optimised away
+  }
+  return bf::bench::percentile(samples, 0.5);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const int iterations = argc > 1 ? std::stoi(argv[1]) : 20000;
-  for (std::size_t bytes : {std::size_t{4096}, std::size_t{3211264}, std::size_t{104857600}}) {
+  const std::vector<std::size_t> sizes = {4096, 3211264, 104857600};
+  for (std::size_t bytes : sizes) {
     const HopFigures f = measure(bytes, iterations);
     fmt::print("{{\"bench\":\"hop\",\"channel\":\"inproc\",\"bytes\":{},\"iterations\":{},\"p50_us\":{:.3f},\"p99_us\":{:.3f}}}\n",
                bytes, iterations, f.p50_us, f.p99_us);
   }
+  auto dir = bf::detail::make_private_dir("hop");
+  if (!dir.ok()) return 1;
+  for (const auto& [channel, endpoint] : {std::pair<std::string, std::string>{"zmq-ipc", "ipc://" + *dir + "/hop"},
+                                          std::pair<std::string, std::string>{"zmq-tcp", "tcp://127.0.0.1:*"}}) {
+    for (std::size_t bytes : sizes) {
+      // Fewer round trips for the large sizes: each moves the whole tensor through the kernel.
+      const int n = bytes > 50'000'000 ? 30 : bytes > 1'000'000 ? 500 : std::min(iterations, 5000);
+      const double copy_us = memcpy_us(bytes);
+      const HopFigures f = measure_zmq(endpoint, bytes, n);
+      fmt::print(
+          "{{\"bench\":\"hop\",\"channel\":\"{}\",\"bytes\":{},\"iterations\":{},\"p50_us\":{:.3f},\"p99_us\":{:.3f},"
+          "\"memcpy_us\":{:.3f},\"p50_over_memcpy\":{:.2f}}}\n",
+          channel, bytes, n, f.p50_us, f.p99_us, copy_us, f.p50_us / copy_us);
+    }
+  }
+  bf::detail::remove_private_dir(*dir);
   return 0;
 }

@@ -3,12 +3,17 @@
 // ...) so that machine noise hits both alike. Prints one JSON line:
 // {"bench":"pipeline","mode":"threads","channel":"inproc","threads_per_block":T,"requests":N,
 //  "e2e_p50_ms":..,"monolithic_p50_ms":..,"ratio":..,"overhead_p50_ms":..}
+// With --mode workers the four blocks run in four worker processes (serialized ZeroMQ over ipc://,
+// channel "zmq-ipc"); the monolithic model stays in the host's threads.
+// With --mode worker_memory it prints {"bench":"worker_memory","rss_idle_mb":..,"rss_loaded_mb":..}:
+// a worker's resident memory before it loads anything and after it loaded the four blocks.
 //
-//   pipeline_bench --models DIR [--requests N] [--threads T]
+//   pipeline_bench --models DIR [--mode threads|workers|worker_memory] [--requests N] [--threads T]
 
 #include "bench_util.hpp"
 
 #include <blockflow/blockflow.hpp>
+#include <blockflow/worker_site.hpp>
 #include <blockflow/detail/clock.hpp>
 
 #include <ATen/ATen.h>
@@ -19,7 +24,7 @@
 namespace bf = blockflow;
 
 int main(int argc, char** argv) try {
-  std::string models;
+  std::string models, mode = "threads";
   int requests = 100, threads = 2, warmup = 5;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
@@ -27,27 +32,46 @@ int main(int argc, char** argv) try {
     else if (a == "--requests") requests = std::stoi(v);
     else if (a == "--threads") threads = std::stoi(v);
     else if (a == "--warmup") warmup = std::stoi(v);
+    else if (a == "--mode") mode = v;
     else throw std::invalid_argument("unknown argument " + a);
   }
   if (models.empty()) throw std::invalid_argument("usage: pipeline_bench --models DIR [--requests N] [--threads T]");
 
-  auto load = [&](const std::string& name, std::vector<std::int64_t> shape) {
-    bf::BlockOptions options;
-    options.intra_op_threads = threads;
-    options.input_shapes = {std::move(shape)};
-    auto block = bf::load_torchscript_block(name, models + "/" + name + ".pt", options);
-    if (!block.ok()) throw std::runtime_error(block.status().ToString());
-    return *block;
-  };
+  const std::vector<std::pair<std::string, std::vector<std::int64_t>>> blocks = {
+      {"block1", {1, 3, 224, 224}}, {"block2", {1, 256, 56, 56}}, {"block3", {1, 512, 28, 28}},
+      {"block4", {1, 1024, 14, 14}}, {"monolithic", {1, 3, 224, 224}}};
+  const bool workers = mode == "workers";
+  const bool memory = mode == "worker_memory";
+  if (!workers && !memory && mode != "threads") throw std::invalid_argument("--mode threads|workers|worker_memory");
   bf::Session session;
-  session.add_block(load("block1", {1, 3, 224, 224}))
-      .add_block(load("block2", {1, 256, 56, 56}))
-      .add_block(load("block3", {1, 512, 28, 28}))
-      .add_block(load("block4", {1, 1024, 14, 14}))
-      .add_block(load("monolithic", {1, 3, 224, 224}))
-      .add_path(bf::Path::chain("split", {"block1", "block2", "block3", "block4"}))
-      .add_path(bf::Path::chain("whole", {"monolithic"}));
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    bf::BlockDescription d;
+    d.name = blocks[i].first;
+    d.torchscript = models + "/" + d.name + ".pt";
+    d.options.intra_op_threads = threads;
+    d.options.input_shapes = {blocks[i].second};
+    if (d.name != "monolithic" && (workers || memory)) {
+      d.placement = memory ? "w1" : fmt::format("w{}", i + 1);
+    }
+    if (memory && d.name == "monolithic") continue;
+    session.add_block(d);
+  }
+  for (int w = 1; w <= (memory ? 1 : workers ? 4 : 0); ++w) {
+    bf::WorkerOptions o;
+    o.name = fmt::format("w{}", w);
+    session.add_site(bf::make_worker(o));
+  }
+  session.add_path(bf::Path::chain("split", {"block1", "block2", "block3", "block4"}));
+  if (!memory) session.add_path(bf::Path::chain("whole", {"monolithic"}));
   if (auto status = session.start(); !status.ok()) throw std::runtime_error(status.ToString());
+  if (memory) {
+    const auto site = session.metrics().sites.at(0);
+    fmt::print("{{\"bench\":\"worker_memory\",\"rss_idle_mb\":{:.1f},\"rss_loaded_mb\":{:.1f},\"blocks\":4,"
+               "\"threads_per_block\":{}}}\n",
+               static_cast<double>(site.rss_idle_bytes) / 1048576.0, static_cast<double>(site.rss_bytes) / 1048576.0,
+               threads);
+    return 0;
+  }
 
   std::vector<double> e2e_ms, mono_ms, overhead_ms;
   const bf::Tensor x = at::randn({1, 3, 224, 224});
@@ -63,9 +87,9 @@ int main(int argc, char** argv) try {
   }
   const double e2e = bf::bench::percentile(e2e_ms, 0.5), mono = bf::bench::percentile(mono_ms, 0.5);
   fmt::print(
-      "{{\"bench\":\"pipeline\",\"mode\":\"threads\",\"channel\":\"inproc\",\"threads_per_block\":{},\"requests\":{},"
+      "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"threads_per_block\":{},\"requests\":{},"
       "\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f}}}\n",
-      threads, requests, e2e, mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5));
+      mode, workers ? "zmq-ipc" : "inproc", threads, requests, e2e, mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5));
   return 0;
 } catch (const std::exception& e) {
   std::cerr << "pipeline_bench: " << e.what() << "\n";

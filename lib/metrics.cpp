@@ -56,6 +56,8 @@ std::string MetricsSnapshot::to_json(int indent) const {
                           {"failed_requests", s.failed_requests},
                           {"in_flight", s.in_flight},
                           {"malformed_frames", s.malformed_frames},
+                          {"rss_idle_bytes", s.rss_idle_bytes},
+                          {"rss_bytes", s.rss_bytes},
                           {"data", blockflow::to_json(s.data)}});
   }
   nlohmann::json root{{"uptime_s", uptime_s}, {"in_flight", in_flight}, {"blocks", blocks_json},

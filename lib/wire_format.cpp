@@ -46,7 +46,9 @@ T load(const unsigned char* p) {
   return static_cast<T>(bits);
 }
 
-absl::Status header_error(std::string_view what) { return absl::InvalidArgumentError(fmt::format("wire header: {}", what)); }
+absl::Status header_error(std::string_view what) {
+  return absl::InvalidArgumentError(fmt::format("wire header: {}", what));
+}
 
 absl::Status tensor_error(std::size_t index, std::string_view what) {
   return absl::InvalidArgumentError(fmt::format("tensor {}: {}", index, what));
@@ -57,7 +59,8 @@ std::string truncated(std::size_t size, std::size_t need) {
 }
 
 bool known_kind(std::uint8_t code) {
-  return code >= static_cast<std::uint8_t>(MessageKind::kData) && code <= static_cast<std::uint8_t>(MessageKind::kReply);
+  return code >= static_cast<std::uint8_t>(MessageKind::kData) &&
+         code <= static_cast<std::uint8_t>(MessageKind::kReply);
 }
 
 // Bytes a tensor with this layout spans, or nullopt if a product or sum overflows. The element count
@@ -74,8 +77,8 @@ std::optional<std::uint64_t> required_bytes(const TensorDesc& desc) {
   std::uint64_t span = 1;
   for (std::size_t i = 0; i < desc.shape.size(); ++i) {
     std::uint64_t term = 0;
-    if (__builtin_mul_overflow(static_cast<std::uint64_t>(desc.shape[i] - 1), static_cast<std::uint64_t>(desc.strides[i]),
-                               &term) ||
+    if (__builtin_mul_overflow(static_cast<std::uint64_t>(desc.shape[i] - 1),
+                               static_cast<std::uint64_t>(desc.strides[i]), &term) ||
         __builtin_add_overflow(span, term, &span)) {
       return std::nullopt;
     }
@@ -123,7 +126,8 @@ absl::Status validate_layout(std::size_t index, const TensorDesc& desc) {
 }
 
 // Decodes the tensor descriptor at `*pos`, advancing it past the descriptor.
-absl::StatusOr<TensorDesc> decode_tensor(std::size_t index, const unsigned char* p, std::size_t size, std::size_t* pos) {
+absl::StatusOr<TensorDesc> decode_tensor(std::size_t index, const unsigned char* p, std::size_t size,
+                                         std::size_t* pos) {
   if (size - *pos < kTensorDescFixedBytes) return tensor_error(index, truncated(size, *pos + kTensorDescFixedBytes));
   const unsigned char* t = p + *pos;
   const std::uint8_t dtype_code = t[0];
@@ -170,7 +174,8 @@ absl::Status check_preamble(const unsigned char* p, std::size_t size) {
 
 // The fixed part's flags, kind, reserved word, limits and status code.
 absl::Status check_fixed(const unsigned char* p) {
-  if (const std::uint8_t flags = p[kOffFlags]; flags != 0) return header_error(fmt::format("flags 0x{:02X} must be 0", flags));
+  if (const std::uint8_t flags = p[kOffFlags]; flags != 0)
+    return header_error(fmt::format("flags 0x{:02X} must be 0", flags));
   if (const std::uint8_t kind = p[kOffKind]; !known_kind(kind)) {
     return header_error(fmt::format("unknown message kind {}", kind));
   }
@@ -202,17 +207,17 @@ void check_encodable(const Header& header) {
         fmt::format("encode_header: message is {} bytes, limit {}", header.message.size(), kMaxMessageBytes));
   }
   if (header.tensors.size() > static_cast<std::size_t>(kMaxTensors)) {
-    throw std::invalid_argument(
-        fmt::format("encode_header: {} tensors, limit {}", header.tensors.size(), kMaxTensors));
+    throw std::invalid_argument(fmt::format("encode_header: {} tensors, limit {}", header.tensors.size(), kMaxTensors));
   }
   for (std::size_t i = 0; i < header.tensors.size(); ++i) {
     const auto& t = header.tensors[i];
     if (t.shape.size() > static_cast<std::size_t>(kMaxDims)) {
-      throw std::invalid_argument(fmt::format("encode_header: tensor {}: ndim {} exceeds {}", i, t.shape.size(), kMaxDims));
+      throw std::invalid_argument(
+          fmt::format("encode_header: tensor {}: ndim {} exceeds {}", i, t.shape.size(), kMaxDims));
     }
     if (t.strides.size() != t.shape.size()) {
-      throw std::invalid_argument(fmt::format("encode_header: tensor {}: {} strides for {} dimensions", i,
-                                              t.strides.size(), t.shape.size()));
+      throw std::invalid_argument(
+          fmt::format("encode_header: tensor {}: {} strides for {} dimensions", i, t.strides.size(), t.shape.size()));
     }
   }
 }
@@ -355,7 +360,8 @@ absl::Status check_frames(const Header& header, const std::vector<std::size_t>& 
   }
   for (std::size_t i = 0; i < frame_sizes.size(); ++i) {
     if (frame_sizes[i] != header.tensors[i].byte_count) {
-      return tensor_error(i, fmt::format("frame is {} bytes, header says {}", frame_sizes[i], header.tensors[i].byte_count));
+      return tensor_error(
+          i, fmt::format("frame is {} bytes, header says {}", frame_sizes[i], header.tensors[i].byte_count));
     }
   }
   return absl::OkStatus();
@@ -364,7 +370,8 @@ absl::Status check_frames(const Header& header, const std::vector<std::size_t>& 
 std::optional<std::uint64_t> peek_request_id(const void* data, std::size_t size) {
   if (data == nullptr || size < kOffRequestId + 8) return std::nullopt;
   const auto* p = static_cast<const unsigned char*>(data);
-  if (load<std::uint32_t>(p + kOffMagic) != kMagic || load<std::uint16_t>(p + kOffVersion) != kVersion) return std::nullopt;
+  if (load<std::uint32_t>(p + kOffMagic) != kMagic || load<std::uint16_t>(p + kOffVersion) != kVersion)
+    return std::nullopt;
   return load<std::uint64_t>(p + kOffRequestId);
 }
 

@@ -16,8 +16,9 @@
 
 namespace blockflow {
 
-/// @brief What a site reports for each request it was given: outputs or an error, plus the remote
-/// timestamps (steady clock of the same host; 0 where unknown).
+/// @brief What a site reports for each request it was given: outputs or an error, plus where the
+/// time went inside the site, as local steady-clock times (sites on other hosts convert their
+/// durations; 0 where unknown).
 struct SiteCompletion {
   std::uint64_t request_id = 0;
   std::uint32_t node = 0;
@@ -37,6 +38,8 @@ struct SiteStats {
   std::uint64_t failed_requests = 0;  ///< requests failed because the site died or was stopped
   std::uint64_t in_flight = 0;
   std::uint64_t malformed_frames = 0;
+  std::int64_t rss_idle_bytes = 0;  ///< resident memory of the process before it loaded any block
+  std::int64_t rss_bytes = 0;       ///< resident memory at the last heartbeat
   ChannelStats data;          ///< the channel that carries requests to the site
 };
 

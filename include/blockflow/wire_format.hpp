@@ -34,11 +34,11 @@ inline constexpr std::uint32_t kMagic = 0x57464C42;  ///< bytes 'B','L','F','W' 
 inline constexpr std::uint16_t kVersion = 1;         ///< bumped on any layout change
 inline constexpr int kMaxDims = 8;
 inline constexpr int kMaxTensors = 64;
-inline constexpr std::size_t kMaxNameBytes = 255;       ///< limit of Header::target
-inline constexpr std::size_t kMaxMessageBytes = 65536;  ///< limit of Header::message
+inline constexpr std::size_t kMaxNameBytes = 255;                          ///< limit of Header::target
+inline constexpr std::size_t kMaxMessageBytes = 65536;                     ///< limit of Header::message
 inline constexpr std::uint64_t kMaxTensorBytes = std::uint64_t{16} << 30;  ///< 16 GiB per tensor
-inline constexpr std::size_t kFixedHeaderBytes = 88;     ///< the fixed part, before target/message/tensors
-inline constexpr std::size_t kTensorDescFixedBytes = 16; ///< a tensor descriptor before shape/strides
+inline constexpr std::size_t kFixedHeaderBytes = 88;      ///< the fixed part, before target/message/tensors
+inline constexpr std::size_t kTensorDescFixedBytes = 16;  ///< a tensor descriptor before shape/strides
 
 /// @brief What a message is. Values are the wire codes.
 enum class MessageKind : std::uint8_t { kData = 1, kResult = 2, kError = 3, kSubmit = 4, kReply = 5 };
@@ -75,8 +75,7 @@ struct TensorDesc {
 
 /// @brief Steady-clock times (ns) along one hop, filled by whoever knows them; 0 where unknown.
 struct Timestamps {
-  std::int64_t submitted_ns = 0, arrived_ns = 0, dequeued_ns = 0, compute_start_ns = 0, compute_end_ns = 0,
-               sent_ns = 0;
+  std::int64_t submitted_ns = 0, arrived_ns = 0, dequeued_ns = 0, compute_start_ns = 0, compute_end_ns = 0, sent_ns = 0;
 };
 
 /// @brief Frame 0 of a message, decoded. Value type.
@@ -93,11 +92,17 @@ struct Header {
 };
 
 bool operator==(const TensorDesc& a, const TensorDesc& b);
-inline bool operator!=(const TensorDesc& a, const TensorDesc& b) { return !(a == b); }
+inline bool operator!=(const TensorDesc& a, const TensorDesc& b) {
+  return !(a == b);
+}
 bool operator==(const Timestamps& a, const Timestamps& b);
-inline bool operator!=(const Timestamps& a, const Timestamps& b) { return !(a == b); }
+inline bool operator!=(const Timestamps& a, const Timestamps& b) {
+  return !(a == b);
+}
 bool operator==(const Header& a, const Header& b);
-inline bool operator!=(const Header& a, const Header& b) { return !(a == b); }
+inline bool operator!=(const Header& a, const Header& b) {
+  return !(a == b);
+}
 
 /**
  * @brief Encodes a header as frame 0.
@@ -129,7 +134,7 @@ inline bool operator!=(const Header& a, const Header& b) { return !(a == b); }
 [[nodiscard]] std::optional<std::uint64_t> peek_request_id(const void* data, std::size_t size);
 
 /// @brief Contiguous row-major strides (in elements) for `shape`; a 0 dimension counts as 1, as in
-/// libtorch. Throws std::invalid_argument for a negative dimension or if the product overflows i64.
+/// libtorch. Throws std::invalid_argument for a negative dimension or a stride that overflows i64.
 [[nodiscard]] std::vector<std::int64_t> contiguous_strides(const std::vector<std::int64_t>& shape);
 
 }  // namespace blockflow::wire

@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <csignal>
 #include <cstring>
@@ -41,6 +42,20 @@ std::string describe_exit(int status) {
   if (WIFSIGNALED(status)) return fmt::format("killed by signal {}", WTERMSIG(status));
   if (WIFEXITED(status)) return fmt::format("exited with status {}", WEXITSTATUS(status));
   return "stopped";
+}
+
+// The host's environment with `overrides` ("NAME=VALUE") replacing same-named entries.
+std::vector<std::string> merged_environment(const std::vector<std::string>& overrides) {
+  std::vector<std::string> out;
+  auto name_of = [](const std::string& entry) { return entry.substr(0, entry.find('=')); };
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const std::string entry = *e;
+    const bool replaced = std::any_of(overrides.begin(), overrides.end(),
+                                      [&](const std::string& o) { return name_of(o) == name_of(entry); });
+    if (!replaced) out.push_back(entry);
+  }
+  out.insert(out.end(), overrides.begin(), overrides.end());
+  return out;
 }
 
 struct Outbound {
@@ -72,6 +87,7 @@ struct WorkerSite::Impl {
   std::int64_t restart_at_ns = 0;
   std::string kill_cause;           // set when we killed it (heartbeat, start timeout)
   std::uint64_t restarts = 0, failed_requests = 0, malformed = 0, sent = 0, received = 0;
+  std::int64_t rss_idle = 0, rss = 0;
   std::deque<Outbound> outbound;
   absl::flat_hash_map<std::pair<std::uint64_t, std::uint32_t>, std::string> in_flight;
   bool stopping = false;
@@ -90,8 +106,12 @@ struct WorkerSite::Impl {
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
+    std::vector<std::string> env_strings = merged_environment(options.environment);
+    std::vector<char*> envp;
+    for (auto& e : env_strings) envp.push_back(e.data());
+    envp.push_back(nullptr);
     pid_t child = 0;
-    const int rc = ::posix_spawn(&child, options.executable.c_str(), nullptr, nullptr, argv.data(), environ);
+    const int rc = ::posix_spawn(&child, options.executable.c_str(), nullptr, nullptr, argv.data(), envp.data());
     if (rc != 0) {
       return absl::UnavailableError(
           fmt::format("{}: cannot start '{}': {}", prefix(), options.executable, std::strerror(rc)));
@@ -177,12 +197,14 @@ struct WorkerSite::Impl {
       if (message.value("pid", 0) != pid) return;  // a stale worker
       identity = from;
       last_heartbeat_ns = now_ns();
+      rss_idle = rss = message.value("rss_bytes", std::int64_t{0});
       nlohmann::json config = detail::make_config(blocks, options);
       lock.unlock();
       send_control(router, from, config);
     } else if (from != identity) {
       return;  // from an earlier incarnation
     } else if (type == detail::kLoaded) {
+      rss = message.value("rss_bytes", rss);
       state = State::kReady;
       ever_ready = true;
       last_heartbeat_ns = now_ns();
@@ -194,6 +216,7 @@ struct WorkerSite::Impl {
       if (pid != 0) ::kill(pid, SIGKILL);
     } else if (type == detail::kHeartbeat) {
       last_heartbeat_ns = now_ns();
+      rss = message.value("rss_bytes", rss);
     }
   }
 
@@ -387,10 +410,15 @@ struct WorkerSite::Impl {
     SiteCompletion c;
     c.request_id = h.request_id;
     c.node = h.node;
-    c.arrived_ns = h.times.arrived_ns;
+    // The worker's clock may not be ours (another host): keep its durations, anchor them at the
+    // moment the reply arrived, so the transfer back counts as overhead.
+    const std::int64_t received_ns = now_ns();
+    if (h.times.sent_ns >= h.times.compute_end_ns && h.times.compute_end_ns >= h.times.compute_start_ns &&
+        h.times.compute_start_ns > 0) {
+      c.compute_end_ns = received_ns - (h.times.sent_ns - h.times.compute_end_ns);
+      c.compute_start_ns = c.compute_end_ns - (h.times.compute_end_ns - h.times.compute_start_ns);
+    }
     c.wait_ns = std::max<std::int64_t>(0, h.times.dequeued_ns - h.times.arrived_ns);
-    c.compute_start_ns = h.times.compute_start_ns;
-    c.compute_end_ns = h.times.compute_end_ns;
     if (h.kind == wire::MessageKind::kResult) {
       c.outputs = std::move(message.tensors);
     } else {
@@ -491,6 +519,8 @@ SiteStats WorkerSite::stats() const {
   out.failed_requests = s.failed_requests;
   out.in_flight = s.in_flight.size();
   out.malformed_frames = s.malformed;
+  out.rss_idle_bytes = s.rss_idle;
+  out.rss_bytes = s.rss;
   out.data.kind = "zmq-ipc";
   out.data.sent = s.sent;
   out.data.received = s.received;
