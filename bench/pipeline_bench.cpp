@@ -85,6 +85,7 @@ int main(int argc, char** argv) try {
     overhead_ms.push_back(r.trace.overhead_ms());
     mono_ms.push_back(m.trace.compute_ms());  // the model alone: its forward() time
   }
+  if (std::getenv("BENCH_METRICS") != nullptr) std::cerr << session.metrics().to_json(1) << "\n";
   const double e2e = bf::bench::percentile(e2e_ms, 0.5), mono = bf::bench::percentile(mono_ms, 0.5);
   fmt::print(
       "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"threads_per_block\":{},\"requests\":{},"

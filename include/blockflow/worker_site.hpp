@@ -58,6 +58,9 @@ class WorkerSite final : public RemoteSite {
 
   /// @brief The worker's process id (0 while it is down). For tests and tools.
   [[nodiscard]] std::int64_t pid() const;
+  /// @brief The endpoint where the worker's replies arrive (in the private directory; the
+  /// frames are validated like any other). For tests and tools.
+  [[nodiscard]] std::string result_endpoint() const;
 
  private:
   struct Impl;

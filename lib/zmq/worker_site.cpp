@@ -535,3 +535,7 @@ std::int64_t WorkerSite::pid() const {
 }
 
 }  // namespace blockflow
+
+namespace blockflow {
+std::string WorkerSite::result_endpoint() const { return impl_->result_endpoint; }
+}  // namespace blockflow

@@ -1,0 +1,64 @@
+#pragma once
+/// @file
+/// @brief Remote clients: a session endpoint where other processes submit (task, tensors) over
+/// ZeroMQ in the wire format (docs/wire-format.md), and a small C++ client for it. Part of the
+/// optional `blockflow::zmq` target.
+
+#include <blockflow/session.hpp>
+
+#include <absl/status/statusor.h>
+#include <absl/time/time.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace blockflow {
+
+/// @brief Serves a session to remote clients on a ROUTER socket.
+///
+/// A client sends a kSubmit message (target = task, request_id of its choosing, tensors) and gets
+/// back a kReply with the same request_id: the outputs, or status_code/message naming the block and
+/// the cause. Malformed frames are counted, logged and dropped; when their request id is readable
+/// the client gets an InvalidArgument reply naming the problem. `tcp://` endpoints should name
+/// 127.0.0.1 unless clients on other hosts must reach it (`tcp://*:port` binds every interface).
+/// One thread owns the socket; thread-safe.
+class ClientEndpoint {
+ public:
+  /// @brief Binds `endpoint` ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:*", "ipc:///run/x/client")
+  /// and starts serving. Throws std::runtime_error naming the endpoint when it cannot bind.
+  ClientEndpoint(Session& session, const std::string& endpoint);
+  ~ClientEndpoint();
+  ClientEndpoint(const ClientEndpoint&) = delete;
+  ClientEndpoint& operator=(const ClientEndpoint&) = delete;
+
+  /// @brief The bound endpoint, with the port resolved when it was "*".
+  [[nodiscard]] const std::string& endpoint() const;
+  [[nodiscard]] std::uint64_t malformed_frames() const;
+  [[nodiscard]] std::uint64_t served() const;
+  /// @brief Stops serving; requests still running are answered by nobody (their clients time out).
+  void stop();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// @brief A synchronous client of a ClientEndpoint. Not thread-safe: one per thread.
+class RemoteClient {
+ public:
+  explicit RemoteClient(const std::string& endpoint, absl::Duration timeout = absl::Seconds(60));
+  ~RemoteClient();
+  RemoteClient(const RemoteClient&) = delete;
+  RemoteClient& operator=(const RemoteClient&) = delete;
+
+  /// @brief Submits and waits for the reply. DeadlineExceeded after the timeout; otherwise the
+  /// outputs or the session's error status.
+  absl::StatusOr<Tensors> submit(const std::string& task, const Tensors& inputs);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace blockflow

@@ -1,0 +1,158 @@
+// Remote clients: round trips through the client endpoint, errors, and malformed frames sent with a
+// raw ZeroMQ socket to the client endpoint and to a worker's data endpoint.
+#include "test_util.hpp"
+
+#include <blockflow/client_endpoint.hpp>
+#include <blockflow/wire_format.hpp>
+#include <blockflow/worker_site.hpp>
+
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+using namespace blockflow;
+using Catch::Matchers::Contains;
+
+namespace {
+
+void serve_basic(Session& session) {
+  session.add_block(test::unary("twice", [](const Tensor& x) { return x * 2; }))
+      .add_block(Block::callable("fails", [](Tensors&&) -> absl::StatusOr<Tensors> {
+        return absl::FailedPreconditionError("no can do");
+      }))
+      .add_path(Path::chain("double", {"twice"}))
+      .add_path(Path::chain("broken", {"fails"}));
+  test::require_started(session);
+}
+
+// A valid submit header for one float32 [2] tensor, as bytes.
+std::string valid_header(std::uint64_t id) {
+  wire::Header h;
+  h.kind = wire::MessageKind::kSubmit;
+  h.request_id = id;
+  h.target = "double";
+  wire::TensorDesc d;
+  d.dtype = wire::DType::kFloat32;
+  d.shape = {2};
+  d.strides = {1};
+  d.byte_count = 8;
+  h.tensors.push_back(d);
+  return wire::encode_header(h);
+}
+
+// Sends raw frames and returns the reply's header, if one comes within 2 s.
+std::optional<wire::Header> send_raw(zmq::socket_t& dealer, const std::vector<std::string>& frames) {
+  for (std::size_t i = 0; i < frames.size(); ++i) {
+    (void)dealer.send(zmq::buffer(frames[i]), i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+  }
+  zmq::pollitem_t item{dealer.handle(), 0, ZMQ_POLLIN, 0};
+  zmq::poll(&item, 1, std::chrono::milliseconds(2000));
+  if ((item.revents & ZMQ_POLLIN) == 0) return std::nullopt;
+  std::vector<zmq::message_t> reply;
+  (void)zmq::recv_multipart(dealer, std::back_inserter(reply));
+  auto h = wire::decode_header(reply.at(0).data(), reply.at(0).size());
+  REQUIRE(h.ok());
+  return *h;
+}
+
+}  // namespace
+
+TEST_CASE("a remote client submits over TCP and gets outputs or the named error", "[client]") {
+  Session session;
+  serve_basic(session);
+  ClientEndpoint endpoint(session, "tcp://127.0.0.1:*");
+  CHECK_THAT(endpoint.endpoint(), Contains("tcp://127.0.0.1:"));
+  RemoteClient client(endpoint.endpoint());
+  auto out = client.submit("double", {at::arange(4, at::kFloat)});
+  REQUIRE(out.ok());
+  CHECK(at::equal(out->at(0), at::arange(4, at::kFloat) * 2));
+  auto big = client.submit("double", {at::ones({256, 56, 56})});  // 3.2 MB each way
+  REQUIRE(big.ok());
+  CHECK(big->at(0).sum().item<double>() == 2.0 * 256 * 56 * 56);
+  auto failed = client.submit("broken", {at::ones({1})});
+  CHECK(absl::IsFailedPrecondition(failed.status()));
+  CHECK_THAT(std::string(failed.status().message()), Contains("block 'fails'") && Contains("no can do"));
+  auto unknown = client.submit("nope", {at::ones({1})});
+  CHECK(absl::IsNotFound(unknown.status()));
+  CHECK(endpoint.served() == 4);
+}
+
+TEST_CASE("malformed frames to the client endpoint: dropped, counted, answered when the id is readable", "[client]") {
+  Session session;
+  serve_basic(session);
+  ClientEndpoint endpoint(session, "tcp://127.0.0.1:*");
+  zmq::context_t context;
+  zmq::socket_t dealer(context, zmq::socket_type::dealer);
+  dealer.set(zmq::sockopt::linger, 0);
+  dealer.connect(endpoint.endpoint());
+  const std::string data(8, '\0');
+  const std::string good = valid_header(7);
+  const std::size_t desc = wire::kFixedHeaderBytes + std::string("double").size();  // first tensor descriptor
+
+  auto expect_error = [&](std::vector<std::string> frames, const std::string& needle) {
+    auto reply = send_raw(dealer, frames);
+    REQUIRE(reply.has_value());
+    CHECK(reply->request_id == 7);
+    CHECK(reply->status_code == static_cast<int>(absl::StatusCode::kInvalidArgument));
+    CHECK_THAT(reply->message, Contains("malformed request") && Contains(needle));
+  };
+  std::string huge_ndim = good;
+  huge_ndim[desc + 1] = 9;
+  expect_error({huge_ndim, data}, "ndim 9");
+  std::string bad_dtype = good;
+  bad_dtype[desc] = 77;
+  expect_error({bad_dtype, data}, "dtype code 77");
+  expect_error({good, std::string(12, '\0')}, "tensor 0");                  // byte count != shape x dtype
+  expect_error({good.substr(0, good.size() - 3), data}, "");                // truncated tensor descriptor
+  std::string bad_kind = good;
+  bad_kind[6] = 9;
+  expect_error({bad_kind, data}, "kind");
+
+  // No readable request id: dropped without a reply.
+  std::string bad_magic = good;
+  bad_magic[0] = 'X';
+  CHECK_FALSE(send_raw(dealer, {bad_magic, data}).has_value());
+  std::string bad_version = good;
+  bad_version[4] = 42;
+  CHECK_FALSE(send_raw(dealer, {bad_version, data}).has_value());
+  CHECK_FALSE(send_raw(dealer, {"garbage"}).has_value());
+  CHECK_FALSE(send_raw(dealer, {good.substr(0, 10)}).has_value());
+  CHECK(endpoint.malformed_frames() == 9);
+
+  // The session keeps serving.
+  auto reply = send_raw(dealer, {good, std::string("\0\0\x80\x3f\0\0\0\x40", 8)});  // [1.0, 2.0]
+  REQUIRE(reply.has_value());
+  CHECK(reply->status_code == 0);
+  RemoteClient client(endpoint.endpoint());
+  CHECK(client.submit("double", {at::ones({1})}).ok());
+}
+
+TEST_CASE("malformed frames to a worker's data endpoint are counted and dropped; the session keeps serving", "[client]") {
+  auto site = make_worker([] {
+    WorkerOptions o;
+    o.name = "w1";
+    o.plugins = {BLOCKFLOW_TEST_PLUGIN};
+    return o;
+  }());
+  Session session;
+  BlockDescription affine;
+  affine.name = "affine";
+  affine.factory = "affine";
+  affine.placement = "w1";
+  session.add_site(site).add_block(affine).add_path(Path::chain("t", {"affine"}));
+  test::require_started(session);
+  zmq::context_t context;
+  zmq::socket_t push(context, zmq::socket_type::push);
+  push.set(zmq::sockopt::linger, 1000);
+  push.connect(site->result_endpoint());
+  std::string bad = valid_header(123456);
+  bad[4] = 3;  // wrong version
+  (void)push.send(zmq::buffer(bad), zmq::send_flags::none);
+  (void)push.send(zmq::str_buffer("garbage"), zmq::send_flags::none);
+  for (int i = 0; i < 200 && session.metrics().sites.at(0).malformed_frames < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK(session.metrics().sites.at(0).malformed_frames == 2);
+  Result r = session.submit("t", at::ones({2})).get();
+  REQUIRE(r.ok());
+  CHECK(at::equal(r.output(), at::full({2}, 4.0)));
+}
