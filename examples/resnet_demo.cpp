@@ -2,12 +2,15 @@
 // threads of one process. Checks the split pipelines against the monolithic models and prints where
 // each request's time went.
 //
-//   resnet_demo --models DIR [--requests N] [--threads T]
+//   resnet_demo --models DIR [--requests N] [--threads T] [--placement threads|workers]
 //
 // DIR is written by scripts/export_models.py. T is the intra-op thread count of every block (and
-// of the monolithic models, so the comparison is fair).
+// of the monolithic models, so the comparison is fair). With --placement workers, block1..block4
+// run in child worker processes w1..w4 (head_b shares w4 with block4) over serialized ZeroMQ; the
+// monolithic models stay in the host's threads.
 
 #include <blockflow/blockflow.hpp>
+#include <blockflow/worker_site.hpp>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -25,6 +28,7 @@ struct Args {
   std::string models;
   int requests = 20;
   int threads = 2;
+  std::string placement = "threads";
 };
 
 Args parse(int argc, char** argv) {
@@ -38,19 +42,27 @@ Args parse(int argc, char** argv) {
     if (a == "--models") args.models = next();
     else if (a == "--requests") args.requests = std::stoi(next());
     else if (a == "--threads") args.threads = std::stoi(next());
-    else throw std::invalid_argument("unknown argument " + a + " (use --models DIR [--requests N] [--threads T])");
+    else if (a == "--placement") args.placement = next();
+    else throw std::invalid_argument("unknown argument " + a +
+                                     " (use --models DIR [--requests N] [--threads T] [--placement threads|workers])");
   }
   if (args.models.empty()) throw std::invalid_argument("--models DIR is required");
+  if (args.placement != "threads" && args.placement != "workers") {
+    throw std::invalid_argument("--placement is threads or workers, not " + args.placement);
+  }
   return args;
 }
 
-std::shared_ptr<bf::Block> load(const Args& args, const std::string& name, std::vector<std::int64_t> input_shape) {
-  bf::BlockOptions options;
-  options.intra_op_threads = args.threads;
-  options.input_shapes = {std::move(input_shape)};
-  auto block = bf::load_torchscript_block(name, args.models + "/" + name + ".pt", options);
-  if (!block.ok()) throw std::runtime_error(block.status().ToString());
-  return *block;
+// A TorchScript block of the demo, placed in this process (empty placement) or in a worker.
+bf::BlockDescription block(const Args& args, const std::string& name, std::vector<std::int64_t> input_shape,
+                           std::string placement = "") {
+  bf::BlockDescription d;
+  d.name = name;
+  d.torchscript = args.models + "/" + name + ".pt";
+  d.options.intra_op_threads = args.threads;
+  d.options.input_shapes = {std::move(input_shape)};
+  d.placement = args.placement == "workers" ? std::move(placement) : "";
+  return d;
 }
 
 double max_abs_diff(const bf::Tensor& a, const bf::Tensor& b) { return (a - b).abs().max().item<double>(); }
@@ -62,13 +74,20 @@ int main(int argc, char** argv) try {
   const std::vector<std::int64_t> image{-1, 3, 224, 224};
 
   bf::Session session;
-  session.add_block(load(args, "block1", image))
-      .add_block(load(args, "block2", {-1, 256, 56, 56}))
-      .add_block(load(args, "block3", {-1, 512, 28, 28}))
-      .add_block(load(args, "block4", {-1, 1024, 14, 14}))
-      .add_block(load(args, "head_b", {-1, 1024, 14, 14}))
-      .add_block(load(args, "monolithic", image))
-      .add_block(load(args, "monolithic_b", image))
+  if (args.placement == "workers") {
+    for (const char* w : {"w1", "w2", "w3", "w4"}) {
+      bf::WorkerOptions worker;
+      worker.name = w;
+      session.add_site(bf::make_worker(worker));
+    }
+  }
+  session.add_block(block(args, "block1", image, "w1"))
+      .add_block(block(args, "block2", {-1, 256, 56, 56}, "w2"))
+      .add_block(block(args, "block3", {-1, 512, 28, 28}, "w3"))
+      .add_block(block(args, "block4", {-1, 1024, 14, 14}, "w4"))
+      .add_block(block(args, "head_b", {-1, 1024, 14, 14}, "w4"))
+      .add_block(block(args, "monolithic", image))
+      .add_block(block(args, "monolithic_b", image))
       // Two tasks share blocks 1-3 and differ in their heads.
       .add_path(bf::Path::chain("task_a", {"block1", "block2", "block3", "block4"}))
       .add_path(bf::Path::chain("task_b", {"block1", "block2", "block3", "head_b"}))
@@ -79,7 +98,9 @@ int main(int argc, char** argv) try {
     return 1;
   }
 
-  fmt::print("BlockFlow demo: split ResNet50, 2 tasks sharing blocks 1-3, threads mode\n");
+  fmt::print("BlockFlow demo: split ResNet50, 2 tasks sharing blocks 1-3, placement: {}\n",
+             args.placement == "workers" ? "blocks 1-4 in worker processes w1-w4 (zmq-ipc), head_b in w4"
+                                         : "threads of this process (inproc)");
   fmt::print("threads: {} intra-op per block, 1 worker thread per block, {} hardware threads\n", args.threads,
              std::thread::hardware_concurrency());
 
@@ -112,11 +133,12 @@ int main(int argc, char** argv) try {
 
   const bf::MetricsSnapshot m = session.metrics();
   fmt::print("per block, ms as p50 / mean ({} timed requests + the equality checks):\n", args.requests);
-  fmt::print("{:<14}{:>6}{:>18}{:>18}{:>18}{:>7}\n", "block", "count", "wait", "compute", "overhead", "queue");
+  fmt::print("{:<14}{:>8}{:>6}{:>18}{:>18}{:>18}{:>7}\n", "block", "where", "count", "wait", "compute", "overhead",
+             "queue");
   for (const auto& b : m.blocks) {
     auto cell = [](const bf::LatencyStats& s) { return fmt::format("{:.3f} / {:.3f}", s.p50_ms, s.mean_ms); };
-    fmt::print("{:<14}{:>6}{:>18}{:>18}{:>18}{:>7}\n", b.name, b.processed, cell(b.wait), cell(b.compute),
-               cell(b.overhead), b.queue.depth);
+    fmt::print("{:<14}{:>8}{:>6}{:>18}{:>18}{:>18}{:>7}\n", b.name, b.placement, b.processed, cell(b.wait),
+               cell(b.compute), cell(b.overhead), b.queue.depth);
   }
   fmt::print("\nper task, ms (wait, compute, overhead: means summed over the request's hops):\n");
   fmt::print("{:<8}{:>6}{:>10}{:>10}{:>10}{:>12}{:>12}{:>12}\n", "task", "count", "e2e p50", "e2e p90", "e2e p99",

@@ -94,6 +94,8 @@ struct ClientEndpoint::Impl {
       batch.swap(replies);
     }
     for (auto& reply : batch) {
+      // Counted before the send: the client may read the reply before this thread goes on.
+      ++served;
       try {
         (void)router.send(zmq::buffer(reply.peer), zmq::send_flags::sndmore);
         auto sent = detail::send_message(router, reply.header, reply.tensors);
@@ -101,8 +103,8 @@ struct ClientEndpoint::Impl {
           (void)router.send(zmq::buffer(reply.peer), zmq::send_flags::sndmore);
           (void)detail::send_message(router, reply_header(reply.header.request_id, sent.status()), {});
         }
-        ++served;
       } catch (const zmq::error_t& e) {  // the client went away (ROUTER_MANDATORY)
+        --served;
         std::cerr << fmt::format("blockflow: client endpoint {}: reply lost: {}\n", endpoint, e.what());
       }
     }
