@@ -29,6 +29,14 @@ struct WorkerOptions {
   /// the monolithic model). Within a block, parallel regions follow each other closely enough to
   /// stay in the spin.
   std::vector<std::string> environment = {"GOMP_SPINCOUNT=10000"};
+  /// Empty (the default): the session starts the worker as its child and reaches it over `ipc://`
+  /// endpoints in a private 0700 directory. "tcp://ADDR:PORT": a worker on another host. The session
+  /// starts nothing; it binds its control socket at this endpoint (and its two data sockets at
+  /// ephemeral ports of the same address) and waits for a worker started there with
+  /// `blockflow-worker --join tcp://THIS_HOST:PORT --name NAME`. A worker that goes silent is declared
+  /// dead after heartbeat_timeout; "restart" then means waiting up to start_timeout for it to join
+  /// again (blockflow-worker re-joins by itself). Name an address: 127.0.0.1 keeps it on this host.
+  std::string listen;
   int max_restarts = 5;                                  ///< per session; then the worker stays down
   absl::Duration restart_backoff = absl::Milliseconds(100);  ///< doubled after each restart
   absl::Duration heartbeat_interval = absl::Milliseconds(100);
@@ -39,7 +47,8 @@ struct WorkerOptions {
 
 /// @brief A RemoteSite that runs blocks in a child process started with posix_spawn (never fork) of
 /// the worker executable, configured over a ROUTER/DEALER control channel, fed over PUSH/PULL data
-/// sockets in a private 0700 directory.
+/// sockets in a private 0700 directory; or, with WorkerOptions::listen, in a worker on another host
+/// that joins over TCP.
 ///
 /// Supervision: a worker that exits, is killed, or misses heartbeats for heartbeat_timeout is
 /// detected (process status is polled every 50 ms); every request inside it fails with an error
@@ -56,11 +65,14 @@ class WorkerSite final : public RemoteSite {
   void stop() override;
   SiteStats stats() const override;
 
-  /// @brief The worker's process id (0 while it is down). For tests and tools.
+  /// @brief The worker's process id (0 while it is down, and for a worker on another host). For
+  /// tests and tools.
   [[nodiscard]] std::int64_t pid() const;
   /// @brief The endpoint where the worker's replies arrive (in the private directory; the
   /// frames are validated like any other). For tests and tools.
   [[nodiscard]] std::string result_endpoint() const;
+  /// @brief Where a worker joins (WorkerOptions::listen with the port resolved), empty for a child.
+  [[nodiscard]] std::string join_endpoint() const;
 
  private:
   struct Impl;

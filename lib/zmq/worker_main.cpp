@@ -4,6 +4,14 @@
 // over the control channel, receives its configuration (block descriptions, plugins), builds and
 // warms the blocks up in a local Session, then serves data messages until told to stop. It dies
 // with its parent (PR_SET_PDEATHSIG) and exits if the parent changed before that was set.
+//
+// On another host it is started by hand (or by systemd) and joins a session over TCP:
+//
+//   blockflow-worker --join tcp://SESSION_HOST:PORT --name NAME [--once]
+//
+// where the session has a worker NAME with WorkerOptions::listen = "tcp://ADDR:PORT". The data
+// endpoints' ports come with the configuration. When the session stops it, or goes silent for
+// longer than the host timeout, the worker drops its blocks and joins again (with --once: exits).
 
 #include <blockflow/blockflow.hpp>
 #include <blockflow/detail/clock.hpp>
@@ -25,6 +33,8 @@
 #include <deque>
 #include <fstream>
 #include <iostream>
+#include <limits>
+#include <optional>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -37,23 +47,43 @@ namespace {
 struct Args {
   std::string name, control, requests, results;
   pid_t parent = 0;
+  bool join = false;  // on another host: --join; no parent
+  bool once = false;
 };
+
+constexpr const char* kUsage =
+    "usage: blockflow-worker --join tcp://SESSION_HOST:PORT --name NAME [--once]\n"
+    "   or: blockflow-worker --name N --control EP --requests EP --results EP --parent PID "
+    "(how a session starts its child workers)";
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
+  for (int i = 1; i < argc; i += 2) {
+    const std::string k = argv[i];
+    if (k == "--once") {
+      a.once = true;
+      --i;
+      continue;
+    }
+    if (i + 1 >= argc) throw std::invalid_argument(fmt::format("{} needs a value\n{}", k, kUsage));
+    const std::string v = argv[i + 1];
     if (k == "--name") a.name = v;
+    else if (k == "--join") {
+      a.control = v;
+      a.join = true;
+    }
     else if (k == "--control") a.control = v;
     else if (k == "--requests") a.requests = v;
     else if (k == "--results") a.results = v;
     else if (k == "--parent") a.parent = static_cast<pid_t>(std::stol(v));
-    else throw std::invalid_argument("unknown argument " + k);
+    else throw std::invalid_argument(fmt::format("unknown argument {}\n{}", k, kUsage));
   }
-  if (a.name.empty() || a.control.empty() || a.requests.empty() || a.results.empty() || a.parent == 0) {
-    throw std::invalid_argument(
-        "usage: blockflow-worker --name N --control EP --requests EP --results EP --parent PID "
-        "(started by a BlockFlow session, not by hand)");
+  if (a.join) {
+    if (a.name.empty() || a.control.rfind("tcp://", 0) != 0 || a.parent != 0) {
+      throw std::invalid_argument(fmt::format("--join takes tcp://HOST:PORT and a --name\n{}", kUsage));
+    }
+  } else if (a.name.empty() || a.control.empty() || a.requests.empty() || a.results.empty() || a.parent == 0) {
+    throw std::invalid_argument(kUsage);
   }
   return a;
 }
@@ -130,18 +160,33 @@ absl::Status load_plugins(const nlohmann::json& plugins) {
   return absl::OkStatus();
 }
 
+// "tcp://HOST:PORT" with another port.
+std::string with_port(const std::string& endpoint, int port) {
+  return fmt::format("{}{}", endpoint.substr(0, endpoint.rfind(':') + 1), port);
+}
+
 class Worker {
  public:
-  explicit Worker(Args args) : args_(std::move(args)), control_(context_, zmq::socket_type::dealer) {
-    control_.set(zmq::sockopt::routing_id, fmt::format("{}-{}", args_.name, ::getpid()));
+  Worker(Args args, int incarnation) : args_(std::move(args)), control_(context_, zmq::socket_type::dealer) {
+    control_.set(zmq::sockopt::routing_id, fmt::format("{}-{}-{}", args_.name, ::getpid(), incarnation));
     control_.set(zmq::sockopt::linger, 0);
     control_.connect(args_.control);
   }
 
   int run() {
-    send_control({{"type", bf::detail::kHello}, {"pid", ::getpid()}, {"rss_bytes", rss_bytes()}});
     auto config = wait_config();
     if (!config) return 1;
+    if (args_.join) {
+      try {
+        args_.requests = with_port(args_.control, config->at("requests_port").get<int>());
+        args_.results = with_port(args_.control, config->at("results_port").get<int>());
+      } catch (const nlohmann::json::exception& e) {
+        std::cerr << fmt::format("blockflow-worker {}: configuration without data ports: {}\n", args_.name, e.what());
+        return 1;
+      }
+      std::cerr << fmt::format("blockflow-worker {}: joined {}; loading {} block(s)\n", args_.name, args_.control,
+                               config->value("blocks", nlohmann::json::array()).size());
+    }
     if (auto status = load(*config); !status.ok()) {
       send_control({{"type", bf::detail::kLoadError}, {"message", std::string(std::string(status.message()))}});
       std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let the message leave
@@ -162,17 +207,32 @@ class Worker {
  private:
   void send_control(const nlohmann::json& message) { (void)control_.send(zmq::buffer(message.dump()), zmq::send_flags::none); }
 
-  bool parent_alive() const { return ::getppid() == args_.parent; }
+  // A child lives while its parent does; a joined worker while the session keeps pinging (it pings
+  // every heartbeat interval, 100 ms by default).
+  bool host_alive() const {
+    if (!args_.join) return ::getppid() == args_.parent;
+    return now_ns() - last_host_ns_ < kHostSilenceNs;
+  }
 
+  // Says hello (a joining worker again every second: the session may not be listening yet, or may
+  // be busy with another worker of the same name) until the configuration arrives.
   std::optional<nlohmann::json> wait_config() {
-    while (parent_alive()) {
+    std::int64_t next_hello = 0;
+    while (args_.join || host_alive()) {
+      if (now_ns() >= next_hello) {
+        send_control({{"type", bf::detail::kHello}, {"pid", ::getpid()}, {"name", args_.name}, {"rss_bytes", rss_bytes()}});
+        next_hello = args_.join ? now_ns() + 1'000'000'000 : std::numeric_limits<std::int64_t>::max();
+      }
       zmq::pollitem_t item{control_.handle(), 0, ZMQ_POLLIN, 0};
       zmq::poll(&item, 1, std::chrono::milliseconds(200));
       if ((item.revents & ZMQ_POLLIN) == 0) continue;
       zmq::message_t msg;
       if (!control_.recv(msg, zmq::recv_flags::dontwait)) continue;
       auto json = nlohmann::json::parse(msg.to_string(), nullptr, false);
-      if (!json.is_discarded() && json.value("type", "") == bf::detail::kConfig) return json;
+      if (!json.is_discarded() && json.value("type", "") == bf::detail::kConfig) {
+        last_host_ns_ = now_ns();
+        return json;
+      }
     }
     return std::nullopt;
   }
@@ -191,16 +251,20 @@ class Worker {
   }
 
   void control_loop() {
-    while (parent_alive()) {
+    while (host_alive()) {
       zmq::pollitem_t item{control_.handle(), 0, ZMQ_POLLIN, 0};
       zmq::poll(&item, 1, std::chrono::milliseconds(100));
       if ((item.revents & ZMQ_POLLIN) == 0) continue;
       zmq::message_t msg;
       if (!control_.recv(msg, zmq::recv_flags::dontwait)) continue;
+      last_host_ns_ = now_ns();
       auto json = nlohmann::json::parse(msg.to_string(), nullptr, false);
       if (json.is_discarded()) continue;
       const std::string type = json.value("type", "");
-      if (type == bf::detail::kStop) return;
+      if (type == bf::detail::kStop) {
+        stopped_by_host_ = true;
+        return;
+      }
       if (type == bf::detail::kPing) send_control({{"type", bf::detail::kHeartbeat}, {"rss_bytes", rss_bytes()}});
     }
   }
@@ -268,7 +332,15 @@ class Worker {
     }
   }
 
+  static constexpr std::int64_t kHostSilenceNs = 3'000'000'000;
+
+ public:
+  bool stopped_by_host() const { return stopped_by_host_; }
+
+ private:
   Args args_;
+  std::int64_t last_host_ns_ = 0;
+  bool stopped_by_host_ = false;
   zmq::context_t context_{1};
   zmq::socket_t control_;
   bf::Session session_;
@@ -281,9 +353,20 @@ class Worker {
 
 int main(int argc, char** argv) try {
   Args args = parse(argc, argv);
-  ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // no orphans: die with the host
-  if (::getppid() != args.parent) return 1;  // the host died before the line above
-  return Worker(std::move(args)).run();
+  if (!args.join) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // no orphans: die with the host
+    if (::getppid() != args.parent) return 1;  // the host died before the line above
+    return Worker(std::move(args), 0).run();
+  }
+  std::cerr << fmt::format("blockflow-worker {}: joining {}\n", args.name, args.control);
+  for (int incarnation = 0;; ++incarnation) {
+    Worker worker(args, incarnation);
+    const int rc = worker.run();
+    if (args.once) return rc;
+    std::cerr << fmt::format("blockflow-worker {}: {}; joining again\n", args.name,
+                             worker.stopped_by_host() ? "stopped by the session" : "the session went silent");
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
 } catch (const std::exception& e) {
   std::cerr << "blockflow-worker: " << e.what() << "\n";
   return 2;

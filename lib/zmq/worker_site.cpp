@@ -58,6 +58,13 @@ std::vector<std::string> merged_environment(const std::vector<std::string>& over
   return out;
 }
 
+// "tcp://ADDR:PORT" -> "tcp://ADDR:*" (the data sockets of a joining worker take ephemeral ports).
+std::string with_any_port(const std::string& endpoint) {
+  return endpoint.substr(0, endpoint.rfind(':') + 1) + "*";
+}
+
+int port_of(const std::string& endpoint) { return std::stoi(endpoint.substr(endpoint.rfind(':') + 1)); }
+
 struct Outbound {
   std::string block;
   Envelope envelope;
@@ -73,6 +80,8 @@ struct WorkerSite::Impl {
   CompletionFn done;
   std::string dir, control_endpoint, request_endpoint, result_endpoint;
   zmq::context_t context{1};
+  // Bound in start() on the caller's thread, then each used by exactly one thread.
+  zmq::socket_t router, push, pull;
 
   mutable std::mutex mu;
   std::condition_variable changed;  // state, outbound, in_flight: wakes the sender, run() and start()
@@ -91,6 +100,8 @@ struct WorkerSite::Impl {
   std::deque<Outbound> outbound;
   absl::flat_hash_map<std::pair<std::uint64_t, std::uint32_t>, std::string> in_flight;
   bool stopping = false;
+  bool death_pending = false;
+  std::string unreachable_peer;     // control thread only       // a joined worker declared dead from the control thread
   std::thread control, sender, receiver;
 
   explicit Impl(WorkerOptions o) : options(std::move(o)) {
@@ -98,8 +109,16 @@ struct WorkerSite::Impl {
   }
 
   std::string prefix() const { return fmt::format("worker {}", options.name); }
+  bool joined() const { return !options.listen.empty(); }  // on another host, joins over TCP
 
   absl::Status spawn_locked() {
+    if (joined()) {  // nothing to start: wait for the worker to join
+      identity.clear();
+      state = State::kStarting;
+      kill_cause.clear();
+      start_deadline_ns = now_ns() + absl::ToInt64Nanoseconds(options.start_timeout);
+      return absl::OkStatus();
+    }
     std::vector<std::string> args = {options.executable,       "--name",    options.name,   "--control",
                                      control_endpoint,         "--requests", request_endpoint, "--results",
                                      result_endpoint,          "--parent",  std::to_string(::getpid())};
@@ -180,8 +199,12 @@ struct WorkerSite::Impl {
       (void)router.send(zmq::buffer(to), zmq::send_flags::sndmore);
       (void)router.send(zmq::buffer(message.dump()), zmq::send_flags::none);
     } catch (const zmq::error_t& e) {
-      // ROUTER_MANDATORY: the peer is gone; supervision notices through the process status.
-      std::cerr << fmt::format("blockflow: {}: control message lost: {}\n", prefix(), e.what());
+      // ROUTER_MANDATORY: the peer is gone; supervision notices (process status, heartbeats). Said
+      // once per peer.
+      if (to != unreachable_peer) {
+        unreachable_peer = to;
+        std::cerr << fmt::format("blockflow: {}: control message lost: {}\n", prefix(), e.what());
+      }
     }
   }
 
@@ -194,11 +217,24 @@ struct WorkerSite::Impl {
     const std::string type = message.value("type", "");
     std::unique_lock lock(mu);
     if (type == detail::kHello) {
-      if (message.value("pid", 0) != pid) return;  // a stale worker
+      if (joined()) {
+        if (message.value("name", "") != options.name) {
+          std::cerr << fmt::format("blockflow: {}: a worker named '{}' tried to join; ignored\n", prefix(),
+                                   message.value("name", ""));
+          return;
+        }
+        if (state != State::kStarting) return;  // one worker at a time; a second one keeps knocking
+      } else if (message.value("pid", 0) != pid) {
+        return;  // a stale worker
+      }
       identity = from;
       last_heartbeat_ns = now_ns();
       rss_idle = rss = message.value("rss_bytes", std::int64_t{0});
       nlohmann::json config = detail::make_config(blocks, options);
+      if (joined()) {
+        config["requests_port"] = port_of(request_endpoint);
+        config["results_port"] = port_of(result_endpoint);
+      }
       lock.unlock();
       send_control(router, from, config);
     } else if (from != identity) {
@@ -213,27 +249,37 @@ struct WorkerSite::Impl {
     } else if (type == detail::kLoadError) {
       start_error = fmt::format("{}: {}", prefix(), message.value("message", "load failed"));
       kill_cause = "failed to load its blocks";
-      if (pid != 0) ::kill(pid, SIGKILL);
+      if (joined()) death_pending = true;
+      else if (pid != 0) ::kill(pid, SIGKILL);
     } else if (type == detail::kHeartbeat) {
       last_heartbeat_ns = now_ns();
       rss = message.value("rss_bytes", rss);
     }
   }
 
-  // Reaps the child, enforces heartbeats and start timeouts, restarts after backoff.
+  // Reaps the child, enforces heartbeats and start timeouts, restarts after backoff (for a joining
+  // worker: declares it dead, then waits for it to join again).
   void supervise() {
     pid_t child = 0;
+    std::string death;
     {
       std::lock_guard lock(mu);
       child = pid;
       const std::int64_t now = now_ns();
-      if (child != 0 && state == State::kReady &&
-          now - last_heartbeat_ns > absl::ToInt64Nanoseconds(options.heartbeat_timeout)) {
-        kill_cause = fmt::format("missed heartbeats for {} ms", (now - last_heartbeat_ns) / 1000000);
-        ::kill(child, SIGKILL);
-      } else if (child != 0 && state == State::kStarting && now > start_deadline_ns) {
-        kill_cause = fmt::format("did not start within {}", absl::FormatDuration(options.start_timeout));
-        ::kill(child, SIGKILL);
+      auto declare = [&](std::string why) {
+        kill_cause = std::move(why);
+        if (joined()) death = kill_cause;
+        else if (child != 0) ::kill(child, SIGKILL);
+      };
+      if (death_pending) {
+        death_pending = false;
+        death = kill_cause;
+      } else if (state == State::kReady && now - last_heartbeat_ns > absl::ToInt64Nanoseconds(options.heartbeat_timeout)) {
+        declare(fmt::format("missed heartbeats for {} ms", (now - last_heartbeat_ns) / 1000000));
+      } else if (state == State::kStarting && now > start_deadline_ns) {
+        declare(joined() ? fmt::format("did not join at {} within {}", control_endpoint,
+                                       absl::FormatDuration(options.start_timeout))
+                         : fmt::format("did not start within {}", absl::FormatDuration(options.start_timeout)));
       } else if (child == 0 && state == State::kDown && now >= restart_at_ns) {
         if (auto status = spawn_locked(); !status.ok()) {
           state = State::kFailed;
@@ -242,16 +288,13 @@ struct WorkerSite::Impl {
         return;
       }
     }
+    if (!death.empty()) return on_death(death);
     if (child == 0) return;
     int status = 0;
     if (::waitpid(child, &status, WNOHANG) == child) on_death(describe_exit(status));
   }
 
   void control_main() {
-    zmq::socket_t router(context, zmq::socket_type::router);
-    router.set(zmq::sockopt::router_mandatory, 1);
-    router.set(zmq::sockopt::linger, 0);
-    router.bind(control_endpoint);
     {
       std::lock_guard lock(mu);
       if (auto status = spawn_locked(); !status.ok()) {
@@ -296,8 +339,8 @@ struct WorkerSite::Impl {
       child = pid;
       to = identity;
     }
-    if (child == 0) return;
     if (!to.empty()) send_control(router, to, {{"type", detail::kStop}});
+    if (child == 0) return;
     int status = 0;
     for (int i = 0; i < 200; ++i) {  // up to 2 s for a clean exit
       if (::waitpid(child, &status, WNOHANG) == child) return;
@@ -308,10 +351,6 @@ struct WorkerSite::Impl {
   }
 
   void sender_main() {
-    zmq::socket_t push(context, zmq::socket_type::push);
-    push.set(zmq::sockopt::linger, 0);
-    push.set(zmq::sockopt::sndhwm, static_cast<int>(options.max_in_flight) + 1);
-    push.bind(request_endpoint);
     while (true) {
       Outbound next;
       {
@@ -356,10 +395,6 @@ struct WorkerSite::Impl {
   }
 
   void receiver_main() {
-    zmq::socket_t pull(context, zmq::socket_type::pull);
-    pull.set(zmq::sockopt::linger, 0);
-    pull.set(zmq::sockopt::rcvtimeo, 100);
-    pull.bind(result_endpoint);
     while (true) {
       {
         std::lock_guard lock(mu);
@@ -397,6 +432,35 @@ struct WorkerSite::Impl {
     std::cerr << fmt::format("blockflow: {}: malformed result frame dropped: {}\n", prefix(), std::string(why.message()));
     fail_all(std::move(affected),
              absl::DataLossError(fmt::format("{} sent a malformed result: {}", prefix(), std::string(why.message()))));
+  }
+
+  // Creates and binds the three sockets; the endpoints get their resolved ports.
+  absl::Status bind_sockets() {
+    auto bind = [&](zmq::socket_t& socket, std::string& endpoint) -> absl::Status {
+      try {
+        socket.bind(endpoint);
+      } catch (const zmq::error_t& e) {
+        return absl::UnavailableError(fmt::format("{}: cannot bind '{}': {}", prefix(), endpoint, e.what()));
+      }
+      endpoint = socket.get(zmq::sockopt::last_endpoint);
+      return absl::OkStatus();
+    };
+    router = zmq::socket_t(context, zmq::socket_type::router);
+    router.set(zmq::sockopt::router_mandatory, 1);
+    router.set(zmq::sockopt::linger, 0);
+    router.set(zmq::sockopt::maxmsgsize, std::int64_t{1} << 20);  // control messages are small JSON
+    push = zmq::socket_t(context, zmq::socket_type::push);
+    push.set(zmq::sockopt::linger, 0);
+    push.set(zmq::sockopt::sndhwm, static_cast<int>(options.max_in_flight) + 1);
+    pull = zmq::socket_t(context, zmq::socket_type::pull);
+    pull.set(zmq::sockopt::linger, 0);
+    pull.set(zmq::sockopt::rcvtimeo, 100);
+    pull.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(wire::kMaxTensorBytes));
+    for (auto [socket, endpoint] : {std::pair{&router, &control_endpoint}, std::pair{&push, &request_endpoint},
+                                    std::pair{&pull, &result_endpoint}}) {
+      if (auto status = bind(*socket, *endpoint); !status.ok()) return status;
+    }
+    return absl::OkStatus();
   }
 
   void deliver(detail::DecodedMessage&& message) {
@@ -439,12 +503,26 @@ const std::string& WorkerSite::name() const { return impl_->options.name; }
 
 absl::Status WorkerSite::start(const std::vector<BlockDescription>& blocks, CompletionFn done) {
   Impl& s = *impl_;
-  auto dir = detail::make_private_dir(s.options.name);
-  if (!dir.ok()) return dir.status();
-  s.dir = *dir;
-  s.control_endpoint = "ipc://" + s.dir + "/control";
-  s.request_endpoint = "ipc://" + s.dir + "/requests";
-  s.result_endpoint = "ipc://" + s.dir + "/results";
+  if (s.joined()) {
+    if (s.options.listen.rfind("tcp://", 0) != 0) {
+      return absl::InvalidArgumentError(
+          fmt::format("{}: listen '{}' is not a tcp://ADDR:PORT endpoint", s.prefix(), s.options.listen));
+    }
+    s.control_endpoint = s.options.listen;
+    s.request_endpoint = s.result_endpoint = with_any_port(s.options.listen);
+  } else {
+    auto dir = detail::make_private_dir(s.options.name);
+    if (!dir.ok()) return dir.status();
+    s.dir = *dir;
+    s.control_endpoint = "ipc://" + s.dir + "/control";
+    s.request_endpoint = "ipc://" + s.dir + "/requests";
+    s.result_endpoint = "ipc://" + s.dir + "/results";
+  }
+  if (auto status = s.bind_sockets(); !status.ok()) {
+    detail::remove_private_dir(s.dir);
+    s.state = Impl::State::kStopped;
+    return status;
+  }
   s.blocks = blocks;
   s.done = std::move(done);
   s.receiver = std::thread([&s] { s.receiver_main(); });
@@ -513,7 +591,7 @@ SiteStats WorkerSite::stats() const {
   std::lock_guard lock(s.mu);
   SiteStats out;
   out.name = s.options.name;
-  out.kind = "worker";
+  out.kind = s.joined() ? "joined-worker" : "worker";
   out.pid = s.pid;
   out.restarts = s.restarts;
   out.failed_requests = s.failed_requests;
@@ -521,7 +599,7 @@ SiteStats WorkerSite::stats() const {
   out.malformed_frames = s.malformed;
   out.rss_idle_bytes = s.rss_idle;
   out.rss_bytes = s.rss;
-  out.data.kind = "zmq-ipc";
+  out.data.kind = s.joined() ? "zmq-tcp" : "zmq-ipc";
   out.data.sent = s.sent;
   out.data.received = s.received;
   out.data.depth = s.outbound.size();
@@ -538,4 +616,5 @@ std::int64_t WorkerSite::pid() const {
 
 namespace blockflow {
 std::string WorkerSite::result_endpoint() const { return impl_->result_endpoint; }
+std::string WorkerSite::join_endpoint() const { return impl_->joined() ? impl_->control_endpoint : std::string(); }
 }  // namespace blockflow
