@@ -19,7 +19,10 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <fmt/ranges.h>
+
 #include <iostream>
+#include <thread>
 
 namespace bf = blockflow;
 
@@ -89,8 +92,10 @@ int main(int argc, char** argv) try {
   const double e2e = bf::bench::percentile(e2e_ms, 0.5), mono = bf::bench::percentile(mono_ms, 0.5);
   fmt::print(
       "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"threads_per_block\":{},\"requests\":{},"
-      "\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f}}}\n",
-      mode, workers ? "zmq-ipc" : "inproc", threads, requests, e2e, mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5));
+      "\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},"
+      "\"worker_env\":\"{}\",\"hardware_threads\":{}}}\n",
+      mode, workers ? "zmq-ipc" : "inproc", threads, requests, e2e, mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5),
+      workers ? fmt::format("{}", fmt::join(bf::WorkerOptions{}.environment, " ")) : "", std::thread::hardware_concurrency());
   return 0;
 } catch (const std::exception& e) {
   std::cerr << "pipeline_bench: " << e.what() << "\n";

@@ -60,7 +60,7 @@ std::string truncated(std::size_t size, std::size_t need) {
 
 bool known_kind(std::uint8_t code) {
   return code >= static_cast<std::uint8_t>(MessageKind::kData) &&
-         code <= static_cast<std::uint8_t>(MessageKind::kReply);
+         code <= static_cast<std::uint8_t>(MessageKind::kRelease);
 }
 
 // Bytes a tensor with this layout spans, or nullopt if a product or sum overflows. The element count
@@ -174,8 +174,8 @@ absl::Status check_preamble(const unsigned char* p, std::size_t size) {
 
 // The fixed part's flags, kind, reserved word, limits and status code.
 absl::Status check_fixed(const unsigned char* p) {
-  if (const std::uint8_t flags = p[kOffFlags]; flags != 0)
-    return header_error(fmt::format("flags 0x{:02X} must be 0", flags));
+  if (const std::uint8_t flags = p[kOffFlags]; (flags & ~kKnownFlags) != 0)
+    return header_error(fmt::format("flags 0x{:02X} has unknown bits", flags));
   if (const std::uint8_t kind = p[kOffKind]; !known_kind(kind)) {
     return header_error(fmt::format("unknown message kind {}", kind));
   }
@@ -263,6 +263,7 @@ std::string_view to_string(MessageKind kind) {
     case MessageKind::kError: return "error";
     case MessageKind::kSubmit: return "submit";
     case MessageKind::kReply: return "reply";
+    case MessageKind::kRelease: return "release";
   }
   return "unknown";
 }
@@ -277,7 +278,7 @@ bool operator==(const Timestamps& a, const Timestamps& b) {
 }
 
 bool operator==(const Header& a, const Header& b) {
-  return a.kind == b.kind && a.request_id == b.request_id && a.path_id == b.path_id && a.node == b.node &&
+  return a.kind == b.kind && a.flags == b.flags && a.request_id == b.request_id && a.path_id == b.path_id && a.node == b.node &&
          a.target == b.target && a.times == b.times && a.status_code == b.status_code && a.message == b.message &&
          a.tensors == b.tensors;
 }
@@ -292,7 +293,7 @@ std::string encode_header(const Header& header) {
   put(out, kMagic);
   put(out, kVersion);
   put(out, static_cast<std::uint8_t>(header.kind));
-  put(out, std::uint8_t{0});  // flags
+  put(out, header.flags);
   put(out, header.request_id);
   put(out, header.path_id);
   put(out, header.node);
@@ -333,6 +334,7 @@ absl::StatusOr<Header> decode_header(const void* data, std::size_t size) {
 
   Header header;
   header.kind = static_cast<MessageKind>(p[kOffKind]);
+  header.flags = p[kOffFlags];
   header.request_id = load<std::uint64_t>(p + kOffRequestId);
   header.path_id = load<std::uint32_t>(p + kOffPathId);
   header.node = load<std::uint32_t>(p + kOffNode);
@@ -358,13 +360,66 @@ absl::Status check_frames(const Header& header, const std::vector<std::size_t>& 
     return absl::InvalidArgumentError(fmt::format("wire message: {} tensor frames, header describes {} tensors",
                                                   frame_sizes.size(), header.tensors.size()));
   }
+  const bool handles = (header.flags & kFlagShmHandles) != 0;
   for (std::size_t i = 0; i < frame_sizes.size(); ++i) {
-    if (frame_sizes[i] != header.tensors[i].byte_count) {
+    if (handles && frame_sizes[i] != kShmHandleBytes) {
+      return tensor_error(i, fmt::format("handle frame is {} bytes, a shm handle is {}", frame_sizes[i], kShmHandleBytes));
+    }
+    if (!handles && frame_sizes[i] != header.tensors[i].byte_count) {
       return tensor_error(
           i, fmt::format("frame is {} bytes, header says {}", frame_sizes[i], header.tensors[i].byte_count));
     }
   }
   return absl::OkStatus();
+}
+
+bool operator==(const ShmHandle& a, const ShmHandle& b) {
+  return a.pool_id == b.pool_id && a.slot == b.slot && a.generation == b.generation && a.offset == b.offset;
+}
+
+std::string encode_shm_handle(const ShmHandle& h) {
+  std::string out;
+  out.reserve(kShmHandleBytes);
+  put(out, h.pool_id);
+  put(out, h.slot);
+  put(out, std::uint32_t{0});
+  put(out, h.generation);
+  put(out, h.offset);
+  return out;
+}
+
+absl::StatusOr<ShmHandle> decode_shm_handle(const void* data, std::size_t size) {
+  if (data == nullptr || size != kShmHandleBytes) {
+    return absl::InvalidArgumentError(fmt::format("shm handle: {} bytes, need {}", size, kShmHandleBytes));
+  }
+  const auto* p = static_cast<const unsigned char*>(data);
+  if (load<std::uint32_t>(p + 12) != 0) return absl::InvalidArgumentError("shm handle: reserved field must be 0");
+  ShmHandle h;
+  h.pool_id = load<std::uint64_t>(p);
+  h.slot = load<std::uint32_t>(p + 8);
+  h.generation = load<std::uint64_t>(p + 16);
+  h.offset = load<std::uint64_t>(p + 24);
+  return h;
+}
+
+std::string encode_releases(const std::vector<ShmHandle>& handles) {
+  std::string out;
+  for (const auto& h : handles) out += encode_shm_handle(h);
+  return out;
+}
+
+absl::StatusOr<std::vector<ShmHandle>> decode_releases(const std::string& message) {
+  if (message.size() % kShmHandleBytes != 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("release message: {} bytes is not a whole number of {}-byte handles", message.size(), kShmHandleBytes));
+  }
+  std::vector<ShmHandle> out;
+  for (std::size_t at = 0; at < message.size(); at += kShmHandleBytes) {
+    auto h = decode_shm_handle(message.data() + at, kShmHandleBytes);
+    if (!h.ok()) return h.status();
+    out.push_back(*h);
+  }
+  return out;
 }
 
 std::optional<std::uint64_t> peek_request_id(const void* data, std::size_t size) {

@@ -143,7 +143,7 @@ TEST_CASE("the fixed part has the documented byte layout", "[wire]") {
   const std::string b = encode_header(h);
   auto byte = [&](std::size_t i) { return static_cast<unsigned>(static_cast<unsigned char>(b.at(i))); };
   CHECK(b.substr(0, 4) == "BLFW");
-  CHECK(byte(4) == 1);
+  CHECK(byte(4) == 2);
   CHECK(byte(5) == 0);
   CHECK(byte(6) == 4);
   CHECK(byte(7) == 0);
@@ -247,17 +247,19 @@ TEST_CASE("bad magic, version, kind, flags and reserved fields are rejected", "[
 
   bad = good;
   poke<std::uint16_t>(bad, 4, 7);
-  CHECK_THAT(rejection(bad), Equals("wire header: version 7 not supported (expected 1)"));
+  CHECK_THAT(rejection(bad), Equals("wire header: version 7 not supported (expected 2)"));
 
-  for (std::uint8_t kind : {0, 6, 9, 255}) {
+  for (std::uint8_t kind : {0, 7, 9, 255}) {
     bad = good;
     poke<std::uint8_t>(bad, 6, kind);
     CHECK_THAT(rejection(bad), Equals("wire header: unknown message kind " + std::to_string(kind)));
   }
 
-  bad = good;
-  poke<std::uint8_t>(bad, 7, 1);
-  CHECK_THAT(rejection(bad), Contains("wire header: flags") && Contains("must be 0"));
+  for (std::uint8_t flags : {0x02, 0x80, 0xFF}) {
+    bad = good;
+    poke<std::uint8_t>(bad, 7, flags);
+    CHECK_THAT(rejection(bad), Contains("wire header: flags") && Contains("unknown bits"));
+  }
 
   bad = good;
   poke<std::uint32_t>(bad, 84, 0xDEAD);
@@ -386,7 +388,7 @@ TEST_CASE("peek_request_id reads the id of an otherwise malformed header", "[wir
   poke<std::uint32_t>(bad, 0, 0x12345678);
   CHECK_FALSE(peek_request_id(bad.data(), bad.size()).has_value());
   bad = bytes;
-  poke<std::uint16_t>(bad, 4, 2);
+  poke<std::uint16_t>(bad, 4, 1);
   CHECK_FALSE(peek_request_id(bad.data(), bad.size()).has_value());
 }
 
@@ -409,4 +411,39 @@ TEST_CASE("check_frames compares frame count and sizes with the header", "[wire]
   CHECK_THAT(std::string(status.message()), Equals("tensor 1: frame is 7 bytes, header says 8"));
 
   CHECK(check_frames(Header{}, {}).ok());
+}
+
+TEST_CASE("shm handles: round trip, frames checked as handles, release lists validated", "[wire]") {
+  ShmHandle h;
+  h.pool_id = 0x0123456789ABCDEFull;
+  h.slot = 7;
+  h.generation = 42;
+  h.offset = 4096;
+  const std::string record = encode_shm_handle(h);
+  REQUIRE(record.size() == kShmHandleBytes);
+  auto back = decode_shm_handle(record.data(), record.size());
+  REQUIRE(back.ok());
+  CHECK(*back == h);
+  CHECK_THAT(std::string(decode_shm_handle(record.data(), 31).status().message()), Contains("31 bytes, need 32"));
+  std::string reserved = record;
+  reserved[12] = 1;
+  CHECK_THAT(std::string(decode_shm_handle(reserved.data(), reserved.size()).status().message()),
+             Contains("reserved field must be 0"));
+
+  Header header = one_tensor(contiguous(DType::kFloat32, {256, 56, 56}));
+  header.flags = kFlagShmHandles;
+  auto decoded = decode(encode_header(header));
+  REQUIRE(decoded.ok());
+  CHECK(decoded->flags == kFlagShmHandles);
+  CHECK(check_frames(*decoded, {kShmHandleBytes}).ok());
+  CHECK_THAT(std::string(check_frames(*decoded, {256 * 56 * 56 * 4}).message()),
+             Contains("tensor 0: handle frame is 3211264 bytes, a shm handle is 32"));
+
+  h.slot = 8;
+  auto list = decode_releases(encode_releases({h, h}));
+  REQUIRE(list.ok());
+  CHECK(list->size() == 2);
+  CHECK(list->at(1) == h);
+  CHECK_THAT(std::string(decode_releases(std::string(40, '\0')).status().message()),
+             Contains("40 bytes is not a whole number of 32-byte handles"));
 }

@@ -31,7 +31,7 @@
 namespace blockflow::wire {
 
 inline constexpr std::uint32_t kMagic = 0x57464C42;  ///< bytes 'B','L','F','W' on the wire (little-endian u32)
-inline constexpr std::uint16_t kVersion = 1;         ///< bumped on any layout change
+inline constexpr std::uint16_t kVersion = 2;         ///< bumped on any layout change (2: shm handles, release)
 inline constexpr int kMaxDims = 8;
 inline constexpr int kMaxTensors = 64;
 inline constexpr std::size_t kMaxNameBytes = 255;                          ///< limit of Header::target
@@ -40,8 +40,33 @@ inline constexpr std::uint64_t kMaxTensorBytes = std::uint64_t{16} << 30;  ///< 
 inline constexpr std::size_t kFixedHeaderBytes = 88;      ///< the fixed part, before target/message/tensors
 inline constexpr std::size_t kTensorDescFixedBytes = 16;  ///< a tensor descriptor before shape/strides
 
-/// @brief What a message is. Values are the wire codes.
-enum class MessageKind : std::uint8_t { kData = 1, kResult = 2, kError = 3, kSubmit = 4, kReply = 5 };
+/// @brief What a message is. Values are the wire codes. kRelease returns shared-memory slots to
+/// their producer: its `message` holds whole ShmHandle records (kShmHandleBytes each), no tensors.
+enum class MessageKind : std::uint8_t { kData = 1, kResult = 2, kError = 3, kSubmit = 4, kReply = 5, kRelease = 6 };
+
+/// @brief Header flag: each tensor frame is a kShmHandleBytes ShmHandle naming a slot of a shared-memory
+/// pool that holds the tensor's bytes, instead of the bytes themselves (the zero-copy channel).
+inline constexpr std::uint8_t kFlagShmHandles = 0x01;
+inline constexpr std::uint8_t kKnownFlags = kFlagShmHandles;
+inline constexpr std::size_t kShmHandleBytes = 32;
+
+/// @brief Where a tensor's bytes lie in a producer's shared-memory pool: pool (random 64-bit id; the
+/// POSIX shm object is "/blockflow-<16 hex digits>"), slot, the slot's generation when it was leased
+/// (a stale or forged handle does not match), and the byte offset of the data inside the slot.
+/// Wire layout (little-endian): u64 pool_id, u32 slot, u32 reserved (0), u64 generation, u64 offset.
+struct ShmHandle {
+  std::uint64_t pool_id = 0;
+  std::uint32_t slot = 0;
+  std::uint64_t generation = 0;
+  std::uint64_t offset = 0;
+};
+bool operator==(const ShmHandle& a, const ShmHandle& b);
+[[nodiscard]] std::string encode_shm_handle(const ShmHandle& handle);
+/// @brief InvalidArgument naming the problem for a wrong size or a non-zero reserved field.
+[[nodiscard]] absl::StatusOr<ShmHandle> decode_shm_handle(const void* data, std::size_t size);
+/// @brief The message of a kRelease: the handles' records one after the other.
+[[nodiscard]] std::string encode_releases(const std::vector<ShmHandle>& handles);
+[[nodiscard]] absl::StatusOr<std::vector<ShmHandle>> decode_releases(const std::string& message);
 
 /// @brief Element type of a tensor. Values are the wire codes.
 enum class DType : std::uint8_t {
@@ -81,6 +106,7 @@ struct Timestamps {
 /// @brief Frame 0 of a message, decoded. Value type.
 struct Header {
   MessageKind kind = MessageKind::kData;
+  std::uint8_t flags = 0;     ///< kFlagShmHandles or 0
   std::uint64_t request_id = 0;
   std::uint32_t path_id = 0;  ///< index of the request's path in the sender's routing table
   std::uint32_t node = 0;     ///< hop: node index in that path
@@ -125,7 +151,8 @@ inline bool operator!=(const Header& a, const Header& b) {
 [[nodiscard]] absl::StatusOr<Header> decode_header(const void* data, std::size_t size);
 
 /// @brief Checks the tensor frames' sizes against a decoded header: as many frames as tensors, and
-/// each frame exactly `byte_count` long. InvalidArgument naming the tensor index otherwise.
+/// each frame exactly `byte_count` long (kShmHandleBytes with kFlagShmHandles). InvalidArgument
+/// naming the tensor index otherwise.
 [[nodiscard]] absl::Status check_frames(const Header& header, const std::vector<std::size_t>& frame_sizes);
 
 /// @brief The request id of a frame that may be otherwise malformed, so the affected request can be

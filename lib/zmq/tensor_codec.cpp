@@ -38,7 +38,7 @@ absl::StatusOr<at::ScalarType> from_wire_dtype(wire::DType type) {
 }
 
 absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, const Tensors& tensors,
-                                  zmq::send_flags flags, std::uint64_t* bytes_copied) {
+                                  zmq::send_flags flags, std::uint64_t* bytes_copied, const ShmStager* stager) {
   std::vector<at::Tensor> owned;
   owned.reserve(tensors.size());
   header.tensors.clear();
@@ -61,8 +61,28 @@ absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, co
     header.tensors.push_back(std::move(desc));
     owned.push_back(std::move(c));
   }
+  std::vector<std::string> handles;
+  if (stager != nullptr) {
+    header.flags |= wire::kFlagShmHandles;
+    for (std::size_t i = 0; i < owned.size(); ++i) {
+      auto handle = (*stager)(owned[i]);
+      if (!handle.ok()) {
+        return absl::Status(handle.status().code(),
+                            fmt::format("tensor {}: {}", i, std::string(handle.status().message())));
+      }
+      handles.push_back(wire::encode_shm_handle(*handle));
+    }
+  }
   std::string encoded = wire::encode_header(header);
   const bool more = !owned.empty();
+  if (stager != nullptr) {
+    auto sent = socket.send(zmq::buffer(encoded), more ? (flags | zmq::send_flags::sndmore) : flags);
+    if (!sent) return false;
+    for (std::size_t i = 0; i < handles.size(); ++i) {
+      (void)socket.send(zmq::buffer(handles[i]), i + 1 < handles.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+    }
+    return true;
+  }
   auto sent = socket.send(zmq::buffer(encoded), more ? (flags | zmq::send_flags::sndmore) : flags);
   if (!sent) return false;
   for (std::size_t i = 0; i < owned.size(); ++i) {
@@ -77,7 +97,7 @@ absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, co
   return true;
 }
 
-absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& frames) {
+absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& frames, const ShmResolver* resolver) {
   if (frames.empty()) return absl::InvalidArgumentError("empty message");
   DecodedMessage out;
   auto header = wire::decode_header(frames[0].data(), frames[0].size());
@@ -86,10 +106,22 @@ absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& fram
   std::vector<std::size_t> sizes;
   for (std::size_t i = 1; i < frames.size(); ++i) sizes.push_back(frames[i].size());
   if (auto status = wire::check_frames(out.header, sizes); !status.ok()) return status;
+  const bool handles = (out.header.flags & wire::kFlagShmHandles) != 0;
+  if (handles && resolver == nullptr) {
+    return absl::InvalidArgumentError("shared-memory handles on a channel without shared memory");
+  }
   for (std::size_t i = 0; i < out.header.tensors.size(); ++i) {
     const auto& desc = out.header.tensors[i];
     auto type = from_wire_dtype(desc.dtype);
     if (!type.ok()) return type.status();
+    if (handles) {
+      auto handle = wire::decode_shm_handle(frames[i + 1].data(), frames[i + 1].size());
+      if (!handle.ok()) return absl::InvalidArgumentError(fmt::format("tensor {}: {}", i, std::string(handle.status().message())));
+      auto tensor = (*resolver)(desc, *handle, *type);
+      if (!tensor.ok()) return absl::InvalidArgumentError(fmt::format("tensor {}: {}", i, std::string(tensor.status().message())));
+      out.tensors.push_back(*std::move(tensor));
+      continue;
+    }
     auto* frame = new zmq::message_t(std::move(frames[i + 1]));
     const auto options = at::TensorOptions().dtype(*type);
     const auto element = wire::element_size(desc.dtype);
@@ -107,6 +139,31 @@ absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& fram
         data, desc.shape, desc.strides, [frame](void*) { delete frame; }, options));
   }
   return out;
+}
+
+}  // namespace blockflow::detail
+
+namespace blockflow::detail {
+
+ShmStager make_stager(ShmProducer& producer, absl::Duration wait) {
+  return [&producer, wait](const at::Tensor& contiguous) {
+    return producer.stage(contiguous.data_ptr(), byte_size(contiguous), absl::Now() + wait);
+  };
+}
+
+ShmResolver make_resolver(ShmConsumer& consumer, std::function<void(const wire::ShmHandle&)> release) {
+  return [&consumer, release = std::move(release)](const wire::TensorDesc& desc, const wire::ShmHandle& handle,
+                                                   at::ScalarType type) -> absl::StatusOr<at::Tensor> {
+    auto view = consumer.resolve(handle, desc.byte_count);
+    if (!view.ok()) return view.status();
+    if (reinterpret_cast<std::uintptr_t>(view->data) % wire::element_size(desc.dtype) != 0) {
+      return absl::InvalidArgumentError(fmt::format("shm handle: offset {} is misaligned for {}", handle.offset,
+                                                    wire::to_string(desc.dtype)));
+    }
+    return at::from_blob(
+        view->data, desc.shape, desc.strides,
+        [keep = view->keep, handle, release](void*) { release(handle); }, at::TensorOptions().dtype(type));
+  };
 }
 
 }  // namespace blockflow::detail

@@ -87,7 +87,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   auto redecoded = wire::decode_header(again.data(), again.size());
   if (!redecoded.ok() || *redecoded != *decoded) std::abort();
   std::vector<std::size_t> frames;
-  for (const auto& t : decoded->tensors) frames.push_back(static_cast<std::size_t>(t.byte_count));
+  const bool handles = (decoded->flags & wire::kFlagShmHandles) != 0;
+  for (const auto& t : decoded->tensors) {
+    frames.push_back(handles ? wire::kShmHandleBytes : static_cast<std::size_t>(t.byte_count));
+  }
   if (!wire::check_frames(*decoded, frames).ok()) std::abort();
+  // Release lists and handles decode or fail cleanly, whatever the bytes.
+  auto releases = wire::decode_releases(decoded->message);
+  if (releases.ok() && wire::encode_releases(*releases) != decoded->message) std::abort();
+  if (size >= wire::kShmHandleBytes) (void)wire::decode_shm_handle(data + size - wire::kShmHandleBytes, wire::kShmHandleBytes);
   return 0;
 }

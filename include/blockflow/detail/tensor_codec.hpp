@@ -3,12 +3,14 @@
 // Sending never copies a contiguous tensor's bytes: ZeroMQ reads them from the tensor, which stays
 // alive until ZeroMQ releases the frame. Receiving builds tensors over the frames' buffers.
 
+#include <blockflow/detail/shm_pool.hpp>
 #include <blockflow/tensor.hpp>
 #include <blockflow/wire_format.hpp>
 
 #include <absl/status/statusor.h>
 #include <zmq.hpp>
 
+#include <functional>
 #include <vector>
 
 namespace blockflow::detail {
@@ -19,8 +21,13 @@ absl::StatusOr<at::ScalarType> from_wire_dtype(wire::DType type);
 /// Fills header.tensors from `tensors` and sends header + one frame per tensor. Non-contiguous
 /// tensors are made contiguous first (the only copy; counted in `bytes_copied`). CPU tensors only.
 /// Returns false when `flags` has dontwait and the socket would block.
+/// With a `stager`, each tensor goes into shared memory and its frame is the handle (kFlagShmHandles).
+using ShmStager = std::function<absl::StatusOr<wire::ShmHandle>(const at::Tensor& contiguous)>;
 absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, const Tensors& tensors,
-                                  zmq::send_flags flags = zmq::send_flags::none, std::uint64_t* bytes_copied = nullptr);
+                                  zmq::send_flags flags = zmq::send_flags::none, std::uint64_t* bytes_copied = nullptr,
+                                  const ShmStager* stager = nullptr);
+/// A stager copying into `producer`'s slots, waiting up to `wait` for a credit.
+ShmStager make_stager(ShmProducer& producer, absl::Duration wait);
 
 struct DecodedMessage {
   wire::Header header;
@@ -30,6 +37,13 @@ struct DecodedMessage {
 
 /// Validates and decodes a received multipart message. Tensors are views over the frames (kept
 /// alive by the tensors). Errors name the problem (see wire::decode_header).
-absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& frames);
+/// Messages with kFlagShmHandles need a `resolver` (else they are rejected, named).
+using ShmResolver = std::function<absl::StatusOr<at::Tensor>(const wire::TensorDesc&, const wire::ShmHandle&,
+                                                             at::ScalarType)>;
+absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& frames,
+                                              const ShmResolver* resolver = nullptr);
+/// A resolver building tensors over `consumer`'s mapped slots; `release` runs with the handle when
+/// such a tensor (and every view of it) dies, on whatever thread that happens.
+ShmResolver make_resolver(ShmConsumer& consumer, std::function<void(const wire::ShmHandle&)> release);
 
 }  // namespace blockflow::detail

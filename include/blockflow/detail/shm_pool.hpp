@@ -1,0 +1,100 @@
+#pragma once
+// Internal: the shared-memory half of the zero-copy channel (TensorMQ's CPU twin).
+//
+// A producer owns pools of fixed-size slots in POSIX shared memory ("/blockflow-<pool id>", mode
+// 0600), created on demand per size class up to a byte bound. It copies a tensor's bytes into a free
+// slot once (stage) and sends a handle (pool, slot, generation, offset) instead of the bytes. The
+// consumer maps each pool once, checks the handle against the pool's header (the slot's current
+// generation lives in shared memory, so stale and forged handles are caught) and builds its tensor
+// over the slot: nothing is copied in the hand-off. When that tensor dies, the consumer sends the
+// handle back (a kRelease message) and the slot is free again: free slots are the producer's credits.
+// When the consumer dies, reclaim_all() frees every slot it held.
+//
+// Segment layout: a 64-byte header {u32 magic "BFSP", u32 version, u64 pool_id, u64 slot_count,
+// u64 slot_bytes, u64 data_offset, 24 reserved}, then one atomic u64 generation per slot (0 while the
+// slot is free), then the slots from data_offset (page-aligned), slot_bytes each.
+
+#include <blockflow/wire_format.hpp>
+
+#include <absl/status/statusor.h>
+#include <absl/time/time.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace blockflow::detail {
+
+struct ShmPoolOptions {
+  std::size_t slots_per_pool = 4;               ///< slots in each pool (one pool per size class)
+  std::size_t min_slot_bytes = std::size_t{1} << 20;  ///< smallest slot; slots are powers of two
+  std::size_t max_total_bytes = std::size_t{1} << 30;  ///< bound on all pools of one producer
+};
+
+struct ShmStats {
+  std::uint64_t handles_sent = 0;    ///< slots leased (one per tensor handed off)
+  std::uint64_t releases = 0;        ///< slots given back by the consumer
+  std::uint64_t stale_releases = 0;  ///< release messages that matched no leased slot (ignored)
+  std::uint64_t reclaims = 0;        ///< slots taken back from a dead consumer
+  std::uint64_t credit_waits = 0;    ///< stage() calls that found no free slot at first
+  std::uint64_t slots_in_use = 0;
+  std::uint64_t slots_total = 0;
+  std::uint64_t pools = 0;
+  std::uint64_t bytes_mapped = 0;
+  std::uint64_t bytes_staged = 0;    ///< the producer's one copy into its slots
+};
+
+/// The producing side. Thread-safe.
+class ShmProducer {
+ public:
+  explicit ShmProducer(ShmPoolOptions options = {});
+  ~ShmProducer();  // unmaps and unlinks its pools (mappings held by consumers stay valid)
+  ShmProducer(const ShmProducer&) = delete;
+  ShmProducer& operator=(const ShmProducer&) = delete;
+
+  /// Copies `bytes` bytes into a free slot that fits and returns its handle. Waits for a credit until
+  /// `deadline`: DeadlineExceeded then, naming the size and the slots in use; ResourceExhausted when
+  /// the tensor can never fit under max_total_bytes.
+  absl::StatusOr<wire::ShmHandle> stage(const void* data, std::size_t bytes, absl::Time deadline);
+  /// Frees the slot of a handle the consumer is done with. False (counted) when it matches no leased
+  /// slot: stale, unknown pool or forged.
+  bool release(const wire::ShmHandle& handle);
+  /// Frees every leased slot (the consumer died). Returns how many.
+  std::size_t reclaim_all();
+  ShmStats stats() const;
+  /// The address of a handle's bytes in this process (tests).
+  const void* address(const wire::ShmHandle& handle) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// The consuming side: maps each pool once. Thread-safe.
+class ShmConsumer {
+ public:
+  ShmConsumer();
+  ~ShmConsumer();
+  ShmConsumer(const ShmConsumer&) = delete;
+  ShmConsumer& operator=(const ShmConsumer&) = delete;
+
+  struct View {
+    void* data = nullptr;        ///< the handle's bytes inside the mapped pool
+    std::shared_ptr<void> keep;  ///< keeps the pool mapped
+    std::uint64_t pool_bytes = 0;
+    const void* pool_base = nullptr;
+  };
+  /// Checks `handle` for `bytes` bytes: the pool exists and is a BlockFlow pool with that id, the slot
+  /// is in range, offset + bytes fits in the slot, the generation is the slot's current one.
+  /// InvalidArgument naming the problem otherwise ("stale handle", "slot 9 out of range", ...).
+  absl::StatusOr<View> resolve(const wire::ShmHandle& handle, std::uint64_t bytes);
+  /// Drops the cached mappings (the producer restarted); tensors still over them keep them mapped.
+  void forget_all();
+  std::size_t pools_mapped() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace blockflow::detail

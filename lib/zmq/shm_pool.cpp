@@ -1,0 +1,363 @@
+#include <blockflow/detail/shm_pool.hpp>
+
+#include <absl/container/flat_hash_map.h>
+#include <absl/synchronization/mutex.h>
+#include <fmt/format.h>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+#include <dirent.h>
+#include <random>
+#include <vector>
+
+namespace blockflow::detail {
+namespace {
+
+constexpr std::uint32_t kSegmentMagic = 0x50534642;  // "BFSP"
+constexpr std::uint32_t kSegmentVersion = 1;
+constexpr std::size_t kHeaderBytes = 64;
+constexpr std::size_t kPage = 4096;
+
+struct SegmentHeader {
+  std::uint32_t magic;
+  std::uint32_t version;
+  std::uint64_t pool_id;
+  std::uint64_t slot_count;
+  std::uint64_t slot_bytes;
+  std::uint64_t data_offset;
+  std::uint64_t reserved[3];
+};
+static_assert(sizeof(SegmentHeader) == kHeaderBytes);
+static_assert(sizeof(std::atomic<std::uint64_t>) == 8 && std::atomic<std::uint64_t>::is_always_lock_free);
+
+std::string shm_name(std::uint64_t pool_id) { return fmt::format("/blockflow-{:016x}", pool_id); }
+
+std::atomic<std::uint64_t>* generations(void* base) {
+  return reinterpret_cast<std::atomic<std::uint64_t>*>(static_cast<char*>(base) + kHeaderBytes);
+}
+
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+std::size_t next_pow2(std::size_t n) {
+  std::size_t p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+// Pool ids carry the producer's pid in their high 32 bits, so pools left by a killed producer can
+// be found and removed.
+std::uint64_t new_pool_id() {
+  static std::mt19937_64 random{std::random_device{}()};
+  static absl::Mutex mu;
+  absl::MutexLock lock(&mu);
+  return (static_cast<std::uint64_t>(::getpid()) << 32) | (random() & 0xFFFFFFFFull);
+}
+
+// Unlinks /dev/shm/blockflow-* objects whose producer no longer exists.
+void sweep_orphaned_pools() {
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) return;
+  while (dirent* entry = ::readdir(dir)) {
+    unsigned long long id = 0;
+    if (std::sscanf(entry->d_name, "blockflow-%16llx", &id) != 1) continue;
+    const auto pid = static_cast<pid_t>(id >> 32);
+    if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) ::shm_unlink(shm_name(id).c_str());
+  }
+  ::closedir(dir);
+}
+
+struct Mapping {
+  void* base = MAP_FAILED;
+  std::size_t size = 0;
+  ~Mapping() {
+    if (base != MAP_FAILED) ::munmap(base, size);
+  }
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+struct ShmProducer::Impl {
+  struct Slot {
+    bool leased = false;
+    std::uint64_t generation = 0;
+  };
+  struct Pool {
+    std::uint64_t id = 0;
+    std::shared_ptr<Mapping> mapping;
+    std::size_t slot_bytes = 0;
+    std::size_t data_offset = 0;
+    std::vector<Slot> slots;
+    std::uint64_t next_generation = 1;
+    char* slot_address(std::uint32_t slot) const {
+      return static_cast<char*>(mapping->base) + data_offset + slot * slot_bytes;
+    }
+  };
+
+  ShmPoolOptions options;
+  mutable absl::Mutex mu;
+  std::vector<Pool> pools;  // by slot size, small first
+  ShmStats stats;
+  std::uint64_t frees = 0;  // slots freed so far: stage() waits for this to move
+
+  struct WaitArg {
+    Impl* impl;
+    std::uint64_t seen;
+  };
+  static bool freed_since(WaitArg* arg) { return arg->impl->frees != arg->seen; }
+
+  absl::StatusOr<Pool> create_pool(std::size_t slot_bytes) {
+    Pool pool;
+    pool.id = new_pool_id();
+    pool.slot_bytes = slot_bytes;
+    pool.data_offset = round_up(kHeaderBytes + 8 * options.slots_per_pool, kPage);
+    const std::size_t size = pool.data_offset + slot_bytes * options.slots_per_pool;
+    const std::string name = shm_name(pool.id);
+    const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    if (fd < 0) return absl::InternalError(fmt::format("shm_open {}: {}", name, std::strerror(errno)));
+    auto fail = [&](const char* what) {
+      const int e = errno;
+      ::close(fd);
+      ::shm_unlink(name.c_str());
+      return absl::ResourceExhaustedError(fmt::format("{} {} ({} bytes): {}", what, name, size, std::strerror(e)));
+    };
+    if (::ftruncate(fd, static_cast<off_t>(size)) != 0) return fail("ftruncate");
+    auto mapping = std::make_shared<Mapping>();
+    mapping->base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (mapping->base == MAP_FAILED) return fail("mmap");
+    ::close(fd);
+    mapping->size = size;
+    auto* header = static_cast<SegmentHeader*>(mapping->base);
+    *header = SegmentHeader{kSegmentMagic, kSegmentVersion, pool.id, options.slots_per_pool, slot_bytes, pool.data_offset, {}};
+    for (std::size_t i = 0; i < options.slots_per_pool; ++i) generations(mapping->base)[i].store(0);
+    pool.mapping = std::move(mapping);
+    pool.slots.resize(options.slots_per_pool);
+    return pool;
+  }
+
+  std::uint64_t bytes_mapped() const {
+    std::uint64_t total = 0;
+    for (const auto& p : pools) total += p.mapping->size;
+    return total;
+  }
+
+  // A free slot of the smallest fitting class, creating a pool if none is free and the bound allows.
+  absl::StatusOr<std::pair<Pool*, std::uint32_t>> find_slot(std::size_t bytes, bool& can_ever_fit) {
+    can_ever_fit = false;
+    for (auto& pool : pools) {
+      if (pool.slot_bytes < bytes) continue;
+      can_ever_fit = true;
+      for (std::uint32_t i = 0; i < pool.slots.size(); ++i) {
+        if (!pool.slots[i].leased) return std::make_pair(&pool, i);
+      }
+    }
+    const std::size_t slot_bytes = std::max(options.min_slot_bytes, next_pow2(std::max<std::size_t>(bytes, 1)));
+    const std::size_t size = round_up(kHeaderBytes + 8 * options.slots_per_pool, kPage) + slot_bytes * options.slots_per_pool;
+    if (bytes_mapped() + size > options.max_total_bytes) return std::make_pair(static_cast<Pool*>(nullptr), 0u);
+    auto pool = create_pool(slot_bytes);
+    if (!pool.ok()) return pool.status();
+    can_ever_fit = true;
+    stats.slots_total += options.slots_per_pool;
+    pools.push_back(*std::move(pool));
+    std::sort(pools.begin(), pools.end(), [](const Pool& a, const Pool& b) { return a.slot_bytes < b.slot_bytes; });
+    for (auto& p : pools) {
+      if (p.slot_bytes == slot_bytes && !p.slots[0].leased) return std::make_pair(&p, 0u);
+    }
+    return absl::InternalError("new shm pool not found");
+  }
+
+  Pool* pool_of(std::uint64_t id) {
+    for (auto& p : pools) {
+      if (p.id == id) return &p;
+    }
+    return nullptr;
+  }
+
+  void free_slot(Pool& pool, std::uint32_t slot) {
+    pool.slots[slot].leased = false;
+    generations(pool.mapping->base)[slot].store(0, std::memory_order_release);
+    --stats.slots_in_use;
+    ++frees;
+  }
+};
+
+ShmProducer::ShmProducer(ShmPoolOptions options) : impl_(std::make_unique<Impl>()) {
+  if (options.slots_per_pool == 0) options.slots_per_pool = 1;
+  impl_->options = options;
+  sweep_orphaned_pools();
+}
+
+ShmProducer::~ShmProducer() {
+  for (const auto& pool : impl_->pools) ::shm_unlink(shm_name(pool.id).c_str());
+}
+
+absl::StatusOr<wire::ShmHandle> ShmProducer::stage(const void* data, std::size_t bytes, absl::Time deadline) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  bool waited = false;
+  while (true) {
+    bool can_ever_fit = false;
+    auto found = s.find_slot(bytes, can_ever_fit);
+    if (!found.ok()) return found.status();
+    if (auto [pool, slot] = *found; pool != nullptr) {
+      const std::uint64_t generation = pool->next_generation++;
+      pool->slots[slot] = {true, generation};
+      if (bytes > 0) std::memcpy(pool->slot_address(slot), data, bytes);
+      // Published before the handle can reach anyone (the send that follows is a barrier too).
+      generations(pool->mapping->base)[slot].store(generation, std::memory_order_release);
+      ++s.stats.handles_sent;
+      ++s.stats.slots_in_use;
+      s.stats.bytes_staged += bytes;
+      return wire::ShmHandle{pool->id, slot, generation, 0};
+    }
+    if (!can_ever_fit) {
+      return absl::ResourceExhaustedError(fmt::format(
+          "a tensor of {} bytes does not fit in shared memory: pools use {} of max_total_bytes {}", bytes,
+          s.bytes_mapped(), s.options.max_total_bytes));
+    }
+    if (!waited) ++s.stats.credit_waits;
+    waited = true;
+    Impl::WaitArg arg{&s, s.frees};
+    if (s.mu.AwaitWithDeadline(absl::Condition(&Impl::freed_since, &arg), deadline)) continue;
+    return absl::DeadlineExceededError(
+        fmt::format("no free shared-memory slot for {} bytes: {} slot(s) in use, none released in time", bytes,
+                    s.stats.slots_in_use));
+  }
+}
+
+bool ShmProducer::release(const wire::ShmHandle& handle) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  Impl::Pool* pool = s.pool_of(handle.pool_id);
+  if (pool == nullptr || handle.slot >= pool->slots.size() || !pool->slots[handle.slot].leased ||
+      pool->slots[handle.slot].generation != handle.generation) {
+    ++s.stats.stale_releases;
+    return false;
+  }
+  s.free_slot(*pool, handle.slot);
+  ++s.stats.releases;
+  return true;
+}
+
+std::size_t ShmProducer::reclaim_all() {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  std::size_t n = 0;
+  for (auto& pool : s.pools) {
+    for (std::uint32_t i = 0; i < pool.slots.size(); ++i) {
+      if (!pool.slots[i].leased) continue;
+      s.free_slot(pool, i);
+      ++n;
+    }
+  }
+  s.stats.reclaims += n;
+  return n;
+}
+
+ShmStats ShmProducer::stats() const {
+  const Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  ShmStats out = s.stats;
+  out.pools = s.pools.size();
+  out.bytes_mapped = s.bytes_mapped();
+  return out;
+}
+
+const void* ShmProducer::address(const wire::ShmHandle& handle) const {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  Impl::Pool* pool = s.pool_of(handle.pool_id);
+  if (pool == nullptr || handle.slot >= pool->slots.size()) return nullptr;
+  return pool->slot_address(handle.slot) + handle.offset;
+}
+
+// ---------------------------------------------------------------------------------------------------
+struct ShmConsumer::Impl {
+  mutable absl::Mutex mu;
+  absl::flat_hash_map<std::uint64_t, std::shared_ptr<Mapping>> pools;
+
+  absl::StatusOr<std::shared_ptr<Mapping>> map(std::uint64_t pool_id) {
+    const std::string name = shm_name(pool_id);
+    const int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+    if (fd < 0) {
+      return absl::InvalidArgumentError(fmt::format("shm handle: pool {:016x} cannot be opened: {}", pool_id, std::strerror(errno)));
+    }
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(kPage)) {
+      ::close(fd);
+      return absl::InvalidArgumentError(fmt::format("shm handle: pool {:016x} is not a BlockFlow pool (too small)", pool_id));
+    }
+    auto mapping = std::make_shared<Mapping>();
+    mapping->size = static_cast<std::size_t>(st.st_size);
+    mapping->base = ::mmap(nullptr, mapping->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ::close(fd);
+    if (mapping->base == MAP_FAILED) {
+      return absl::ResourceExhaustedError(fmt::format("shm pool {:016x}: mmap: {}", pool_id, std::strerror(errno)));
+    }
+    const auto* h = static_cast<const SegmentHeader*>(mapping->base);
+    const bool sane = h->magic == kSegmentMagic && h->version == kSegmentVersion && h->pool_id == pool_id &&
+                      h->slot_count > 0 && h->slot_count < (1u << 20) && h->data_offset >= kHeaderBytes + 8 * h->slot_count &&
+                      h->slot_bytes > 0 && h->slot_bytes <= mapping->size &&
+                      h->data_offset <= mapping->size && (mapping->size - h->data_offset) / h->slot_bytes >= h->slot_count;
+    if (!sane) return absl::InvalidArgumentError(fmt::format("shm handle: pool {:016x} has a malformed header", pool_id));
+    return mapping;
+  }
+};
+
+ShmConsumer::ShmConsumer() : impl_(std::make_unique<Impl>()) {}
+ShmConsumer::~ShmConsumer() = default;
+
+absl::StatusOr<ShmConsumer::View> ShmConsumer::resolve(const wire::ShmHandle& handle, std::uint64_t bytes) {
+  Impl& s = *impl_;
+  std::shared_ptr<Mapping> mapping;
+  {
+    absl::MutexLock lock(&s.mu);
+    if (auto it = s.pools.find(handle.pool_id); it != s.pools.end()) mapping = it->second;
+  }
+  if (!mapping) {
+    auto mapped = s.map(handle.pool_id);
+    if (!mapped.ok()) return mapped.status();
+    absl::MutexLock lock(&s.mu);
+    mapping = s.pools.try_emplace(handle.pool_id, *mapped).first->second;
+  }
+  const auto* h = static_cast<const SegmentHeader*>(mapping->base);
+  if (handle.slot >= h->slot_count) {
+    return absl::InvalidArgumentError(
+        fmt::format("shm handle: slot {} out of range (pool {:016x} has {})", handle.slot, handle.pool_id, h->slot_count));
+  }
+  if (handle.offset > h->slot_bytes || bytes > h->slot_bytes - handle.offset) {
+    return absl::InvalidArgumentError(fmt::format("shm handle: offset {} + {} bytes exceeds the slot ({} bytes)",
+                                                  handle.offset, bytes, h->slot_bytes));
+  }
+  const std::uint64_t current = generations(mapping->base)[handle.slot].load(std::memory_order_acquire);
+  if (handle.generation == 0 || current != handle.generation) {
+    return absl::InvalidArgumentError(fmt::format("shm handle: stale or forged: generation {}, slot {} is at {}",
+                                                  handle.generation, handle.slot, current));
+  }
+  View view;
+  view.data = static_cast<char*>(mapping->base) + h->data_offset + handle.slot * h->slot_bytes + handle.offset;
+  view.pool_base = mapping->base;
+  view.pool_bytes = mapping->size;
+  view.keep = std::move(mapping);
+  return view;
+}
+
+void ShmConsumer::forget_all() {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->pools.clear();
+}
+
+std::size_t ShmConsumer::pools_mapped() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->pools.size();
+}
+
+}  // namespace blockflow::detail

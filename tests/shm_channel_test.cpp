@@ -1,0 +1,200 @@
+// The shared-memory zero-copy protocol (ShmProducer / ShmConsumer / the codec's handle frames):
+// the consumer's tensor lies in the mapped pool and nothing is copied in the hand-off; slots come
+// back when the last view dies; no credit -> wait then a named error; stale, forged and
+// out-of-range handles are rejected; reclaim after a consumer's death; pools bounded and unlinked.
+#include "test_util.hpp"
+
+#include <blockflow/detail/shm_pool.hpp>
+#include <blockflow/detail/tensor_codec.hpp>
+
+#include <fmt/format.h>
+#include <zmq_addon.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+using namespace blockflow;
+using namespace blockflow::detail;
+using Catch::Matchers::Contains;
+
+namespace {
+
+// The file behind the mapping that holds `address` in this process ("" when anonymous or none).
+std::string mapping_file(const void* address) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  const auto a = reinterpret_cast<std::uintptr_t>(address);
+  while (std::getline(maps, line)) {
+    std::uintptr_t lo = 0, hi = 0;
+    char dash = 0;
+    std::istringstream in(line);
+    in >> std::hex >> lo >> dash >> hi;
+    if (a < lo || a >= hi) continue;
+    const auto slash = line.find('/');
+    return slash == std::string::npos ? "" : line.substr(slash);
+  }
+  return "";
+}
+
+std::string pool_file(std::uint64_t pool_id) { return fmt::format("/dev/shm/blockflow-{:016x}", pool_id); }
+
+// A producer and a consumer joined by an inproc PUSH/PULL pair, like the two ends of an edge.
+struct Edge {
+  zmq::context_t context{1};
+  zmq::socket_t push{context, zmq::socket_type::push}, pull{context, zmq::socket_type::pull};
+  ShmProducer producer;
+  ShmConsumer consumer;
+  ShmStager stager;
+  ShmResolver resolver;
+
+  explicit Edge(ShmPoolOptions options = {}) : producer(options) {
+    pull.bind("inproc://edge");
+    push.connect("inproc://edge");
+    stager = make_stager(producer, absl::Milliseconds(50));
+    // The release message's trip is a direct call here; the worker channel sends it as kRelease.
+    resolver = make_resolver(consumer, [this](const wire::ShmHandle& h) { producer.release(h); });
+  }
+
+  absl::StatusOr<DecodedMessage> hand_off(const Tensors& tensors) {
+    wire::Header h;
+    h.request_id = 1;
+    auto sent = send_message(push, h, tensors, zmq::send_flags::none, nullptr, &stager);
+    if (!sent.ok()) return sent.status();
+    std::vector<zmq::message_t> frames;
+    (void)zmq::recv_multipart(pull, std::back_inserter(frames));
+    return decode_message(std::move(frames), &resolver);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("shm hand-off: the consumer's tensor is a view of the mapped pool, nothing copied", "[shm]") {
+  Edge edge;
+  const Tensor x = at::randn({256, 56, 56});  // 3.2 MB
+  auto got = edge.hand_off({x, at::arange(10, at::kLong)});
+  INFO(got.status().ToString());
+  REQUIRE(got.ok());
+  CHECK((got->header.flags & wire::kFlagShmHandles) != 0);
+  CHECK(got->bytes_copied == 0);
+  REQUIRE(got->tensors.size() == 2);
+  CHECK(at::equal(got->tensors[0], x));
+  CHECK(at::equal(got->tensors[1], at::arange(10, at::kLong)));
+  // The consumer's data pointer lies in its own mapping of a BlockFlow pool, not in the heap and
+  // not in the producer's mapping.
+  const std::string file = mapping_file(got->tensors[0].data_ptr());
+  CHECK_THAT(file, Contains("/dev/shm/blockflow-"));
+  CHECK(edge.consumer.pools_mapped() == 1);  // both in the 4 MB class: it had free slots
+  const auto stats = edge.producer.stats();
+  CHECK(stats.handles_sent == 2);
+  CHECK(stats.slots_in_use == 2);
+  CHECK(stats.bytes_staged == static_cast<std::uint64_t>(x.numel() * 4 + 80));
+}
+
+TEST_CASE("shm slots come back when the last view dies, and are reused", "[shm]") {
+  Edge edge;
+  auto got = edge.hand_off({at::ones({1000})});
+  REQUIRE(got.ok());
+  Tensor view = got->tensors[0].slice(0, 10, 20);
+  got->tensors.clear();
+  CHECK(edge.producer.stats().slots_in_use == 1);  // the slice still uses it
+  CHECK(view.sum().item<double>() == 10.0);
+  view = Tensor();
+  auto s = edge.producer.stats();
+  CHECK(s.slots_in_use == 0);
+  CHECK(s.releases == 1);
+  for (int i = 0; i < 20; ++i) {
+    auto again = edge.hand_off({at::full({1000}, i)});
+    REQUIRE(again.ok());
+    CHECK(again->tensors[0][999].item<double>() == i);
+  }
+  s = edge.producer.stats();
+  CHECK(s.pools == 1);
+  CHECK(s.handles_sent == 21);
+  CHECK(s.slots_in_use == 0);
+}
+
+TEST_CASE("shm credits: an exhausted pool waits, then fails naming the size; a release frees a credit", "[shm]") {
+  ShmPoolOptions options;
+  options.slots_per_pool = 2;
+  options.max_total_bytes = 3u << 20;  // one pool of 2 x 1 MB
+  Edge edge(options);
+  auto a = edge.hand_off({at::ones({100})});
+  auto b = edge.hand_off({at::ones({100})});
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  auto c = edge.hand_off({at::ones({100})});
+  CHECK(absl::IsDeadlineExceeded(c.status()));
+  CHECK_THAT(std::string(c.status().message()), Contains("tensor 0: no free shared-memory slot for 400 bytes: 2 slot(s) in use"));
+  CHECK(edge.producer.stats().credit_waits == 1);
+  a->tensors.clear();
+  auto d = edge.hand_off({at::ones({100})});
+  CHECK(d.ok());
+  auto huge = edge.hand_off({at::ones({1 << 20})});  // 4 MB never fits under 3 MB
+  CHECK(absl::IsResourceExhausted(huge.status()));
+  CHECK_THAT(std::string(huge.status().message()), Contains("4194304 bytes does not fit in shared memory"));
+}
+
+TEST_CASE("shm handles: stale, forged and out-of-range ones are rejected with the reason", "[shm]") {
+  ShmProducer producer;
+  ShmConsumer consumer;
+  std::vector<float> bytes(256, 1.0f);
+  auto h = producer.stage(bytes.data(), 1024, absl::Now());
+  REQUIRE(h.ok());
+  REQUIRE(consumer.resolve(*h, 1024).ok());
+
+  wire::ShmHandle forged = *h;
+  forged.pool_id ^= 0x5A5A5A5A;
+  CHECK_THAT(std::string(consumer.resolve(forged, 1024).status().message()), Contains("cannot be opened"));
+  forged = *h;
+  forged.slot = 9;
+  CHECK_THAT(std::string(consumer.resolve(forged, 1024).status().message()), Contains("slot 9 out of range"));
+  forged = *h;
+  forged.offset = (1u << 20) - 8;
+  CHECK_THAT(std::string(consumer.resolve(forged, 1024).status().message()), Contains("exceeds the slot"));
+  forged = *h;
+  forged.offset = ~std::uint64_t{0};
+  CHECK_THAT(std::string(consumer.resolve(forged, 1024).status().message()), Contains("exceeds the slot"));
+  forged = *h;
+  forged.generation += 1;
+  CHECK_THAT(std::string(consumer.resolve(forged, 1024).status().message()), Contains("stale or forged"));
+  CHECK_FALSE(producer.release(forged));
+
+  REQUIRE(producer.release(*h));
+  CHECK_FALSE(producer.release(*h));  // twice
+  CHECK(producer.stats().stale_releases == 2);
+  CHECK_THAT(std::string(consumer.resolve(*h, 1024).status().message()), Contains("stale or forged"));
+  auto reused = producer.stage(bytes.data(), 1024, absl::Now());  // same slot, next generation
+  REQUIRE(reused.ok());
+  CHECK(reused->slot == h->slot);
+  CHECK(reused->generation > h->generation);
+  CHECK_FALSE(consumer.resolve(*h, 1024).ok());
+  CHECK(consumer.resolve(*reused, 1024).ok());
+}
+
+TEST_CASE("shm reclaim: a dead consumer's slots return; pools are unlinked with the producer", "[shm]") {
+  ShmConsumer consumer;
+  Tensor survivor;
+  std::string file;
+  {
+    ShmProducer producer;
+    std::vector<float> bytes(256, 2.0f);
+    auto a = producer.stage(bytes.data(), 1024, absl::Now());
+    auto b = producer.stage(bytes.data(), 1024, absl::Now());
+    REQUIRE(a.ok());
+    REQUIRE(b.ok());
+    file = pool_file(a->pool_id);
+    CHECK(std::filesystem::exists(file));
+    auto view = consumer.resolve(*a, 1024);
+    REQUIRE(view.ok());
+    survivor = at::from_blob(view->data, {256}, [keep = view->keep](void*) {}, at::kFloat);
+    CHECK(producer.reclaim_all() == 2);
+    const auto s = producer.stats();
+    CHECK(s.reclaims == 2);
+    CHECK(s.slots_in_use == 0);
+    CHECK_FALSE(consumer.resolve(*b, 1024).ok());  // reclaimed: its handle is stale
+  }
+  CHECK_FALSE(std::filesystem::exists(file));
+  // A consumer's mapping outlives the producer: its tensor stays readable.
+  CHECK(survivor.sum().item<double>() == 512.0);
+}
