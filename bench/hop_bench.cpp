@@ -9,6 +9,11 @@
 // plus the tensor's bytes sent without a copy on a PUSH socket, received on a PULL socket and
 // decoded into a tensor over the received buffer. Each line also has "memcpy_us": one memcpy of
 // the same bytes (p50), measured in the same run.
+//
+// shm: the zero-copy channel over the same ipc:// sockets: the sender copies the tensor once into a
+// shared-memory slot (inside the timed span) and sends a 32-byte handle; the receiver builds its
+// tensor over the slot. The slot's release, which a worker sends back as a message off the critical
+// path, is a direct call here.
 
 #include "bench_util.hpp"
 
@@ -63,7 +68,12 @@ HopFigures measure(std::size_t bytes, int iterations) {
 }
 
 // One-way latency over PUSH/PULL with the wire format; the ack goes back on a second pair.
-HopFigures measure_zmq(const std::string& endpoint, std::size_t bytes, int iterations) {
+HopFigures measure_zmq(const std::string& endpoint, std::size_t bytes, int iterations, bool shm = false) {
+  bf::detail::ShmProducer producer;
+  bf::detail::ShmConsumer consumer;
+  const bf::detail::ShmStager stager = bf::detail::make_stager(producer, absl::Seconds(10));
+  const bf::detail::ShmResolver resolver =
+      bf::detail::make_resolver(consumer, [&producer](const bf::wire::ShmHandle& h) { producer.release(h); });
   zmq::context_t context(1);
   zmq::socket_t push(context, zmq::socket_type::push), pull(context, zmq::socket_type::pull);
   zmq::socket_t ack_push(context, zmq::socket_type::push), ack_pull(context, zmq::socket_type::pull);
@@ -77,7 +87,7 @@ HopFigures measure_zmq(const std::string& endpoint, std::size_t bytes, int itera
     for (int i = 0; i < iterations; ++i) {
       std::vector<zmq::message_t> frames;
       (void)zmq::recv_multipart(pull, std::back_inserter(frames));
-      auto message = bf::detail::decode_message(std::move(frames));
+      auto message = bf::detail::decode_message(std::move(frames), shm ? &resolver : nullptr);
       const std::int64_t now = bf::detail::now_ns();
       if (!message.ok() || message->tensors.at(0).numel() != static_cast<std::int64_t>(bytes)) std::abort();
       latencies_us.push_back(static_cast<double>(now - message->header.times.sent_ns) / 1e3);
@@ -88,7 +98,9 @@ HopFigures measure_zmq(const std::string& endpoint, std::size_t bytes, int itera
     bf::wire::Header header;
     header.request_id = static_cast<std::uint64_t>(i);
     header.times.sent_ns = bf::detail::now_ns();
-    if (!bf::detail::send_message(push, header, {payload}).ok()) std::abort();
+    if (!bf::detail::send_message(push, header, {payload}, zmq::send_flags::none, nullptr, shm ? &stager : nullptr).ok()) {
+      std::abort();
+    }
     zmq::message_t ack;
     (void)ack_pull.recv(ack);
   }
@@ -122,13 +134,14 @@ int main(int argc, char** argv) {
   }
   auto dir = bf::detail::make_private_dir("hop");
   if (!dir.ok()) return 1;
-  for (const auto& [channel, endpoint] : {std::pair<std::string, std::string>{"zmq-ipc", "ipc://" + *dir + "/hop"},
+  for (const auto& [channel, endpoint] : {std::pair<std::string, std::string>{"shm", "ipc://" + *dir + "/shm"},
+                                          std::pair<std::string, std::string>{"zmq-ipc", "ipc://" + *dir + "/hop"},
                                           std::pair<std::string, std::string>{"zmq-tcp", "tcp://127.0.0.1:*"}}) {
     for (std::size_t bytes : sizes) {
       // Fewer round trips for the large sizes: each moves the whole tensor through the kernel.
       const int n = bytes > 50'000'000 ? 30 : bytes > 1'000'000 ? 500 : std::min(iterations, 5000);
       const double copy_us = memcpy_us(bytes);
-      const HopFigures f = measure_zmq(endpoint, bytes, n);
+      const HopFigures f = measure_zmq(endpoint, bytes, n, channel == "shm");
       fmt::print(
           "{{\"bench\":\"hop\",\"channel\":\"{}\",\"bytes\":{},\"iterations\":{},\"p50_us\":{:.3f},\"p99_us\":{:.3f},"
           "\"memcpy_us\":{:.3f},\"p50_over_memcpy\":{:.2f}}}\n",

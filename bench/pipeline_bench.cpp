@@ -3,12 +3,14 @@
 // ...) so that machine noise hits both alike. Prints one JSON line:
 // {"bench":"pipeline","mode":"threads","channel":"inproc","threads_per_block":T,"requests":N,
 //  "e2e_p50_ms":..,"monolithic_p50_ms":..,"ratio":..,"overhead_p50_ms":..}
-// With --mode workers the four blocks run in four worker processes (serialized ZeroMQ over ipc://,
-// channel "zmq-ipc"); the monolithic model stays in the host's threads.
+// With --mode workers the four blocks run in four worker processes, reached over --channel shm (the
+// zero-copy shared-memory channel, the default) or zmq (serialized ZeroMQ over ipc://, "zmq-ipc");
+// the monolithic model stays in the host's threads.
 // With --mode worker_memory it prints {"bench":"worker_memory","rss_idle_mb":..,"rss_loaded_mb":..}:
 // a worker's resident memory before it loads anything and after it loaded the four blocks.
 //
-//   pipeline_bench --models DIR [--mode threads|workers|worker_memory] [--requests N] [--threads T]
+//   pipeline_bench --models DIR [--mode threads|workers|worker_memory] [--channel shm|zmq] [--requests N]
+//                  [--threads T]
 
 #include "bench_util.hpp"
 
@@ -27,7 +29,7 @@
 namespace bf = blockflow;
 
 int main(int argc, char** argv) try {
-  std::string models, mode = "threads";
+  std::string models, mode = "threads", channel = "shm";
   int requests = 100, threads = 2, warmup = 5;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
@@ -36,6 +38,7 @@ int main(int argc, char** argv) try {
     else if (a == "--threads") threads = std::stoi(v);
     else if (a == "--warmup") warmup = std::stoi(v);
     else if (a == "--mode") mode = v;
+    else if (a == "--channel") channel = v;
     else throw std::invalid_argument("unknown argument " + a);
   }
   if (models.empty()) throw std::invalid_argument("usage: pipeline_bench --models DIR [--requests N] [--threads T]");
@@ -62,6 +65,7 @@ int main(int argc, char** argv) try {
   for (int w = 1; w <= (memory ? 1 : workers ? 4 : 0); ++w) {
     bf::WorkerOptions o;
     o.name = fmt::format("w{}", w);
+    o.channel = channel;
     session.add_site(bf::make_worker(o));
   }
   session.add_path(bf::Path::chain("split", {"block1", "block2", "block3", "block4"}));
@@ -94,7 +98,7 @@ int main(int argc, char** argv) try {
       "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"threads_per_block\":{},\"requests\":{},"
       "\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},"
       "\"worker_env\":\"{}\",\"hardware_threads\":{}}}\n",
-      mode, workers ? "zmq-ipc" : "inproc", threads, requests, e2e, mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5),
+      mode, workers ? (channel == "zmq" ? "zmq-ipc" : channel) : "inproc", threads, requests, e2e, mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5),
       workers ? fmt::format("{}", fmt::join(bf::WorkerOptions{}.environment, " ")) : "", std::thread::hardware_concurrency());
   return 0;
 } catch (const std::exception& e) {

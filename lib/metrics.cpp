@@ -16,6 +16,12 @@ nlohmann::json to_json(const ChannelStats& s) {
           {"rejected", s.rejected}, {"dropped", s.dropped},   {"bytes_copied", s.bytes_copied}};
 }
 
+nlohmann::json to_json(const ShmEdgeStats& s) {
+  return {{"handles", s.handles},         {"slots_in_use", s.slots_in_use},   {"slots_total", s.slots_total},
+          {"credit_waits", s.credit_waits}, {"reclaims", s.reclaims},         {"stale_releases", s.stale_releases},
+          {"bytes_staged", s.bytes_staged}, {"bytes_mapped", s.bytes_mapped}};
+}
+
 }  // namespace
 
 std::string MetricsSnapshot::to_json(int indent) const {
@@ -58,7 +64,9 @@ std::string MetricsSnapshot::to_json(int indent) const {
                           {"malformed_frames", s.malformed_frames},
                           {"rss_idle_bytes", s.rss_idle_bytes},
                           {"rss_bytes", s.rss_bytes},
-                          {"data", blockflow::to_json(s.data)}});
+                          {"data", blockflow::to_json(s.data)},
+                          {"shm_requests", blockflow::to_json(s.shm_requests)},
+                          {"shm_results", blockflow::to_json(s.shm_results)}});
   }
   nlohmann::json root{{"uptime_s", uptime_s}, {"in_flight", in_flight}, {"blocks", blocks_json},
                       {"paths", paths_json}, {"sites", sites_json}};

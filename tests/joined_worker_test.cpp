@@ -3,9 +3,7 @@
 // fails the requests inside it with a named error; a new worker joins and traffic flows again; the
 // session's stop sends it away. The hidden "[.two-host]" case is run by tests/two_host_test.sh with
 // the worker in another network namespace.
-#include "test_util.hpp"
-
-#include <blockflow/worker_site.hpp>
+#include "worker_util.hpp"
 
 #include <fmt/format.h>
 
@@ -67,22 +65,11 @@ std::optional<int> wait_exit(pid_t pid, std::chrono::milliseconds timeout) {
 }
 
 WorkerOptions joined(const std::string& name, const std::string& listen) {
-  WorkerOptions o;
-  o.name = name;
+  WorkerOptions o = test::test_worker(name);
   o.listen = listen;
-  o.plugins = {BLOCKFLOW_TEST_PLUGIN};
-  o.restart_backoff = absl::Milliseconds(20);
   o.heartbeat_timeout = absl::Milliseconds(500);
   o.start_timeout = absl::Seconds(60);
   return o;
-}
-
-BlockDescription plugin_block(const std::string& name, const std::string& factory, const std::string& placement) {
-  BlockDescription d;
-  d.name = name;
-  d.factory = factory;
-  d.placement = placement;
-  return d;
 }
 
 // The same checks wherever the worker runs: values through a joined worker, 3.2 MB included.
@@ -112,7 +99,7 @@ TEST_CASE("a worker joins over TCP, dies under load, another joins, traffic flow
   const pid_t first = start_joining_worker(listen, "far");
   auto site = make_worker(joined("far", listen));
   Session session;
-  session.add_site(site).add_block(plugin_block("affine", "affine", "far")).add_path(Path::chain("t", {"affine"}));
+  session.add_site(site).add_block(test::plugin_block("affine", "affine", "far")).add_path(Path::chain("t", {"affine"}));
   test::require_started(session);
   CHECK(site->join_endpoint() == listen);
   CHECK(site->pid() == 0);  // not our child
@@ -178,7 +165,7 @@ TEST_CASE("nobody joins: start() fails naming the endpoint; a worker with anothe
   WorkerOptions o = joined("far", listen);
   o.start_timeout = absl::Seconds(2);
   Session session;
-  session.add_site(make_worker(o)).add_block(plugin_block("affine", "affine", "far")).add_path(Path::chain("t", {"affine"}));
+  session.add_site(make_worker(o)).add_block(test::plugin_block("affine", "affine", "far")).add_path(Path::chain("t", {"affine"}));
   const absl::Status status = session.start();
   CHECK(absl::IsUnavailable(status));
   CHECK_THAT(std::string(status.message()), Contains("worker far did not join at " + listen));
@@ -189,7 +176,7 @@ TEST_CASE("nobody joins: start() fails naming the endpoint; a worker with anothe
   bad.name = "x";
   bad.listen = "ipc:///tmp/nope";
   Session other;
-  other.add_site(make_worker(bad)).add_block(plugin_block("affine", "affine", "x")).add_path(Path::chain("t", {"affine"}));
+  other.add_site(make_worker(bad)).add_block(test::plugin_block("affine", "affine", "x")).add_path(Path::chain("t", {"affine"}));
   const absl::Status not_tcp = other.start();
   CHECK_THAT(std::string(not_tcp.message()), Contains("worker x: listen 'ipc:///tmp/nope' is not a tcp://ADDR:PORT"));
 }
@@ -200,7 +187,7 @@ TEST_CASE("two hosts: a worker in another network namespace serves over TCP", "[
   REQUIRE(listen != nullptr);
   Session session;
   session.add_site(make_worker(joined("far", listen)))
-      .add_block(plugin_block("affine", "affine", "far"))
+      .add_block(test::plugin_block("affine", "affine", "far"))
       .add_path(Path::chain("t", {"affine"}));
   test::require_started(session);
   check_serves(session);

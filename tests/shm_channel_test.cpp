@@ -2,15 +2,19 @@
 // the consumer's tensor lies in the mapped pool and nothing is copied in the hand-off; slots come
 // back when the last view dies; no credit -> wait then a named error; stale, forged and
 // out-of-range handles are rejected; reclaim after a consumer's death; pools bounded and unlinked.
-#include "test_util.hpp"
+#include "worker_util.hpp"
 
 #include <blockflow/detail/shm_pool.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
+#include <blockflow/worker_site.hpp>
 
 #include <fmt/format.h>
 #include <zmq_addon.hpp>
 
+#include <csignal>
 #include <filesystem>
+#include <future>
+#include <map>
 #include <fstream>
 #include <sstream>
 
@@ -197,4 +201,102 @@ TEST_CASE("shm reclaim: a dead consumer's slots return; pools are unlinked with 
   CHECK_FALSE(std::filesystem::exists(file));
   // A consumer's mapping outlives the producer: its tensor stays readable.
   CHECK(survivor.sum().item<double>() == 512.0);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The same protocol between a session and its worker processes (WorkerOptions::channel).
+
+TEST_CASE("split small CNN: threads, shm workers and zmq workers give equal outputs; shm copies nothing", "[shm]") {
+  std::map<std::string, std::unique_ptr<Session>> sessions;
+  for (const std::string channel : {"threads", "shm", "zmq"}) {
+    auto session = std::make_unique<Session>();
+    const bool workers = channel != "threads";
+    if (workers) session->add_site(make_worker(test::test_worker("w1", channel))).add_site(make_worker(test::test_worker("w2", channel)));
+    session->add_block(test::model_block("b1", "cnn_block1.pt", workers ? "w1" : "", {-1, 3, 16, 16}))
+        .add_block(test::model_block("b2", "cnn_block2.pt", workers ? "w2" : "", {-1, 8, 16, 16}))
+        .add_block(test::model_block("b3", "cnn_block3.pt", workers ? "w1" : "", {-1, 16, 8, 8}))
+        .add_path(Path::chain("cnn", {"b1", "b2", "b3"}));
+    test::require_started(*session);
+    sessions[channel] = std::move(session);
+  }
+  at::manual_seed(5);
+  for (int i = 0; i < 8; ++i) {
+    const Tensor x = at::randn({1 + i % 4, 3, 16, 16});
+    Result reference = sessions["threads"]->submit("cnn", x).get();
+    REQUIRE(reference.ok());
+    for (const std::string channel : {"shm", "zmq"}) {
+      Result r = sessions[channel]->submit("cnn", x).get();
+      INFO(channel << ": " << r.status.ToString());
+      REQUIRE(r.ok());
+      CHECK(at::equal(r.output(), reference.output()));
+      if (channel == "shm") CHECK_THAT(mapping_file(r.output().data_ptr()), Contains("/dev/shm/blockflow-"));
+    }
+  }
+  const auto shm = sessions["shm"]->metrics();
+  REQUIRE(shm.sites.size() == 2);
+  for (const auto& site : shm.sites) {
+    CHECK(site.data.kind == "shm");
+    CHECK(site.data.bytes_copied == 0);
+    CHECK(site.shm_requests.handles == site.data.sent);
+    CHECK(site.shm_requests.slots_total >= 1);
+  }
+  CHECK(sessions["zmq"]->metrics().sites.at(0).data.kind == "zmq-ipc");
+}
+
+TEST_CASE("shm workers: kill -9 under load reclaims the host's slots within 1 s; traffic flows again", "[shm]") {
+  auto site = make_worker(test::test_worker("w1", "shm"));
+  Session session;
+  BlockDescription slow = test::plugin_block("slow", "slow_identity", "w1");
+  slow.options.queue_capacity = 64;
+  session.add_site(site).add_block(slow).add_path(Path::chain("t", {"slow"}));
+  test::require_started(session);
+  // Fill the worker: requests whose inputs (host slots) sit in its queue.
+  std::vector<std::future<Result>> pending;
+  for (int i = 0; i < 20; ++i) pending.push_back(session.submit("t", at::full({1000}, i)));
+  const auto busy_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (session.metrics().sites.at(0).shm_requests.slots_in_use < 5 && std::chrono::steady_clock::now() < busy_deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  REQUIRE(session.metrics().sites.at(0).shm_requests.slots_in_use >= 5);
+  REQUIRE(::kill(static_cast<pid_t>(site->pid()), SIGKILL) == 0);
+  const auto killed = std::chrono::steady_clock::now();
+  while (session.metrics().sites.at(0).shm_requests.slots_in_use > 0 && std::chrono::steady_clock::now() < killed + std::chrono::seconds(5)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  const auto reclaim_time = std::chrono::steady_clock::now() - killed;
+  const auto m = session.metrics().sites.at(0);
+  CHECK(m.shm_requests.slots_in_use == 0);
+  CHECK(m.shm_requests.reclaims >= 5);
+  CHECK(reclaim_time < std::chrono::seconds(1));
+  int failed = 0;
+  for (auto& f : pending) {
+    Result r = f.get();  // every request resolves: done before the kill, or failed naming the worker
+    if (!r.ok()) {
+      ++failed;
+      CHECK_THAT(std::string(r.status.message()), Contains("worker w1"));
+    }
+  }
+  CHECK(failed >= 1);
+  // The restarted worker maps the same host pools again (their slots are free) and serves.
+  Result after;
+  after.status = absl::UnavailableError("not submitted yet");
+  for (int i = 0; i < 200 && !after.ok(); ++i) {
+    after = session.submit("t", at::full({1000}, 7.0)).get();
+    if (!after.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  REQUIRE(after.ok());
+  CHECK(after.output()[999].item<double>() == 7.0);
+}
+
+TEST_CASE("shm over TCP is refused by name; an unknown channel too", "[shm]") {
+  WorkerOptions o = test::test_worker("far", "shm");
+  o.listen = "tcp://127.0.0.1:1";
+  Session session;
+  session.add_site(make_worker(o)).add_block(test::plugin_block("affine", "affine", "far")).add_path(Path::chain("t", {"affine"}));
+  const auto status = session.start();
+  CHECK_THAT(std::string(status.message()), Contains("worker far: channel 'shm' needs a worker on this host"));
+  WorkerOptions bad = test::test_worker("w9", "carrier-pigeon");
+  Session other;
+  other.add_site(make_worker(bad)).add_block(test::plugin_block("affine", "affine", "w9")).add_path(Path::chain("t", {"affine"}));
+  CHECK_THAT(std::string(other.start().message()), Contains("worker w9: channel 'carrier-pigeon' is not shm or zmq"));
 }

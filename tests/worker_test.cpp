@@ -1,9 +1,7 @@
 // Blocks in child worker processes: equality with threads mode, mixed placement, C++ blocks through
 // a plugin, kill -9 under load (every request resolves, the worker restarts), start errors, no
 // orphans.
-#include "test_util.hpp"
-
-#include <blockflow/worker_site.hpp>
+#include "worker_util.hpp"
 
 #include <csignal>
 #include <sys/types.h>
@@ -14,48 +12,21 @@ using namespace std::chrono_literals;
 
 namespace {
 
-BlockDescription ts(const std::string& name, const std::string& file, const std::string& placement,
-                    std::vector<std::int64_t> shape) {
-  BlockDescription d;
-  d.name = name;
-  d.torchscript = test::model_path(file);
-  d.placement = placement;
-  d.options.intra_op_threads = 1;
-  d.options.input_shapes = {std::move(shape)};
-  return d;
-}
-
-BlockDescription plugin_block(const std::string& name, const std::string& factory, const std::string& placement) {
-  BlockDescription d;
-  d.name = name;
-  d.factory = factory;
-  d.placement = placement;
-  return d;
-}
-
-WorkerOptions worker(const std::string& name) {
-  WorkerOptions o;
-  o.name = name;
-  o.plugins = {BLOCKFLOW_TEST_PLUGIN};
-  o.restart_backoff = absl::Milliseconds(20);
-  return o;
-}
-
 bool process_exists(std::int64_t pid) { return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) == 0; }
 
 }  // namespace
 
 TEST_CASE("a split small CNN in two workers equals the same blocks in threads", "[worker]") {
   Session threads, workers;
-  threads.add_block(ts("b1", "cnn_block1.pt", "", {-1, 3, 16, 16}))
-      .add_block(ts("b2", "cnn_block2.pt", "", {-1, 8, 16, 16}))
-      .add_block(ts("b3", "cnn_block3.pt", "", {-1, 16, 8, 8}))
+  threads.add_block(test::model_block("b1", "cnn_block1.pt", "", {-1, 3, 16, 16}))
+      .add_block(test::model_block("b2", "cnn_block2.pt", "", {-1, 8, 16, 16}))
+      .add_block(test::model_block("b3", "cnn_block3.pt", "", {-1, 16, 8, 8}))
       .add_path(Path::chain("cnn", {"b1", "b2", "b3"}));
-  workers.add_site(make_worker(worker("w1")))
-      .add_site(make_worker(worker("w2")))
-      .add_block(ts("b1", "cnn_block1.pt", "w1", {-1, 3, 16, 16}))
-      .add_block(ts("b2", "cnn_block2.pt", "w2", {-1, 8, 16, 16}))
-      .add_block(ts("b3", "cnn_block3.pt", "", {-1, 16, 8, 8}))  // mixed: the head stays in the host
+  workers.add_site(make_worker(test::test_worker("w1")))
+      .add_site(make_worker(test::test_worker("w2")))
+      .add_block(test::model_block("b1", "cnn_block1.pt", "w1", {-1, 3, 16, 16}))
+      .add_block(test::model_block("b2", "cnn_block2.pt", "w2", {-1, 8, 16, 16}))
+      .add_block(test::model_block("b3", "cnn_block3.pt", "", {-1, 16, 8, 8}))  // mixed: the head stays in the host
       .add_path(Path::chain("cnn", {"b1", "b2", "b3"}));
   test::require_started(threads);
   test::require_started(workers);
@@ -83,9 +54,9 @@ TEST_CASE("a split small CNN in two workers equals the same blocks in threads", 
 
 TEST_CASE("C++ blocks run in a worker through a plugin; errors come back named", "[worker]") {
   Session session;
-  session.add_site(make_worker(worker("w1")))
-      .add_block(plugin_block("affine", "affine", "w1"))
-      .add_block(ts("raiser", "raise_block.pt", "w1", {-1, 3}))
+  session.add_site(make_worker(test::test_worker("w1")))
+      .add_block(test::plugin_block("affine", "affine", "w1"))
+      .add_block(test::model_block("raiser", "raise_block.pt", "w1", {-1, 3}))
       .add_path(Path::chain("t", {"affine"}))
       .add_path(Path::chain("boom", {"affine", "raiser"}));
   // The warm-up of raise_block raises: warm-up failures must name the worker and the block.
@@ -94,10 +65,10 @@ TEST_CASE("C++ blocks run in a worker through a plugin; errors come back named",
   CHECK_THAT(std::string(status.message()), Contains("worker w1") && Contains("raiser") && Contains("boom from raise_block"));
 
   Session ok;
-  BlockDescription raiser = ts("raiser", "raise_block.pt", "w1", {});
+  BlockDescription raiser = test::model_block("raiser", "raise_block.pt", "w1", {});
   raiser.options.input_shapes.clear();  // no warm-up: the failure happens per request
-  ok.add_site(make_worker(worker("w1")))
-      .add_block(plugin_block("affine", "affine", "w1"))
+  ok.add_site(make_worker(test::test_worker("w1")))
+      .add_block(test::plugin_block("affine", "affine", "w1"))
       .add_block(raiser)
       .add_path(Path::chain("t", {"affine"}))
       .add_path(Path::chain("boom", {"affine", "raiser"}));
@@ -113,22 +84,22 @@ TEST_CASE("C++ blocks run in a worker through a plugin; errors come back named",
 
 TEST_CASE("a worker that cannot load its blocks fails start(), naming worker and block", "[worker]") {
   Session session;
-  BlockDescription missing = ts("ghost", "no_such_file.pt", "w1", {1});
-  session.add_site(make_worker(worker("w1"))).add_block(missing).add_path(Path::chain("t", {"ghost"}));
+  BlockDescription missing = test::model_block("ghost", "no_such_file.pt", "w1", {1});
+  session.add_site(make_worker(test::test_worker("w1"))).add_block(missing).add_path(Path::chain("t", {"ghost"}));
   auto status = session.start();
   CHECK_FALSE(status.ok());
   CHECK_THAT(std::string(status.message()), Contains("worker w1") && Contains("block 'ghost'") &&
                                                 Contains("not found"));
   Session unknown_site;
-  unknown_site.add_block(plugin_block("a", "affine", "nowhere")).add_path(Path::chain("t", {"a"}));
+  unknown_site.add_block(test::plugin_block("a", "affine", "nowhere")).add_path(Path::chain("t", {"a"}));
   CHECK_THAT(std::string(unknown_site.start().message()), Contains("block 'a'") && Contains("'nowhere'"));
 }
 
 TEST_CASE("kill -9 of a worker under load: every request resolves, the worker restarts, traffic flows", "[worker]") {
-  auto site = make_worker(worker("w2"));
+  auto site = make_worker(test::test_worker("w2"));
   Session session;
   session.add_site(site)
-      .add_block(plugin_block("slow", "slow_identity", "w2"))
+      .add_block(test::plugin_block("slow", "slow_identity", "w2"))
       .add_path(Path::chain("t", {"slow"}));
   test::require_started(session);
   const std::int64_t first_pid = site->pid();
@@ -186,9 +157,9 @@ TEST_CASE("kill -9 of a worker under load: every request resolves, the worker re
 TEST_CASE("no orphans: workers are gone after shutdown and after the session is destroyed", "[worker]") {
   std::int64_t pid = 0;
   {
-    auto site = make_worker(worker("w1"));
+    auto site = make_worker(test::test_worker("w1"));
     Session session;
-    session.add_site(site).add_block(plugin_block("affine", "affine", "w1")).add_path(Path::chain("t", {"affine"}));
+    session.add_site(site).add_block(test::plugin_block("affine", "affine", "w1")).add_path(Path::chain("t", {"affine"}));
     test::require_started(session);
     pid = site->pid();
     REQUIRE(process_exists(pid));

@@ -30,6 +30,18 @@ struct SiteCompletion {
 };
 
 /// @brief Counters of a site, for metrics.
+/// @brief One direction of a zero-copy shared-memory edge: the producer's pool and what crossed it.
+struct ShmEdgeStats {
+  std::uint64_t handles = 0;         ///< tensors handed over as handles
+  std::uint64_t slots_in_use = 0;    ///< leased, not yet released by the consumer
+  std::uint64_t slots_total = 0;
+  std::uint64_t credit_waits = 0;    ///< times the producer found no free slot at first
+  std::uint64_t reclaims = 0;        ///< slots taken back from a consumer that died
+  std::uint64_t stale_releases = 0;  ///< releases that matched no lease (ignored)
+  std::uint64_t bytes_staged = 0;    ///< the producer's one copy into its slots
+  std::uint64_t bytes_mapped = 0;    ///< size of the producer's pools
+};
+
 struct SiteStats {
   std::string name;
   std::string kind;          ///< "worker"
@@ -41,6 +53,9 @@ struct SiteStats {
   std::int64_t rss_idle_bytes = 0;  ///< resident memory of the process before it loaded any block
   std::int64_t rss_bytes = 0;       ///< resident memory at the last heartbeat
   ChannelStats data;          ///< the channel that carries requests to the site
+  /// With data.kind "shm": host -> site (the host's pool) and site -> host (the site's pool, as of
+  /// its last heartbeat). Bytes copied in the hand-off itself: data.bytes_copied (0).
+  ShmEdgeStats shm_requests, shm_results;
 };
 
 /// @brief Contract between a session and a place where blocks run.

@@ -37,6 +37,15 @@ struct WorkerOptions {
   /// dead after heartbeat_timeout; "restart" then means waiting up to start_timeout for it to join
   /// again (blockflow-worker re-joins by itself). Name an address: 127.0.0.1 keeps it on this host.
   std::string listen;
+  /// How tensors cross between the host and a worker. "shm" (what "" means for a child): the
+  /// zero-copy channel; each side copies a tensor once into a slot of its own shared-memory pool and
+  /// sends a 32-byte handle, the other side's tensor is a view of that slot, and the slot returns
+  /// when the view dies (so a worker block's outputs that you keep hold its slots: clone() them to
+  /// keep many). "zmq": the tensor bytes travel serialized over ipc://. A worker that joins over
+  /// TCP (listen) uses "zmq" (what "" means there); asking for "shm" there is an error.
+  std::string channel;
+  std::size_t shm_slots_per_pool = 4;                 ///< slots per pool (one pool per power-of-two size class)
+  std::size_t shm_max_bytes = std::size_t{1} << 30;   ///< bound on each side's pools for this worker
   int max_restarts = 5;                                  ///< per session; then the worker stays down
   absl::Duration restart_backoff = absl::Milliseconds(100);  ///< doubled after each restart
   absl::Duration heartbeat_interval = absl::Milliseconds(100);

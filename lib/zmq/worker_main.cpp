@@ -15,6 +15,7 @@
 
 #include <blockflow/blockflow.hpp>
 #include <blockflow/detail/clock.hpp>
+#include <blockflow/detail/shm_pool.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
 #include <blockflow/detail/worker_protocol.hpp>
 
@@ -187,6 +188,20 @@ class Worker {
       std::cerr << fmt::format("blockflow-worker {}: joined {}; loading {} block(s)\n", args_.name, args_.control,
                                config->value("blocks", nlohmann::json::array()).size());
     }
+    if (config->value("channel", "zmq") == "shm") {
+      bf::detail::ShmPoolOptions pool;
+      pool.slots_per_pool = config->value("shm_slots_per_pool", pool.slots_per_pool);
+      pool.max_total_bytes = config->value("shm_max_bytes", pool.max_total_bytes);
+      results_pool_ = std::make_unique<bf::detail::ShmProducer>(pool);
+      stager_ = bf::detail::make_stager(*results_pool_, absl::Seconds(10));
+      // A request's input died here: give its slot back to the host (through the one sender).
+      resolver_ = bf::detail::make_resolver(requests_map_, [replies = replies_](const bf::wire::ShmHandle& h) {
+        bf::wire::Header release;
+        release.kind = bf::wire::MessageKind::kRelease;
+        release.message = bf::wire::encode_shm_handle(h);
+        replies->push({std::move(release), {}});
+      });
+    }
     if (auto status = load(*config); !status.ok()) {
       send_control({{"type", bf::detail::kLoadError}, {"message", std::string(std::string(status.message()))}});
       std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let the message leave
@@ -199,7 +214,7 @@ class Worker {
     stopping_ = true;
     receiver.join();
     session_.shutdown(absl::Seconds(1));
-    replies_.close();
+    replies_->close();
     sender.join();
     return 0;
   }
@@ -265,7 +280,11 @@ class Worker {
         stopped_by_host_ = true;
         return;
       }
-      if (type == bf::detail::kPing) send_control({{"type", bf::detail::kHeartbeat}, {"rss_bytes", rss_bytes()}});
+      if (type == bf::detail::kPing) {
+        nlohmann::json beat = {{"type", bf::detail::kHeartbeat}, {"rss_bytes", rss_bytes()}};
+        if (results_pool_) beat["shm"] = bf::detail::to_json(results_pool_->stats());
+        send_control(beat);
+      }
     }
   }
 
@@ -280,13 +299,22 @@ class Worker {
       const std::int64_t arrived = now_ns();
       std::optional<std::uint64_t> id;
       if (!frames.empty()) id = bf::wire::peek_request_id(frames[0].data(), frames[0].size());
-      auto message = bf::detail::decode_message(std::move(frames));
+      auto message = bf::detail::decode_message(std::move(frames), results_pool_ ? &resolver_ : nullptr);
       if (!message.ok()) {
         std::cerr << fmt::format("blockflow-worker {}: malformed request frame dropped: {}\n", args_.name,
                                  std::string(message.status().message()));
-        if (id) replies_.push({error_header(*id, 0, absl::InvalidArgumentError(fmt::format(
+        if (id) replies_->push({error_header(*id, 0, absl::InvalidArgumentError(fmt::format(
                                                     "malformed request frame: {}", std::string(message.status().message())))),
                                {}});
+        continue;
+      }
+      if (message->header.kind == bf::wire::MessageKind::kRelease) {
+        auto handles = bf::wire::decode_releases(message->header.message);
+        if (handles.ok() && results_pool_) {
+          for (const auto& h : *handles) results_pool_->release(h);
+        } else {
+          std::cerr << fmt::format("blockflow-worker {}: bad release message dropped\n", args_.name);
+        }
         continue;
       }
       dispatch(std::move(*message), arrived);
@@ -298,11 +326,11 @@ class Worker {
     const std::uint32_t node = message.header.node;
     const std::string& block = message.header.target;
     if (hosted_.count(block) == 0) {
-      replies_.push({error_header(id, node, absl::NotFoundError(fmt::format("does not host block '{}'", block))), {}});
+      replies_->push({error_header(id, node, absl::NotFoundError(fmt::format("does not host block '{}'", block))), {}});
       return;
     }
     session_.submit(block, std::move(message.tensors), [this, id, node, arrived](bf::Result&& r) {
-      if (!r.ok()) return replies_.push({error_header(id, node, r.status), {}});
+      if (!r.ok()) return replies_->push({error_header(id, node, r.status), {}});
       bf::wire::Header h;
       h.kind = bf::wire::MessageKind::kResult;
       h.request_id = id;
@@ -314,7 +342,7 @@ class Worker {
         h.times.compute_start_ns = hop.compute_start_ns;
         h.times.compute_end_ns = hop.compute_end_ns;
       }
-      replies_.push({std::move(h), std::move(r.outputs)});
+      replies_->push({std::move(h), std::move(r.outputs)});
     });
   }
 
@@ -322,9 +350,11 @@ class Worker {
     zmq::socket_t push(context_, zmq::socket_type::push);
     push.set(zmq::sockopt::linger, 1000);
     push.connect(args_.results);
-    while (auto reply = replies_.pop()) {
+    while (auto reply = replies_->pop()) {
       reply->header.times.sent_ns = now_ns();
-      auto sent = bf::detail::send_message(push, reply->header, reply->tensors);
+      const bool data = reply->header.kind == bf::wire::MessageKind::kResult;
+      auto sent = bf::detail::send_message(push, reply->header, reply->tensors, zmq::send_flags::none, nullptr,
+                                           data && results_pool_ ? &stager_ : nullptr);
       if (!sent.ok()) {  // e.g. an output dtype the wire cannot carry: report it instead
         (void)bf::detail::send_message(
             push, error_header(reply->header.request_id, reply->header.node, sent.status()), {});
@@ -345,7 +375,13 @@ class Worker {
   zmq::socket_t control_;
   bf::Session session_;
   std::set<std::string> hosted_;
-  ReplyQueue replies_;
+  // Shared with the deleters of tensors over the host's slots, which may outlive this object.
+  std::shared_ptr<ReplyQueue> replies_ = std::make_shared<ReplyQueue>();
+  // The zero-copy channel: results go into our pools, requests are views of the host's.
+  std::unique_ptr<bf::detail::ShmProducer> results_pool_;
+  bf::detail::ShmConsumer requests_map_;
+  bf::detail::ShmStager stager_;
+  bf::detail::ShmResolver resolver_;
   std::atomic<bool> stopping_{false};
 };
 

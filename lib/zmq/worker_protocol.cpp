@@ -56,13 +56,50 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json) {
   return d;
 }
 
+ShmEdgeStats to_edge_stats(const ShmStats& s) {
+  ShmEdgeStats e;
+  e.handles = s.handles_sent;
+  e.slots_in_use = s.slots_in_use;
+  e.slots_total = s.slots_total;
+  e.credit_waits = s.credit_waits;
+  e.reclaims = s.reclaims;
+  e.stale_releases = s.stale_releases;
+  e.bytes_staged = s.bytes_staged;
+  e.bytes_mapped = s.bytes_mapped;
+  return e;
+}
+
+nlohmann::json to_json(const ShmStats& stats) {
+  const ShmEdgeStats s = to_edge_stats(stats);
+  return {{"handles", s.handles},   {"slots_in_use", s.slots_in_use}, {"slots_total", s.slots_total},
+          {"credit_waits", s.credit_waits}, {"reclaims", s.reclaims}, {"stale_releases", s.stale_releases},
+          {"bytes_staged", s.bytes_staged}, {"bytes_mapped", s.bytes_mapped}};
+}
+
+ShmEdgeStats shm_edge_from_json(const nlohmann::json& json) {
+  ShmEdgeStats s;
+  if (!json.is_object()) return s;
+  s.handles = json.value("handles", std::uint64_t{0});
+  s.slots_in_use = json.value("slots_in_use", std::uint64_t{0});
+  s.slots_total = json.value("slots_total", std::uint64_t{0});
+  s.credit_waits = json.value("credit_waits", std::uint64_t{0});
+  s.reclaims = json.value("reclaims", std::uint64_t{0});
+  s.stale_releases = json.value("stale_releases", std::uint64_t{0});
+  s.bytes_staged = json.value("bytes_staged", std::uint64_t{0});
+  s.bytes_mapped = json.value("bytes_mapped", std::uint64_t{0});
+  return s;
+}
+
 nlohmann::json make_config(const std::vector<BlockDescription>& blocks, const WorkerOptions& options) {
   nlohmann::json list = nlohmann::json::array();
   for (const auto& b : blocks) list.push_back(to_json(b));
   return {{"type", kConfig},
           {"blocks", list},
           {"plugins", options.plugins},
-          {"heartbeat_ms", absl::ToInt64Milliseconds(options.heartbeat_interval)}};
+          {"heartbeat_ms", absl::ToInt64Milliseconds(options.heartbeat_interval)},
+          {"channel", options.channel},
+          {"shm_slots_per_pool", options.shm_slots_per_pool},
+          {"shm_max_bytes", options.shm_max_bytes}};
 }
 
 }  // namespace blockflow::detail

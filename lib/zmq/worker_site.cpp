@@ -1,6 +1,7 @@
 #include <blockflow/worker_site.hpp>
 #include <blockflow/detail/clock.hpp>
 #include <blockflow/detail/runtime_dir.hpp>
+#include <blockflow/detail/shm_pool.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
 #include <blockflow/detail/worker_protocol.hpp>
 
@@ -23,6 +24,7 @@
 #include <iostream>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 extern char** environ;
 
@@ -70,6 +72,27 @@ struct Outbound {
   Envelope envelope;
 };
 
+// Handles of the worker's slots whose tensors died here, waiting for the sender to return them.
+// Shared with the tensors' deleters, which may run after the site is gone.
+struct ReleaseQueue {
+  std::mutex mu;
+  std::vector<wire::ShmHandle> handles;
+  void push(const wire::ShmHandle& h) {
+    std::lock_guard lock(mu);
+    handles.push_back(h);
+  }
+  std::vector<wire::ShmHandle> take() {
+    std::lock_guard lock(mu);
+    return std::exchange(handles, {});
+  }
+  void put_back(std::vector<wire::ShmHandle>&& back) {
+    std::lock_guard lock(mu);
+    handles.insert(handles.end(), back.begin(), back.end());
+  }
+};
+
+constexpr std::size_t kReleasesPerMessage = wire::kMaxMessageBytes / wire::kShmHandleBytes;
+
 }  // namespace
 
 struct WorkerSite::Impl {
@@ -99,9 +122,17 @@ struct WorkerSite::Impl {
   std::int64_t rss_idle = 0, rss = 0;
   std::deque<Outbound> outbound;
   absl::flat_hash_map<std::pair<std::uint64_t, std::uint32_t>, std::string> in_flight;
+  std::uint64_t bytes_copied = 0;
+  // The zero-copy channel (channel "shm"): our pool for requests, the worker's pools mapped here.
+  std::unique_ptr<detail::ShmProducer> requests_pool;
+  detail::ShmConsumer results_map;
+  detail::ShmStager stager;
+  detail::ShmResolver resolver;
+  std::shared_ptr<ReleaseQueue> releases = std::make_shared<ReleaseQueue>();
+  ShmEdgeStats shm_results;
   bool stopping = false;
-  bool death_pending = false;
-  std::string unreachable_peer;     // control thread only       // a joined worker declared dead from the control thread
+  bool death_pending = false;       // a joined worker declared dead from the control thread
+  std::string unreachable_peer;     // control thread only
   std::thread control, sender, receiver;
 
   explicit Impl(WorkerOptions o) : options(std::move(o)) {
@@ -110,6 +141,55 @@ struct WorkerSite::Impl {
 
   std::string prefix() const { return fmt::format("worker {}", options.name); }
   bool joined() const { return !options.listen.empty(); }  // on another host, joins over TCP
+  bool shm() const { return options.channel == "shm"; }
+
+  absl::Status resolve_channel() {
+    std::string& c = options.channel;
+    if (c.empty()) c = joined() ? "zmq" : "shm";
+    if (c != "shm" && c != "zmq") {
+      return absl::InvalidArgumentError(fmt::format("{}: channel '{}' is not shm or zmq", prefix(), c));
+    }
+    if (c == "shm" && joined()) {
+      return absl::InvalidArgumentError(
+          fmt::format("{}: channel 'shm' needs a worker on this host, but it joins over TCP ({})", prefix(), options.listen));
+    }
+    if (shm()) {
+      detail::ShmPoolOptions pool;
+      pool.slots_per_pool = options.shm_slots_per_pool;
+      pool.max_total_bytes = options.shm_max_bytes;
+      requests_pool = std::make_unique<detail::ShmProducer>(pool);
+      stager = detail::make_stager(*requests_pool, absl::Seconds(10));
+      resolver = detail::make_resolver(results_map, [queue = releases](const wire::ShmHandle& h) { queue->push(h); });
+    }
+    return absl::OkStatus();
+  }
+
+  // Returns the worker's slots whose tensors died here (only to a live worker; dontwait: a full or
+  // gone peer keeps them for the next round).
+  void flush_releases(zmq::socket_t& socket) {
+    if (!shm()) return;
+    {
+      std::lock_guard lock(mu);
+      if (state != State::kReady) return;
+    }
+    std::vector<wire::ShmHandle> all = releases->take();
+    for (std::size_t at = 0; at < all.size(); at += kReleasesPerMessage) {
+      const std::size_t end = std::min(all.size(), at + kReleasesPerMessage);
+      wire::Header h;
+      h.kind = wire::MessageKind::kRelease;
+      h.message = wire::encode_releases({all.begin() + static_cast<std::ptrdiff_t>(at), all.begin() + static_cast<std::ptrdiff_t>(end)});
+      bool sent = false;
+      try {
+        auto r = detail::send_message(socket, h, {}, zmq::send_flags::dontwait);
+        sent = r.ok() && *r;
+      } catch (const zmq::error_t&) {
+      }
+      if (!sent) {
+        releases->put_back({all.begin() + static_cast<std::ptrdiff_t>(at), all.end()});
+        return;
+      }
+    }
+  }
 
   absl::Status spawn_locked() {
     if (joined()) {  // nothing to start: wait for the worker to join
@@ -156,6 +236,13 @@ struct WorkerSite::Impl {
   }
 
   void on_death(std::string what) {
+    // Its leases are void: our slots come back, its pools are no longer looked up.
+    if (requests_pool) {
+      if (const std::size_t n = requests_pool->reclaim_all(); n > 0) {
+        std::cerr << fmt::format("blockflow: {}: {} shared-memory slot(s) reclaimed\n", prefix(), n);
+      }
+    }
+    results_map.forget_all();
     std::vector<std::pair<std::uint64_t, std::uint32_t>> lost;
     std::vector<Outbound> queued;
     absl::Status why;
@@ -254,6 +341,7 @@ struct WorkerSite::Impl {
     } else if (type == detail::kHeartbeat) {
       last_heartbeat_ns = now_ns();
       rss = message.value("rss_bytes", rss);
+      if (message.contains("shm")) shm_results = detail::shm_edge_from_json(message["shm"]);
     }
   }
 
@@ -352,13 +440,18 @@ struct WorkerSite::Impl {
 
   void sender_main() {
     while (true) {
+      flush_releases(push);
       Outbound next;
       {
         std::unique_lock lock(mu);
-        changed.wait(lock, [&] {
+        auto ready = [&] {
           return stopping || (!outbound.empty() && state == State::kReady && in_flight.size() < options.max_in_flight);
-        });
+        };
+        // Released slots are noticed by polling (their deleters run anywhere, and must not take mu).
+        if (shm()) changed.wait_for(lock, std::chrono::milliseconds(2), ready);
+        else changed.wait(lock, ready);
         if (stopping) return;
+        if (!ready()) continue;
         next = std::move(outbound.front());
         outbound.pop_front();
         in_flight[{next.envelope.request_id, next.envelope.node}] = next.block;
@@ -373,8 +466,14 @@ struct WorkerSite::Impl {
       header.times.sent_ns = now_ns();
       absl::Status status;
       try {
-        auto sent_ok = detail::send_message(push, header, next.envelope.tensors);
+        std::uint64_t copied = 0;
+        auto sent_ok = detail::send_message(push, header, next.envelope.tensors, zmq::send_flags::none, &copied,
+                                            shm() ? &stager : nullptr);
         if (!sent_ok.ok()) status = sent_ok.status();
+        if (copied > 0) {
+          std::lock_guard lock(mu);
+          bytes_copied += copied;
+        }
       } catch (const zmq::error_t& e) {
         status = absl::UnavailableError(e.what());
       }
@@ -404,9 +503,18 @@ struct WorkerSite::Impl {
       if (!zmq::recv_multipart(pull, std::back_inserter(frames))) continue;  // timeout
       std::optional<std::uint64_t> id;
       if (!frames.empty()) id = wire::peek_request_id(frames[0].data(), frames[0].size());
-      auto decoded = detail::decode_message(std::move(frames));
+      auto decoded = detail::decode_message(std::move(frames), shm() ? &resolver : nullptr);
       if (!decoded.ok()) {
         on_malformed(id, decoded.status());
+        continue;
+      }
+      if (decoded->header.kind == wire::MessageKind::kRelease) {
+        auto handles = wire::decode_releases(decoded->header.message);
+        if (!handles.ok() || !requests_pool) {
+          on_malformed(std::nullopt, handles.ok() ? absl::InvalidArgumentError("release without shared memory") : handles.status());
+          continue;
+        }
+        for (const auto& h : *handles) requests_pool->release(h);
         continue;
       }
       deliver(std::move(*decoded));
@@ -503,6 +611,10 @@ const std::string& WorkerSite::name() const { return impl_->options.name; }
 
 absl::Status WorkerSite::start(const std::vector<BlockDescription>& blocks, CompletionFn done) {
   Impl& s = *impl_;
+  if (auto status = s.resolve_channel(); !status.ok()) {
+    s.state = Impl::State::kStopped;
+    return status;
+  }
   if (s.joined()) {
     if (s.options.listen.rfind("tcp://", 0) != 0) {
       return absl::InvalidArgumentError(
@@ -599,7 +711,10 @@ SiteStats WorkerSite::stats() const {
   out.malformed_frames = s.malformed;
   out.rss_idle_bytes = s.rss_idle;
   out.rss_bytes = s.rss;
-  out.data.kind = s.joined() ? "zmq-tcp" : "zmq-ipc";
+  out.data.kind = s.joined() ? "zmq-tcp" : s.shm() ? "shm" : "zmq-ipc";
+  out.data.bytes_copied = s.bytes_copied;
+  if (s.requests_pool) out.shm_requests = detail::to_edge_stats(s.requests_pool->stats());
+  out.shm_results = s.shm_results;
   out.data.sent = s.sent;
   out.data.received = s.received;
   out.data.depth = s.outbound.size();

@@ -6,6 +6,8 @@
 // heartbeat_ms}, ping and stop. Data frames use the binary wire format (wire_format.hpp).
 
 #include <blockflow/block_registry.hpp>
+#include <blockflow/detail/shm_pool.hpp>
+#include <blockflow/remote_site.hpp>
 #include <blockflow/worker_site.hpp>
 
 #include <absl/status/statusor.h>
@@ -27,6 +29,12 @@ inline constexpr const char* kConfig = "config";
 nlohmann::json to_json(const BlockDescription& description);
 /// Validates every field; errors name the block and the field.
 absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json);
+
+/// A pool's figures as sent in heartbeats, and back.
+nlohmann::json to_json(const ShmStats& stats);
+ShmEdgeStats shm_edge_from_json(const nlohmann::json& json);
+/// The public figures of a producer's pool.
+ShmEdgeStats to_edge_stats(const ShmStats& stats);
 
 nlohmann::json make_config(const std::vector<BlockDescription>& blocks, const WorkerOptions& options);
 

@@ -1,0 +1,161 @@
+// A small BlockFlow server for remote clients in any language (see examples/python_client.py and
+// docs/wire-format.md).
+//
+//   serve [--endpoint EP] [--no-stdin]
+//
+// EP defaults to tcp://127.0.0.1:5555; "tcp://127.0.0.1:*" picks a free port. The server prints
+// exactly one line to stdout, `serving on <endpoint>` (the port resolved), then serves until
+// SIGINT/SIGTERM or until its stdin reaches EOF, so a driver can stop it by closing the pipe it
+// writes to. With --no-stdin only a signal stops it: use that when stdin is /dev/null (e.g.
+// `serve &` in a non-interactive shell). Everything else it says goes to stderr.
+//
+// Tasks, each one C++ callable block:
+//   affine  x -> 3*x + 1 (one floating-point tensor)
+//   sum2    (a, b) -> a + b (two tensors in one message)
+//   fails   always fails with FailedPrecondition naming a cause, to show what clients see
+//
+//   ./serve --endpoint tcp://127.0.0.1:5555 &
+//   python3 examples/python_client.py tcp://127.0.0.1:5555
+
+#include <blockflow/blockflow.hpp>
+#include <blockflow/client_endpoint.hpp>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <iostream>
+#include <optional>
+#include <string>
+
+namespace bf = blockflow;
+
+namespace {
+
+// Error messages need not name the block: the session prefixes "block '<name>': ".
+absl::Status expect_inputs(const bf::Tensors& in, std::size_t count) {
+  if (in.size() != count) {
+    return absl::InvalidArgumentError(fmt::format("expected {} input tensor(s), got {}", count, in.size()));
+  }
+  return absl::OkStatus();
+}
+
+void add_blocks(bf::Session& session) {
+  session.add_block(bf::Block::callable("affine", [](bf::Tensors&& in) -> absl::StatusOr<bf::Tensors> {
+    if (auto status = expect_inputs(in, 1); !status.ok()) return status;
+    if (!at::isFloatingType(in[0].scalar_type())) {
+      return absl::InvalidArgumentError(
+          fmt::format("expected a floating-point tensor, got {}", std::string(c10::toString(in[0].scalar_type()))));
+    }
+    return bf::Tensors{in[0] * 3 + 1};
+  }));
+  session.add_block(bf::Block::callable("sum2", [](bf::Tensors&& in) -> absl::StatusOr<bf::Tensors> {
+    if (auto status = expect_inputs(in, 2); !status.ok()) return status;
+    if (in[0].sizes() != in[1].sizes()) {
+      return absl::InvalidArgumentError(fmt::format("shapes differ: [{}] vs [{}]", fmt::join(in[0].sizes(), ", "),
+                                                    fmt::join(in[1].sizes(), ", ")));
+    }
+    return bf::Tensors{in[0] + in[1]};
+  }));
+  session.add_block(bf::Block::callable("fails", [](bf::Tensors&&) -> absl::StatusOr<bf::Tensors> {
+    return absl::FailedPreconditionError("calibration table not loaded (this demo block always fails)");
+  }));
+  session.add_path(bf::Path::chain("affine", {"affine"}))
+      .add_path(bf::Path::chain("sum2", {"sum2"}))
+      .add_path(bf::Path::chain("fails", {"fails"}));
+}
+
+// Blocks until SIGINT/SIGTERM arrives (read from `signal_fd`) or, when `watch_stdin`, stdin hits
+// EOF or an error. Returns what stopped it.
+std::string wait_for_stop(int signal_fd, bool watch_stdin) {
+  pollfd fds[2] = {{signal_fd, POLLIN, 0}, {STDIN_FILENO, POLLIN, 0}};
+  const nfds_t count = watch_stdin ? 2 : 1;
+  while (true) {
+    if (::poll(fds, count, -1) < 0) {
+      if (errno == EINTR) continue;
+      return fmt::format("poll failed: {}", std::strerror(errno));
+    }
+    if ((fds[0].revents & POLLIN) != 0) {
+      signalfd_siginfo info{};
+      if (::read(signal_fd, &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
+        return fmt::format("signal {}", strsignal(static_cast<int>(info.ssi_signo)));
+      }
+      return "signal";
+    }
+    if (count == 2 && fds[1].revents != 0) {
+      char buffer[4096];  // whatever is written to stdin is read and ignored; only EOF matters
+      const ssize_t n = ::read(STDIN_FILENO, buffer, sizeof buffer);
+      if (n == 0) return "stdin closed";
+      if (n < 0 && errno != EINTR && errno != EAGAIN) return fmt::format("stdin: {}", std::strerror(errno));
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string endpoint = "tcp://127.0.0.1:5555";
+  bool watch_stdin = true;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--endpoint" && i + 1 < argc) {
+      endpoint = argv[++i];
+    } else if (arg == "--no-stdin") {
+      watch_stdin = false;
+    } else {
+      std::cerr << "usage: serve [--endpoint tcp://127.0.0.1:5555] [--no-stdin]\n";
+      return arg == "--help" || arg == "-h" ? 0 : 2;
+    }
+  }
+
+  // Block the stop signals before any thread starts (threads inherit the mask), then read them
+  // from a signalfd in the main thread: no async handler, no race with the session's threads.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  if (pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr) != 0) {
+    std::cerr << "serve: pthread_sigmask failed\n";
+    return 1;
+  }
+  const int signal_fd = ::signalfd(-1, &stop_signals, SFD_CLOEXEC);
+  if (signal_fd < 0) {
+    std::cerr << "serve: signalfd failed: " << std::strerror(errno) << "\n";
+    return 1;
+  }
+
+  bf::Session session;
+  add_blocks(session);
+  if (auto status = session.start(); !status.ok()) {
+    std::cerr << "serve: " << status << "\n";
+    return 1;
+  }
+
+  std::optional<bf::ClientEndpoint> server;
+  try {
+    server.emplace(session, endpoint);
+  } catch (const std::exception& e) {
+    std::cerr << "serve: " << e.what() << "\n";
+    session.shutdown();
+    return 1;
+  }
+  std::cout << "serving on " << server->endpoint() << std::endl;  // the one stdout line; flushed
+
+  const std::string reason = wait_for_stop(signal_fd, watch_stdin);
+  // The endpoint stops first so that no new request enters; the session then drains what is in
+  // flight (replies to those are dropped: the endpoint no longer sends).
+  server->stop();
+  session.shutdown();
+  std::cerr << fmt::format("serve: stopped ({}); {} replies sent, {} malformed frames\n", reason, server->served(),
+                           server->malformed_frames());
+  server.reset();
+  ::close(signal_fd);
+  return 0;
+}
