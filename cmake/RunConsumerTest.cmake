@@ -12,4 +12,5 @@ run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
 run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${consumer_build} -G ${GENERATOR}
     -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix})
 run(${CMAKE_COMMAND} --build ${consumer_build})
-run(${consumer_build}/consumer)
+# The consumer places a block in a worker: the installed bin/blockflow-worker must be the one found.
+run(${consumer_build}/consumer ${MODEL} ${prefix}/bin/blockflow-worker)

@@ -11,6 +11,7 @@
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include <dlfcn.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -33,9 +34,18 @@ namespace {
 
 using detail::now_ns;
 
+// $BLOCKFLOW_WORKER; else beside this library (a build tree) or in ../bin (an install, wherever it
+// was moved); else the build tree's or the configured install path.
 std::string default_executable() {
   if (const char* env = std::getenv("BLOCKFLOW_WORKER"); env != nullptr && *env != '\0') return env;
   std::error_code ec;
+  Dl_info info{};
+  if (::dladdr(reinterpret_cast<void*>(&default_executable), &info) != 0 && info.dli_fname != nullptr) {
+    const std::filesystem::path dir = std::filesystem::canonical(info.dli_fname, ec).parent_path();
+    for (const auto& candidate : {dir / "blockflow-worker", dir.parent_path() / "bin" / "blockflow-worker"}) {
+      if (!ec && std::filesystem::exists(candidate, ec)) return candidate.string();
+    }
+  }
   if (std::filesystem::exists(BLOCKFLOW_WORKER_BUILD_PATH, ec)) return BLOCKFLOW_WORKER_BUILD_PATH;
   return BLOCKFLOW_WORKER_INSTALL_PATH;
 }

@@ -1,19 +1,51 @@
-// Built against the installed package by the install_consumer ctest.
+// Built against the installed package by the install_consumer ctest:
+//   consumer MODEL.pt EXPECTED_WORKER
+// A block in the host's threads and a TorchScript block in a worker process, which must be the
+// installed blockflow-worker (found beside the installed library, without configuration).
 #include <blockflow/blockflow.hpp>
+#include <blockflow/worker_site.hpp>
 
 #include <ATen/ATen.h>  // tensor operators: blockflow.hpp only declares the Tensor type
 
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 
-int main() {
+int main(int argc, char** argv) {
   namespace bf = blockflow;
+  if (argc != 3) return 2;
+  bf::BlockDescription conv;
+  conv.name = "conv";
+  conv.torchscript = argv[1];
+  conv.placement = "w1";
+  conv.options.intra_op_threads = 1;
+  bf::WorkerOptions w1;
+  w1.name = "w1";
+  auto site = bf::make_worker(w1);
   bf::Session session;
-  session.add_block(bf::Block::callable("inc", [](bf::Tensors&& in) -> absl::StatusOr<bf::Tensors> {
-    return bf::Tensors{in.at(0) + 1};
-  })).add_path(bf::Path::chain("t", {"inc"}));
-  if (!session.start().ok()) return 1;
+  session.add_site(site)
+      .add_block(conv)
+      .add_block(bf::Block::callable("inc", [](bf::Tensors&& in) -> absl::StatusOr<bf::Tensors> {
+        return bf::Tensors{in.at(0) + 1};
+      }))
+      .add_path(bf::Path::chain("t", {"inc"}))
+      .add_path(bf::Path::chain("c", {"conv"}));
+  if (auto status = session.start(); !status.ok()) {
+    std::cerr << status << "\n";
+    return 1;
+  }
   const bf::Result r = session.submit("t", at::zeros({1})).get();
   if (!r.ok() || r.output().item<float>() != 1.0f) return 1;
-  std::cout << "consumer: ok (blockflow " << bf::kVersionString << ")\n";
+  const bf::Result c = session.submit("c", at::ones({1, 3, 16, 16})).get();
+  if (!c.ok() || c.output().size(1) != 8) {
+    std::cerr << "worker block: " << c.status << "\n";
+    return 1;
+  }
+  const std::string exe = std::filesystem::read_symlink("/proc/" + std::to_string(site->pid()) + "/exe");
+  if (std::filesystem::canonical(exe) != std::filesystem::canonical(argv[2])) {
+    std::cerr << "worker runs " << exe << ", expected the installed " << argv[2] << "\n";
+    return 1;
+  }
+  std::cout << "consumer: ok (blockflow " << bf::kVersionString << ", worker " << exe << ")\n";
   return 0;
 }
