@@ -2,12 +2,14 @@
 // threads of one process. Checks the split pipelines against the monolithic models and prints where
 // each request's time went.
 //
-//   resnet_demo --models DIR [--requests N] [--threads T] [--placement threads|workers]
+//   resnet_demo --models DIR [--requests N] [--threads T] [--channel inproc|shm|zmq|cuda|all]
 //
 // DIR is written by scripts/export_models.py. T is the intra-op thread count of every block (and
-// of the monolithic models, so the comparison is fair). With --placement workers, block1..block4
-// run in child worker processes w1..w4 (head_b shares w4 with block4) over serialized ZeroMQ; the
-// monolithic models stay in the host's threads.
+// of the monolithic models, so the comparison is fair). --channel inproc (the default) runs every
+// block in this process's threads; shm and zmq put block1..block4 in child worker processes w1..w4
+// (head_b shares w4 with block4) reached over the zero-copy shared-memory channel or serialized
+// ZeroMQ (ipc://); the monolithic models stay in the host's threads. all runs the channels one
+// after the other and ends with a comparison table. (--placement workers is --channel shm.)
 
 #include <blockflow/blockflow.hpp>
 #include <blockflow/worker_site.hpp>
@@ -17,6 +19,7 @@
 
 #include <cstdlib>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -28,7 +31,7 @@ struct Args {
   std::string models;
   int requests = 20;
   int threads = 2;
-  std::string placement = "threads";
+  std::vector<std::string> channels = {"inproc"};
 };
 
 Args parse(int argc, char** argv) {
@@ -42,52 +45,66 @@ Args parse(int argc, char** argv) {
     if (a == "--models") args.models = next();
     else if (a == "--requests") args.requests = std::stoi(next());
     else if (a == "--threads") args.threads = std::stoi(next());
-    else if (a == "--placement") args.placement = next();
-    else throw std::invalid_argument("unknown argument " + a +
-                                     " (use --models DIR [--requests N] [--threads T] [--placement threads|workers])");
+    else if (a == "--placement") args.channels = {next() == "workers" ? "shm" : "inproc"};
+    else if (a == "--channel") {
+      const std::string c = next();
+      if (c == "all") args.channels = {"inproc", "shm", "zmq"};
+      else if (c == "inproc" || c == "shm" || c == "zmq") args.channels = {c};
+      else if (c == "cuda") {
+        throw std::invalid_argument(
+            "--channel cuda: not available in this build (CPU libtorch, no CUDA IPC backend); use inproc, shm, zmq or all");
+      } else {
+        throw std::invalid_argument("--channel is inproc, shm, zmq or all, not " + c);
+      }
+    } else {
+      throw std::invalid_argument("unknown argument " + a +
+                                  " (use --models DIR [--requests N] [--threads T] [--channel inproc|shm|zmq|all])");
+    }
   }
   if (args.models.empty()) throw std::invalid_argument("--models DIR is required");
-  if (args.placement != "threads" && args.placement != "workers") {
-    throw std::invalid_argument("--placement is threads or workers, not " + args.placement);
-  }
   return args;
 }
 
 // A TorchScript block of the demo, placed in this process (empty placement) or in a worker.
-bf::BlockDescription block(const Args& args, const std::string& name, std::vector<std::int64_t> input_shape,
-                           std::string placement = "") {
+bf::BlockDescription block(const Args& args, const std::string& channel, const std::string& name,
+                           std::vector<std::int64_t> input_shape, std::string placement = "") {
   bf::BlockDescription d;
   d.name = name;
   d.torchscript = args.models + "/" + name + ".pt";
   d.options.intra_op_threads = args.threads;
   d.options.input_shapes = {std::move(input_shape)};
-  d.placement = args.placement == "workers" ? std::move(placement) : "";
+  d.placement = channel == "inproc" ? "" : std::move(placement);
   return d;
 }
 
+// One channel's line of the comparison table.
+struct Summary {
+  std::string channel;
+  double worst_diff = 0, e2e_p50_ms = 0, overhead_p50_ms = 0, compute_mean_ms = 0;
+  std::uint64_t bytes_copied = 0, handles = 0;
+};
+
 double max_abs_diff(const bf::Tensor& a, const bf::Tensor& b) { return (a - b).abs().max().item<double>(); }
 
-}  // namespace
 
-int main(int argc, char** argv) try {
-  const Args args = parse(argc, argv);
+std::optional<Summary> run(const Args& args, const std::string& channel) {
   const std::vector<std::int64_t> image{-1, 3, 224, 224};
-
   bf::Session session;
-  if (args.placement == "workers") {
+  if (channel != "inproc") {
     for (const char* w : {"w1", "w2", "w3", "w4"}) {
       bf::WorkerOptions worker;
       worker.name = w;
+      worker.channel = channel;
       session.add_site(bf::make_worker(worker));
     }
   }
-  session.add_block(block(args, "block1", image, "w1"))
-      .add_block(block(args, "block2", {-1, 256, 56, 56}, "w2"))
-      .add_block(block(args, "block3", {-1, 512, 28, 28}, "w3"))
-      .add_block(block(args, "block4", {-1, 1024, 14, 14}, "w4"))
-      .add_block(block(args, "head_b", {-1, 1024, 14, 14}, "w4"))
-      .add_block(block(args, "monolithic", image))
-      .add_block(block(args, "monolithic_b", image))
+  session.add_block(block(args, channel, "block1", image, "w1"))
+      .add_block(block(args, channel, "block2", {-1, 256, 56, 56}, "w2"))
+      .add_block(block(args, channel, "block3", {-1, 512, 28, 28}, "w3"))
+      .add_block(block(args, channel, "block4", {-1, 1024, 14, 14}, "w4"))
+      .add_block(block(args, channel, "head_b", {-1, 1024, 14, 14}, "w4"))
+      .add_block(block(args, channel, "monolithic", image))
+      .add_block(block(args, channel, "monolithic_b", image))
       // Two tasks share blocks 1-3 and differ in their heads.
       .add_path(bf::Path::chain("task_a", {"block1", "block2", "block3", "block4"}))
       .add_path(bf::Path::chain("task_b", {"block1", "block2", "block3", "head_b"}))
@@ -95,12 +112,13 @@ int main(int argc, char** argv) try {
       .add_path(bf::Path::chain("mono_b", {"monolithic_b"}));
   if (auto status = session.start(); !status.ok()) {
     std::cerr << "start failed: " << status << "\n";
-    return 1;
+    return std::nullopt;
   }
 
-  fmt::print("BlockFlow demo: split ResNet50, 2 tasks sharing blocks 1-3, placement: {}\n",
-             args.placement == "workers" ? "blocks 1-4 in worker processes w1-w4 (zmq-ipc), head_b in w4"
-                                         : "threads of this process (inproc)");
+  fmt::print("BlockFlow demo: split ResNet50, 2 tasks sharing blocks 1-3, channel {}: {}\n", channel,
+             channel == "inproc" ? "every block in this process's threads"
+                                 : fmt::format("blocks 1-4 in worker processes w1-w4, head_b in w4, over {}",
+                                               channel == "shm" ? "shared memory (zero-copy)" : "serialized ZeroMQ (ipc://)"));
   fmt::print("threads: {} intra-op per block, 1 worker thread per block, {} hardware threads\n", args.threads,
              std::thread::hardware_concurrency());
 
@@ -113,7 +131,7 @@ int main(int argc, char** argv) try {
     const bf::Result w = session.submit(whole, x).get();
     if (!s.ok() || !w.ok()) {
       std::cerr << "request failed: " << (s.ok() ? w.status : s.status) << "\n";
-      return 1;
+      return std::nullopt;
     }
     const double diff = max_abs_diff(s.output(), w.output());
     worst = std::max(worst, diff);
@@ -127,7 +145,7 @@ int main(int argc, char** argv) try {
     const bf::Result r = session.submit(i % 2 == 0 ? "task_a" : "task_b", at::randn({1, 3, 224, 224})).get();
     if (!r.ok()) {
       std::cerr << "request failed: " << r.status << "\n";
-      return 1;
+      return std::nullopt;
     }
   }
 
@@ -147,7 +165,45 @@ int main(int argc, char** argv) try {
     fmt::print("{:<8}{:>6}{:>10.2f}{:>10.2f}{:>10.2f}{:>12.3f}{:>12.2f}{:>12.3f}\n", p.task, p.completed, p.e2e.p50_ms,
                p.e2e.p90_ms, p.e2e.p99_ms, p.wait.mean_ms, p.compute.mean_ms, p.overhead.mean_ms);
   }
+  Summary summary{channel, worst};
+  for (const auto& p : m.paths) {
+    if (p.task != "task_a") continue;
+    summary.e2e_p50_ms = p.e2e.p50_ms;
+    summary.overhead_p50_ms = p.overhead.p50_ms;
+    summary.compute_mean_ms = p.compute.mean_ms;
+  }
+  for (const auto& site : m.sites) {
+    summary.bytes_copied += site.data.bytes_copied;
+    summary.handles += site.shm_requests.handles + site.shm_results.handles;
+  }
   session.shutdown();
+  fmt::print("\n");
+  return summary;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const Args args = parse(argc, argv);
+  std::vector<Summary> summaries;
+  bool equal = true;
+  for (const auto& channel : args.channels) {
+    auto summary = run(args, channel);
+    if (!summary) return 1;
+    equal = equal && summary->worst_diff <= 1e-4;
+    summaries.push_back(*summary);
+  }
+  if (summaries.size() > 1) {
+    fmt::print("channels compared (task_a, ms; compute = mean sum over its 4 blocks; handles and bytes copied\n"
+               "in the hand-off summed over both directions of every worker edge):\n");
+    fmt::print("{:<8}{:>12}{:>14}{:>10}{:>10}{:>14}{:>12}\n", "channel", "max diff", "overhead p50", "compute",
+               "e2e p50", "bytes copied", "handles");
+    for (const auto& s : summaries) {
+      fmt::print("{:<8}{:>12.3g}{:>14.3f}{:>10.2f}{:>10.2f}{:>14}{:>12}\n", s.channel, s.worst_diff, s.overhead_p50_ms,
+                 s.compute_mean_ms, s.e2e_p50_ms, s.bytes_copied, s.handles);
+    }
+    fmt::print("all channels: equality check (<= 1e-4): {}\n", equal ? "PASS" : "FAIL");
+  }
   return equal ? 0 : 1;
 } catch (const std::exception& e) {
   std::cerr << "resnet_demo: " << e.what() << "\n";
