@@ -300,3 +300,33 @@ TEST_CASE("shm over TCP is refused by name; an unknown channel too", "[shm]") {
   other.add_site(make_worker(bad)).add_block(test::plugin_block("affine", "affine", "w9")).add_path(Path::chain("t", {"affine"}));
   CHECK_THAT(std::string(other.start().message()), Contains("worker w9: channel 'carrier-pigeon' is not shm or zmq"));
 }
+
+TEST_CASE("shm workers: without credits a kReject block fails the request at once, naming it", "[shm]") {
+  WorkerOptions o = test::test_worker("w1", "shm");
+  o.shm_slots_per_pool = 2;
+  o.shm_max_bytes = 3u << 20;  // the host's pool: 2 slots of 1 MB
+  BlockDescription slow = test::plugin_block("slow", "slow_identity", "w1");
+  slow.options.full_policy = FullPolicy::kReject;
+  Session session;
+  session.add_site(make_worker(o)).add_block(slow).add_path(Path::chain("t", {"slow"}));
+  test::require_started(session);
+  // Outputs held here keep the worker's slots; inputs held by the worker's queue keep ours: with
+  // more requests than slots some must be refused.
+  std::vector<std::future<Result>> pending;
+  for (int i = 0; i < 40; ++i) pending.push_back(session.submit("t", at::full({1000}, i)));
+  int ok = 0, refused = 0;
+  for (auto& f : pending) {
+    Result r = f.get();
+    if (r.ok()) {
+      ++ok;
+    } else {
+      ++refused;
+      CHECK(absl::IsDeadlineExceeded(r.status));
+      CHECK_THAT(std::string(r.status.message()), Contains("worker w1: block 'slow': cannot send") &&
+                                                      Contains("no free shared-memory slot"));
+    }
+  }
+  CHECK(ok >= 2);
+  CHECK(refused >= 1);
+  CHECK(session.metrics().sites.at(0).shm_requests.credit_waits >= 1);
+}

@@ -136,7 +136,7 @@ struct WorkerSite::Impl {
   // The zero-copy channel (channel "shm"): our pool for requests, the worker's pools mapped here.
   std::unique_ptr<detail::ShmProducer> requests_pool;
   detail::ShmConsumer results_map;
-  detail::ShmStager stager;
+  detail::ShmStager stager, stager_no_wait;
   detail::ShmResolver resolver;
   std::shared_ptr<ReleaseQueue> releases = std::make_shared<ReleaseQueue>();
   ShmEdgeStats shm_results;
@@ -168,10 +168,20 @@ struct WorkerSite::Impl {
       pool.slots_per_pool = options.shm_slots_per_pool;
       pool.max_total_bytes = options.shm_max_bytes;
       requests_pool = std::make_unique<detail::ShmProducer>(pool);
+      // Without a free slot, the target block's full policy decides: kBlock waits for a release (up
+      // to 10 s, then the request fails, named), kReject and kDropOldest fail the request at once.
       stager = detail::make_stager(*requests_pool, absl::Seconds(10));
+      stager_no_wait = detail::make_stager(*requests_pool, absl::ZeroDuration());
       resolver = detail::make_resolver(results_map, [queue = releases](const wire::ShmHandle& h) { queue->push(h); });
     }
     return absl::OkStatus();
+  }
+
+  const detail::ShmStager* stager_for(const std::string& block) const {
+    for (const auto& b : blocks) {
+      if (b.name == block && b.options.full_policy != FullPolicy::kBlock) return &stager_no_wait;
+    }
+    return &stager;
   }
 
   // Returns the worker's slots whose tensors died here (only to a live worker; dontwait: a full or
@@ -478,7 +488,7 @@ struct WorkerSite::Impl {
       try {
         std::uint64_t copied = 0;
         auto sent_ok = detail::send_message(push, header, next.envelope.tensors, zmq::send_flags::none, &copied,
-                                            shm() ? &stager : nullptr);
+                                            shm() ? stager_for(next.block) : nullptr);
         if (!sent_ok.ok()) status = sent_ok.status();
         if (copied > 0) {
           std::lock_guard lock(mu);
