@@ -524,6 +524,9 @@ MetricsSnapshot SessionCore::metrics() const {
     snapshot.blocks.push_back(std::move(b));
   }
   for (const auto& site : sites_) snapshot.sites.push_back(site->site->stats());
+  snapshot.sampling = sampler_.enabled();
+  snapshot.sampling_period_s = absl::ToDoubleSeconds(sampler_.period());
+  if (snapshot.sampling) snapshot.host = sampler_.latest();
   for (const auto& runtime : paths_) {
     PathMetrics p;
     p.task = runtime->task;
@@ -615,6 +618,15 @@ void Session::submit(const std::string& task, Tensors inputs, std::function<void
 }
 
 MetricsSnapshot Session::metrics() const { return core_->metrics(); }
+
+void Session::set_sampling(bool enabled, absl::Duration period) { core_->set_sampling(enabled, period); }
+
+namespace detail {
+void SessionCore::set_sampling(bool enabled, absl::Duration period) {
+  sampler_.set(enabled, period);
+  for (const auto& site : sites_) site->site->set_sampling(enabled, period);
+}
+}  // namespace detail
 
 void Session::shutdown(absl::Duration drain) { core_->shutdown(drain); }
 

@@ -5,6 +5,8 @@
 #include <blockflow/channel.hpp>
 #include <blockflow/remote_site.hpp>
 
+#include <absl/status/statusor.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -45,12 +47,21 @@ struct PathMetrics {
 struct MetricsSnapshot {
   double uptime_s = 0;
   std::uint64_t in_flight = 0;
+  bool sampling = false;          ///< KPI sampling on (Session::set_sampling)
+  double sampling_period_s = 0;
+  KpiSample host;                 ///< this process's last KPI sample (time_s 0 while sampling is off)
   std::vector<BlockMetrics> blocks;
   std::vector<PathMetrics> paths;
   std::vector<SiteStats> sites;  ///< worker processes and other remote sites
 
-  /// @brief JSON object; `indent` < 0 gives one line.
+  /// @brief JSON object; `indent` < 0 gives one line. Keys: docs/metrics.md.
   [[nodiscard]] std::string to_json(int indent = -1) const;
+  /// @brief The inverse of to_json(): from_json(s.to_json()) equals s. InvalidArgument naming the
+  /// problem for text that is not such a snapshot.
+  [[nodiscard]] static absl::StatusOr<MetricsSnapshot> from_json(const std::string& json);
+  /// @brief Prometheus text exposition (format 0.0.4) of the snapshot; docs/metrics.md lists every
+  /// metric, its type, unit and labels.
+  [[nodiscard]] std::string to_prometheus() const;
 };
 
 }  // namespace blockflow

@@ -5,9 +5,11 @@
 
 #include <blockflow/block_registry.hpp>
 #include <blockflow/channel.hpp>
+#include <blockflow/kpi.hpp>
 
 #include <absl/status/status.h>
 #include <absl/status/statusor.h>
+#include <absl/time/time.h>
 
 #include <cstdint>
 #include <functional>
@@ -56,6 +58,8 @@ struct SiteStats {
   /// With data.kind "shm": host -> site (the host's pool) and site -> host (the site's pool, as of
   /// its last heartbeat). Bytes copied in the hand-off itself: data.bytes_copied (0).
   ShmEdgeStats shm_requests, shm_results;
+  /// The site process's last KPI sample (empty, time_s 0, while sampling is off).
+  KpiSample kpi;
 };
 
 /// @brief Contract between a session and a place where blocks run.
@@ -76,6 +80,12 @@ class RemoteSite {
   virtual void run(const std::string& block, Envelope&& envelope) = 0;
   virtual void stop() = 0;
   [[nodiscard]] virtual SiteStats stats() const = 0;
+  /// @brief Switches the site's own KPI sampler (its process's figures, reported in stats().kpi).
+  /// The default does nothing: a site without a process of its own has nothing to sample.
+  virtual void set_sampling(bool enabled, absl::Duration period) {
+    (void)enabled;
+    (void)period;
+  }
 };
 
 }  // namespace blockflow

@@ -79,6 +79,11 @@ class Session {
   /// @brief A snapshot of the built-in measurements.
   [[nodiscard]] MetricsSnapshot metrics() const;
 
+  /// @brief Switches KPI sampling (process figures from /proc, GPU figures through NVML where
+  /// present) on or off, in this process and in every site (worker), at any time, with the given
+  /// period. Off by default. The samples appear in metrics(): `host` and each site's `kpi`.
+  void set_sampling(bool enabled, absl::Duration period = absl::Milliseconds(100));
+
   /// @brief Stops admissions, waits up to `drain` for in-flight requests, then cancels the rest
   /// (each fails with Cancelled naming the block it was at), joins the workers and stops the sites.
   /// Idempotent. Must not be called from a submit() callback (it joins the thread running it).

@@ -73,6 +73,9 @@ class WorkerSite final : public RemoteSite {
   void run(const std::string& block, Envelope&& envelope) override;
   void stop() override;
   SiteStats stats() const override;
+  /// @brief Forwards the setting to the worker (now and after each restart); its samples come back
+  /// with the heartbeats, in stats().kpi.
+  void set_sampling(bool enabled, absl::Duration period) override;
 
   /// @brief The worker's process id (0 while it is down, and for a worker on another host). For
   /// tests and tools.

@@ -17,7 +17,9 @@
 #include <blockflow/detail/clock.hpp>
 #include <blockflow/detail/shm_pool.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
+#include <blockflow/detail/metrics_json.hpp>
 #include <blockflow/detail/worker_protocol.hpp>
+#include <blockflow/kpi.hpp>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -202,6 +204,7 @@ class Worker {
         replies->push({std::move(release), {}});
       });
     }
+    sampler_.set(config->value("sampling", false), absl::Milliseconds(config->value("sampling_period_ms", 100)));
     if (auto status = load(*config); !status.ok()) {
       send_control({{"type", bf::detail::kLoadError}, {"message", std::string(std::string(status.message()))}});
       std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let the message leave
@@ -283,7 +286,11 @@ class Worker {
       if (type == bf::detail::kPing) {
         nlohmann::json beat = {{"type", bf::detail::kHeartbeat}, {"rss_bytes", rss_bytes()}};
         if (results_pool_) beat["shm"] = bf::detail::to_json(results_pool_->stats());
+        if (sampler_.enabled()) beat["kpi"] = sampler_.latest();
         send_control(beat);
+      }
+      if (type == bf::detail::kSampler) {
+        sampler_.set(json.value("enabled", false), absl::Milliseconds(json.value("period_ms", 100)));
       }
     }
   }
@@ -382,6 +389,7 @@ class Worker {
   bf::detail::ShmConsumer requests_map_;
   bf::detail::ShmStager stager_;
   bf::detail::ShmResolver resolver_;
+  bf::KpiSampler sampler_;  // off unless the session switches sampling on
   std::atomic<bool> stopping_{false};
 };
 

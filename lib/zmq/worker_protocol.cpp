@@ -1,4 +1,5 @@
 #include <blockflow/detail/worker_protocol.hpp>
+#include <blockflow/detail/metrics_json.hpp>
 
 #include <fmt/format.h>
 
@@ -69,25 +70,10 @@ ShmEdgeStats to_edge_stats(const ShmStats& s) {
   return e;
 }
 
-nlohmann::json to_json(const ShmStats& stats) {
-  const ShmEdgeStats s = to_edge_stats(stats);
-  return {{"handles", s.handles},   {"slots_in_use", s.slots_in_use}, {"slots_total", s.slots_total},
-          {"credit_waits", s.credit_waits}, {"reclaims", s.reclaims}, {"stale_releases", s.stale_releases},
-          {"bytes_staged", s.bytes_staged}, {"bytes_mapped", s.bytes_mapped}};
-}
+nlohmann::json to_json(const ShmStats& stats) { return nlohmann::json(to_edge_stats(stats)); }
 
 ShmEdgeStats shm_edge_from_json(const nlohmann::json& json) {
-  ShmEdgeStats s;
-  if (!json.is_object()) return s;
-  s.handles = json.value("handles", std::uint64_t{0});
-  s.slots_in_use = json.value("slots_in_use", std::uint64_t{0});
-  s.slots_total = json.value("slots_total", std::uint64_t{0});
-  s.credit_waits = json.value("credit_waits", std::uint64_t{0});
-  s.reclaims = json.value("reclaims", std::uint64_t{0});
-  s.stale_releases = json.value("stale_releases", std::uint64_t{0});
-  s.bytes_staged = json.value("bytes_staged", std::uint64_t{0});
-  s.bytes_mapped = json.value("bytes_mapped", std::uint64_t{0});
-  return s;
+  return json.is_object() ? json.get<ShmEdgeStats>() : ShmEdgeStats{};
 }
 
 nlohmann::json make_config(const std::vector<BlockDescription>& blocks, const WorkerOptions& options) {

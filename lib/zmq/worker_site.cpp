@@ -3,6 +3,7 @@
 #include <blockflow/detail/runtime_dir.hpp>
 #include <blockflow/detail/shm_pool.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
+#include <blockflow/detail/metrics_json.hpp>
 #include <blockflow/detail/worker_protocol.hpp>
 
 #include <absl/container/flat_hash_map.h>
@@ -140,6 +141,9 @@ struct WorkerSite::Impl {
   detail::ShmResolver resolver;
   std::shared_ptr<ReleaseQueue> releases = std::make_shared<ReleaseQueue>();
   ShmEdgeStats shm_results;
+  KpiSample kpi;
+  bool sampling = false, sampling_sent = true;  // sampling_sent: the worker has the current setting
+  absl::Duration sampling_period = absl::Milliseconds(100);
   bool stopping = false;
   bool death_pending = false;       // a joined worker declared dead from the control thread
   std::string unreachable_peer;     // control thread only
@@ -338,6 +342,9 @@ struct WorkerSite::Impl {
       last_heartbeat_ns = now_ns();
       rss_idle = rss = message.value("rss_bytes", std::int64_t{0});
       nlohmann::json config = detail::make_config(blocks, options);
+      config["sampling"] = sampling;
+      config["sampling_period_ms"] = absl::ToInt64Milliseconds(sampling_period);
+      sampling_sent = true;
       if (joined()) {
         config["requests_port"] = port_of(request_endpoint);
         config["results_port"] = port_of(result_endpoint);
@@ -362,6 +369,7 @@ struct WorkerSite::Impl {
       last_heartbeat_ns = now_ns();
       rss = message.value("rss_bytes", rss);
       if (message.contains("shm")) shm_results = detail::shm_edge_from_json(message["shm"]);
+      kpi = message.contains("kpi") ? message["kpi"].get<KpiSample>() : KpiSample{};
     }
   }
 
@@ -428,10 +436,17 @@ struct WorkerSite::Impl {
       supervise();
       if (now_ns() >= next_ping) {  // the worker answers pings with heartbeats
         std::string to;
+        std::optional<nlohmann::json> sampler;
         {
           std::lock_guard lock(mu);
           to = identity;
+          if (!sampling_sent && !to.empty()) {
+            sampler = nlohmann::json{{"type", detail::kSampler}, {"enabled", sampling},
+                                     {"period_ms", absl::ToInt64Milliseconds(sampling_period)}};
+            sampling_sent = true;
+          }
         }
+        if (sampler) send_control(router, to, *sampler);
         if (!to.empty()) send_control(router, to, {{"type", detail::kPing}});
         next_ping = now_ns() + absl::ToInt64Nanoseconds(options.heartbeat_interval);
       }
@@ -735,11 +750,20 @@ SiteStats WorkerSite::stats() const {
   out.data.bytes_copied = s.bytes_copied;
   if (s.requests_pool) out.shm_requests = detail::to_edge_stats(s.requests_pool->stats());
   out.shm_results = s.shm_results;
+  out.kpi = s.kpi;
   out.data.sent = s.sent;
   out.data.received = s.received;
   out.data.depth = s.outbound.size();
   out.data.capacity = s.options.max_in_flight;
   return out;
+}
+
+void WorkerSite::set_sampling(bool enabled, absl::Duration period) {
+  std::lock_guard lock(impl_->mu);
+  impl_->sampling = enabled;
+  if (period > absl::ZeroDuration()) impl_->sampling_period = period;
+  impl_->sampling_sent = false;  // the control thread sends it with the next ping
+  if (!enabled) impl_->kpi = KpiSample{};
 }
 
 std::int64_t WorkerSite::pid() const {

@@ -4,6 +4,7 @@
 #include <blockflow/block.hpp>
 #include <blockflow/block_registry.hpp>
 #include <blockflow/remote_site.hpp>
+#include <blockflow/kpi.hpp>
 #include <blockflow/metrics.hpp>
 #include <blockflow/path.hpp>
 #include <blockflow/session.hpp>
@@ -68,6 +69,7 @@ class SessionCore {
   absl::Status start();
   void submit(const std::string& task, Tensors inputs, std::function<void(Result&&)> done);
   MetricsSnapshot metrics() const;
+  void set_sampling(bool enabled, absl::Duration period);
   void shutdown(absl::Duration drain);
 
  private:
@@ -93,6 +95,7 @@ class SessionCore {
   const SessionOptions options_;
   std::vector<std::shared_ptr<Block>> pending_blocks_;
   std::vector<BlockDescription> pending_descriptions_;
+  KpiSampler sampler_;  // this process's figures, off until set_sampling()
   std::vector<std::unique_ptr<SiteRuntime>> sites_;
   std::vector<Path> pending_paths_;
 

@@ -25,6 +25,7 @@ inline constexpr const char* kHeartbeat = "heartbeat";
 inline constexpr const char* kPing = "ping";
 inline constexpr const char* kStop = "stop";
 inline constexpr const char* kConfig = "config";
+inline constexpr const char* kSampler = "sampler";  // host -> worker: {enabled, period_ms}
 
 nlohmann::json to_json(const BlockDescription& description);
 /// Validates every field; errors name the block and the field.

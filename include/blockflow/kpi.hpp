@@ -1,0 +1,87 @@
+#pragma once
+/// @file
+/// @brief KPI sampling: process figures from /proc and GPU figures through NVML (loaded at run
+/// time, so machines without a GPU or driver run fine), taken periodically by a KpiSampler in the
+/// host and in every worker process. Off by default; see Session::set_sampling().
+
+#include <absl/time/time.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace blockflow {
+
+/// @brief One process's figures at one moment (Linux /proc/self).
+struct ProcessSample {
+  std::int64_t rss_bytes = 0;           ///< resident set
+  double cpu_seconds = 0;               ///< user + system time since the process started
+  double cpu_utilisation = 0;           ///< cores busy over the last sampling period (2.0 = two cores)
+  std::int64_t threads = 0;
+  std::uint64_t voluntary_context_switches = 0;
+  std::uint64_t involuntary_context_switches = 0;
+};
+
+/// @brief One GPU's figures (NVML). Memory in bytes, clock in MHz, power in watts.
+struct GpuSample {
+  int index = 0;
+  std::string name;
+  std::uint64_t memory_used_bytes = 0, memory_total_bytes = 0;
+  double utilisation = 0;  ///< 0..1, busy fraction of the last NVML interval
+  std::uint32_t sm_clock_mhz = 0;
+  std::uint32_t temperature_c = 0;
+  double power_w = 0;
+};
+
+/// @brief What a sampler saw last. `gpu_status` says "ok" or why there are no GPU figures (for
+/// instance "no GPU: libnvidia-ml.so.1 not found"). `time_s` is 0 when nothing was sampled yet.
+struct KpiSample {
+  double time_s = 0;  ///< seconds since the sampler started
+  ProcessSample process;
+  std::vector<GpuSample> gpus;
+  std::string gpu_status;
+  double energy_j = 0;  ///< GPU energy integrated from power readings since the sampler started
+};
+
+/// @brief Reads /proc/self now (cpu_utilisation is left 0: it needs two samples).
+ProcessSample sample_process();
+
+/// @brief NVML, opened once per process with dlopen(); never throws.
+class GpuProbe {
+ public:
+  static GpuProbe& instance();
+  /// @brief "ok" or the reason no GPU figures are available.
+  [[nodiscard]] const std::string& status() const;
+  [[nodiscard]] bool available() const;
+  [[nodiscard]] std::vector<GpuSample> sample() const;
+
+ private:
+  GpuProbe();
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+};
+
+/// @brief Samples the process (and GPUs) every `period` on its own thread while enabled. Thread-safe.
+/// Cost: one read of /proc/self/stat and /proc/self/status per period (tens of microseconds), plus
+/// the NVML calls where a GPU is present.
+class KpiSampler {
+ public:
+  KpiSampler();
+  ~KpiSampler();
+  KpiSampler(const KpiSampler&) = delete;
+  KpiSampler& operator=(const KpiSampler&) = delete;
+
+  /// @brief Switches sampling on (with this period) or off. Takes one sample at once when switched on.
+  void set(bool enabled, absl::Duration period);
+  [[nodiscard]] bool enabled() const;
+  [[nodiscard]] absl::Duration period() const;
+  [[nodiscard]] KpiSample latest() const;
+  [[nodiscard]] std::uint64_t samples_taken() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace blockflow

@@ -1,0 +1,237 @@
+// KPI sampling and the metrics exports: /proc figures move the right way, the sampler switches on
+// and off (in workers too, through the control plane), no GPU is reported as such, the JSON
+// snapshot round-trips, and the Prometheus text parses and holds every metric of docs/metrics.md
+// with its documented labels.
+#include "worker_util.hpp"
+
+#include <blockflow/kpi.hpp>
+
+#include <fstream>
+#include <map>
+#include <regex>
+#include <set>
+#include <sstream>
+
+using namespace blockflow;
+using Catch::Matchers::Contains;
+using Catch::Matchers::StartsWith;
+using namespace std::chrono_literals;
+
+namespace {
+
+template <typename F>
+bool eventually(F condition, std::chrono::milliseconds within = 5000ms) {
+  const auto deadline = std::chrono::steady_clock::now() + within;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (condition()) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return condition();
+}
+
+struct Documented {
+  std::string type;
+  std::set<std::string> labels;
+  std::string what;
+};
+
+// The table of docs/metrics.md: metric -> type, labels.
+std::map<std::string, Documented> documented_metrics() {
+  std::ifstream in(std::string(BLOCKFLOW_SOURCE_DIR) + "/docs/metrics.md");
+  REQUIRE(in.good());
+  std::map<std::string, Documented> out;
+  const std::regex row(R"(^\| `(blockflow_[a-z_]+)` \| (\w+) \|\s*([a-z_, ]*?)\s*\| (.*) \|$)");
+  for (std::string line; std::getline(in, line);) {
+    std::smatch m;
+    if (!std::regex_match(line, m, row)) continue;
+    Documented d{m[2], {}, m[4]};
+    std::stringstream labels(m[3]);
+    for (std::string label; std::getline(labels, label, ',');) {
+      label.erase(0, label.find_first_not_of(' '));
+      label.erase(label.find_last_not_of(' ') + 1);
+      if (!label.empty()) d.labels.insert(label);
+    }
+    out[m[1]] = d;
+  }
+  return out;
+}
+
+struct Family {
+  std::string type;
+  std::vector<std::map<std::string, std::string>> samples;  // labels of each sample
+};
+
+// Parses the text exposition format strictly; fails the test on any line that does not fit.
+std::map<std::string, Family> parse_prometheus(const std::string& text) {
+  std::map<std::string, Family> families;
+  const std::regex help(R"(^# HELP ([a-zA-Z_:][a-zA-Z0-9_:]*) \S.*$)");
+  const std::regex type(R"(^# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) (counter|gauge|summary|histogram|untyped)$)");
+  const std::regex sample(R"(^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? ([-+]?([0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?|NaN|[+-]?Inf))$)");
+  const std::regex label(R"(([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)\"(,|$))");
+  std::istringstream in(text);
+  std::string current;
+  for (std::string line; std::getline(in, line);) {
+    std::smatch m;
+    INFO(line);
+    if (std::regex_match(line, m, help)) continue;
+    if (std::regex_match(line, m, type)) {
+      REQUIRE(families.count(m[1]) == 0);  // one TYPE per family
+      families[m[1]].type = m[2];
+      current = m[1];
+      continue;
+    }
+    REQUIRE(std::regex_match(line, m, sample));
+    std::string name = m[1];
+    for (const char* suffix : {"_sum", "_count"}) {  // a summary's own series
+      const std::string s = suffix;
+      if (name.size() > s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0 &&
+          families.count(name.substr(0, name.size() - s.size())) != 0 &&
+          families[name.substr(0, name.size() - s.size())].type == "summary") {
+        name = name.substr(0, name.size() - s.size());
+      }
+    }
+    REQUIRE(name == current);  // samples follow their family's TYPE, families not interleaved
+    std::map<std::string, std::string> labels;
+    std::string rest = m[3];
+    for (std::sregex_iterator it(rest.begin(), rest.end(), label), end; it != end; ++it) labels[(*it)[1]] = (*it)[2];
+    families[name].samples.push_back(labels);
+  }
+  return families;
+}
+
+// A session with a block in threads and one in a worker over shared memory, traffic done.
+void busy_session(Session& session) {
+  session.add_site(make_worker(test::test_worker("w1", "shm")))
+      .add_block(test::plugin_block("affine", "affine", "w1"))
+      .add_block(test::unary("double", [](const Tensor& x) { return x * 2; }))
+      .add_path(Path::chain("t", {"affine", "double"}));
+  test::require_started(session);
+  for (int i = 0; i < 5; ++i) REQUIRE(session.submit("t", at::ones({4})).get().ok());
+}
+
+}  // namespace
+
+TEST_CASE("process figures move the right way: RSS after an allocation, CPU time under load", "[kpi]") {
+  const ProcessSample before = sample_process();
+  CHECK(before.rss_bytes > 0);
+  CHECK(before.threads >= 1);
+  std::vector<char> big(256u << 20);
+  for (std::size_t i = 0; i < big.size(); i += 4096) big[i] = 1;  // touch every page
+  volatile double sink = 0;
+  const auto until = std::chrono::steady_clock::now() + 300ms;
+  while (std::chrono::steady_clock::now() < until) sink = sink + 1.0;
+  const ProcessSample after = sample_process();
+  CHECK(after.rss_bytes - before.rss_bytes > (200 << 20));
+  CHECK(after.cpu_seconds - before.cpu_seconds > 0.1);
+  CHECK(after.voluntary_context_switches + after.involuntary_context_switches >=
+        before.voluntary_context_switches + before.involuntary_context_switches);
+  CHECK(big[4096] == 1);
+}
+
+TEST_CASE("the sampler runs only while enabled, at its period; no GPU is said, not raised", "[kpi]") {
+  KpiSampler sampler;
+  CHECK_FALSE(sampler.enabled());
+  std::this_thread::sleep_for(100ms);
+  CHECK(sampler.samples_taken() == 0);
+  CHECK(sampler.latest().time_s == 0);
+  sampler.set(true, absl::Milliseconds(20));
+  REQUIRE(eventually([&] { return sampler.samples_taken() >= 5; }));
+  const KpiSample k = sampler.latest();
+  CHECK(k.time_s > 0);
+  CHECK(k.process.rss_bytes > 0);
+  CHECK(k.process.cpu_utilisation >= 0);
+  if (!GpuProbe::instance().available()) {
+    CHECK_THAT(k.gpu_status, StartsWith("no GPU"));
+    CHECK(k.gpus.empty());
+    CHECK(k.energy_j == 0);
+  }
+  sampler.set(false, absl::ZeroDuration());
+  std::this_thread::sleep_for(50ms);
+  const auto stopped_at = sampler.samples_taken();
+  std::this_thread::sleep_for(200ms);
+  CHECK(sampler.samples_taken() == stopped_at);
+  CHECK(sampler.period() == absl::Milliseconds(20));
+}
+
+TEST_CASE("set_sampling reaches the workers through the control plane, and switches off", "[kpi]") {
+  Session session;
+  busy_session(session);
+  auto m = session.metrics();
+  CHECK_FALSE(m.sampling);
+  CHECK(m.host.time_s == 0);
+  CHECK(m.sites.at(0).kpi.time_s == 0);
+
+  session.set_sampling(true, absl::Milliseconds(50));
+  REQUIRE(eventually([&] { return session.metrics().sites.at(0).kpi.time_s > 0; }));
+  m = session.metrics();
+  CHECK(m.sampling);
+  CHECK(m.sampling_period_s == Approx(0.05));
+  CHECK(m.host.process.rss_bytes > 0);
+  const KpiSample& w = m.sites.at(0).kpi;
+  CHECK(w.process.rss_bytes > 100 << 20);  // a worker with libtorch loaded
+  CHECK(w.process.threads >= 2);
+  CHECK_FALSE(w.gpu_status.empty());
+
+  session.set_sampling(false);
+  REQUIRE(eventually([&] { return !session.metrics().sampling && session.metrics().sites.at(0).kpi.time_s == 0; }));
+  // The worker really stopped: its next heartbeats carry no sample.
+  std::this_thread::sleep_for(300ms);
+  CHECK(session.metrics().sites.at(0).kpi.time_s == 0);
+}
+
+TEST_CASE("the JSON snapshot round-trips", "[kpi]") {
+  Session session;
+  busy_session(session);
+  session.set_sampling(true, absl::Milliseconds(50));
+  REQUIRE(eventually([&] { return session.metrics().sites.at(0).kpi.time_s > 0; }));
+  const MetricsSnapshot m = session.metrics();
+  const std::string json = m.to_json();
+  auto back = MetricsSnapshot::from_json(json);
+  REQUIRE(back.ok());
+  CHECK(back->to_json() == json);
+  CHECK(back->blocks.size() == 2);
+  CHECK(back->sites.at(0).shm_requests.handles == m.sites.at(0).shm_requests.handles);
+  CHECK(back->sites.at(0).kpi.process.rss_bytes == m.sites.at(0).kpi.process.rss_bytes);
+  CHECK_THAT(std::string(MetricsSnapshot::from_json("{not json").status().message()), Contains("not JSON"));
+  CHECK_THAT(std::string(MetricsSnapshot::from_json(R"({"blocks": 3})").status().message()), Contains("metrics snapshot"));
+}
+
+TEST_CASE("Prometheus text parses and has every documented metric with its labels", "[kpi]") {
+  const auto documented = documented_metrics();
+  REQUIRE(documented.size() > 40);
+  Session session;
+  busy_session(session);
+  session.set_sampling(true, absl::Milliseconds(50));
+  REQUIRE(eventually([&] { return session.metrics().sites.at(0).kpi.time_s > 0; }));
+  const std::string text = session.metrics().to_prometheus();
+  const auto families = parse_prometheus(text);
+
+  const bool gpu = GpuProbe::instance().available();
+  for (const auto& [name, doc] : documented) {
+    INFO(name);
+    if (doc.what.rfind("GPU:", 0) == 0 && !gpu) {
+      CHECK(families.count(name) == 0);  // absent, not zero, on a machine without a GPU
+      continue;
+    }
+    REQUIRE(families.count(name) == 1);
+    CHECK(families.at(name).type == doc.type);
+    REQUIRE_FALSE(families.at(name).samples.empty());
+    for (const auto& labels : families.at(name).samples) {
+      std::set<std::string> keys;
+      for (const auto& [k, v] : labels) {
+        if (k != "quantile") keys.insert(k);
+      }
+      CHECK(keys == doc.labels);
+    }
+  }
+  for (const auto& [name, family] : families) {
+    INFO(name);
+    CHECK(documented.count(name) == 1);  // nothing undocumented
+  }
+  // A few values, checked: the worker's edge copied nothing; the host and w1 are sampled.
+  CHECK_THAT(text, Contains("blockflow_edge_copied_bytes_total{worker=\"w1\",channel=\"shm\"} 0\n"));
+  CHECK_THAT(text, Contains("blockflow_block_processed_total{block=\"affine\",placement=\"w1\",device=\"cpu\"} 5\n"));
+  CHECK_THAT(text, Contains("blockflow_gpu_available{process=\"host\"} "));
+  CHECK_THAT(text, Contains("blockflow_process_threads{process=\"w1\"} "));
+  CHECK_THAT(text, Contains("blockflow_sampling_enabled 1\n"));
+}
