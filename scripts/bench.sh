@@ -7,11 +7,58 @@
 #   worker's resident memory before and after loading the four blocks.
 # Environment: BENCH_REQUESTS (pipeline requests, default 300), BENCH_THREADS (intra-op threads per
 # block and for the monolithic model, default 2), BENCH_HOP_ITERATIONS (default 20000).
+# --plot (anywhere among the names): also writes a report into bench-report/ at the repository root
+#   (BENCH_REPORT=DIR for another folder): bench.jsonl (the lines printed), metrics-<channel>.json
+#   (with pipeline: each run's metrics snapshot, BENCH_METRICS=1), the figures scripts/plot.py draws
+#   from them and index.md, a page that links them.
+#   scripts/bench.sh --plot hop pipeline worker_memory
 source "$(dirname "$0")/common.sh"
+plot=0
+names=()
+for arg in "$@"; do
+  if [ "$arg" = --plot ]; then plot=1; else names+=("$arg"); fi
+done
+set -- ${names[@]+"${names[@]}"}
 if [ $# -eq 0 ]; then
-  echo "usage: scripts/bench.sh NAME... (names: hop pipeline worker_memory)" >&2
+  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline worker_memory)" >&2
   exit 2
 fi
+if [ "$plot" = 1 ]; then
+  # Runs the benchmarks through this script again, saving what they print, then draws.
+  report="${BENCH_REPORT:-$ROOT/bench-report}"
+  mkdir -p "$report"
+  report="$(cd "$report" && pwd)"
+  rm -f "$report/bench.jsonl" "$report"/metrics-*.json "$report/index.md" \
+    "$report"/{breakdown,hop,batch,throughput,memory}.png
+  BENCH_REPORT_DIR="$report" bash "$ROOT/scripts/bench.sh" "$@" | tee "$report/bench.jsonl"
+  shopt -s nullglob
+  "$PYTHON" "$ROOT/scripts/plot.py" --out "$report" "$report/bench.jsonl" "$report"/metrics-*.json >&2
+  exit 0
+fi
+# Set by --plot (above): a pipeline run also writes its metrics snapshot (BENCH_METRICS=1, printed
+# on stderr) to $BENCH_REPORT_DIR/metrics-<channel>.json; the rest of its stderr stays on stderr.
+capture_metrics() {
+  local mode="" channel="" prev="" a rc=0
+  for a in "$@"; do
+    if [ "$prev" = --mode ]; then mode="$a"; fi
+    if [ "$prev" = --channel ]; then channel="$a"; fi
+    prev="$a"
+  done
+  if [ -z "${BENCH_REPORT_DIR:-}" ] || [ "$mode" = worker_memory ]; then
+    "$@"
+    return
+  fi
+  if [ "$mode" = threads ]; then channel=inproc; fi
+  if [ "$channel" = zmq ]; then channel=zmq-ipc; fi
+  local err="$BENCH_REPORT_DIR/metrics-$channel.stderr"
+  BENCH_METRICS=1 "$@" 2> "$err" || rc=$?
+  awk -v out="$BENCH_REPORT_DIR/metrics-$channel.json" '
+    !inside && /^\{/ { inside = 1 }
+    inside { print > out; if ($0 == "}" || $0 ~ /^\{.*\}$/) inside = 0; next }
+    { print > "/dev/stderr" }' "$err"
+  rm -f "$err"
+  return "$rc"
+}
 bf_setup >&2
 for name in "$@"; do
   case "$name" in
@@ -23,7 +70,7 @@ for name in "$@"; do
       [ "$name" = worker_memory ] && runs=("worker_memory shm")
       for run in "${runs[@]}"; do
         read -r mode channel <<< "$run"
-        "$BUILD_DIR/bench/pipeline_bench" --models "$BUILD_DIR/models" --mode "$mode" --channel "$channel" \
+        capture_metrics "$BUILD_DIR/bench/pipeline_bench" --models "$BUILD_DIR/models" --mode "$mode" --channel "$channel" \
           --requests "${BENCH_REQUESTS:-300}" --threads "${BENCH_THREADS:-2}"
       done ;;
     *)

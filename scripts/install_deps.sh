@@ -6,7 +6,7 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   libtorch-dev python3-torch python3-torchvision
   libzmq3-dev cppzmq-dev libabsl-dev libfmt-dev catch2 libbenchmark-dev nlohmann-json3-dev
-  python3-zmq python3-numpy iproute2
+  python3-zmq python3-numpy iproute2 python3-matplotlib
 )
 
 missing=()

@@ -5,8 +5,16 @@
 #include "worker_util.hpp"
 
 #include <blockflow/kpi.hpp>
+#include <blockflow/metrics_http.hpp>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <regex>
 #include <set>
@@ -234,4 +242,52 @@ TEST_CASE("Prometheus text parses and has every documented metric with its label
   CHECK_THAT(text, Contains("blockflow_gpu_available{process=\"host\"} "));
   CHECK_THAT(text, Contains("blockflow_process_threads{process=\"w1\"} "));
   CHECK_THAT(text, Contains("blockflow_sampling_enabled 1\n"));
+}
+
+namespace {
+
+// A raw HTTP/1.1 GET to 127.0.0.1:port; the whole response.
+std::string http_get(int port, const std::string& target) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<std::uint16_t>(port));
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
+  const std::string request = "GET " + target + " HTTP/1.1\r\nHost: localhost\r\n\r\n";
+  REQUIRE(::send(fd, request.data(), request.size(), 0) == static_cast<ssize_t>(request.size()));
+  std::string response;
+  char buffer[4096];
+  for (ssize_t n; (n = ::recv(fd, buffer, sizeof buffer, 0)) > 0;) response.append(buffer, static_cast<std::size_t>(n));
+  ::close(fd);
+  return response;
+}
+
+}  // namespace
+
+TEST_CASE("the metrics endpoint serves Prometheus text and JSON on loopback; the textfile is atomic", "[kpi]") {
+  Session session;
+  busy_session(session);
+  MetricsHttpServer server(session, "127.0.0.1:0");
+  REQUIRE(server.port() > 0);
+  const std::string prom = http_get(server.port(), "/metrics");
+  CHECK_THAT(prom, StartsWith("HTTP/1.1 200 OK\r\n"));
+  CHECK_THAT(prom, Contains("Content-Type: text/plain; version=0.0.4"));
+  const std::string body = prom.substr(prom.find("\r\n\r\n") + 4);
+  CHECK_FALSE(parse_prometheus(body).empty());
+  CHECK_THAT(body, Contains("blockflow_path_completed_total{path=\"t\"} 5\n"));
+  const std::string json = http_get(server.port(), "/metrics.json");
+  CHECK_THAT(json, Contains("application/json"));
+  CHECK(MetricsSnapshot::from_json(json.substr(json.find("\r\n\r\n") + 4)).ok());
+  CHECK_THAT(http_get(server.port(), "/nope"), StartsWith("HTTP/1.1 404"));
+  CHECK(server.requests_served() == 3);
+  CHECK_THROWS_WITH(MetricsHttpServer(session, "localhost:1"), Contains("'localhost' is not an IPv4 address"));
+
+  const std::string file = "/tmp/blockflow-kpi-test-" + std::to_string(::getpid()) + ".prom";
+  REQUIRE(write_prometheus_file(session.metrics(), file).ok());
+  std::ifstream in(file);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(parse_prometheus(text).count("blockflow_block_processed_total") == 1);
+  std::remove(file.c_str());
+  CHECK_FALSE(write_prometheus_file(session.metrics(), "/nonexistent-dir/x.prom").ok());
 }
