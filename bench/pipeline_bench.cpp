@@ -9,6 +9,11 @@
 // With --mode worker_memory it prints {"bench":"worker_memory","rss_idle_mb":..,"rss_loaded_mb":..}:
 // a worker's resident memory before it loads anything and after it loaded the four blocks.
 //
+// With --mode sampler_cost the 4-worker pipeline runs in alternating rounds of 10 requests with KPI
+// sampling off and on (10 Hz in the host and every worker; the first 3 requests after each switch are
+// not counted while the setting propagates) and prints
+// {"bench":"sampler_cost","e2e_p50_ms_off":..,"e2e_p50_ms_on":..,"ratio":..} with ratio = on / off.
+//
 //   pipeline_bench --models DIR [--mode threads|workers|worker_memory] [--channel shm|zmq] [--requests N]
 //                  [--threads T]
 
@@ -46,9 +51,12 @@ int main(int argc, char** argv) try {
   const std::vector<std::pair<std::string, std::vector<std::int64_t>>> blocks = {
       {"block1", {1, 3, 224, 224}}, {"block2", {1, 256, 56, 56}}, {"block3", {1, 512, 28, 28}},
       {"block4", {1, 1024, 14, 14}}, {"monolithic", {1, 3, 224, 224}}};
-  const bool workers = mode == "workers";
+  const bool sampler_cost = mode == "sampler_cost";
+  const bool workers = mode == "workers" || sampler_cost;
   const bool memory = mode == "worker_memory";
-  if (!workers && !memory && mode != "threads") throw std::invalid_argument("--mode threads|workers|worker_memory");
+  if (!workers && !memory && mode != "threads") {
+    throw std::invalid_argument("--mode threads|workers|worker_memory|sampler_cost");
+  }
   bf::Session session;
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     bf::BlockDescription d;
@@ -80,8 +88,26 @@ int main(int argc, char** argv) try {
     return 0;
   }
 
-  std::vector<double> e2e_ms, mono_ms, overhead_ms;
   const bf::Tensor x = at::randn({1, 3, 224, 224});
+  if (sampler_cost) {
+    std::vector<double> off_ms, on_ms;
+    for (int i = 0; i < warmup; ++i) (void)session.submit("split", x).get();
+    for (int round = 0; static_cast<int>(off_ms.size() + on_ms.size()) < requests; ++round) {
+      const bool on = round % 2 == 1;
+      session.set_sampling(on, absl::Milliseconds(100));
+      for (int i = 0; i < 10; ++i) {
+        const bf::Result r = session.submit("split", x).get();
+        if (!r.ok()) throw std::runtime_error(r.status.ToString());
+        if (i >= 3) (on ? on_ms : off_ms).push_back(r.trace.e2e_ms());
+      }
+    }
+    const double off = bf::bench::percentile(off_ms, 0.5), on = bf::bench::percentile(on_ms, 0.5);
+    fmt::print("{{\"bench\":\"sampler_cost\",\"e2e_p50_ms_off\":{:.3f},\"e2e_p50_ms_on\":{:.3f},\"ratio\":{:.4f},"
+               "\"period_ms\":100,\"requests_off\":{},\"requests_on\":{},\"channel\":\"{}\",\"threads_per_block\":{}}}\n",
+               off, on, on / off, off_ms.size(), on_ms.size(), channel, threads);
+    return 0;
+  }
+  std::vector<double> e2e_ms, mono_ms, overhead_ms;
   for (int i = -warmup; i < requests; ++i) {
     const bf::Result r = session.submit("split", x).get();
     if (!r.ok()) throw std::runtime_error(r.status.ToString());

@@ -4,7 +4,8 @@
 # hop: one tensor hand-off per channel (inproc, shm, zmq-ipc, zmq-tcp) at 4 KB, 3.2 MB and 100 MB, with
 #   the time of one memcpy of the same bytes; pipeline: the 4-block split ResNet50 against the
 #   monolithic model, in threads (inproc) and in 4 worker processes (shm, then zmq-ipc); worker_memory: a
-#   worker's resident memory before and after loading the four blocks.
+#   worker's resident memory before and after loading the four blocks; sampler_cost: the 4-worker
+#   pipeline's e2e p50 with KPI sampling on (10 Hz, every process) over off, interleaved.
 # Environment: BENCH_REQUESTS (pipeline requests, default 300), BENCH_THREADS (intra-op threads per
 # block and for the monolithic model, default 2), BENCH_HOP_ITERATIONS (default 20000).
 # --plot (anywhere among the names): also writes a report into bench-report/ at the repository root
@@ -20,7 +21,7 @@ for arg in "$@"; do
 done
 set -- ${names[@]+"${names[@]}"}
 if [ $# -eq 0 ]; then
-  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline worker_memory)" >&2
+  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline worker_memory sampler_cost)" >&2
   exit 2
 fi
 if [ "$plot" = 1 ]; then
@@ -44,7 +45,7 @@ capture_metrics() {
     if [ "$prev" = --channel ]; then channel="$a"; fi
     prev="$a"
   done
-  if [ -z "${BENCH_REPORT_DIR:-}" ] || [ "$mode" = worker_memory ]; then
+  if [ -z "${BENCH_REPORT_DIR:-}" ] || [ "$mode" = worker_memory ] || [ "$mode" = sampler_cost ]; then
     "$@"
     return
   fi
@@ -64,17 +65,18 @@ for name in "$@"; do
   case "$name" in
     hop)
       "$BUILD_DIR/bench/hop_bench" "${BENCH_HOP_ITERATIONS:-20000}" ;;
-    pipeline|worker_memory)
+    pipeline|worker_memory|sampler_cost)
       "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
       runs=("threads shm" "workers shm" "workers zmq")
       [ "$name" = worker_memory ] && runs=("worker_memory shm")
+      [ "$name" = sampler_cost ] && runs=("sampler_cost shm")
       for run in "${runs[@]}"; do
         read -r mode channel <<< "$run"
         capture_metrics "$BUILD_DIR/bench/pipeline_bench" --models "$BUILD_DIR/models" --mode "$mode" --channel "$channel" \
           --requests "${BENCH_REQUESTS:-300}" --threads "${BENCH_THREADS:-2}"
       done ;;
     *)
-      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline worker_memory)" >&2
+      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline worker_memory sampler_cost)" >&2
       exit 2 ;;
   esac
 done
