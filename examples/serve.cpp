@@ -1,13 +1,16 @@
 // A small BlockFlow server for remote clients in any language (see examples/python_client.py and
 // docs/wire-format.md).
 //
-//   serve [--endpoint EP] [--no-stdin]
+//   serve [--endpoint EP] [--metrics HOST:PORT] [--sampling MS] [--no-stdin]
 //
 // EP defaults to tcp://127.0.0.1:5555; "tcp://127.0.0.1:*" picks a free port. The server prints
 // exactly one line to stdout, `serving on <endpoint>` (the port resolved), then serves until
 // SIGINT/SIGTERM or until its stdin reaches EOF, so a driver can stop it by closing the pipe it
 // writes to. With --no-stdin only a signal stops it: use that when stdin is /dev/null (e.g.
 // `serve &` in a non-interactive shell). Everything else it says goes to stderr.
+//
+// --metrics serves the session's metrics over HTTP (GET /metrics: Prometheus text, /metrics.json),
+// on loopback unless HOST says otherwise; --sampling MS switches KPI sampling on at that period.
 //
 // Tasks, each one C++ callable block:
 //   affine  x -> 3*x + 1 (one floating-point tensor)
@@ -18,6 +21,7 @@
 //   python3 examples/python_client.py tcp://127.0.0.1:5555
 
 #include <blockflow/blockflow.hpp>
+#include <blockflow/metrics_http.hpp>
 #include <blockflow/client_endpoint.hpp>
 
 #include <ATen/ATen.h>
@@ -103,14 +107,20 @@ std::string wait_for_stop(int signal_fd, bool watch_stdin) {
 int main(int argc, char** argv) {
   std::string endpoint = "tcp://127.0.0.1:5555";
   bool watch_stdin = true;
+  std::string metrics_address;
+  int sampling_ms = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--endpoint" && i + 1 < argc) {
       endpoint = argv[++i];
+    } else if (arg == "--metrics" && i + 1 < argc) {
+      metrics_address = argv[++i];
+    } else if (arg == "--sampling" && i + 1 < argc) {
+      sampling_ms = std::atoi(argv[++i]);
     } else if (arg == "--no-stdin") {
       watch_stdin = false;
     } else {
-      std::cerr << "usage: serve [--endpoint tcp://127.0.0.1:5555] [--no-stdin]\n";
+      std::cerr << "usage: serve [--endpoint tcp://127.0.0.1:5555] [--metrics 127.0.0.1:9464] [--sampling MS] [--no-stdin]\n";
       return arg == "--help" || arg == "-h" ? 0 : 2;
     }
   }
@@ -138,9 +148,16 @@ int main(int argc, char** argv) {
     return 1;
   }
 
+  if (sampling_ms > 0) session.set_sampling(true, absl::Milliseconds(sampling_ms));
   std::optional<bf::ClientEndpoint> server;
+  std::optional<bf::MetricsHttpServer> metrics;
   try {
     server.emplace(session, endpoint);
+    if (!metrics_address.empty()) {
+      metrics.emplace(session, metrics_address);
+      std::cerr << "serve: metrics on http://" << metrics_address.substr(0, metrics_address.rfind(':')) << ":"
+                << metrics->port() << "/metrics\n";
+    }
   } catch (const std::exception& e) {
     std::cerr << "serve: " << e.what() << "\n";
     session.shutdown();
@@ -152,6 +169,7 @@ int main(int argc, char** argv) {
   // The endpoint stops first so that no new request enters; the session then drains what is in
   // flight (replies to those are dropped: the endpoint no longer sends).
   server->stop();
+  metrics.reset();
   session.shutdown();
   std::cerr << fmt::format("serve: stopped ({}); {} replies sent, {} malformed frames\n", reason, server->served(),
                            server->malformed_frames());
