@@ -17,6 +17,7 @@
 #include <blockflow/detail/clock.hpp>
 #include <blockflow/detail/shm_pool.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
+#include <blockflow/detail/deployment_json.hpp>
 #include <blockflow/detail/metrics_json.hpp>
 #include <blockflow/detail/worker_protocol.hpp>
 #include <blockflow/kpi.hpp>
@@ -258,7 +259,7 @@ class Worker {
   absl::Status load(const nlohmann::json& config) {
     if (auto status = load_plugins(config.value("plugins", nlohmann::json::array())); !status.ok()) return status;
     for (const auto& b : config.at("blocks")) {
-      auto description = bf::detail::block_from_json(b);
+      auto description = bf::detail::block_from_json(b, "");
       if (!description.ok()) return description.status();
       description->placement.clear();  // here, it runs in this process's threads
       hosted_.insert(description->name);

@@ -27,9 +27,7 @@ inline constexpr const char* kStop = "stop";
 inline constexpr const char* kConfig = "config";
 inline constexpr const char* kSampler = "sampler";  // host -> worker: {enabled, period_ms}
 
-nlohmann::json to_json(const BlockDescription& description);
-/// Validates every field; errors name the block and the field.
-absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json);
+// Blocks travel in the deployment format: detail/deployment_json.hpp.
 
 /// A pool's figures as sent in heartbeats, and back.
 nlohmann::json to_json(const ShmStats& stats);

@@ -1,0 +1,51 @@
+#pragma once
+/// @file
+/// @brief Deployment: the declarative description of what a session runs (its blocks, where each
+/// runs, and each task's path), parsed from JSON. It is the format an optimiser sends: the
+/// reference's `{"blocks": ["block1", ...], "tasks": {"task1": ["block1", ...]}}` is accepted as is
+/// (a block given by name is the TorchScript file `<models dir>/<name>.pt`, in the host's threads),
+/// and each block may instead be an object with the fields below.
+///
+/// @code
+/// {"blocks": ["block1",
+///             {"name": "block2", "torchscript": "b2.pt", "placement": "w1", "intra_op_threads": 2,
+///              "workers": 1, "queue_capacity": 64, "full_policy": "reject", "device": "cpu",
+///              "input_shapes": [[-1, 256, 56, 56]], "warmup_runs": 1},
+///             {"name": "scale", "factory": "scale", "placement": "w1"}],
+///  "tasks": {"task1": ["block1", "block2"], "task2": ["block1", "scale"]}}
+/// @endcode
+
+#include <blockflow/block_registry.hpp>
+#include <blockflow/path.hpp>
+
+#include <absl/status/statusor.h>
+
+#include <string>
+#include <vector>
+
+namespace blockflow {
+
+class Session;
+
+/// @brief A parsed, validated deployment.
+struct Deployment {
+  std::vector<BlockDescription> blocks;
+  std::vector<std::pair<std::string, std::vector<std::string>>> tasks;  ///< task -> chain of blocks, in file order
+
+  /// @brief Parses and validates `json`. Relative TorchScript paths (and bare block names) are
+  /// resolved against `models_dir`. Every error is InvalidArgument and names the field, block or
+  /// task at fault: not JSON, unknown key, wrong type, empty or duplicate name, a block that is
+  /// neither TorchScript nor factory, an unknown full_policy, a task naming an unknown block or
+  /// visiting a block twice, an empty task. Files are not opened here (start() does).
+  static absl::StatusOr<Deployment> parse(const std::string& json, const std::string& models_dir = ".");
+
+  /// @brief The worker names the blocks are placed in, sorted, without duplicates.
+  [[nodiscard]] std::vector<std::string> workers() const;
+  /// @brief The tasks as paths (chains).
+  [[nodiscard]] std::vector<Path> paths() const;
+};
+
+/// @brief Reads a file and parses it (errors name the file).
+absl::StatusOr<Deployment> load_deployment(const std::string& file, const std::string& models_dir = "");
+
+}  // namespace blockflow

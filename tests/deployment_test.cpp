@@ -1,0 +1,96 @@
+// The deployment format: the reference's {"blocks": [names], "tasks": {task: [blocks]}}, richer
+// per-block objects, and rejection of every malformed document with a message naming the fault.
+#include "test_util.hpp"
+
+#include <blockflow/deployment.hpp>
+#include <blockflow/detail/deployment_json.hpp>
+
+using namespace blockflow;
+using Catch::Matchers::Contains;
+using Catch::Matchers::Equals;
+
+namespace {
+
+std::string error_of(const std::string& json) {
+  auto d = Deployment::parse(json, "/models");
+  REQUIRE_FALSE(d.ok());
+  CHECK(absl::IsInvalidArgument(d.status()));
+  return std::string(d.status().message());
+}
+
+}  // namespace
+
+TEST_CASE("the reference's deployment format is accepted as is", "[deployment]") {
+  auto d = Deployment::parse(R"({"blocks": ["block1", "block2", "block3"],
+                                 "tasks": {"task1": ["block1", "block2"], "task2": ["block1", "block3"]}})",
+                             "/models");
+  REQUIRE(d.ok());
+  REQUIRE(d->blocks.size() == 3);
+  CHECK(d->blocks[1].name == "block2");
+  CHECK(d->blocks[1].torchscript == "/models/block2.pt");
+  CHECK(d->blocks[1].placement.empty());
+  REQUIRE(d->tasks.size() == 2);
+  CHECK(d->tasks[0].first == "task1");
+  CHECK(d->tasks[1].second == std::vector<std::string>{"block1", "block3"});
+  CHECK(d->workers().empty());
+  CHECK(d->paths().size() == 2);
+}
+
+TEST_CASE("rich block objects set file, factory, placement and options", "[deployment]") {
+  auto d = Deployment::parse(R"({"blocks": [
+      {"name": "b1", "torchscript": "one.pt", "placement": "w2", "intra_op_threads": 2, "workers": 3,
+       "queue_capacity": 8, "full_policy": "drop-oldest", "device": "cpu", "input_shapes": [[-1, 3, 8, 8]],
+       "warmup_runs": 0},
+      {"name": "b2", "factory": "scale", "placement": "w1"},
+      {"name": "b3", "torchscript": "/abs/three.pt"}],
+    "tasks": {"t": ["b1", "b2", "b3"]}})",
+                             "/models");
+  INFO(d.status().ToString());
+  REQUIRE(d.ok());
+  const BlockDescription& b1 = d->blocks[0];
+  CHECK(b1.torchscript == "/models/one.pt");
+  CHECK(b1.placement == "w2");
+  CHECK(b1.options.intra_op_threads == 2);
+  CHECK(b1.options.workers == 3);
+  CHECK(b1.options.queue_capacity == 8);
+  CHECK(b1.options.full_policy == FullPolicy::kDropOldest);
+  CHECK(b1.options.input_shapes == std::vector<std::vector<std::int64_t>>{{-1, 3, 8, 8}});
+  CHECK(b1.options.warmup_runs == 0);
+  CHECK(d->blocks[1].factory == "scale");
+  CHECK(d->blocks[1].torchscript.empty());
+  CHECK(d->blocks[2].torchscript == "/abs/three.pt");
+  CHECK(d->workers() == std::vector<std::string>{"w1", "w2"});
+  // The worker protocol ships blocks in this shape: a description survives the trip.
+  auto back = blockflow::detail::block_from_json(blockflow::detail::block_to_json(b1), "");
+  REQUIRE(back.ok());
+  CHECK(blockflow::detail::block_to_json(*back) == blockflow::detail::block_to_json(b1));
+}
+
+TEST_CASE("malformed deployments are rejected whole, naming the fault", "[deployment]") {
+  CHECK_THAT(error_of("{"), Equals("deployment: not valid JSON"));
+  CHECK_THAT(error_of("[]"), Contains("expected an object"));
+  CHECK_THAT(error_of(R"({"blocks": [], "tasks": {}, "extra": 1})"), Contains("unknown field 'extra'"));
+  CHECK_THAT(error_of(R"({"tasks": {}})"), Contains("\"blocks\" must be an array"));
+  CHECK_THAT(error_of(R"({"blocks": []})"), Contains("\"tasks\" must be an object"));
+  CHECK_THAT(error_of(R"({"blocks": [""], "tasks": {}})"), Contains("a block name is empty"));
+  CHECK_THAT(error_of(R"({"blocks": [3], "tasks": {}})"), Contains("a block is a name or an object, not 3"));
+  CHECK_THAT(error_of(R"({"blocks": [{"torchscript": "x.pt"}], "tasks": {}})"), Contains("needs a non-empty string \"name\""));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "torchscript": "x.pt", "colour": "red"}], "tasks": {}})"),
+             Contains("block 'b': unknown field 'colour'"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "torchscript": "x.pt", "workers": "two"}], "tasks": {}})"),
+             Contains("block 'b': wrong type"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "b"}], "tasks": {}})"), Contains("block 'b': give exactly one of"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "torchscript": "x.pt", "factory": "f"}], "tasks": {}})"),
+             Contains("block 'b': give exactly one of"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "factory": "f", "full_policy": "panic"}], "tasks": {}})"),
+             Contains("block 'b': unknown full_policy 'panic'"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "factory": "f", "workers": 0}], "tasks": {}})"),
+             Contains("block 'b': workers must be >= 1"));
+  CHECK_THAT(error_of(R"({"blocks": ["a", "a"], "tasks": {}})"), Contains("block 'a' appears twice"));
+  CHECK_THAT(error_of(R"({"blocks": ["a"], "tasks": {"t": []}})"), Contains("task 't' must be a non-empty list"));
+  CHECK_THAT(error_of(R"({"blocks": ["a"], "tasks": {"t": ["a", "nope"]}})"), Contains("task 't': unknown block 'nope'"));
+  CHECK_THAT(error_of(R"({"blocks": ["a", "b"], "tasks": {"t": ["a", "b", "a"]}})"),
+             Contains("task 't': has a cycle: block 'a' appears twice"));
+  CHECK_THAT(error_of(R"({"blocks": ["a"], "tasks": {"t": [1]}})"), Contains("task 't': 1 is not a block name"));
+  CHECK(absl::IsNotFound(load_deployment("/nonexistent/deploy.json").status()));
+}
