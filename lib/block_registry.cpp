@@ -2,6 +2,8 @@
 #include <blockflow/torchscript_block.hpp>
 
 #include <fmt/format.h>
+
+#include <dlfcn.h>
 #include <fmt/ranges.h>
 
 namespace blockflow {
@@ -56,6 +58,16 @@ absl::StatusOr<std::shared_ptr<Block>> make_block(const BlockDescription& d) {
   }
   if (!d.torchscript.empty()) return load_torchscript_block(d.name, d.torchscript, d.options);
   return BlockRegistry::global().create(d.factory, d.name, d.options);
+}
+
+absl::Status load_plugin(const std::string& path) {
+  void* handle = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) return absl::NotFoundError(fmt::format("plugin '{}': {}", path, ::dlerror()));
+  using RegisterFn = void (*)(BlockRegistry&);
+  auto fn = reinterpret_cast<RegisterFn>(::dlsym(handle, "blockflow_register_blocks"));
+  if (fn == nullptr) return absl::NotFoundError(fmt::format("plugin '{}' does not export blockflow_register_blocks", path));
+  fn(BlockRegistry::global());
+  return absl::OkStatus();
 }
 
 }  // namespace blockflow

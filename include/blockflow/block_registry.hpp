@@ -62,4 +62,8 @@ class BlockRegistry {
 /// global registry). Errors name the block.
 absl::StatusOr<std::shared_ptr<Block>> make_block(const BlockDescription& description);
 
+/// @brief dlopen()s a plugin library and calls its `blockflow_register_blocks(BlockRegistry::global())`.
+/// NotFound naming the library when it cannot be opened or lacks that function.
+absl::Status load_plugin(const std::string& path);
+
 }  // namespace blockflow

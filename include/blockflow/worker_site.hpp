@@ -3,7 +3,9 @@
 /// @brief WorkerSite: blocks in a child worker process, reached over serialized ZeroMQ (`ipc://`).
 /// Part of the optional `blockflow::zmq` target.
 
+#include <blockflow/deployment.hpp>
 #include <blockflow/remote_site.hpp>
+#include <blockflow/session.hpp>
 
 #include <absl/time/time.h>
 
@@ -90,6 +92,10 @@ class WorkerSite final : public RemoteSite {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+/// @brief Adds a deployment's blocks and tasks to `session` (before start()), with one child worker
+/// per placement named in it, each made from `defaults` with that name.
+void add_deployment(Session& session, const Deployment& deployment, const WorkerOptions& defaults = {});
 
 /// @brief Convenience: a shared WorkerSite for Session::add_site().
 inline std::shared_ptr<WorkerSite> make_worker(WorkerOptions options) {

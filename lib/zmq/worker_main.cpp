@@ -151,15 +151,7 @@ bf::wire::Header error_header(std::uint64_t id, std::uint32_t node, const absl::
 
 absl::Status load_plugins(const nlohmann::json& plugins) {
   for (const auto& p : plugins) {
-    const std::string path = p.get<std::string>();
-    void* handle = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (handle == nullptr) return absl::NotFoundError(fmt::format("plugin '{}': {}", path, ::dlerror()));
-    using RegisterFn = void (*)(bf::BlockRegistry&);
-    auto fn = reinterpret_cast<RegisterFn>(::dlsym(handle, "blockflow_register_blocks"));
-    if (fn == nullptr) {
-      return absl::NotFoundError(fmt::format("plugin '{}' does not export blockflow_register_blocks", path));
-    }
-    fn(bf::BlockRegistry::global());
+    if (auto status = bf::load_plugin(p.get<std::string>()); !status.ok()) return status;
   }
   return absl::OkStatus();
 }

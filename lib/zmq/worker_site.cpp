@@ -777,3 +777,15 @@ namespace blockflow {
 std::string WorkerSite::result_endpoint() const { return impl_->result_endpoint; }
 std::string WorkerSite::join_endpoint() const { return impl_->joined() ? impl_->control_endpoint : std::string(); }
 }  // namespace blockflow
+
+namespace blockflow {
+void add_deployment(Session& session, const Deployment& deployment, const WorkerOptions& defaults) {
+  for (const auto& name : deployment.workers()) {
+    WorkerOptions options = defaults;
+    options.name = name;
+    session.add_site(make_worker(std::move(options)));
+  }
+  for (const auto& block : deployment.blocks) session.add_block(block);
+  for (auto& path : deployment.paths()) session.add_path(std::move(path));
+}
+}  // namespace blockflow

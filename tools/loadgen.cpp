@@ -1,0 +1,447 @@
+// blockflow-loadgen: drives a session with synthetic traffic and reports what it got.
+//
+//   blockflow-loadgen (--deployment FILE [--models DIR] [--plugin LIB.so]... | --endpoint EP)
+//                     [--tasks T1,T2] [--shape 1x3x224x224]
+//                     (--clients N | --rate R | --sweep R1,R2,...)
+//                     [--duration SECONDS | --requests N] [--warmup N] [--json FILE] [--quiet]
+//
+// Target: a session built here from a deployment file (the JSON an optimiser sends; blocks placed
+// in workers get child worker processes), or a running session's client endpoint
+// (ClientEndpoint, e.g. the serve example).
+// Load: N synchronous clients (closed loop), or open-loop Poisson arrivals at R requests/s spread
+// evenly over the tasks; --sweep runs one Poisson run per rate and then reports the saturation
+// point, the first rate whose throughput falls below 95% of the offered rate. Latency counts from
+// the scheduled arrival, so a generator or a session that falls behind shows up as latency.
+//
+// One JSON line per run on stdout (and in --json FILE):
+//   {"bench":"loadgen","mode":"poisson","rate_per_s":..,"clients":..,"sent":..,"completed":..,
+//    "failed":..,"duration_s":..,"throughput_per_s":..,"p50_ms":..,"p90_ms":..,"p99_ms":..,
+//    "rss_mb":..,"blocks":[{"name":..,"wait_p50_ms":..,"compute_p50_ms":..,"overhead_p50_ms":..}],
+//    "first_error":".."}
+// then, after a sweep, {"bench":"saturation","rate_per_s":..,"throughput_per_s":..}. rss_mb (this
+// process and its workers) and blocks (from each request's trace) exist for in-process runs only.
+// Progress goes to stderr once a second unless --quiet.
+
+#include <blockflow/blockflow.hpp>
+#include <blockflow/client_endpoint.hpp>
+#include <blockflow/deployment.hpp>
+#include <blockflow/kpi.hpp>
+#include <blockflow/worker_site.hpp>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <thread>
+
+namespace bf = blockflow;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct Args {
+  std::string deployment, models, endpoint, json_file;
+  std::vector<std::string> tasks, plugins;
+  std::vector<std::int64_t> shape;
+  int clients = 0;
+  std::vector<double> rates;
+  bool sweep = false;
+  double duration_s = 10;
+  long requests = 0;  // 0: run for duration_s
+  int warmup = 3;
+  bool quiet = false;
+};
+
+constexpr const char* kUsage =
+    "usage: blockflow-loadgen (--deployment FILE [--models DIR] [--plugin LIB.so]... | --endpoint EP) [--tasks T1,T2] [--shape 1x3x224x224]\n"
+    "                         (--clients N | --rate R | --sweep R1,R2,...) [--duration S | --requests N] [--warmup N]\n"
+    "                         [--json FILE] [--quiet]";
+
+std::vector<std::string> split(const std::string& s, char by) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string part; std::getline(in, part, by);) {
+    if (!part.empty()) out.push_back(part);
+  }
+  return out;
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(k + " needs a value\n" + kUsage);
+      return argv[++i];
+    };
+    if (k == "--deployment") a.deployment = value();
+    else if (k == "--models") a.models = value();
+    else if (k == "--endpoint") a.endpoint = value();
+    else if (k == "--plugin") a.plugins.push_back(value());
+    else if (k == "--tasks") a.tasks = split(value(), ',');
+    else if (k == "--shape") {
+      for (const auto& d : split(value(), 'x')) a.shape.push_back(std::stoll(d));
+    } else if (k == "--clients") a.clients = std::stoi(value());
+    else if (k == "--rate") a.rates = {std::stod(value())};
+    else if (k == "--sweep") {
+      for (const auto& r : split(value(), ',')) a.rates.push_back(std::stod(r));
+      a.sweep = true;
+    } else if (k == "--duration") a.duration_s = std::stod(value());
+    else if (k == "--requests") a.requests = std::stol(value());
+    else if (k == "--warmup") a.warmup = std::stoi(value());
+    else if (k == "--json") a.json_file = value();
+    else if (k == "--quiet") a.quiet = true;
+    else if (k == "--help" || k == "-h") {
+      std::cout << kUsage << "\n";
+      std::exit(0);
+    } else {
+      throw std::invalid_argument("unknown argument " + k + "\n" + kUsage);
+    }
+  }
+  if (a.deployment.empty() == a.endpoint.empty()) throw std::invalid_argument(std::string("give --deployment or --endpoint\n") + kUsage);
+  if ((a.clients > 0) == !a.rates.empty()) throw std::invalid_argument(std::string("give --clients, --rate or --sweep\n") + kUsage);
+  for (double r : a.rates) {
+    if (r <= 0) throw std::invalid_argument("rates must be > 0");
+  }
+  if (!a.endpoint.empty() && a.tasks.empty()) throw std::invalid_argument("--endpoint needs --tasks");
+  if (!a.endpoint.empty() && a.shape.empty()) throw std::invalid_argument("--endpoint needs --shape");
+  return a;
+}
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<std::size_t>(q * static_cast<double>(v.size())))];
+}
+
+// What one run measured. Thread-safe.
+struct Tally {
+  std::mutex mu;
+  long sent = 0, completed = 0, failed = 0;
+  std::vector<double> latency_ms;
+  std::map<std::string, std::vector<double>> wait, compute, overhead;  // per block, from traces
+  std::string first_error;
+
+  void done(double ms, const absl::Status& status, const bf::RequestTrace* trace) {
+    std::lock_guard lock(mu);
+    if (!status.ok()) {
+      ++failed;
+      if (first_error.empty()) first_error = status.ToString();
+      return;
+    }
+    ++completed;
+    latency_ms.push_back(ms);
+    if (trace == nullptr) return;
+    for (const auto& hop : trace->hops) {
+      if (hop.block.empty()) continue;
+      wait[hop.block].push_back(hop.wait_ms());
+      compute[hop.block].push_back(hop.compute_ms());
+      overhead[hop.block].push_back(hop.overhead_ms());
+    }
+  }
+  long outstanding() {
+    std::lock_guard lock(mu);
+    return sent - completed - failed;
+  }
+  // For a tally of one request that was never counted as sent: not answered yet?
+  bool outstanding_of_one() {
+    std::lock_guard lock(mu);
+    return completed + failed == 0;
+  }
+  void merge(Tally& other) {
+    std::scoped_lock lock(mu, other.mu);
+    completed += other.completed;
+    failed += other.failed;
+    latency_ms.insert(latency_ms.end(), other.latency_ms.begin(), other.latency_ms.end());
+    for (auto [from, into] : {std::pair{&other.wait, &wait}, std::pair{&other.compute, &compute},
+                              std::pair{&other.overhead, &overhead}}) {
+      for (auto& [block, values] : *from) (*into)[block].insert((*into)[block].end(), values.begin(), values.end());
+    }
+    if (first_error.empty()) first_error = other.first_error;
+  }
+};
+
+// The target: an in-process session or a remote endpoint. submit() is asynchronous for both.
+class Target {
+ public:
+  virtual ~Target() = default;
+  virtual void submit(const std::string& task, const bf::Tensors& inputs, Clock::time_point arrival, Tally& tally) = 0;
+  virtual void drain() {}
+  virtual std::optional<double> rss_mb() { return std::nullopt; }
+};
+
+class InProcess final : public Target {
+ public:
+  explicit InProcess(const Args& args) {
+    auto d = bf::load_deployment(args.deployment, args.models);
+    if (!d.ok()) throw std::runtime_error(d.status().ToString());
+    deployment_ = *d;
+    // C++ blocks by factory: registered here for blocks in this process, and in every worker.
+    for (const auto& plugin : args.plugins) {
+      if (auto status = bf::load_plugin(plugin); !status.ok()) throw std::runtime_error(status.ToString());
+    }
+    bf::WorkerOptions defaults;
+    defaults.plugins = args.plugins;
+    bf::add_deployment(session_, deployment_, defaults);
+    if (auto status = session_.start(); !status.ok()) throw std::runtime_error(status.ToString());
+  }
+  ~InProcess() override { session_.shutdown(); }
+  void submit(const std::string& task, const bf::Tensors& inputs, Clock::time_point arrival, Tally& tally) override {
+    session_.submit(task, inputs, [arrival, &tally](bf::Result&& r) {
+      const double ms = std::chrono::duration<double, std::milli>(Clock::now() - arrival).count();
+      tally.done(ms, r.status, &r.trace);
+    });
+  }
+  std::optional<double> rss_mb() override {
+    double bytes = static_cast<double>(bf::sample_process().rss_bytes);
+    for (const auto& s : session_.metrics().sites) bytes += static_cast<double>(s.rss_bytes);
+    return bytes / 1048576.0;
+  }
+  const bf::Deployment& deployment() const { return deployment_; }
+
+ private:
+  bf::Deployment deployment_;
+  bf::Session session_;
+};
+
+// RemoteClient is synchronous: a pool of client threads takes arrivals from a queue.
+class Remote final : public Target {
+ public:
+  Remote(std::string endpoint, int threads) : endpoint_(std::move(endpoint)) {
+    for (int i = 0; i < threads; ++i) pool_.emplace_back([this] { main(); });
+  }
+  ~Remote() override {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    changed_.notify_all();
+    for (auto& t : pool_) t.join();
+  }
+  void submit(const std::string& task, const bf::Tensors& inputs, Clock::time_point arrival, Tally& tally) override {
+    {
+      std::lock_guard lock(mu_);
+      queue_.push_back({task, inputs, arrival, &tally});
+    }
+    changed_.notify_one();
+  }
+
+ private:
+  struct Job {
+    std::string task;
+    bf::Tensors inputs;
+    Clock::time_point arrival;
+    Tally* tally;
+  };
+  void main() {
+    bf::RemoteClient client(endpoint_, absl::Seconds(60));
+    while (true) {
+      Job job;
+      {
+        std::unique_lock lock(mu_);
+        changed_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      auto out = client.submit(job.task, job.inputs);
+      const double ms = std::chrono::duration<double, std::milli>(Clock::now() - job.arrival).count();
+      job.tally->done(ms, out.status(), nullptr);
+    }
+  }
+  std::string endpoint_;
+  std::mutex mu_;
+  std::condition_variable changed_;
+  std::deque<Job> queue_;
+  bool stopping_ = false;
+  std::vector<std::thread> pool_;
+};
+
+struct Run {
+  std::string mode;
+  double rate = 0;  // offered, Poisson
+  int clients = 0;
+};
+
+nlohmann::json measure(const Args& args, Target& target, const std::vector<std::string>& tasks,
+                       const std::map<std::string, bf::Tensors>& inputs, const Run& run) {
+  Tally tally;
+  const auto start = Clock::now();
+  const auto end = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(args.duration_s));
+  std::atomic<long> issued{0};
+  auto more = [&] {
+    return args.requests > 0 ? issued.load() < args.requests : Clock::now() < end;
+  };
+  auto issue = [&](Clock::time_point arrival) {
+    const long n = issued++;
+    const std::string& task = tasks[static_cast<std::size_t>(n) % tasks.size()];
+    {
+      std::lock_guard lock(tally.mu);
+      ++tally.sent;
+    }
+    target.submit(task, inputs.at(task), arrival, tally);
+  };
+  std::atomic<bool> running{true};
+  std::thread progress([&] {
+    while (running) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      static thread_local auto next = Clock::now() + std::chrono::seconds(1);
+      if (args.quiet || Clock::now() < next) continue;
+      next = Clock::now() + std::chrono::seconds(1);
+      std::lock_guard lock(tally.mu);
+      std::cerr << fmt::format("loadgen: {} {:.1f} s: sent {} completed {} failed {} p50 {:.2f} ms\n",
+                               run.mode == "poisson" ? fmt::format("{:g}/s", run.rate) : fmt::format("{} clients", run.clients),
+                               std::chrono::duration<double>(Clock::now() - start).count(), tally.sent, tally.completed,
+                               tally.failed, percentile(tally.latency_ms, 0.5));
+    }
+  });
+  if (run.mode == "poisson") {
+    std::mt19937_64 random(42);
+    std::exponential_distribution<double> gap(run.rate);
+    auto next = start;
+    while (more()) {
+      std::this_thread::sleep_until(next);
+      issue(next);
+      next += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap(random)));
+    }
+  } else {
+    // Closed loop: each client submits, waits for its answer, submits again.
+    std::vector<std::thread> clients;
+    for (int c = 0; c < run.clients; ++c) {
+      clients.emplace_back([&] {
+        while (more()) {
+          Tally own;  // this one request, so the client can wait for it
+          const long n = issued++;
+          const std::string& task = tasks[static_cast<std::size_t>(n) % tasks.size()];
+          {
+            std::lock_guard lock(tally.mu);
+            ++tally.sent;
+          }
+          target.submit(task, inputs.at(task), Clock::now(), own);
+          while (own.outstanding_of_one()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+          tally.merge(own);
+        }
+      });
+    }
+    for (auto& t : clients) t.join();
+  }
+  // Wait for what is still outstanding (60 s at most).
+  const auto give_up = Clock::now() + std::chrono::seconds(60);
+  while (tally.outstanding() > 0 && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  running = false;
+  progress.join();
+
+  std::lock_guard lock(tally.mu);
+  nlohmann::json line = {{"bench", "loadgen"},
+                         {"mode", run.mode},
+                         {"tasks", tasks},
+                         {"sent", tally.sent},
+                         {"completed", tally.completed},
+                         {"failed", tally.failed},
+                         {"lost", tally.sent - tally.completed - tally.failed},
+                         {"duration_s", elapsed},
+                         {"throughput_per_s", static_cast<double>(tally.completed) / elapsed},
+                         {"p50_ms", percentile(tally.latency_ms, 0.5)},
+                         {"p90_ms", percentile(tally.latency_ms, 0.9)},
+                         {"p99_ms", percentile(tally.latency_ms, 0.99)}};
+  if (run.mode == "poisson") line["rate_per_s"] = run.rate;
+  else line["clients"] = run.clients;
+  if (auto rss = target.rss_mb()) line["rss_mb"] = *rss;
+  if (!tally.compute.empty()) {
+    nlohmann::json blocks = nlohmann::json::array();
+    for (const auto& [name, compute] : tally.compute) {
+      blocks.push_back({{"name", name},
+                        {"wait_p50_ms", percentile(tally.wait[name], 0.5)},
+                        {"compute_p50_ms", percentile(compute, 0.5)},
+                        {"overhead_p50_ms", percentile(tally.overhead[name], 0.5)}});
+    }
+    line["blocks"] = blocks;
+  }
+  if (!tally.first_error.empty()) line["first_error"] = tally.first_error;
+  return line;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const Args args = parse(argc, argv);
+  std::unique_ptr<Target> target;
+  std::vector<std::string> tasks = args.tasks;
+  std::map<std::string, bf::Tensors> inputs;
+  at::manual_seed(0);
+  if (!args.deployment.empty()) {
+    auto in_process = std::make_unique<InProcess>(args);
+    const bf::Deployment& d = in_process->deployment();
+    if (tasks.empty()) {
+      for (const auto& [task, chain] : d.tasks) tasks.push_back(task);
+    }
+    for (const auto& task : tasks) {
+      auto it = std::find_if(d.tasks.begin(), d.tasks.end(), [&](const auto& t) { return t.first == task; });
+      if (it == d.tasks.end()) throw std::invalid_argument("unknown task '" + task + "' in " + args.deployment);
+      std::vector<std::int64_t> shape = args.shape;
+      if (shape.empty()) {  // the first block's declared input shape, -1 as 1
+        const auto& first = *std::find_if(d.blocks.begin(), d.blocks.end(), [&](const auto& b) { return b.name == it->second.front(); });
+        if (first.options.input_shapes.empty()) {
+          throw std::invalid_argument("task '" + task + "': its first block declares no input_shapes; give --shape");
+        }
+        shape = first.options.input_shapes.front();
+        for (auto& dim : shape) dim = dim < 0 ? 1 : dim;
+      }
+      inputs[task] = {at::randn(shape)};
+    }
+    target = std::move(in_process);
+  } else {
+    for (const auto& task : tasks) inputs[task] = {at::randn(args.shape)};
+    target = std::make_unique<Remote>(args.endpoint, args.clients > 0 ? args.clients : 32);
+  }
+  if (tasks.empty()) throw std::invalid_argument("no tasks to drive");
+
+  // Warm-up: a few synchronous requests per task, not counted.
+  {
+    Args warm = args;
+    warm.requests = args.warmup * static_cast<long>(tasks.size());
+    warm.quiet = true;
+    if (warm.requests > 0) (void)measure(warm, *target, tasks, inputs, Run{"clients", 0, 1});
+  }
+
+  std::ofstream json_out;
+  if (!args.json_file.empty()) json_out.open(args.json_file);
+  auto emit = [&](const nlohmann::json& line) {
+    std::cout << line.dump() << std::endl;
+    if (json_out) json_out << line.dump() << "\n";
+  };
+  std::optional<nlohmann::json> saturation;
+  if (args.clients > 0) {
+    emit(measure(args, *target, tasks, inputs, Run{"clients", 0, args.clients}));
+  } else {
+    for (double rate : args.rates) {
+      const nlohmann::json line = measure(args, *target, tasks, inputs, Run{"poisson", rate, 0});
+      emit(line);
+      if (args.sweep && !saturation && line["throughput_per_s"].get<double>() < 0.95 * rate) {
+        saturation = nlohmann::json{{"bench", "saturation"}, {"rate_per_s", rate},
+                                    {"throughput_per_s", line["throughput_per_s"]}};
+      }
+    }
+    if (args.sweep) {
+      emit(saturation ? *saturation
+                      : nlohmann::json{{"bench", "saturation"}, {"rate_per_s", nullptr},
+                                       {"note", fmt::format("not reached up to {:g}/s", args.rates.back())}});
+    }
+  }
+  return 0;
+} catch (const std::exception& e) {
+  std::cerr << "blockflow-loadgen: " << e.what() << "\n";
+  return 2;
+}
