@@ -120,6 +120,7 @@ absl::StatusOr<Deployment> Deployment::parse(const std::string& text, const std:
     if (!names.insert(block->name).second) {
       return absl::InvalidArgumentError(fmt::format("deployment: block '{}' appears twice", block->name));
     }
+    if (b.is_string()) out.bare_names.push_back(block->name);
     out.blocks.push_back(*std::move(block));
   }
   for (const auto& [task, chain] : json["tasks"].items()) {

@@ -1,4 +1,5 @@
 #include <blockflow/session.hpp>
+#include <blockflow/detail/deployment_json.hpp>
 #include <blockflow/inproc_channel.hpp>
 #include <blockflow/detail/clock.hpp>
 #include <blockflow/detail/session_core.hpp>
@@ -14,6 +15,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <set>
 #include <future>
 
 namespace blockflow {
@@ -87,12 +89,15 @@ void SessionCore::add_path(Path path) {
 }
 
 absl::Status SessionCore::add_runtime(std::unique_ptr<BlockRuntime> runtime) {
-  const BlockOptions& options = runtime->description.options;
-  InProcessChannelOptions channel_options;
-  channel_options.capacity = options.queue_capacity;
-  channel_options.full_policy = options.full_policy;
-  channel_options.receive_spin = options_.receive_spin;
-  runtime->inbox = std::make_unique<InProcessChannel>(channel_options);
+  if (!runtime->inbox) {
+    const BlockOptions& options = runtime->description.options;
+    InProcessChannelOptions channel_options;
+    channel_options.capacity = options.queue_capacity;
+    channel_options.full_policy = options.full_policy;
+    channel_options.receive_spin = options_.receive_spin;
+    runtime->inbox = std::make_unique<InProcessChannel>(channel_options);
+  }
+  absl::MutexLock lock(&state_mu_);
   if (!block_by_name_.emplace(runtime->name(), runtime.get()).second) {
     return absl::InvalidArgumentError(fmt::format("two blocks are named '{}'", runtime->name()));
   }
@@ -100,19 +105,63 @@ absl::Status SessionCore::add_runtime(std::unique_ptr<BlockRuntime> runtime) {
   return absl::OkStatus();
 }
 
+std::unique_ptr<BlockRuntime> SessionCore::make_runtime(std::shared_ptr<Block> block) const {
+  auto runtime = std::make_unique<BlockRuntime>();
+  runtime->description.name = block->name();
+  runtime->description.options = block->options();
+  runtime->block = std::move(block);
+  InProcessChannelOptions channel_options;
+  channel_options.capacity = runtime->description.options.queue_capacity;
+  channel_options.full_policy = runtime->description.options.full_policy;
+  channel_options.receive_spin = options_.receive_spin;
+  runtime->inbox = std::make_unique<InProcessChannel>(channel_options);
+  return runtime;
+}
+
+absl::StatusOr<std::shared_ptr<RoutingTable>> SessionCore::compile_table(
+    const std::vector<Path>& paths, const std::function<BlockRuntime*(const std::string&)>& lookup,
+    std::vector<std::unique_ptr<PathRuntime>>* new_path_runtimes) {
+  auto table = std::make_shared<RoutingTable>();
+  const auto channel_of = [](BlockRuntime* runtime) { return runtime->inbox.get(); };
+  for (const auto& path : paths) {
+    auto plan = compile_path(path, lookup, channel_of);
+    if (!plan.ok()) return plan.status();
+    if (table->plans.contains(path.task())) {
+      return absl::InvalidArgumentError(fmt::format("path '{}': the task has two paths", path.task()));
+    }
+    // A task keeps its counters across updates.
+    PathRuntime* metrics = nullptr;
+    for (const auto& existing : paths_) {
+      if (existing->task == path.task()) metrics = existing.get();
+    }
+    for (const auto& fresh : *new_path_runtimes) {
+      if (fresh->task == path.task()) metrics = fresh.get();
+    }
+    if (metrics == nullptr) {
+      auto runtime = std::make_unique<PathRuntime>();
+      runtime->task = path.task();
+      metrics = runtime.get();
+      new_path_runtimes->push_back(std::move(runtime));
+    }
+    auto owned = std::const_pointer_cast<PathPlan>(*plan);
+    owned->metrics = metrics;
+    table->plans.emplace(path.task(), std::move(owned));
+  }
+  return table;
+}
+
 absl::Status SessionCore::build() {
+  for (auto& block : pending_blocks_) {
+    if (auto status = check_device(*block); !status.ok()) return status;
+    if (auto status = add_runtime(make_runtime(block)); !status.ok()) return status;
+  }
   for (auto& description : pending_descriptions_) {
     if (!description.placement.empty()) continue;
     auto block = make_block(description);
     if (!block.ok()) return block.status();
-    pending_blocks_.push_back(*std::move(block));
-  }
-  for (auto& block : pending_blocks_) {
-    if (auto status = check_device(*block); !status.ok()) return status;
-    auto runtime = std::make_unique<BlockRuntime>();
-    runtime->block = block;
-    runtime->description.name = block->name();
-    runtime->description.options = block->options();
+    if (auto status = check_device(**block); !status.ok()) return status;
+    auto runtime = make_runtime(*std::move(block));
+    runtime->description = description;  // apply() compares descriptions
     if (auto status = add_runtime(std::move(runtime)); !status.ok()) return status;
   }
   for (auto& description : pending_descriptions_) {
@@ -129,27 +178,20 @@ absl::Status SessionCore::build() {
     (*site)->blocks.push_back(runtime.get());
     if (auto status = add_runtime(std::move(runtime)); !status.ok()) return status;
   }
-  auto table = std::make_shared<RoutingTable>();
   const BlockLookup lookup = [this](const std::string& name) -> BlockRuntime* {
     auto it = block_by_name_.find(name);
     return it == block_by_name_.end() ? nullptr : it->second;
   };
-  const auto channel_of = [](BlockRuntime* runtime) { return runtime->inbox.get(); };
-  for (const auto& path : pending_paths_) {
-    auto plan = compile_path(path, lookup, channel_of);
-    if (!plan.ok()) return plan.status();
-    if (table->plans.contains(path.task())) {
-      return absl::InvalidArgumentError(fmt::format("path '{}': the task has two paths", path.task()));
-    }
-    auto runtime = std::make_unique<PathRuntime>();
-    runtime->task = path.task();
-    auto owned = std::const_pointer_cast<PathPlan>(*plan);
-    owned->metrics = runtime.get();
-    paths_.push_back(std::move(runtime));
-    table->plans.emplace(path.task(), std::move(owned));
+  std::vector<std::unique_ptr<PathRuntime>> path_runtimes;
+  auto table = compile_table(pending_paths_, lookup, &path_runtimes);
+  if (!table.ok()) return table.status();
+  {
+    absl::MutexLock lock(&state_mu_);
+    for (auto& p : path_runtimes) paths_.push_back(std::move(p));
   }
+  for (const auto& [task, plan] : (*table)->plans) published_plans_.push_back(plan);
   absl::MutexLock lock(&routing_mu_);
-  routing_ = std::move(table);
+  routing_ = *std::move(table);
   return absl::OkStatus();
 }
 
@@ -164,7 +206,9 @@ absl::Status SessionCore::start() {
     shutdown(absl::ZeroDuration());
     return status;
   }
-  if (auto status = start_workers(); !status.ok()) {
+  std::vector<BlockRuntime*> all;
+  for (auto& runtime : blocks_) all.push_back(runtime.get());
+  if (auto status = start_workers(all); !status.ok()) {
     shutdown(absl::ZeroDuration());
     return status;
   }
@@ -229,21 +273,19 @@ void SessionCore::on_site_completion(SiteRuntime& site, SiteCompletion&& c) {
   forward_outputs(state, static_cast<int>(c.node), *std::move(c.outputs), runtime);
 }
 
-absl::Status SessionCore::start_workers() {
+absl::Status SessionCore::start_workers(const std::vector<BlockRuntime*>& runtimes) {
   std::size_t total = 0;
-  for (const auto& runtime : blocks_) {
+  for (const auto* runtime : runtimes) {
     if (runtime->block) total += static_cast<std::size_t>(runtime->block->options().workers);
   }
   std::vector<absl::Status> warmup(total);
   absl::BlockingCounter ready(static_cast<int>(total));
   std::size_t k = 0;
-  for (auto& runtime : blocks_) {
+  for (auto* runtime : runtimes) {
     if (!runtime->block) continue;
     for (int i = 0; i < runtime->block->options().workers; ++i, ++k) {
       absl::Status* slot = &warmup[k];
-      runtime->workers.emplace_back([this, rt = runtime.get(), i, slot, &ready] {
-        worker_main(*rt, i, slot, ready);
-      });
+      runtime->workers.emplace_back([this, rt = runtime, i, slot, &ready] { worker_main(*rt, i, slot, ready); });
     }
   }
   ready.Wait();
@@ -389,7 +431,8 @@ void SessionCore::handle_displaced(SendOutcome&& outcome, const PlanNode& target
   if (outcome.status.ok()) {
     why = absl::ResourceExhaustedError(fmt::format("block '{}': dropped from its full input queue (policy drop-oldest)", block));
   } else if (absl::IsCancelled(outcome.status)) {
-    why = absl::CancelledError(fmt::format("block '{}': session shut down before the request reached it", block));
+    why = absl::CancelledError(stopped_.load() ? fmt::format("block '{}': session shut down before the request reached it", block)
+                                               : fmt::format("block '{}': removed by an update before the request reached it", block));
   } else {
     why = with_prefix(outcome.status, fmt::format("block '{}': input", block));
   }
@@ -500,7 +543,9 @@ void SessionCore::submit(const std::string& task, Tensors inputs, std::function<
 }
 
 MetricsSnapshot SessionCore::metrics() const {
+  absl::MutexLock lock(&state_mu_);
   MetricsSnapshot snapshot;
+  snapshot.version = version_.load();
   snapshot.uptime_s = started_ns_ == 0 ? 0.0 : static_cast<double>(now_ns() - started_ns_) / 1e9;
   snapshot.in_flight = static_cast<std::uint64_t>(std::max<std::int64_t>(in_flight_.load(), 0));
   const double uptime = std::max(snapshot.uptime_s, 1e-9);
@@ -541,6 +586,146 @@ MetricsSnapshot SessionCore::metrics() const {
     snapshot.paths.push_back(std::move(p));
   }
   return snapshot;
+}
+
+// Closes a block's queue, joins its threads and fails what was still queued, naming `why`.
+void SessionCore::stop_runtime(BlockRuntime& runtime, const std::string& why) {
+  runtime.inbox->close();
+  for (auto& worker : runtime.workers) {
+    if (worker.joinable()) worker.join();
+  }
+  for (auto& envelope : runtime.inbox->drain()) {
+    runtime.failed.fetch_add(1, std::memory_order_relaxed);
+    fail(envelope.local, absl::CancelledError(fmt::format("block '{}': {}", runtime.name(), why)));
+  }
+}
+
+absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl::Duration drain) {
+  absl::MutexLock serial(&shutdown_mu_);
+  if (!admitting_.load() || stopped_.load()) {
+    return absl::FailedPreconditionError("update: the session is not running (start() it first; not after shutdown())");
+  }
+  const std::uint64_t version = version_.load() + 1;
+  auto invalid = [&](const std::string& what) {
+    return absl::InvalidArgumentError(fmt::format("update {} rejected, nothing changed: {}", version, what));
+  };
+  // 1. What stays, what comes, what goes.
+  const std::set<std::string> bare(wanted.bare_names.begin(), wanted.bare_names.end());
+  std::set<std::string> wanted_names;
+  std::vector<BlockDescription> added;
+  std::vector<BlockRuntime*> removed;
+  for (const auto& d : wanted.blocks) {
+    wanted_names.insert(d.name);
+    auto it = block_by_name_.find(d.name);
+    if (it != block_by_name_.end()) {
+      const BlockRuntime& current = *it->second;
+      const bool same = bare.count(d.name) != 0 ||
+                        (current.description.torchscript == d.torchscript && current.description.factory == d.factory &&
+                         block_to_json(current.description) == block_to_json(d));
+      if (same) continue;
+      removed.push_back(it->second);  // replaced
+    }
+    added.push_back(d);
+  }
+  for (const auto& runtime : blocks_) {
+    if (wanted_names.count(runtime->name()) == 0) removed.push_back(runtime.get());
+  }
+  for (const auto* r : removed) {
+    if (r->site != nullptr) {
+      return invalid(fmt::format("block '{}' runs in worker '{}': removing or replacing blocks of worker processes at run "
+                                 "time is not supported yet", r->name(), r->site->site->name()));
+    }
+  }
+  for (const auto& d : added) {
+    if (!d.placement.empty()) {
+      return invalid(fmt::format("block '{}': placing new blocks in worker processes ('{}') at run time is not "
+                                 "supported yet", d.name, d.placement));
+    }
+  }
+  // 2. Build and load the new blocks (nothing is routed to them yet).
+  std::vector<std::unique_ptr<BlockRuntime>> fresh;
+  for (const auto& d : added) {
+    auto block = make_block(d);
+    if (!block.ok()) return invalid(std::string(block.status().message()));
+    if (auto status = check_device(**block); !status.ok()) return invalid(std::string(status.message()));
+    fresh.push_back(make_runtime(*std::move(block)));
+    fresh.back()->description = d;
+  }
+  // 3. The new routing table, against the blocks that stay and the new ones.
+  absl::flat_hash_map<std::string, BlockRuntime*> next_by_name;
+  for (const auto& runtime : blocks_) {
+    if (std::find(removed.begin(), removed.end(), runtime.get()) == removed.end()) next_by_name[runtime->name()] = runtime.get();
+  }
+  for (const auto& runtime : fresh) next_by_name[runtime->name()] = runtime.get();
+  std::vector<std::unique_ptr<PathRuntime>> new_paths;
+  auto table = compile_table(wanted.paths(), [&](const std::string& name) -> BlockRuntime* {
+    auto it = next_by_name.find(name);
+    return it == next_by_name.end() ? nullptr : it->second;
+  }, &new_paths);
+  if (!table.ok()) return invalid(std::string(table.status().message()));
+  // 4. Start and warm the new blocks up.
+  std::vector<BlockRuntime*> starting;
+  for (auto& runtime : fresh) starting.push_back(runtime.get());
+  if (auto status = start_workers(starting); !status.ok()) {
+    for (auto* runtime : starting) stop_runtime(*runtime, "update rejected");
+    return invalid(std::string(status.message()));
+  }
+  // 5. Publish: blocks, then the routing table, at once for every task.
+  {
+    absl::MutexLock lock(&state_mu_);
+    for (auto& runtime : fresh) blocks_.push_back(std::move(runtime));
+    for (auto& p : new_paths) paths_.push_back(std::move(p));
+    block_by_name_ = next_by_name;
+    version_.store(version);
+  }
+  for (const auto& [task, plan] : (*table)->plans) published_plans_.push_back(plan);
+  std::shared_ptr<const RoutingTable> old;
+  {
+    absl::MutexLock lock(&routing_mu_);
+    old = std::exchange(routing_, *std::move(table));
+  }
+  // 6. Drain what is going: wait until no request holds a plan through a removed block, from the
+  // table just replaced or from any earlier one.
+  std::vector<std::shared_ptr<const PathPlan>> through_removed;
+  for (auto it = published_plans_.begin(); it != published_plans_.end();) {
+    auto plan = it->lock();
+    if (!plan) {
+      it = published_plans_.erase(it);
+      continue;
+    }
+    ++it;
+    for (const auto& node : plan->nodes) {
+      if (std::find(removed.begin(), removed.end(), node.block) != removed.end()) {
+        through_removed.push_back(plan);
+        break;
+      }
+    }
+  }
+  // A submit() that read the old table just before the swap still holds it: wait for that too.
+  const std::weak_ptr<const RoutingTable> old_table = old;
+  old.reset();
+  const absl::Time deadline = absl::Now() + drain;
+  auto held = [&] {
+    return !old_table.expired() ||
+           std::any_of(through_removed.begin(), through_removed.end(), [](const auto& p) { return p.use_count() > 1; });
+  };
+  while (held() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  for (auto* runtime : removed) {
+    stop_runtime(*runtime, fmt::format("removed by update {} before the request reached it", version));
+    runtime->block.reset();  // its model's memory goes now; the runtime stays for late plans
+  }
+  {
+    absl::MutexLock lock(&state_mu_);
+    for (auto it = blocks_.begin(); it != blocks_.end();) {
+      if (std::find(removed.begin(), removed.end(), it->get()) != removed.end()) {
+        retired_.push_back(std::move(*it));
+        it = blocks_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  return version;
 }
 
 void SessionCore::shutdown(absl::Duration drain) {
@@ -618,6 +803,10 @@ void Session::submit(const std::string& task, Tensors inputs, std::function<void
 }
 
 MetricsSnapshot Session::metrics() const { return core_->metrics(); }
+
+absl::StatusOr<std::uint64_t> Session::apply(const Deployment& wanted, absl::Duration drain) {
+  return core_->apply(wanted, drain);
+}
 
 void Session::set_sampling(bool enabled, absl::Duration period) { core_->set_sampling(enabled, period); }
 

@@ -31,6 +31,9 @@ class Session;
 struct Deployment {
   std::vector<BlockDescription> blocks;
   std::vector<std::pair<std::string, std::vector<std::string>>> tasks;  ///< task -> chain of blocks, in file order
+  /// Blocks given by a bare name (the reference's form). Session::apply() keeps a running block of
+  /// that name as it is, whatever it is (a C++ callable included).
+  std::vector<std::string> bare_names;
 
   /// @brief Parses and validates `json`. Relative TorchScript paths (and bare block names) are
   /// resolved against `models_dir`. Every error is InvalidArgument and names the field, block or

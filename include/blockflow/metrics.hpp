@@ -47,6 +47,7 @@ struct PathMetrics {
 struct MetricsSnapshot {
   double uptime_s = 0;
   std::uint64_t in_flight = 0;
+  std::uint64_t version = 0;      ///< deployment version: 0 at start(), +1 per successful Session::apply()
   bool sampling = false;          ///< KPI sampling on (Session::set_sampling)
   double sampling_period_s = 0;
   KpiSample host;                 ///< this process's last KPI sample (time_s 0 while sampling is off)

@@ -5,6 +5,7 @@
 #include <blockflow/block.hpp>
 #include <blockflow/block_registry.hpp>
 #include <blockflow/remote_site.hpp>
+#include <blockflow/deployment.hpp>
 #include <blockflow/metrics.hpp>
 #include <blockflow/path.hpp>
 #include <blockflow/result.hpp>
@@ -78,6 +79,24 @@ class Session {
 
   /// @brief A snapshot of the built-in measurements.
   [[nodiscard]] MetricsSnapshot metrics() const;
+
+  /// @brief Moves a running session to the wanted state while traffic flows, and returns the new
+  /// version number (also in metrics().version; start() is version 0).
+  ///
+  /// Blocks in `wanted` that do not run yet are built, loaded and warmed up before any request is
+  /// routed to them; then every task is re-routed at once (new requests take the new paths, a
+  /// request in flight finishes on the path it started with); then blocks no longer wanted are
+  /// drained (up to `drain`: requests still holding them after that fail with an error naming the
+  /// removed block) and stopped. Blocks that stay the same (same file or factory, placement and
+  /// options; or listed by bare name) are left untouched: no reload, no restart. A block whose
+  /// description changed is replaced. Tasks not in `wanted` are removed.
+  ///
+  /// An invalid update (a model that does not load, an unknown block in a task, a cycle, a device
+  /// that is not present) is rejected as a whole with a message naming the problem, and the
+  /// running state stays as it was. Not yet supported: adding or removing blocks of worker
+  /// processes (sites) at run time; an update that would is rejected, naming the block.
+  /// Serialised with other apply() calls and with shutdown().
+  absl::StatusOr<std::uint64_t> apply(const Deployment& wanted, absl::Duration drain = absl::Seconds(30));
 
   /// @brief Switches KPI sampling (process figures from /proc, GPU figures through NVML where
   /// present) on or off, in this process and in every site (worker), at any time, with the given

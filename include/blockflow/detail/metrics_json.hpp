@@ -26,7 +26,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(BlockMetrics, name, kind, device
                                                 throughput_per_s, queue)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(PathMetrics, task, submitted, completed, failed, e2e, wait, compute,
                                                 overhead, throughput_per_s)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(MetricsSnapshot, uptime_s, in_flight, sampling, sampling_period_s,
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(MetricsSnapshot, uptime_s, in_flight, version, sampling, sampling_period_s,
                                                 host, blocks, paths, sites)
 
 }  // namespace blockflow

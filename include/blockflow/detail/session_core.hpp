@@ -70,6 +70,7 @@ class SessionCore {
   void submit(const std::string& task, Tensors inputs, std::function<void(Result&&)> done);
   MetricsSnapshot metrics() const;
   void set_sampling(bool enabled, absl::Duration period);
+  absl::StatusOr<std::uint64_t> apply(const Deployment& wanted, absl::Duration drain);
   void shutdown(absl::Duration drain);
 
  private:
@@ -77,7 +78,12 @@ class SessionCore {
 
   absl::Status build();
   absl::Status add_runtime(std::unique_ptr<BlockRuntime> runtime);
-  absl::Status start_workers();
+  std::unique_ptr<BlockRuntime> make_runtime(std::shared_ptr<Block> block) const;
+  absl::Status start_workers(const std::vector<BlockRuntime*>& runtimes);
+  void stop_runtime(BlockRuntime& runtime, const std::string& why);
+  absl::StatusOr<std::shared_ptr<RoutingTable>> compile_table(
+      const std::vector<Path>& paths, const std::function<BlockRuntime*(const std::string&)>& lookup,
+      std::vector<std::unique_ptr<PathRuntime>>* new_path_runtimes);
   void worker_main(BlockRuntime& runtime, int index, absl::Status* warmup_status, absl::BlockingCounter& ready);
   void process(BlockRuntime& runtime, Envelope&& envelope);
   void forward_to_site(BlockRuntime& runtime);
@@ -99,9 +105,17 @@ class SessionCore {
   std::vector<std::unique_ptr<SiteRuntime>> sites_;
   std::vector<Path> pending_paths_;
 
+  // Changed by start() and apply() (under shutdown_mu_ and state_mu_); read by metrics() under state_mu_.
+  mutable absl::Mutex state_mu_;
   std::vector<std::unique_ptr<BlockRuntime>> blocks_;
   absl::flat_hash_map<std::string, BlockRuntime*> block_by_name_;
   std::vector<std::unique_ptr<PathRuntime>> paths_;
+  // Blocks removed by apply(): stopped, their Block released, kept so that plans still held by
+  // late requests never point at freed memory.
+  std::vector<std::unique_ptr<BlockRuntime>> retired_;
+  std::atomic<std::uint64_t> version_{0};
+  // Every plan published and maybe still held by a request (apply() drains removed blocks by them).
+  std::vector<std::weak_ptr<const PathPlan>> published_plans_;
 
   mutable absl::Mutex routing_mu_;
   std::shared_ptr<const RoutingTable> routing_ ABSL_GUARDED_BY(routing_mu_);
