@@ -1,7 +1,7 @@
 // A small BlockFlow server for remote clients in any language (see examples/python_client.py and
 // docs/wire-format.md).
 //
-//   serve [--endpoint EP] [--metrics HOST:PORT] [--sampling MS] [--no-stdin]
+//   serve [--endpoint EP] [--metrics HOST:PORT] [--sampling MS] [--control EP] [--no-stdin]
 //
 // EP defaults to tcp://127.0.0.1:5555; "tcp://127.0.0.1:*" picks a free port. The server prints
 // exactly one line to stdout, `serving on <endpoint>` (the port resolved), then serves until
@@ -10,7 +10,8 @@
 // `serve &` in a non-interactive shell). Everything else it says goes to stderr.
 //
 // --metrics serves the session's metrics over HTTP (GET /metrics: Prometheus text, /metrics.json),
-// on loopback unless HOST says otherwise; --sampling MS switches KPI sampling on at that period.
+// on loopback unless HOST says otherwise; --sampling MS switches KPI sampling on at that period;
+// --control EP serves the control endpoint that blockflowctl talks to (apply, status, metrics).
 //
 // Tasks, each one C++ callable block:
 //   affine  x -> 3*x + 1 (one floating-point tensor)
@@ -21,6 +22,7 @@
 //   python3 examples/python_client.py tcp://127.0.0.1:5555
 
 #include <blockflow/blockflow.hpp>
+#include <blockflow/control_endpoint.hpp>
 #include <blockflow/metrics_http.hpp>
 #include <blockflow/client_endpoint.hpp>
 
@@ -107,7 +109,7 @@ std::string wait_for_stop(int signal_fd, bool watch_stdin) {
 int main(int argc, char** argv) {
   std::string endpoint = "tcp://127.0.0.1:5555";
   bool watch_stdin = true;
-  std::string metrics_address;
+  std::string metrics_address, control_address;
   int sampling_ms = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -115,12 +117,14 @@ int main(int argc, char** argv) {
       endpoint = argv[++i];
     } else if (arg == "--metrics" && i + 1 < argc) {
       metrics_address = argv[++i];
+    } else if (arg == "--control" && i + 1 < argc) {
+      control_address = argv[++i];
     } else if (arg == "--sampling" && i + 1 < argc) {
       sampling_ms = std::atoi(argv[++i]);
     } else if (arg == "--no-stdin") {
       watch_stdin = false;
     } else {
-      std::cerr << "usage: serve [--endpoint tcp://127.0.0.1:5555] [--metrics 127.0.0.1:9464] [--sampling MS] [--no-stdin]\n";
+      std::cerr << "usage: serve [--endpoint tcp://127.0.0.1:5555] [--metrics 127.0.0.1:9464] [--sampling MS] [--control tcp://127.0.0.1:5560] [--no-stdin]\n";
       return arg == "--help" || arg == "-h" ? 0 : 2;
     }
   }
@@ -151,8 +155,13 @@ int main(int argc, char** argv) {
   if (sampling_ms > 0) session.set_sampling(true, absl::Milliseconds(sampling_ms));
   std::optional<bf::ClientEndpoint> server;
   std::optional<bf::MetricsHttpServer> metrics;
+  std::optional<bf::ControlEndpoint> control;
   try {
     server.emplace(session, endpoint);
+    if (!control_address.empty()) {
+      control.emplace(session, control_address);
+      std::cerr << "serve: control endpoint on " << control->endpoint() << "\n";
+    }
     if (!metrics_address.empty()) {
       metrics.emplace(session, metrics_address);
       std::cerr << "serve: metrics on http://" << metrics_address.substr(0, metrics_address.rfind(':')) << ":"
@@ -170,6 +179,7 @@ int main(int argc, char** argv) {
   // flight (replies to those are dropped: the endpoint no longer sends).
   server->stop();
   metrics.reset();
+  control.reset();
   session.shutdown();
   std::cerr << fmt::format("serve: stopped ({}); {} replies sent, {} malformed frames\n", reason, server->served(),
                            server->malformed_frames());

@@ -572,9 +572,11 @@ MetricsSnapshot SessionCore::metrics() const {
   snapshot.sampling = sampler_.enabled();
   snapshot.sampling_period_s = absl::ToDoubleSeconds(sampler_.period());
   if (snapshot.sampling) snapshot.host = sampler_.latest();
+  const auto table = routing();
   for (const auto& runtime : paths_) {
     PathMetrics p;
     p.task = runtime->task;
+    p.active = table && table->plans.contains(runtime->task);
     p.submitted = runtime->submitted.load();
     p.completed = runtime->completed.load();
     p.failed = runtime->failed.load();

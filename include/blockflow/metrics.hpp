@@ -37,6 +37,7 @@ struct BlockMetrics {
 /// @brief Per-path (task) aggregates since the session started.
 struct PathMetrics {
   std::string task;
+  bool active = true;  ///< false once an update removed the task (its counters stay)
   std::uint64_t submitted = 0, completed = 0, failed = 0;
   LatencyStats e2e, wait, compute, overhead;  ///< per request, summed over its critical path
   double throughput_per_s = 0;                 ///< completed / uptime

@@ -24,7 +24,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteStats, name, kind, pid, rest
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(BlockMetrics, name, kind, device, placement, workers,
                                                 intra_op_threads, processed, failed, wait, compute, overhead,
                                                 throughput_per_s, queue)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(PathMetrics, task, submitted, completed, failed, e2e, wait, compute,
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(PathMetrics, task, active, submitted, completed, failed, e2e, wait, compute,
                                                 overhead, throughput_per_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(MetricsSnapshot, uptime_s, in_flight, version, sampling, sampling_period_s,
                                                 host, blocks, paths, sites)

@@ -1,0 +1,39 @@
+#pragma once
+/// @file
+/// @brief The control endpoint: how an external optimiser (or `blockflowctl`) drives a running
+/// session. ZeroMQ REQ/REP, one JSON object per message. Part of the optional `blockflow::zmq` target.
+///
+/// Requests and replies (every reply has "ok"; a failed one has "error", naming the problem):
+/// - `{"cmd": "apply", "deployment": {...}}` -> `{"ok": true, "version": N}`: Session::apply() of a
+///   deployment (deployment.hpp; relative model paths against the endpoint's models directory).
+/// - `{"cmd": "status"}` -> `{"ok": true, "version", "uptime_s", "in_flight", "tasks": [...],
+///   "blocks": [{"name", "placement", "processed", "failed"}], "workers": [{"name", "pid", "restarts"}]}`
+/// - `{"cmd": "metrics"}` -> `{"ok": true, "metrics": {...snapshot...}, "prometheus": "..."}`
+/// - `{"cmd": "sampling", "enabled": true, "period_ms": 100}` -> `{"ok": true}`
+
+#include <blockflow/session.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace blockflow {
+
+class ControlEndpoint {
+ public:
+  /// @brief Binds `endpoint` (say "tcp://127.0.0.1:5560"; name another interface only on purpose) and
+  /// serves on its own thread. Throws std::runtime_error naming the endpoint when it cannot bind.
+  ControlEndpoint(Session& session, const std::string& endpoint, std::string models_dir = ".");
+  ~ControlEndpoint();
+  ControlEndpoint(const ControlEndpoint&) = delete;
+  ControlEndpoint& operator=(const ControlEndpoint&) = delete;
+
+  [[nodiscard]] const std::string& endpoint() const;
+  [[nodiscard]] std::uint64_t requests_served() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace blockflow

@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""ctest blockflowctl: the control endpoint of a running session (the serve example) driven from the
+shell: status, metrics (JSON and Prometheus), sampling, a live update, a refused update.
+
+usage: blockflowctl_test.py BLOCKFLOWCTL SERVE
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ctl(tool, endpoint, *args, expect=0):
+    out = subprocess.run([tool, "--endpoint", endpoint, *args], capture_output=True, text=True, timeout=60)
+    print(f"+ blockflowctl {' '.join(args)} -> {out.returncode}")
+    print(out.stdout[:1500] + out.stderr[:1500])
+    check(out.returncode == expect, f"'{' '.join(args)}' exits {expect}")
+    return out
+
+
+def check(ok, what):
+    print(f"  check {what}: {'ok' if ok else 'FAILED'}")
+    if not ok:
+        sys.exit(f"FAIL: {what}")
+
+
+def main():
+    tool, serve = sys.argv[1:3]
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    srv = subprocess.Popen([serve, "--endpoint", "tcp://127.0.0.1:*", "--control", endpoint],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        srv.stdout.readline()  # "serving on ..."
+        status = json.loads(ctl(tool, endpoint, "status").stdout)
+        check(status["ok"] and status["version"] == 0, "status: version 0")
+        check(sorted(status["tasks"]) == ["affine", "fails", "sum2"], "status: the three tasks")
+
+        both = ctl(tool, endpoint, "metrics").stdout
+        check('"uptime_s"' in both and "# TYPE blockflow_uptime_seconds gauge" in both, "metrics: JSON and Prometheus")
+        ctl(tool, endpoint, "sampling", "on", "--period", "50")
+        metrics = json.loads(ctl(tool, endpoint, "metrics", "--json").stdout)
+        check(metrics["sampling"] is True and metrics["sampling_period_s"] == 0.05, "sampling switched on")
+        check("blockflow_sampling_enabled 1" in ctl(tool, endpoint, "metrics", "--prometheus").stdout,
+              "the Prometheus text says so")
+
+        with tempfile.TemporaryDirectory() as tmp:
+            keep = os.path.join(tmp, "keep-affine.json")
+            with open(keep, "w") as f:
+                json.dump({"blocks": ["affine"], "tasks": {"affine": ["affine"]}}, f)
+            check("applied: version 1" in ctl(tool, endpoint, "apply", keep).stdout, "apply: version 1")
+            status = json.loads(ctl(tool, endpoint, "status").stdout)
+            check(status["tasks"] == ["affine"] and status["version"] == 1, "status after the update")
+
+            bad = os.path.join(tmp, "bad.json")
+            with open(bad, "w") as f:
+                json.dump({"blocks": ["affine"], "tasks": {"affine": ["affine", "nope"]}}, f)
+            out = ctl(tool, endpoint, "apply", bad, expect=1)
+            check("task 'affine': unknown block 'nope'" in out.stderr, "a refused update says why")
+            with open(bad, "w") as f:
+                f.write("{not json")
+            ctl(tool, endpoint, "apply", bad, expect=1)
+            check(json.loads(ctl(tool, endpoint, "status").stdout)["version"] == 1, "nothing changed")
+        ctl(tool, endpoint, "frobnicate", expect=2)
+    finally:
+        srv.stdin.close()
+        srv.wait(timeout=20)
+    print("blockflowctl test: PASS")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+// blockflowctl: drives a running session through its control endpoint (ControlEndpoint).
+//
+//   blockflowctl [--endpoint EP] apply DEPLOYMENT.json    re-deploy under traffic; prints the new version
+//   blockflowctl [--endpoint EP] status                   version, tasks, blocks, workers (JSON)
+//   blockflowctl [--endpoint EP] metrics [--json|--prometheus]   both by default
+//   blockflowctl [--endpoint EP] sampling on|off [--period MS]
+//
+// EP defaults to $BLOCKFLOW_CONTROL, else tcp://127.0.0.1:5560. Exit status: 0 when the session
+// says ok, 1 when it refuses (its error is printed), 2 for usage errors or no answer.
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <zmq.hpp>
+
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <vector>
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: blockflowctl [--endpoint EP] (apply FILE | status | metrics [--json|--prometheus] | sampling on|off [--period MS])";
+
+int usage(const std::string& why) {
+  std::cerr << "blockflowctl: " << why << "\n" << kUsage << "\n";
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  const char* env = std::getenv("BLOCKFLOW_CONTROL");
+  std::string endpoint = env != nullptr && *env != '\0' ? env : "tcp://127.0.0.1:5560";
+  if (args.size() >= 2 && args[0] == "--endpoint") {
+    endpoint = args[1];
+    args.erase(args.begin(), args.begin() + 2);
+  }
+  if (args.empty()) return usage("no command");
+  const std::string cmd = args[0];
+  nlohmann::json request = {{"cmd", cmd}};
+  std::string format = "both";
+  int timeout_ms = 10000;
+  if (cmd == "apply") {
+    if (args.size() != 2) return usage("apply takes one file");
+    std::ifstream in(args[1]);
+    if (!in) return usage(fmt::format("cannot read '{}'", args[1]));
+    std::stringstream text;
+    text << in.rdbuf();
+    request["deployment"] = nlohmann::json::parse(text.str(), nullptr, false);
+    if (request["deployment"].is_discarded()) {
+      std::cerr << fmt::format("blockflowctl: '{}' is not valid JSON\n", args[1]);
+      return 1;
+    }
+    timeout_ms = 300000;  // loading and warming up models takes a while
+  } else if (cmd == "status") {
+    if (args.size() != 1) return usage("status takes no argument");
+  } else if (cmd == "metrics") {
+    if (args.size() == 2 && (args[1] == "--json" || args[1] == "--prometheus")) format = args[1].substr(2);
+    else if (args.size() != 1) return usage("metrics takes --json or --prometheus");
+  } else if (cmd == "sampling") {
+    if (args.size() < 2 || (args[1] != "on" && args[1] != "off")) return usage("sampling on|off");
+    request["enabled"] = args[1] == "on";
+    if (args.size() == 4 && args[2] == "--period") request["period_ms"] = std::stoi(args[3]);
+    else if (args.size() != 2) return usage("sampling on|off [--period MS]");
+  } else {
+    return usage(fmt::format("unknown command '{}'", cmd));
+  }
+
+  zmq::context_t context(1);
+  zmq::socket_t socket(context, zmq::socket_type::req);
+  socket.set(zmq::sockopt::linger, 0);
+  socket.set(zmq::sockopt::rcvtimeo, timeout_ms);
+  socket.set(zmq::sockopt::sndtimeo, 5000);
+  socket.connect(endpoint);
+  if (!socket.send(zmq::buffer(request.dump()), zmq::send_flags::none)) {
+    std::cerr << fmt::format("blockflowctl: cannot send to {}\n", endpoint);
+    return 2;
+  }
+  zmq::message_t message;
+  if (!socket.recv(message)) {
+    std::cerr << fmt::format("blockflowctl: no answer from {} within {} s (is a session serving its control endpoint there?)\n",
+                             endpoint, timeout_ms / 1000);
+    return 2;
+  }
+  const auto reply = nlohmann::json::parse(message.to_string(), nullptr, false);
+  if (reply.is_discarded() || !reply.is_object()) {
+    std::cerr << "blockflowctl: the answer is not JSON\n";
+    return 2;
+  }
+  if (!reply.value("ok", false)) {
+    std::cerr << "blockflowctl: " << reply.value("error", std::string("refused")) << "\n";
+    return 1;
+  }
+  if (cmd == "apply") std::cout << fmt::format("applied: version {}\n", reply.value("version", 0));
+  else if (cmd == "status") std::cout << reply.dump(2) << "\n";
+  else if (cmd == "metrics") {
+    if (format != "prometheus") std::cout << reply["metrics"].dump(2) << "\n";
+    if (format != "json") std::cout << reply.value("prometheus", std::string());
+  } else {
+    std::cout << "ok\n";
+  }
+  return 0;
+} catch (const std::exception& e) {
+  std::cerr << "blockflowctl: " << e.what() << "\n";
+  return 2;
+}
