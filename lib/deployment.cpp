@@ -38,7 +38,9 @@ nlohmann::json block_to_json(const BlockDescription& d) {
           {"queue_capacity", o.queue_capacity},
           {"full_policy", std::string(to_string(o.full_policy))},
           {"input_shapes", o.input_shapes},
-          {"warmup_runs", o.warmup_runs}};
+          {"warmup_runs", o.warmup_runs},
+          {"max_batch", o.max_batch},
+          {"max_batch_delay_ms", o.max_batch_delay_ms}};
 }
 
 absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, const std::string& models_dir) {
@@ -58,7 +60,8 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
   d.name = json["name"].get<std::string>();
   static const std::set<std::string> known = {"name",         "torchscript", "factory",        "placement",
                                               "device",       "intra_op_threads", "workers",   "queue_capacity",
-                                              "full_policy",  "input_shapes", "warmup_runs"};
+                                              "full_policy",  "input_shapes", "warmup_runs", "max_batch",
+                                              "max_batch_delay_ms"};
   for (const auto& [key, value] : json.items()) {
     if (known.count(key) == 0) return absl::InvalidArgumentError(fmt::format("block '{}': unknown field '{}'", d.name, key));
   }
@@ -76,6 +79,8 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
     get("queue_capacity", o.queue_capacity);
     get("input_shapes", o.input_shapes);
     get("warmup_runs", o.warmup_runs);
+    get("max_batch", o.max_batch);
+    get("max_batch_delay_ms", o.max_batch_delay_ms);
     if (json.contains("full_policy")) {
       auto policy = policy_from(json.at("full_policy").get<std::string>());
       if (!policy.ok()) return absl::InvalidArgumentError(fmt::format("block '{}': {}", d.name, std::string(policy.status().message())));
@@ -90,6 +95,10 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
   }
   if (o.workers < 1) return absl::InvalidArgumentError(fmt::format("block '{}': workers must be >= 1", d.name));
   if (o.intra_op_threads < 0) return absl::InvalidArgumentError(fmt::format("block '{}': intra_op_threads must be >= 0", d.name));
+  if (o.max_batch < 1) return absl::InvalidArgumentError(fmt::format("block '{}': max_batch must be >= 1", d.name));
+  if (o.max_batch_delay_ms < 0) {
+    return absl::InvalidArgumentError(fmt::format("block '{}': max_batch_delay_ms must be >= 0", d.name));
+  }
   if (o.queue_capacity < 1) return absl::InvalidArgumentError(fmt::format("block '{}': queue_capacity must be >= 1", d.name));
   d.torchscript = resolve(d.torchscript, models_dir);
   return d;

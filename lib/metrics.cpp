@@ -150,6 +150,10 @@ std::string MetricsSnapshot::to_prometheus() const {
     const Exposition::Labels l = {{"block", b.name}, {"placement", b.placement}, {"device", b.device}};
     e.add("blockflow_block_processed_total", "counter", "Requests a block computed.", l, static_cast<double>(b.processed));
     e.add("blockflow_block_failed_total", "counter", "Requests that failed at a block.", l, static_cast<double>(b.failed));
+    e.add("blockflow_block_batches_total", "counter", "forward() calls that ran several requests at once (batching).", l,
+          static_cast<double>(b.batches));
+    e.add("blockflow_block_batched_requests_total", "counter", "Requests that ran in a batch of several.", l,
+          static_cast<double>(b.batched_requests));
     e.summary("blockflow_block_wait_seconds", "Time requests waited in a block's queue.", l, b.wait);
     e.summary("blockflow_block_compute_seconds", "Time of a block's forward().", l, b.compute);
     e.summary("blockflow_block_overhead_seconds", "Hand-off, dispatch and routing time attributed to a block.", l, b.overhead);

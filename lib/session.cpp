@@ -7,6 +7,7 @@
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/zeros.h>
 #include <absl/synchronization/blocking_counter.h>
 #include <c10/core/InferenceMode.h>
@@ -15,6 +16,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <numeric>
 #include <set>
 #include <future>
 
@@ -319,6 +321,33 @@ void SessionCore::worker_main(BlockRuntime& runtime, int index, absl::Status* wa
   }
   ready.DecrementCount();
   while (auto envelope = runtime.inbox->receive(absl::InfiniteFuture())) {
+    if (options.max_batch > 1) {
+      // Take what else waits, up to max_batch or until max_batch_delay_ms after the first arrived.
+      std::vector<Envelope> batch;
+      const absl::Time until = absl::FromUnixNanos(absl::GetCurrentTimeNanos() +
+                                                   std::max<std::int64_t>(0, envelope->sent_ns + static_cast<std::int64_t>(
+                                                       options.max_batch_delay_ms * 1e6) - now_ns()));
+      batch.push_back(std::move(*envelope));
+      while (static_cast<int>(batch.size()) < options.max_batch) {
+        auto more = runtime.inbox->receive(until);
+        if (!more) break;
+        batch.push_back(std::move(*more));
+      }
+      if (batch.size() > 1) {
+        std::vector<StatePtr> states;
+        for (const auto& e : batch) states.push_back(e.local);
+        try {
+          process_batch(runtime, std::move(batch));
+        } catch (const std::exception& e) {
+          for (auto& state : states) {
+            runtime.failed.fetch_add(1, std::memory_order_relaxed);
+            fail(state, absl::InternalError(fmt::format("block '{}': {}", block.name(), e.what())));
+          }
+        }
+        continue;
+      }
+      envelope = std::move(batch.front());
+    }
     StatePtr state = envelope->local;
     try {
       process(runtime, std::move(*envelope));
@@ -326,6 +355,87 @@ void SessionCore::worker_main(BlockRuntime& runtime, int index, absl::Status* wa
       // Nothing may escape a worker thread: the request fails, the worker keeps serving.
       runtime.failed.fetch_add(1, std::memory_order_relaxed);
       fail(state, absl::InternalError(fmt::format("block '{}': {}", block.name(), e.what())));
+    }
+  }
+}
+
+// Runs compatible requests of a batch in one forward(): inputs stacked along dimension 0, outputs
+// split back by each request's rows. Requests that fit with no other run alone.
+void SessionCore::process_batch(BlockRuntime& runtime, std::vector<Envelope>&& batch) {
+  Block& block = *runtime.block;
+  // Requests agree when their inputs have the same count, dtypes, devices and sizes past dim 0.
+  auto key = [](const Tensors& inputs) {
+    std::string k = std::to_string(inputs.size());
+    for (const auto& t : inputs) {
+      if (!t.defined() || t.dim() == 0) return std::string();  // nothing to stack along
+      k += fmt::format("|{}|{}", c10::toString(t.scalar_type()), t.device().str());
+      for (std::int64_t d = 1; d < t.dim(); ++d) k += fmt::format(",{}", t.size(d));
+    }
+    return k;
+  };
+  std::vector<std::pair<std::string, std::vector<Envelope>>> groups;
+  for (auto& envelope : batch) {
+    const bool live = !envelope.local->resolved.load(std::memory_order_acquire) &&
+                      check_inputs(block, envelope.tensors).ok();
+    const std::string k = live ? key(envelope.tensors) : std::string();
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return !k.empty() && g.first == k; });
+    if (it == groups.end()) {
+      groups.emplace_back(k, std::vector<Envelope>{});
+      it = std::prev(groups.end());
+    }
+    it->second.push_back(std::move(envelope));
+  }
+  for (auto& [k, group] : groups) {
+    if (group.size() == 1 || k.empty()) {
+      for (auto& envelope : group) process(runtime, std::move(envelope));
+      continue;
+    }
+    const std::int64_t dequeued = now_ns();
+    const std::size_t inputs_per_request = group.front().tensors.size();
+    std::vector<std::int64_t> rows;
+    Tensors stacked;
+    for (std::size_t i = 0; i < inputs_per_request; ++i) {
+      std::vector<at::Tensor> parts;
+      for (const auto& envelope : group) parts.push_back(envelope.tensors[i]);
+      stacked.push_back(at::cat(parts, 0).to(block.device()));
+    }
+    for (const auto& envelope : group) rows.push_back(envelope.tensors.front().size(0));
+    const std::int64_t total = std::accumulate(rows.begin(), rows.end(), std::int64_t{0});
+    const std::int64_t start = now_ns();
+    absl::StatusOr<Tensors> outputs = guarded_forward(block, std::move(stacked));
+    const std::int64_t end = now_ns();
+    if (outputs.ok()) {
+      for (const auto& t : *outputs) {
+        if (!t.defined() || t.dim() == 0 || t.size(0) != total) {
+          outputs = absl::InternalError(fmt::format(
+              "block '{}': a batched output has {} rows for {} input rows; this block cannot batch (set max_batch 1)",
+              block.name(), t.defined() && t.dim() > 0 ? t.size(0) : 0, total));
+          break;
+        }
+      }
+    }
+    runtime.batches.fetch_add(1, std::memory_order_relaxed);
+    runtime.batched_requests.fetch_add(group.size(), std::memory_order_relaxed);
+    std::int64_t offset = 0;
+    for (std::size_t r = 0; r < group.size(); ++r) {
+      Envelope& envelope = group[r];
+      StatePtr state = std::move(envelope.local);
+      const int node = static_cast<int>(envelope.node);
+      HopTiming& hop = state->hops[static_cast<std::size_t>(node)];
+      hop.arrived_ns = envelope.sent_ns;
+      hop.dequeued_ns = std::max(dequeued, envelope.sent_ns);  // waiting for the batch is waiting
+      hop.compute_start_ns = start;
+      hop.compute_end_ns = end;
+      if (!outputs.ok()) {
+        runtime.failed.fetch_add(1, std::memory_order_relaxed);
+        fail(state, outputs.status());
+        continue;
+      }
+      Tensors mine;
+      for (const auto& t : *outputs) mine.push_back(t.narrow(0, offset, rows[r]));
+      offset += rows[r];
+      runtime.processed.fetch_add(1, std::memory_order_relaxed);
+      forward_outputs(state, node, std::move(mine), &runtime);
     }
   }
 }
@@ -561,6 +671,8 @@ MetricsSnapshot SessionCore::metrics() const {
     b.intra_op_threads = options.intra_op_threads;
     b.processed = runtime->processed.load();
     b.failed = runtime->failed.load();
+    b.batches = runtime->batches.load();
+    b.batched_requests = runtime->batched_requests.load();
     b.wait = runtime->wait.stats();
     b.compute = runtime->compute.stats();
     b.overhead = runtime->overhead.stats();

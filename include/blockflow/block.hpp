@@ -34,6 +34,15 @@ struct BlockOptions {
   std::vector<std::vector<std::int64_t>> input_shapes;
   /// Warm-up forward passes per worker thread (only with input_shapes).
   int warmup_runs = 3;
+  /// Dynamic batching: with max_batch > 1, a worker that takes a request also takes what else is
+  /// waiting in the queue, from any task, up to max_batch requests or until max_batch_delay_ms has
+  /// passed since the first of them entered the queue. Requests whose inputs agree in count, dtype,
+  /// device and every dimension but the first are stacked along dimension 0 and run in one
+  /// forward(); each output is split back by the requests' row counts (the block must keep rows
+  /// apart: output rows = input rows). Others run alone. Time spent waiting for the batch counts as
+  /// the request's wait.
+  int max_batch = 1;
+  double max_batch_delay_ms = 2.0;
 };
 
 /// @brief A unit of compute with a name and a device.

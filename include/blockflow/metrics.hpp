@@ -29,6 +29,8 @@ struct BlockMetrics {
   int intra_op_threads = 0;  ///< 0: libtorch's default
   std::uint64_t processed = 0;  ///< forward() calls that returned outputs
   std::uint64_t failed = 0;     ///< requests that failed at this block
+  std::uint64_t batches = 0;          ///< forward() calls that ran more than one request (batching)
+  std::uint64_t batched_requests = 0; ///< requests that ran in those calls
   LatencyStats wait, compute, overhead;
   double throughput_per_s = 0;  ///< processed / uptime
   ChannelStats queue;           ///< the block's input queue (depth = current depth)

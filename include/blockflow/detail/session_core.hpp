@@ -37,6 +37,7 @@ struct BlockRuntime {
   Histogram wait, compute, overhead;
   std::atomic<std::uint64_t> processed{0};
   std::atomic<std::uint64_t> failed{0};
+  std::atomic<std::uint64_t> batches{0}, batched_requests{0};
 
   [[nodiscard]] const std::string& name() const { return description.name; }
 };
@@ -86,6 +87,7 @@ class SessionCore {
       std::vector<std::unique_ptr<PathRuntime>>* new_path_runtimes);
   void worker_main(BlockRuntime& runtime, int index, absl::Status* warmup_status, absl::BlockingCounter& ready);
   void process(BlockRuntime& runtime, Envelope&& envelope);
+  void process_batch(BlockRuntime& runtime, std::vector<Envelope>&& batch);
   void forward_to_site(BlockRuntime& runtime);
   void on_site_completion(SiteRuntime& site, SiteCompletion&& completion);
   absl::Status start_sites();
