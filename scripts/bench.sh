@@ -5,7 +5,10 @@
 #   the time of one memcpy of the same bytes; pipeline: the 4-block split ResNet50 against the
 #   monolithic model, in threads (inproc) and in 4 worker processes (shm, then zmq-ipc); worker_memory: a
 #   worker's resident memory before and after loading the four blocks; sampler_cost: the 4-worker
-#   pipeline's e2e p50 with KPI sampling on (10 Hz, every process) over off, interleaved.
+#   pipeline's e2e p50 with KPI sampling on (10 Hz, every process) over off, interleaved; update:
+#   apply() under Poisson traffic (re-route, add, remove a block), its duration and lost requests;
+#   batching: saturation throughput of the split ResNet50 with batching off and on (B = 2, 4, 8),
+#   through blockflow-loadgen rate sweeps (BENCH_RATES=10,14,... to change the sweep).
 # Environment: BENCH_REQUESTS (pipeline requests, default 300), BENCH_THREADS (intra-op threads per
 # block and for the monolithic model, default 2), BENCH_HOP_ITERATIONS (default 20000).
 # --plot (anywhere among the names): also writes a report into bench-report/ at the repository root
@@ -21,7 +24,7 @@ for arg in "$@"; do
 done
 set -- ${names[@]+"${names[@]}"}
 if [ $# -eq 0 ]; then
-  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline worker_memory sampler_cost)" >&2
+  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline worker_memory sampler_cost update batching)" >&2
   exit 2
 fi
 if [ "$plot" = 1 ]; then
@@ -75,8 +78,15 @@ for name in "$@"; do
         capture_metrics "$BUILD_DIR/bench/pipeline_bench" --models "$BUILD_DIR/models" --mode "$mode" --channel "$channel" \
           --requests "${BENCH_REQUESTS:-300}" --threads "${BENCH_THREADS:-2}"
       done ;;
+    update)
+      "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
+      "$BUILD_DIR/bench/update_bench" --models "$BUILD_DIR/models" --threads "${BENCH_THREADS:-2}" ;;
+    batching)
+      "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
+      "$PYTHON" "$ROOT/scripts/batching_bench.py" "$BUILD_DIR/tools/blockflow-loadgen" "$BUILD_DIR/models" \
+        --threads "${BENCH_THREADS:-2}" ${BENCH_RATES:+--rates "$BENCH_RATES"} ;;
     *)
-      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline worker_memory sampler_cost)" >&2
+      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline worker_memory sampler_cost update batching)" >&2
       exit 2 ;;
   esac
 done

@@ -1,0 +1,134 @@
+// update: live updates under Poisson traffic on the split ResNet50 (threads, 2 intra-op threads per
+// block). Two kinds of update, each applied several times while requests flow:
+//   reroute  task_a alternates between ...block4 and ...head_b (no block added or removed)
+//   add      a block (the monolithic model, loaded and warmed from its file) joins, then leaves
+// Prints one line per kind:
+//   {"bench":"update","kind":"reroute","blocks_changed":0,"tasks_rerouted":1,"updates":N,
+//    "apply_ms_p50":..,"apply_ms_max":..,"lost":0,"failed":0,"requests":..}
+// apply_ms is the time apply() takes to return: from then on every new request takes the new route.
+// For "add" it includes loading and warming the new block, and removing it includes its drain.
+// lost = requests that never resolved; failed = requests that resolved with an error.
+//
+//   update_bench --models DIR [--rate R] [--updates N] [--threads T]
+
+#include "bench_util.hpp"
+
+#include <blockflow/blockflow.hpp>
+#include <blockflow/deployment.hpp>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <atomic>
+#include <chrono>
+#include <iostream>
+#include <random>
+#include <thread>
+
+namespace bf = blockflow;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+std::string block(const std::string& models, const std::string& name, const std::string& shape, int threads) {
+  return fmt::format(R"({{"name": "{}", "torchscript": "{}/{}.pt", "intra_op_threads": {}, "input_shapes": [{}], "warmup_runs": 1}})",
+                     name, models, name, threads, shape);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  std::string models;
+  double rate = 6;
+  int updates = 10, threads = 2;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i], v = argv[i + 1];
+    if (a == "--models") models = v;
+    else if (a == "--rate") rate = std::stod(v);
+    else if (a == "--updates") updates = std::stoi(v);
+    else if (a == "--threads") threads = std::stoi(v);
+    else throw std::invalid_argument("unknown argument " + a);
+  }
+  if (models.empty()) throw std::invalid_argument("usage: update_bench --models DIR [--rate R] [--updates N] [--threads T]");
+  const std::string blocks = fmt::format("{}, {}, {}, {}, {}", block(models, "block1", "[-1, 3, 224, 224]", threads),
+                                         block(models, "block2", "[-1, 256, 56, 56]", threads),
+                                         block(models, "block3", "[-1, 512, 28, 28]", threads),
+                                         block(models, "block4", "[-1, 1024, 14, 14]", threads),
+                                         block(models, "head_b", "[-1, 1024, 14, 14]", threads));
+  auto deployment = [&](const std::string& head, bool with_monolithic) {
+    const std::string extra = with_monolithic ? ", " + block(models, "monolithic", "[-1, 3, 224, 224]", threads) : "";
+    const std::string mono_task = with_monolithic ? R"(, "whole": ["monolithic"])" : "";
+    auto d = bf::Deployment::parse(fmt::format(R"({{"blocks": [{}{}], "tasks": {{"task_a": ["block1", "block2", "block3", "{}"]{}}}}})",
+                                               blocks, extra, head, mono_task));
+    if (!d.ok()) throw std::runtime_error(d.status().ToString());
+    return *d;
+  };
+
+  bf::Session session;
+  const bf::Deployment first = deployment("block4", false);
+  for (const auto& b : first.blocks) session.add_block(b);
+  for (auto& p : first.paths()) session.add_path(std::move(p));
+  if (auto status = session.start(); !status.ok()) throw std::runtime_error(status.ToString());
+
+  // Poisson traffic on task_a for the whole run.
+  std::atomic<bool> run{true};
+  std::atomic<long> sent{0}, resolved{0}, failed{0};
+  const bf::Tensor x = at::randn({1, 3, 224, 224});
+  std::thread traffic([&] {
+    std::mt19937_64 random(1);
+    std::exponential_distribution<double> gap(rate);
+    auto next = Clock::now();
+    while (run) {
+      std::this_thread::sleep_until(next);
+      ++sent;
+      session.submit("task_a", {x}, [&](bf::Result&& r) {
+        if (!r.ok()) ++failed;
+        ++resolved;
+      });
+      next += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap(random)));
+    }
+  });
+  auto timed_apply = [&](const bf::Deployment& d) {
+    const auto t0 = Clock::now();
+    auto v = session.apply(d);
+    if (!v.ok()) throw std::runtime_error(v.status().ToString());
+    return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  };
+  auto report = [&](const char* kind, int blocks_changed, int rerouted, const std::vector<double>& ms) {
+    // Let what is in flight finish before counting.
+    const auto until = Clock::now() + std::chrono::seconds(30);
+    while (resolved.load() < sent.load() && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    fmt::print("{{\"bench\":\"update\",\"kind\":\"{}\",\"blocks_changed\":{},\"tasks_rerouted\":{},\"updates\":{},"
+               "\"apply_ms_p50\":{:.3f},\"apply_ms_max\":{:.3f},\"lost\":{},\"failed\":{},\"requests\":{},"
+               "\"rate_per_s\":{},\"threads_per_block\":{}}}\n",
+               kind, blocks_changed, rerouted, ms.size(), bf::bench::percentile(ms, 0.5),
+               *std::max_element(ms.begin(), ms.end()), sent.load() - resolved.load(), failed.load(), sent.load(), rate,
+               threads);
+    std::fflush(stdout);
+  };
+
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  std::vector<double> reroute_ms;
+  for (int u = 0; u < updates; ++u) {
+    reroute_ms.push_back(timed_apply(deployment(u % 2 == 0 ? "head_b" : "block4", false)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  }
+  report("reroute", 0, 1, reroute_ms);
+
+  std::vector<double> add_ms, remove_ms;
+  for (int u = 0; u < std::max(1, updates / 4); ++u) {
+    add_ms.push_back(timed_apply(deployment("block4", true)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    remove_ms.push_back(timed_apply(deployment("block4", false)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  }
+  report("add", 1, 0, add_ms);
+  report("remove", 1, 0, remove_ms);
+  run = false;
+  traffic.join();
+  session.shutdown();
+  return 0;
+} catch (const std::exception& e) {
+  std::cerr << "update_bench: " << e.what() << "\n";
+  return 1;
+}
