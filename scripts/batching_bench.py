@@ -21,7 +21,7 @@ BLOCKS = [("block1", [-1, 3, 224, 224]), ("block2", [-1, 256, 56, 56]), ("block3
 
 
 def deployment(models, max_batch, delay_ms, threads):
-    blocks = [{"name": n, "torchscript": os.path.join(models, n + ".pt"), "intra_op_threads": threads,
+    blocks = [{"name": n, "torchscript": os.path.join(os.path.abspath(models), n + ".pt"), "intra_op_threads": threads,
                "input_shapes": [s], "warmup_runs": 1, "max_batch": max_batch, "max_batch_delay_ms": delay_ms,
                "queue_capacity": 256}
               for n, s in BLOCKS]
