@@ -19,7 +19,8 @@
 //    "rss_mb":..,"blocks":[{"name":..,"wait_p50_ms":..,"compute_p50_ms":..,"overhead_p50_ms":..}],
 //    "first_error":".."}
 // then, after a sweep, {"bench":"saturation","rate_per_s":..,"throughput_per_s":..}. rss_mb (this
-// process and its workers) and blocks (from each request's trace) exist for in-process runs only.
+// process and its workers) and blocks (from each request's trace) exist for in-process runs only;
+// energy_j_per_inference too, and only where NVML reports power (the run then samples every process).
 // Progress goes to stderr once a second unless --quiet.
 
 #include <blockflow/blockflow.hpp>
@@ -179,6 +180,8 @@ class Target {
   virtual void submit(const std::string& task, const bf::Tensors& inputs, Clock::time_point arrival, Tally& tally) = 0;
   virtual void drain() {}
   virtual std::optional<double> rss_mb() { return std::nullopt; }
+  /// GPU energy integrated so far (joules), where power readings exist.
+  virtual std::optional<double> energy_j() { return std::nullopt; }
 };
 
 class InProcess final : public Target {
@@ -195,6 +198,8 @@ class InProcess final : public Target {
     defaults.plugins = args.plugins;
     bf::add_deployment(session_, deployment_, defaults);
     if (auto status = session_.start(); !status.ok()) throw std::runtime_error(status.ToString());
+    // With power readings (NVML), sample every process so energy per inference can be reported.
+    if (bf::GpuProbe::instance().available()) session_.set_sampling(true, absl::Milliseconds(100));
   }
   ~InProcess() override { session_.shutdown(); }
   void submit(const std::string& task, const bf::Tensors& inputs, Clock::time_point arrival, Tally& tally) override {
@@ -207,6 +212,11 @@ class InProcess final : public Target {
     double bytes = static_cast<double>(bf::sample_process().rss_bytes);
     for (const auto& s : session_.metrics().sites) bytes += static_cast<double>(s.rss_bytes);
     return bytes / 1048576.0;
+  }
+  std::optional<double> energy_j() override {
+    const bf::MetricsSnapshot m = session_.metrics();
+    if (!m.sampling || m.host.gpus.empty()) return std::nullopt;
+    return m.host.energy_j;  // NVML's power is per device: the host's reading covers every process on it
   }
   const bf::Deployment& deployment() const { return deployment_; }
 
@@ -277,6 +287,7 @@ struct Run {
 nlohmann::json measure(const Args& args, Target& target, const std::vector<std::string>& tasks,
                        const std::map<std::string, bf::Tensors>& inputs, const Run& run) {
   Tally tally;
+  const std::optional<double> energy_before = target.energy_j();
   const auto start = Clock::now();
   const auto end = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(args.duration_s));
   std::atomic<long> issued{0};
@@ -359,6 +370,10 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
   if (run.mode == "poisson") line["rate_per_s"] = run.rate;
   else line["clients"] = run.clients;
   if (auto rss = target.rss_mb()) line["rss_mb"] = *rss;
+  // The whole device's power over the run (other work on the GPU counts too).
+  if (auto energy = target.energy_j(); energy && energy_before && tally.completed > 0) {
+    line["energy_j_per_inference"] = (*energy - *energy_before) / static_cast<double>(tally.completed);
+  }
   if (!tally.compute.empty()) {
     nlohmann::json blocks = nlohmann::json::array();
     for (const auto& [name, compute] : tally.compute) {
