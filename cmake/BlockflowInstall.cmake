@@ -9,6 +9,9 @@ install(TARGETS ${_bf_installed} EXPORT blockflowTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+if(TARGET blockflow_worker_runtime)  # loaded by bin/blockflow-worker from ../lib
+  install(TARGETS blockflow_worker_runtime LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+endif()
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/blockflow DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(EXPORT blockflowTargets NAMESPACE blockflow:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/blockflow)
 

@@ -1,17 +1,6 @@
-// blockflow-worker: hosts blocks of a session in a child process.
-//
-// Started by the session (posix_spawn) with the endpoints of its private directory. It says hello
-// over the control channel, receives its configuration (block descriptions, plugins), builds and
-// warms the blocks up in a local Session, then serves data messages until told to stop. It dies
-// with its parent (PR_SET_PDEATHSIG) and exits if the parent changed before that was set.
-//
-// On another host it is started by hand (or by systemd) and joins a session over TCP:
-//
-//   blockflow-worker --join tcp://SESSION_HOST:PORT --name NAME [--once]
-//
-// where the session has a worker NAME with WorkerOptions::listen = "tcp://ADDR:PORT". The data
-// endpoints' ports come with the configuration. When the session stops it, or goes silent for
-// longer than the host timeout, the worker drops its blocks and joins again (with --once: exits).
+// The worker runtime (libblockflow_worker_runtime.so): what blockflow-worker loads once its
+// configuration has arrived. It builds and warms the blocks up in a local Session, then serves data
+// messages until told to stop or until the host goes away (see worker_launcher.cpp).
 
 #include <blockflow/blockflow.hpp>
 #include <blockflow/detail/clock.hpp>
@@ -19,6 +8,7 @@
 #include <blockflow/detail/tensor_codec.hpp>
 #include <blockflow/detail/deployment_json.hpp>
 #include <blockflow/detail/metrics_json.hpp>
+#include <blockflow/detail/worker_launch.hpp>
 #include <blockflow/detail/worker_protocol.hpp>
 #include <blockflow/kpi.hpp>
 
@@ -51,53 +41,10 @@ namespace {
 struct Args {
   std::string name, control, requests, results;
   pid_t parent = 0;
-  bool join = false;  // on another host: --join; no parent
-  bool once = false;
+  bool join = false;  // on another host: joined over TCP; no parent
 };
 
-constexpr const char* kUsage =
-    "usage: blockflow-worker --join tcp://SESSION_HOST:PORT --name NAME [--once]\n"
-    "   or: blockflow-worker --name N --control EP --requests EP --results EP --parent PID "
-    "(how a session starts its child workers)";
-
-Args parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i < argc; i += 2) {
-    const std::string k = argv[i];
-    if (k == "--once") {
-      a.once = true;
-      --i;
-      continue;
-    }
-    if (i + 1 >= argc) throw std::invalid_argument(fmt::format("{} needs a value\n{}", k, kUsage));
-    const std::string v = argv[i + 1];
-    if (k == "--name") a.name = v;
-    else if (k == "--join") {
-      a.control = v;
-      a.join = true;
-    }
-    else if (k == "--control") a.control = v;
-    else if (k == "--requests") a.requests = v;
-    else if (k == "--results") a.results = v;
-    else if (k == "--parent") a.parent = static_cast<pid_t>(std::stol(v));
-    else throw std::invalid_argument(fmt::format("unknown argument {}\n{}", k, kUsage));
-  }
-  if (a.join) {
-    if (a.name.empty() || a.control.rfind("tcp://", 0) != 0 || a.parent != 0) {
-      throw std::invalid_argument(fmt::format("--join takes tcp://HOST:PORT and a --name\n{}", kUsage));
-    }
-  } else if (a.name.empty() || a.control.empty() || a.requests.empty() || a.results.empty() || a.parent == 0) {
-    throw std::invalid_argument(kUsage);
-  }
-  return a;
-}
-
-std::int64_t rss_bytes() {
-  std::ifstream statm("/proc/self/statm");
-  std::int64_t size = 0, resident = 0;
-  statm >> size >> resident;
-  return resident * ::sysconf(_SC_PAGESIZE);
-}
+std::int64_t rss_bytes() { return bf::sample_process().rss_bytes; }
 
 // One reply on its way back to the host.
 struct Reply {
@@ -163,15 +110,20 @@ std::string with_port(const std::string& endpoint, int port) {
 
 class Worker {
  public:
-  Worker(Args args, int incarnation) : args_(std::move(args)), control_(context_, zmq::socket_type::dealer) {
-    control_.set(zmq::sockopt::routing_id, fmt::format("{}-{}-{}", args_.name, ::getpid(), incarnation));
-    control_.set(zmq::sockopt::linger, 0);
-    control_.connect(args_.control);
+  explicit Worker(const BlockflowWorkerLaunch& launch)
+      : control_(zmq::from_handle, launch.control_socket), config_text_(launch.config_json) {
+    args_.name = launch.name;
+    args_.control = launch.control;
+    args_.requests = launch.requests != nullptr ? launch.requests : "";
+    args_.results = launch.results != nullptr ? launch.results : "";
+    args_.parent = static_cast<pid_t>(launch.parent);
+    args_.join = launch.join != 0;
+    last_host_ns_ = now_ns();
   }
 
   int run() {
-    auto config = wait_config();
-    if (!config) return 1;
+    auto config = std::optional<nlohmann::json>(nlohmann::json::parse(config_text_, nullptr, false));
+    if (config->is_discarded()) return 1;
     if (args_.join) {
       try {
         args_.requests = with_port(args_.control, config->at("requests_port").get<int>());
@@ -223,29 +175,6 @@ class Worker {
   bool host_alive() const {
     if (!args_.join) return ::getppid() == args_.parent;
     return now_ns() - last_host_ns_ < kHostSilenceNs;
-  }
-
-  // Says hello (a joining worker again every second: the session may not be listening yet, or may
-  // be busy with another worker of the same name) until the configuration arrives.
-  std::optional<nlohmann::json> wait_config() {
-    std::int64_t next_hello = 0;
-    while (args_.join || host_alive()) {
-      if (now_ns() >= next_hello) {
-        send_control({{"type", bf::detail::kHello}, {"pid", ::getpid()}, {"name", args_.name}, {"rss_bytes", rss_bytes()}});
-        next_hello = args_.join ? now_ns() + 1'000'000'000 : std::numeric_limits<std::int64_t>::max();
-      }
-      zmq::pollitem_t item{control_.handle(), 0, ZMQ_POLLIN, 0};
-      zmq::poll(&item, 1, std::chrono::milliseconds(200));
-      if ((item.revents & ZMQ_POLLIN) == 0) continue;
-      zmq::message_t msg;
-      if (!control_.recv(msg, zmq::recv_flags::dontwait)) continue;
-      auto json = nlohmann::json::parse(msg.to_string(), nullptr, false);
-      if (!json.is_discarded() && json.value("type", "") == bf::detail::kConfig) {
-        last_host_ns_ = now_ns();
-        return json;
-      }
-    }
-    return std::nullopt;
   }
 
   absl::Status load(const nlohmann::json& config) {
@@ -371,8 +300,9 @@ class Worker {
   Args args_;
   std::int64_t last_host_ns_ = 0;
   bool stopped_by_host_ = false;
-  zmq::context_t context_{1};
-  zmq::socket_t control_;
+  zmq::context_t context_{1};  // for the data sockets; the control socket is the launcher's
+  zmq::socket_ref control_;
+  std::string config_text_;
   bf::Session session_;
   std::set<std::string> hosted_;
   // Shared with the deleters of tensors over the host's slots, which may outlive this object.
@@ -388,23 +318,12 @@ class Worker {
 
 }  // namespace
 
-int main(int argc, char** argv) try {
-  Args args = parse(argc, argv);
-  if (!args.join) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // no orphans: die with the host
-    if (::getppid() != args.parent) return 1;  // the host died before the line above
-    return Worker(std::move(args), 0).run();
-  }
-  std::cerr << fmt::format("blockflow-worker {}: joining {}\n", args.name, args.control);
-  for (int incarnation = 0;; ++incarnation) {
-    Worker worker(args, incarnation);
-    const int rc = worker.run();
-    if (args.once) return rc;
-    std::cerr << fmt::format("blockflow-worker {}: {}; joining again\n", args.name,
-                             worker.stopped_by_host() ? "stopped by the session" : "the session went silent");
-    std::this_thread::sleep_for(std::chrono::seconds(1));
-  }
+extern "C" __attribute__((visibility("default"))) int blockflow_worker_serve(BlockflowWorkerLaunch* launch) try {
+  Worker worker(*launch);
+  const int rc = worker.run();
+  launch->stopped_by_host = worker.stopped_by_host() ? 1 : 0;
+  return rc;
 } catch (const std::exception& e) {
-  std::cerr << "blockflow-worker: " << e.what() << "\n";
+  std::cerr << "blockflow-worker runtime: " << e.what() << "\n";
   return 2;
 }
