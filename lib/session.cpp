@@ -90,15 +90,17 @@ void SessionCore::add_path(Path path) {
   pending_paths_.push_back(std::move(path));
 }
 
+// A block's input queue: its bound and full policy, the session's receive spin.
+std::unique_ptr<TensorChannel> SessionCore::make_inbox(const BlockOptions& options) const {
+  InProcessChannelOptions channel_options;
+  channel_options.capacity = options.queue_capacity;
+  channel_options.full_policy = options.full_policy;
+  channel_options.receive_spin = options_.receive_spin;
+  return std::make_unique<InProcessChannel>(channel_options);
+}
+
 absl::Status SessionCore::add_runtime(std::unique_ptr<BlockRuntime> runtime) {
-  if (!runtime->inbox) {
-    const BlockOptions& options = runtime->description.options;
-    InProcessChannelOptions channel_options;
-    channel_options.capacity = options.queue_capacity;
-    channel_options.full_policy = options.full_policy;
-    channel_options.receive_spin = options_.receive_spin;
-    runtime->inbox = std::make_unique<InProcessChannel>(channel_options);
-  }
+  if (!runtime->inbox) runtime->inbox = make_inbox(runtime->description.options);
   absl::MutexLock lock(&state_mu_);
   if (!block_by_name_.emplace(runtime->name(), runtime.get()).second) {
     return absl::InvalidArgumentError(fmt::format("two blocks are named '{}'", runtime->name()));
@@ -112,11 +114,7 @@ std::unique_ptr<BlockRuntime> SessionCore::make_runtime(std::shared_ptr<Block> b
   runtime->description.name = block->name();
   runtime->description.options = block->options();
   runtime->block = std::move(block);
-  InProcessChannelOptions channel_options;
-  channel_options.capacity = runtime->description.options.queue_capacity;
-  channel_options.full_policy = runtime->description.options.full_policy;
-  channel_options.receive_spin = options_.receive_spin;
-  runtime->inbox = std::make_unique<InProcessChannel>(channel_options);
+  runtime->inbox = make_inbox(runtime->description.options);
   return runtime;
 }
 

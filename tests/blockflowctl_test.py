@@ -6,16 +6,14 @@ usage: blockflowctl_test.py BLOCKFLOWCTL SERVE
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ctest_util import check, free_port  # noqa: E402
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 def ctl(tool, endpoint, *args, expect=0):
@@ -26,10 +24,6 @@ def ctl(tool, endpoint, *args, expect=0):
     return out
 
 
-def check(ok, what):
-    print(f"  check {what}: {'ok' if ok else 'FAILED'}")
-    if not ok:
-        sys.exit(f"FAIL: {what}")
 
 
 def main():

@@ -11,6 +11,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ctest_util import check  # noqa: E402
+
 
 def run(cmd):
     print("+", " ".join(cmd), flush=True)
@@ -24,10 +27,6 @@ def run(cmd):
     return lines
 
 
-def check(ok, what):
-    print(f"  check {what}: {'ok' if ok else 'FAILED'}")
-    if not ok:
-        sys.exit(f"FAIL: {what}")
 
 
 def main():

@@ -80,6 +80,7 @@ class SessionCore {
   absl::Status build();
   absl::Status add_runtime(std::unique_ptr<BlockRuntime> runtime);
   std::unique_ptr<BlockRuntime> make_runtime(std::shared_ptr<Block> block) const;
+  std::unique_ptr<TensorChannel> make_inbox(const BlockOptions& options) const;
   absl::Status start_workers(const std::vector<BlockRuntime*>& runtimes);
   void stop_runtime(BlockRuntime& runtime, const std::string& why);
   absl::StatusOr<std::shared_ptr<RoutingTable>> compile_table(
