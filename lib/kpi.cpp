@@ -72,6 +72,13 @@ struct GpuProbe::Impl {
   int (*clock)(Device, int, unsigned int*) = nullptr;
   int (*temperature)(Device, int, unsigned int*) = nullptr;
   int (*power)(Device, unsigned int*) = nullptr;
+  // Optional (NVML 11.x+); this process's memory comes from the list of compute processes.
+  struct ProcessInfo {  // nvmlProcessInfo_v2_t, the layout _v3 fills
+    unsigned int pid;
+    unsigned long long used_gpu_memory;
+    unsigned int gpu_instance_id, compute_instance_id;
+  };
+  int (*processes)(Device, unsigned int*, ProcessInfo*) = nullptr;
   std::string status;
   unsigned int devices = 0;
   mutable std::mutex mu;  // NVML is thread-safe; this keeps the figures of one sample together
@@ -96,6 +103,7 @@ GpuProbe::GpuProbe() : impl_(std::make_shared<Impl>()) {
     n.status = "no GPU: libnvidia-ml.so.1 lacks an expected symbol";
     return;
   }
+  bind(n.processes, "nvmlDeviceGetComputeRunningProcesses_v3");
   if (const int rc = n.init(); rc != 0) {
     n.status = fmt::format("no GPU: nvmlInit failed (NVML error {})", rc);
     return;
@@ -119,6 +127,7 @@ bool GpuProbe::available() const { return impl_->devices > 0; }
 std::vector<GpuSample> GpuProbe::sample() const {
   const Impl& n = *impl_;
   std::vector<GpuSample> out;
+  const auto pid = static_cast<unsigned int>(::getpid());
   std::lock_guard lock(n.mu);
   for (unsigned int i = 0; i < n.devices; ++i) {
     Impl::Device device = nullptr;
@@ -138,6 +147,16 @@ std::vector<GpuSample> GpuProbe::sample() const {
     if (n.clock(device, /*NVML_CLOCK_SM*/ 1, &value) == 0) g.sm_clock_mhz = value;
     if (n.temperature(device, /*NVML_TEMPERATURE_GPU*/ 0, &value) == 0) g.temperature_c = value;
     if (n.power(device, &value) == 0) g.power_w = value / 1000.0;  // milliwatts
+    if (n.processes != nullptr) {
+      std::vector<Impl::ProcessInfo> list(64);
+      auto count = static_cast<unsigned int>(list.size());
+      if (n.processes(device, &count, list.data()) == 0) {
+        for (unsigned int p = 0; p < count && p < list.size(); ++p) {
+          // NVML_VALUE_NOT_AVAILABLE (all ones) where the driver hides per-process figures.
+          if (list[p].pid == pid && list[p].used_gpu_memory != ~0ULL) g.process_memory_bytes = list[p].used_gpu_memory;
+        }
+      }
+    }
     out.push_back(std::move(g));
   }
   return out;
@@ -167,6 +186,7 @@ struct KpiSampler::Impl {
     }
     GpuProbe& gpu = GpuProbe::instance();
     s.gpu_status = gpu.status();
+    s.torch_cuda_status = sample_torch_cuda(s.torch_cuda);
     s.energy_j = latest.energy_j;
     if (gpu.available()) {
       s.gpus = gpu.sample();

@@ -115,6 +115,17 @@ void add_process(Exposition& e, const std::string& process, const KpiSample& k) 
     e.add("blockflow_gpu_sm_clock_hertz", "gauge", "SM clock.", d, g.sm_clock_mhz * 1e6);
     e.add("blockflow_gpu_temperature_celsius", "gauge", "Device temperature.", d, g.temperature_c);
     e.add("blockflow_gpu_power_watts", "gauge", "Device power draw.", d, g.power_w);
+    e.add("blockflow_gpu_process_memory_bytes", "gauge", "This process's memory on the device, as NVML counts it.", d,
+          static_cast<double>(g.process_memory_bytes));
+  }
+  for (const auto& t : k.torch_cuda) {
+    const Exposition::Labels d = {{"process", process}, {"device", "cuda:" + std::to_string(t.device)}};
+    e.add("blockflow_torch_cuda_allocated_bytes", "gauge", "Bytes held by live tensors (libtorch CUDA caching allocator).",
+          d, static_cast<double>(t.allocated_bytes));
+    e.add("blockflow_torch_cuda_reserved_bytes", "gauge", "Bytes reserved by libtorch's CUDA caching allocator.", d,
+          static_cast<double>(t.reserved_bytes));
+    e.add("blockflow_torch_cuda_peak_allocated_bytes", "gauge", "High watermark of allocated bytes.", d,
+          static_cast<double>(t.peak_allocated_bytes));
   }
   if (!k.gpus.empty()) {
     e.add("blockflow_gpu_energy_joules_total", "counter", "GPU energy integrated from power readings since sampling began.",

@@ -153,6 +153,14 @@ TEST_CASE("the sampler runs only while enabled, at its period; no GPU is said, n
     CHECK(k.gpus.empty());
     CHECK(k.energy_j == 0);
   }
+  // libtorch's CUDA allocator: figures where this process used a GPU, otherwise a reason.
+  std::vector<TorchCudaMemory> direct;
+  const std::string torch_status = sample_torch_cuda(direct);
+  CHECK(k.torch_cuda_status == torch_status);
+  if (torch_status != "ok") {
+    CHECK(k.torch_cuda.empty());
+    CHECK_FALSE(torch_status.empty());
+  }
   sampler.set(false, absl::ZeroDuration());
   std::this_thread::sleep_for(50ms);
   const auto stopped_at = sampler.samples_taken();
@@ -215,9 +223,11 @@ TEST_CASE("Prometheus text parses and has every documented metric with its label
   const auto families = parse_prometheus(text);
 
   const bool gpu = GpuProbe::instance().available();
+  std::vector<TorchCudaMemory> torch_cuda;
+  const bool torch_gpu = sample_torch_cuda(torch_cuda) == "ok";
   for (const auto& [name, doc] : documented) {
     INFO(name);
-    if (doc.what.rfind("GPU:", 0) == 0 && !gpu) {
+    if ((doc.what.rfind("GPU:", 0) == 0 && !gpu) || (doc.what.rfind("torch CUDA:", 0) == 0 && !torch_gpu)) {
       CHECK(families.count(name) == 0);  // absent, not zero, on a machine without a GPU
       continue;
     }

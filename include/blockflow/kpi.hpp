@@ -32,6 +32,19 @@ struct GpuSample {
   std::uint32_t sm_clock_mhz = 0;
   std::uint32_t temperature_c = 0;
   double power_w = 0;
+  /// This process's memory on the device as NVML counts it (context, allocator pools, libraries);
+  /// 0 when NVML does not list the process (it has not touched the device, or NVML cannot see
+  /// processes from inside this PID namespace).
+  std::uint64_t process_memory_bytes = 0;
+};
+
+/// @brief libtorch's CUDA caching allocator in this process, for one CUDA device index (as
+/// CUDA_VISIBLE_DEVICES numbers them, which may differ from NVML's `index`).
+struct TorchCudaMemory {
+  int device = 0;
+  std::int64_t allocated_bytes = 0;       ///< held by live tensors
+  std::int64_t reserved_bytes = 0;        ///< held by the allocator's cache (>= allocated)
+  std::int64_t peak_allocated_bytes = 0;  ///< high watermark of allocated_bytes
 };
 
 /// @brief What a sampler saw last. `gpu_status` says "ok" or why there are no GPU figures (for
@@ -41,11 +54,20 @@ struct KpiSample {
   ProcessSample process;
   std::vector<GpuSample> gpus;
   std::string gpu_status;
+  /// libtorch's CUDA allocator, per device this process initialised; empty when libtorch was built
+  /// without CUDA or the process has not used a GPU (`torch_cuda_status` says which).
+  std::vector<TorchCudaMemory> torch_cuda;
+  std::string torch_cuda_status;
   double energy_j = 0;  ///< GPU energy integrated from power readings since the sampler started
 };
 
 /// @brief Reads /proc/self now (cpu_utilisation is left 0: it needs two samples).
 ProcessSample sample_process();
+
+/// @brief libtorch's CUDA allocator figures for this process. Fills `out` and returns "ok", or
+/// returns why there are none ("libtorch built without CUDA", "CUDA not initialised in this
+/// process"). Never throws.
+std::string sample_torch_cuda(std::vector<TorchCudaMemory>& out);
 
 /// @brief NVML, opened once per process with dlopen(); never throws.
 class GpuProbe {

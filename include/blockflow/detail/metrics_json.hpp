@@ -16,8 +16,12 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(ShmEdgeStats, handles, slots_in_
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(ProcessSample, rss_bytes, cpu_seconds, cpu_utilisation, threads,
                                                 voluntary_context_switches, involuntary_context_switches)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(GpuSample, index, name, memory_used_bytes, memory_total_bytes,
-                                                utilisation, sm_clock_mhz, temperature_c, power_w)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(KpiSample, time_s, process, gpus, gpu_status, energy_j)
+                                                utilisation, sm_clock_mhz, temperature_c, power_w,
+                                                process_memory_bytes)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(TorchCudaMemory, device, allocated_bytes, reserved_bytes,
+                                                peak_allocated_bytes)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(KpiSample, time_s, process, gpus, gpu_status, torch_cuda,
+                                                torch_cuda_status, energy_j)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteStats, name, kind, pid, restarts, failed_requests, in_flight,
                                                 malformed_frames, rss_idle_bytes, rss_bytes, data, shm_requests,
                                                 shm_results, kpi)
