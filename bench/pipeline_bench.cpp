@@ -9,9 +9,10 @@
 // With --mode worker_memory it prints {"bench":"worker_memory","rss_idle_mb":..,"rss_loaded_mb":..}:
 // a worker's resident memory before it loads anything and after it loaded the four blocks.
 //
-// With --mode sampler_cost the 4-worker pipeline runs in alternating rounds of 10 requests with KPI
-// sampling off and on (10 Hz in the host and every worker; the first 3 requests after each switch are
-// not counted while the setting propagates) and prints
+// With --mode sampler_cost the 4-worker pipeline runs in alternating rounds of 20 requests with KPI
+// sampling off and on (10 Hz in the host and every worker; the first 2 requests after each switch are
+// not counted while the setting propagates), so that slow drifts of a shared machine fall on both
+// sides alike, and prints
 // {"bench":"sampler_cost","e2e_p50_ms_off":..,"e2e_p50_ms_on":..,"ratio":..} with ratio = on / off.
 //
 //   pipeline_bench --models DIR [--mode threads|workers|worker_memory] [--channel shm|zmq] [--requests N]
@@ -95,10 +96,10 @@ int main(int argc, char** argv) try {
     for (int round = 0; static_cast<int>(off_ms.size() + on_ms.size()) < requests; ++round) {
       const bool on = round % 2 == 1;
       session.set_sampling(on, absl::Milliseconds(100));
-      for (int i = 0; i < 10; ++i) {
+      for (int i = 0; i < 20; ++i) {
         const bf::Result r = session.submit("split", x).get();
         if (!r.ok()) throw std::runtime_error(r.status.ToString());
-        if (i >= 3) (on ? on_ms : off_ms).push_back(r.trace.e2e_ms());
+        if (i >= 2) (on ? on_ms : off_ms).push_back(r.trace.e2e_ms());
       }
     }
     const double off = bf::bench::percentile(off_ms, 0.5), on = bf::bench::percentile(on_ms, 0.5);

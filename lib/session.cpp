@@ -19,6 +19,8 @@
 #include <numeric>
 #include <set>
 #include <future>
+#include <iostream>
+#include <map>
 
 namespace blockflow {
 namespace detail {
@@ -216,13 +218,21 @@ absl::Status SessionCore::start() {
   return absl::OkStatus();
 }
 
+std::vector<BlockDescription> SessionCore::descriptions_of(const SiteRuntime& site) {
+  std::vector<BlockDescription> out;
+  for (const auto* runtime : site.blocks) out.push_back(runtime->description);
+  return out;
+}
+
+absl::Status SessionCore::start_site(SiteRuntime& site) {
+  SiteRuntime* raw = &site;
+  return site.site->start(descriptions_of(site),
+                          [this, raw](SiteCompletion&& c) { on_site_completion(*raw, std::move(c)); });
+}
+
 absl::Status SessionCore::start_sites() {
   for (auto& site : sites_) {
-    std::vector<BlockDescription> descriptions;
-    for (const auto* runtime : site->blocks) descriptions.push_back(runtime->description);
-    SiteRuntime* raw = site.get();
-    auto status = site->site->start(descriptions, [this, raw](SiteCompletion&& c) { on_site_completion(*raw, std::move(c)); });
-    if (!status.ok()) return status;
+    if (auto status = start_site(*site); !status.ok()) return status;
   }
   for (auto& runtime : blocks_) {
     if (runtime->site != nullptr) runtime->workers.emplace_back([this, rt = runtime.get()] { forward_to_site(*rt); });
@@ -742,21 +752,50 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
   for (const auto& runtime : blocks_) {
     if (wanted_names.count(runtime->name()) == 0) removed.push_back(runtime.get());
   }
-  for (const auto* r : removed) {
-    if (r->site != nullptr) {
-      return invalid(fmt::format("block '{}' runs in worker '{}': removing or replacing blocks of worker processes at run "
-                                 "time is not supported yet", r->name(), r->site->site->name()));
+  auto site_named = [&](const std::string& name) -> SiteRuntime* {
+    for (const auto& site : sites_) {
+      if (site->site->name() == name) return site.get();
+    }
+    return nullptr;
+  };
+  for (const auto& d : added) {
+    if (d.placement.empty()) continue;
+    auto current = block_by_name_.find(d.name);
+    if (current != block_by_name_.end() && current->second->site != nullptr &&
+        current->second->site->site->name() == d.placement) {
+      return invalid(fmt::format("block '{}' in site '{}': changing a block in place inside the same site is not "
+                                 "supported; give the new version another name or another placement",
+                                 d.name, d.placement));
+    }
+    if (site_named(d.placement) == nullptr && !site_factory_) {
+      return invalid(fmt::format("block '{}': placement '{}' names no site, and the session has no site factory to "
+                                 "start one (add_deployment() installs one for worker processes)", d.name, d.placement));
     }
   }
+  // 2. Build and load the new blocks of this process (nothing is routed to them yet); describe the
+  // ones going to sites, making the sites the session lacks.
+  std::vector<std::unique_ptr<BlockRuntime>> fresh;
+  std::vector<std::unique_ptr<SiteRuntime>> new_sites;
   for (const auto& d : added) {
     if (!d.placement.empty()) {
-      return invalid(fmt::format("block '{}': placing new blocks in worker processes ('{}') at run time is not "
-                                 "supported yet", d.name, d.placement));
+      SiteRuntime* site = site_named(d.placement);
+      for (const auto& made : new_sites) {
+        if (made->site->name() == d.placement) site = made.get();
+      }
+      if (site == nullptr) {
+        auto made = std::make_unique<SiteRuntime>();
+        made->site = site_factory_(d.placement);
+        if (!made->site) return invalid(fmt::format("block '{}': the site factory made no site '{}'", d.name, d.placement));
+        site = made.get();
+        new_sites.push_back(std::move(made));
+      }
+      auto runtime = std::make_unique<BlockRuntime>();
+      runtime->description = d;
+      runtime->site = site;
+      runtime->inbox = make_inbox(d.options);
+      fresh.push_back(std::move(runtime));
+      continue;
     }
-  }
-  // 2. Build and load the new blocks (nothing is routed to them yet).
-  std::vector<std::unique_ptr<BlockRuntime>> fresh;
-  for (const auto& d : added) {
     auto block = make_block(d);
     if (!block.ok()) return invalid(std::string(block.status().message()));
     if (auto status = check_device(**block); !status.ok()) return invalid(std::string(status.message()));
@@ -775,17 +814,61 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
     return it == next_by_name.end() ? nullptr : it->second;
   }, &new_paths);
   if (!table.ok()) return invalid(std::string(table.status().message()));
-  // 4. Start and warm the new blocks up.
+  // 4. Start and warm the new blocks up: this process's, then the sites' (new sites start with
+  // theirs; running sites load theirs next to what they have).
   std::vector<BlockRuntime*> starting;
-  for (auto& runtime : fresh) starting.push_back(runtime.get());
+  for (auto& runtime : fresh) {
+    if (runtime->site == nullptr) starting.push_back(runtime.get());
+  }
   if (auto status = start_workers(starting); !status.ok()) {
     for (auto* runtime : starting) stop_runtime(*runtime, "update rejected");
     return invalid(std::string(status.message()));
+  }
+  std::vector<std::pair<SiteRuntime*, std::vector<BlockDescription>>> grown;  // running sites, their blocks before
+  auto undo_sites = [&] {
+    for (auto& site : new_sites) site->site->stop();
+    for (auto& [site, before] : grown) {
+      if (auto status = site->site->update(before); !status.ok()) {
+        std::cerr << fmt::format("blockflow: update {} rejected; site '{}' could not unload what it loaded: {}\n",
+                                 version, site->site->name(), std::string(status.message()));
+      }
+    }
+    for (auto* runtime : starting) stop_runtime(*runtime, "update rejected");
+  };
+  {
+    std::map<SiteRuntime*, std::vector<BlockRuntime*>> incoming;
+    for (auto& runtime : fresh) {
+      if (runtime->site != nullptr) incoming[runtime->site].push_back(runtime.get());
+    }
+    for (auto& [site, runtimes] : incoming) {
+      const bool is_new = std::any_of(new_sites.begin(), new_sites.end(), [&](const auto& n) { return n.get() == site; });
+      const auto before = descriptions_of(*site);
+      auto after = before;
+      for (const auto* runtime : runtimes) after.push_back(runtime->description);
+      if (is_new) site->blocks = runtimes;
+      const absl::Status status = is_new ? start_site(*site) : site->site->update(after);
+      if (!status.ok()) {
+        if (is_new) site->blocks.clear();
+        undo_sites();
+        return invalid(std::string(status.message()));
+      }
+      if (!is_new) grown.emplace_back(site, before);
+    }
+    const bool sampling = sampler_.enabled();
+    for (auto& site : new_sites) {
+      if (sampling) site->site->set_sampling(true, sampler_.period());
+    }
+    for (auto& [site, runtimes] : incoming) {
+      const bool is_new = std::any_of(new_sites.begin(), new_sites.end(), [&](const auto& n) { return n.get() == site; });
+      if (!is_new) site->blocks.insert(site->blocks.end(), runtimes.begin(), runtimes.end());
+      for (auto* runtime : runtimes) runtime->workers.emplace_back([this, runtime] { forward_to_site(*runtime); });
+    }
   }
   // 5. Publish: blocks, then the routing table, at once for every task.
   {
     absl::MutexLock lock(&state_mu_);
     for (auto& runtime : fresh) blocks_.push_back(std::move(runtime));
+    for (auto& site : new_sites) sites_.push_back(std::move(site));
     for (auto& p : new_paths) paths_.push_back(std::move(p));
     block_by_name_ = next_by_name;
     version_.store(version);
@@ -822,12 +905,38 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
            std::any_of(through_removed.begin(), through_removed.end(), [](const auto& p) { return p.use_count() > 1; });
   };
   while (held() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  std::set<SiteRuntime*> shrinking;
   for (auto* runtime : removed) {
     stop_runtime(*runtime, fmt::format("removed by update {} before the request reached it", version));
     runtime->block.reset();  // its model's memory goes now; the runtime stays for late plans
+    if (runtime->site != nullptr) {
+      auto& list = runtime->site->blocks;
+      list.erase(std::remove(list.begin(), list.end(), runtime), list.end());
+      shrinking.insert(runtime->site);
+    }
+  }
+  // Sites unload what was removed; a site left without blocks stops (its process exits).
+  std::vector<SiteRuntime*> emptied;
+  for (auto* site : shrinking) {
+    if (site->blocks.empty()) {
+      site->site->stop();
+      emptied.push_back(site);
+    } else if (auto status = site->site->update(descriptions_of(*site)); !status.ok()) {
+      // Drained and unrouted already: the site just keeps the model loaded.
+      std::cerr << fmt::format("blockflow: update {}: site '{}' could not unload removed blocks: {}\n", version,
+                               site->site->name(), std::string(status.message()));
+    }
   }
   {
     absl::MutexLock lock(&state_mu_);
+    for (auto it = sites_.begin(); it != sites_.end();) {
+      if (std::find(emptied.begin(), emptied.end(), it->get()) != emptied.end()) {
+        retired_sites_.push_back(std::move(*it));
+        it = sites_.erase(it);
+      } else {
+        ++it;
+      }
+    }
     for (auto it = blocks_.begin(); it != blocks_.end();) {
       if (std::find(removed.begin(), removed.end(), it->get()) != removed.end()) {
         retired_.push_back(std::move(*it));
@@ -891,6 +1000,11 @@ Session& Session::add_site(std::shared_ptr<RemoteSite> site) {
   return *this;
 }
 
+Session& Session::set_site_factory(SiteFactory factory) {
+  core_->set_site_factory(std::move(factory));
+  return *this;
+}
+
 Session& Session::add_path(Path path) {
   core_->add_path(std::move(path));
   return *this;
@@ -925,7 +1039,13 @@ void Session::set_sampling(bool enabled, absl::Duration period) { core_->set_sam
 namespace detail {
 void SessionCore::set_sampling(bool enabled, absl::Duration period) {
   sampler_.set(enabled, period);
+  absl::MutexLock lock(&state_mu_);
   for (const auto& site : sites_) site->site->set_sampling(enabled, period);
+}
+
+void SessionCore::set_site_factory(Session::SiteFactory factory) {
+  absl::MutexLock serial(&shutdown_mu_);
+  site_factory_ = std::move(factory);
 }
 }  // namespace detail
 

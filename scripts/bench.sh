@@ -10,7 +10,8 @@
 #   batching: saturation throughput of the split ResNet50 with batching off and on (B = 2, 4, 8),
 #   through blockflow-loadgen rate sweeps (BENCH_RATES=10,14,... to change the sweep).
 # Environment: BENCH_REQUESTS (pipeline requests, default 300), BENCH_THREADS (intra-op threads per
-# block and for the monolithic model, default 2), BENCH_HOP_ITERATIONS (default 20000).
+# block and for the monolithic model, default 2), BENCH_HOP_ITERATIONS (default 20000),
+# BENCH_SAMPLER_REQUESTS (sampler_cost requests, default 1000).
 # --plot (anywhere among the names): also writes a report into bench-report/ at the repository root
 #   (BENCH_REPORT=DIR for another folder): bench.jsonl (the lines printed), metrics-<channel>.json
 #   (with pipeline: each run's metrics snapshot, BENCH_METRICS=1), the figures scripts/plot.py draws
@@ -72,11 +73,13 @@ for name in "$@"; do
       "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
       runs=("threads shm" "workers shm" "workers zmq")
       [ "$name" = worker_memory ] && runs=("worker_memory shm")
-      [ "$name" = sampler_cost ] && runs=("sampler_cost shm")
+      requests="${BENCH_REQUESTS:-300}"
+      # A 2% bound needs more samples than a p50 of 300: interleaved rounds, 1000 requests by default.
+      [ "$name" = sampler_cost ] && runs=("sampler_cost shm") && requests="${BENCH_SAMPLER_REQUESTS:-1000}"
       for run in "${runs[@]}"; do
         read -r mode channel <<< "$run"
         capture_metrics "$BUILD_DIR/bench/pipeline_bench" --models "$BUILD_DIR/models" --mode "$mode" --channel "$channel" \
-          --requests "${BENCH_REQUESTS:-300}" --threads "${BENCH_THREADS:-2}"
+          --requests "$requests" --threads "${BENCH_THREADS:-2}"
       done ;;
     update)
       "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2

@@ -27,15 +27,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-template <typename F>
-bool eventually(F condition, std::chrono::milliseconds within = 5000ms) {
-  const auto deadline = std::chrono::steady_clock::now() + within;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (condition()) return true;
-    std::this_thread::sleep_for(10ms);
-  }
-  return condition();
-}
+using test::eventually;
 
 struct Documented {
   std::string type;

@@ -44,4 +44,15 @@ inline void require_started(Session& session) {
   REQUIRE(status.ok());
 }
 
+/// True once `condition()` holds, polled every 10 ms; false if it still does not after `within`.
+template <typename F>
+bool eventually(F condition, std::chrono::milliseconds within = std::chrono::milliseconds(5000)) {
+  const auto deadline = std::chrono::steady_clock::now() + within;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (condition()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return condition();
+}
+
 }  // namespace blockflow::test

@@ -133,7 +133,7 @@ TEST_CASE("an invalid update is rejected whole, naming the problem; nothing chan
   CHECK_THAT(reject(R"({"blocks": ["a", {"name": "g", "factory": "upd_add_2", "device": "cuda:3"}], "tasks": {"t": ["g"]}})"),
              Contains("block 'g': device 'cuda:3' is not present"));
   CHECK_THAT(reject(R"({"blocks": ["a", {"name": "w", "factory": "upd_add_2", "placement": "w9"}], "tasks": {"t": ["a"]}})"),
-             Contains("block 'w': placing new blocks in worker processes ('w9') at run time is not supported yet"));
+             Contains("block 'w': placement 'w9' names no site, and the session has no site factory"));
   // Paths are checked against the new block set (the parser already refuses unknown blocks and
   // cycles inside one document; the session refuses a task with a block that the update removes).
   Deployment removes_used;

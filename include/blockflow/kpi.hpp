@@ -86,7 +86,8 @@ class GpuProbe {
 
 /// @brief Samples the process (and GPUs) every `period` on its own thread while enabled. Thread-safe.
 /// Cost: one read of /proc/self/stat and /proc/self/status per period (tens of microseconds), plus
-/// the NVML calls where a GPU is present.
+/// the NVML calls where a GPU is present. The sampling thread runs at nice +10, so that block
+/// threads win a busy core.
 class KpiSampler {
  public:
   KpiSampler();

@@ -80,6 +80,14 @@ class RemoteSite {
   virtual void run(const std::string& block, Envelope&& envelope) = 0;
   virtual void stop() = 0;
   [[nodiscard]] virtual SiteStats stats() const = 0;
+  /// @brief Makes the running site host exactly `blocks` from now on: it loads and warms up the
+  /// ones it lacks before returning and unloads the ones no longer listed (the session has drained
+  /// them), leaving the others untouched. On failure the site keeps the blocks it had, and the
+  /// error names the site and the block. The default refuses: a site that cannot change.
+  virtual absl::Status update(const std::vector<BlockDescription>& blocks) {
+    (void)blocks;
+    return absl::UnimplementedError("site '" + name() + "' cannot change its blocks while it runs");
+  }
   /// @brief Switches the site's own KPI sampler (its process's figures, reported in stats().kpi).
   /// The default does nothing: a site without a process of its own has nothing to sample.
   virtual void set_sampling(bool enabled, absl::Duration period) {

@@ -63,6 +63,12 @@ class Session {
   Session& add_block(BlockDescription description);
   /// @brief Adds a site where blocks can be placed, e.g. a blockflow::WorkerSite (a child process).
   Session& add_site(std::shared_ptr<RemoteSite> site);
+  /// @brief Makes a site of the given name (for instance a blockflow::WorkerSite).
+  using SiteFactory = std::function<std::shared_ptr<RemoteSite>(const std::string& name)>;
+  /// @brief How apply() starts a site that a new block's placement names and the session does not
+  /// have yet (add_deployment() installs one that starts worker processes). Without a factory such
+  /// an update is rejected, naming the placement. Call before start() or between apply() calls.
+  Session& set_site_factory(SiteFactory factory);
   /// @brief Adds a path for `path.task()` (before start()).
   Session& add_path(Path path);
 
@@ -93,8 +99,15 @@ class Session {
   ///
   /// An invalid update (a model that does not load, an unknown block in a task, a cycle, a device
   /// that is not present) is rejected as a whole with a message naming the problem, and the
-  /// running state stays as it was. Not yet supported: adding or removing blocks of worker
-  /// processes (sites) at run time; an update that would is rejected, naming the block.
+  /// running state stays as it was.
+  ///
+  /// Blocks placed at sites (worker processes) follow the same rules. A new block goes to the site
+  /// its placement names: a running site loads and warms it up next to its other blocks, which are
+  /// not touched; a site the session lacks is made by the site factory (set_site_factory()) and
+  /// started. A removed block is drained, then unloaded from its site; a site left without blocks
+  /// is stopped (its process exits). Changing a block in place inside the same site is refused
+  /// (give the new version another name, or another placement). A site that fails to load a block
+  /// rejects the update as a whole: new sites are stopped, the others unload what they loaded.
   /// Serialised with other apply() calls and with shutdown().
   absl::StatusOr<std::uint64_t> apply(const Deployment& wanted, absl::Duration drain = absl::Seconds(30));
 

@@ -78,6 +78,11 @@ class WorkerSite final : public RemoteSite {
   /// @brief Forwards the setting to the worker (now and after each restart); its samples come back
   /// with the heartbeats, in stats().kpi.
   void set_sampling(bool enabled, absl::Duration period) override;
+  /// @brief Sends the new block list to the running worker, which loads and warms up the new
+  /// blocks (next to the others, untouched) and unloads the ones no longer listed, then answers.
+  /// Heartbeats go on meanwhile. Waits up to WorkerOptions::start_timeout; a restart later loads
+  /// the new list. Errors name the worker and the block.
+  absl::Status update(const std::vector<BlockDescription>& blocks) override;
 
   /// @brief The worker's process id (0 while it is down, and for a worker on another host). For
   /// tests and tools.
@@ -94,7 +99,8 @@ class WorkerSite final : public RemoteSite {
 };
 
 /// @brief Adds a deployment's blocks and tasks to `session` (before start()), with one child worker
-/// per placement named in it, each made from `defaults` with that name.
+/// per placement named in it, each made from `defaults` with that name. Also installs a site
+/// factory, so that Session::apply() can start workers for placements that later updates name.
 void add_deployment(Session& session, const Deployment& deployment, const WorkerOptions& defaults = {});
 
 /// @brief Convenience: a shared WorkerSite for Session::add_site().

@@ -96,9 +96,13 @@ bf::wire::Header error_header(std::uint64_t id, std::uint32_t node, const absl::
   return h;
 }
 
-absl::Status load_plugins(const nlohmann::json& plugins) {
+// Loads each plugin once per process (an update may list those already loaded).
+absl::Status load_plugins(const nlohmann::json& plugins, std::set<std::string>& loaded) {
   for (const auto& p : plugins) {
-    if (auto status = bf::load_plugin(p.get<std::string>()); !status.ok()) return status;
+    const auto path = p.get<std::string>();
+    if (loaded.count(path) != 0) continue;
+    if (auto status = bf::load_plugin(path); !status.ok()) return status;
+    loaded.insert(path);
   }
   return absl::OkStatus();
 }
@@ -159,6 +163,7 @@ class Worker {
     std::thread receiver([this] { receiver_main(); });
     send_control({{"type", bf::detail::kLoaded}, {"rss_bytes", rss_bytes()}});
     control_loop();
+    if (updater_.joinable()) updater_.join();
     stopping_ = true;
     receiver.join();
     session_.shutdown(absl::Seconds(1));
@@ -178,22 +183,87 @@ class Worker {
   }
 
   absl::Status load(const nlohmann::json& config) {
-    if (auto status = load_plugins(config.value("plugins", nlohmann::json::array())); !status.ok()) return status;
-    for (const auto& b : config.at("blocks")) {
+    auto wanted = blocks_of(config);
+    if (!wanted.ok()) return wanted.status();
+    for (const auto& description : wanted->blocks) session_.add_block(description);
+    for (auto& path : wanted->paths()) session_.add_path(std::move(path));
+    set_hosted(*wanted);
+    return session_.start();
+  }
+
+  // The blocks of a config or update message, each with a task of its own name (how the host
+  // addresses it), after loading the plugins they need.
+  absl::StatusOr<bf::Deployment> blocks_of(const nlohmann::json& message) {
+    if (auto status = load_plugins(message.value("plugins", nlohmann::json::array()), plugins_); !status.ok()) {
+      return status;
+    }
+    bf::Deployment d;
+    for (const auto& b : message.at("blocks")) {
       auto description = bf::detail::block_from_json(b, "");
       if (!description.ok()) return description.status();
       description->placement.clear();  // here, it runs in this process's threads
-      hosted_.insert(description->name);
-      session_.add_block(*description);
-      session_.add_path(bf::Path::chain(description->name, {description->name}));
+      d.tasks.push_back({description->name, {description->name}});
+      d.blocks.push_back(*std::move(description));
     }
-    return session_.start();
+    return d;
+  }
+
+  void set_hosted(const bf::Deployment& d) {
+    std::lock_guard lock(hosted_mu_);
+    hosted_.clear();
+    for (const auto& b : d.blocks) hosted_.insert(b.name);
+  }
+
+  // An update runs on a thread of its own (loading takes a while) while this thread goes on
+  // answering pings; finish_update() sends the answer.
+  void start_update(const nlohmann::json& message) {
+    const auto seq = message.value("seq", std::uint64_t{0});
+    if (update_running_) {
+      send_control({{"type", bf::detail::kUpdateError}, {"seq", seq}, {"message", "an earlier update is still loading"}});
+      return;
+    }
+    if (updater_.joinable()) updater_.join();
+    update_running_ = true;
+    update_seq_ = seq;
+    updater_ = std::thread([this, message] {
+      absl::Status status;
+      auto wanted = blocks_of(message);
+      if (!wanted.ok()) {
+        status = wanted.status();
+      } else if (auto version = session_.apply(*wanted, absl::Seconds(5)); !version.ok()) {
+        status = version.status();
+      } else {
+        set_hosted(*wanted);
+      }
+      std::lock_guard lock(update_mu_);
+      update_status_ = status;
+    });
+  }
+
+  void finish_update() {
+    std::optional<absl::Status> status;
+    {
+      std::lock_guard lock(update_mu_);
+      status = std::exchange(update_status_, std::nullopt);
+    }
+    if (!status) return;
+    update_running_ = false;
+    if (status->ok()) {
+      send_control({{"type", bf::detail::kUpdated}, {"seq", update_seq_}, {"rss_bytes", rss_bytes()}});
+      return;
+    }
+    // The local session says "update N rejected, nothing changed: <cause>": the host has its own
+    // numbering, so only the cause travels.
+    std::string why(status->message());
+    if (const auto at = why.find("nothing changed: "); at != std::string::npos) why = why.substr(at + 17);
+    send_control({{"type", bf::detail::kUpdateError}, {"seq", update_seq_}, {"message", why}});
   }
 
   void control_loop() {
     while (host_alive()) {
       zmq::pollitem_t item{control_.handle(), 0, ZMQ_POLLIN, 0};
-      zmq::poll(&item, 1, std::chrono::milliseconds(100));
+      zmq::poll(&item, 1, std::chrono::milliseconds(update_running_ ? 10 : 100));
+      finish_update();
       if ((item.revents & ZMQ_POLLIN) == 0) continue;
       zmq::message_t msg;
       if (!control_.recv(msg, zmq::recv_flags::dontwait)) continue;
@@ -211,6 +281,7 @@ class Worker {
         if (sampler_.enabled()) beat["kpi"] = sampler_.latest();
         send_control(beat);
       }
+      if (type == bf::detail::kUpdate) start_update(json);
       if (type == bf::detail::kSampler) {
         sampler_.set(json.value("enabled", false), absl::Milliseconds(json.value("period_ms", 100)));
       }
@@ -254,7 +325,12 @@ class Worker {
     const std::uint64_t id = message.header.request_id;
     const std::uint32_t node = message.header.node;
     const std::string& block = message.header.target;
-    if (hosted_.count(block) == 0) {
+    bool hosted = false;
+    {
+      std::lock_guard lock(hosted_mu_);
+      hosted = hosted_.count(block) != 0;
+    }
+    if (!hosted) {
       replies_->push({error_header(id, node, absl::NotFoundError(fmt::format("does not host block '{}'", block))), {}});
       return;
     }
@@ -304,7 +380,15 @@ class Worker {
   zmq::socket_ref control_;
   std::string config_text_;
   bf::Session session_;
-  std::set<std::string> hosted_;
+  std::mutex hosted_mu_;
+  std::set<std::string> hosted_;   // read by the receiver thread, changed by updates
+  std::set<std::string> plugins_;  // loaded already
+  // Updates (control thread and the updater thread).
+  std::thread updater_;
+  bool update_running_ = false;  // control thread only
+  std::uint64_t update_seq_ = 0;
+  std::mutex update_mu_;
+  std::optional<absl::Status> update_status_;
   // Shared with the deleters of tensors over the host's slots, which may outlive this object.
   std::shared_ptr<ReplyQueue> replies_ = std::make_shared<ReplyQueue>();
   // The zero-copy channel: results go into our pools, requests are views of the host's.

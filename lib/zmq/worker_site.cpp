@@ -144,6 +144,10 @@ struct WorkerSite::Impl {
   KpiSample kpi;
   bool sampling = false, sampling_sent = true;  // sampling_sent: the worker has the current setting
   absl::Duration sampling_period = absl::Milliseconds(100);
+  // A block-list update for the running worker: queued for the control thread, answered by seq.
+  std::optional<nlohmann::json> pending_update;
+  std::uint64_t update_seq = 0, update_answered = 0;
+  std::string update_error;
   bool stopping = false;
   bool death_pending = false;       // a joined worker declared dead from the control thread
   std::string unreachable_peer;     // control thread only
@@ -365,6 +369,12 @@ struct WorkerSite::Impl {
       kill_cause = "failed to load its blocks";
       if (joined()) death_pending = true;
       else if (pid != 0) ::kill(pid, SIGKILL);
+    } else if (type == detail::kUpdated || type == detail::kUpdateError) {
+      update_answered = message.value("seq", std::uint64_t{0});
+      update_error = type == detail::kUpdated ? "" : message.value("message", "update failed");
+      rss = message.value("rss_bytes", rss);
+      lock.unlock();
+      changed.notify_all();
     } else if (type == detail::kHeartbeat) {
       last_heartbeat_ns = now_ns();
       rss = message.value("rss_bytes", rss);
@@ -434,6 +444,18 @@ struct WorkerSite::Impl {
         }
       }
       supervise();
+      {
+        std::optional<nlohmann::json> update;
+        std::string to;
+        {
+          std::lock_guard lock(mu);
+          if (!identity.empty() && state == State::kReady) {
+            update = std::exchange(pending_update, std::nullopt);
+            to = identity;
+          }
+        }
+        if (update) send_control(router, to, *update);
+      }
       if (now_ns() >= next_ping) {  // the worker answers pings with heartbeats
         std::string to;
         std::optional<nlohmann::json> sampler;
@@ -766,6 +788,35 @@ void WorkerSite::set_sampling(bool enabled, absl::Duration period) {
   if (!enabled) impl_->kpi = KpiSample{};
 }
 
+absl::Status WorkerSite::update(const std::vector<BlockDescription>& blocks) {
+  Impl& s = *impl_;
+  std::unique_lock lock(s.mu);
+  if (s.state != Impl::State::kReady) {
+    return absl::UnavailableError(fmt::format("{} cannot change its blocks now: it is not running{}", s.prefix(),
+                                              s.cause.empty() ? "" : " (" + s.cause + ")"));
+  }
+  const std::uint64_t seq = ++s.update_seq;
+  nlohmann::json message = detail::make_config(blocks, s.options);
+  message["type"] = detail::kUpdate;
+  message["seq"] = seq;
+  s.pending_update = std::move(message);  // the control thread sends it within its poll interval
+  const bool answered = s.changed.wait_for(lock, absl::ToChronoNanoseconds(s.options.start_timeout), [&] {
+    return s.stopping || s.update_answered == seq || s.state != Impl::State::kReady;
+  });
+  if (s.update_answered == seq) {
+    if (!s.update_error.empty()) return absl::InvalidArgumentError(fmt::format("{}: {}", s.prefix(), s.update_error));
+    s.blocks = blocks;  // what a restart loads from now on
+    return absl::OkStatus();
+  }
+  s.pending_update.reset();
+  if (!answered) {
+    return absl::DeadlineExceededError(fmt::format("{} did not load its new blocks within {}", s.prefix(),
+                                                   absl::FormatDuration(s.options.start_timeout)));
+  }
+  return absl::UnavailableError(fmt::format("{} went down during the update{}", s.prefix(),
+                                            s.cause.empty() ? "" : ": " + s.cause));
+}
+
 std::int64_t WorkerSite::pid() const {
   std::lock_guard lock(impl_->mu);
   return impl_->pid;
@@ -780,6 +831,11 @@ std::string WorkerSite::join_endpoint() const { return impl_->joined() ? impl_->
 
 namespace blockflow {
 void add_deployment(Session& session, const Deployment& deployment, const WorkerOptions& defaults) {
+  session.set_site_factory([defaults](const std::string& name) -> std::shared_ptr<RemoteSite> {
+    WorkerOptions options = defaults;
+    options.name = name;
+    return make_worker(std::move(options));
+  });
   for (const auto& name : deployment.workers()) {
     WorkerOptions options = defaults;
     options.name = name;

@@ -72,6 +72,7 @@ class SessionCore {
   MetricsSnapshot metrics() const;
   void set_sampling(bool enabled, absl::Duration period);
   absl::StatusOr<std::uint64_t> apply(const Deployment& wanted, absl::Duration drain);
+  void set_site_factory(Session::SiteFactory factory);
   void shutdown(absl::Duration drain);
 
  private:
@@ -92,6 +93,8 @@ class SessionCore {
   void forward_to_site(BlockRuntime& runtime);
   void on_site_completion(SiteRuntime& site, SiteCompletion&& completion);
   absl::Status start_sites();
+  absl::Status start_site(SiteRuntime& site);
+  static std::vector<BlockDescription> descriptions_of(const SiteRuntime& site);
   void forward_outputs(const StatePtr& state, int node, Tensors&& outputs, BlockRuntime* runtime);
   void deliver(const StatePtr& state, int node, int slot, Tensors&& tensors, std::int64_t ready_ns);
   void run_join(const StatePtr& state, int node, std::vector<Tensors>&& inputs, std::int64_t ready_ns);
@@ -105,7 +108,11 @@ class SessionCore {
   std::vector<std::shared_ptr<Block>> pending_blocks_;
   std::vector<BlockDescription> pending_descriptions_;
   KpiSampler sampler_;  // this process's figures, off until set_sampling()
+  // Changed by start() and apply() under state_mu_ too; read by metrics() and set_sampling().
   std::vector<std::unique_ptr<SiteRuntime>> sites_;
+  // Sites stopped by apply() once their last block went: kept for late references.
+  std::vector<std::unique_ptr<SiteRuntime>> retired_sites_;
+  Session::SiteFactory site_factory_;  // guarded by shutdown_mu_
   std::vector<Path> pending_paths_;
 
   // Changed by start() and apply() (under shutdown_mu_ and state_mu_); read by metrics() under state_mu_.

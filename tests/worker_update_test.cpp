@@ -1,0 +1,185 @@
+// Session::apply() with blocks in worker processes: a new placement starts a worker, a running
+// worker loads new blocks next to its others without a restart, a worker left without blocks stops,
+// and an update a worker cannot carry out is rejected as a whole with the worker's reason.
+#include "worker_util.hpp"
+
+#include <blockflow/deployment.hpp>
+
+#include <atomic>
+#include <csignal>
+#include <thread>
+
+using namespace blockflow;
+using Catch::Matchers::Contains;
+using namespace std::chrono_literals;
+
+namespace {
+
+bool process_exists(std::int64_t pid) { return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) == 0; }
+
+Deployment parse(const std::string& json) {
+  auto d = Deployment::parse(json);
+  INFO(d.status().ToString());
+  REQUIRE(d.ok());
+  return *d;
+}
+
+double value_of(Session& session, const std::string& task, double x) {
+  Result r = session.submit(task, at::full({1}, x)).get();
+  INFO(task << ": " << r.status.ToString());
+  REQUIRE(r.ok());
+  return r.output().item<double>();
+}
+
+const SiteStats* site(const MetricsSnapshot& m, const std::string& name) {
+  for (const auto& s : m.sites) {
+    if (s.name == name) return &s;
+  }
+  return nullptr;
+}
+
+std::uint64_t processed(const MetricsSnapshot& m, const std::string& block) {
+  for (const auto& b : m.blocks) {
+    if (b.name == block) return b.processed;
+  }
+  return 0;
+}
+
+}  // namespace
+
+TEST_CASE("apply starts workers, loads blocks into running ones untouched, stops emptied ones; no request lost",
+          "[worker_update]") {
+  Session session;
+  // "affine" is 3x + 1 (the test plugin).
+  add_deployment(session, parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"}],
+                                    "tasks": {"t1": ["a"]}})"),
+                 test::test_worker(""));
+  test::require_started(session);
+  CHECK(value_of(session, "t1", 1) == 4);
+  const auto before = session.metrics();
+  const std::int64_t w1 = site(before, "w1")->pid;
+  REQUIRE(w1 > 0);
+
+  // Traffic on t1 the whole time: every request must succeed with the right value.
+  std::atomic<bool> running{true};
+  std::atomic<int> sent{0}, wrong{0};
+  std::thread traffic([&] {
+    while (running) {
+      Result r = session.submit("t1", at::full({1}, 2.0)).get();
+      if (!r.ok() || r.output().item<double>() != 7) ++wrong;
+      ++sent;
+    }
+  });
+
+  // b joins a in the running w1; c needs a worker w2 that does not exist yet.
+  auto v1 = session.apply(parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"},
+                                               {"name": "b", "factory": "affine", "placement": "w1"},
+                                               {"name": "c", "factory": "affine", "placement": "w2"}],
+                                    "tasks": {"t1": ["a"], "t2": ["b"], "t3": ["a", "c"]}})"));
+  INFO(v1.status().ToString());
+  REQUIRE(v1.ok());
+  CHECK(*v1 == 1);
+  CHECK(value_of(session, "t2", 1) == 4);
+  CHECK(value_of(session, "t3", 1) == 13);
+  auto m = session.metrics();
+  CHECK(m.version == 1);
+  REQUIRE(m.sites.size() == 2);
+  CHECK(site(m, "w1")->pid == w1);  // not restarted: a kept running
+  CHECK(site(m, "w1")->restarts == 0);
+  const std::int64_t w2 = site(m, "w2")->pid;
+  CHECK(process_exists(w2));
+  CHECK(w2 != w1);
+  for (const auto& b : m.blocks) CHECK(b.placement == (b.name == "c" ? "w2" : "w1"));
+
+  // c and b go: w2 has nothing left and stops; w1 unloads b and keeps a.
+  auto v2 = session.apply(parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"}],
+                                    "tasks": {"t1": ["a"]}})"));
+  INFO(v2.status().ToString());
+  REQUIRE(v2.ok());
+  m = session.metrics();
+  REQUIRE(m.sites.size() == 1);
+  CHECK(m.sites[0].name == "w1");
+  CHECK(m.sites[0].pid == w1);
+  CHECK(m.blocks.size() == 1);
+  CHECK(test::eventually([&] { return !process_exists(w2); }));
+
+  // w2 comes back when an update names it again.
+  auto v3 = session.apply(parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"},
+                                               {"name": "c", "factory": "affine", "placement": "w2"}],
+                                    "tasks": {"t1": ["a"], "t3": ["a", "c"]}})"));
+  INFO(v3.status().ToString());
+  REQUIRE(v3.ok());
+  CHECK(value_of(session, "t3", 0) == 4);
+  running = false;
+  traffic.join();
+  CHECK(sent > 0);
+  CHECK(wrong == 0);
+  CHECK(processed(session.metrics(), "a") >= processed(before, "a") + static_cast<std::uint64_t>(sent.load()));
+  session.shutdown();
+}
+
+TEST_CASE("an update a worker cannot carry out is rejected whole, naming the worker and the cause",
+          "[worker_update]") {
+  Session session;
+  add_deployment(session, parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"}],
+                                    "tasks": {"t1": ["a"]}})"),
+                 test::test_worker(""));
+  test::require_started(session);
+  const std::int64_t w1 = session.metrics().sites.at(0).pid;
+  auto reject = [&](const std::string& json) {
+    auto v = session.apply(parse(json));
+    REQUIRE_FALSE(v.ok());
+    CHECK(absl::IsInvalidArgument(v.status()));
+    const auto m = session.metrics();
+    CHECK(m.version == 0);
+    CHECK(m.blocks.size() == 1);
+    REQUIRE(m.sites.size() == 1);
+    CHECK(m.sites[0].pid == w1);
+    CHECK(value_of(session, "t1", 1) == 4);
+    return std::string(v.status().message());
+  };
+  // A model the running worker cannot load: w1 keeps a, and only a.
+  CHECK_THAT(reject(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"},
+                                   {"name": "m", "torchscript": "/nowhere/missing.pt", "placement": "w1"}],
+                        "tasks": {"t1": ["a"], "t2": ["m"]}})"),
+             Contains("update 1 rejected, nothing changed") && Contains("worker w1") && Contains("missing.pt"));
+  // The same in a worker that had to be started: it is stopped again.
+  CHECK_THAT(reject(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"},
+                                   {"name": "m", "torchscript": "/nowhere/missing.pt", "placement": "w5"}],
+                        "tasks": {"t1": ["a"], "t2": ["m"]}})"),
+             Contains("worker w5") && Contains("missing.pt"));
+  // A block changed in place inside its worker.
+  CHECK_THAT(reject(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1", "queue_capacity": 7}],
+                        "tasks": {"t1": ["a"]}})"),
+             Contains("block 'a' in site 'w1': changing a block in place inside the same site is not supported"));
+  // After all that, a valid update still goes through on the same worker.
+  auto v = session.apply(parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"},
+                                              {"name": "s", "factory": "slow_identity", "placement": "w1"}],
+                                   "tasks": {"t1": ["a", "s"]}})"));
+  INFO(v.status().ToString());
+  REQUIRE(v.ok());
+  CHECK(*v == 1);
+  CHECK(value_of(session, "t1", 2) == 7);
+  CHECK(session.metrics().sites.at(0).pid == w1);
+}
+
+TEST_CASE("a placement naming no site, in a session without a site factory, is rejected by name", "[worker_update]") {
+  Session session;
+  session.add_site(make_worker(test::test_worker("w1")))
+      .add_block(test::plugin_block("a", "affine", "w1"))
+      .add_path(Path::chain("t1", {"a"}));
+  test::require_started(session);
+  auto v = session.apply(parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"},
+                                              {"name": "b", "factory": "affine", "placement": "w9"}],
+                                   "tasks": {"t1": ["a"], "t2": ["b"]}})"));
+  REQUIRE_FALSE(v.ok());
+  CHECK_THAT(std::string(v.status().message()),
+             Contains("block 'b': placement 'w9' names no site, and the session has no site factory"));
+  // The running worker takes new blocks without a factory.
+  auto ok = session.apply(parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"},
+                                               {"name": "b", "factory": "affine", "placement": "w1"}],
+                                    "tasks": {"t1": ["a"], "t2": ["a", "b"]}})"));
+  INFO(ok.status().ToString());
+  REQUIRE(ok.ok());
+  CHECK(value_of(session, "t2", 0) == 4);
+}
