@@ -16,7 +16,7 @@
 // {"bench":"sampler_cost","e2e_p50_ms_off":..,"e2e_p50_ms_on":..,"ratio":..} with ratio = on / off.
 //
 //   pipeline_bench --models DIR [--mode threads|workers|worker_memory] [--channel shm|zmq] [--requests N]
-//                  [--threads T]
+//                  [--threads T] [--worker-env "K=V ..."]
 
 #include "bench_util.hpp"
 
@@ -29,13 +29,17 @@
 
 #include <fmt/ranges.h>
 
+#include <absl/strings/str_split.h>
+
 #include <iostream>
+#include <optional>
 #include <thread>
 
 namespace bf = blockflow;
 
 int main(int argc, char** argv) try {
   std::string models, mode = "threads", channel = "shm";
+  std::optional<std::string> worker_env;  // "K=V K=V": replaces WorkerOptions::environment
   int requests = 100, threads = 2, warmup = 5;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
@@ -45,6 +49,7 @@ int main(int argc, char** argv) try {
     else if (a == "--warmup") warmup = std::stoi(v);
     else if (a == "--mode") mode = v;
     else if (a == "--channel") channel = v;
+    else if (a == "--worker-env") worker_env = v;
     else throw std::invalid_argument("unknown argument " + a);
   }
   if (models.empty()) throw std::invalid_argument("usage: pipeline_bench --models DIR [--requests N] [--threads T]");
@@ -75,6 +80,7 @@ int main(int argc, char** argv) try {
     bf::WorkerOptions o;
     o.name = fmt::format("w{}", w);
     o.channel = channel;
+    if (worker_env) o.environment = absl::StrSplit(*worker_env, ' ', absl::SkipEmpty());
     session.add_site(bf::make_worker(o));
   }
   session.add_path(bf::Path::chain("split", {"block1", "block2", "block3", "block4"}));
@@ -126,7 +132,7 @@ int main(int argc, char** argv) try {
       "\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},"
       "\"worker_env\":\"{}\",\"hardware_threads\":{}}}\n",
       mode, workers ? (channel == "zmq" ? "zmq-ipc" : channel) : "inproc", threads, requests, e2e, mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5),
-      workers ? fmt::format("{}", fmt::join(bf::WorkerOptions{}.environment, " ")) : "", std::thread::hardware_concurrency());
+      workers ? worker_env.value_or(fmt::format("{}", fmt::join(bf::WorkerOptions{}.environment, " "))) : "", std::thread::hardware_concurrency());
   return 0;
 } catch (const std::exception& e) {
   std::cerr << "pipeline_bench: " << e.what() << "\n";

@@ -29,8 +29,13 @@ struct WorkerOptions {
   /// keep its OpenMP threads spinning for a while, taking a core from the next block's worker on a
   /// small machine (measured on 2 cores: the 4-worker ResNet50 pipeline went from 1.48x to 1.22x
   /// the monolithic model). Within a block, parallel regions follow each other closely enough to
-  /// stay in the spin.
-  std::vector<std::string> environment = {"GOMP_SPINCOUNT=10000"};
+  /// stay in the spin. The two glibc malloc settings keep a block's activation buffers (up to
+  /// 32 MB each) in the process between requests instead of unmapping them and faulting them back
+  /// in on the next one (measured on 2 cores: ResNet50's block1 computed in 20.2 ms instead of
+  /// 24.7 ms in its worker; pipeline ratio 1.23 instead of 1.27). Memory freed stays with the worker
+  /// up to 1 GB.
+  std::vector<std::string> environment = {"GOMP_SPINCOUNT=10000", "MALLOC_MMAP_THRESHOLD_=33554432",
+                                          "MALLOC_TRIM_THRESHOLD_=1073741824"};
   /// Empty (the default): the session starts the worker as its child and reaches it over `ipc://`
   /// endpoints in a private 0700 directory. "tcp://ADDR:PORT": a worker on another host. The session
   /// starts nothing; it binds its control socket at this endpoint (and its two data sockets at
