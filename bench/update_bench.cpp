@@ -2,11 +2,15 @@
 // block). Two kinds of update, each applied several times while requests flow:
 //   reroute  task_a alternates between ...block4 and ...head_b (no block added or removed)
 //   add      a block (the monolithic model, loaded and warmed from its file) joins, then leaves
+//   add_worker  the same block placed in a worker process that the update starts (and the next
+//            update stops again when it removes the block)
 // Prints one line per kind:
 //   {"bench":"update","kind":"reroute","blocks_changed":0,"tasks_rerouted":1,"updates":N,
 //    "apply_ms_p50":..,"apply_ms_max":..,"lost":0,"failed":0,"requests":..}
 // apply_ms is the time apply() takes to return: from then on every new request takes the new route.
-// For "add" it includes loading and warming the new block, and removing it includes its drain.
+// For "add" it includes loading and warming the new block, and removing it includes its drain;
+// "load_ms_p50" is that loading part alone (metrics().last_update.load_ms: for add_worker, starting
+// the worker process too), "route_ms_p50" the publishing of the new routes.
 // lost = requests that never resolved; failed = requests that resolved with an error.
 //
 //   update_bench --models DIR [--rate R] [--updates N] [--threads T]
@@ -14,6 +18,7 @@
 #include "bench_util.hpp"
 
 #include <blockflow/blockflow.hpp>
+#include <blockflow/worker_site.hpp>
 #include <blockflow/deployment.hpp>
 
 #include <ATen/ATen.h>
@@ -55,8 +60,10 @@ int main(int argc, char** argv) try {
                                          block(models, "block3", "[-1, 512, 28, 28]", threads),
                                          block(models, "block4", "[-1, 1024, 14, 14]", threads),
                                          block(models, "head_b", "[-1, 1024, 14, 14]", threads));
-  auto deployment = [&](const std::string& head, bool with_monolithic) {
-    const std::string extra = with_monolithic ? ", " + block(models, "monolithic", "[-1, 3, 224, 224]", threads) : "";
+  auto deployment = [&](const std::string& head, bool with_monolithic, const std::string& placement = "") {
+    std::string mono = block(models, "monolithic", "[-1, 3, 224, 224]", threads);
+    if (!placement.empty()) mono.insert(mono.size() - 1, fmt::format(R"(, "placement": "{}")", placement));
+    const std::string extra = with_monolithic ? ", " + mono : "";
     const std::string mono_task = with_monolithic ? R"(, "whole": ["monolithic"])" : "";
     auto d = bf::Deployment::parse(fmt::format(R"({{"blocks": [{}{}], "tasks": {{"task_a": ["block1", "block2", "block3", "{}"]{}}}}})",
                                                blocks, extra, head, mono_task));
@@ -65,6 +72,7 @@ int main(int argc, char** argv) try {
   };
 
   bf::Session session;
+  bf::add_deployment(session, bf::Deployment{});  // only installs the factory of worker sites
   const bf::Deployment first = deployment("block4", false);
   for (const auto& b : first.blocks) session.add_block(b);
   for (auto& p : first.paths()) session.add_path(std::move(p));
@@ -88,42 +96,52 @@ int main(int argc, char** argv) try {
       next += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap(random)));
     }
   });
-  auto timed_apply = [&](const bf::Deployment& d) {
+  struct Timing {
+    std::vector<double> apply, load, route;
+  };
+  auto timed_apply = [&](const bf::Deployment& d, Timing& t) {
     const auto t0 = Clock::now();
     auto v = session.apply(d);
     if (!v.ok()) throw std::runtime_error(v.status().ToString());
-    return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    t.apply.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    const auto last = session.metrics().last_update;
+    t.load.push_back(last.load_ms);
+    t.route.push_back(last.route_ms);
   };
-  auto report = [&](const char* kind, int blocks_changed, int rerouted, const std::vector<double>& ms) {
+  auto report = [&](const char* kind, int blocks_changed, int rerouted, const Timing& t) {
+    const std::vector<double>& ms = t.apply;
     // Let what is in flight finish before counting.
     const auto until = Clock::now() + std::chrono::seconds(30);
     while (resolved.load() < sent.load() && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
     fmt::print("{{\"bench\":\"update\",\"kind\":\"{}\",\"blocks_changed\":{},\"tasks_rerouted\":{},\"updates\":{},"
-               "\"apply_ms_p50\":{:.3f},\"apply_ms_max\":{:.3f},\"lost\":{},\"failed\":{},\"requests\":{},"
-               "\"rate_per_s\":{},\"threads_per_block\":{}}}\n",
+               "\"apply_ms_p50\":{:.3f},\"apply_ms_max\":{:.3f},\"load_ms_p50\":{:.3f},\"route_ms_p50\":{:.3f},"
+               "\"lost\":{},\"failed\":{},\"requests\":{},\"rate_per_s\":{},\"threads_per_block\":{}}}\n",
                kind, blocks_changed, rerouted, ms.size(), bf::bench::percentile(ms, 0.5),
-               *std::max_element(ms.begin(), ms.end()), sent.load() - resolved.load(), failed.load(), sent.load(), rate,
+               *std::max_element(ms.begin(), ms.end()), bf::bench::percentile(t.load, 0.5),
+               bf::bench::percentile(t.route, 0.5), sent.load() - resolved.load(), failed.load(), sent.load(), rate,
                threads);
     std::fflush(stdout);
   };
 
   std::this_thread::sleep_for(std::chrono::seconds(1));
-  std::vector<double> reroute_ms;
+  Timing reroute;
   for (int u = 0; u < updates; ++u) {
-    reroute_ms.push_back(timed_apply(deployment(u % 2 == 0 ? "head_b" : "block4", false)));
+    timed_apply(deployment(u % 2 == 0 ? "head_b" : "block4", false), reroute);
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
   }
-  report("reroute", 0, 1, reroute_ms);
+  report("reroute", 0, 1, reroute);
 
-  std::vector<double> add_ms, remove_ms;
-  for (int u = 0; u < std::max(1, updates / 4); ++u) {
-    add_ms.push_back(timed_apply(deployment("block4", true)));
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    remove_ms.push_back(timed_apply(deployment("block4", false)));
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  for (const std::string placement : {"", "wm"}) {
+    Timing add, remove;
+    for (int u = 0; u < std::max(1, updates / 4); ++u) {
+      timed_apply(deployment("block4", true, placement), add);
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      timed_apply(deployment("block4", false), remove);
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    }
+    report(placement.empty() ? "add" : "add_worker", 1, 0, add);
+    report(placement.empty() ? "remove" : "remove_worker", 1, 0, remove);
   }
-  report("add", 1, 0, add_ms);
-  report("remove", 1, 0, remove_ms);
   run = false;
   traffic.join();
   session.shutdown();

@@ -155,6 +155,13 @@ std::string MetricsSnapshot::to_prometheus() const {
   Exposition e;
   e.add("blockflow_uptime_seconds", "gauge", "Seconds since the session started.", {}, uptime_s);
   e.add("blockflow_in_flight_requests", "gauge", "Requests submitted and not yet resolved.", {}, static_cast<double>(in_flight));
+  e.add("blockflow_deployment_version", "gauge", "Deployment version: 0 at start, +1 per applied update.", {},
+        static_cast<double>(version));
+  for (const auto& [phase, ms] : {std::pair{"load", last_update.load_ms}, std::pair{"route", last_update.route_ms},
+                                  std::pair{"drain", last_update.drain_ms}, std::pair{"total", last_update.total_ms}}) {
+    e.add("blockflow_last_update_seconds", "gauge", "Time the last applied update spent, by phase.", {{"phase", phase}},
+          ms / 1e3);
+  }
   e.add("blockflow_sampling_enabled", "gauge", "1 while KPI sampling is on.", {}, sampling ? 1 : 0);
   e.add("blockflow_sampling_period_seconds", "gauge", "KPI sampling period.", {}, sampling_period_s);
   for (const auto& b : blocks) {

@@ -664,6 +664,7 @@ MetricsSnapshot SessionCore::metrics() const {
   absl::MutexLock lock(&state_mu_);
   MetricsSnapshot snapshot;
   snapshot.version = version_.load();
+  snapshot.last_update = last_update_;
   snapshot.uptime_s = started_ns_ == 0 ? 0.0 : static_cast<double>(now_ns() - started_ns_) / 1e9;
   snapshot.in_flight = static_cast<std::uint64_t>(std::max<std::int64_t>(in_flight_.load(), 0));
   const double uptime = std::max(snapshot.uptime_s, 1e-9);
@@ -728,6 +729,10 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
     return absl::FailedPreconditionError("update: the session is not running (start() it first; not after shutdown())");
   }
   const std::uint64_t version = version_.load() + 1;
+  const std::int64_t t_begin = now_ns();
+  auto ms_since = [](std::int64_t t) { return static_cast<double>(now_ns() - t) / 1e6; };
+  UpdateStats timing;
+  timing.version = version;
   auto invalid = [&](const std::string& what) {
     return absl::InvalidArgumentError(fmt::format("update {} rejected, nothing changed: {}", version, what));
   };
@@ -772,6 +777,7 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
                                  "start one (add_deployment() installs one for worker processes)", d.name, d.placement));
     }
   }
+  const std::int64_t t_load = now_ns();
   // 2. Build and load the new blocks of this process (nothing is routed to them yet); describe the
   // ones going to sites, making the sites the session lacks.
   std::vector<std::unique_ptr<BlockRuntime>> fresh;
@@ -802,6 +808,8 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
     fresh.push_back(make_runtime(*std::move(block)));
     fresh.back()->description = d;
   }
+  timing.load_ms = ms_since(t_load);  // this process's blocks built; sites and warm-up follow in 4
+  const std::int64_t t_route = now_ns();
   // 3. The new routing table, against the blocks that stay and the new ones.
   absl::flat_hash_map<std::string, BlockRuntime*> next_by_name;
   for (const auto& runtime : blocks_) {
@@ -814,6 +822,8 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
     return it == next_by_name.end() ? nullptr : it->second;
   }, &new_paths);
   if (!table.ok()) return invalid(std::string(table.status().message()));
+  timing.route_ms = ms_since(t_route);
+  const std::int64_t t_warm = now_ns();
   // 4. Start and warm the new blocks up: this process's, then the sites' (new sites start with
   // theirs; running sites load theirs next to what they have).
   std::vector<BlockRuntime*> starting;
@@ -864,6 +874,11 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
       for (auto* runtime : runtimes) runtime->workers.emplace_back([this, runtime] { forward_to_site(*runtime); });
     }
   }
+  timing.load_ms += ms_since(t_warm);
+  const std::int64_t t_publish = now_ns();
+  timing.blocks_added = static_cast<std::uint32_t>(fresh.size());
+  timing.blocks_removed = static_cast<std::uint32_t>(removed.size());
+  timing.sites_started = static_cast<std::uint32_t>(new_sites.size());
   // 5. Publish: blocks, then the routing table, at once for every task.
   {
     absl::MutexLock lock(&state_mu_);
@@ -879,6 +894,8 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
     absl::MutexLock lock(&routing_mu_);
     old = std::exchange(routing_, *std::move(table));
   }
+  timing.route_ms += ms_since(t_publish);
+  const std::int64_t t_drain = now_ns();
   // 6. Drain what is going: wait until no request holds a plan through a removed block, from the
   // table just replaced or from any earlier one.
   std::vector<std::shared_ptr<const PathPlan>> through_removed;
@@ -927,8 +944,12 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
                                site->site->name(), std::string(status.message()));
     }
   }
+  timing.sites_stopped = static_cast<std::uint32_t>(emptied.size());
+  timing.drain_ms = ms_since(t_drain);
+  timing.total_ms = ms_since(t_begin);
   {
     absl::MutexLock lock(&state_mu_);
+    last_update_ = timing;
     for (auto it = sites_.begin(); it != sites_.end();) {
       if (std::find(emptied.begin(), emptied.end(), it->get()) != emptied.end()) {
         retired_sites_.push_back(std::move(*it));

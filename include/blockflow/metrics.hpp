@@ -45,12 +45,24 @@ struct PathMetrics {
   double throughput_per_s = 0;                 ///< completed / uptime
 };
 
+/// @brief Where the last successful Session::apply() spent its time (version 0: none yet).
+struct UpdateStats {
+  std::uint64_t version = 0;
+  std::uint32_t blocks_added = 0, blocks_removed = 0;  ///< a replaced block counts in both
+  std::uint32_t sites_started = 0, sites_stopped = 0;  ///< worker processes started / stopped by it
+  double load_ms = 0;   ///< building, loading and warming the new blocks, here and at sites
+  double route_ms = 0;  ///< checking the paths and publishing the new routing table
+  double drain_ms = 0;  ///< draining, stopping and unloading the removed blocks
+  double total_ms = 0;  ///< the whole apply() call
+};
+
 /// @brief A consistent-enough copy of the counters (each counter is read atomically; the
 /// snapshot as a whole is not a transaction).
 struct MetricsSnapshot {
   double uptime_s = 0;
   std::uint64_t in_flight = 0;
   std::uint64_t version = 0;      ///< deployment version: 0 at start(), +1 per successful Session::apply()
+  UpdateStats last_update;        ///< the timing of the apply() that made `version`
   bool sampling = false;          ///< KPI sampling on (Session::set_sampling)
   double sampling_period_s = 0;
   KpiSample host;                 ///< this process's last KPI sample (time_s 0 while sampling is off)

@@ -124,6 +124,7 @@ class SessionCore {
   // late requests never point at freed memory.
   std::vector<std::unique_ptr<BlockRuntime>> retired_;
   std::atomic<std::uint64_t> version_{0};
+  UpdateStats last_update_;  // under state_mu_
   // Every plan published and maybe still held by a request (apply() drains removed blocks by them).
   std::vector<std::weak_ptr<const PathPlan>> published_plans_;
 
