@@ -90,7 +90,7 @@ TEST_CASE("shm hand-off: the consumer's tensor is a view of the mapped pool, not
   CHECK_THAT(file, Contains("/dev/shm/blockflow-"));
   CHECK(edge.consumer.pools_mapped() == 1);  // both in the 4 MB class: it had free slots
   const auto stats = edge.producer.stats();
-  CHECK(stats.handles_sent == 2);
+  CHECK(stats.handles == 2);
   CHECK(stats.slots_in_use == 2);
   CHECK(stats.bytes_staged == static_cast<std::uint64_t>(x.numel() * 4 + 80));
 }
@@ -114,7 +114,7 @@ TEST_CASE("shm slots come back when the last view dies, and are reused", "[shm]"
   }
   s = edge.producer.stats();
   CHECK(s.pools == 1);
-  CHECK(s.handles_sent == 21);
+  CHECK(s.handles == 21);
   CHECK(s.slots_in_use == 0);
 }
 

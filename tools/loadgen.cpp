@@ -23,6 +23,8 @@
 // energy_j_per_inference too, and only where NVML reports power (the run then samples every process).
 // Progress goes to stderr once a second unless --quiet.
 
+#include "bench_util.hpp"  // bench/: percentiles shared with the benchmarks
+
 #include <blockflow/blockflow.hpp>
 #include <blockflow/client_endpoint.hpp>
 #include <blockflow/deployment.hpp>
@@ -120,11 +122,7 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-double percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<std::size_t>(q * static_cast<double>(v.size())))];
-}
+using blockflow::bench::percentile;  // nearest rank, as in the benchmarks
 
 // What one run measured. Thread-safe.
 struct Tally {

@@ -35,6 +35,7 @@ struct SiteCompletion {
 /// @brief One direction of a zero-copy shared-memory edge: the producer's pool and what crossed it.
 struct ShmEdgeStats {
   std::uint64_t handles = 0;         ///< tensors handed over as handles
+  std::uint64_t releases = 0;        ///< slots given back by the consumer
   std::uint64_t slots_in_use = 0;    ///< leased, not yet released by the consumer
   std::uint64_t slots_total = 0;
   std::uint64_t credit_waits = 0;    ///< times the producer found no free slot at first
@@ -42,6 +43,7 @@ struct ShmEdgeStats {
   std::uint64_t stale_releases = 0;  ///< releases that matched no lease (ignored)
   std::uint64_t bytes_staged = 0;    ///< the producer's one copy into its slots
   std::uint64_t bytes_mapped = 0;    ///< size of the producer's pools
+  std::uint64_t pools = 0;           ///< pools (one per slot size in use)
 };
 
 struct SiteStats {

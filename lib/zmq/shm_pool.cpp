@@ -105,7 +105,7 @@ struct ShmProducer::Impl {
   ShmPoolOptions options;
   mutable absl::Mutex mu;
   std::vector<Pool> pools;  // by slot size, small first
-  ShmStats stats;
+  ShmEdgeStats stats;
   std::uint64_t frees = 0;  // slots freed so far: stage() waits for this to move
 
   struct WaitArg {
@@ -213,7 +213,7 @@ absl::StatusOr<wire::ShmHandle> ShmProducer::stage(const void* data, std::size_t
       if (bytes > 0) std::memcpy(pool->slot_address(slot), data, bytes);
       // Published before the handle can reach anyone (the send that follows is a barrier too).
       generations(pool->mapping->base)[slot].store(generation, std::memory_order_release);
-      ++s.stats.handles_sent;
+      ++s.stats.handles;
       ++s.stats.slots_in_use;
       s.stats.bytes_staged += bytes;
       return wire::ShmHandle{pool->id, slot, generation, 0};
@@ -262,10 +262,10 @@ std::size_t ShmProducer::reclaim_all() {
   return n;
 }
 
-ShmStats ShmProducer::stats() const {
+ShmEdgeStats ShmProducer::stats() const {
   const Impl& s = *impl_;
   absl::MutexLock lock(&s.mu);
-  ShmStats out = s.stats;
+  ShmEdgeStats out = s.stats;
   out.pools = s.pools.size();
   out.bytes_mapped = s.bytes_mapped();
   return out;

@@ -277,7 +277,7 @@ class Worker {
       }
       if (type == bf::detail::kPing) {
         nlohmann::json beat = {{"type", bf::detail::kHeartbeat}, {"rss_bytes", rss_bytes()}};
-        if (results_pool_) beat["shm"] = bf::detail::to_json(results_pool_->stats());
+        if (results_pool_) beat["shm"] = results_pool_->stats();
         if (sampler_.enabled()) beat["kpi"] = sampler_.latest();
         send_control(beat);
       }

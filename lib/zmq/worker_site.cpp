@@ -378,7 +378,7 @@ struct WorkerSite::Impl {
     } else if (type == detail::kHeartbeat) {
       last_heartbeat_ns = now_ns();
       rss = message.value("rss_bytes", rss);
-      if (message.contains("shm")) shm_results = detail::shm_edge_from_json(message["shm"]);
+      if (message.contains("shm") && message["shm"].is_object()) shm_results = message["shm"].get<ShmEdgeStats>();
       kpi = message.contains("kpi") ? message["kpi"].get<KpiSample>() : KpiSample{};
     }
   }
@@ -770,7 +770,7 @@ SiteStats WorkerSite::stats() const {
   out.rss_bytes = s.rss;
   out.data.kind = s.joined() ? "zmq-tcp" : s.shm() ? "shm" : "zmq-ipc";
   out.data.bytes_copied = s.bytes_copied;
-  if (s.requests_pool) out.shm_requests = detail::to_edge_stats(s.requests_pool->stats());
+  if (s.requests_pool) out.shm_requests = s.requests_pool->stats();
   out.shm_results = s.shm_results;
   out.kpi = s.kpi;
   out.data.sent = s.sent;

@@ -14,6 +14,7 @@
 // u64 slot_bytes, u64 data_offset, 24 reserved}, then one atomic u64 generation per slot (0 while the
 // slot is free), then the slots from data_offset (page-aligned), slot_bytes each.
 
+#include <blockflow/remote_site.hpp>
 #include <blockflow/wire_format.hpp>
 
 #include <absl/status/statusor.h>
@@ -31,18 +32,6 @@ struct ShmPoolOptions {
   std::size_t max_total_bytes = std::size_t{1} << 30;  ///< bound on all pools of one producer
 };
 
-struct ShmStats {
-  std::uint64_t handles_sent = 0;    ///< slots leased (one per tensor handed off)
-  std::uint64_t releases = 0;        ///< slots given back by the consumer
-  std::uint64_t stale_releases = 0;  ///< release messages that matched no leased slot (ignored)
-  std::uint64_t reclaims = 0;        ///< slots taken back from a dead consumer
-  std::uint64_t credit_waits = 0;    ///< stage() calls that found no free slot at first
-  std::uint64_t slots_in_use = 0;
-  std::uint64_t slots_total = 0;
-  std::uint64_t pools = 0;
-  std::uint64_t bytes_mapped = 0;
-  std::uint64_t bytes_staged = 0;    ///< the producer's one copy into its slots
-};
 
 /// The producing side. Thread-safe.
 class ShmProducer {
@@ -61,7 +50,8 @@ class ShmProducer {
   bool release(const wire::ShmHandle& handle);
   /// Frees every leased slot (the consumer died). Returns how many.
   std::size_t reclaim_all();
-  ShmStats stats() const;
+  /// The pool's figures, as metrics report them (SiteStats::shm_requests / shm_results).
+  ShmEdgeStats stats() const;
   /// The address of a handle's bytes in this process (tests).
   const void* address(const wire::ShmHandle& handle) const;
 

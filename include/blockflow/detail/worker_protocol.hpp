@@ -33,12 +33,6 @@ inline constexpr const char* kUpdateError = "update_error";   // worker -> host:
 
 // Blocks travel in the deployment format: detail/deployment_json.hpp.
 
-/// A pool's figures as sent in heartbeats, and back.
-nlohmann::json to_json(const ShmStats& stats);
-ShmEdgeStats shm_edge_from_json(const nlohmann::json& json);
-/// The public figures of a producer's pool.
-ShmEdgeStats to_edge_stats(const ShmStats& stats);
-
 nlohmann::json make_config(const std::vector<BlockDescription>& blocks, const WorkerOptions& options);
 
 }  // namespace blockflow::detail
