@@ -150,9 +150,15 @@ std::vector<GpuSample> GpuProbe::sample() const {
     if (n.temperature(device, /*NVML_TEMPERATURE_GPU*/ 0, &value) == 0) g.temperature_c = value;
     if (n.power(device, &value) == 0) g.power_w = value / 1000.0;  // milliwatts
     if (n.processes != nullptr) {
-      std::vector<Impl::ProcessInfo> list(64);
+      std::vector<Impl::ProcessInfo> list(256);
       auto count = static_cast<unsigned int>(list.size());
-      if (n.processes(device, &count, list.data()) == 0) {
+      int rc = n.processes(device, &count, list.data());
+      if (rc == 7 /*NVML_ERROR_INSUFFICIENT_SIZE*/ && count > list.size()) {  // a busy shared GPU
+        list.resize(count + 16);
+        count = static_cast<unsigned int>(list.size());
+        rc = n.processes(device, &count, list.data());
+      }
+      if (rc == 0) {
         for (unsigned int p = 0; p < count && p < list.size(); ++p) {
           // NVML_VALUE_NOT_AVAILABLE (all ones) where the driver hides per-process figures.
           if (list[p].pid == pid && list[p].used_gpu_memory != ~0ULL) g.process_memory_bytes = list[p].used_gpu_memory;

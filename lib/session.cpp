@@ -859,14 +859,15 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
       const absl::Status status = is_new ? start_site(*site) : site->site->update(after);
       if (!status.ok()) {
         if (is_new) site->blocks.clear();
+        else if (!absl::IsInvalidArgument(status)) grown.emplace_back(site, before);  // it may load them yet
         undo_sites();
-        return invalid(std::string(status.message()));
+        // InvalidArgument for what could not be loaded (a new site that fails to start included);
+        // a running worker that died or did not answer keeps its code (Unavailable, DeadlineExceeded).
+        const bool invalid_update = is_new || absl::IsInvalidArgument(status);
+        return absl::Status(invalid_update ? absl::StatusCode::kInvalidArgument : status.code(),
+                            fmt::format("update {} rejected, nothing changed: {}", version, std::string(status.message())));
       }
       if (!is_new) grown.emplace_back(site, before);
-    }
-    const bool sampling = sampler_.enabled();
-    for (auto& site : new_sites) {
-      if (sampling) site->site->set_sampling(true, sampler_.period());
     }
     for (auto& [site, runtimes] : incoming) {
       const bool is_new = std::any_of(new_sites.begin(), new_sites.end(), [&](const auto& n) { return n.get() == site; });
@@ -883,10 +884,16 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
   {
     absl::MutexLock lock(&state_mu_);
     for (auto& runtime : fresh) blocks_.push_back(std::move(runtime));
-    for (auto& site : new_sites) sites_.push_back(std::move(site));
+    for (auto& site : new_sites) {
+      // set_sampling() holds state_mu_ too: a new site gets the setting of the moment.
+      if (sampler_.enabled()) site->site->set_sampling(true, sampler_.period());
+      sites_.push_back(std::move(site));
+    }
     for (auto& p : new_paths) paths_.push_back(std::move(p));
     block_by_name_ = next_by_name;
     version_.store(version);
+    timing.total_ms = ms_since(t_begin);
+    last_update_ = timing;  // drain figures follow once it is done
   }
   for (const auto& [task, plan] : (*table)->plans) published_plans_.push_back(plan);
   std::shared_ptr<const RoutingTable> old;
@@ -945,6 +952,7 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
     }
   }
   timing.sites_stopped = static_cast<std::uint32_t>(emptied.size());
+  std::vector<std::shared_ptr<RemoteSite>> released_sites;  // destroyed outside state_mu_
   timing.drain_ms = ms_since(t_drain);
   timing.total_ms = ms_since(t_begin);
   {
@@ -952,6 +960,7 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
     last_update_ = timing;
     for (auto it = sites_.begin(); it != sites_.end();) {
       if (std::find(emptied.begin(), emptied.end(), it->get()) != emptied.end()) {
+        released_sites.push_back(std::move((*it)->site));  // stopped: no callback can come any more
         retired_sites_.push_back(std::move(*it));
         it = sites_.erase(it);
       } else {

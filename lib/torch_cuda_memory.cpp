@@ -6,6 +6,7 @@
 #ifdef BLOCKFLOW_TORCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <torch/version.h>
 #endif
 
 namespace blockflow {
@@ -17,7 +18,11 @@ std::string sample_torch_cuda(std::vector<TorchCudaMemory>& out) {
     const int devices = static_cast<int>(c10::cuda::device_count());
     if (devices == 0) return "no CUDA device visible to libtorch";
     for (int d = 0; d < devices; ++d) {
-      // Throws for a device whose allocator was never initialised: the process did not use it.
+#if TORCH_VERSION_MAJOR >= 2
+      // Only devices this process has a context on: asking about others would create one.
+      if (!c10::cuda::hasPrimaryContext(static_cast<c10::DeviceIndex>(d))) continue;
+#endif
+      // Older libtorch throws for a device whose allocator was never initialised.
       try {
         const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(d));
         constexpr auto aggregate = static_cast<std::size_t>(c10::cuda::CUDACachingAllocator::StatType::AGGREGATE);

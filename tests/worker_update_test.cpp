@@ -6,6 +6,9 @@
 #include <blockflow/deployment.hpp>
 
 #include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <set>
 #include <csignal>
 #include <thread>
 
@@ -16,6 +19,22 @@ using namespace std::chrono_literals;
 namespace {
 
 bool process_exists(std::int64_t pid) { return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) == 0; }
+
+// This process's live children (worker processes), from /proc/self/task/*/children.
+std::set<std::int64_t> children() {
+  std::set<std::int64_t> out;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream in(task.path() / "children");
+    for (std::int64_t pid = 0; in >> pid;) {
+      std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+      std::string line;
+      std::getline(stat, line);
+      const auto close = line.rfind(')');
+      if (close != std::string::npos && line.size() > close + 2 && line[close + 2] != 'Z') out.insert(pid);
+    }
+  }
+  return out;
+}
 
 Deployment parse(const std::string& json) {
   auto d = Deployment::parse(json);
@@ -91,7 +110,20 @@ TEST_CASE("apply starts workers, loads blocks into running ones untouched, stops
   CHECK(w2 != w1);
   for (const auto& b : m.blocks) CHECK(b.placement == (b.name == "c" ? "w2" : "w1"));
 
-  // c and b go: w2 has nothing left and stops; w1 unloads b and keeps a.
+  // c and b go while t2 (through b) has traffic: w2 has nothing left and stops; w1 unloads b and
+  // keeps a. Every t2 request resolves: done by b before it went, or refused once t2 is gone.
+  std::atomic<int> t2_sent{0}, t2_ok{0}, t2_refused{0}, t2_other{0};
+  std::thread traffic2([&] {
+    for (int i = 0; i < 400; ++i) {
+      Result r = session.submit("t2", at::full({1}, 1.0)).get();
+      ++t2_sent;
+      if (r.ok() && r.output().item<double>() == 4) ++t2_ok;
+      else if (!r.ok() && r.status.message().find("t2") != std::string::npos) ++t2_refused;
+      else ++t2_other;
+      if (t2_refused > 3) break;
+    }
+  });
+  std::this_thread::sleep_for(50ms);
   auto v2 = session.apply(parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"}],
                                     "tasks": {"t1": ["a"]}})"));
   INFO(v2.status().ToString());
@@ -101,7 +133,13 @@ TEST_CASE("apply starts workers, loads blocks into running ones untouched, stops
   CHECK(m.sites[0].name == "w1");
   CHECK(m.sites[0].pid == w1);
   CHECK(m.blocks.size() == 1);
+  traffic2.join();
+  INFO("t2: sent " << t2_sent << ", ok " << t2_ok << ", refused " << t2_refused << ", other " << t2_other);
+  CHECK(t2_ok > 0);
+  CHECK(t2_refused > 0);
+  CHECK(t2_other == 0);
   CHECK(test::eventually([&] { return !process_exists(w2); }));
+  CHECK(children() == std::set<std::int64_t>{w1});
 
   // w2 comes back when an update names it again.
   auto v3 = session.apply(parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"},
@@ -143,11 +181,14 @@ TEST_CASE("an update a worker cannot carry out is rejected whole, naming the wor
                                    {"name": "m", "torchscript": "/nowhere/missing.pt", "placement": "w1"}],
                         "tasks": {"t1": ["a"], "t2": ["m"]}})"),
              Contains("update 1 rejected, nothing changed") && Contains("worker w1") && Contains("missing.pt"));
-  // The same in a worker that had to be started: it is stopped again.
+  // The same in a worker that had to be started, while w1 loaded a good block for the same update:
+  // w5 is stopped again and w1 unloads what it loaded.
   CHECK_THAT(reject(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"},
+                                   {"name": "b", "factory": "affine", "placement": "w1"},
                                    {"name": "m", "torchscript": "/nowhere/missing.pt", "placement": "w5"}],
-                        "tasks": {"t1": ["a"], "t2": ["m"]}})"),
+                        "tasks": {"t1": ["a"], "t2": ["b"], "t3": ["m"]}})"),
              Contains("worker w5") && Contains("missing.pt"));
+  CHECK(test::eventually([&] { return children() == std::set<std::int64_t>{w1}; }));
   // A block changed in place inside its worker.
   CHECK_THAT(reject(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1", "queue_capacity": 7}],
                         "tasks": {"t1": ["a"]}})"),

@@ -36,6 +36,7 @@ struct SiteCompletion {
 struct ShmEdgeStats {
   std::uint64_t handles = 0;         ///< tensors handed over as handles
   std::uint64_t releases = 0;        ///< slots given back by the consumer
+  std::uint64_t leases = 0;          ///< slots the producer allocated its tensors in (no copy when sent)
   std::uint64_t slots_in_use = 0;    ///< leased, not yet released by the consumer
   std::uint64_t slots_total = 0;
   std::uint64_t credit_waits = 0;    ///< times the producer found no free slot at first

@@ -89,6 +89,8 @@ struct ShmProducer::Impl {
   struct Slot {
     bool leased = false;
     std::uint64_t generation = 0;
+    bool producer_holds = false;     // lease(): the producer's own tensor is over it
+    std::uint32_t consumer_holds = 0;  // handles sent and not yet released
   };
   struct Pool {
     std::uint64_t id = 0;
@@ -181,15 +183,53 @@ struct ShmProducer::Impl {
     return nullptr;
   }
 
+  // Frees the slot once nobody holds it any more.
+  void maybe_free(Pool& pool, std::uint32_t slot) {
+    const Slot& x = pool.slots[slot];
+    if (x.leased && !x.producer_holds && x.consumer_holds == 0) free_slot(pool, slot);
+  }
+
+  // A free slot for `bytes`, leased with a fresh generation (published in shared memory), waiting
+  // for a credit until `deadline`.
+  absl::StatusOr<std::pair<Pool*, std::uint32_t>> acquire(std::size_t bytes, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    bool waited = false;
+    while (true) {
+      bool can_ever_fit = false;
+      auto found = find_slot(bytes, can_ever_fit);
+      if (!found.ok()) return found.status();
+      if (auto [pool, slot] = *found; pool != nullptr) {
+        const std::uint64_t generation = pool->next_generation++;
+        pool->slots[slot] = {true, generation, false, 0};
+        // Published before the handle can reach anyone (the send that follows is a barrier too).
+        generations(pool->mapping->base)[slot].store(generation, std::memory_order_release);
+        ++stats.slots_in_use;
+        return *found;
+      }
+      if (!can_ever_fit) {
+        return absl::ResourceExhaustedError(fmt::format(
+            "a tensor of {} bytes does not fit in shared memory: pools use {} of max_total_bytes {}", bytes,
+            bytes_mapped(), options.max_total_bytes));
+      }
+      if (!waited) ++stats.credit_waits;
+      waited = true;
+      WaitArg arg{this, frees};
+      if (mu.AwaitWithDeadline(absl::Condition(&Impl::freed_since, &arg), deadline)) continue;
+      return absl::DeadlineExceededError(
+          fmt::format("no free shared-memory slot for {} bytes: {} slot(s) in use, none released in time", bytes,
+                      stats.slots_in_use));
+    }
+  }
+
   void free_slot(Pool& pool, std::uint32_t slot) {
-    pool.slots[slot].leased = false;
+    pool.slots[slot] = {};
     generations(pool.mapping->base)[slot].store(0, std::memory_order_release);
     --stats.slots_in_use;
     ++frees;
   }
 };
 
-ShmProducer::ShmProducer(ShmPoolOptions options) : impl_(std::make_unique<Impl>()) {
+ShmProducer::ShmProducer(ShmPoolOptions options) : impl_(std::make_shared<Impl>()) {
   if (options.slots_per_pool == 0) options.slots_per_pool = 1;
   impl_->options = options;
   sweep_orphaned_pools();
@@ -202,35 +242,58 @@ ShmProducer::~ShmProducer() {
 absl::StatusOr<wire::ShmHandle> ShmProducer::stage(const void* data, std::size_t bytes, absl::Time deadline) {
   Impl& s = *impl_;
   absl::MutexLock lock(&s.mu);
-  bool waited = false;
-  while (true) {
-    bool can_ever_fit = false;
-    auto found = s.find_slot(bytes, can_ever_fit);
-    if (!found.ok()) return found.status();
-    if (auto [pool, slot] = *found; pool != nullptr) {
-      const std::uint64_t generation = pool->next_generation++;
-      pool->slots[slot] = {true, generation};
-      if (bytes > 0) std::memcpy(pool->slot_address(slot), data, bytes);
-      // Published before the handle can reach anyone (the send that follows is a barrier too).
-      generations(pool->mapping->base)[slot].store(generation, std::memory_order_release);
-      ++s.stats.handles;
-      ++s.stats.slots_in_use;
-      s.stats.bytes_staged += bytes;
-      return wire::ShmHandle{pool->id, slot, generation, 0};
-    }
-    if (!can_ever_fit) {
-      return absl::ResourceExhaustedError(fmt::format(
-          "a tensor of {} bytes does not fit in shared memory: pools use {} of max_total_bytes {}", bytes,
-          s.bytes_mapped(), s.options.max_total_bytes));
-    }
-    if (!waited) ++s.stats.credit_waits;
-    waited = true;
-    Impl::WaitArg arg{&s, s.frees};
-    if (s.mu.AwaitWithDeadline(absl::Condition(&Impl::freed_since, &arg), deadline)) continue;
-    return absl::DeadlineExceededError(
-        fmt::format("no free shared-memory slot for {} bytes: {} slot(s) in use, none released in time", bytes,
-                    s.stats.slots_in_use));
+  auto acquired = s.acquire(bytes, deadline);
+  if (!acquired.ok()) return acquired.status();
+  auto [pool, slot] = *acquired;
+  if (bytes > 0) std::memcpy(pool->slot_address(slot), data, bytes);
+  pool->slots[slot].consumer_holds = 1;
+  ++s.stats.handles;
+  s.stats.bytes_staged += bytes;
+  return wire::ShmHandle{pool->id, slot, pool->slots[slot].generation, 0};
+}
+
+absl::StatusOr<ShmLease> ShmProducer::lease(std::size_t bytes, absl::Time deadline) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  auto acquired = s.acquire(bytes, deadline);
+  if (!acquired.ok()) return acquired.status();
+  auto [pool, slot] = *acquired;
+  pool->slots[slot].producer_holds = true;
+  ++s.stats.leases;
+  ShmLease out;
+  out.data = pool->slot_address(slot);
+  out.handle = wire::ShmHandle{pool->id, slot, pool->slots[slot].generation, 0};
+  out.keep = pool->mapping;
+  std::weak_ptr<Impl> weak = impl_;
+  out.drop = [weak, handle = out.handle] {
+    auto impl = weak.lock();
+    if (!impl) return;  // the producer is gone; the mapping stayed alive for the tensor
+    absl::MutexLock lock(&impl->mu);
+    Impl::Pool* p = impl->pool_of(handle.pool_id);
+    if (p == nullptr || handle.slot >= p->slots.size() || p->slots[handle.slot].generation != handle.generation) return;
+    p->slots[handle.slot].producer_holds = false;
+    impl->maybe_free(*p, handle.slot);
+  };
+  return out;
+}
+
+std::optional<wire::ShmHandle> ShmProducer::share(const void* data, std::size_t bytes) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  const char* p = static_cast<const char*>(data);
+  for (auto& pool : s.pools) {
+    const char* first = pool.slot_address(0);
+    const char* end = first + pool.slot_bytes * pool.slots.size();
+    if (p < first || p >= end) continue;
+    const auto slot = static_cast<std::uint32_t>(static_cast<std::size_t>(p - first) / pool.slot_bytes);
+    const std::size_t offset = static_cast<std::size_t>(p - pool.slot_address(slot));
+    Impl::Slot& x = pool.slots[slot];
+    if (!x.leased || !x.producer_holds || offset + bytes > pool.slot_bytes) return std::nullopt;
+    ++x.consumer_holds;
+    ++s.stats.handles;
+    return wire::ShmHandle{pool.id, slot, x.generation, offset};
   }
+  return std::nullopt;
 }
 
 bool ShmProducer::release(const wire::ShmHandle& handle) {
@@ -242,7 +305,13 @@ bool ShmProducer::release(const wire::ShmHandle& handle) {
     ++s.stats.stale_releases;
     return false;
   }
-  s.free_slot(*pool, handle.slot);
+  Impl::Slot& x = pool->slots[handle.slot];
+  if (x.consumer_holds == 0) {  // a duplicate release while the producer still holds the slot
+    ++s.stats.stale_releases;
+    return false;
+  }
+  --x.consumer_holds;
+  s.maybe_free(*pool, handle.slot);
   ++s.stats.releases;
   return true;
 }
@@ -253,8 +322,10 @@ std::size_t ShmProducer::reclaim_all() {
   std::size_t n = 0;
   for (auto& pool : s.pools) {
     for (std::uint32_t i = 0; i < pool.slots.size(); ++i) {
-      if (!pool.slots[i].leased) continue;
-      s.free_slot(pool, i);
+      Impl::Slot& x = pool.slots[i];
+      if (!x.leased || x.consumer_holds == 0) continue;
+      x.consumer_holds = 0;  // the producer's own tensor, if any, keeps its slot
+      s.maybe_free(pool, i);
       ++n;
     }
   }

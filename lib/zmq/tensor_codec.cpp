@@ -146,8 +146,23 @@ absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& fram
 namespace blockflow::detail {
 
 ShmStager make_stager(ShmProducer& producer, absl::Duration wait) {
-  return [&producer, wait](const at::Tensor& contiguous) {
-    return producer.stage(contiguous.data_ptr(), byte_size(contiguous), absl::Now() + wait);
+  return [&producer, wait](const at::Tensor& contiguous) -> absl::StatusOr<wire::ShmHandle> {
+    const std::size_t bytes = byte_size(contiguous);
+    if (auto shared = producer.share(contiguous.data_ptr(), bytes)) return *shared;
+    return producer.stage(contiguous.data_ptr(), bytes, absl::Now() + wait);
+  };
+}
+
+ShmAllocator make_shm_allocator(ShmProducer& producer, absl::Duration wait) {
+  return [&producer, wait](at::IntArrayRef sizes, at::ScalarType dtype) -> absl::StatusOr<at::Tensor> {
+    std::int64_t numel = 1;
+    for (const auto d : sizes) numel *= d;
+    const std::size_t bytes = static_cast<std::size_t>(numel) * c10::elementSize(dtype);
+    auto lease = producer.lease(bytes, absl::Now() + wait);
+    if (!lease.ok()) return lease.status();
+    return at::from_blob(
+        lease->data, sizes, [keep = lease->keep, drop = lease->drop](void*) { drop(); },
+        at::TensorOptions().dtype(dtype));
   };
 }
 

@@ -227,13 +227,17 @@ class Worker {
     update_seq_ = seq;
     updater_ = std::thread([this, message] {
       absl::Status status;
-      auto wanted = blocks_of(message);
-      if (!wanted.ok()) {
-        status = wanted.status();
-      } else if (auto version = session_.apply(*wanted, absl::Seconds(5)); !version.ok()) {
-        status = version.status();
-      } else {
-        set_hosted(*wanted);
+      try {
+        auto wanted = blocks_of(message);
+        if (!wanted.ok()) {
+          status = wanted.status();
+        } else if (auto version = session_.apply(*wanted, absl::Seconds(5)); !version.ok()) {
+          status = version.status();
+        } else {
+          set_hosted(*wanted);
+        }
+      } catch (const std::exception& e) {  // a malformed message: answer, do not die
+        status = absl::InvalidArgumentError(std::string("malformed update: ") + e.what());
       }
       std::lock_guard lock(update_mu_);
       update_status_ = status;

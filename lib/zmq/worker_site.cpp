@@ -185,6 +185,7 @@ struct WorkerSite::Impl {
     return absl::OkStatus();
   }
 
+  // With mu held (update() replaces `blocks`).
   const detail::ShmStager* stager_for(const std::string& block) const {
     for (const auto& b : blocks) {
       if (b.name == block && b.options.full_policy != FullPolicy::kBlock) return &stager_no_wait;
@@ -499,6 +500,7 @@ struct WorkerSite::Impl {
     while (true) {
       flush_releases(push);
       Outbound next;
+      const detail::ShmStager* stager_of_next = nullptr;
       {
         std::unique_lock lock(mu);
         auto ready = [&] {
@@ -513,6 +515,7 @@ struct WorkerSite::Impl {
         outbound.pop_front();
         in_flight[{next.envelope.request_id, next.envelope.node}] = next.block;
         ++sent;
+        stager_of_next = shm() ? stager_for(next.block) : nullptr;  // `blocks` changes with update()
       }
       changed.notify_all();  // room in outbound for run()
       wire::Header header;
@@ -525,7 +528,7 @@ struct WorkerSite::Impl {
       try {
         std::uint64_t copied = 0;
         auto sent_ok = detail::send_message(push, header, next.envelope.tensors, zmq::send_flags::none, &copied,
-                                            shm() ? stager_for(next.block) : nullptr);
+                                            stager_of_next);
         if (!sent_ok.ok()) status = sent_ok.status();
         if (copied > 0) {
           std::lock_guard lock(mu);
@@ -795,6 +798,12 @@ absl::Status WorkerSite::update(const std::vector<BlockDescription>& blocks) {
     return absl::UnavailableError(fmt::format("{} cannot change its blocks now: it is not running{}", s.prefix(),
                                               s.cause.empty() ? "" : " (" + s.cause + ")"));
   }
+  // Only removals: a restart from now on must not load the removed blocks again, whether or not
+  // this message gets through.
+  const bool only_removals = std::all_of(blocks.begin(), blocks.end(), [&](const BlockDescription& b) {
+    return std::any_of(s.blocks.begin(), s.blocks.end(), [&](const BlockDescription& c) { return c.name == b.name; });
+  });
+  if (only_removals) s.blocks = blocks;
   const std::uint64_t seq = ++s.update_seq;
   nlohmann::json message = detail::make_config(blocks, s.options);
   message["type"] = detail::kUpdate;

@@ -22,7 +22,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 
 namespace blockflow::detail {
 
@@ -32,6 +34,16 @@ struct ShmPoolOptions {
   std::size_t max_total_bytes = std::size_t{1} << 30;  ///< bound on all pools of one producer
 };
 
+
+/// A slot leased to the producer itself (ShmProducer::lease()): it writes its tensor at `data`,
+/// then sending that tensor hands the slot over without a copy (ShmProducer::share()). Call `drop`
+/// once when the producer's tensor dies; `keep` keeps the pool mapped until then.
+struct ShmLease {
+  void* data = nullptr;
+  wire::ShmHandle handle;
+  std::shared_ptr<void> keep;
+  std::function<void()> drop;
+};
 
 /// The producing side. Thread-safe.
 class ShmProducer {
@@ -45,10 +57,18 @@ class ShmProducer {
   /// `deadline`: DeadlineExceeded then, naming the size and the slots in use; ResourceExhausted when
   /// the tensor can never fit under max_total_bytes.
   absl::StatusOr<wire::ShmHandle> stage(const void* data, std::size_t bytes, absl::Time deadline);
+  /// Leases a free slot of at least `bytes` bytes to the producer (same credits and bound as
+  /// stage()). The slot is free again once the lease is dropped and every handle shared from it
+  /// has been released: the producer must not write it after sending.
+  absl::StatusOr<ShmLease> lease(std::size_t bytes, absl::Time deadline);
+  /// When `bytes` bytes at `data` lie inside a slot leased by lease(), returns their handle (with
+  /// the offset) and counts one more consumer hold; nothing is copied. nullopt otherwise.
+  std::optional<wire::ShmHandle> share(const void* data, std::size_t bytes);
   /// Frees the slot of a handle the consumer is done with. False (counted) when it matches no leased
   /// slot: stale, unknown pool or forged.
   bool release(const wire::ShmHandle& handle);
-  /// Frees every leased slot (the consumer died). Returns how many.
+  /// Drops every hold of the consumer (it died): slots nobody else holds are free again. Returns how
+  /// many slots the consumer held.
   std::size_t reclaim_all();
   /// The pool's figures, as metrics report them (SiteStats::shm_requests / shm_results).
   ShmEdgeStats stats() const;
@@ -57,7 +77,7 @@ class ShmProducer {
 
  private:
   struct Impl;
-  std::unique_ptr<Impl> impl_;
+  std::shared_ptr<Impl> impl_;  // shared with the drop functions of leases
 };
 
 /// The consuming side: maps each pool once. Thread-safe.

@@ -26,8 +26,16 @@ using ShmStager = std::function<absl::StatusOr<wire::ShmHandle>(const at::Tensor
 absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, const Tensors& tensors,
                                   zmq::send_flags flags = zmq::send_flags::none, std::uint64_t* bytes_copied = nullptr,
                                   const ShmStager* stager = nullptr);
-/// A stager copying into `producer`'s slots, waiting up to `wait` for a credit.
+/// A stager for `producer`: a tensor that already lies in a slot it leased (make_shm_allocator())
+/// crosses as its handle, nothing copied; any other is copied into a free slot, waiting up to
+/// `wait` for a credit.
 ShmStager make_stager(ShmProducer& producer, absl::Duration wait);
+
+/// Allocates a contiguous CPU tensor directly in one of `producer`'s slots: write the output there
+/// and send it, and the hand-off copies nothing (ShmEdgeStats::bytes_staged stays put). The slot
+/// returns to the pool when this tensor and the consumer's views of it are all gone.
+using ShmAllocator = std::function<absl::StatusOr<at::Tensor>(at::IntArrayRef sizes, at::ScalarType dtype)>;
+ShmAllocator make_shm_allocator(ShmProducer& producer, absl::Duration wait);
 
 struct DecodedMessage {
   wire::Header header;
