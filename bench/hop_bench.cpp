@@ -10,10 +10,13 @@
 // decoded into a tensor over the received buffer. Each line also has "memcpy_us": one memcpy of
 // the same bytes (p50), measured in the same run.
 //
-// shm: the zero-copy channel over the same ipc:// sockets: the sender copies the tensor once into a
-// shared-memory slot (inside the timed span) and sends a 32-byte handle; the receiver builds its
-// tensor over the slot. The slot's release, which a worker sends back as a message off the critical
-// path, is a direct call here.
+// shm: the zero-copy channel over the same ipc:// sockets, with the producer's tensor allocated in
+// a shared-memory slot (make_shm_allocator(); writing it is the producer's own work and is not
+// timed): the sender sends a 32-byte handle, the receiver builds its tensor over the slot. Nothing
+// is copied on either side. shm-copy: the same for a tensor allocated anywhere, which the sender
+// copies into a slot first (inside the timed span; the route of TorchScript outputs in workers).
+// The slot's release, which a worker sends back as a message off the critical path, is a direct
+// call here.
 
 #include "bench_util.hpp"
 
@@ -68,7 +71,9 @@ HopFigures measure(std::size_t bytes, int iterations) {
 }
 
 // One-way latency over PUSH/PULL with the wire format; the ack goes back on a second pair.
-HopFigures measure_zmq(const std::string& endpoint, std::size_t bytes, int iterations, bool shm = false) {
+enum class Shm { kNone, kCopy, kLease };
+HopFigures measure_zmq(const std::string& endpoint, std::size_t bytes, int iterations, Shm mode = Shm::kNone) {
+  const bool shm = mode != Shm::kNone;
   bf::detail::ShmProducer producer;
   bf::detail::ShmConsumer consumer;
   const bf::detail::ShmStager stager = bf::detail::make_stager(producer, absl::Seconds(10));
@@ -82,6 +87,7 @@ HopFigures measure_zmq(const std::string& endpoint, std::size_t bytes, int itera
   ack_pull.bind(endpoint.rfind("ipc://", 0) == 0 ? endpoint + "-ack" : "tcp://127.0.0.1:*");
   ack_push.connect(ack_pull.get(zmq::sockopt::last_endpoint));
   const bf::Tensor payload = at::empty({static_cast<std::int64_t>(bytes)}, at::kByte).fill_(7);
+  const bf::detail::ShmAllocator allocate = bf::detail::make_shm_allocator(producer, absl::Seconds(10));
   std::vector<double> latencies_us;
   std::thread receiver([&] {
     for (int i = 0; i < iterations; ++i) {
@@ -95,12 +101,20 @@ HopFigures measure_zmq(const std::string& endpoint, std::size_t bytes, int itera
     }
   });
   for (int i = 0; i < iterations; ++i) {
+    bf::Tensor out = payload;
+    if (mode == Shm::kLease) {  // the producer's output, written in place
+      auto in_slot = allocate({static_cast<std::int64_t>(bytes)}, at::kByte);
+      if (!in_slot.ok()) std::abort();
+      out = *std::move(in_slot);
+      static_cast<unsigned char*>(out.data_ptr())[0] = 7;
+    }
     bf::wire::Header header;
     header.request_id = static_cast<std::uint64_t>(i);
     header.times.sent_ns = bf::detail::now_ns();
-    if (!bf::detail::send_message(push, header, {payload}, zmq::send_flags::none, nullptr, shm ? &stager : nullptr).ok()) {
+    if (!bf::detail::send_message(push, header, {out}, zmq::send_flags::none, nullptr, shm ? &stager : nullptr).ok()) {
       std::abort();
     }
+    out = bf::Tensor();  // the producer is done with it; the receiver's view keeps the slot
     zmq::message_t ack;
     (void)ack_pull.recv(ack);
   }
@@ -135,13 +149,15 @@ int main(int argc, char** argv) {
   auto dir = bf::detail::make_private_dir("hop");
   if (!dir.ok()) return 1;
   for (const auto& [channel, endpoint] : {std::pair<std::string, std::string>{"shm", "ipc://" + *dir + "/shm"},
+                                          std::pair<std::string, std::string>{"shm-copy", "ipc://" + *dir + "/shmc"},
                                           std::pair<std::string, std::string>{"zmq-ipc", "ipc://" + *dir + "/hop"},
                                           std::pair<std::string, std::string>{"zmq-tcp", "tcp://127.0.0.1:*"}}) {
     for (std::size_t bytes : sizes) {
       // Fewer round trips for the large sizes: each moves the whole tensor through the kernel.
       const int n = bytes > 50'000'000 ? 30 : bytes > 1'000'000 ? 500 : std::min(iterations, 5000);
       const double copy_us = memcpy_us(bytes);
-      const HopFigures f = measure_zmq(endpoint, bytes, n, channel == "shm");
+      const HopFigures f = measure_zmq(endpoint, bytes, n,
+                                       channel == "shm" ? Shm::kLease : channel == "shm-copy" ? Shm::kCopy : Shm::kNone);
       fmt::print(
           "{{\"bench\":\"hop\",\"channel\":\"{}\",\"bytes\":{},\"iterations\":{},\"p50_us\":{:.3f},\"p99_us\":{:.3f},"
           "\"memcpy_us\":{:.3f},\"p50_over_memcpy\":{:.2f}}}\n",

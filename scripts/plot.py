@@ -58,7 +58,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 
 FIGURES = ("breakdown.png", "hop.png", "batch.png", "throughput.png", "memory.png")
-CHANNEL_ORDER = ("inproc", "shm", "zmq-ipc", "zmq", "zmq-tcp", "cuda")
+CHANNEL_ORDER = ("inproc", "shm", "shm-copy", "zmq-ipc", "zmq", "zmq-tcp", "cuda")
 SATURATION = 0.95  # saturated: throughput below this fraction of the offered rate
 DPI = 120
 PARTS = (("wait", "#8fbbd9"), ("compute", "#2f6f9f"), ("overhead", "#e07b39"))

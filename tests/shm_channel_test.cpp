@@ -330,3 +330,46 @@ TEST_CASE("shm workers: without credits a kReject block fails the request at onc
   CHECK(refused >= 1);
   CHECK(session.metrics().sites.at(0).shm_requests.credit_waits >= 1);
 }
+
+TEST_CASE("a tensor allocated in a slot crosses as its handle: no copy at the producer either", "[shm]") {
+  Edge edge;
+  const ShmAllocator allocate = make_shm_allocator(edge.producer, absl::Milliseconds(50));
+  auto y = allocate({256, 56, 56}, at::kFloat);  // the producer writes its output here
+  REQUIRE(y.ok());
+  y->copy_(at::arange(256 * 56 * 56, at::kFloat).view({256, 56, 56}));
+  CHECK(edge.producer.stats().leases == 1);
+  CHECK(edge.producer.stats().slots_in_use == 1);
+  // A contiguous slice of it crosses too, as the same slot at an offset.
+  auto got = edge.hand_off({*y, y->select(0, 3)});
+  INFO(got.status().ToString());
+  REQUIRE(got.ok());
+  CHECK(at::equal(got->tensors[0], *y));
+  CHECK(at::equal(got->tensors[1], y->select(0, 3)));
+  CHECK(edge.producer.stats().bytes_staged == 0);  // nothing copied anywhere
+  CHECK(edge.producer.stats().handles == 2);
+  CHECK(edge.producer.stats().slots_in_use == 1);  // one slot, held by both sides
+  CHECK_THAT(mapping_file(got->tensors[0].data_ptr()), Contains("/dev/shm/blockflow-"));
+  CHECK(got->tensors[0].data_ptr() != y->data_ptr());  // the consumer's own mapping of the same bytes
+  CHECK(static_cast<const char*>(got->tensors[1].data_ptr()) ==
+        static_cast<const char*>(got->tensors[0].data_ptr()) + 3 * 56 * 56 * 4);
+  // The slot is free once the producer's tensor and both consumer views are gone, in any order.
+  *y = Tensor();
+  CHECK(edge.producer.stats().slots_in_use == 1);
+  got->tensors.clear();
+  CHECK(edge.producer.stats().slots_in_use == 0);
+  CHECK(edge.producer.stats().releases == 2);
+  // A dead consumer's holds are dropped; the producer's own tensor keeps its slot.
+  auto z = allocate({1000}, at::kFloat);
+  REQUIRE(z.ok());
+  z->fill_(2);
+  auto held = edge.hand_off({*z});
+  REQUIRE(held.ok());
+  CHECK(edge.producer.reclaim_all() == 1);
+  CHECK(edge.producer.stats().slots_in_use == 1);
+  CHECK(z->sum().item<double>() == 2000);
+  *z = Tensor();
+  CHECK(edge.producer.stats().slots_in_use == 0);
+  held->tensors.clear();  // its late release matches nothing now: counted stale, changes nothing
+  CHECK(edge.producer.stats().slots_in_use == 0);
+  CHECK(edge.producer.stats().stale_releases == 1);
+}
