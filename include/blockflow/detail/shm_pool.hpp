@@ -3,7 +3,8 @@
 //
 // A producer owns pools of fixed-size slots in POSIX shared memory ("/blockflow-<pool id>", mode
 // 0600), created on demand per size class up to a byte bound. It copies a tensor's bytes into a free
-// slot once (stage) and sends a handle (pool, slot, generation, offset) instead of the bytes. The
+// slot once (stage), or lets the producer write its tensor in a slot it leased (lease, then share:
+// no copy at all), and sends a handle (pool, slot, generation, offset) instead of the bytes. The
 // consumer maps each pool once, checks the handle against the pool's header (the slot's current
 // generation lives in shared memory, so stale and forged handles are caught) and builds its tensor
 // over the slot: nothing is copied in the hand-off. When that tensor dies, the consumer sends the
