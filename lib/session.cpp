@@ -859,7 +859,8 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
       const absl::Status status = is_new ? start_site(*site) : site->site->update(after);
       if (!status.ok()) {
         if (is_new) site->blocks.clear();
-        else if (!absl::IsInvalidArgument(status)) grown.emplace_back(site, before);  // it may load them yet
+        // A worker that did not answer may load them yet; one that died restarts with its old list.
+        else if (absl::IsDeadlineExceeded(status)) grown.emplace_back(site, before);
         undo_sites();
         // InvalidArgument for what could not be loaded (a new site that fails to start included);
         // a running worker that died or did not answer keeps its code (Unavailable, DeadlineExceeded).

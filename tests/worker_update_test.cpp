@@ -204,6 +204,29 @@ TEST_CASE("an update a worker cannot carry out is rejected whole, naming the wor
   CHECK(session.metrics().sites.at(0).pid == w1);
 }
 
+TEST_CASE("a worker that dies while loading an update: rejected as Unavailable, restarted with its old blocks",
+          "[worker_update]") {
+  Session session;
+  add_deployment(session, parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"}],
+                                    "tasks": {"t1": ["a"]}})"),
+                 test::test_worker(""));
+  test::require_started(session);
+  auto v = session.apply(parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"},
+                                              {"name": "x", "factory": "abort_on_build", "placement": "w1"}],
+                                   "tasks": {"t1": ["a"], "t2": ["x"]}})"));
+  REQUIRE_FALSE(v.ok());
+  CHECK(absl::IsUnavailable(v.status()));
+  CHECK_THAT(std::string(v.status().message()),
+             Contains("update 1 rejected") && Contains("worker w1 went down during the update"));
+  CHECK(session.metrics().version == 0);
+  // The restarted worker loads what it had (a), not the block that killed it.
+  REQUIRE(test::eventually([&] {
+    const auto m = session.metrics();
+    return m.sites.at(0).restarts == 1 && m.sites.at(0).pid > 0 && session.submit("t1", at::full({1}, 1.0)).get().ok();
+  }, std::chrono::milliseconds(10000)));
+  CHECK(value_of(session, "t1", 1) == 4);
+}
+
 TEST_CASE("a placement naming no site, in a session without a site factory, is rejected by name", "[worker_update]") {
   Session session;
   session.add_site(make_worker(test::test_worker("w1")))

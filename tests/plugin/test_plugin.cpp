@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdlib>
 #include <thread>
 
 extern "C" void blockflow_register_blocks(blockflow::BlockRegistry& registry) {
@@ -19,5 +20,9 @@ extern "C" void blockflow_register_blocks(blockflow::BlockRegistry& registry) {
           return blockflow::Tensors{in.at(0)};
         },
         options);
+  });
+  // Kills its process while it is being built: a worker dying in the middle of loading.
+  registry.add("abort_on_build", [](const std::string&, const blockflow::BlockOptions&) -> std::shared_ptr<blockflow::Block> {
+    std::abort();
   });
 }
