@@ -64,16 +64,21 @@ std::uint64_t processed(const MetricsSnapshot& m, const std::string& block) {
   return 0;
 }
 
+// Block a ("affine": 3x + 1, the test plugin) in worker w1, task t1 = [a], with the factory of
+// worker sites that add_deployment() installs.
+void start_a_in_w1(Session& session) {
+  add_deployment(session, parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"}],
+                                    "tasks": {"t1": ["a"]}})"),
+                 test::test_worker(""));
+  test::require_started(session);
+}
+
 }  // namespace
 
 TEST_CASE("apply starts workers, loads blocks into running ones untouched, stops emptied ones; no request lost",
           "[worker_update]") {
   Session session;
-  // "affine" is 3x + 1 (the test plugin).
-  add_deployment(session, parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"}],
-                                    "tasks": {"t1": ["a"]}})"),
-                 test::test_worker(""));
-  test::require_started(session);
+  start_a_in_w1(session);
   CHECK(value_of(session, "t1", 1) == 4);
   const auto before = session.metrics();
   const std::int64_t w1 = site(before, "w1")->pid;
@@ -159,10 +164,7 @@ TEST_CASE("apply starts workers, loads blocks into running ones untouched, stops
 TEST_CASE("an update a worker cannot carry out is rejected whole, naming the worker and the cause",
           "[worker_update]") {
   Session session;
-  add_deployment(session, parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"}],
-                                    "tasks": {"t1": ["a"]}})"),
-                 test::test_worker(""));
-  test::require_started(session);
+  start_a_in_w1(session);
   const std::int64_t w1 = session.metrics().sites.at(0).pid;
   auto reject = [&](const std::string& json) {
     auto v = session.apply(parse(json));
@@ -207,10 +209,7 @@ TEST_CASE("an update a worker cannot carry out is rejected whole, naming the wor
 TEST_CASE("a worker that dies while loading an update: rejected as Unavailable, restarted with its old blocks",
           "[worker_update]") {
   Session session;
-  add_deployment(session, parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"}],
-                                    "tasks": {"t1": ["a"]}})"),
-                 test::test_worker(""));
-  test::require_started(session);
+  start_a_in_w1(session);
   auto v = session.apply(parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"},
                                               {"name": "x", "factory": "abort_on_build", "placement": "w1"}],
                                    "tasks": {"t1": ["a"], "t2": ["x"]}})"));
