@@ -133,8 +133,9 @@ void add_process(Exposition& e, const std::string& process, const KpiSample& k) 
   }
 }
 
-void add_shm(Exposition& e, const std::string& worker, const char* direction, const ShmEdgeStats& s) {
-  const Exposition::Labels l = {{"worker", worker}, {"direction", direction}};
+void add_shm(Exposition& e, const std::string& worker, const char* direction, const ShmEdgeStats& s,
+             const char* memory = "host") {
+  const Exposition::Labels l = {{"worker", worker}, {"direction", direction}, {"memory", memory}};
   e.add("blockflow_shm_handles_total", "counter", "Tensors handed over as shared-memory handles.", l, static_cast<double>(s.handles));
   e.add("blockflow_shm_slots_in_use", "gauge", "Shared-memory slots leased and not yet released.", l,
         static_cast<double>(s.slots_in_use));
@@ -220,9 +221,13 @@ std::string MetricsSnapshot::to_prometheus() const {
           "Bytes copied in the hand-off to a worker (0 on the zero-copy channel).", edge,
           static_cast<double>(s.data.bytes_copied));
     e.add("blockflow_edge_queue_depth", "gauge", "Requests waiting to be sent to a worker.", edge, static_cast<double>(s.data.depth));
-    if (s.data.kind == "shm") {
+    if (s.data.kind == "shm" || s.data.kind == "cuda") {
       add_shm(e, s.name, "to_worker", s.shm_requests);
       add_shm(e, s.name, "from_worker", s.shm_results);
+    }
+    if (s.data.kind == "cuda") {
+      add_shm(e, s.name, "to_worker", s.cuda_requests, "cuda");
+      add_shm(e, s.name, "from_worker", s.cuda_results, "cuda");
     }
     add_process(e, s.name, s.kpi);
   }

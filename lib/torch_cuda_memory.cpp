@@ -25,7 +25,8 @@ std::string sample_torch_cuda(std::vector<TorchCudaMemory>& out) {
       // Older libtorch throws for a device whose allocator was never initialised.
       try {
         const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(d));
-        constexpr auto aggregate = static_cast<std::size_t>(c10::cuda::CUDACachingAllocator::StatType::AGGREGATE);
+        // StatType::AGGREGATE: index 0 in every libtorch (the enum moved namespaces in 2.x).
+        constexpr std::size_t aggregate = 0;
         TorchCudaMemory m;
         m.device = d;
         m.allocated_bytes = stats.allocated_bytes[aggregate].current;

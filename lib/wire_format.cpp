@@ -374,7 +374,8 @@ absl::Status check_frames(const Header& header, const std::vector<std::size_t>& 
 }
 
 bool operator==(const ShmHandle& a, const ShmHandle& b) {
-  return a.pool_id == b.pool_id && a.slot == b.slot && a.generation == b.generation && a.offset == b.offset;
+  return a.pool_id == b.pool_id && a.slot == b.slot && a.memory == b.memory && a.generation == b.generation &&
+         a.offset == b.offset;
 }
 
 std::string encode_shm_handle(const ShmHandle& h) {
@@ -382,7 +383,7 @@ std::string encode_shm_handle(const ShmHandle& h) {
   out.reserve(kShmHandleBytes);
   put(out, h.pool_id);
   put(out, h.slot);
-  put(out, std::uint32_t{0});
+  put(out, h.memory);
   put(out, h.generation);
   put(out, h.offset);
   return out;
@@ -393,8 +394,12 @@ absl::StatusOr<ShmHandle> decode_shm_handle(const void* data, std::size_t size) 
     return absl::InvalidArgumentError(fmt::format("shm handle: {} bytes, need {}", size, kShmHandleBytes));
   }
   const auto* p = static_cast<const unsigned char*>(data);
-  if (load<std::uint32_t>(p + 12) != 0) return absl::InvalidArgumentError("shm handle: reserved field must be 0");
+  const auto memory = load<std::uint32_t>(p + 12);
+  if (memory != kHostMemory && memory != kCudaMemory) {
+    return absl::InvalidArgumentError(fmt::format("shm handle: memory kind {} unknown (0 host, 1 CUDA)", memory));
+  }
   ShmHandle h;
+  h.memory = memory;
   h.pool_id = load<std::uint64_t>(p);
   h.slot = load<std::uint32_t>(p + 8);
   h.generation = load<std::uint64_t>(p + 16);

@@ -298,7 +298,7 @@ TEST_CASE("shm over TCP is refused by name; an unknown channel too", "[shm]") {
   WorkerOptions bad = test::test_worker("w9", "carrier-pigeon");
   Session other;
   other.add_site(make_worker(bad)).add_block(test::plugin_block("affine", "affine", "w9")).add_path(Path::chain("t", {"affine"}));
-  CHECK_THAT(std::string(other.start().message()), Contains("worker w9: channel 'carrier-pigeon' is not shm or zmq"));
+  CHECK_THAT(std::string(other.start().message()), Contains("worker w9: channel 'carrier-pigeon' is not shm, cuda or zmq"));
 }
 
 TEST_CASE("shm workers: without credits a kReject block fails the request at once, naming it", "[shm]") {

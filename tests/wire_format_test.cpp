@@ -143,7 +143,7 @@ TEST_CASE("the fixed part has the documented byte layout", "[wire]") {
   const std::string b = encode_header(h);
   auto byte = [&](std::size_t i) { return static_cast<unsigned>(static_cast<unsigned char>(b.at(i))); };
   CHECK(b.substr(0, 4) == "BLFW");
-  CHECK(byte(4) == 2);
+  CHECK(byte(4) == 3);
   CHECK(byte(5) == 0);
   CHECK(byte(6) == 4);
   CHECK(byte(7) == 0);
@@ -247,7 +247,7 @@ TEST_CASE("bad magic, version, kind, flags and reserved fields are rejected", "[
 
   bad = good;
   poke<std::uint16_t>(bad, 4, 7);
-  CHECK_THAT(rejection(bad), Equals("wire header: version 7 not supported (expected 2)"));
+  CHECK_THAT(rejection(bad), Equals("wire header: version 7 not supported (expected 3)"));
 
   for (std::uint8_t kind : {0, 7, 9, 255}) {
     bad = good;
@@ -425,10 +425,17 @@ TEST_CASE("shm handles: round trip, frames checked as handles, release lists val
   REQUIRE(back.ok());
   CHECK(*back == h);
   CHECK_THAT(std::string(decode_shm_handle(record.data(), 31).status().message()), Contains("31 bytes, need 32"));
-  std::string reserved = record;
-  reserved[12] = 1;
-  CHECK_THAT(std::string(decode_shm_handle(reserved.data(), reserved.size()).status().message()),
-             Contains("reserved field must be 0"));
+  std::string unknown = record;
+  unknown[12] = 2;
+  CHECK_THAT(std::string(decode_shm_handle(unknown.data(), unknown.size()).status().message()),
+             Contains("memory kind 2 unknown"));
+  h.memory = kCudaMemory;  // a CUDA record: same layout, memory 1
+  const std::string cuda = encode_shm_handle(h);
+  CHECK(static_cast<unsigned char>(cuda[12]) == 1);
+  auto cuda_back = decode_shm_handle(cuda.data(), cuda.size());
+  REQUIRE(cuda_back.ok());
+  CHECK(cuda_back->memory == kCudaMemory);
+  CHECK(*cuda_back == h);
 
   Header header = one_tensor(contiguous(DType::kFloat32, {256, 56, 56}));
   header.flags = kFlagShmHandles;

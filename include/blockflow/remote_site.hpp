@@ -61,6 +61,9 @@ struct SiteStats {
   /// With data.kind "shm": host -> site (the host's pool) and site -> host (the site's pool, as of
   /// its last heartbeat). Bytes copied in the hand-off itself: data.bytes_copied (0).
   ShmEdgeStats shm_requests, shm_results;
+  /// With data.kind "cuda": the same for CUDA tensors, whose slots hold CUDA IPC records (the CPU
+  /// tensors of that edge still cross in shm_requests / shm_results). bytes_staged stays 0.
+  ShmEdgeStats cuda_requests, cuda_results;
   /// The site process's last KPI sample (empty, time_s 0, while sampling is off).
   KpiSample kpi;
 };

@@ -31,7 +31,7 @@
 namespace blockflow::wire {
 
 inline constexpr std::uint32_t kMagic = 0x57464C42;  ///< bytes 'B','L','F','W' on the wire (little-endian u32)
-inline constexpr std::uint16_t kVersion = 2;         ///< bumped on any layout change (2: shm handles, release)
+inline constexpr std::uint16_t kVersion = 3;         ///< bumped on any layout change (2: shm handles, release; 3: CUDA handles)
 inline constexpr int kMaxDims = 8;
 inline constexpr int kMaxTensors = 64;
 inline constexpr std::size_t kMaxNameBytes = 255;                          ///< limit of Header::target
@@ -53,16 +53,22 @@ inline constexpr std::size_t kShmHandleBytes = 32;
 /// @brief Where a tensor's bytes lie in a producer's shared-memory pool: pool (random 64-bit id; the
 /// POSIX shm object is "/blockflow-<16 hex digits>"), slot, the slot's generation when it was leased
 /// (a stale or forged handle does not match), and the byte offset of the data inside the slot.
-/// Wire layout (little-endian): u64 pool_id, u32 slot, u32 reserved (0), u64 generation, u64 offset.
+/// `memory` says where the bytes are: kHostMemory (the slot holds them) or kCudaMemory (the slot
+/// holds a record naming a CUDA IPC allocation and event; `offset` is then the data's offset inside
+/// that allocation; see docs/wire-format.md).
+/// Wire layout (little-endian): u64 pool_id, u32 slot, u32 memory, u64 generation, u64 offset.
+inline constexpr std::uint32_t kHostMemory = 0;
+inline constexpr std::uint32_t kCudaMemory = 1;
 struct ShmHandle {
   std::uint64_t pool_id = 0;
   std::uint32_t slot = 0;
   std::uint64_t generation = 0;
   std::uint64_t offset = 0;
+  std::uint32_t memory = kHostMemory;  ///< bytes 12..16 on the wire
 };
 bool operator==(const ShmHandle& a, const ShmHandle& b);
 [[nodiscard]] std::string encode_shm_handle(const ShmHandle& handle);
-/// @brief InvalidArgument naming the problem for a wrong size or a non-zero reserved field.
+/// @brief InvalidArgument naming the problem for a wrong size or an unknown memory kind.
 [[nodiscard]] absl::StatusOr<ShmHandle> decode_shm_handle(const void* data, std::size_t size);
 /// @brief The message of a kRelease: the handles' records one after the other.
 [[nodiscard]] std::string encode_releases(const std::vector<ShmHandle>& handles);

@@ -163,7 +163,9 @@ struct ShmProducer::Impl {
     }
     const std::size_t slot_bytes = std::max(options.min_slot_bytes, next_pow2(std::max<std::size_t>(bytes, 1)));
     const std::size_t size = round_up(kHeaderBytes + 8 * options.slots_per_pool, kPage) + slot_bytes * options.slots_per_pool;
-    if (bytes_mapped() + size > options.max_total_bytes) return std::make_pair(static_cast<Pool*>(nullptr), 0u);
+    if (bytes_mapped() + size > options.max_total_bytes || (options.max_pools > 0 && pools.size() >= options.max_pools)) {
+      return std::make_pair(static_cast<Pool*>(nullptr), 0u);
+    }
     auto pool = create_pool(slot_bytes);
     if (!pool.ok()) return pool.status();
     can_ever_fit = true;

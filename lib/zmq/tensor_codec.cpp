@@ -45,7 +45,7 @@ absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, co
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     if (!t.defined()) return absl::InvalidArgumentError(fmt::format("tensor {} is undefined", i));
-    if (!t.device().is_cpu()) {
+    if (!t.device().is_cpu() && stager == nullptr) {
       return absl::InvalidArgumentError(
           fmt::format("tensor {} is on {}: the serialized channel carries CPU tensors", i, t.device().str()));
     }
@@ -147,6 +147,10 @@ namespace blockflow::detail {
 
 ShmStager make_stager(ShmProducer& producer, absl::Duration wait) {
   return [&producer, wait](const at::Tensor& contiguous) -> absl::StatusOr<wire::ShmHandle> {
+    if (!contiguous.device().is_cpu()) {
+      return absl::InvalidArgumentError(fmt::format(
+          "a tensor on {} cannot cross channel 'shm' (CPU tensors only): use channel 'cuda'", contiguous.device().str()));
+    }
     const std::size_t bytes = byte_size(contiguous);
     if (auto shared = producer.share(contiguous.data_ptr(), bytes)) return *shared;
     return producer.stage(contiguous.data_ptr(), bytes, absl::Now() + wait);
@@ -169,6 +173,7 @@ ShmAllocator make_shm_allocator(ShmProducer& producer, absl::Duration wait) {
 ShmResolver make_resolver(ShmConsumer& consumer, std::function<void(const wire::ShmHandle&)> release) {
   return [&consumer, release = std::move(release)](const wire::TensorDesc& desc, const wire::ShmHandle& handle,
                                                    at::ScalarType type) -> absl::StatusOr<at::Tensor> {
+    if (handle.memory != wire::kHostMemory) return absl::InvalidArgumentError("shm handle: not host memory");
     auto view = consumer.resolve(handle, desc.byte_count);
     if (!view.ok()) return view.status();
     if (reinterpret_cast<std::uintptr_t>(view->data) % wire::element_size(desc.dtype) != 0) {

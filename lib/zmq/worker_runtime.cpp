@@ -4,7 +4,7 @@
 
 #include <blockflow/blockflow.hpp>
 #include <blockflow/detail/clock.hpp>
-#include <blockflow/detail/shm_pool.hpp>
+#include <blockflow/detail/zero_copy_ends.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
 #include <blockflow/detail/deployment_json.hpp>
 #include <blockflow/detail/metrics_json.hpp>
@@ -139,14 +139,26 @@ class Worker {
       std::cerr << fmt::format("blockflow-worker {}: joined {}; loading {} block(s)\n", args_.name, args_.control,
                                config->value("blocks", nlohmann::json::array()).size());
     }
-    if (config->value("channel", "zmq") == "shm") {
+    const std::string channel = config->value("channel", "zmq");
+    if (channel == "cuda") {
+      // The connect-time check: this process must open the host's CUDA memory and events.
+      auto status = bf::detail::cuda_ipc_usable();
+      if (status.ok()) status = bf::detail::open_cuda_probe(config->value("cuda_probe", ""));
+      if (!status.ok()) {
+        send_control({{"type", bf::detail::kLoadError},
+                      {"message", fmt::format("channel 'cuda': {}", std::string(status.message()))}});
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let the message leave
+        return 1;
+      }
+    }
+    if (channel == "shm" || channel == "cuda") {
       bf::detail::ShmPoolOptions pool;
       pool.slots_per_pool = config->value("shm_slots_per_pool", pool.slots_per_pool);
       pool.max_total_bytes = config->value("shm_max_bytes", pool.max_total_bytes);
-      results_pool_ = std::make_unique<bf::detail::ShmProducer>(pool);
-      stager_ = bf::detail::make_stager(*results_pool_, absl::Seconds(10));
+      ends_ = std::make_unique<bf::detail::ZeroCopyEnds>(pool, channel == "cuda");
+      stager_ = ends_->stager(absl::Seconds(10));
       // A request's input died here: give its slot back to the host (through the one sender).
-      resolver_ = bf::detail::make_resolver(requests_map_, [replies = replies_](const bf::wire::ShmHandle& h) {
+      resolver_ = ends_->resolver([replies = replies_](const bf::wire::ShmHandle& h) {
         bf::wire::Header release;
         release.kind = bf::wire::MessageKind::kRelease;
         release.message = bf::wire::encode_shm_handle(h);
@@ -281,7 +293,8 @@ class Worker {
       }
       if (type == bf::detail::kPing) {
         nlohmann::json beat = {{"type", bf::detail::kHeartbeat}, {"rss_bytes", rss_bytes()}};
-        if (results_pool_) beat["shm"] = results_pool_->stats();
+        if (ends_) beat["shm"] = ends_->host_stats();
+        if (ends_ && ends_->cuda()) beat["cuda"] = ends_->cuda_stats();
         if (sampler_.enabled()) beat["kpi"] = sampler_.latest();
         send_control(beat);
       }
@@ -303,7 +316,7 @@ class Worker {
       const std::int64_t arrived = now_ns();
       std::optional<std::uint64_t> id;
       if (!frames.empty()) id = bf::wire::peek_request_id(frames[0].data(), frames[0].size());
-      auto message = bf::detail::decode_message(std::move(frames), results_pool_ ? &resolver_ : nullptr);
+      auto message = bf::detail::decode_message(std::move(frames), ends_ ? &resolver_ : nullptr);
       if (!message.ok()) {
         std::cerr << fmt::format("blockflow-worker {}: malformed request frame dropped: {}\n", args_.name,
                                  std::string(message.status().message()));
@@ -314,8 +327,8 @@ class Worker {
       }
       if (message->header.kind == bf::wire::MessageKind::kRelease) {
         auto handles = bf::wire::decode_releases(message->header.message);
-        if (handles.ok() && results_pool_) {
-          for (const auto& h : *handles) results_pool_->release(h);
+        if (handles.ok() && ends_) {
+          for (const auto& h : *handles) ends_->release(h);
         } else {
           std::cerr << fmt::format("blockflow-worker {}: bad release message dropped\n", args_.name);
         }
@@ -363,7 +376,7 @@ class Worker {
       reply->header.times.sent_ns = now_ns();
       const bool data = reply->header.kind == bf::wire::MessageKind::kResult;
       auto sent = bf::detail::send_message(push, reply->header, reply->tensors, zmq::send_flags::none, nullptr,
-                                           data && results_pool_ ? &stager_ : nullptr);
+                                           data && ends_ ? &stager_ : nullptr);
       if (!sent.ok()) {  // e.g. an output dtype the wire cannot carry: report it instead
         (void)bf::detail::send_message(
             push, error_header(reply->header.request_id, reply->header.node, sent.status()), {});
@@ -396,8 +409,7 @@ class Worker {
   // Shared with the deleters of tensors over the host's slots, which may outlive this object.
   std::shared_ptr<ReplyQueue> replies_ = std::make_shared<ReplyQueue>();
   // The zero-copy channel: results go into our pools, requests are views of the host's.
-  std::unique_ptr<bf::detail::ShmProducer> results_pool_;
-  bf::detail::ShmConsumer requests_map_;
+  std::unique_ptr<bf::detail::ZeroCopyEnds> ends_;  // channels "shm" and "cuda"
   bf::detail::ShmStager stager_;
   bf::detail::ShmResolver resolver_;
   bf::KpiSampler sampler_;  // off unless the session switches sampling on

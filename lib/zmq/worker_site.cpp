@@ -1,7 +1,7 @@
 #include <blockflow/worker_site.hpp>
 #include <blockflow/detail/clock.hpp>
 #include <blockflow/detail/runtime_dir.hpp>
-#include <blockflow/detail/shm_pool.hpp>
+#include <blockflow/detail/zero_copy_ends.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
 #include <blockflow/detail/metrics_json.hpp>
 #include <blockflow/detail/worker_protocol.hpp>
@@ -134,13 +134,12 @@ struct WorkerSite::Impl {
   std::deque<Outbound> outbound;
   absl::flat_hash_map<std::pair<std::uint64_t, std::uint32_t>, std::string> in_flight;
   std::uint64_t bytes_copied = 0;
-  // The zero-copy channel (channel "shm"): our pool for requests, the worker's pools mapped here.
-  std::unique_ptr<detail::ShmProducer> requests_pool;
-  detail::ShmConsumer results_map;
+  // The zero-copy channels ("shm", "cuda"): our pools for requests, the worker's pools mapped here.
+  std::unique_ptr<detail::ZeroCopyEnds> ends;
   detail::ShmStager stager, stager_no_wait;
   detail::ShmResolver resolver;
   std::shared_ptr<ReleaseQueue> releases = std::make_shared<ReleaseQueue>();
-  ShmEdgeStats shm_results;
+  ShmEdgeStats shm_results, cuda_results;
   KpiSample kpi;
   bool sampling = false, sampling_sent = true;  // sampling_sent: the worker has the current setting
   absl::Duration sampling_period = absl::Milliseconds(100);
@@ -148,6 +147,7 @@ struct WorkerSite::Impl {
   std::optional<nlohmann::json> pending_update;
   std::uint64_t update_seq = 0, update_answered = 0;
   std::string update_error;
+  std::string cuda_probe;  // channel "cuda": what the worker must open (the connect-time check)
   bool stopping = false;
   bool death_pending = false;       // a joined worker declared dead from the control thread
   std::string unreachable_peer;     // control thread only
@@ -159,28 +159,39 @@ struct WorkerSite::Impl {
 
   std::string prefix() const { return fmt::format("worker {}", options.name); }
   bool joined() const { return !options.listen.empty(); }  // on another host, joins over TCP
-  bool shm() const { return options.channel == "shm"; }
+  bool shm() const { return options.channel == "shm" || options.channel == "cuda"; }  // zero-copy
 
   absl::Status resolve_channel() {
     std::string& c = options.channel;
     if (c.empty()) c = joined() ? "zmq" : "shm";
-    if (c != "shm" && c != "zmq") {
-      return absl::InvalidArgumentError(fmt::format("{}: channel '{}' is not shm or zmq", prefix(), c));
+    if (c != "shm" && c != "zmq" && c != "cuda") {
+      return absl::InvalidArgumentError(fmt::format("{}: channel '{}' is not shm, cuda or zmq", prefix(), c));
     }
-    if (c == "shm" && joined()) {
-      return absl::InvalidArgumentError(
-          fmt::format("{}: channel 'shm' needs a worker on this host, but it joins over TCP ({})", prefix(), options.listen));
+    if (c != "zmq" && joined()) {
+      return absl::InvalidArgumentError(fmt::format("{}: channel '{}' needs a worker on this host, but it joins over TCP ({})",
+                                                    prefix(), c, options.listen));
+    }
+    if (c == "cuda") {
+      if (auto usable = detail::cuda_ipc_usable(); !usable.ok()) {
+        return absl::Status(usable.code(), fmt::format("{}: channel 'cuda': {}", prefix(), std::string(usable.message())));
+      }
+      auto probe = detail::export_cuda_probe();  // the worker opens it before it reports ready
+      if (!probe.ok()) {
+        return absl::Status(probe.status().code(),
+                            fmt::format("{}: channel 'cuda': {}", prefix(), std::string(probe.status().message())));
+      }
+      cuda_probe = *probe;
     }
     if (shm()) {
       detail::ShmPoolOptions pool;
       pool.slots_per_pool = options.shm_slots_per_pool;
       pool.max_total_bytes = options.shm_max_bytes;
-      requests_pool = std::make_unique<detail::ShmProducer>(pool);
+      ends = std::make_unique<detail::ZeroCopyEnds>(pool, c == "cuda");
       // Without a free slot, the target block's full policy decides: kBlock waits for a release (up
       // to 10 s, then the request fails, named), kReject and kDropOldest fail the request at once.
-      stager = detail::make_stager(*requests_pool, absl::Seconds(10));
-      stager_no_wait = detail::make_stager(*requests_pool, absl::ZeroDuration());
-      resolver = detail::make_resolver(results_map, [queue = releases](const wire::ShmHandle& h) { queue->push(h); });
+      stager = ends->stager(absl::Seconds(10));
+      stager_no_wait = ends->stager(absl::ZeroDuration());
+      resolver = ends->resolver([queue = releases](const wire::ShmHandle& h) { queue->push(h); });
     }
     return absl::OkStatus();
   }
@@ -266,12 +277,12 @@ struct WorkerSite::Impl {
 
   void on_death(std::string what) {
     // Its leases are void: our slots come back, its pools are no longer looked up.
-    if (requests_pool) {
-      if (const std::size_t n = requests_pool->reclaim_all(); n > 0) {
-        std::cerr << fmt::format("blockflow: {}: {} shared-memory slot(s) reclaimed\n", prefix(), n);
+    if (ends) {
+      if (const std::size_t n = ends->reclaim_all(); n > 0) {
+        std::cerr << fmt::format("blockflow: {}: {} zero-copy slot(s) reclaimed\n", prefix(), n);
       }
+      ends->forget_all();
     }
-    results_map.forget_all();
     std::vector<std::pair<std::uint64_t, std::uint32_t>> lost;
     std::vector<Outbound> queued;
     absl::Status why;
@@ -349,6 +360,7 @@ struct WorkerSite::Impl {
       nlohmann::json config = detail::make_config(blocks, options);
       config["sampling"] = sampling;
       config["sampling_period_ms"] = absl::ToInt64Milliseconds(sampling_period);
+      if (!cuda_probe.empty()) config["cuda_probe"] = cuda_probe;
       sampling_sent = true;
       if (joined()) {
         config["requests_port"] = port_of(request_endpoint);
@@ -380,6 +392,7 @@ struct WorkerSite::Impl {
       last_heartbeat_ns = now_ns();
       rss = message.value("rss_bytes", rss);
       if (message.contains("shm") && message["shm"].is_object()) shm_results = message["shm"].get<ShmEdgeStats>();
+      if (message.contains("cuda") && message["cuda"].is_object()) cuda_results = message["cuda"].get<ShmEdgeStats>();
       kpi = message.contains("kpi") ? message["kpi"].get<KpiSample>() : KpiSample{};
     }
   }
@@ -570,11 +583,11 @@ struct WorkerSite::Impl {
       }
       if (decoded->header.kind == wire::MessageKind::kRelease) {
         auto handles = wire::decode_releases(decoded->header.message);
-        if (!handles.ok() || !requests_pool) {
+        if (!handles.ok() || !ends) {
           on_malformed(std::nullopt, handles.ok() ? absl::InvalidArgumentError("release without shared memory") : handles.status());
           continue;
         }
-        for (const auto& h : *handles) requests_pool->release(h);
+        for (const auto& h : *handles) ends->release(h);
         continue;
       }
       deliver(std::move(*decoded));
@@ -771,10 +784,14 @@ SiteStats WorkerSite::stats() const {
   out.malformed_frames = s.malformed;
   out.rss_idle_bytes = s.rss_idle;
   out.rss_bytes = s.rss;
-  out.data.kind = s.joined() ? "zmq-tcp" : s.shm() ? "shm" : "zmq-ipc";
+  out.data.kind = s.joined() ? "zmq-tcp" : s.options.channel == "zmq" ? "zmq-ipc" : s.options.channel;
   out.data.bytes_copied = s.bytes_copied;
-  if (s.requests_pool) out.shm_requests = s.requests_pool->stats();
+  if (s.ends) {
+    out.shm_requests = s.ends->host_stats();
+    out.cuda_requests = s.ends->cuda_stats();
+  }
   out.shm_results = s.shm_results;
+  out.cuda_results = s.cuda_results;
   out.kpi = s.kpi;
   out.data.sent = s.sent;
   out.data.received = s.received;

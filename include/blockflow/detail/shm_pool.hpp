@@ -33,6 +33,7 @@ struct ShmPoolOptions {
   std::size_t slots_per_pool = 4;               ///< slots in each pool (one pool per size class)
   std::size_t min_slot_bytes = std::size_t{1} << 20;  ///< smallest slot; slots are powers of two
   std::size_t max_total_bytes = std::size_t{1} << 30;  ///< bound on all pools of one producer
+  std::size_t max_pools = 0;  ///< bound on the number of pools (0: only max_total_bytes bounds them)
 };
 
 

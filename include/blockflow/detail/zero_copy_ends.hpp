@@ -1,0 +1,49 @@
+#pragma once
+// Internal: one process's ends of a zero-copy edge to another process of the same host (the session
+// host and one worker, either side). Its own pools, which the peer's messages release slots of, and
+// the peer's pools, mapped on demand. Channel "shm": host shared memory for CPU tensors. Channel
+// "cuda": the same for CPU tensors, plus CUDA IPC for CUDA tensors (cuda_ipc.hpp). Each handle says
+// which memory it names (wire::ShmHandle::memory), so one message may carry both kinds.
+
+#include <blockflow/detail/cuda_ipc.hpp>
+#include <blockflow/detail/shm_pool.hpp>
+#include <blockflow/detail/tensor_codec.hpp>
+
+#include <absl/status/status.h>
+
+#include <functional>
+#include <memory>
+
+namespace blockflow::detail {
+
+class ZeroCopyEnds {
+ public:
+  /// `cuda`: also carry CUDA tensors; the caller checked cuda_ipc_usable().
+  ZeroCopyEnds(const ShmPoolOptions& pools, bool cuda);
+
+  /// Turns each tensor into a handle: CUDA tensors (channel "cuda") are shared where they lie, CPU
+  /// tensors lying in a leased slot are shared, others are copied into a slot. Waits up to `wait`
+  /// for a credit.
+  [[nodiscard]] ShmStager stager(absl::Duration wait);
+  /// Builds tensors over the peer's memory; `release` runs with each handle when its tensor dies.
+  [[nodiscard]] ShmResolver resolver(std::function<void(const wire::ShmHandle&)> release);
+  /// The peer is done with one of our handles (false, counted, for a stale or forged one).
+  bool release(const wire::ShmHandle& handle);
+  /// The peer died: frees every slot it held. Returns how many.
+  std::size_t reclaim_all();
+  /// The peer restarted: its pools are new.
+  void forget_all();
+
+  [[nodiscard]] bool cuda() const { return cuda_out_ != nullptr; }
+  [[nodiscard]] ShmProducer& host_pool() { return host_out_; }
+  [[nodiscard]] ShmEdgeStats host_stats() const { return host_out_.stats(); }
+  [[nodiscard]] ShmEdgeStats cuda_stats() const { return cuda_out_ ? cuda_out_->stats() : ShmEdgeStats{}; }
+
+ private:
+  ShmProducer host_out_;
+  ShmConsumer host_in_;
+  std::unique_ptr<CudaProducer> cuda_out_;
+  std::unique_ptr<CudaConsumer> cuda_in_;
+};
+
+}  // namespace blockflow::detail
