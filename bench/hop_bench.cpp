@@ -17,6 +17,12 @@
 // copies into a slot first (inside the timed span; the route of TorchScript outputs in workers).
 // The slot's release, which a worker sends back as a message off the critical path, is a direct
 // call here.
+//
+// cuda (where a GPU and a libtorch with CUDA are present): a CUDA tensor written by the producer
+// (a fill kernel, not timed) crosses to a second process (this program, spawned with
+// --cuda-receiver): the sender records an interprocess event and sends a 32-byte handle naming
+// its allocation; the receiver opens it (once, cached), makes its stream wait on the event and
+// builds its tensor over the producer's memory. Nothing is copied. Releases ride on the acks.
 
 #include "bench_util.hpp"
 
@@ -24,6 +30,7 @@
 #include <blockflow/detail/clock.hpp>
 #include <blockflow/detail/runtime_dir.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
+#include <blockflow/detail/zero_copy_ends.hpp>
 
 #include <ATen/ops/empty.h>
 #include <fmt/format.h>
@@ -31,8 +38,13 @@
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include <spawn.h>
+#include <sys/wait.h>
+
+#include <ATen/ops/empty.h>
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -123,6 +135,89 @@ HopFigures measure_zmq(const std::string& endpoint, std::size_t bytes, int itera
   return {bf::bench::percentile(latencies_us, 0.5), bf::bench::percentile(latencies_us, 0.99)};
 }
 
+// The receiving process of the cuda hop: resolves each handle, reports its one-way latency and the
+// handles whose tensors died (released once its stream is done with them) in the ack.
+int cuda_receiver(const std::string& data, const std::string& acks, int total) {
+  bf::detail::ZeroCopyEnds ends(bf::detail::ShmPoolOptions{}, true);
+  std::mutex mu;
+  std::vector<bf::wire::ShmHandle> released;
+  const bf::detail::ShmResolver resolver = ends.resolver([&](const bf::wire::ShmHandle& h) {
+    std::lock_guard lock(mu);
+    released.push_back(h);
+  });
+  zmq::context_t context(1);
+  zmq::socket_t pull(context, zmq::socket_type::pull), ack(context, zmq::socket_type::push);
+  pull.connect(data);
+  ack.connect(acks);
+  for (int i = 0; i < total; ++i) {
+    std::vector<zmq::message_t> frames;
+    (void)zmq::recv_multipart(pull, std::back_inserter(frames));
+    auto message = bf::detail::decode_message(std::move(frames), &resolver);
+    const std::int64_t now = bf::detail::now_ns();
+    if (!message.ok() || !message->tensors.at(0).is_cuda()) {
+      std::cerr << "hop cuda receiver: " << message.status() << "\n";
+      return 1;
+    }
+    const double latency_us = static_cast<double>(now - message->header.times.sent_ns) / 1e3;
+    message->tensors.clear();  // the release follows once this stream is done with it
+    std::string reply(reinterpret_cast<const char*>(&latency_us), sizeof(latency_us));
+    {
+      std::lock_guard lock(mu);
+      reply += bf::wire::encode_releases(released);
+      released.clear();
+    }
+    (void)ack.send(zmq::buffer(reply), zmq::send_flags::none);
+  }
+  return 0;
+}
+
+// The sending side of the cuda hop, for each size; -1 p50 when the receiver failed.
+std::vector<HopFigures> measure_cuda(const char* self, const std::string& dir, const std::vector<std::size_t>& sizes,
+                                     int iterations) {
+  bf::detail::ZeroCopyEnds ends(bf::detail::ShmPoolOptions{}, true);
+  const bf::detail::ShmStager stager = ends.stager(absl::Seconds(10));
+  zmq::context_t context(1);
+  zmq::socket_t push(context, zmq::socket_type::push), ack(context, zmq::socket_type::pull);
+  const std::string data = "ipc://" + dir + "/cuda", acks = "ipc://" + dir + "/cuda-ack";
+  push.bind(data);
+  ack.bind(acks);
+  const std::string total = std::to_string(iterations * static_cast<int>(sizes.size()));
+  std::vector<std::string> args = {self, "--cuda-receiver", data, acks, total};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t child = 0;
+  if (::posix_spawn(&child, self, nullptr, nullptr, argv.data(), environ) != 0) return {};
+  std::vector<HopFigures> out;
+  for (std::size_t bytes : sizes) {
+    std::vector<double> latencies_us;
+    for (int i = 0; i < iterations; ++i) {
+      bf::Tensor t = at::empty({static_cast<std::int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+      t.fill_(static_cast<std::int64_t>(i % 251));  // the producer's own work, queued on its stream
+      bf::wire::Header header;
+      header.request_id = static_cast<std::uint64_t>(i);
+      header.times.sent_ns = bf::detail::now_ns();
+      if (!bf::detail::send_message(push, header, {t}, zmq::send_flags::none, nullptr, &stager).ok()) std::abort();
+      t = bf::Tensor();
+      zmq::message_t reply;
+      if (!ack.recv(reply) || reply.size() < sizeof(double)) std::abort();
+      double latency_us = 0;
+      std::memcpy(&latency_us, reply.data(), sizeof(double));
+      latencies_us.push_back(latency_us);
+      auto handles = bf::wire::decode_releases(
+          std::string(static_cast<const char*>(reply.data()) + sizeof(double), reply.size() - sizeof(double)));
+      if (handles.ok()) {
+        for (const auto& h : *handles) ends.release(h);
+      }
+    }
+    latencies_us.erase(latencies_us.begin(), latencies_us.begin() + iterations / 10);
+    out.push_back({bf::bench::percentile(latencies_us, 0.5), bf::bench::percentile(latencies_us, 0.99)});
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  return out;
+}
+
 double memcpy_us(std::size_t bytes) {
   std::vector<char> src(bytes, 1), dst(bytes, 2);
   std::vector<double> samples;
@@ -139,6 +234,7 @@ double memcpy_us(std::size_t bytes) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 5 && std::string(argv[1]) == "--cuda-receiver") return cuda_receiver(argv[2], argv[3], std::stoi(argv[4]));
   const int iterations = argc > 1 ? std::stoi(argv[1]) : 20000;
   const std::vector<std::size_t> sizes = {4096, 3211264, 104857600};
   for (std::size_t bytes : sizes) {
@@ -163,6 +259,16 @@ int main(int argc, char** argv) {
           "\"memcpy_us\":{:.3f},\"p50_over_memcpy\":{:.2f}}}\n",
           channel, bytes, n, f.p50_us, f.p99_us, copy_us, f.p50_us / copy_us);
     }
+  }
+  if (const absl::Status cuda = bf::detail::cuda_ipc_usable(); cuda.ok()) {
+    const auto figures = measure_cuda(argv[0], *dir, sizes, 1000);
+    for (std::size_t i = 0; i < figures.size(); ++i) {
+      fmt::print("{{\"bench\":\"hop\",\"channel\":\"cuda\",\"bytes\":{},\"iterations\":1000,\"p50_us\":{:.3f},"
+                 "\"p99_us\":{:.3f},\"device\":\"{}\"}}\n",
+                 sizes[i], figures[i].p50_us, figures[i].p99_us, bf::bench::gpu_name());
+    }
+  } else {
+    std::cerr << "hop: no cuda lines: " << cuda.message() << "\n";
   }
   bf::detail::remove_private_dir(*dir);
   return 0;

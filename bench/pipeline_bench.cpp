@@ -15,8 +15,15 @@
 // sides alike, and prints
 // {"bench":"sampler_cost","e2e_p50_ms_off":..,"e2e_p50_ms_on":..,"ratio":..} with ratio = on / off.
 //
-//   pipeline_bench --models DIR [--mode threads|workers|worker_memory] [--channel shm|zmq] [--requests N]
-//                  [--threads T] [--worker-env "K=V ..."]
+// With --device cuda every block and the monolithic model run on cuda:0 (use --channel cuda for
+// workers: CUDA tensors cross as CUDA IPC handles). GPU kernels run asynchronously, so e2e and
+// monolithic times are taken by the client up to the result's copy to the host (the same for
+// both); overhead_p50_ms stays the trace's own (time outside compute and waits). The line adds
+// "device" (the GPU's name), "saturation_rps" and "monolithic_saturation_rps": completed requests
+// per second with 16 requests kept in flight.
+//
+//   pipeline_bench --models DIR [--mode threads|workers|worker_memory] [--channel shm|zmq|cuda] [--requests N]
+//                  [--threads T] [--worker-env "K=V ..."] [--device cpu|cuda]
 
 #include "bench_util.hpp"
 
@@ -31,6 +38,8 @@
 
 #include <absl/strings/str_split.h>
 
+#include <deque>
+#include <future>
 #include <iostream>
 #include <optional>
 #include <thread>
@@ -38,7 +47,7 @@
 namespace bf = blockflow;
 
 int main(int argc, char** argv) try {
-  std::string models, mode = "threads", channel = "shm";
+  std::string models, mode = "threads", channel = "shm", device = "cpu";
   std::optional<std::string> worker_env;  // "K=V K=V": replaces WorkerOptions::environment
   int requests = 100, threads = 2, warmup = 5;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -50,6 +59,7 @@ int main(int argc, char** argv) try {
     else if (a == "--mode") mode = v;
     else if (a == "--channel") channel = v;
     else if (a == "--worker-env") worker_env = v;
+    else if (a == "--device") device = v;
     else throw std::invalid_argument("unknown argument " + a);
   }
   if (models.empty()) throw std::invalid_argument("usage: pipeline_bench --models DIR [--requests N] [--threads T]");
@@ -70,6 +80,7 @@ int main(int argc, char** argv) try {
     d.torchscript = models + "/" + d.name + ".pt";
     d.options.intra_op_threads = threads;
     d.options.input_shapes = {blocks[i].second};
+    if (device == "cuda") d.options.device = "cuda:0";
     if (d.name != "monolithic" && (workers || memory)) {
       d.placement = memory ? "w1" : fmt::format("w{}", i + 1);
     }
@@ -115,6 +126,55 @@ int main(int argc, char** argv) try {
     return 0;
   }
   std::vector<double> e2e_ms, mono_ms, overhead_ms;
+  if (device == "cuda") {
+    // Client-side times up to the result on the host, both sides alike.
+    auto timed = [&](const char* task, double& ms) {
+      const std::int64_t t0 = bf::detail::now_ns();
+      bf::Result r = session.submit(task, x).get();
+      if (!r.ok()) throw std::runtime_error(r.status.ToString());
+      (void)r.output().cpu();
+      ms = static_cast<double>(bf::detail::now_ns() - t0) / 1e6;
+      return r;
+    };
+    for (int i = -warmup; i < requests; ++i) {
+      double split = 0, mono = 0;
+      const bf::Result r = timed("split", split);
+      (void)timed("whole", mono);
+      if (i < 0) continue;
+      e2e_ms.push_back(split);
+      mono_ms.push_back(mono);
+      overhead_ms.push_back(r.trace.overhead_ms());
+    }
+    // Saturation: 16 requests in flight, 10 x `requests` completions.
+    auto saturation = [&](const char* task) {
+      std::deque<std::future<bf::Result>> window;
+      const int total = 10 * requests;
+      const std::int64_t t0 = bf::detail::now_ns();
+      int submitted = 0;
+      for (; submitted < 16; ++submitted) window.push_back(session.submit(task, x));
+      for (int done = 0; done < total; ++done) {
+        bf::Result r = window.front().get();
+        window.pop_front();
+        if (!r.ok()) throw std::runtime_error(r.status.ToString());
+        (void)r.output().cpu();
+        if (submitted < total) {
+          window.push_back(session.submit(task, x));
+          ++submitted;
+        }
+      }
+      return total / (static_cast<double>(bf::detail::now_ns() - t0) / 1e9);
+    };
+    const double split_rps = saturation("split"), mono_rps = saturation("whole");
+    if (std::getenv("BENCH_METRICS") != nullptr) std::cerr << session.metrics().to_json(1) << "\n";
+    const double e2e = bf::bench::percentile(e2e_ms, 0.5), mono = bf::bench::percentile(mono_ms, 0.5);
+    fmt::print(
+        "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"device\":\"{}\",\"threads_per_block\":{},"
+        "\"requests\":{},\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},"
+        "\"saturation_rps\":{:.1f},\"monolithic_saturation_rps\":{:.1f}}}\n",
+        mode, workers ? (channel == "zmq" ? "zmq-ipc" : channel) : "inproc", bf::bench::gpu_name(), threads, requests, e2e,
+        mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5), split_rps, mono_rps);
+    return 0;
+  }
   for (int i = -warmup; i < requests; ++i) {
     const bf::Result r = session.submit("split", x).get();
     if (!r.ok()) throw std::runtime_error(r.status.ToString());

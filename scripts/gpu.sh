@@ -2,6 +2,8 @@
 # Builds BlockFlow on a GPU machine against the CUDA-enabled libtorch of its PyTorch, with the Debian
 # dependencies carried in .gpu-debs (see ../shared/gpu/README.md and docs/gpu.md), then runs what
 # is asked:  scripts/gpu.sh [build|test|bench|all]...   Logs go to $OUT (default build-gpu/out).
+# test: the whole ctest suite (CTEST_ARGS="-L gpu" for the GPU-labelled tests only); bench: the hop
+# and pipeline benchmarks on the GPU (cuda lines) with a witness of host<->device copies.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -26,12 +28,27 @@ run_tests() {
   (cd "$BUILD_DIR" && ctest -j 8 --timeout 300 --output-on-failure ${CTEST_ARGS:-}) > "$OUT/ctest.log" 2>&1 || true
   tail -25 "$OUT/ctest.log"
 }
+# hop and pipeline on the GPU, with the LD_PRELOAD witness counting host<->device copies per process.
+bench() {
+  local witness="$BUILD_DIR/tests/libblockflow_cuda_copy_witness.so" models="$BUILD_DIR/models"
+  "$PY" "$ROOT/scripts/export_models.py" --out "$models" > "$OUT/export.log" 2>&1 || { tail "$OUT/export.log"; return 1; }
+  rm -f "$OUT"/witness-*.txt
+  {
+    BLOCKFLOW_COPY_WITNESS="$OUT/witness-hop.txt" LD_PRELOAD="$witness" "$BUILD_DIR/bench/hop_bench" "${BENCH_HOP_ITERATIONS:-2000}"
+    "$BUILD_DIR/bench/pipeline_bench" --models "$models" --mode threads --device cuda --requests "${BENCH_REQUESTS:-100}"
+    BENCH_METRICS=1 BLOCKFLOW_COPY_WITNESS="$OUT/witness-pipeline.txt" LD_PRELOAD="$witness" \
+      "$BUILD_DIR/bench/pipeline_bench" --models "$models" --mode workers --channel cuda --device cuda \
+      --requests "${BENCH_REQUESTS:-100}" 2> "$OUT/metrics-cuda.txt"
+  } | tee "$OUT/bench.jsonl"
+  echo "--- host<->device copies per process (witness) ---"
+  cat "$OUT"/witness-*.txt 2>/dev/null || true
+}
+
 for step in "${@:-all}"; do
   case "$step" in
     build) build ;;
     test) run_tests ;;
-    bench) BUILD_DIR="$BUILD_DIR" bash scripts/bench.sh ${BENCH_ARGS:-hop pipeline} > "$OUT/bench.jsonl" 2> "$OUT/bench.err" || true
-           cat "$OUT/bench.jsonl" ;;
+    bench) bench ;;
     all) build; run_tests ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

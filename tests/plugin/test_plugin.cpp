@@ -6,6 +6,10 @@
 #include <cstdlib>
 #include <thread>
 
+#ifdef BLOCKFLOW_TEST_TORCH_CUDA
+#include <ATen/cuda/Sleep.h>
+#endif
+
 extern "C" void blockflow_register_blocks(blockflow::BlockRegistry& registry) {
   registry.add("affine", [](const std::string& name, const blockflow::BlockOptions& options) {
     return blockflow::Block::callable(
@@ -21,6 +25,21 @@ extern "C" void blockflow_register_blocks(blockflow::BlockRegistry& registry) {
         },
         options);
   });
+#ifdef BLOCKFLOW_TEST_TORCH_CUDA
+  // A slow producer for the CUDA ordering test: zeros, a ~100 ms spin kernel, then 42 everywhere,
+  // all queued on the current stream; forward() returns long before the GPU has written the 42s.
+  registry.add("slow_fill", [](const std::string& name, const blockflow::BlockOptions& options) {
+    return blockflow::Block::callable(
+        name,
+        [](blockflow::Tensors&& in) -> absl::StatusOr<blockflow::Tensors> {
+          at::Tensor out = at::zeros_like(in.at(0));
+          at::cuda::sleep(200'000'000);
+          out.fill_(42.0);
+          return blockflow::Tensors{out};
+        },
+        options);
+  });
+#endif
   // Kills its process while it is being built: a worker dying in the middle of loading.
   registry.add("abort_on_build", [](const std::string&, const blockflow::BlockOptions&) -> std::shared_ptr<blockflow::Block> {
     std::abort();
