@@ -28,6 +28,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <poll.h>
 #include <pthread.h>
