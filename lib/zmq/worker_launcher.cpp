@@ -21,6 +21,7 @@
 #include <zmq.hpp>
 
 #include <dlfcn.h>
+#include <execinfo.h>
 #include <sys/prctl.h>
 #include <unistd.h>
 
@@ -165,7 +166,20 @@ int serve_once(const Args& args, int incarnation, bool& stopped_by_host) {
 
 }  // namespace
 
+// A worker that crashes logs its stack on stderr (the host's log) before it dies of the signal, so
+// that "worker w1 killed by signal 11" comes with a where.
+void log_crash(int sig) {
+  void* frames[64];
+  const int n = ::backtrace(frames, 64);
+  static const char header[] = "blockflow-worker: fatal signal; stack:\n";
+  (void)!::write(STDERR_FILENO, header, sizeof(header) - 1);
+  ::backtrace_symbols_fd(frames, n, STDERR_FILENO);
+  std::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
 int main(int argc, char** argv) try {
+  for (int sig : {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT}) std::signal(sig, log_crash);
   Args args = parse(argc, argv);
   if (!args.join) {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // no orphans: die with the host

@@ -15,6 +15,18 @@
 
 static atomic_ullong calls[4], bytes[4]; /* by cudaMemcpyKind: 1 h2d, 2 d2h, 3 d2d; 0 other */
 
+/* The real function. A process that loads libcudart with dlopen(RTLD_LOCAL) (a worker loads its
+ * runtime module that way) hides it from RTLD_NEXT: ask the loaded library itself then. */
+static void* real(const char* name) {
+  void* p = dlsym(RTLD_NEXT, name);
+  static const char* libs[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so"};
+  for (unsigned i = 0; !p && i < sizeof(libs) / sizeof(libs[0]); ++i) {
+    void* h = dlopen(libs[i], RTLD_NOW | RTLD_NOLOAD);
+    if (h) p = dlsym(h, name);
+  }
+  return p;
+}
+
 static int direction(const void* dst, const void* src, enum cudaMemcpyKind kind) {
   if (kind == cudaMemcpyHostToDevice) return 1;
   if (kind == cudaMemcpyDeviceToHost) return 2;
@@ -22,7 +34,7 @@ static int direction(const void* dst, const void* src, enum cudaMemcpyKind kind)
   if (kind == cudaMemcpyDefault) {
     typedef cudaError_t (*attr_fn)(struct cudaPointerAttributes*, const void*);
     static attr_fn attr = NULL;
-    if (!attr) attr = (attr_fn)dlsym(RTLD_NEXT, "cudaPointerGetAttributes");
+    if (!attr) attr = (attr_fn)real("cudaPointerGetAttributes");
     struct cudaPointerAttributes a, b;
     int dst_dev = attr && attr(&a, dst) == cudaSuccess && a.type == cudaMemoryTypeDevice;
     int src_dev = attr && attr(&b, src) == cudaSuccess && b.type == cudaMemoryTypeDevice;
@@ -40,7 +52,8 @@ static void count(const void* dst, const void* src, size_t n, enum cudaMemcpyKin
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind) {
   typedef cudaError_t (*fn)(void*, const void*, size_t, enum cudaMemcpyKind);
   static fn next = NULL;
-  if (!next) next = (fn)dlsym(RTLD_NEXT, "cudaMemcpy");
+  if (!next) next = (fn)real("cudaMemcpy");
+  if (!next) return cudaErrorUnknown;
   count(dst, src, n, kind);
   return next(dst, src, n, kind);
 }
@@ -48,7 +61,8 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, enum cudaMemcpyKind
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, enum cudaMemcpyKind kind, cudaStream_t s) {
   typedef cudaError_t (*fn)(void*, const void*, size_t, enum cudaMemcpyKind, cudaStream_t);
   static fn next = NULL;
-  if (!next) next = (fn)dlsym(RTLD_NEXT, "cudaMemcpyAsync");
+  if (!next) next = (fn)real("cudaMemcpyAsync");
+  if (!next) return cudaErrorUnknown;
   count(dst, src, n, kind);
   return next(dst, src, n, kind, s);
 }
@@ -56,7 +70,8 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, enum cudaMemcp
 cudaError_t cudaMemcpyPeerAsync(void* dst, int dd, const void* src, int sd, size_t n, cudaStream_t s) {
   typedef cudaError_t (*fn)(void*, int, const void*, int, size_t, cudaStream_t);
   static fn next = NULL;
-  if (!next) next = (fn)dlsym(RTLD_NEXT, "cudaMemcpyPeerAsync");
+  if (!next) next = (fn)real("cudaMemcpyPeerAsync");
+  if (!next) return cudaErrorUnknown;
   atomic_fetch_add(&calls[3], 1);
   atomic_fetch_add(&bytes[3], n);
   return next(dst, dd, src, sd, n, s);
