@@ -5,7 +5,9 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
+#include <ftw.h>
+#include <unistd.h>
+
 #include <vector>
 
 namespace blockflow::detail {
@@ -22,9 +24,16 @@ absl::StatusOr<std::string> make_private_dir(const std::string& tag) {
   return std::string(buffer.data());
 }
 
+// POSIX nftw rather than std::filesystem::remove_all: some libtorch builds (PyTorch wheels) export
+// their own std::filesystem symbols, and a call bound to theirs crashed at shutdown.
 void remove_private_dir(const std::string& dir) {
-  std::error_code ec;
-  if (!dir.empty()) std::filesystem::remove_all(dir, ec);
+  if (dir.empty()) return;
+  (void)::nftw(
+      dir.c_str(), [](const char* path, const struct stat*, int, struct FTW*) {
+        (void)::remove(path);
+        return 0;  // go on: remove what can be removed
+      }, 16,
+      FTW_DEPTH | FTW_PHYS);
 }
 
 }  // namespace blockflow::detail
