@@ -42,6 +42,9 @@
 #include <sys/wait.h>
 
 #include <ATen/ops/empty.h>
+#ifdef BLOCKFLOW_TORCH_CUDA
+#include <ATen/cuda/Sleep.h>
+#endif
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -139,11 +142,15 @@ HopFigures measure_zmq(const std::string& endpoint, std::size_t bytes, int itera
 // handles whose tensors died (released once its stream is done with them) in the ack.
 int cuda_receiver(const std::string& data, const std::string& acks, int total) {
   bf::detail::ZeroCopyEnds ends(bf::detail::ShmPoolOptions{}, true);
-  std::mutex mu;
-  std::vector<bf::wire::ShmHandle> released;
-  const bf::detail::ShmResolver resolver = ends.resolver([&](const bf::wire::ShmHandle& h) {
-    std::lock_guard lock(mu);
-    released.push_back(h);
+  // Shared with the release callbacks, which CUDA may run after this function has returned.
+  struct Released {
+    std::mutex mu;
+    std::vector<bf::wire::ShmHandle> handles;
+  };
+  auto released = std::make_shared<Released>();
+  const bf::detail::ShmResolver resolver = ends.resolver([released](const bf::wire::ShmHandle& h) {
+    std::lock_guard lock(released->mu);
+    released->handles.push_back(h);
   });
   zmq::context_t context(1);
   zmq::socket_t pull(context, zmq::socket_type::pull), ack(context, zmq::socket_type::push);
@@ -152,8 +159,10 @@ int cuda_receiver(const std::string& data, const std::string& acks, int total) {
   for (int i = 0; i < total; ++i) {
     std::vector<zmq::message_t> frames;
     (void)zmq::recv_multipart(pull, std::back_inserter(frames));
+    const std::int64_t received = bf::detail::now_ns();
     auto message = bf::detail::decode_message(std::move(frames), &resolver);
     const std::int64_t now = bf::detail::now_ns();
+    const double resolve_us = static_cast<double>(now - received) / 1e3;
     if (!message.ok() || !message->tensors.at(0).is_cuda()) {
       std::cerr << "hop cuda receiver: " << message.status() << "\n";
       return 1;
@@ -161,19 +170,27 @@ int cuda_receiver(const std::string& data, const std::string& acks, int total) {
     const double latency_us = static_cast<double>(now - message->header.times.sent_ns) / 1e3;
     message->tensors.clear();  // the release follows once this stream is done with it
     std::string reply(reinterpret_cast<const char*>(&latency_us), sizeof(latency_us));
+    reply.append(reinterpret_cast<const char*>(&resolve_us), sizeof(resolve_us));
     {
-      std::lock_guard lock(mu);
-      reply += bf::wire::encode_releases(released);
-      released.clear();
+      std::lock_guard lock(released->mu);
+      reply += bf::wire::encode_releases(released->handles);
+      released->handles.clear();
     }
     (void)ack.send(zmq::buffer(reply), zmq::send_flags::none);
   }
   return 0;
 }
 
-// The sending side of the cuda hop, for each size; -1 p50 when the receiver failed.
-std::vector<HopFigures> measure_cuda(const char* self, const std::string& dir, const std::vector<std::size_t>& sizes,
-                                     int iterations) {
+// The sending side of the cuda hop, for each size. `busy_cycles` > 0: the producer's stream is
+// still busy (a spin kernel of that many cycles queued before the send), to show that neither side
+// waits for the GPU: send_us (the sender's share + send) and resolve_us (the receiver's decode)
+// stay small while the kernel runs.
+struct CudaHop {
+  HopFigures hop;
+  double send_us = 0, resolve_us = 0;
+};
+std::vector<CudaHop> measure_cuda(const char* self, const std::string& dir, const std::vector<std::size_t>& sizes,
+                                  int iterations, std::int64_t busy_cycles = 0) {
   bf::detail::ZeroCopyEnds ends(bf::detail::ShmPoolOptions{}, true);
   const bf::detail::ShmStager stager = ends.stager(absl::Seconds(10));
   zmq::context_t context(1);
@@ -188,30 +205,37 @@ std::vector<HopFigures> measure_cuda(const char* self, const std::string& dir, c
   argv.push_back(nullptr);
   pid_t child = 0;
   if (::posix_spawn(&child, self, nullptr, nullptr, argv.data(), environ) != 0) return {};
-  std::vector<HopFigures> out;
+  std::vector<CudaHop> out;
   for (std::size_t bytes : sizes) {
-    std::vector<double> latencies_us;
+    std::vector<double> latencies_us, send_us, resolve_us;
     for (int i = 0; i < iterations; ++i) {
       bf::Tensor t = at::empty({static_cast<std::int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
       t.fill_(static_cast<std::int64_t>(i % 251));  // the producer's own work, queued on its stream
+#ifdef BLOCKFLOW_TORCH_CUDA
+      if (busy_cycles > 0) at::cuda::sleep(busy_cycles);
+#endif
       bf::wire::Header header;
       header.request_id = static_cast<std::uint64_t>(i);
       header.times.sent_ns = bf::detail::now_ns();
       if (!bf::detail::send_message(push, header, {t}, zmq::send_flags::none, nullptr, &stager).ok()) std::abort();
+      send_us.push_back(static_cast<double>(bf::detail::now_ns() - header.times.sent_ns) / 1e3);
       t = bf::Tensor();
       zmq::message_t reply;
-      if (!ack.recv(reply) || reply.size() < sizeof(double)) std::abort();
-      double latency_us = 0;
-      std::memcpy(&latency_us, reply.data(), sizeof(double));
-      latencies_us.push_back(latency_us);
+      if (!ack.recv(reply) || reply.size() < 2 * sizeof(double)) std::abort();
+      double figures[2] = {0, 0};
+      std::memcpy(figures, reply.data(), sizeof(figures));
+      latencies_us.push_back(figures[0]);
+      resolve_us.push_back(figures[1]);
       auto handles = bf::wire::decode_releases(
-          std::string(static_cast<const char*>(reply.data()) + sizeof(double), reply.size() - sizeof(double)));
+          std::string(static_cast<const char*>(reply.data()) + sizeof(figures), reply.size() - sizeof(figures)));
       if (handles.ok()) {
         for (const auto& h : *handles) ends.release(h);
       }
     }
     latencies_us.erase(latencies_us.begin(), latencies_us.begin() + iterations / 10);
-    out.push_back({bf::bench::percentile(latencies_us, 0.5), bf::bench::percentile(latencies_us, 0.99)});
+    out.push_back({{bf::bench::percentile(latencies_us, 0.5), bf::bench::percentile(latencies_us, 0.99)},
+                   bf::bench::percentile(send_us, 0.5),
+                   bf::bench::percentile(resolve_us, 0.5)});
   }
   int status = 0;
   ::waitpid(child, &status, 0);
@@ -264,9 +288,19 @@ int main(int argc, char** argv) {
     const auto figures = measure_cuda(argv[0], *dir, sizes, 1000);
     for (std::size_t i = 0; i < figures.size(); ++i) {
       fmt::print("{{\"bench\":\"hop\",\"channel\":\"cuda\",\"bytes\":{},\"iterations\":1000,\"p50_us\":{:.3f},"
-                 "\"p99_us\":{:.3f},\"device\":\"{}\"}}\n",
-                 sizes[i], figures[i].p50_us, figures[i].p99_us, bf::bench::gpu_name());
+                 "\"p99_us\":{:.3f},\"send_us\":{:.3f},\"resolve_us\":{:.3f},\"device\":\"{}\"}}\n",
+                 sizes[i], figures[i].hop.p50_us, figures[i].hop.p99_us, figures[i].send_us, figures[i].resolve_us,
+                 bf::bench::gpu_name());
     }
+#ifdef BLOCKFLOW_TORCH_CUDA
+    // The same with the producer's GPU still busy for ~1 ms (2M cycles) when it sends.
+    const auto busy = measure_cuda(argv[0], *dir, {sizes[1]}, 200, 2'000'000);
+    if (!busy.empty()) {
+      fmt::print("{{\"bench\":\"hop\",\"channel\":\"cuda-busy\",\"bytes\":{},\"iterations\":200,\"p50_us\":{:.3f},"
+                 "\"p99_us\":{:.3f},\"send_us\":{:.3f},\"resolve_us\":{:.3f},\"busy_cycles\":2000000,\"device\":\"{}\"}}\n",
+                 sizes[1], busy[0].hop.p50_us, busy[0].hop.p99_us, busy[0].send_us, busy[0].resolve_us, bf::bench::gpu_name());
+    }
+#endif
   } else {
     std::cerr << "hop: no cuda lines: " << cuda.message() << "\n";
   }

@@ -30,6 +30,14 @@ BlockDescription on_cuda(BlockDescription d) {
   return d;
 }
 
+// A C++ block in the host's threads on cuda:0 (3x + 1), like the plugin's "affine" in workers.
+std::shared_ptr<Block> host_affine(const std::string& name) {
+  BlockOptions options;
+  options.device = "cuda:0";
+  return Block::callable(
+      name, [](Tensors&& in) -> absl::StatusOr<Tensors> { return Tensors{in.at(0) * 3 + 1}; }, options);
+}
+
 std::int64_t torch_cuda_allocated() {
   std::vector<TorchCudaMemory> devices;
   (void)sample_torch_cuda(devices);
@@ -112,7 +120,7 @@ TEST_CASE("channel cuda orders by events: a consumer reads the slow producer's f
   Session session;
   session.add_site(make_worker(test::test_worker("w1", "cuda")))
       .add_block(on_cuda(test::plugin_block("slow", "slow_fill", "w1")))
-      .add_block(on_cuda(test::plugin_block("affine", "affine", "")))
+      .add_block(host_affine("affine"))
       .add_path(Path::chain("slow", {"slow"}))
       .add_path(Path::chain("slow_then_affine", {"slow", "affine"}));
   test::require_started(session);
@@ -134,7 +142,7 @@ TEST_CASE("channel cuda: a killed consumer's records come back; the worker resta
   auto site = make_worker(test::test_worker("w1", "cuda"));
   Session session;
   session.add_site(site)
-      .add_block(on_cuda(test::plugin_block("lift", "affine", "")))
+      .add_block(host_affine("lift"))
       .add_block(on_cuda(test::plugin_block("hold", "slow_identity", "w1")))
       .add_path(Path::chain("t", {"lift", "hold"}));
   test::require_started(session);
