@@ -38,6 +38,7 @@
 
 #include <absl/strings/str_split.h>
 
+#include <array>
 #include <deque>
 #include <future>
 #include <iostream>
@@ -136,6 +137,9 @@ int main(int argc, char** argv) try {
       ms = static_cast<double>(bf::detail::now_ns() - t0) / 1e6;
       return r;
     };
+    // Per hop (p50, us): input_ready -> arrived (the hand-off in), arrived -> dequeued (queue),
+    // compute (forward() on the host thread: kernel launches), compute_end -> done (hand-off out).
+    std::vector<std::array<std::vector<double>, 4>> hop_us(4);
     for (int i = -warmup; i < requests; ++i) {
       double split = 0, mono = 0;
       const bf::Result r = timed("split", split);
@@ -144,6 +148,19 @@ int main(int argc, char** argv) try {
       e2e_ms.push_back(split);
       mono_ms.push_back(mono);
       overhead_ms.push_back(r.trace.overhead_ms());
+      for (std::size_t h = 0; h < std::min<std::size_t>(4, r.trace.hops.size()); ++h) {
+        const bf::HopTiming& t = r.trace.hops[h];
+        hop_us[h][0].push_back(static_cast<double>(t.arrived_ns - t.input_ready_ns) / 1e3);
+        hop_us[h][1].push_back(static_cast<double>(t.dequeued_ns - t.arrived_ns) / 1e3);
+        hop_us[h][2].push_back(static_cast<double>(t.compute_end_ns - t.compute_start_ns) / 1e3);
+        hop_us[h][3].push_back(static_cast<double>(t.done_ns - t.compute_end_ns) / 1e3);
+      }
+    }
+    std::string hops_json;
+    for (std::size_t h = 0; h < hop_us.size(); ++h) {
+      hops_json += fmt::format("{}[{:.0f},{:.0f},{:.0f},{:.0f}]", h ? "," : "", bf::bench::percentile(hop_us[h][0], 0.5),
+                               bf::bench::percentile(hop_us[h][1], 0.5), bf::bench::percentile(hop_us[h][2], 0.5),
+                               bf::bench::percentile(hop_us[h][3], 0.5));
     }
     // Saturation: 16 requests in flight, 10 x `requests` completions.
     auto saturation = [&](const char* task) {
@@ -170,9 +187,9 @@ int main(int argc, char** argv) try {
     fmt::print(
         "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"device\":\"{}\",\"threads_per_block\":{},"
         "\"requests\":{},\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},"
-        "\"saturation_rps\":{:.1f},\"monolithic_saturation_rps\":{:.1f}}}\n",
+        "\"saturation_rps\":{:.1f},\"monolithic_saturation_rps\":{:.1f},\"hops_in_wait_compute_out_us\":[{}]}}\n",
         mode, workers ? (channel == "zmq" ? "zmq-ipc" : channel) : "inproc", bf::bench::gpu_name(), threads, requests, e2e,
-        mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5), split_rps, mono_rps);
+        mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5), split_rps, mono_rps, hops_json);
     return 0;
   }
   for (int i = -warmup; i < requests; ++i) {

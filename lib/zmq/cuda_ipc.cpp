@@ -124,8 +124,9 @@ struct Imported {
   std::uint64_t bytes = 0;
   int device = 0;
   Record record;
+  bool own = false;  // this process's own allocation, come back (not opened, not closed)
   ~Imported() {
-    if (base != nullptr) {
+    if (base != nullptr && !own) {
       DeviceGuard guard(device);
       (void)cudaIpcCloseMemHandle(base);
     }
@@ -142,6 +143,21 @@ class Imports {
   absl::StatusOr<std::shared_ptr<Imported>> open(const Record& record, int device) {
     const std::string key(reinterpret_cast<const char*>(record.memory), kIpcHandleBytes);
     absl::MutexLock lock(&mu_);
+    if (record.producer_pid == static_cast<std::uint64_t>(::getpid())) {
+      // Our own allocation, handed back (a worker returned a view of what we sent it). CUDA opens
+      // no handle of its own process; the allocation is alive (the record holding it is).
+      auto it = exported_.find(key);
+      if (it == exported_.end()) {
+        return absl::InvalidArgumentError("cuda handle: names an allocation of this process that it never exported");
+      }
+      auto own = std::make_shared<Imported>();
+      own->base = it->second.first;
+      own->bytes = it->second.second;
+      own->device = device;
+      own->record = record;
+      own->own = true;
+      return own;
+    }
     if (auto it = memory_.find(key); it != memory_.end()) return it->second;
     evict_unused();
     DeviceGuard guard(device);
@@ -179,6 +195,28 @@ class Imports {
     return event;
   }
 
+  // An allocation this process exported (CudaProducer::share), so that a handle naming it can
+  // come back. Keyed by its IPC handle; a freed segment's next handle differs.
+  void remember_export(const Record& record, void* base) {
+    const std::string key(reinterpret_cast<const char*>(record.memory), kIpcHandleBytes);
+    absl::MutexLock lock(&mu_);
+    if (exported_.size() >= 4096) exported_.clear();
+    exported_[key] = {base, record.alloc_bytes};
+  }
+
+  // The device a PCI bus id names here (cached: the driver query is not free).
+  absl::StatusOr<int> device(const char* pci) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (auto it = devices_.find(pci); it != devices_.end()) return it->second;
+    }
+    auto device = device_of(pci);
+    if (!device.ok()) return device.status();
+    absl::MutexLock lock(&mu_);
+    devices_[pci] = *device;
+    return *device;
+  }
+
   // The opened allocation `ptr` lies in, if any (a tensor received here, being forwarded).
   std::shared_ptr<Imported> origin(const void* ptr) {
     const auto* p = static_cast<const char*>(ptr);
@@ -208,6 +246,8 @@ class Imports {
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Imported>> memory_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, cudaEvent_t> events_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::pair<void*, std::uint64_t>> exported_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, int> devices_ ABSL_GUARDED_BY(mu_);
 };
 
 void CUDART_CB run_host_function(void* payload) {
@@ -319,7 +359,7 @@ struct CudaProducer::Impl {
   };
   struct Held {
     at::Tensor tensor;                   // keeps the allocation from being reused
-    int event = -1;                      // index in `events`, -1 for a forwarded tensor
+    int event = -1;                      // index in `events`
   };
   using Key = std::tuple<std::uint64_t, std::uint32_t, std::uint64_t>;  // pool, slot, generation
 
@@ -375,12 +415,12 @@ absl::StatusOr<wire::ShmHandle> CudaProducer::share(const at::Tensor& t, absl::T
   Record record;
   record.producer_pid = static_cast<std::uint64_t>(::getpid());
   std::uint64_t offset = 0;
-  bool forwarded = false;
   if (auto origin = Imports::get().origin(t.data_ptr())) {
-    // Received here over CUDA IPC: hand over the original allocation and its producer's event.
+    // Received here over CUDA IPC: hand over the original allocation. The event is ours (below):
+    // our stream waited on the producer's, and anything this process did to the tensor since
+    // (an in-place block) is ordered before it too.
     record = origin->record;
     offset = static_cast<std::uint64_t>(static_cast<const char*>(t.data_ptr()) - static_cast<const char*>(origin->base));
-    forwarded = true;
   } else {
 #ifdef BLOCKFLOW_TORCH_CUDA
     std::size_t alloc_bytes = 0;
@@ -403,6 +443,7 @@ absl::StatusOr<wire::ShmHandle> CudaProducer::share(const at::Tensor& t, absl::T
     }
     std::memcpy(record.memory, &mem, sizeof(mem));
     record.alloc_bytes = alloc_bytes;
+    Imports::get().remember_export(record, base);
     offset = static_cast<std::uint64_t>(static_cast<const char*>(t.data_ptr()) - static_cast<const char*>(base));
     auto pci = pci_bus_id(device);
     if (!pci.ok()) return pci.status();
@@ -418,7 +459,7 @@ absl::StatusOr<wire::ShmHandle> CudaProducer::share(const at::Tensor& t, absl::T
   }
   absl::MutexLock lock(&s.mu);
   int event = -1;
-  if (!forwarded) {
+  {
     auto taken = s.take_event(device);
     if (!taken.ok()) {
       lease->drop();
@@ -492,7 +533,7 @@ absl::StatusOr<at::Tensor> CudaConsumer::resolve(const wire::TensorDesc& desc, c
     return absl::InvalidArgumentError(
         fmt::format("cuda handle: offset {} is misaligned for {}", handle.offset, wire::to_string(desc.dtype)));
   }
-  auto device = device_of(record.pci_bus_id);
+  auto device = Imports::get().device(record.pci_bus_id);
   if (!device.ok()) return device.status();
   auto imported = Imports::get().open(record, *device);
   if (!imported.ok()) return imported.status();

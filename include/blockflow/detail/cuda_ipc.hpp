@@ -17,9 +17,11 @@
 // reference to the tensor, and its allocator may reuse the memory.
 //
 // A process that forwards a tensor it received this way (the session host between two workers)
-// shares the original allocation and event again: the next consumer opens the first producer's
-// memory directly, and the forwarder's view (which holds the first producer's slot) lives until the
-// next consumer releases. Nothing is copied at any hop.
+// shares the original allocation again, with an event of its own recorded after its stream's wait
+// on the first producer's: the next consumer opens the first producer's memory directly, and the
+// forwarder's view (which holds the first producer's slot) lives until the next consumer releases.
+// A handle naming the receiver's own allocation (a worker returned a view of its input) resolves
+// to that allocation. Nothing is copied at any hop.
 //
 // Everything here builds without CUDA (functions then answer Unimplemented, naming the reason).
 
@@ -60,7 +62,7 @@ class CudaProducer {
   /// Hands over a contiguous CUDA tensor: records the ready event on the current stream and
   /// returns its handle; the tensor is kept alive until release(). Waits for a credit until
   /// `deadline` (DeadlineExceeded then, naming the records in use). A tensor this process received
-  /// over CUDA IPC is handed over as its original allocation and event.
+  /// over CUDA IPC is handed over as its original allocation (with an event of this process).
   absl::StatusOr<wire::ShmHandle> share(const at::Tensor& contiguous, absl::Time deadline);
   /// The consumer is done with a handle: false (counted) when it matches no record in use.
   bool release(const wire::ShmHandle& handle);
