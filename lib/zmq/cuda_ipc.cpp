@@ -101,10 +101,18 @@ cudaStream_t current_stream(int device) {
 }
 
 absl::StatusOr<std::string> pci_bus_id(int device) {
+  static absl::Mutex mu;
+  static absl::flat_hash_map<int, std::string> known;  // the driver query is not free: once per device
+  {
+    absl::MutexLock lock(&mu);
+    if (auto it = known.find(device); it != known.end()) return it->second;
+  }
   char id[32] = {};
   if (auto e = cudaDeviceGetPCIBusId(id, sizeof(id), device); e != cudaSuccess) {
     return absl::FailedPreconditionError(fmt::format("cudaDeviceGetPCIBusId(device {}): {}", device, take_error(e)));
   }
+  absl::MutexLock lock(&mu);
+  known[device] = id;
   return std::string(id);
 }
 
