@@ -8,8 +8,10 @@
 // of the monolithic models, so the comparison is fair). --channel inproc (the default) runs every
 // block in this process's threads; shm and zmq put block1..block4 in child worker processes w1..w4
 // (head_b shares w4 with block4) reached over the zero-copy shared-memory channel or serialized
-// ZeroMQ (ipc://); the monolithic models stay in the host's threads. all runs the channels one
-// after the other and ends with a comparison table. (--placement workers is --channel shm.)
+// ZeroMQ (ipc://); the monolithic models stay in the host's threads. cuda (where
+// cuda_channel_available()) does the same with every block on cuda:0, CUDA tensors crossing as CUDA
+// IPC handles. all runs the channels one after the other (cuda where available) and ends with a
+// comparison table. (--placement workers is --channel shm.)
 
 #include <blockflow/blockflow.hpp>
 #include <blockflow/worker_site.hpp>
@@ -48,17 +50,22 @@ Args parse(int argc, char** argv) {
     else if (a == "--placement") args.channels = {next() == "workers" ? "shm" : "inproc"};
     else if (a == "--channel") {
       const std::string c = next();
-      if (c == "all") args.channels = {"inproc", "shm", "zmq"};
-      else if (c == "inproc" || c == "shm" || c == "zmq") args.channels = {c};
-      else if (c == "cuda") {
-        throw std::invalid_argument(
-            "--channel cuda: not available in this build (CPU libtorch, no CUDA IPC backend); use inproc, shm, zmq or all");
+      const absl::Status cuda = bf::cuda_channel_available();
+      if (c == "all") {
+        args.channels = {"inproc", "shm", "zmq"};
+        if (cuda.ok()) args.channels.push_back("cuda");
+        else std::cerr << "--channel all: no cuda line: " << cuda.message() << "\n";
+      } else if (c == "inproc" || c == "shm" || c == "zmq") {
+        args.channels = {c};
+      } else if (c == "cuda") {
+        if (!cuda.ok()) throw std::invalid_argument("--channel cuda: " + std::string(cuda.message()));
+        args.channels = {c};
       } else {
-        throw std::invalid_argument("--channel is inproc, shm, zmq or all, not " + c);
+        throw std::invalid_argument("--channel is inproc, shm, zmq, cuda or all, not " + c);
       }
     } else {
       throw std::invalid_argument("unknown argument " + a +
-                                  " (use --models DIR [--requests N] [--threads T] [--channel inproc|shm|zmq|all])");
+                                  " (use --models DIR [--requests N] [--threads T] [--channel inproc|shm|zmq|cuda|all])");
     }
   }
   if (args.models.empty()) throw std::invalid_argument("--models DIR is required");
@@ -74,6 +81,7 @@ bf::BlockDescription block(const Args& args, const std::string& channel, const s
   d.options.intra_op_threads = args.threads;
   d.options.input_shapes = {std::move(input_shape)};
   d.placement = channel == "inproc" ? "" : std::move(placement);
+  if (channel == "cuda") d.options.device = "cuda:0";  // every block, the monolithic models too
   return d;
 }
 
@@ -118,7 +126,9 @@ std::optional<Summary> run(const Args& args, const std::string& channel) {
   fmt::print("BlockFlow demo: split ResNet50, 2 tasks sharing blocks 1-3, channel {}: {}\n", channel,
              channel == "inproc" ? "every block in this process's threads"
                                  : fmt::format("blocks 1-4 in worker processes w1-w4, head_b in w4, over {}",
-                                               channel == "shm" ? "shared memory (zero-copy)" : "serialized ZeroMQ (ipc://)"));
+                                               channel == "shm"    ? "shared memory (zero-copy)"
+                                               : channel == "cuda" ? "CUDA IPC on cuda:0 (zero-copy)"
+                                                                   : "serialized ZeroMQ (ipc://)"));
   fmt::print("threads: {} intra-op per block, 1 worker thread per block, {} hardware threads\n", args.threads,
              std::thread::hardware_concurrency());
 
@@ -174,7 +184,8 @@ std::optional<Summary> run(const Args& args, const std::string& channel) {
   }
   for (const auto& site : m.sites) {
     summary.bytes_copied += site.data.bytes_copied;
-    summary.handles += site.shm_requests.handles + site.shm_results.handles;
+    summary.handles += site.shm_requests.handles + site.shm_results.handles + site.cuda_requests.handles +
+                       site.cuda_results.handles;
   }
   session.shutdown();
   fmt::print("\n");

@@ -49,7 +49,9 @@ struct WorkerOptions {
   /// sends a 32-byte handle, the other side's tensor is a view of that slot, and the slot returns
   /// when the view dies (so a worker block's outputs that you keep hold its slots: clone() them to
   /// keep many). "zmq": the tensor bytes travel serialized over ipc://. A worker that joins over
-  /// TCP (listen) uses "zmq" (what "" means there); asking for "shm" there is an error.
+  /// TCP (listen) uses "zmq" (what "" means there); asking for "shm" there is an error. "cuda":
+  /// as "shm" for CPU tensors, and CUDA tensors cross as CUDA IPC handles to the producer's GPU
+  /// memory, nothing copied (docs/gpu.md; needs cuda_channel_available()).
   std::string channel;
   std::size_t shm_slots_per_pool = 4;                 ///< slots per pool (one pool per power-of-two size class)
   std::size_t shm_max_bytes = std::size_t{1} << 30;   ///< bound on each side's pools for this worker
@@ -107,6 +109,11 @@ class WorkerSite final : public RemoteSite {
 /// per placement named in it, each made from `defaults` with that name. Also installs a site
 /// factory, so that Session::apply() can start workers for placements that later updates name.
 void add_deployment(Session& session, const Deployment& deployment, const WorkerOptions& defaults = {});
+
+/// @brief OK when WorkerOptions::channel "cuda" can be used here: BlockFlow built with the CUDA
+/// toolkit (BLOCKFLOW_WITH_CUDA), a libtorch with CUDA, and a visible device. Otherwise the reason,
+/// the same that WorkerSite::start() gives for such a worker. See docs/gpu.md.
+absl::Status cuda_channel_available();
 
 /// @brief Convenience: a shared WorkerSite for Session::add_site().
 inline std::shared_ptr<WorkerSite> make_worker(WorkerOptions options) {

@@ -870,4 +870,6 @@ void add_deployment(Session& session, const Deployment& deployment, const Worker
   for (const auto& block : deployment.blocks) session.add_block(block);
   for (auto& path : deployment.paths()) session.add_path(std::move(path));
 }
+absl::Status cuda_channel_available() { return detail::cuda_ipc_usable(); }
+
 }  // namespace blockflow
