@@ -21,6 +21,8 @@
 // both); overhead_p50_ms stays the trace's own (time outside compute and waits). The line adds
 // "device" (the GPU's name), "saturation_rps" and "monolithic_saturation_rps": completed requests
 // per second with 16 requests kept in flight.
+// Every pipeline line ends with "hops_us": per block, the p50 in microseconds of [hand-off in,
+// queue, to the block (for a worker: the relay into its process), compute, hand-off out].
 //
 //   pipeline_bench --models DIR [--mode threads|workers|worker_memory] [--channel shm|zmq|cuda] [--requests N]
 //                  [--threads T] [--worker-env "K=V ..."] [--device cpu|cuda]
@@ -127,6 +129,28 @@ int main(int argc, char** argv) try {
     return 0;
   }
   std::vector<double> e2e_ms, mono_ms, overhead_ms;
+  // Per hop (p50, us): input_ready -> arrived (the hand-off in), arrived -> dequeued (queue),
+  // dequeued -> compute_start (to the block: for a worker, the relay to its process), compute,
+  // compute_end -> done (hand-off out). Printed as "hops_us": [[in, queue, to_block, compute, out], ...].
+  std::vector<std::array<std::vector<double>, 5>> hop_us(4);
+  auto record_hops = [&](const bf::Result& r) {
+    for (std::size_t h = 0; h < std::min<std::size_t>(4, r.trace.hops.size()); ++h) {
+      const bf::HopTiming& t = r.trace.hops[h];
+      const std::int64_t spans[5] = {t.arrived_ns - t.input_ready_ns, t.dequeued_ns - t.arrived_ns,
+                                     t.compute_start_ns - t.dequeued_ns, t.compute_end_ns - t.compute_start_ns,
+                                     t.done_ns - t.compute_end_ns};
+      for (int k = 0; k < 5; ++k) hop_us[h][static_cast<std::size_t>(k)].push_back(static_cast<double>(spans[k]) / 1e3);
+    }
+  };
+  auto hops_json = [&] {
+    std::string out;
+    for (std::size_t h = 0; h < hop_us.size(); ++h) {
+      out += h ? ",[" : "[";
+      for (std::size_t k = 0; k < 5; ++k) out += fmt::format("{}{:.0f}", k ? "," : "", bf::bench::percentile(hop_us[h][k], 0.5));
+      out += "]";
+    }
+    return out;
+  };
   if (device == "cuda") {
     // Client-side times up to the result on the host, both sides alike.
     auto timed = [&](const char* task, double& ms) {
@@ -137,9 +161,6 @@ int main(int argc, char** argv) try {
       ms = static_cast<double>(bf::detail::now_ns() - t0) / 1e6;
       return r;
     };
-    // Per hop (p50, us): input_ready -> arrived (the hand-off in), arrived -> dequeued (queue),
-    // compute (forward() on the host thread: kernel launches), compute_end -> done (hand-off out).
-    std::vector<std::array<std::vector<double>, 4>> hop_us(4);
     for (int i = -warmup; i < requests; ++i) {
       double split = 0, mono = 0;
       const bf::Result r = timed("split", split);
@@ -148,19 +169,7 @@ int main(int argc, char** argv) try {
       e2e_ms.push_back(split);
       mono_ms.push_back(mono);
       overhead_ms.push_back(r.trace.overhead_ms());
-      for (std::size_t h = 0; h < std::min<std::size_t>(4, r.trace.hops.size()); ++h) {
-        const bf::HopTiming& t = r.trace.hops[h];
-        hop_us[h][0].push_back(static_cast<double>(t.arrived_ns - t.input_ready_ns) / 1e3);
-        hop_us[h][1].push_back(static_cast<double>(t.dequeued_ns - t.arrived_ns) / 1e3);
-        hop_us[h][2].push_back(static_cast<double>(t.compute_end_ns - t.compute_start_ns) / 1e3);
-        hop_us[h][3].push_back(static_cast<double>(t.done_ns - t.compute_end_ns) / 1e3);
-      }
-    }
-    std::string hops_json;
-    for (std::size_t h = 0; h < hop_us.size(); ++h) {
-      hops_json += fmt::format("{}[{:.0f},{:.0f},{:.0f},{:.0f}]", h ? "," : "", bf::bench::percentile(hop_us[h][0], 0.5),
-                               bf::bench::percentile(hop_us[h][1], 0.5), bf::bench::percentile(hop_us[h][2], 0.5),
-                               bf::bench::percentile(hop_us[h][3], 0.5));
+      record_hops(r);
     }
     // Saturation: 16 requests in flight, 10 x `requests` completions.
     auto saturation = [&](const char* task) {
@@ -187,9 +196,9 @@ int main(int argc, char** argv) try {
     fmt::print(
         "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"device\":\"{}\",\"threads_per_block\":{},"
         "\"requests\":{},\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},"
-        "\"saturation_rps\":{:.1f},\"monolithic_saturation_rps\":{:.1f},\"hops_in_wait_compute_out_us\":[{}]}}\n",
+        "\"saturation_rps\":{:.1f},\"monolithic_saturation_rps\":{:.1f},\"hops_us\":[{}]}}\n",
         mode, workers ? (channel == "zmq" ? "zmq-ipc" : channel) : "inproc", bf::bench::gpu_name(), threads, requests, e2e,
-        mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5), split_rps, mono_rps, hops_json);
+        mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5), split_rps, mono_rps, hops_json());
     return 0;
   }
   for (int i = -warmup; i < requests; ++i) {
@@ -201,15 +210,17 @@ int main(int argc, char** argv) try {
     e2e_ms.push_back(r.trace.e2e_ms());
     overhead_ms.push_back(r.trace.overhead_ms());
     mono_ms.push_back(m.trace.compute_ms());  // the model alone: its forward() time
+    record_hops(r);
   }
   if (std::getenv("BENCH_METRICS") != nullptr) std::cerr << session.metrics().to_json(1) << "\n";
   const double e2e = bf::bench::percentile(e2e_ms, 0.5), mono = bf::bench::percentile(mono_ms, 0.5);
   fmt::print(
       "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"threads_per_block\":{},\"requests\":{},"
       "\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},"
-      "\"worker_env\":\"{}\",\"hardware_threads\":{}}}\n",
+      "\"worker_env\":\"{}\",\"hardware_threads\":{},\"hops_us\":[{}]}}\n",
       mode, workers ? (channel == "zmq" ? "zmq-ipc" : channel) : "inproc", threads, requests, e2e, mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5),
-      workers ? worker_env.value_or(fmt::format("{}", fmt::join(bf::WorkerOptions{}.environment, " "))) : "", std::thread::hardware_concurrency());
+      workers ? worker_env.value_or(fmt::format("{}", fmt::join(bf::WorkerOptions{}.environment, " "))) : "", std::thread::hardware_concurrency(),
+      hops_json());
   return 0;
 } catch (const std::exception& e) {
   std::cerr << "pipeline_bench: " << e.what() << "\n";
