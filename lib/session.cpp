@@ -79,11 +79,12 @@ void SessionCore::add_block(BlockDescription description) {
   pending_descriptions_.push_back(std::move(description));
 }
 
-void SessionCore::add_site(std::shared_ptr<RemoteSite> site) {
+void SessionCore::add_site(std::shared_ptr<RemoteSite> site, bool stop_when_empty) {
   if (started_) throw std::logic_error("Session::add_site() after start()");
   if (!site) throw std::invalid_argument("Session::add_site(): null site");
   auto runtime = std::make_unique<SiteRuntime>();
   runtime->site = std::move(site);
+  runtime->stop_when_empty = stop_when_empty;
   sites_.push_back(std::move(runtime));
 }
 
@@ -791,6 +792,7 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
       if (site == nullptr) {
         auto made = std::make_unique<SiteRuntime>();
         made->site = site_factory_(d.placement);
+        made->stop_when_empty = true;
         if (!made->site) return invalid(fmt::format("block '{}': the site factory made no site '{}'", d.name, d.placement));
         site = made.get();
         new_sites.push_back(std::move(made));
@@ -940,10 +942,11 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
       shrinking.insert(runtime->site);
     }
   }
-  // Sites unload what was removed; a site left without blocks stops (its process exits).
+  // Sites unload what was removed; a factory's or deployment's site left without blocks stops (its
+  // process exits), one the user added stays, idle.
   std::vector<SiteRuntime*> emptied;
   for (auto* site : shrinking) {
-    if (site->blocks.empty()) {
+    if (site->blocks.empty() && site->stop_when_empty) {
       site->site->stop();
       emptied.push_back(site);
     } else if (auto status = site->site->update(descriptions_of(*site)); !status.ok()) {
@@ -1026,8 +1029,8 @@ Session& Session::add_block(BlockDescription description) {
   return *this;
 }
 
-Session& Session::add_site(std::shared_ptr<RemoteSite> site) {
-  core_->add_site(std::move(site));
+Session& Session::add_site(std::shared_ptr<RemoteSite> site, SiteLifetime lifetime) {
+  core_->add_site(std::move(site), lifetime == SiteLifetime::kStopWhenEmpty);
   return *this;
 }
 

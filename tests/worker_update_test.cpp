@@ -246,3 +246,33 @@ TEST_CASE("a placement naming no site, in a session without a site factory, is r
   REQUIRE(ok.ok());
   CHECK(value_of(session, "t2", 0) == 4);
 }
+
+TEST_CASE("a worker added with add_site() stays, idle, when an update removes its last block, and takes blocks again",
+          "[worker_update]") {
+  Session session;
+  session.add_site(make_worker(test::test_worker("w1")))
+      .add_block(test::plugin_block("a", "affine", "w1"))
+      .add_path(Path::chain("t1", {"a"}));
+  test::require_started(session);
+  CHECK(value_of(session, "t1", 2) == 7);
+  const std::int64_t pid = site(session.metrics(), "w1")->pid;
+  REQUIRE(process_exists(pid));
+
+  // The only block goes: the worker unloads it and stays (no factory made it, no deployment named it).
+  auto emptied = session.apply(parse(R"({"blocks": [], "tasks": {}})"));
+  INFO(emptied.status().ToString());
+  REQUIRE(emptied.ok());
+  CHECK(session.metrics().last_update.sites_stopped == 0);
+  REQUIRE(site(session.metrics(), "w1") != nullptr);
+  CHECK(site(session.metrics(), "w1")->pid == pid);
+  CHECK(process_exists(pid));
+
+  // A later update places a block there again: loaded into the same process.
+  auto back = session.apply(parse(R"({"blocks": [{"name": "b", "factory": "affine", "placement": "w1"}],
+                                      "tasks": {"t2": ["b"]}})"));
+  INFO(back.status().ToString());
+  REQUIRE(back.ok());
+  CHECK(value_of(session, "t2", 1) == 4);
+  CHECK(site(session.metrics(), "w1")->pid == pid);
+  CHECK(site(session.metrics(), "w1")->restarts == 0);
+}

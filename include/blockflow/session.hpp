@@ -61,8 +61,13 @@ class Session {
   /// @brief Adds a block by description (before start()): built in this process at start() when
   /// `placement` is empty, otherwise shipped to the site of that name (see add_site()).
   Session& add_block(BlockDescription description);
+  /// @brief What apply() does with a site once an update has removed its last block.
+  enum class SiteLifetime {
+    kKeep,          ///< the site stays, idle, for later updates (what a site you add yourself does)
+    kStopWhenEmpty  ///< the site is stopped (a worker process exits): sites of deployments and factories
+  };
   /// @brief Adds a site where blocks can be placed, e.g. a blockflow::WorkerSite (a child process).
-  Session& add_site(std::shared_ptr<RemoteSite> site);
+  Session& add_site(std::shared_ptr<RemoteSite> site, SiteLifetime lifetime = SiteLifetime::kKeep);
   /// @brief Makes a site of the given name (for instance a blockflow::WorkerSite).
   using SiteFactory = std::function<std::shared_ptr<RemoteSite>(const std::string& name)>;
   /// @brief How apply() starts a site that a new block's placement names and the session does not
@@ -105,7 +110,8 @@ class Session {
   /// its placement names: a running site loads and warms it up next to its other blocks, which are
   /// not touched; a site the session lacks is made by the site factory (set_site_factory()) and
   /// started. A removed block is drained, then unloaded from its site; a site left without blocks
-  /// is stopped (its process exits). Changing a block in place inside the same site is refused
+  /// is stopped (its process exits) when it was made by the factory or added with
+  /// SiteLifetime::kStopWhenEmpty (as add_deployment() does), and otherwise stays, idle. Changing a block in place inside the same site is refused
   /// (give the new version another name, or another placement). A site that fails to load a block
   /// rejects the update as a whole: new sites are stopped, the others unload what they loaded.
   /// Serialised with other apply() calls and with shutdown().

@@ -865,7 +865,7 @@ void add_deployment(Session& session, const Deployment& deployment, const Worker
   for (const auto& name : deployment.workers()) {
     WorkerOptions options = defaults;
     options.name = name;
-    session.add_site(make_worker(std::move(options)));
+    session.add_site(make_worker(std::move(options)), Session::SiteLifetime::kStopWhenEmpty);
   }
   for (const auto& block : deployment.blocks) session.add_block(block);
   for (auto& path : deployment.paths()) session.add_path(std::move(path));

@@ -45,6 +45,7 @@ struct BlockRuntime {
 /// A remote site and the requests the session has handed to it, keyed by (request id, node).
 struct SiteRuntime {
   std::shared_ptr<RemoteSite> site;
+  bool stop_when_empty = false;  ///< apply() stops it once it holds no block (factory and deployment sites)
   std::vector<BlockRuntime*> blocks;
   absl::Mutex mu;
   absl::flat_hash_map<std::pair<std::uint64_t, std::uint32_t>, std::pair<std::shared_ptr<RequestState>, BlockRuntime*>>
@@ -65,7 +66,7 @@ class SessionCore {
 
   void add_block(std::shared_ptr<Block> block);
   void add_block(BlockDescription description);
-  void add_site(std::shared_ptr<RemoteSite> site);
+  void add_site(std::shared_ptr<RemoteSite> site, bool stop_when_empty);
   void add_path(Path path);
   absl::Status start();
   void submit(const std::string& task, Tensors inputs, std::function<void(Result&&)> done);
