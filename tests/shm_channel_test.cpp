@@ -206,7 +206,8 @@ TEST_CASE("shm reclaim: a dead consumer's slots return; pools are unlinked with 
 // ---------------------------------------------------------------------------------------------------
 // The same protocol between a session and its worker processes (WorkerOptions::channel).
 
-TEST_CASE("split small CNN: threads, shm workers and zmq workers give equal outputs; shm copies nothing", "[shm]") {
+TEST_CASE("split small CNN: threads, shm workers and zmq workers give equal outputs; shm relays without copies",
+          "[shm]") {
   std::map<std::string, std::unique_ptr<Session>> sessions;
   for (const std::string channel : {"threads", "shm", "zmq"}) {
     auto session = std::make_unique<Session>();
@@ -238,8 +239,14 @@ TEST_CASE("split small CNN: threads, shm workers and zmq workers give equal outp
     CHECK(site.data.kind == "shm");
     CHECK(site.data.bytes_copied == 0);
     CHECK(site.shm_requests.handles == site.data.sent);
-    CHECK(site.shm_requests.slots_total >= 1);
   }
+  // w1 gets the images (copied into the host's pool once) and b2's outputs; w2 gets only b1's
+  // outputs, which the host relays as w1's own slots: no pool, no copy for w2 at the host.
+  CHECK(shm.sites[0].shm_requests.slots_total >= 1);
+  CHECK(shm.sites[0].shm_requests.forwarded == 8);
+  CHECK(shm.sites[1].shm_requests.forwarded == 8);
+  CHECK(shm.sites[1].shm_requests.bytes_staged == 0);
+  CHECK(shm.sites[1].shm_requests.slots_total == 0);
   CHECK(sessions["zmq"]->metrics().sites.at(0).data.kind == "zmq-ipc");
 }
 

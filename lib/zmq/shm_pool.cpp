@@ -82,6 +82,23 @@ struct Mapping {
   }
 };
 
+// Every pool of another process mapped here (by any ShmConsumer), so that a tensor over one can be
+// handed on as the same slot (shm_origin()).
+struct MappedPools {
+  absl::Mutex mu;
+  std::vector<std::pair<std::uint64_t, std::weak_ptr<Mapping>>> pools ABSL_GUARDED_BY(mu);
+  static MappedPools& get() {
+    static auto* all = new MappedPools;  // never destroyed: deleters may run during exit
+    return *all;
+  }
+  void add(std::uint64_t id, const std::shared_ptr<Mapping>& mapping) {
+    absl::MutexLock lock(&mu);
+    pools.erase(std::remove_if(pools.begin(), pools.end(), [](const auto& p) { return p.second.expired(); }),
+                pools.end());
+    pools.emplace_back(id, mapping);
+  }
+};
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------
@@ -398,6 +415,7 @@ absl::StatusOr<ShmConsumer::View> ShmConsumer::resolve(const wire::ShmHandle& ha
   if (!mapping) {
     auto mapped = s.map(handle.pool_id);
     if (!mapped.ok()) return mapped.status();
+    MappedPools::get().add(handle.pool_id, *mapped);
     absl::MutexLock lock(&s.mu);
     mapping = s.pools.try_emplace(handle.pool_id, *mapped).first->second;
   }
@@ -431,6 +449,27 @@ void ShmConsumer::forget_all() {
 std::size_t ShmConsumer::pools_mapped() const {
   absl::MutexLock lock(&impl_->mu);
   return impl_->pools.size();
+}
+
+std::optional<wire::ShmHandle> shm_origin(const void* data, std::size_t bytes) {
+  const auto* p = static_cast<const char*>(data);
+  MappedPools& all = MappedPools::get();
+  absl::MutexLock lock(&all.mu);
+  for (const auto& [id, weak] : all.pools) {
+    const auto mapping = weak.lock();
+    if (!mapping) continue;
+    const auto* base = static_cast<const char*>(mapping->base);
+    const auto* h = static_cast<const SegmentHeader*>(mapping->base);
+    const char* first = base + h->data_offset;
+    if (p < first || p >= base + mapping->size) continue;
+    const auto slot = static_cast<std::uint32_t>(static_cast<std::size_t>(p - first) / h->slot_bytes);
+    const std::uint64_t offset = static_cast<std::uint64_t>(p - first) - std::uint64_t{slot} * h->slot_bytes;
+    if (slot >= h->slot_count || offset + bytes > h->slot_bytes) return std::nullopt;
+    const std::uint64_t generation = generations(mapping->base)[slot].load(std::memory_order_acquire);
+    if (generation == 0) return std::nullopt;
+    return wire::ShmHandle{id, slot, generation, offset};
+  }
+  return std::nullopt;
 }
 
 }  // namespace blockflow::detail

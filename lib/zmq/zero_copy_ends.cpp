@@ -14,7 +14,21 @@ ZeroCopyEnds::ZeroCopyEnds(const ShmPoolOptions& pools, bool cuda) : host_out_(p
 }
 
 ShmStager ZeroCopyEnds::stager(absl::Duration wait) {
-  ShmStager host = make_stager(host_out_, wait);
+  // make_stager()'s order (our own slot: shared; otherwise copied), with a relayed tensor in between.
+  ShmStager host = [copy = make_stager(host_out_, wait), forwarded = forwarded_, own = &host_out_](
+                       const at::Tensor& contiguous) -> absl::StatusOr<wire::ShmHandle> {
+    if (contiguous.device().is_cpu()) {
+      const std::size_t bytes = byte_size(contiguous);
+      if (auto shared = own->share(contiguous.data_ptr(), bytes)) return *shared;
+      if (auto origin = shm_origin(contiguous.data_ptr(), bytes)) {
+        absl::MutexLock lock(&forwarded->mu);
+        forwarded->held[{origin->pool_id, origin->slot, origin->generation}].push_back(contiguous);
+        ++forwarded->count;
+        return *origin;
+      }
+    }
+    return copy(contiguous);  // CUDA tensors get its error; the rest are copied into a slot
+  };
   if (!cuda_out_) return host;
   return [cuda = cuda_out_.get(), host = std::move(host), wait](const at::Tensor& contiguous) {
     return contiguous.is_cuda() ? cuda->share(contiguous, absl::Now() + wait) : host(contiguous);
@@ -33,10 +47,38 @@ ShmResolver ZeroCopyEnds::resolver(std::function<void(const wire::ShmHandle&)> r
 
 bool ZeroCopyEnds::release(const wire::ShmHandle& handle) {
   if (handle.memory == wire::kCudaMemory) return cuda_out_ != nullptr && cuda_out_->release(handle);
+  at::Tensor dropped;  // dies outside the lock: its own release may run now
+  {
+    absl::MutexLock lock(&forwarded_->mu);
+    auto it = forwarded_->held.find({handle.pool_id, handle.slot, handle.generation});
+    if (it != forwarded_->held.end()) {
+      dropped = std::move(it->second.back());
+      it->second.pop_back();
+      if (it->second.empty()) forwarded_->held.erase(it);
+    }
+  }
+  if (dropped.defined()) return true;
   return host_out_.release(handle);
 }
 
-std::size_t ZeroCopyEnds::reclaim_all() { return host_out_.reclaim_all() + (cuda_out_ ? cuda_out_->reclaim_all() : 0); }
+std::size_t ZeroCopyEnds::reclaim_all() {
+  std::size_t forwarded = 0;
+  decltype(forwarded_->held) dropped;
+  {
+    absl::MutexLock lock(&forwarded_->mu);
+    for (const auto& [key, tensors] : forwarded_->held) forwarded += tensors.size();
+    dropped.swap(forwarded_->held);
+  }
+  return host_out_.reclaim_all() + forwarded + (cuda_out_ ? cuda_out_->reclaim_all() : 0);
+}
+
+ShmEdgeStats ZeroCopyEnds::host_stats() const {
+  ShmEdgeStats s = host_out_.stats();
+  absl::MutexLock lock(&forwarded_->mu);
+  s.forwarded = forwarded_->count;
+  s.handles += forwarded_->count;
+  return s;
+}
 
 void ZeroCopyEnds::forget_all() {
   host_in_.forget_all();

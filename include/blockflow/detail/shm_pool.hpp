@@ -82,6 +82,12 @@ class ShmProducer {
   std::shared_ptr<Impl> impl_;  // shared with the drop functions of leases
 };
 
+/// When `bytes` bytes at `data` lie in a slot of another process's pool that a ShmConsumer of this
+/// process has mapped (a tensor received over the shm channel), that slot's handle (with the
+/// offset), so the tensor can be handed on without a copy while this process keeps it alive.
+/// nullopt otherwise. Thread-safe.
+std::optional<wire::ShmHandle> shm_origin(const void* data, std::size_t bytes);
+
 /// The consuming side: maps each pool once. Thread-safe.
 class ShmConsumer {
  public:

@@ -9,10 +9,14 @@
 #include <blockflow/detail/shm_pool.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
 
+#include <absl/container/flat_hash_map.h>
 #include <absl/status/status.h>
+#include <absl/synchronization/mutex.h>
 
 #include <functional>
 #include <memory>
+#include <tuple>
+#include <vector>
 
 namespace blockflow::detail {
 
@@ -21,8 +25,10 @@ class ZeroCopyEnds {
   /// `cuda`: also carry CUDA tensors; the caller checked cuda_ipc_usable().
   ZeroCopyEnds(const ShmPoolOptions& pools, bool cuda);
 
-  /// Turns each tensor into a handle: CUDA tensors (channel "cuda") are shared where they lie, CPU
-  /// tensors lying in a leased slot are shared, others are copied into a slot. Waits up to `wait`
+  /// Turns each tensor into a handle: CUDA tensors (channel "cuda") are shared where they lie; CPU
+  /// tensors lying in a slot we leased are shared; CPU tensors lying in another process's slot (a
+  /// tensor received from one worker, relayed to the next) are passed on as that slot, kept alive
+  /// here until the peer releases it (no copy); others are copied into a slot. Waits up to `wait`
   /// for a credit.
   [[nodiscard]] ShmStager stager(absl::Duration wait);
   /// Builds tensors over the peer's memory; `release` runs with each handle when its tensor dies.
@@ -36,12 +42,21 @@ class ZeroCopyEnds {
 
   [[nodiscard]] bool cuda() const { return cuda_out_ != nullptr; }
   [[nodiscard]] ShmProducer& host_pool() { return host_out_; }
-  [[nodiscard]] ShmEdgeStats host_stats() const { return host_out_.stats(); }
+  [[nodiscard]] ShmEdgeStats host_stats() const;
   [[nodiscard]] ShmEdgeStats cuda_stats() const { return cuda_out_ ? cuda_out_->stats() : ShmEdgeStats{}; }
 
  private:
+  // Tensors passed on as another process's slot, kept until the peer releases that handle.
+  struct Forwarded {
+    absl::Mutex mu;
+    absl::flat_hash_map<std::tuple<std::uint64_t, std::uint32_t, std::uint64_t>, std::vector<at::Tensor>> held
+        ABSL_GUARDED_BY(mu);
+    std::uint64_t count ABSL_GUARDED_BY(mu) = 0;
+  };
+
   ShmProducer host_out_;
   ShmConsumer host_in_;
+  std::shared_ptr<Forwarded> forwarded_ = std::make_shared<Forwarded>();
   std::unique_ptr<CudaProducer> cuda_out_;
   std::unique_ptr<CudaConsumer> cuda_in_;
 };
