@@ -1,8 +1,14 @@
 // pipeline: the 4-block split ResNet50 in threads mode against the monolithic model, same process,
 // same intra-op thread count, synchronous client, requests interleaved (split, monolithic, split,
-// ...) so that machine noise hits both alike. Prints one JSON line:
+// ...) so that machine noise hits both alike. They alternate in rounds (--round, 20 by default):
+// 20 split requests, then 20 monolithic ones, and so on; the first 2 of each round are not counted.
+// One by one (--round 1), each model starts while the other's OpenMP threads still spin down
+// (libgomp spins after a parallel region before it sleeps: in the host, at its default spin count,
+// for several ms) and shares the 2 cores with them; block1 in its worker is the one that pays.
+// (The --device cuda loop below still interleaves one by one: there the GPU does the compute.)
+// Prints one JSON line:
 // {"bench":"pipeline","mode":"threads","channel":"inproc","threads_per_block":T,"requests":N,
-//  "e2e_p50_ms":..,"monolithic_p50_ms":..,"ratio":..,"overhead_p50_ms":..}
+//  "e2e_p50_ms":..,"monolithic_p50_ms":..,"ratio":..,"overhead_p50_ms":..,"round":..}
 // With --mode workers the four blocks run in four worker processes, reached over --channel shm (the
 // zero-copy shared-memory channel, the default) or zmq (serialized ZeroMQ over ipc://, "zmq-ipc");
 // the monolithic model stays in the host's threads.
@@ -25,7 +31,7 @@
 // queue, to the block (for a worker: the relay into its process), compute, hand-off out].
 //
 //   pipeline_bench --models DIR [--mode threads|workers|worker_memory] [--channel shm|zmq|cuda] [--requests N]
-//                  [--threads T] [--worker-env "K=V ..."] [--device cpu|cuda]
+//                  [--threads T] [--worker-env "K=V ..."] [--device cpu|cuda] [--round N]
 
 #include "bench_util.hpp"
 
@@ -52,7 +58,7 @@ namespace bf = blockflow;
 int main(int argc, char** argv) try {
   std::string models, mode = "threads", channel = "shm", device = "cpu";
   std::optional<std::string> worker_env;  // "K=V K=V": replaces WorkerOptions::environment
-  int requests = 100, threads = 2, warmup = 5;
+  int requests = 100, threads = 2, warmup = 5, round = 20;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--models") models = v;
@@ -63,6 +69,7 @@ int main(int argc, char** argv) try {
     else if (a == "--channel") channel = v;
     else if (a == "--worker-env") worker_env = v;
     else if (a == "--device") device = v;
+    else if (a == "--round") round = std::max(1, std::stoi(v));
     else throw std::invalid_argument("unknown argument " + a);
   }
   if (models.empty()) throw std::invalid_argument("usage: pipeline_bench --models DIR [--requests N] [--threads T]");
@@ -201,24 +208,36 @@ int main(int argc, char** argv) try {
         mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5), split_rps, mono_rps, hops_json());
     return 0;
   }
-  for (int i = -warmup; i < requests; ++i) {
-    const bf::Result r = session.submit("split", x).get();
-    if (!r.ok()) throw std::runtime_error(r.status.ToString());
-    const bf::Result m = session.submit("whole", x).get();
-    if (!m.ok()) throw std::runtime_error(m.status.ToString());
-    if (i < 0) continue;
-    e2e_ms.push_back(r.trace.e2e_ms());
-    overhead_ms.push_back(r.trace.overhead_ms());
-    mono_ms.push_back(m.trace.compute_ms());  // the model alone: its forward() time
-    record_hops(r);
+  // Alternating rounds: `round` split requests, then `round` monolithic ones; the first 2 of each
+  // round are not counted (the other model's threads may still be spinning down).
+  const int skip = round > 2 ? 2 : 0;
+  for (int i = 0; i < warmup; ++i) {
+    (void)session.submit("split", x).get();
+    (void)session.submit("whole", x).get();
+  }
+  while (static_cast<int>(e2e_ms.size()) < requests || static_cast<int>(mono_ms.size()) < requests) {
+    for (int j = 0; j < round; ++j) {
+      const bf::Result r = session.submit("split", x).get();
+      if (!r.ok()) throw std::runtime_error(r.status.ToString());
+      if (j < skip || static_cast<int>(e2e_ms.size()) >= requests) continue;
+      e2e_ms.push_back(r.trace.e2e_ms());
+      overhead_ms.push_back(r.trace.overhead_ms());
+      record_hops(r);
+    }
+    for (int j = 0; j < round; ++j) {
+      const bf::Result m = session.submit("whole", x).get();
+      if (!m.ok()) throw std::runtime_error(m.status.ToString());
+      if (j < skip || static_cast<int>(mono_ms.size()) >= requests) continue;
+      mono_ms.push_back(m.trace.compute_ms());  // the model alone: its forward() time
+    }
   }
   if (std::getenv("BENCH_METRICS") != nullptr) std::cerr << session.metrics().to_json(1) << "\n";
   const double e2e = bf::bench::percentile(e2e_ms, 0.5), mono = bf::bench::percentile(mono_ms, 0.5);
   fmt::print(
       "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"threads_per_block\":{},\"requests\":{},"
-      "\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},"
+      "\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},\"round\":{},"
       "\"worker_env\":\"{}\",\"hardware_threads\":{},\"hops_us\":[{}]}}\n",
-      mode, workers ? (channel == "zmq" ? "zmq-ipc" : channel) : "inproc", threads, requests, e2e, mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5),
+      mode, workers ? (channel == "zmq" ? "zmq-ipc" : channel) : "inproc", threads, requests, e2e, mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5), round,
       workers ? worker_env.value_or(fmt::format("{}", fmt::join(bf::WorkerOptions{}.environment, " "))) : "", std::thread::hardware_concurrency(),
       hops_json());
   return 0;

@@ -11,7 +11,8 @@
 #   through blockflow-loadgen rate sweeps (BENCH_RATES=10,14,... to change the sweep).
 # Environment: BENCH_REQUESTS (pipeline requests, default 300), BENCH_THREADS (intra-op threads per
 # block and for the monolithic model, default 2), BENCH_HOP_ITERATIONS (default 20000),
-# BENCH_SAMPLER_REQUESTS (sampler_cost requests, default 1000).
+# BENCH_SAMPLER_REQUESTS (sampler_cost requests, default 1000), BENCH_ROUND (pipeline: requests per
+# alternating round of split and monolithic, default 20; 1 = interleaved one by one).
 # --plot (anywhere among the names): also writes a report into bench-report/ at the repository root
 #   (BENCH_REPORT=DIR for another folder): bench.jsonl (the lines printed), metrics-<channel>.json
 #   (with pipeline: each run's metrics snapshot, BENCH_METRICS=1), the figures scripts/plot.py draws
@@ -79,7 +80,7 @@ for name in "$@"; do
       for run in "${runs[@]}"; do
         read -r mode channel <<< "$run"
         capture_metrics "$BUILD_DIR/bench/pipeline_bench" --models "$BUILD_DIR/models" --mode "$mode" --channel "$channel" \
-          --requests "$requests" --threads "${BENCH_THREADS:-2}"
+          --requests "$requests" --threads "${BENCH_THREADS:-2}" ${BENCH_ROUND:+--round "$BENCH_ROUND"}
       done ;;
     update)
       "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
