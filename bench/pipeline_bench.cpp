@@ -158,6 +158,15 @@ int main(int argc, char** argv) try {
     }
     return out;
   };
+  const std::string channel_label = workers ? (channel == "zmq" ? "zmq-ipc" : channel) : "inproc";
+  struct Summary {
+    double e2e, mono, overhead;
+  };
+  auto summarize = [&] {  // after the runs: the metrics snapshot if asked for, and the p50s
+    if (std::getenv("BENCH_METRICS") != nullptr) std::cerr << session.metrics().to_json(1) << "\n";
+    return Summary{bf::bench::percentile(e2e_ms, 0.5), bf::bench::percentile(mono_ms, 0.5),
+                   bf::bench::percentile(overhead_ms, 0.5)};
+  };
   if (device == "cuda") {
     // Client-side times up to the result on the host, both sides alike.
     auto timed = [&](const char* task, double& ms) {
@@ -198,14 +207,13 @@ int main(int argc, char** argv) try {
       return total / (static_cast<double>(bf::detail::now_ns() - t0) / 1e9);
     };
     const double split_rps = saturation("split"), mono_rps = saturation("whole");
-    if (std::getenv("BENCH_METRICS") != nullptr) std::cerr << session.metrics().to_json(1) << "\n";
-    const double e2e = bf::bench::percentile(e2e_ms, 0.5), mono = bf::bench::percentile(mono_ms, 0.5);
+    const Summary sum = summarize();
     fmt::print(
         "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"device\":\"{}\",\"threads_per_block\":{},"
         "\"requests\":{},\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},"
         "\"saturation_rps\":{:.1f},\"monolithic_saturation_rps\":{:.1f},\"hops_us\":[{}]}}\n",
-        mode, workers ? (channel == "zmq" ? "zmq-ipc" : channel) : "inproc", bf::bench::gpu_name(), threads, requests, e2e,
-        mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5), split_rps, mono_rps, hops_json());
+        mode, channel_label, bf::bench::gpu_name(), threads, requests, sum.e2e, sum.mono, sum.e2e / sum.mono, sum.overhead,
+        split_rps, mono_rps, hops_json());
     return 0;
   }
   // Alternating rounds: `round` split requests, then `round` monolithic ones; the first 2 of each
@@ -231,13 +239,12 @@ int main(int argc, char** argv) try {
       mono_ms.push_back(m.trace.compute_ms());  // the model alone: its forward() time
     }
   }
-  if (std::getenv("BENCH_METRICS") != nullptr) std::cerr << session.metrics().to_json(1) << "\n";
-  const double e2e = bf::bench::percentile(e2e_ms, 0.5), mono = bf::bench::percentile(mono_ms, 0.5);
+  const Summary sum = summarize();
   fmt::print(
       "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"threads_per_block\":{},\"requests\":{},"
       "\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},\"round\":{},"
       "\"worker_env\":\"{}\",\"hardware_threads\":{},\"hops_us\":[{}]}}\n",
-      mode, workers ? (channel == "zmq" ? "zmq-ipc" : channel) : "inproc", threads, requests, e2e, mono, e2e / mono, bf::bench::percentile(overhead_ms, 0.5), round,
+      mode, channel_label, threads, requests, sum.e2e, sum.mono, sum.e2e / sum.mono, sum.overhead, round,
       workers ? worker_env.value_or(fmt::format("{}", fmt::join(bf::WorkerOptions{}.environment, " "))) : "", std::thread::hardware_concurrency(),
       hops_json());
   return 0;
