@@ -1,8 +1,10 @@
 // Remote clients: round trips through the client endpoint, errors, and malformed frames sent with a
-// raw ZeroMQ socket to the client endpoint and to a worker's data endpoint.
+// raw ZeroMQ socket to the client endpoint and to a worker's data endpoint; a stranger on a
+// zero-copy worker's data link.
 #include "test_util.hpp"
 
 #include <blockflow/client_endpoint.hpp>
+#include <blockflow/detail/packet_link.hpp>
 #include <blockflow/wire_format.hpp>
 #include <blockflow/worker_site.hpp>
 
@@ -126,20 +128,33 @@ TEST_CASE("malformed frames to the client endpoint: dropped, counted, answered w
   CHECK(client.submit("double", {at::ones({1})}).ok());
 }
 
-TEST_CASE("malformed frames to a worker's data endpoint are counted and dropped; the session keeps serving", "[client]") {
-  auto site = make_worker([] {
+// The session of the next two tests: block "affine" (x * 2 + 2 in the test plugin) in worker w1.
+std::shared_ptr<WorkerSite> serve_affine_in_worker(Session& session, const std::string& channel) {
+  auto site = make_worker([&] {
     WorkerOptions o;
     o.name = "w1";
+    o.channel = channel;
     o.plugins = {BLOCKFLOW_TEST_PLUGIN};
     return o;
   }());
-  Session session;
   BlockDescription affine;
   affine.name = "affine";
   affine.factory = "affine";
   affine.placement = "w1";
   session.add_site(site).add_block(affine).add_path(Path::chain("t", {"affine"}));
   test::require_started(session);
+  return site;
+}
+
+void wait_for_malformed(Session& session, std::uint64_t n) {
+  for (int i = 0; i < 200 && session.metrics().sites.at(0).malformed_frames < n; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+TEST_CASE("malformed frames to a worker's data endpoint are counted and dropped; the session keeps serving", "[client]") {
+  Session session;
+  auto site = serve_affine_in_worker(session, "zmq");
   zmq::context_t context;
   zmq::socket_t push(context, zmq::socket_type::push);
   push.set(zmq::sockopt::linger, 1000);
@@ -148,10 +163,26 @@ TEST_CASE("malformed frames to a worker's data endpoint are counted and dropped;
   bad[4] = 3;  // wrong version
   (void)push.send(zmq::buffer(bad), zmq::send_flags::none);
   (void)push.send(zmq::str_buffer("garbage"), zmq::send_flags::none);
-  for (int i = 0; i < 200 && session.metrics().sites.at(0).malformed_frames < 2; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  wait_for_malformed(session, 2);
   CHECK(session.metrics().sites.at(0).malformed_frames == 2);
+  Result r = session.submit("t", at::ones({2})).get();
+  REQUIRE(r.ok());
+  CHECK(at::equal(r.output(), at::full({2}, 4.0)));
+}
+
+TEST_CASE("a zero-copy worker's data link refuses any process but the worker; the session keeps serving", "[client]") {
+  Session session;
+  auto site = serve_affine_in_worker(session, "shm");
+  // This test's process is not the worker: its connection is refused (counted) whatever it sends.
+  auto intruder = blockflow::detail::PacketLink::connect(site->result_endpoint());
+  REQUIRE(intruder.ok());
+  (void)(*intruder)->send({"garbage"});
+  wait_for_malformed(session, 1);
+  CHECK(session.metrics().sites.at(0).malformed_frames == 1);
+  // The refused end sees its connection closed.
+  auto closed = (*intruder)->receive(2000);
+  REQUIRE(closed.has_value());
+  CHECK(closed->closed);
   Result r = session.submit("t", at::ones({2})).get();
   REQUIRE(r.ok());
   CHECK(at::equal(r.output(), at::full({2}, 4.0)));

@@ -85,6 +85,16 @@ class RemoteSite {
   [[nodiscard]] virtual const std::string& name() const = 0;
   virtual absl::Status start(const std::vector<BlockDescription>& blocks, CompletionFn done) = 0;
   virtual void run(const std::string& block, Envelope&& envelope) = 0;
+  /// @brief run() without waiting, from whatever thread delivers a request (a completion callback
+  /// included): true when the site took the envelope (it then reports it like any run()), false,
+  /// with `envelope` untouched, when taking it now would mean waiting or queueing. The session then
+  /// queues it for run(). It spares the session's forwarding thread a wake-up per hop. The default
+  /// declines.
+  virtual bool try_run(const std::string& block, Envelope& envelope) {
+    (void)block;
+    (void)envelope;
+    return false;
+  }
   virtual void stop() = 0;
   [[nodiscard]] virtual SiteStats stats() const = 0;
   /// @brief Makes the running site host exactly `blocks` from now on: it loads and warms up the

@@ -65,7 +65,8 @@ struct WorkerOptions {
 
 /// @brief A RemoteSite that runs blocks in a child process started with posix_spawn (never fork) of
 /// the worker executable, configured over a ROUTER/DEALER control channel, fed over PUSH/PULL data
-/// sockets in a private 0700 directory; or, with WorkerOptions::listen, in a worker on another host
+/// sockets (channel "zmq") or a data link carrying handles (the zero-copy channels) in a private
+/// 0700 directory; or, with WorkerOptions::listen, in a worker on another host
 /// that joins over TCP.
 ///
 /// Supervision: a worker that exits, is killed, or misses heartbeats for heartbeat_timeout is
@@ -80,6 +81,10 @@ class WorkerSite final : public RemoteSite {
   const std::string& name() const override;
   absl::Status start(const std::vector<BlockDescription>& blocks, CompletionFn done) override;
   void run(const std::string& block, Envelope&& envelope) override;
+  /// @brief Takes the envelope at once on a zero-copy channel when the worker is ready, nothing is
+  /// queued before it, a credit is free and every tensor crosses without a copy (it lies in another
+  /// worker's slot: a relay). The calling thread sends the handles itself.
+  bool try_run(const std::string& block, Envelope& envelope) override;
   void stop() override;
   SiteStats stats() const override;
   /// @brief Forwards the setting to the worker (now and after each restart); its samples come back
@@ -95,7 +100,9 @@ class WorkerSite final : public RemoteSite {
   /// tests and tools.
   [[nodiscard]] std::int64_t pid() const;
   /// @brief The endpoint where the worker's replies arrive (in the private directory; the
-  /// frames are validated like any other). For tests and tools.
+  /// frames are validated like any other): a ZeroMQ endpoint for channel "zmq", the path of the
+  /// data link (an AF_UNIX SOCK_SEQPACKET socket that only the worker's process may connect to)
+  /// for the zero-copy channels. For tests and tools.
   [[nodiscard]] std::string result_endpoint() const;
   /// @brief Where a worker joins (WorkerOptions::listen with the port resolved), empty for a child.
   [[nodiscard]] std::string join_endpoint() const;

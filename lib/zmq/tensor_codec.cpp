@@ -37,10 +37,10 @@ absl::StatusOr<at::ScalarType> from_wire_dtype(wire::DType type) {
   return absl::InvalidArgumentError(fmt::format("wire dtype code {} unknown", static_cast<int>(type)));
 }
 
-absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, const Tensors& tensors,
-                                  zmq::send_flags flags, std::uint64_t* bytes_copied, const ShmStager* stager) {
-  std::vector<at::Tensor> owned;
-  owned.reserve(tensors.size());
+absl::StatusOr<EncodedMessage> encode_message(wire::Header header, const Tensors& tensors, std::uint64_t* bytes_copied,
+                                             const ShmStager* stager) {
+  EncodedMessage out;
+  out.tensors.reserve(tensors.size());
   header.tensors.clear();
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
@@ -59,42 +59,56 @@ absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, co
     desc.strides = wire::contiguous_strides(desc.shape);
     desc.byte_count = byte_size(c);
     header.tensors.push_back(std::move(desc));
-    owned.push_back(std::move(c));
+    out.tensors.push_back(std::move(c));
   }
-  std::vector<std::string> handles;
   if (stager != nullptr) {
     header.flags |= wire::kFlagShmHandles;
-    for (std::size_t i = 0; i < owned.size(); ++i) {
-      auto handle = (*stager)(owned[i]);
+    for (std::size_t i = 0; i < out.tensors.size(); ++i) {
+      auto handle = (*stager)(out.tensors[i]);
       if (!handle.ok()) {
         return absl::Status(handle.status().code(),
                             fmt::format("tensor {}: {}", i, std::string(handle.status().message())));
       }
-      handles.push_back(wire::encode_shm_handle(*handle));
+      out.handles.push_back(wire::encode_shm_handle(*handle));
     }
+    out.tensors.clear();  // the handles stand for them (the stager keeps what must stay alive)
   }
-  std::string encoded = wire::encode_header(header);
-  const bool more = !owned.empty();
-  if (stager != nullptr) {
-    auto sent = socket.send(zmq::buffer(encoded), more ? (flags | zmq::send_flags::sndmore) : flags);
-    if (!sent) return false;
-    for (std::size_t i = 0; i < handles.size(); ++i) {
-      (void)socket.send(zmq::buffer(handles[i]), i + 1 < handles.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
-    }
-    return true;
-  }
-  auto sent = socket.send(zmq::buffer(encoded), more ? (flags | zmq::send_flags::sndmore) : flags);
+  out.header = wire::encode_header(header);
+  return out;
+}
+
+absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, const Tensors& tensors,
+                                  zmq::send_flags flags, std::uint64_t* bytes_copied, const ShmStager* stager) {
+  auto encoded = encode_message(std::move(header), tensors, bytes_copied, stager);
+  if (!encoded.ok()) return encoded.status();
+  auto& [encoded_header, handles, owned] = *encoded;
+  const std::size_t parts = handles.size() + owned.size();
+  auto sent = socket.send(zmq::buffer(encoded_header), parts > 0 ? (flags | zmq::send_flags::sndmore) : flags);
   if (!sent) return false;
+  // Later parts of a multipart message never block once the first part was accepted.
+  for (std::size_t i = 0; i < handles.size(); ++i) {
+    (void)socket.send(zmq::buffer(handles[i]), i + 1 < handles.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+  }
   for (std::size_t i = 0; i < owned.size(); ++i) {
     // The frame keeps a reference to the tensor until ZeroMQ has written its bytes.
     auto* keep = new at::Tensor(owned[i]);
     zmq::message_t frame(keep->data_ptr(), byte_size(*keep),
                          [](void*, void* hint) { delete static_cast<at::Tensor*>(hint); }, keep);
-    const bool last = i + 1 == owned.size();
-    // Later parts of a multipart message never block once the first part was accepted.
-    (void)socket.send(frame, last ? zmq::send_flags::none : zmq::send_flags::sndmore);
+    (void)socket.send(frame, i + 1 < owned.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
   }
   return true;
+}
+
+absl::Status send_packet(PacketLink& link, wire::Header header, const Tensors& tensors, std::uint64_t* bytes_copied,
+                         const ShmStager* stager) {
+  if (stager == nullptr && !tensors.empty()) {
+    return absl::InvalidArgumentError("the data link carries handles, not tensor bytes: a stager is needed");
+  }
+  auto encoded = encode_message(std::move(header), tensors, bytes_copied, stager);
+  if (!encoded.ok()) return encoded.status();
+  std::vector<std::string_view> frames{encoded->header};
+  for (const auto& h : encoded->handles) frames.emplace_back(h);
+  return link.send(frames);
 }
 
 absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& frames, const ShmResolver* resolver) {

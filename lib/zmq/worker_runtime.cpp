@@ -157,6 +157,14 @@ class Worker {
       pool.max_total_bytes = config->value("shm_max_bytes", pool.max_total_bytes);
       ends_ = std::make_unique<bf::detail::ZeroCopyEnds>(pool, channel == "cuda");
       stager_ = ends_->stager(absl::Seconds(10));
+      // Handles and releases travel on the data link, not on the ZeroMQ data sockets.
+      auto link = bf::detail::PacketLink::connect(config->value("data_link", ""));
+      if (!link.ok()) {
+        send_control({{"type", bf::detail::kLoadError}, {"message", std::string(link.status().message())}});
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let the message leave
+        return 1;
+      }
+      link_ = *std::move(link);
       // A request's input died here: give its slot back to the host (through the one sender).
       resolver_ = ends_->resolver([replies = replies_](const bf::wire::ShmHandle& h) {
         bf::wire::Header release;
@@ -305,22 +313,46 @@ class Worker {
     }
   }
 
+  // One message's frames: from the data link (zero-copy channels) or the PULL socket (zmq).
+  std::optional<absl::StatusOr<std::vector<zmq::message_t>>> next_request(zmq::socket_t& pull) {
+    if (link_) {
+      auto received = link_->receive(100);
+      if (!received) return std::nullopt;
+      if (received->closed) {  // the host is gone: the control loop notices and stops us
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        return std::nullopt;
+      }
+      return std::move(received->frames);
+    }
+    std::vector<zmq::message_t> frames;
+    if (!zmq::recv_multipart(pull, std::back_inserter(frames))) return std::nullopt;
+    return frames;
+  }
+
   void receiver_main() {
     zmq::socket_t pull(context_, zmq::socket_type::pull);
-    pull.set(zmq::sockopt::linger, 0);
-    pull.set(zmq::sockopt::rcvtimeo, 100);
-    pull.connect(args_.requests);
+    if (!link_) {
+      pull.set(zmq::sockopt::linger, 0);
+      pull.set(zmq::sockopt::rcvtimeo, 100);
+      pull.connect(args_.requests);
+    }
     while (!stopping_) {
-      std::vector<zmq::message_t> frames;
-      if (!zmq::recv_multipart(pull, std::back_inserter(frames))) continue;
+      auto next = next_request(pull);
+      if (!next) continue;
       const std::int64_t arrived = now_ns();
+      if (!next->ok()) {
+        std::cerr << fmt::format("blockflow-worker {}: malformed packet dropped: {}\n", args_.name,
+                                 std::string(next->status().message()));
+        continue;
+      }
+      std::vector<zmq::message_t> frames = *std::move(*next);
       std::optional<std::uint64_t> id;
       if (!frames.empty()) id = bf::wire::peek_request_id(frames[0].data(), frames[0].size());
       auto message = bf::detail::decode_message(std::move(frames), ends_ ? &resolver_ : nullptr);
       if (!message.ok()) {
         std::cerr << fmt::format("blockflow-worker {}: malformed request frame dropped: {}\n", args_.name,
                                  std::string(message.status().message()));
-        if (id) replies_->push({error_header(*id, 0, absl::InvalidArgumentError(fmt::format(
+        if (id) reply({error_header(*id, 0, absl::InvalidArgumentError(fmt::format(
                                                     "malformed request frame: {}", std::string(message.status().message())))),
                                {}});
         continue;
@@ -348,11 +380,11 @@ class Worker {
       hosted = hosted_.count(block) != 0;
     }
     if (!hosted) {
-      replies_->push({error_header(id, node, absl::NotFoundError(fmt::format("does not host block '{}'", block))), {}});
+      reply({error_header(id, node, absl::NotFoundError(fmt::format("does not host block '{}'", block))), {}});
       return;
     }
     session_.submit(block, std::move(message.tensors), [this, id, node, arrived](bf::Result&& r) {
-      if (!r.ok()) return replies_->push({error_header(id, node, r.status), {}});
+      if (!r.ok()) return reply({error_header(id, node, r.status), {}});
       bf::wire::Header h;
       h.kind = bf::wire::MessageKind::kResult;
       h.request_id = id;
@@ -364,23 +396,43 @@ class Worker {
         h.times.compute_start_ns = hop.compute_start_ns;
         h.times.compute_end_ns = hop.compute_end_ns;
       }
-      replies_->push({std::move(h), std::move(r.outputs)});
+      reply({std::move(h), std::move(r.outputs)});
     });
   }
 
+  // On the data link, from the calling thread (a block's, for results): one wake-up, the host's
+  // receiver. Otherwise through the thread owning the PUSH socket.
+  void reply(Reply&& r) {
+    if (!link_) return replies_->push(std::move(r));
+    transmit(r, [&](const bf::wire::Header& h, const bf::Tensors& t, const bf::detail::ShmStager* stager) {
+      return bf::detail::send_packet(*link_, h, t, nullptr, stager);
+    });
+  }
+
+  // Sends a reply; an output the channel cannot carry (an unknown dtype, no slot) is reported instead.
+  template <typename Send>
+  void transmit(Reply& r, Send&& send) {
+    r.header.times.sent_ns = now_ns();
+    const bool data = r.header.kind == bf::wire::MessageKind::kResult;
+    absl::Status sent = send(r.header, r.tensors, data && ends_ ? &stager_ : nullptr);
+    if (!sent.ok() && data) {
+      (void)send(error_header(r.header.request_id, r.header.node, sent), {}, nullptr);
+    }
+  }
+
+  // Replies on the zmq channel; releases (queued by tensors' deleters, on any thread) on both.
   void sender_main() {
     zmq::socket_t push(context_, zmq::socket_type::push);
-    push.set(zmq::sockopt::linger, 1000);
-    push.connect(args_.results);
-    while (auto reply = replies_->pop()) {
-      reply->header.times.sent_ns = now_ns();
-      const bool data = reply->header.kind == bf::wire::MessageKind::kResult;
-      auto sent = bf::detail::send_message(push, reply->header, reply->tensors, zmq::send_flags::none, nullptr,
-                                           data && ends_ ? &stager_ : nullptr);
-      if (!sent.ok()) {  // e.g. an output dtype the wire cannot carry: report it instead
-        (void)bf::detail::send_message(
-            push, error_header(reply->header.request_id, reply->header.node, sent.status()), {});
-      }
+    if (!link_) {
+      push.set(zmq::sockopt::linger, 1000);
+      push.connect(args_.results);
+    }
+    while (auto next = replies_->pop()) {
+      transmit(*next, [&](const bf::wire::Header& h, const bf::Tensors& t, const bf::detail::ShmStager* stager) {
+        if (link_) return bf::detail::send_packet(*link_, h, t, nullptr, stager);
+        auto sent = bf::detail::send_message(push, h, t, zmq::send_flags::none, nullptr, stager);
+        return sent.ok() ? absl::OkStatus() : sent.status();
+      });
     }
   }
 
@@ -410,6 +462,7 @@ class Worker {
   std::shared_ptr<ReplyQueue> replies_ = std::make_shared<ReplyQueue>();
   // The zero-copy channel: results go into our pools, requests are views of the host's.
   std::unique_ptr<bf::detail::ZeroCopyEnds> ends_;  // channels "shm" and "cuda"
+  std::shared_ptr<bf::detail::PacketLink> link_;     // their data link (set before the threads start)
   bf::detail::ShmStager stager_;
   bf::detail::ShmResolver resolver_;
   bf::KpiSampler sampler_;  // off unless the session switches sampling on

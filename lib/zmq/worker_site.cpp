@@ -4,6 +4,7 @@
 #include <blockflow/detail/zero_copy_ends.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
 #include <blockflow/detail/metrics_json.hpp>
+#include <blockflow/detail/packet_link.hpp>
 #include <blockflow/detail/worker_protocol.hpp>
 
 #include <absl/container/flat_hash_map.h>
@@ -13,6 +14,7 @@
 #include <zmq_addon.hpp>
 
 #include <dlfcn.h>
+#include <poll.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -114,8 +116,10 @@ struct WorkerSite::Impl {
   CompletionFn done;
   std::string dir, control_endpoint, request_endpoint, result_endpoint;
   zmq::context_t context{1};
-  // Bound in start() on the caller's thread, then each used by exactly one thread.
+  // Bound in start() on the caller's thread, then each used by exactly one thread. push and pull
+  // carry the data of channel "zmq"; the zero-copy channels use the data link instead.
   zmq::socket_t router, push, pull;
+  std::unique_ptr<detail::PacketListener> listener;  // zero-copy channels: the worker connects here
 
   mutable std::mutex mu;
   std::condition_variable changed;  // state, outbound, in_flight: wakes the sender, run() and start()
@@ -131,6 +135,8 @@ struct WorkerSite::Impl {
   std::string kill_cause;           // set when we killed it (heartbeat, start timeout)
   std::uint64_t restarts = 0, failed_requests = 0, malformed = 0, sent = 0, received = 0;
   std::int64_t rss_idle = 0, rss = 0;
+  bool loaded = false;              // the worker said "loaded"; ready once its data link is up too
+  std::shared_ptr<detail::PacketLink> link;  // zero-copy channels: the live worker's data link
   std::deque<Outbound> outbound;
   absl::flat_hash_map<std::pair<std::uint64_t, std::uint32_t>, std::string> in_flight;
   std::uint64_t bytes_copied = 0;
@@ -204,13 +210,15 @@ struct WorkerSite::Impl {
     return &stager;
   }
 
-  // Returns the worker's slots whose tensors died here (only to a live worker; dontwait: a full or
-  // gone peer keeps them for the next round).
-  void flush_releases(zmq::socket_t& socket) {
+  // Returns the worker's slots whose tensors died here (only to a live worker; one that went away
+  // meanwhile gets them back as reclaimed anyway).
+  void flush_releases() {
     if (!shm()) return;
+    std::shared_ptr<detail::PacketLink> to;
     {
       std::lock_guard lock(mu);
       if (state != State::kReady) return;
+      to = link;
     }
     std::vector<wire::ShmHandle> all = releases->take();
     for (std::size_t at = 0; at < all.size(); at += kReleasesPerMessage) {
@@ -218,13 +226,7 @@ struct WorkerSite::Impl {
       wire::Header h;
       h.kind = wire::MessageKind::kRelease;
       h.message = wire::encode_releases({all.begin() + static_cast<std::ptrdiff_t>(at), all.begin() + static_cast<std::ptrdiff_t>(end)});
-      bool sent = false;
-      try {
-        auto r = detail::send_message(socket, h, {}, zmq::send_flags::dontwait);
-        sent = r.ok() && *r;
-      } catch (const zmq::error_t&) {
-      }
-      if (!sent) {
+      if (!detail::send_packet(*to, h, {}).ok()) {
         releases->put_back({all.begin() + static_cast<std::ptrdiff_t>(at), all.end()});
         return;
       }
@@ -257,6 +259,8 @@ struct WorkerSite::Impl {
     }
     pid = child;
     identity.clear();
+    loaded = false;
+    link.reset();
     state = State::kStarting;
     kill_cause.clear();
     start_deadline_ns = now_ns() + absl::ToInt64Nanoseconds(options.start_timeout);
@@ -290,6 +294,8 @@ struct WorkerSite::Impl {
       std::lock_guard lock(mu);
       pid = 0;
       identity.clear();
+      loaded = false;
+      link.reset();
       cause = kill_cause.empty() ? what : kill_cause;
       for (const auto& [key, block] : in_flight) lost.push_back(key);
       in_flight.clear();
@@ -362,6 +368,7 @@ struct WorkerSite::Impl {
       config["sampling_period_ms"] = absl::ToInt64Milliseconds(sampling_period);
       if (!cuda_probe.empty()) config["cuda_probe"] = cuda_probe;
       sampling_sent = true;
+      if (listener) config["data_link"] = listener->path();
       if (joined()) {
         config["requests_port"] = port_of(request_endpoint);
         config["results_port"] = port_of(result_endpoint);
@@ -372,9 +379,9 @@ struct WorkerSite::Impl {
       return;  // from an earlier incarnation
     } else if (type == detail::kLoaded) {
       rss = message.value("rss_bytes", rss);
-      state = State::kReady;
-      ever_ready = true;
+      loaded = true;
       last_heartbeat_ns = now_ns();
+      become_ready_locked();
       lock.unlock();
       changed.notify_all();
     } else if (type == detail::kLoadError) {
@@ -395,6 +402,14 @@ struct WorkerSite::Impl {
       if (message.contains("cuda") && message["cuda"].is_object()) cuda_results = message["cuda"].get<ShmEdgeStats>();
       kpi = message.contains("kpi") ? message["kpi"].get<KpiSample>() : KpiSample{};
     }
+  }
+
+  // With mu held: a started worker that has loaded its blocks (and, on a zero-copy channel,
+  // connected its data link) takes requests.
+  void become_ready_locked() {
+    if (state != State::kStarting || !loaded || (listener && !link)) return;
+    state = State::kReady;
+    ever_ready = true;
   }
 
   // Reaps the child, enforces heartbeats and start timeouts, restarts after backoff (for a joining
@@ -511,9 +526,10 @@ struct WorkerSite::Impl {
 
   void sender_main() {
     while (true) {
-      flush_releases(push);
+      flush_releases();
       Outbound next;
       const detail::ShmStager* stager_of_next = nullptr;
+      std::shared_ptr<detail::PacketLink> to;
       {
         std::unique_lock lock(mu);
         auto ready = [&] {
@@ -526,33 +542,58 @@ struct WorkerSite::Impl {
         if (!ready()) continue;
         next = std::move(outbound.front());
         outbound.pop_front();
-        in_flight[{next.envelope.request_id, next.envelope.node}] = next.block;
-        ++sent;
-        stager_of_next = shm() ? stager_for(next.block) : nullptr;  // `blocks` changes with update()
+        stager_of_next = admit_locked(next, to);
       }
       changed.notify_all();  // room in outbound for run()
-      wire::Header header;
-      header.kind = wire::MessageKind::kData;
-      header.request_id = next.envelope.request_id;
-      header.node = next.envelope.node;
-      header.target = next.block;
-      header.times.sent_ns = now_ns();
-      absl::Status status;
+      transmit(std::move(next), stager_of_next, to);
+    }
+  }
+
+  // With mu held: a request may skip the sender thread (zero-copy channels: the data link takes
+  // packets from any thread) when nothing waits before it and a credit is free.
+  bool can_send_now_locked() const {
+    return shm() && link && outbound.empty() && state == State::kReady && in_flight.size() < options.max_in_flight;
+  }
+
+  // With mu held, for a ready worker with a credit: `next` counts as in flight from now on. Returns
+  // its stager (zero-copy channels) and sets `to`, the data link to send it on.
+  const detail::ShmStager* admit_locked(const Outbound& next, std::shared_ptr<detail::PacketLink>& to) {
+    in_flight[{next.envelope.request_id, next.envelope.node}] = next.block;
+    ++sent;
+    to = link;
+    return shm() ? stager_for(next.block) : nullptr;  // `blocks` changes with update()
+  }
+
+  // Sends one admitted request: on the data link for the zero-copy channels (any thread), else on
+  // the PUSH socket (the sender thread only). A request that cannot be sent fails, named.
+  void transmit(Outbound&& next, const detail::ShmStager* stager, const std::shared_ptr<detail::PacketLink>& to) {
+    wire::Header header;
+    header.kind = wire::MessageKind::kData;
+    header.request_id = next.envelope.request_id;
+    header.node = next.envelope.node;
+    header.target = next.block;
+    header.times.sent_ns = now_ns();
+    absl::Status status;
+    std::uint64_t copied = 0;
+    if (shm()) {
+      status = to ? detail::send_packet(*to, header, next.envelope.tensors, &copied, stager)
+                  : absl::UnavailableError("its data link is down");
+    } else {
       try {
-        std::uint64_t copied = 0;
-        auto sent_ok = detail::send_message(push, header, next.envelope.tensors, zmq::send_flags::none, &copied,
-                                            stager_of_next);
+        auto sent_ok = detail::send_message(push, header, next.envelope.tensors, zmq::send_flags::none, &copied, stager);
         if (!sent_ok.ok()) status = sent_ok.status();
-        if (copied > 0) {
-          std::lock_guard lock(mu);
-          bytes_copied += copied;
-        }
       } catch (const zmq::error_t& e) {
         status = absl::UnavailableError(e.what());
       }
-      if (!status.ok()) complete_error(next.envelope.request_id, next.envelope.node,
-                                       absl::Status(status.code(), fmt::format("{}: block '{}': cannot send: {}",
-                                                                               prefix(), next.block, std::string(status.message()))));
+    }
+    if (copied > 0) {
+      std::lock_guard lock(mu);
+      bytes_copied += copied;
+    }
+    if (!status.ok()) {
+      complete_error(next.envelope.request_id, next.envelope.node,
+                     absl::Status(status.code(), fmt::format("{}: block '{}': cannot send: {}", prefix(), next.block,
+                                                             std::string(status.message()))));
     }
   }
 
@@ -573,25 +614,76 @@ struct WorkerSite::Impl {
         if (stopping) return;
       }
       std::vector<zmq::message_t> frames;
-      if (!zmq::recv_multipart(pull, std::back_inserter(frames))) continue;  // timeout
-      std::optional<std::uint64_t> id;
-      if (!frames.empty()) id = wire::peek_request_id(frames[0].data(), frames[0].size());
-      auto decoded = detail::decode_message(std::move(frames), shm() ? &resolver : nullptr);
-      if (!decoded.ok()) {
-        on_malformed(id, decoded.status());
-        continue;
+      if (listener) {
+        if (!receive_from_link(frames)) continue;
+      } else if (!zmq::recv_multipart(pull, std::back_inserter(frames))) {
+        continue;  // timeout
       }
-      if (decoded->header.kind == wire::MessageKind::kRelease) {
-        auto handles = wire::decode_releases(decoded->header.message);
-        if (!handles.ok() || !ends) {
-          on_malformed(std::nullopt, handles.ok() ? absl::InvalidArgumentError("release without shared memory") : handles.status());
-          continue;
-        }
-        for (const auto& h : *handles) ends->release(h);
-        continue;
-      }
-      deliver(std::move(*decoded));
+      handle_frames(std::move(frames));
     }
+  }
+
+  // Zero-copy channels: waits up to 100 ms for the worker's connection or a packet from it. True
+  // with a packet's frames; a malformed packet is counted and dropped here.
+  bool receive_from_link(std::vector<zmq::message_t>& frames) {
+    std::shared_ptr<detail::PacketLink> current;
+    {
+      std::lock_guard lock(mu);
+      current = link;
+    }
+    pollfd items[2] = {{listener->fd(), POLLIN, 0}, {current ? current->fd() : -1, POLLIN, 0}};
+    if (::poll(items, 2, 100) <= 0) return false;
+    if ((items[0].revents & POLLIN) != 0) accept_link();
+    if (!current || items[1].revents == 0) return false;
+    auto received = current->receive(0);
+    if (!received) return false;
+    if (received->closed) {  // the worker is going away; supervision tells how
+      std::lock_guard lock(mu);
+      if (link == current) link.reset();
+      return false;
+    }
+    if (!received->frames.ok()) {
+      on_malformed(std::nullopt, received->frames.status());
+      return false;
+    }
+    frames = *std::move(received->frames);
+    return true;
+  }
+
+  // The live worker's data link; a connection from any other process is refused (and counted).
+  void accept_link() {
+    while (auto accepted = listener->accept()) {
+      std::unique_lock lock(mu);
+      if (accepted->peer_pid == 0 || accepted->peer_pid != pid || joined()) {
+        ++malformed;
+        const pid_t expected = pid;
+        lock.unlock();
+        std::cerr << fmt::format("blockflow: {}: data link connection from pid {} refused (the worker is pid {})\n",
+                                 prefix(), accepted->peer_pid, expected);
+        continue;
+      }
+      link = std::move(accepted->link);
+      become_ready_locked();
+      lock.unlock();
+      changed.notify_all();
+    }
+  }
+
+  void handle_frames(std::vector<zmq::message_t>&& frames) {
+    std::optional<std::uint64_t> id;
+    if (!frames.empty()) id = wire::peek_request_id(frames[0].data(), frames[0].size());
+    auto decoded = detail::decode_message(std::move(frames), shm() ? &resolver : nullptr);
+    if (!decoded.ok()) return on_malformed(id, decoded.status());
+    if (decoded->header.kind == wire::MessageKind::kRelease) {
+      auto handles = wire::decode_releases(decoded->header.message);
+      if (!handles.ok() || !ends) {
+        return on_malformed(std::nullopt,
+                            handles.ok() ? absl::InvalidArgumentError("release without shared memory") : handles.status());
+      }
+      for (const auto& h : *handles) ends->release(h);
+      return;
+    }
+    deliver(std::move(*decoded));
   }
 
   void on_malformed(std::optional<std::uint64_t> id, const absl::Status& why) {
@@ -630,6 +722,13 @@ struct WorkerSite::Impl {
     router.set(zmq::sockopt::router_mandatory, 1);
     router.set(zmq::sockopt::linger, 0);
     router.set(zmq::sockopt::maxmsgsize, std::int64_t{1} << 20);  // control messages are small JSON
+    if (shm()) {  // a child on this host: the data link beside the control socket
+      auto bound = detail::PacketListener::bind(dir + "/data");
+      if (!bound.ok()) return absl::Status(bound.status().code(), fmt::format("{}: {}", prefix(), std::string(bound.status().message())));
+      listener = *std::move(bound);
+      request_endpoint = result_endpoint = listener->path();
+      return bind(router, control_endpoint);
+    }
     push = zmq::socket_t(context, zmq::socket_type::push);
     push.set(zmq::sockopt::linger, 0);
     push.set(zmq::sockopt::sndhwm, static_cast<int>(options.max_in_flight) + 1);
@@ -738,9 +837,36 @@ void WorkerSite::run(const std::string& block, Envelope&& envelope) {
     s.fail_all({{envelope.request_id, envelope.node}}, absl::UnavailableError(fmt::format("{} is {}", s.prefix(), why)));
     return;
   }
-  s.outbound.push_back(Outbound{block, std::move(envelope)});
+  Outbound next{block, std::move(envelope)};
+  if (s.can_send_now_locked()) {
+    // The data link takes any thread's packets: send from here, without waking the sender thread
+    // (staging may wait for a credit: run() may block).
+    std::shared_ptr<detail::PacketLink> to;
+    const detail::ShmStager* stager = s.admit_locked(next, to);
+    lock.unlock();
+    s.transmit(std::move(next), stager, to);
+    return;
+  }
+  s.outbound.push_back(std::move(next));
   lock.unlock();
   s.changed.notify_all();
+}
+
+bool WorkerSite::try_run(const std::string& block, Envelope& envelope) {
+  Impl& s = *impl_;
+  if (!s.shm()) return false;
+  for (const auto& t : envelope.tensors) {
+    if (!detail::ZeroCopyEnds::relays_as_is(t)) return false;  // staging could wait for a credit
+  }
+  std::unique_lock lock(s.mu);
+  if (s.stopping || !s.can_send_now_locked()) return false;
+  envelope.local.reset();  // never crosses the process boundary
+  Outbound next{block, std::move(envelope)};
+  std::shared_ptr<detail::PacketLink> to;
+  const detail::ShmStager* stager = s.admit_locked(next, to);
+  lock.unlock();
+  s.transmit(std::move(next), stager, to);
+  return true;
 }
 
 void WorkerSite::stop() {
@@ -768,6 +894,11 @@ void WorkerSite::stop() {
     s.pid = 0;
   }
   s.fail_all(std::move(lost), absl::CancelledError(fmt::format("{} stopped", s.prefix())));
+  {
+    std::lock_guard lock(s.mu);
+    s.link.reset();
+  }
+  s.listener.reset();
   detail::remove_private_dir(s.dir);
 }
 

@@ -45,6 +45,10 @@ ShmResolver ZeroCopyEnds::resolver(std::function<void(const wire::ShmHandle&)> r
   };
 }
 
+bool ZeroCopyEnds::relays_as_is(const at::Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.is_contiguous() && shm_origin(t.data_ptr(), byte_size(t)).has_value();
+}
+
 bool ZeroCopyEnds::release(const wire::ShmHandle& handle) {
   if (handle.memory == wire::kCudaMemory) return cuda_out_ != nullptr && cuda_out_->release(handle);
   at::Tensor dropped;  // dies outside the lock: its own release may run now

@@ -38,6 +38,7 @@ struct BlockRuntime {
   std::atomic<std::uint64_t> processed{0};
   std::atomic<std::uint64_t> failed{0};
   std::atomic<std::uint64_t> batches{0}, batched_requests{0};
+  std::atomic<std::uint64_t> handed_directly{0};  ///< taken by the site without queueing (try_run())
 
   [[nodiscard]] const std::string& name() const { return description.name; }
 };
@@ -100,6 +101,9 @@ class SessionCore {
   void deliver(const StatePtr& state, int node, int slot, Tensors&& tensors, std::int64_t ready_ns);
   void run_join(const StatePtr& state, int node, std::vector<Tensors>&& inputs, std::int64_t ready_ns);
   void handle_displaced(SendOutcome&& outcome, const PlanNode& target);
+  // Queues `envelope` for the target node's block, or hands it to the block's site at once.
+  void hand_over(const PlanNode& target, Envelope&& envelope);
+  bool try_site_now(BlockRuntime& runtime, Envelope& envelope);
   void fail(const StatePtr& state, absl::Status status);
   void resolve(const StatePtr& state, absl::Status status, Tensors outputs);
   void reject_now(const std::string& task, absl::Status status, const std::function<void(Result&&)>& done);

@@ -3,6 +3,7 @@
 // Sending never copies a contiguous tensor's bytes: ZeroMQ reads them from the tensor, which stays
 // alive until ZeroMQ releases the frame. Receiving builds tensors over the frames' buffers.
 
+#include <blockflow/detail/packet_link.hpp>
 #include <blockflow/detail/shm_pool.hpp>
 #include <blockflow/tensor.hpp>
 #include <blockflow/wire_format.hpp>
@@ -26,6 +27,21 @@ using ShmStager = std::function<absl::StatusOr<wire::ShmHandle>(const at::Tensor
 absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, const Tensors& tensors,
                                   zmq::send_flags flags = zmq::send_flags::none, std::uint64_t* bytes_copied = nullptr,
                                   const ShmStager* stager = nullptr);
+/// Sends the same message as one packet on a zero-copy channel's data link: every tensor as its
+/// handle (a `stager` is needed when there are tensors). Thread-safe as PacketLink::send().
+absl::Status send_packet(PacketLink& link, wire::Header header, const Tensors& tensors,
+                         std::uint64_t* bytes_copied = nullptr, const ShmStager* stager = nullptr);
+
+/// What send_message() and send_packet() put on the wire: the encoded header, then the handles
+/// (with a stager) or the contiguous tensors whose bytes follow.
+struct EncodedMessage {
+  std::string header;
+  std::vector<std::string> handles;
+  std::vector<at::Tensor> tensors;
+};
+absl::StatusOr<EncodedMessage> encode_message(wire::Header header, const Tensors& tensors,
+                                             std::uint64_t* bytes_copied, const ShmStager* stager);
+
 /// A stager for `producer`: a tensor that already lies in a slot it leased (make_shm_allocator())
 /// crosses as its handle, nothing copied; any other is copied into a free slot, waiting up to
 /// `wait` for a credit.

@@ -33,6 +33,9 @@ class ZeroCopyEnds {
   [[nodiscard]] ShmStager stager(absl::Duration wait);
   /// Builds tensors over the peer's memory; `release` runs with each handle when its tensor dies.
   [[nodiscard]] ShmResolver resolver(std::function<void(const wire::ShmHandle&)> release);
+  /// True when the stager hands `t` on without a copy or a credit: a contiguous CPU tensor lying in
+  /// another process's slot (a relay). No side effect.
+  [[nodiscard]] static bool relays_as_is(const at::Tensor& t);
   /// The peer is done with one of our handles (false, counted, for a stale or forged one).
   bool release(const wire::ShmHandle& handle);
   /// The peer died: frees every slot it held. Returns how many.

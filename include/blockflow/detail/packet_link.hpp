@@ -1,0 +1,92 @@
+#pragma once
+// Internal: the data link of the zero-copy channels ("shm", "cuda") between a session and a worker
+// on the same host. A connected AF_UNIX SOCK_SEQPACKET socket: its messages are handles and
+// releases (a few hundred bytes), never tensor bytes, so the ZeroMQ machinery (an I/O thread on
+// each side, a sender thread) only adds wake-ups. Here a block thread's send() lands directly in
+// the peer's receiving thread.
+//
+// One packet carries one wire message (header frame + handle frames): u32 frame count, one u32 size
+// per frame (little-endian), then the frames back to back. The kernel keeps packets whole, so any
+// number of threads may send on one link; one thread receives.
+
+#include <absl/status/statusor.h>
+#include <zmq.hpp>
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace blockflow::detail {
+
+/// The largest packet: a header with the longest message and 64 tensors of 8 dimensions, plus
+/// their handles, fits with room to spare.
+inline constexpr std::size_t kMaxPacketBytes = std::size_t{256} << 10;
+
+/// Builds the packet of `frames` (count, sizes, bytes). For tests and fuzzing.
+std::string encode_packet(const std::vector<std::string_view>& frames);
+/// Splits a packet into frames; InvalidArgument naming what is wrong (too short, a frame count over
+/// the limit, sizes that do not add up to the packet's length).
+absl::StatusOr<std::vector<zmq::message_t>> decode_packet(const void* data, std::size_t size);
+
+class PacketLink {
+ public:
+  explicit PacketLink(int fd);  ///< takes ownership of a connected SOCK_SEQPACKET socket
+  ~PacketLink();
+  PacketLink(const PacketLink&) = delete;
+  PacketLink& operator=(const PacketLink&) = delete;
+
+  /// Connects to a PacketListener's path.
+  static absl::StatusOr<std::shared_ptr<PacketLink>> connect(const std::string& path);
+  /// Two connected ends in this process (tests, benchmarks).
+  static absl::StatusOr<std::pair<std::shared_ptr<PacketLink>, std::shared_ptr<PacketLink>>> pair();
+
+  /// Sends one packet; thread-safe. Waits while the peer's receive queue is full. Unavailable once
+  /// the peer has gone.
+  absl::Status send(const std::vector<std::string_view>& frames);
+
+  struct Received {
+    bool closed = false;                        ///< the peer closed its end (nothing else is set)
+    absl::StatusOr<std::vector<zmq::message_t>> frames = std::vector<zmq::message_t>{};  ///< or why the packet is malformed
+  };
+  /// Receives one packet; one thread at a time. Waits up to `timeout_ms` (-1: forever); nullopt
+  /// when nothing came.
+  std::optional<Received> receive(int timeout_ms);
+
+  [[nodiscard]] int fd() const { return fd_; }
+
+ private:
+  int fd_;
+  std::vector<char> buffer_;  // the receiving thread's
+};
+
+/// The listening end, bound at a path (in a private 0700 directory).
+class PacketListener {
+ public:
+  static absl::StatusOr<std::unique_ptr<PacketListener>> bind(const std::string& path);
+  ~PacketListener();
+  PacketListener(const PacketListener&) = delete;
+  PacketListener& operator=(const PacketListener&) = delete;
+
+  struct Accepted {
+    std::shared_ptr<PacketLink> link;
+    pid_t peer_pid = 0;  ///< from the kernel (SO_PEERCRED), not from the peer's word
+  };
+  /// Accepts a pending connection, if any (never waits).
+  std::optional<Accepted> accept();
+
+  [[nodiscard]] int fd() const { return fd_; }
+  [[nodiscard]] const std::string& path() const { return path_; }
+
+ private:
+  PacketListener(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  int fd_;
+  std::string path_;
+};
+
+}  // namespace blockflow::detail

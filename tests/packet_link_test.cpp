@@ -1,0 +1,128 @@
+// The zero-copy channels' data link (detail/packet_link.hpp): packets cross whole whatever the
+// number of sending threads, malformed packets are rejected naming the problem, a closed peer is
+// seen, and the listener tells who connected.
+#include <blockflow/detail/packet_link.hpp>
+#include <blockflow/detail/runtime_dir.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace blockflow::detail;
+using Catch::Matchers::Contains;
+
+namespace {
+
+std::vector<std::string> strings_of(const std::vector<zmq::message_t>& frames) {
+  std::vector<std::string> out;
+  for (const auto& f : frames) out.push_back(f.to_string());
+  return out;
+}
+
+std::string error_of(const std::string& packet) {
+  auto decoded = decode_packet(packet.data(), packet.size());
+  REQUIRE_FALSE(decoded.ok());
+  CHECK(decoded.status().code() == absl::StatusCode::kInvalidArgument);
+  return std::string(decoded.status().message());
+}
+
+}  // namespace
+
+TEST_CASE("a packet's frames survive encoding, empty frames included", "[link]") {
+  const std::string packet = encode_packet({"header", "", std::string(32, '\x7f')});
+  CHECK(packet.size() == 4 * 4 + 6 + 32);
+  auto frames = decode_packet(packet.data(), packet.size());
+  REQUIRE(frames.ok());
+  CHECK(strings_of(*frames) == std::vector<std::string>{"header", "", std::string(32, '\x7f')});
+}
+
+TEST_CASE("malformed packets are rejected with the problem named", "[link]") {
+  CHECK_THAT(error_of("ab"), Contains("shorter than its frame count"));
+  CHECK_THAT(error_of(std::string(4, '\0')), Contains("packet with 0 frames"));
+  CHECK_THAT(error_of(std::string("\xff\xff\xff\xff", 4)), Contains("packet with 4294967295 frames"));
+  std::string truncated = encode_packet({"abc", "defg"});
+  CHECK_THAT(error_of(truncated.substr(0, 8)), Contains("truncated frame table"));
+  CHECK_THAT(error_of(truncated.substr(0, truncated.size() - 1)), Contains("its frame table adds up to 19"));
+  CHECK_THAT(error_of(truncated + "x"), Contains("packet of 20 bytes"));
+  std::string huge = encode_packet({"abc"});
+  huge[4] = '\xff';
+  huge[7] = '\x7f';  // one frame claiming ~2 GB
+  CHECK_THAT(error_of(huge), Contains("adds up to"));
+}
+
+TEST_CASE("packets from several threads arrive whole, each exactly once", "[link]") {
+  auto ends = PacketLink::pair();
+  REQUIRE(ends.ok());
+  auto [a, b] = *ends;
+  constexpr int kThreads = 4, kEach = 500;
+  std::vector<std::thread> senders;
+  for (int t = 0; t < kThreads; ++t) {
+    senders.emplace_back([t, a = a] {
+      for (int i = 0; i < kEach; ++i) {
+        const std::string id = std::to_string(t * kEach + i);
+        // Frame 2 repeats the id, so a packet torn or mixed with another's would show.
+        if (!a->send({id, std::string(200 + i % 300, static_cast<char>('a' + t)), id}).ok()) std::abort();
+      }
+    });
+  }
+  std::set<std::string> seen;
+  while (seen.size() < kThreads * kEach) {
+    auto received = b->receive(5000);
+    REQUIRE(received.has_value());
+    REQUIRE_FALSE(received->closed);
+    REQUIRE(received->frames.ok());
+    const auto frames = strings_of(*received->frames);
+    REQUIRE(frames.size() == 3);
+    REQUIRE(frames[0] == frames[2]);
+    const int n = std::stoi(frames[0]);
+    CHECK(frames[1] == std::string(200 + (n % kEach) % 300, static_cast<char>('a' + n / kEach)));
+    CHECK(seen.insert(frames[0]).second);
+  }
+  for (auto& s : senders) s.join();
+  CHECK_FALSE(b->receive(0).has_value());  // nothing more
+}
+
+TEST_CASE("an oversized packet is refused before it is sent; a closed peer is seen", "[link]") {
+  auto ends = PacketLink::pair();
+  REQUIRE(ends.ok());
+  auto [a, b] = *ends;
+  const std::string big(kMaxPacketBytes, 'x');
+  auto status = a->send({big});
+  CHECK(status.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(status.message()), Contains("exceeds"));
+  CHECK_FALSE(b->receive(50).has_value());  // timed out, nothing arrived
+  a.reset();
+  ends->first.reset();  // the last reference: the socket closes
+  auto closed = b->receive(1000);
+  REQUIRE(closed.has_value());
+  CHECK(closed->closed);
+  CHECK(b->send({"to nobody"}).code() == absl::StatusCode::kUnavailable);
+}
+
+TEST_CASE("the listener names the connecting process; a missing path is named", "[link]") {
+  auto dir = make_private_dir("linktest");
+  REQUIRE(dir.ok());
+  auto listener = PacketListener::bind(*dir + "/data");
+  REQUIRE(listener.ok());
+  CHECK_FALSE((*listener)->accept().has_value());  // nobody yet; never waits
+  auto client = PacketLink::connect(*dir + "/data");
+  REQUIRE(client.ok());
+  auto accepted = (*listener)->accept();
+  REQUIRE(accepted.has_value());
+  CHECK(accepted->peer_pid == ::getpid());
+  REQUIRE((*client)->send({"hello"}).ok());
+  auto received = accepted->link->receive(1000);
+  REQUIRE(received.has_value());
+  REQUIRE(received->frames.ok());
+  CHECK(strings_of(*received->frames) == std::vector<std::string>{"hello"});
+  auto missing = PacketLink::connect(*dir + "/nothing-here");
+  REQUIRE_FALSE(missing.ok());
+  CHECK_THAT(std::string(missing.status().message()), Contains("nothing-here"));
+  listener->reset();
+  remove_private_dir(*dir);
+}
