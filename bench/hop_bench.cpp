@@ -10,24 +10,28 @@
 // decoded into a tensor over the received buffer. Each line also has "memcpy_us": one memcpy of
 // the same bytes (p50), measured in the same run.
 //
-// shm: the zero-copy channel over the same ipc:// sockets, with the producer's tensor allocated in
-// a shared-memory slot (make_shm_allocator(); writing it is the producer's own work and is not
-// timed): the sender sends a 32-byte handle, the receiver builds its tensor over the slot. Nothing
-// is copied on either side. shm-copy: the same for a tensor allocated anywhere, which the sender
-// copies into a slot first (inside the timed span; the route of TorchScript outputs in workers).
-// The slot's release, which a worker sends back as a message off the critical path, is a direct
-// call here.
+// shm: the zero-copy channel as workers use it, over its data link (an AF_UNIX SOCK_SEQPACKET
+// socket pair, detail/packet_link.hpp), with the producer's tensor allocated in a shared-memory
+// slot (make_shm_allocator(); writing it is the producer's own work and is not timed): the sender
+// sends a 32-byte handle, the receiver builds its tensor over the slot. Nothing is copied on either
+// side. shm-copy: the same for a tensor allocated anywhere, which the sender copies into a slot
+// first (inside the timed span). shm-zmq: the shm hand-off over ZeroMQ PUSH/PULL ipc:// sockets
+// instead of the link (what workers used before the link), for comparison in the same run. The
+// slot's release, which a worker sends back as a message off the critical path, is a direct call
+// here.
 //
 // cuda (where a GPU and a libtorch with CUDA are present): a CUDA tensor written by the producer
 // (a fill kernel, not timed) crosses to a second process (this program, spawned with
-// --cuda-receiver): the sender records an interprocess event and sends a 32-byte handle naming
-// its allocation; the receiver opens it (once, cached), makes its stream wait on the event and
+// --cuda-receiver) over a data link as workers use it: the sender records an interprocess event
+// and sends a 32-byte handle naming its allocation; the receiver opens it (once, cached), makes its stream wait on the event and
 // builds its tensor over the producer's memory. Nothing is copied. Releases ride on the acks.
 
 #include "bench_util.hpp"
 
 #include <blockflow/inproc_channel.hpp>
 #include <blockflow/detail/clock.hpp>
+#include <blockflow/detail/packet_link.hpp>
+#include <blockflow/worker_site.hpp>
 #include <blockflow/detail/runtime_dir.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
 #include <blockflow/detail/zero_copy_ends.hpp>
@@ -138,9 +142,59 @@ HopFigures measure_zmq(const std::string& endpoint, std::size_t bytes, int itera
   return {bf::bench::percentile(latencies_us, 0.5), bf::bench::percentile(latencies_us, 0.99)};
 }
 
+// The same over a data link (both directions of one socket pair: the ack comes back on it).
+// What workers poll before they sleep (WorkerOptions::receive_spin; 0 by default).
+const absl::Duration kSpin = bf::WorkerOptions{}.receive_spin;
+// The spin the "shm" lines also try ("spinning_p50_us").
+constexpr absl::Duration kTrySpin = absl::Microseconds(50);
+
+HopFigures measure_link(std::size_t bytes, int iterations, Shm mode, absl::Duration spin = kSpin) {
+  bf::detail::ShmProducer producer;
+  bf::detail::ShmConsumer consumer;
+  const bf::detail::ShmStager stager = bf::detail::make_stager(producer, absl::Seconds(10));
+  const bf::detail::ShmResolver resolver =
+      bf::detail::make_resolver(consumer, [&producer](const bf::wire::ShmHandle& h) { producer.release(h); });
+  auto ends = bf::detail::PacketLink::pair();
+  if (!ends.ok()) std::abort();
+  auto [sender, receiver_end] = *ends;
+  const bf::Tensor payload = at::empty({static_cast<std::int64_t>(bytes)}, at::kByte).fill_(7);
+  const bf::detail::ShmAllocator allocate = bf::detail::make_shm_allocator(producer, absl::Seconds(10));
+  std::vector<double> latencies_us;
+  std::thread receiver([&, link = receiver_end] {
+    for (int i = 0; i < iterations; ++i) {
+      auto received = link->receive(-1, spin);
+      if (!received || received->closed || !received->frames.ok()) std::abort();
+      auto message = bf::detail::decode_message(*std::move(received->frames), &resolver);
+      const std::int64_t now = bf::detail::now_ns();
+      if (!message.ok() || message->tensors.at(0).numel() != static_cast<std::int64_t>(bytes)) std::abort();
+      latencies_us.push_back(static_cast<double>(now - message->header.times.sent_ns) / 1e3);
+      if (!link->send({"ok"}).ok()) std::abort();
+    }
+  });
+  for (int i = 0; i < iterations; ++i) {
+    bf::Tensor out = payload;
+    if (mode == Shm::kLease) {  // the producer's output, written in place
+      auto in_slot = allocate({static_cast<std::int64_t>(bytes)}, at::kByte);
+      if (!in_slot.ok()) std::abort();
+      out = *std::move(in_slot);
+      static_cast<unsigned char*>(out.data_ptr())[0] = 7;
+    }
+    bf::wire::Header header;
+    header.request_id = static_cast<std::uint64_t>(i);
+    header.times.sent_ns = bf::detail::now_ns();
+    if (!bf::detail::send_packet(*sender, header, {out}, nullptr, &stager).ok()) std::abort();
+    out = bf::Tensor();  // the producer is done with it; the receiver's view keeps the slot
+    auto ack = sender->receive(-1, kSpin);
+    if (!ack || ack->closed) std::abort();
+  }
+  receiver.join();
+  latencies_us.erase(latencies_us.begin(), latencies_us.begin() + iterations / 10);
+  return {bf::bench::percentile(latencies_us, 0.5), bf::bench::percentile(latencies_us, 0.99)};
+}
+
 // The receiving process of the cuda hop: resolves each handle, reports its one-way latency and the
 // handles whose tensors died (released once its stream is done with them) in the ack.
-int cuda_receiver(const std::string& data, const std::string& acks, int total) {
+int cuda_receiver(const std::string& data, int total) {
   bf::detail::ZeroCopyEnds ends(bf::detail::ShmPoolOptions{}, true);
   // Shared with the release callbacks, which CUDA may run after this function has returned.
   struct Released {
@@ -152,15 +206,16 @@ int cuda_receiver(const std::string& data, const std::string& acks, int total) {
     std::lock_guard lock(released->mu);
     released->handles.push_back(h);
   });
-  zmq::context_t context(1);
-  zmq::socket_t pull(context, zmq::socket_type::pull), ack(context, zmq::socket_type::push);
-  pull.connect(data);
-  ack.connect(acks);
+  auto link = bf::detail::PacketLink::connect(data);
+  if (!link.ok()) {
+    std::cerr << "hop cuda receiver: " << link.status() << "\n";
+    return 1;
+  }
   for (int i = 0; i < total; ++i) {
-    std::vector<zmq::message_t> frames;
-    (void)zmq::recv_multipart(pull, std::back_inserter(frames));
+    auto packet = (*link)->receive(-1, kSpin);
+    if (!packet || packet->closed || !packet->frames.ok()) return 1;
     const std::int64_t received = bf::detail::now_ns();
-    auto message = bf::detail::decode_message(std::move(frames), &resolver);
+    auto message = bf::detail::decode_message(*std::move(packet->frames), &resolver);
     const std::int64_t now = bf::detail::now_ns();
     const double resolve_us = static_cast<double>(now - received) / 1e3;
     if (!message.ok() || !message->tensors.at(0).is_cuda()) {
@@ -176,7 +231,7 @@ int cuda_receiver(const std::string& data, const std::string& acks, int total) {
       reply += bf::wire::encode_releases(released->handles);
       released->handles.clear();
     }
-    (void)ack.send(zmq::buffer(reply), zmq::send_flags::none);
+    if (!(*link)->send({reply}).ok()) return 1;
   }
   return 0;
 }
@@ -193,18 +248,21 @@ std::vector<CudaHop> measure_cuda(const char* self, const std::string& dir, cons
                                   int iterations, std::int64_t busy_cycles = 0) {
   bf::detail::ZeroCopyEnds ends(bf::detail::ShmPoolOptions{}, true);
   const bf::detail::ShmStager stager = ends.stager(absl::Seconds(10));
-  zmq::context_t context(1);
-  zmq::socket_t push(context, zmq::socket_type::push), ack(context, zmq::socket_type::pull);
-  const std::string data = "ipc://" + dir + "/cuda", acks = "ipc://" + dir + "/cuda-ack";
-  push.bind(data);
-  ack.bind(acks);
+  auto listener = bf::detail::PacketListener::bind(dir + "/cuda");
+  if (!listener.ok()) return {};
   const std::string total = std::to_string(iterations * static_cast<int>(sizes.size()));
-  std::vector<std::string> args = {self, "--cuda-receiver", data, acks, total};
+  std::vector<std::string> args = {self, "--cuda-receiver", (*listener)->path(), total};
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
   pid_t child = 0;
   if (::posix_spawn(&child, self, nullptr, nullptr, argv.data(), environ) != 0) return {};
+  std::shared_ptr<bf::detail::PacketLink> link;
+  for (int i = 0; i < 3000 && !link; ++i) {  // the receiver connects once CUDA is up
+    if (auto accepted = (*listener)->accept()) link = accepted->link;
+    else std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (!link) return {};
   std::vector<CudaHop> out;
   for (std::size_t bytes : sizes) {
     std::vector<double> latencies_us, send_us, resolve_us;
@@ -217,11 +275,13 @@ std::vector<CudaHop> measure_cuda(const char* self, const std::string& dir, cons
       bf::wire::Header header;
       header.request_id = static_cast<std::uint64_t>(i);
       header.times.sent_ns = bf::detail::now_ns();
-      if (!bf::detail::send_message(push, header, {t}, zmq::send_flags::none, nullptr, &stager).ok()) std::abort();
+      if (!bf::detail::send_packet(*link, header, {t}, nullptr, &stager).ok()) std::abort();
       send_us.push_back(static_cast<double>(bf::detail::now_ns() - header.times.sent_ns) / 1e3);
       t = bf::Tensor();
-      zmq::message_t reply;
-      if (!ack.recv(reply) || reply.size() < 2 * sizeof(double)) std::abort();
+      auto ack = link->receive(-1, kSpin);
+      if (!ack || ack->closed || !ack->frames.ok() || ack->frames->size() != 1) std::abort();
+      const zmq::message_t& reply = ack->frames->front();
+      if (reply.size() < 2 * sizeof(double)) std::abort();
       double figures[2] = {0, 0};
       std::memcpy(figures, reply.data(), sizeof(figures));
       latencies_us.push_back(figures[0]);
@@ -258,7 +318,7 @@ double memcpy_us(std::size_t bytes) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc == 5 && std::string(argv[1]) == "--cuda-receiver") return cuda_receiver(argv[2], argv[3], std::stoi(argv[4]));
+  if (argc == 4 && std::string(argv[1]) == "--cuda-receiver") return cuda_receiver(argv[2], std::stoi(argv[3]));
   const int iterations = argc > 1 ? std::stoi(argv[1]) : 20000;
   const std::vector<std::size_t> sizes = {4096, 3211264, 104857600};
   for (std::size_t bytes : sizes) {
@@ -268,20 +328,28 @@ int main(int argc, char** argv) {
   }
   auto dir = bf::detail::make_private_dir("hop");
   if (!dir.ok()) return 1;
-  for (const auto& [channel, endpoint] : {std::pair<std::string, std::string>{"shm", "ipc://" + *dir + "/shm"},
-                                          std::pair<std::string, std::string>{"shm-copy", "ipc://" + *dir + "/shmc"},
+  for (const auto& [channel, endpoint] : {std::pair<std::string, std::string>{"shm", ""},
+                                          std::pair<std::string, std::string>{"shm-copy", ""},
+                                          std::pair<std::string, std::string>{"shm-zmq", "ipc://" + *dir + "/shm"},
                                           std::pair<std::string, std::string>{"zmq-ipc", "ipc://" + *dir + "/hop"},
                                           std::pair<std::string, std::string>{"zmq-tcp", "tcp://127.0.0.1:*"}}) {
     for (std::size_t bytes : sizes) {
       // Fewer round trips for the large sizes: each moves the whole tensor through the kernel.
       const int n = bytes > 50'000'000 ? 30 : bytes > 1'000'000 ? 500 : std::min(iterations, 5000);
       const double copy_us = memcpy_us(bytes);
-      const HopFigures f = measure_zmq(endpoint, bytes, n,
-                                       channel == "shm" ? Shm::kLease : channel == "shm-copy" ? Shm::kCopy : Shm::kNone);
+      const HopFigures f = endpoint.empty() ? measure_link(bytes, n, channel == "shm" ? Shm::kLease : Shm::kCopy)
+                           : measure_zmq(endpoint, bytes, n, channel == "shm-zmq" ? Shm::kLease : Shm::kNone);
+      // The link's receiver polls for WorkerOptions::receive_spin before it sleeps (0: it sleeps at
+      // once, and each hop pays a wake-up); "spinning_p50_us" is the same hop with a 50 us spin.
+      std::string asleep;
+      if (channel == "shm") {
+        asleep = fmt::format(",\"spin_us\":{},\"spinning_p50_us\":{:.3f}", absl::ToInt64Microseconds(kSpin),
+                             measure_link(bytes, n, Shm::kLease, kTrySpin).p50_us);
+      }
       fmt::print(
           "{{\"bench\":\"hop\",\"channel\":\"{}\",\"bytes\":{},\"iterations\":{},\"p50_us\":{:.3f},\"p99_us\":{:.3f},"
-          "\"memcpy_us\":{:.3f},\"p50_over_memcpy\":{:.2f}}}\n",
-          channel, bytes, n, f.p50_us, f.p99_us, copy_us, f.p50_us / copy_us);
+          "\"memcpy_us\":{:.3f},\"p50_over_memcpy\":{:.2f}{}}}\n",
+          channel, bytes, n, f.p50_us, f.p99_us, copy_us, f.p50_us / copy_us, asleep);
     }
   }
   if (const absl::Status cuda = bf::detail::cuda_ipc_usable(); cuda.ok()) {

@@ -32,6 +32,7 @@
 //
 //   pipeline_bench --models DIR [--mode threads|workers|worker_memory] [--channel shm|zmq|cuda] [--requests N]
 //                  [--threads T] [--worker-env "K=V ..."] [--device cpu|cuda] [--round N]
+//                  [--receive-spin-us US]
 
 #include "bench_util.hpp"
 
@@ -59,6 +60,7 @@ int main(int argc, char** argv) try {
   std::string models, mode = "threads", channel = "shm", device = "cpu";
   std::optional<std::string> worker_env;  // "K=V K=V": replaces WorkerOptions::environment
   int requests = 100, threads = 2, warmup = 5, round = 20;
+  std::optional<int> spin_us;  // WorkerOptions::receive_spin
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--models") models = v;
@@ -70,6 +72,7 @@ int main(int argc, char** argv) try {
     else if (a == "--worker-env") worker_env = v;
     else if (a == "--device") device = v;
     else if (a == "--round") round = std::max(1, std::stoi(v));
+    else if (a == "--receive-spin-us") spin_us = std::stoi(v);
     else throw std::invalid_argument("unknown argument " + a);
   }
   if (models.empty()) throw std::invalid_argument("usage: pipeline_bench --models DIR [--requests N] [--threads T]");
@@ -102,6 +105,7 @@ int main(int argc, char** argv) try {
     o.name = fmt::format("w{}", w);
     o.channel = channel;
     if (worker_env) o.environment = absl::StrSplit(*worker_env, ' ', absl::SkipEmpty());
+    if (spin_us) o.receive_spin = absl::Microseconds(*spin_us);
     session.add_site(bf::make_worker(o));
   }
   session.add_path(bf::Path::chain("split", {"block1", "block2", "block3", "block4"}));

@@ -61,6 +61,12 @@ struct WorkerOptions {
   absl::Duration heartbeat_timeout = absl::Milliseconds(800);  ///< silence that counts as death
   absl::Duration start_timeout = absl::Seconds(120);           ///< spawn + load + warm-up
   std::size_t max_in_flight = 64;  ///< requests sent and not answered (credits); run() waits beyond
+  /// Zero-copy channels: how long the data link's receiving threads (the session's, the worker's)
+  /// poll for the next packet before they sleep, as SessionOptions::receive_spin does in-process.
+  /// A packet that follows within it is taken without a wake-up (~20 us here), but the spinning
+  /// thread holds a core just when a block starts computing: with fewer cores than busy threads,
+  /// keep 0.
+  absl::Duration receive_spin = absl::ZeroDuration();
 };
 
 /// @brief A RemoteSite that runs blocks in a child process started with posix_spawn (never fork) of

@@ -125,11 +125,10 @@ absl::Status PacketLink::send(const std::vector<std::string_view>& frames) {
   }
 }
 
-std::optional<PacketLink::Received> PacketLink::receive(int timeout_ms) {
-  pollfd item{fd_, POLLIN, 0};
-  const int ready = ::poll(&item, 1, timeout_ms);
-  if (ready <= 0) return std::nullopt;  // timeout (or EINTR: the caller loops)
+std::optional<PacketLink::Received> PacketLink::receive(int timeout_ms, absl::Duration spin) {
   if (buffer_.empty()) buffer_.resize(kMaxPacketBytes);
+  const absl::Time spin_end = absl::Now() + spin;
+  bool waited = false;
   while (true) {
     iovec part{buffer_.data(), buffer_.size()};
     msghdr message{};
@@ -137,7 +136,14 @@ std::optional<PacketLink::Received> PacketLink::receive(int timeout_ms) {
     message.msg_iovlen = 1;
     const ssize_t n = ::recvmsg(fd_, &message, MSG_DONTWAIT);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return std::nullopt;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (waited) return std::nullopt;
+      if (absl::Now() < spin_end) continue;
+      pollfd item{fd_, POLLIN, 0};
+      if (::poll(&item, 1, timeout_ms) <= 0) return std::nullopt;  // timeout (or EINTR: the caller loops)
+      waited = true;
+      continue;
+    }
     Received out;
     if (n <= 0) {  // 0: the peer closed its end; an error: the link is broken either way
       out.closed = true;

@@ -14,7 +14,8 @@ nlohmann::json make_config(const std::vector<BlockDescription>& blocks, const Wo
           {"heartbeat_ms", absl::ToInt64Milliseconds(options.heartbeat_interval)},
           {"channel", options.channel},
           {"shm_slots_per_pool", options.shm_slots_per_pool},
-          {"shm_max_bytes", options.shm_max_bytes}};
+          {"shm_max_bytes", options.shm_max_bytes},
+          {"receive_spin_us", absl::ToInt64Microseconds(options.receive_spin)}};
 }
 
 }  // namespace blockflow::detail

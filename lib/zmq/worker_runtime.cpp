@@ -165,6 +165,7 @@ class Worker {
         return 1;
       }
       link_ = *std::move(link);
+      receive_spin_ = absl::Microseconds(config->value("receive_spin_us", 0));
       // A request's input died here: give its slot back to the host (through the one sender).
       resolver_ = ends_->resolver([replies = replies_](const bf::wire::ShmHandle& h) {
         bf::wire::Header release;
@@ -316,7 +317,7 @@ class Worker {
   // One message's frames: from the data link (zero-copy channels) or the PULL socket (zmq).
   std::optional<absl::StatusOr<std::vector<zmq::message_t>>> next_request(zmq::socket_t& pull) {
     if (link_) {
-      auto received = link_->receive(100);
+      auto received = link_->receive(100, receive_spin_);
       if (!received) return std::nullopt;
       if (received->closed) {  // the host is gone: the control loop notices and stops us
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -463,6 +464,7 @@ class Worker {
   // The zero-copy channel: results go into our pools, requests are views of the host's.
   std::unique_ptr<bf::detail::ZeroCopyEnds> ends_;  // channels "shm" and "cuda"
   std::shared_ptr<bf::detail::PacketLink> link_;     // their data link (set before the threads start)
+  absl::Duration receive_spin_;
   bf::detail::ShmStager stager_;
   bf::detail::ShmResolver resolver_;
   bf::KpiSampler sampler_;  // off unless the session switches sampling on

@@ -631,11 +631,16 @@ struct WorkerSite::Impl {
       std::lock_guard lock(mu);
       current = link;
     }
-    pollfd items[2] = {{listener->fd(), POLLIN, 0}, {current ? current->fd() : -1, POLLIN, 0}};
-    if (::poll(items, 2, 100) <= 0) return false;
-    if ((items[0].revents & POLLIN) != 0) accept_link();
-    if (!current || items[1].revents == 0) return false;
-    auto received = current->receive(0);
+    // A packet now, or within the spin; else sleep on both the link and the listener.
+    std::optional<detail::PacketLink::Received> received;
+    if (current) received = current->receive(0, options.receive_spin);
+    if (!received) {
+      pollfd items[2] = {{listener->fd(), POLLIN, 0}, {current ? current->fd() : -1, POLLIN, 0}};
+      if (::poll(items, 2, 100) <= 0) return false;
+      if ((items[0].revents & POLLIN) != 0) accept_link();
+      if (!current || items[1].revents == 0) return false;
+      received = current->receive(0);
+    }
     if (!received) return false;
     if (received->closed) {  // the worker is going away; supervision tells how
       std::lock_guard lock(mu);

@@ -10,6 +10,7 @@
 // number of threads may send on one link; one thread receives.
 
 #include <absl/status/statusor.h>
+#include <absl/time/time.h>
 #include <zmq.hpp>
 
 #include <sys/types.h>
@@ -54,9 +55,10 @@ class PacketLink {
     bool closed = false;                        ///< the peer closed its end (nothing else is set)
     absl::StatusOr<std::vector<zmq::message_t>> frames = std::vector<zmq::message_t>{};  ///< or why the packet is malformed
   };
-  /// Receives one packet; one thread at a time. Waits up to `timeout_ms` (-1: forever); nullopt
-  /// when nothing came.
-  std::optional<Received> receive(int timeout_ms);
+  /// Receives one packet; one thread at a time. Polls for `spin` first (a packet that follows
+  /// closely is taken without a sleep and a wake-up), then waits up to `timeout_ms` (-1: forever);
+  /// nullopt when nothing came.
+  std::optional<Received> receive(int timeout_ms, absl::Duration spin = absl::ZeroDuration());
 
   [[nodiscard]] int fd() const { return fd_; }
 
