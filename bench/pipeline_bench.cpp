@@ -32,7 +32,9 @@
 //
 //   pipeline_bench --models DIR [--mode threads|workers|worker_memory] [--channel shm|zmq|cuda] [--requests N]
 //                  [--threads T] [--worker-env "K=V ..."] [--device cpu|cuda] [--round N]
-//                  [--receive-spin-us US]
+//                  [--receive-spin-us US] [--outputs-in-slots 0|1]
+// --outputs-in-slots 0: workers copy each block output into a slot when they send it
+// (WorkerOptions::shm_outputs_in_slots false) instead of allocating it there; lines say which.
 
 #include "bench_util.hpp"
 
@@ -61,6 +63,7 @@ int main(int argc, char** argv) try {
   std::optional<std::string> worker_env;  // "K=V K=V": replaces WorkerOptions::environment
   int requests = 100, threads = 2, warmup = 5, round = 20;
   std::optional<int> spin_us;  // WorkerOptions::receive_spin
+  bool outputs_in_slots = bf::WorkerOptions{}.shm_outputs_in_slots;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--models") models = v;
@@ -73,6 +76,7 @@ int main(int argc, char** argv) try {
     else if (a == "--device") device = v;
     else if (a == "--round") round = std::max(1, std::stoi(v));
     else if (a == "--receive-spin-us") spin_us = std::stoi(v);
+    else if (a == "--outputs-in-slots") outputs_in_slots = std::stoi(v) != 0;
     else throw std::invalid_argument("unknown argument " + a);
   }
   if (models.empty()) throw std::invalid_argument("usage: pipeline_bench --models DIR [--requests N] [--threads T]");
@@ -106,6 +110,7 @@ int main(int argc, char** argv) try {
     o.channel = channel;
     if (worker_env) o.environment = absl::StrSplit(*worker_env, ' ', absl::SkipEmpty());
     if (spin_us) o.receive_spin = absl::Microseconds(*spin_us);
+    o.shm_outputs_in_slots = outputs_in_slots;
     session.add_site(bf::make_worker(o));
   }
   session.add_path(bf::Path::chain("split", {"block1", "block2", "block3", "block4"}));
@@ -247,9 +252,10 @@ int main(int argc, char** argv) try {
   fmt::print(
       "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"threads_per_block\":{},\"requests\":{},"
       "\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},\"round\":{},"
-      "\"worker_env\":\"{}\",\"hardware_threads\":{},\"hops_us\":[{}]}}\n",
+      "\"worker_env\":\"{}\",\"outputs_in_slots\":{},\"hardware_threads\":{},\"hops_us\":[{}]}}\n",
       mode, channel_label, threads, requests, sum.e2e, sum.mono, sum.e2e / sum.mono, sum.overhead, round,
-      workers ? worker_env.value_or(fmt::format("{}", fmt::join(bf::WorkerOptions{}.environment, " "))) : "", std::thread::hardware_concurrency(),
+      workers ? worker_env.value_or(fmt::format("{}", fmt::join(bf::WorkerOptions{}.environment, " "))) : "",
+      workers && channel != "zmq" && outputs_in_slots, std::thread::hardware_concurrency(),
       hops_json());
   return 0;
 } catch (const std::exception& e) {

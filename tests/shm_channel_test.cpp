@@ -250,6 +250,43 @@ TEST_CASE("split small CNN: threads, shm workers and zmq workers give equal outp
   CHECK(sessions["zmq"]->metrics().sites.at(0).data.kind == "zmq-ipc");
 }
 
+TEST_CASE("shm workers: a block's output is allocated in a result slot (not copied in); off by option it is copied",
+          "[shm]") {
+  for (const bool in_slots : {true, false}) {
+    WorkerOptions options = test::test_worker("w1", "shm");
+    options.shm_outputs_in_slots = in_slots;
+    Session session;
+    session.add_site(make_worker(options))
+        .add_block(test::plugin_block("affine", "affine", "w1"))
+        .add_path(Path::chain("t", {"affine"}));
+    test::require_started(session);
+    constexpr int kRequests = 6;
+    const Tensor x = at::arange(262144, at::kFloat);  // 1 MB: above the allocator's half-slot floor
+    for (int i = 0; i < kRequests; ++i) {
+      Result r = session.submit("t", x + i).get();
+      INFO(r.status.ToString());
+      REQUIRE(r.ok());
+      CHECK(at::equal(r.output(), (x + i) * 3 + 1));
+      CHECK_THAT(mapping_file(r.output().data_ptr()), Contains("/dev/shm/blockflow-"));
+    }
+    // The worker's pool figures come with its heartbeats.
+    SiteStats site;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while ((site = session.metrics().sites.at(0)).shm_results.handles < kRequests &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    INFO("in_slots " << in_slots);
+    REQUIRE(site.shm_results.handles == kRequests);
+    if (in_slots) {
+      CHECK(site.shm_results.bytes_staged == 0);
+      CHECK(site.shm_results.leases >= kRequests);
+    } else {
+      CHECK(site.shm_results.bytes_staged == std::uint64_t{kRequests} * 262144 * 4);
+    }
+  }
+}
+
 TEST_CASE("shm workers: kill -9 under load reclaims the host's slots within 1 s; traffic flows again", "[shm]") {
   auto site = make_worker(test::test_worker("w1", "shm"));
   Session session;

@@ -210,7 +210,8 @@ struct ShmProducer::Impl {
 
   // A free slot for `bytes`, leased with a fresh generation (published in shared memory), waiting
   // for a credit until `deadline`.
-  absl::StatusOr<std::pair<Pool*, std::uint32_t>> acquire(std::size_t bytes, absl::Time deadline)
+  // `wait` false: nullptr slot at once when none is free (no credit wait counted).
+  absl::StatusOr<std::pair<Pool*, std::uint32_t>> acquire(std::size_t bytes, absl::Time deadline, bool wait = true)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     bool waited = false;
     while (true) {
@@ -225,6 +226,7 @@ struct ShmProducer::Impl {
         ++stats.slots_in_use;
         return *found;
       }
+      if (!wait) return std::pair<Pool*, std::uint32_t>{nullptr, 0};
       if (!can_ever_fit) {
         return absl::ResourceExhaustedError(fmt::format(
             "a tensor of {} bytes does not fit in shared memory: pools use {} of max_total_bytes {}", bytes,
@@ -272,11 +274,22 @@ absl::StatusOr<wire::ShmHandle> ShmProducer::stage(const void* data, std::size_t
 }
 
 absl::StatusOr<ShmLease> ShmProducer::lease(std::size_t bytes, absl::Time deadline) {
+  return lease_slot(bytes, deadline, true);
+}
+
+std::optional<ShmLease> ShmProducer::try_lease(std::size_t bytes) {
+  auto lease = lease_slot(bytes, absl::InfinitePast(), false);
+  if (!lease.ok() || lease->data == nullptr) return std::nullopt;
+  return *std::move(lease);
+}
+
+absl::StatusOr<ShmLease> ShmProducer::lease_slot(std::size_t bytes, absl::Time deadline, bool wait) {
   Impl& s = *impl_;
   absl::MutexLock lock(&s.mu);
-  auto acquired = s.acquire(bytes, deadline);
+  auto acquired = s.acquire(bytes, deadline, wait);
   if (!acquired.ok()) return acquired.status();
   auto [pool, slot] = *acquired;
+  if (pool == nullptr) return ShmLease{};  // none free (wait == false)
   pool->slots[slot].producer_holds = true;
   ++s.stats.leases;
   ShmLease out;

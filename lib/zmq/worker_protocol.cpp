@@ -15,6 +15,7 @@ nlohmann::json make_config(const std::vector<BlockDescription>& blocks, const Wo
           {"channel", options.channel},
           {"shm_slots_per_pool", options.shm_slots_per_pool},
           {"shm_max_bytes", options.shm_max_bytes},
+          {"shm_outputs_in_slots", options.shm_outputs_in_slots},
           {"receive_spin_us", absl::ToInt64Microseconds(options.receive_spin)}};
 }
 

@@ -4,6 +4,7 @@
 
 #include <blockflow/blockflow.hpp>
 #include <blockflow/detail/clock.hpp>
+#include <blockflow/detail/slot_allocator.hpp>
 #include <blockflow/detail/zero_copy_ends.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
 #include <blockflow/detail/deployment_json.hpp>
@@ -156,6 +157,9 @@ class Worker {
       pool.slots_per_pool = config->value("shm_slots_per_pool", pool.slots_per_pool);
       pool.max_total_bytes = config->value("shm_max_bytes", pool.max_total_bytes);
       ends_ = std::make_unique<bf::detail::ZeroCopyEnds>(pool, channel == "cuda");
+      if (config->value("shm_outputs_in_slots", true)) {
+        bf::detail::install_slot_allocator(ends_->shared_host_pool(), pool.min_slot_bytes / 2);
+      }
       stager_ = ends_->stager(absl::Seconds(10));
       // Handles and releases travel on the data link, not on the ZeroMQ data sockets.
       auto link = bf::detail::PacketLink::connect(config->value("data_link", ""));
@@ -190,6 +194,7 @@ class Worker {
     session_.shutdown(absl::Seconds(1));
     replies_->close();
     sender.join();
+    bf::detail::uninstall_slot_allocator();
     return 0;
   }
 

@@ -5,7 +5,7 @@
 
 namespace blockflow::detail {
 
-ZeroCopyEnds::ZeroCopyEnds(const ShmPoolOptions& pools, bool cuda) : host_out_(pools) {
+ZeroCopyEnds::ZeroCopyEnds(const ShmPoolOptions& pools, bool cuda) : host_out_(std::make_shared<ShmProducer>(pools)) {
   if (cuda) {
     // As many CUDA tensors in flight as host slots would allow, at least the default.
     cuda_out_ = std::make_unique<CudaProducer>(std::max<std::size_t>(64, pools.slots_per_pool));
@@ -15,7 +15,7 @@ ZeroCopyEnds::ZeroCopyEnds(const ShmPoolOptions& pools, bool cuda) : host_out_(p
 
 ShmStager ZeroCopyEnds::stager(absl::Duration wait) {
   // make_stager()'s order (our own slot: shared; otherwise copied), with a relayed tensor in between.
-  ShmStager host = [copy = make_stager(host_out_, wait), forwarded = forwarded_, own = &host_out_](
+  ShmStager host = [copy = make_stager(*host_out_, wait), forwarded = forwarded_, own = host_out_.get()](
                        const at::Tensor& contiguous) -> absl::StatusOr<wire::ShmHandle> {
     if (contiguous.device().is_cpu()) {
       const std::size_t bytes = byte_size(contiguous);
@@ -62,7 +62,7 @@ bool ZeroCopyEnds::release(const wire::ShmHandle& handle) {
     }
   }
   if (dropped.defined()) return true;
-  return host_out_.release(handle);
+  return host_out_->release(handle);
 }
 
 std::size_t ZeroCopyEnds::reclaim_all() {
@@ -73,11 +73,11 @@ std::size_t ZeroCopyEnds::reclaim_all() {
     for (const auto& [key, tensors] : forwarded_->held) forwarded += tensors.size();
     dropped.swap(forwarded_->held);
   }
-  return host_out_.reclaim_all() + forwarded + (cuda_out_ ? cuda_out_->reclaim_all() : 0);
+  return host_out_->reclaim_all() + forwarded + (cuda_out_ ? cuda_out_->reclaim_all() : 0);
 }
 
 ShmEdgeStats ZeroCopyEnds::host_stats() const {
-  ShmEdgeStats s = host_out_.stats();
+  ShmEdgeStats s = host_out_->stats();
   absl::MutexLock lock(&forwarded_->mu);
   s.forwarded = forwarded_->count;
   s.handles += forwarded_->count;

@@ -63,6 +63,9 @@ class ShmProducer {
   /// stage()). The slot is free again once the lease is dropped and every handle shared from it
   /// has been released: the producer must not write it after sending.
   absl::StatusOr<ShmLease> lease(std::size_t bytes, absl::Time deadline);
+  /// lease() when a slot is free now (or a pool can still be made for it); nullopt otherwise, at
+  /// once and without counting a credit wait.
+  std::optional<ShmLease> try_lease(std::size_t bytes);
   /// When `bytes` bytes at `data` lie inside a slot leased by lease(), returns their handle (with
   /// the offset) and counts one more consumer hold; nothing is copied. nullopt otherwise.
   std::optional<wire::ShmHandle> share(const void* data, std::size_t bytes);
@@ -79,6 +82,7 @@ class ShmProducer {
 
  private:
   struct Impl;
+  absl::StatusOr<ShmLease> lease_slot(std::size_t bytes, absl::Time deadline, bool wait);
   std::shared_ptr<Impl> impl_;  // shared with the drop functions of leases
 };
 

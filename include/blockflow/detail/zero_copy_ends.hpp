@@ -44,7 +44,8 @@ class ZeroCopyEnds {
   void forget_all();
 
   [[nodiscard]] bool cuda() const { return cuda_out_ != nullptr; }
-  [[nodiscard]] ShmProducer& host_pool() { return host_out_; }
+  [[nodiscard]] ShmProducer& host_pool() { return *host_out_; }
+  [[nodiscard]] std::shared_ptr<ShmProducer> shared_host_pool() const { return host_out_; }
   [[nodiscard]] ShmEdgeStats host_stats() const;
   [[nodiscard]] ShmEdgeStats cuda_stats() const { return cuda_out_ ? cuda_out_->stats() : ShmEdgeStats{}; }
 
@@ -57,7 +58,7 @@ class ZeroCopyEnds {
     std::uint64_t count ABSL_GUARDED_BY(mu) = 0;
   };
 
-  ShmProducer host_out_;
+  std::shared_ptr<ShmProducer> host_out_;
   ShmConsumer host_in_;
   std::shared_ptr<Forwarded> forwarded_ = std::make_shared<Forwarded>();
   std::unique_ptr<CudaProducer> cuda_out_;
