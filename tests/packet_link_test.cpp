@@ -87,6 +87,24 @@ TEST_CASE("packets from several threads arrive whole, each exactly once", "[link
   CHECK_FALSE(b->receive(0).has_value());  // nothing more
 }
 
+TEST_CASE("a link spins only while packets come in a stream: packets 5 ms apart make it sleep at once",
+          "[link]") {
+  auto ends = PacketLink::pair();
+  REQUIRE(ends.ok());
+  auto [a, b] = *ends;
+  CHECK(b->mean_gap_ns() >= std::int64_t{1} << 40);  // no gap seen yet: not a stream
+  for (int i = 0; i < 4; ++i) {
+    REQUIRE(a->send({"tick"}).ok());
+    auto got = b->receive(1000, absl::Microseconds(50));
+    REQUIRE(got.has_value());
+    REQUIRE(got->frames.ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  // Each gap is at least the 5 ms sleep: far above the 4 x 50 us a stream would need.
+  CHECK(b->mean_gap_ns() >= 5'000'000);
+  CHECK(b->mean_gap_ns() >= PacketLink::kStreamGapFactor * 50'000);
+}
+
 TEST_CASE("an oversized packet is refused before it is sent; a closed peer is seen", "[link]") {
   auto ends = PacketLink::pair();
   REQUIRE(ends.ok());

@@ -67,11 +67,12 @@ struct WorkerOptions {
   absl::Duration start_timeout = absl::Seconds(120);           ///< spawn + load + warm-up
   std::size_t max_in_flight = 64;  ///< requests sent and not answered (credits); run() waits beyond
   /// Zero-copy channels: how long the data link's receiving threads (the session's, the worker's)
-  /// poll for the next packet before they sleep, as SessionOptions::receive_spin does in-process.
-  /// A packet that follows within it is taken without a wake-up (~20 us here), but the spinning
-  /// thread holds a core just when a block starts computing: with fewer cores than busy threads,
-  /// keep 0.
-  absl::Duration receive_spin = absl::ZeroDuration();
+  /// poll for the next packet before they sleep, while packets come in a stream (on average less
+  /// than 4 x this apart). A packet that follows within the spin is taken without a wake-up (a
+  /// sleeping thread's wake-up costs 20-50 us on the 2-core VM). A link whose packets come
+  /// milliseconds apart, as in a pipeline of DNN blocks, never spins, so the spin takes no core from
+  /// a block that starts computing. 0: never spin.
+  absl::Duration receive_spin = absl::Microseconds(50);
 };
 
 /// @brief A RemoteSite that runs blocks in a child process started with posix_spawn (never fork) of

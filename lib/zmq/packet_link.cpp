@@ -1,4 +1,5 @@
 #include <blockflow/detail/packet_link.hpp>
+#include <blockflow/detail/clock.hpp>
 #include <blockflow/wire_format.hpp>
 
 #include <fmt/format.h>
@@ -127,7 +128,8 @@ absl::Status PacketLink::send(const std::vector<std::string_view>& frames) {
 
 std::optional<PacketLink::Received> PacketLink::receive(int timeout_ms, absl::Duration spin) {
   if (buffer_.empty()) buffer_.resize(kMaxPacketBytes);
-  const absl::Time spin_end = absl::Now() + spin;
+  const bool stream = mean_gap_ns_ < kStreamGapFactor * absl::ToInt64Nanoseconds(spin);
+  const std::int64_t spin_end_ns = stream ? now_ns() + absl::ToInt64Nanoseconds(spin) : 0;
   bool waited = false;
   while (true) {
     iovec part{buffer_.data(), buffer_.size()};
@@ -138,12 +140,21 @@ std::optional<PacketLink::Received> PacketLink::receive(int timeout_ms, absl::Du
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       if (waited) return std::nullopt;
-      if (absl::Now() < spin_end) continue;
+      if (spin_end_ns != 0 && now_ns() < spin_end_ns) continue;
       pollfd item{fd_, POLLIN, 0};
       if (::poll(&item, 1, timeout_ms) <= 0) return std::nullopt;  // timeout (or EINTR: the caller loops)
       waited = true;
       continue;
     }
+    const std::int64_t arrived = now_ns();
+    if (last_arrival_ns_ == 0) {
+      // First packet: no gap yet.
+    } else if (mean_gap_ns_ == kNoStream) {
+      mean_gap_ns_ = arrived - last_arrival_ns_;
+    } else {
+      mean_gap_ns_ += (arrived - last_arrival_ns_ - mean_gap_ns_) / 4;
+    }
+    last_arrival_ns_ = arrived;
     Received out;
     if (n <= 0) {  // 0: the peer closed its end; an error: the link is broken either way
       out.closed = true;

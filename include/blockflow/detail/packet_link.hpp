@@ -55,16 +55,26 @@ class PacketLink {
     bool closed = false;                        ///< the peer closed its end (nothing else is set)
     absl::StatusOr<std::vector<zmq::message_t>> frames = std::vector<zmq::message_t>{};  ///< or why the packet is malformed
   };
-  /// Receives one packet; one thread at a time. Polls for `spin` first (a packet that follows
-  /// closely is taken without a sleep and a wake-up), then waits up to `timeout_ms` (-1: forever);
-  /// nullopt when nothing came.
+  /// Receives one packet; one thread at a time. While packets come in a stream (the recent gaps
+  /// between them average under kStreamGapFactor x `spin`), it polls for up to `spin` first, so a
+  /// packet that follows closely is taken without a sleep and a wake-up; otherwise, and after the
+  /// spin, it sleeps, up to `timeout_ms` (-1: forever). A link whose packets come milliseconds apart
+  /// (a pipeline stage) therefore never spins and takes no core from the blocks. nullopt when
+  /// nothing came.
   std::optional<Received> receive(int timeout_ms, absl::Duration spin = absl::ZeroDuration());
+  /// How far apart, in units of the spin, packets may come on average for the link to spin.
+  static constexpr int kStreamGapFactor = 4;
+  /// The average gap between the last packets received (exponential, weight 1/4), in ns.
+  [[nodiscard]] std::int64_t mean_gap_ns() const { return mean_gap_ns_; }
 
   [[nodiscard]] int fd() const { return fd_; }
 
  private:
   int fd_;
-  std::vector<char> buffer_;  // the receiving thread's
+  std::vector<char> buffer_;  // the receiving thread's, as are the two below
+  std::int64_t last_arrival_ns_ = 0;
+  static constexpr std::int64_t kNoStream = std::int64_t{1} << 40;  // ~18 min: fewer than 2 packets yet
+  std::int64_t mean_gap_ns_ = kNoStream;
 };
 
 /// The listening end, bound at a path (in a private 0700 directory).
