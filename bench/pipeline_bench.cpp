@@ -32,7 +32,9 @@
 //
 //   pipeline_bench --models DIR [--mode threads|workers|worker_memory] [--channel shm|zmq|cuda] [--requests N]
 //                  [--threads T] [--worker-env "K=V ..."] [--device cpu|cuda] [--round N]
-//                  [--receive-spin-us US] [--outputs-in-slots 0|1]
+//                  [--receive-spin-us US] [--outputs-in-slots 0|1] [--optimize 0|1]
+// --optimize 1: every block and the monolithic model also go through
+// torch::jit::optimize_for_inference after freezing (TorchScriptOptions); lines say which.
 // --outputs-in-slots 0: workers copy each block output into a slot when they send it
 // (WorkerOptions::shm_outputs_in_slots false) instead of allocating it there; lines say which.
 
@@ -64,6 +66,7 @@ int main(int argc, char** argv) try {
   int requests = 100, threads = 2, warmup = 5, round = 20;
   std::optional<int> spin_us;  // WorkerOptions::receive_spin
   bool outputs_in_slots = bf::WorkerOptions{}.shm_outputs_in_slots;
+  bool optimize = bf::TorchScriptOptions{}.optimize_for_inference;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--models") models = v;
@@ -77,6 +80,7 @@ int main(int argc, char** argv) try {
     else if (a == "--round") round = std::max(1, std::stoi(v));
     else if (a == "--receive-spin-us") spin_us = std::stoi(v);
     else if (a == "--outputs-in-slots") outputs_in_slots = std::stoi(v) != 0;
+    else if (a == "--optimize") optimize = std::stoi(v) != 0;
     else throw std::invalid_argument("unknown argument " + a);
   }
   if (models.empty()) throw std::invalid_argument("usage: pipeline_bench --models DIR [--requests N] [--threads T]");
@@ -96,6 +100,7 @@ int main(int argc, char** argv) try {
     d.name = blocks[i].first;
     d.torchscript = models + "/" + d.name + ".pt";
     d.options.intra_op_threads = threads;
+    d.torchscript_options.optimize_for_inference = optimize;
     d.options.input_shapes = {blocks[i].second};
     if (device == "cuda") d.options.device = "cuda:0";
     if (d.name != "monolithic" && (workers || memory)) {
@@ -252,10 +257,10 @@ int main(int argc, char** argv) try {
   fmt::print(
       "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"threads_per_block\":{},\"requests\":{},"
       "\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},\"round\":{},"
-      "\"worker_env\":\"{}\",\"outputs_in_slots\":{},\"hardware_threads\":{},\"hops_us\":[{}]}}\n",
+      "\"worker_env\":\"{}\",\"outputs_in_slots\":{},\"optimize_for_inference\":{},\"hardware_threads\":{},\"hops_us\":[{}]}}\n",
       mode, channel_label, threads, requests, sum.e2e, sum.mono, sum.e2e / sum.mono, sum.overhead, round,
       workers ? worker_env.value_or(fmt::format("{}", fmt::join(bf::WorkerOptions{}.environment, " "))) : "",
-      workers && channel != "zmq" && outputs_in_slots, std::thread::hardware_concurrency(),
+      workers && channel != "zmq" && outputs_in_slots, optimize, std::thread::hardware_concurrency(),
       hops_json());
   return 0;
 } catch (const std::exception& e) {

@@ -56,7 +56,7 @@ absl::StatusOr<std::shared_ptr<Block>> make_block(const BlockDescription& d) {
     return absl::InvalidArgumentError(
         fmt::format("block '{}': set exactly one of torchscript (a file) and factory (a registered name)", d.name));
   }
-  if (!d.torchscript.empty()) return load_torchscript_block(d.name, d.torchscript, d.options);
+  if (!d.torchscript.empty()) return load_torchscript_block(d.name, d.torchscript, d.options, d.torchscript_options);
   return BlockRegistry::global().create(d.factory, d.name, d.options);
 }
 

@@ -40,7 +40,9 @@ nlohmann::json block_to_json(const BlockDescription& d) {
           {"input_shapes", o.input_shapes},
           {"warmup_runs", o.warmup_runs},
           {"max_batch", o.max_batch},
-          {"max_batch_delay_ms", o.max_batch_delay_ms}};
+          {"max_batch_delay_ms", o.max_batch_delay_ms},
+          {"freeze", d.torchscript_options.freeze},
+          {"optimize_for_inference", d.torchscript_options.optimize_for_inference}};
 }
 
 absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, const std::string& models_dir) {
@@ -61,7 +63,7 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
   static const std::set<std::string> known = {"name",         "torchscript", "factory",        "placement",
                                               "device",       "intra_op_threads", "workers",   "queue_capacity",
                                               "full_policy",  "input_shapes", "warmup_runs", "max_batch",
-                                              "max_batch_delay_ms"};
+                                              "max_batch_delay_ms", "freeze",      "optimize_for_inference"};
   for (const auto& [key, value] : json.items()) {
     if (known.count(key) == 0) return absl::InvalidArgumentError(fmt::format("block '{}': unknown field '{}'", d.name, key));
   }
@@ -81,6 +83,10 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
     get("warmup_runs", o.warmup_runs);
     get("max_batch", o.max_batch);
     get("max_batch_delay_ms", o.max_batch_delay_ms);
+    get("freeze", d.torchscript_options.freeze);
+    // Unfrozen means not optimized either, unless asked for (which is then refused below).
+    if (!d.torchscript_options.freeze) d.torchscript_options.optimize_for_inference = false;
+    get("optimize_for_inference", d.torchscript_options.optimize_for_inference);
     if (json.contains("full_policy")) {
       auto policy = policy_from(json.at("full_policy").get<std::string>());
       if (!policy.ok()) return absl::InvalidArgumentError(fmt::format("block '{}': {}", d.name, std::string(policy.status().message())));
@@ -92,6 +98,10 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
   if (d.torchscript.empty() == d.factory.empty()) {
     return absl::InvalidArgumentError(
         fmt::format("block '{}': give exactly one of \"torchscript\" (a file) and \"factory\" (a registered C++ block)", d.name));
+  }
+  if (d.torchscript_options.optimize_for_inference && !d.torchscript_options.freeze) {
+    return absl::InvalidArgumentError(
+        fmt::format("block '{}': optimize_for_inference needs \"freeze\": true (it works on the frozen module)", d.name));
   }
   if (o.workers < 1) return absl::InvalidArgumentError(fmt::format("block '{}': workers must be >= 1", d.name));
   if (o.intra_op_threads < 0) return absl::InvalidArgumentError(fmt::format("block '{}': intra_op_threads must be >= 0", d.name));

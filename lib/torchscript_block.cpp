@@ -70,7 +70,7 @@ absl::StatusOr<std::shared_ptr<Block>> load_torchscript_block(std::string name, 
   if (ts_options.freeze) {
     try {
       module = torch::jit::freeze(module);
-      if (ts_options.optimize_for_inference) module = torch::jit::optimize_for_inference(module);
+      if (ts_options.optimize_for_inference && device.is_cpu()) module = torch::jit::optimize_for_inference(module);
     } catch (const c10::Error&) {
       // Some modules (e.g. with attributes mutated in forward) cannot be frozen: run them as loaded.
     }

@@ -40,7 +40,7 @@ TEST_CASE("rich block objects set file, factory, placement and options", "[deplo
   auto d = Deployment::parse(R"({"blocks": [
       {"name": "b1", "torchscript": "one.pt", "placement": "w2", "intra_op_threads": 2, "workers": 3,
        "queue_capacity": 8, "full_policy": "drop-oldest", "device": "cpu", "input_shapes": [[-1, 3, 8, 8]],
-       "warmup_runs": 0},
+       "warmup_runs": 0, "optimize_for_inference": false},
       {"name": "b2", "factory": "scale", "placement": "w1"},
       {"name": "b3", "torchscript": "/abs/three.pt"}],
     "tasks": {"t": ["b1", "b2", "b3"]}})",
@@ -56,6 +56,13 @@ TEST_CASE("rich block objects set file, factory, placement and options", "[deplo
   CHECK(b1.options.full_policy == FullPolicy::kDropOldest);
   CHECK(b1.options.input_shapes == std::vector<std::vector<std::int64_t>>{{-1, 3, 8, 8}});
   CHECK(b1.options.warmup_runs == 0);
+  CHECK(b1.torchscript_options.freeze);
+  CHECK_FALSE(b1.torchscript_options.optimize_for_inference);
+  CHECK(d->blocks[2].torchscript_options.optimize_for_inference);  // the default
+  auto unfrozen = Deployment::parse(R"({"blocks": [{"name": "u", "torchscript": "u.pt", "freeze": false}],
+                                        "tasks": {"t": ["u"]}})", "");
+  REQUIRE(unfrozen.ok());
+  CHECK_FALSE(unfrozen->blocks[0].torchscript_options.optimize_for_inference);  // implied by freeze false
   CHECK(d->blocks[1].factory == "scale");
   CHECK(d->blocks[1].torchscript.empty());
   CHECK(d->blocks[2].torchscript == "/abs/three.pt");
@@ -86,6 +93,9 @@ TEST_CASE("malformed deployments are rejected whole, naming the fault", "[deploy
              Contains("block 'b': unknown full_policy 'panic'"));
   CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "factory": "f", "workers": 0}], "tasks": {}})"),
              Contains("block 'b': workers must be >= 1"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "torchscript": "x.pt", "freeze": false, "optimize_for_inference": true}],
+                       "tasks": {}})"),
+             Contains("block 'b': optimize_for_inference needs \"freeze\": true"));
   CHECK_THAT(error_of(R"({"blocks": ["a", "a"], "tasks": {}})"), Contains("block 'a' appears twice"));
   CHECK_THAT(error_of(R"({"blocks": ["a"], "tasks": {"t": []}})"), Contains("task 't' must be a non-empty list"));
   CHECK_THAT(error_of(R"({"blocks": ["a"], "tasks": {"t": ["a", "nope"]}})"), Contains("task 't': unknown block 'nope'"));

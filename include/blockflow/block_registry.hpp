@@ -4,6 +4,7 @@
 /// session can build them in its own threads or ship the description to a worker process.
 
 #include <blockflow/block.hpp>
+#include <blockflow/torchscript_block.hpp>
 
 #include <absl/status/statusor.h>
 #include <absl/synchronization/mutex.h>
@@ -22,6 +23,9 @@ struct BlockDescription {
   std::string torchscript;  ///< path of a TorchScript file
   std::string factory;      ///< name of a factory in the BlockRegistry
   BlockOptions options;
+  /// How the TorchScript file is prepared (freeze, optimize_for_inference); JSON keys "freeze" and
+  /// "optimize_for_inference".
+  TorchScriptOptions torchscript_options;
   /// Empty: the session's own threads. Otherwise the name of a site (e.g. a worker process) added
   /// with Session::add_site().
   std::string placement;
