@@ -8,7 +8,8 @@
 // zmq-ipc / zmq-tcp: the same, through the serialized channel as workers use it: the wire header
 // plus the tensor's bytes sent without a copy on a PUSH socket, received on a PULL socket and
 // decoded into a tensor over the received buffer. Each line also has "memcpy_us": one memcpy of
-// the same bytes (p50), measured in the same run.
+// the same bytes (p50), measured in the same run. socketpair: the floor under zmq-ipc, the same
+// bytes through a bare AF_UNIX stream socket pair between two threads (no ZeroMQ, a reused buffer).
 //
 // shm: the zero-copy channel as workers use it, over its data link (an AF_UNIX SOCK_SEQPACKET
 // socket pair, detail/packet_link.hpp), with the producer's tensor allocated in a shared-memory
@@ -43,7 +44,10 @@
 #include <zmq_addon.hpp>
 
 #include <spawn.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <ATen/ops/empty.h>
 #ifdef BLOCKFLOW_TORCH_CUDA
@@ -138,6 +142,59 @@ HopFigures measure_zmq(const std::string& endpoint, std::size_t bytes, int itera
     (void)ack_pull.recv(ack);
   }
   receiver.join();
+  latencies_us.erase(latencies_us.begin(), latencies_us.begin() + iterations / 10);
+  return {bf::bench::percentile(latencies_us, 0.5), bf::bench::percentile(latencies_us, 0.99)};
+}
+
+// The floor under the zmq-ipc lines: the same bytes through a bare AF_UNIX stream socketpair
+// between two threads, no ZeroMQ, no header, the receiver reading into a buffer it reuses (warm,
+// already faulted in); an 8-byte send time goes first and a 1-byte ack comes back.
+HopFigures measure_socketpair(std::size_t bytes, int iterations) {
+  int fds[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) std::abort();
+  std::vector<char> payload(bytes, 7), into(bytes);
+  std::vector<double> latencies_us;
+  auto read_all = [](int fd, void* data, std::size_t n) {
+    auto* p = static_cast<char*>(data);
+    while (n > 0) {
+      const ssize_t got = ::read(fd, p, n);
+      if (got <= 0) std::abort();
+      p += got;
+      n -= static_cast<std::size_t>(got);
+    }
+  };
+  std::thread receiver([&] {
+    for (int i = 0; i < iterations; ++i) {
+      std::int64_t sent_ns = 0;
+      read_all(fds[1], &sent_ns, sizeof sent_ns);
+      read_all(fds[1], into.data(), bytes);
+      latencies_us.push_back(static_cast<double>(bf::detail::now_ns() - sent_ns) / 1e3);
+      const char ack = 1;
+      if (::write(fds[1], &ack, 1) != 1) std::abort();
+    }
+  });
+  for (int i = 0; i < iterations; ++i) {
+    std::int64_t sent_ns = bf::detail::now_ns();
+    iovec parts[2] = {{&sent_ns, sizeof sent_ns}, {payload.data(), bytes}};
+    std::size_t left = sizeof sent_ns + bytes;
+    while (left > 0) {
+      const ssize_t n = ::writev(fds[0], parts, 2);
+      if (n <= 0) std::abort();
+      std::size_t written = static_cast<std::size_t>(n);
+      left -= written;
+      for (auto& part : parts) {  // skip what was written
+        const std::size_t done = std::min(part.iov_len, written);
+        part.iov_base = static_cast<char*>(part.iov_base) + done;
+        part.iov_len -= done;
+        written -= done;
+      }
+    }
+    char ack = 0;
+    read_all(fds[0], &ack, 1);
+  }
+  receiver.join();
+  ::close(fds[0]);
+  ::close(fds[1]);
   latencies_us.erase(latencies_us.begin(), latencies_us.begin() + iterations / 10);
   return {bf::bench::percentile(latencies_us, 0.5), bf::bench::percentile(latencies_us, 0.99)};
 }
@@ -330,12 +387,14 @@ int main(int argc, char** argv) {
                                           std::pair<std::string, std::string>{"shm-copy", ""},
                                           std::pair<std::string, std::string>{"shm-zmq", "ipc://" + *dir + "/shm"},
                                           std::pair<std::string, std::string>{"zmq-ipc", "ipc://" + *dir + "/hop"},
+                                          std::pair<std::string, std::string>{"socketpair", ""},
                                           std::pair<std::string, std::string>{"zmq-tcp", "tcp://127.0.0.1:*"}}) {
     for (std::size_t bytes : sizes) {
       // Fewer round trips for the large sizes: each moves the whole tensor through the kernel.
       const int n = bytes > 50'000'000 ? 30 : bytes > 1'000'000 ? 500 : std::min(iterations, 5000);
       const double copy_us = memcpy_us(bytes);
-      const HopFigures f = endpoint.empty() ? measure_link(bytes, n, channel == "shm" ? Shm::kLease : Shm::kCopy)
+      const HopFigures f = channel == "socketpair" ? measure_socketpair(bytes, n)
+                           : endpoint.empty() ? measure_link(bytes, n, channel == "shm" ? Shm::kLease : Shm::kCopy)
                            : measure_zmq(endpoint, bytes, n, channel == "shm-zmq" ? Shm::kLease : Shm::kNone);
       // The hops come one after another, a stream: the link's receiver polls for
       // WorkerOptions::receive_spin before it sleeps. "asleep_p50_us": the same hop with a receiver

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs benchmarks by name and prints one JSON object per line.
 #   scripts/bench.sh hop pipeline worker_memory
-# hop: one tensor hand-off per channel (inproc, shm with the tensor allocated in a slot, shm-copy, zmq-ipc, zmq-tcp) at 4 KB, 3.2 MB and 100 MB, with
+# hop: one tensor hand-off per channel (inproc, shm with the tensor allocated in a slot, shm-copy, shm-zmq, zmq-ipc,
+#   socketpair (the bare kernel socket under zmq-ipc), zmq-tcp) at 4 KB, 3.2 MB and 100 MB, with
 #   the time of one memcpy of the same bytes; pipeline: the 4-block split ResNet50 against the
 #   monolithic model, in threads (inproc) and in 4 worker processes (shm, then zmq-ipc); worker_memory: a
 #   worker's resident memory before and after loading the four blocks; sampler_cost: the 4-worker
