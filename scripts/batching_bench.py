@@ -7,6 +7,15 @@ any offered rate). Prints, per B:
    "ratio":..,"p99_ms_on":..,"max_batch_delay_ms":..,"threads_per_block":2}
 p99_ms_on is the p99 latency at the rate where the batched pipeline peaked.
 
+Then, per batch size (1 and each B), the CPU-bound ceiling measured in this process with
+Debian's python3-torch on the same block files, prepared as the library prepares them (frozen,
+optimize_for_inference) and run alone with ONE intra-op thread, so that the time is CPU time:
+  {"bench":"batching_ceiling","max_batch":B,"cpu_ms_per_image":..,"cores":C,"ceiling_rps":..}
+ceiling_rps = cores * 1000 / cpu_ms_per_image estimates what C cores complete per second at that
+batch size if they never idle, however the four blocks overlap. It is an estimate, not a strict
+bound: the measured saturation may pass it by a few percent (timing noise; a block's CPU time also
+moves with what runs beside it). It tells whether batching has anything left to win on this CPU.
+
 usage: batching_bench.py LOADGEN MODELS_DIR [--rates 10,20,...] [--duration S]
 """
 import argparse
@@ -15,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 BLOCKS = [("block1", [-1, 3, 224, 224]), ("block2", [-1, 256, 56, 56]), ("block3", [-1, 512, 28, 28]),
           ("block4", [-1, 1024, 14, 14])]
@@ -47,6 +57,31 @@ def sweep(loadgen, models, max_batch, rates, duration, delay_ms, threads):
     return best
 
 
+def ceiling(models, batches, repeats=3):
+    """CPU ms per image of the four blocks, one intra-op thread, per batch size (see the docstring)."""
+    import torch  # Debian's python3-torch, only for this measurement
+    torch.set_num_threads(1)
+    modules = {}
+    for name, _ in BLOCKS:
+        m = torch.jit.freeze(torch.jit.load(os.path.join(models, name + ".pt")).eval())
+        modules[name] = torch.jit.optimize_for_inference(m)
+    out = {}
+    with torch.no_grad():
+        for b in batches:
+            total = 0.0
+            for name, shape in BLOCKS:
+                x = torch.randn([b] + shape[1:])
+                modules[name](x)  # warm-up
+                best = float("inf")
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    modules[name](x)
+                    best = min(best, time.perf_counter() - t0)
+                total += best * 1e3 / b
+            out[b] = total
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("loadgen")
@@ -67,6 +102,11 @@ def main():
                           "ratio": round(on["throughput_per_s"] / off["throughput_per_s"], 3),
                           "p99_ms_on": round(on["p99_ms"], 1), "max_batch_delay_ms": a.delay_ms,
                           "threads_per_block": a.threads}), flush=True)
+    cores = os.cpu_count() or 1
+    batches = [1] + [int(x) for x in a.batches.split(",")]
+    for b, ms in ceiling(a.models, batches).items():
+        print(json.dumps({"bench": "batching_ceiling", "max_batch": b, "cpu_ms_per_image": round(ms, 1),
+                          "cores": cores, "ceiling_rps": round(cores * 1000.0 / ms, 2)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
 #   pipeline's e2e p50 with KPI sampling on (10 Hz, every process) over off, interleaved; update:
 #   apply() under Poisson traffic (re-route, add, remove a block), its duration and lost requests;
 #   batching: saturation throughput of the split ResNet50 with batching off and on (B = 2, 4, 8),
-#   through blockflow-loadgen rate sweeps (BENCH_RATES=10,14,... to change the sweep).
+#   through blockflow-loadgen rate sweeps (BENCH_RATES=10,14,... to change the sweep), then the CPU-bound
+#   ceiling per batch size ("batching_ceiling": the blocks' one-thread CPU ms per image, cores x 1000 / it).
 # Environment: BENCH_REQUESTS (pipeline requests, default 300), BENCH_THREADS (intra-op threads per
 # block and for the monolithic model, default 2), BENCH_HOP_ITERATIONS (default 20000),
 # BENCH_SAMPLER_REQUESTS (sampler_cost requests, default 1000), BENCH_ROUND (pipeline: requests per
