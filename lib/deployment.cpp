@@ -42,7 +42,8 @@ nlohmann::json block_to_json(const BlockDescription& d) {
           {"max_batch", o.max_batch},
           {"max_batch_delay_ms", o.max_batch_delay_ms},
           {"freeze", d.torchscript_options.freeze},
-          {"optimize_for_inference", d.torchscript_options.optimize_for_inference}};
+          // Only a frozen module is optimized: an unfrozen one never claims it (block_from_json refuses that).
+          {"optimize_for_inference", d.torchscript_options.freeze && d.torchscript_options.optimize_for_inference}};
 }
 
 absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, const std::string& models_dir) {

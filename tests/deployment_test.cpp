@@ -63,6 +63,17 @@ TEST_CASE("rich block objects set file, factory, placement and options", "[deplo
                                         "tasks": {"t": ["u"]}})", "");
   REQUIRE(unfrozen.ok());
   CHECK_FALSE(unfrozen->blocks[0].torchscript_options.optimize_for_inference);  // implied by freeze false
+  // A C++ description that only turns freezing off (optimize_for_inference keeps its default) still
+  // crosses to a worker: the JSON never claims optimization for an unfrozen module.
+  BlockDescription cpp;
+  cpp.name = "c";
+  cpp.torchscript = "c.pt";
+  cpp.torchscript_options.freeze = false;
+  auto shipped = blockflow::detail::block_from_json(blockflow::detail::block_to_json(cpp), "");
+  INFO(shipped.status().ToString());
+  REQUIRE(shipped.ok());
+  CHECK_FALSE(shipped->torchscript_options.freeze);
+  CHECK_FALSE(shipped->torchscript_options.optimize_for_inference);
   CHECK(d->blocks[1].factory == "scale");
   CHECK(d->blocks[1].torchscript.empty());
   CHECK(d->blocks[2].torchscript == "/abs/three.pt");

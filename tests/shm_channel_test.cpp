@@ -287,6 +287,29 @@ TEST_CASE("shm workers: a block's output is allocated in a result slot (not copi
   }
 }
 
+TEST_CASE("shm workers: a block's weights, made when it is built, stay out of the result slots", "[shm]") {
+  Session session;
+  session.add_site(make_worker(test::test_worker("w1", "shm")))
+      .add_block(test::plugin_block("weighted", "weighted", "w1"))
+      .add_path(Path::chain("t", {"weighted"}));
+  test::require_started(session);
+  {
+    Result r = session.submit("t", at::zeros({4})).get();
+    INFO(r.status.ToString());
+    REQUIRE(r.ok());
+    CHECK(at::equal(r.output(), at::ones({4})));
+  }  // the result's slot goes back to w1
+  SiteStats site;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (((site = session.metrics().sites.at(0)).shm_results.handles < 1 || site.shm_results.slots_in_use > 0) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  REQUIRE(site.shm_results.handles == 1);
+  CHECK(site.shm_results.slots_in_use == 0);
+  CHECK(site.shm_results.leases == 0);  // the 1 MB weight was allocated while the block was built
+}
+
 TEST_CASE("shm workers: kill -9 under load reclaims the host's slots within 1 s; traffic flows again", "[shm]") {
   auto site = make_worker(test::test_worker("w1", "shm"));
   Session session;

@@ -16,6 +16,8 @@ struct State {
   c10::Allocator* fallback = nullptr;  // libtorch's allocator before ours (set once)
 };
 
+thread_local int paused = 0;  // SlotAllocatorPause nesting on this thread
+
 State& state() {
   static auto* s = new State;  // never destroyed: tensors may die during static destruction
   return *s;
@@ -45,7 +47,7 @@ class SlotAllocator final : public c10::Allocator {
       absl::MutexLock lock(&s.mu);
       if (bytes >= s.min_bytes) producer = s.producer;
     }
-    if (producer) {
+    if (producer && paused == 0) {
       if (auto lease = producer->try_lease(bytes)) {
         void* data = lease->data;
         absl::MutexLock lock(&s.mu);
@@ -66,7 +68,9 @@ class SlotAllocator final : public c10::Allocator {
 }  // namespace
 
 void install_slot_allocator(std::shared_ptr<ShmProducer> producer, std::size_t min_bytes) {
-  static SlotAllocator allocator;  // installed for good; uninstall only cuts it off its pools
+  // Installed for good (never destroyed: c10 keeps pointing at it until exit); uninstall only cuts
+  // it off its pools.
+  static auto* allocator = new SlotAllocator;
   State& s = state();
   {
     absl::MutexLock lock(&s.mu);
@@ -75,9 +79,12 @@ void install_slot_allocator(std::shared_ptr<ShmProducer> producer, std::size_t m
   }
   if (s.fallback == nullptr) {
     s.fallback = c10::GetCPUAllocator();
-    c10::SetCPUAllocator(&allocator, /*priority=*/100);
+    c10::SetCPUAllocator(allocator, /*priority=*/100);
   }
 }
+
+SlotAllocatorPause::SlotAllocatorPause() { ++paused; }
+SlotAllocatorPause::~SlotAllocatorPause() { --paused; }
 
 void uninstall_slot_allocator() {
   State& s = state();

@@ -214,6 +214,7 @@ class Worker {
     for (const auto& description : wanted->blocks) session_.add_block(description);
     for (auto& path : wanted->paths()) session_.add_path(std::move(path));
     set_hosted(*wanted);
+    const bf::detail::SlotAllocatorPause weights_off_slots;  // blocks are built on this thread
     return session_.start();
   }
 
@@ -254,6 +255,7 @@ class Worker {
     updater_ = std::thread([this, message] {
       absl::Status status;
       try {
+        const bf::detail::SlotAllocatorPause weights_off_slots;  // new blocks are built on this thread
         auto wanted = blocks_of(message);
         if (!wanted.ok()) {
           status = wanted.status();

@@ -220,6 +220,7 @@ struct WorkerSite::Impl {
       if (state != State::kReady) return;
       to = link;
     }
+    if (!to) return;  // the worker's end closed; supervision is about to see it (its slots are reclaimed)
     std::vector<wire::ShmHandle> all = releases->take();
     for (std::size_t at = 0; at < all.size(); at += kReleasesPerMessage) {
       const std::size_t end = std::min(all.size(), at + kReleasesPerMessage);

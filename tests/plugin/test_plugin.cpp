@@ -16,6 +16,16 @@ extern "C" void blockflow_register_blocks(blockflow::BlockRegistry& registry) {
         name, [](blockflow::Tensors&& in) -> absl::StatusOr<blockflow::Tensors> { return blockflow::Tensors{in.at(0) * 3 + 1}; },
         options);
   });
+  // A block with a 1 MB "weight" made when it is built (as a model's weights are when loaded).
+  registry.add("weighted", [](const std::string& name, const blockflow::BlockOptions& options) {
+    at::Tensor weight = at::ones({262144});
+    return blockflow::Block::callable(
+        name,
+        [weight](blockflow::Tensors&& in) -> absl::StatusOr<blockflow::Tensors> {
+          return blockflow::Tensors{in.at(0) + weight[0]};
+        },
+        options);
+  });
   registry.add("slow_identity", [](const std::string& name, const blockflow::BlockOptions& options) {
     return blockflow::Block::callable(
         name,

@@ -25,9 +25,10 @@
 
 namespace blockflow::detail {
 
-/// The largest packet: a header with the longest message and 64 tensors of 8 dimensions, plus
-/// their handles, fits with room to spare.
-inline constexpr std::size_t kMaxPacketBytes = std::size_t{256} << 10;
+/// The largest packet: a header with the longest message (64 KB) and 64 tensors of 8 dimensions,
+/// plus their handles (~78 KB in all), fits; the kernel refuses one SEQPACKET message larger than
+/// the socket's send buffer (net.core.wmem_default, ~208 KB), so stay below it.
+inline constexpr std::size_t kMaxPacketBytes = std::size_t{128} << 10;
 
 /// Builds the packet of `frames` (count, sizes, bytes). For tests and fuzzing.
 std::string encode_packet(const std::vector<std::string_view>& frames);
