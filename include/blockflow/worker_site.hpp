@@ -56,9 +56,10 @@ struct WorkerOptions {
   std::size_t shm_slots_per_pool = 4;                 ///< slots per pool (one pool per power-of-two size class)
   std::size_t shm_max_bytes = std::size_t{1} << 30;   ///< bound on each side's pools for this worker
   /// Zero-copy channels: the worker allocates CPU tensors of at least half a slot directly in free
-  /// slots of its result pools (not while it builds blocks: weights stay out of the slots), so that a block's output is shared as it lies instead of copied into
-  /// a slot when it is sent (intermediate activations take free slots too while they live; when
-  /// none is free, libtorch's allocator serves). false: outputs are copied into a slot.
+  /// slots of its result pools (not while it builds blocks: weights stay out of the slots), so that
+  /// a block's output is shared as it lies instead of copied into a slot when it is sent
+  /// (intermediate activations take free slots too while they live; when none is free, libtorch's
+  /// allocator serves). false: outputs are copied into a slot.
   bool shm_outputs_in_slots = true;
   int max_restarts = 5;                                  ///< per session; then the worker stays down
   absl::Duration restart_backoff = absl::Milliseconds(100);  ///< doubled after each restart

@@ -4,6 +4,8 @@
 #include <absl/synchronization/mutex.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <atomic>
+
 namespace blockflow::detail {
 namespace {
 
@@ -11,7 +13,7 @@ namespace {
 struct State {
   absl::Mutex mu;
   std::shared_ptr<ShmProducer> producer ABSL_GUARDED_BY(mu);
-  std::size_t min_bytes ABSL_GUARDED_BY(mu) = 0;
+  std::atomic<std::size_t> min_bytes{0};  // read without the lock on every allocation
   absl::flat_hash_map<void*, ShmLease> leases ABSL_GUARDED_BY(mu);  // by data pointer
   c10::Allocator* fallback = nullptr;  // libtorch's allocator before ours (set once)
 };
@@ -42,12 +44,14 @@ class SlotAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(std::size_t bytes) const override {
     State& s = state();
+    // Small allocations (most of them) and paused threads go straight to libtorch's allocator.
+    if (bytes < s.min_bytes.load(std::memory_order_relaxed) || paused != 0) return s.fallback->allocate(bytes);
     std::shared_ptr<ShmProducer> producer;
     {
       absl::MutexLock lock(&s.mu);
-      if (bytes >= s.min_bytes) producer = s.producer;
+      producer = s.producer;
     }
-    if (producer && paused == 0) {
+    if (producer) {
       if (auto lease = producer->try_lease(bytes)) {
         void* data = lease->data;
         absl::MutexLock lock(&s.mu);
@@ -75,7 +79,7 @@ void install_slot_allocator(std::shared_ptr<ShmProducer> producer, std::size_t m
   {
     absl::MutexLock lock(&s.mu);
     s.producer = std::move(producer);
-    s.min_bytes = min_bytes;
+    s.min_bytes.store(min_bytes);
   }
   if (s.fallback == nullptr) {
     s.fallback = c10::GetCPUAllocator();

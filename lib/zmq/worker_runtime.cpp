@@ -5,6 +5,7 @@
 #include <blockflow/blockflow.hpp>
 #include <blockflow/detail/clock.hpp>
 #include <blockflow/detail/slot_allocator.hpp>
+#include <blockflow/worker_site.hpp>
 #include <blockflow/detail/zero_copy_ends.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
 #include <blockflow/detail/deployment_json.hpp>
@@ -157,7 +158,7 @@ class Worker {
       pool.slots_per_pool = config->value("shm_slots_per_pool", pool.slots_per_pool);
       pool.max_total_bytes = config->value("shm_max_bytes", pool.max_total_bytes);
       ends_ = std::make_unique<bf::detail::ZeroCopyEnds>(pool, channel == "cuda");
-      if (config->value("shm_outputs_in_slots", true)) {
+      if (config->value("shm_outputs_in_slots", bf::WorkerOptions{}.shm_outputs_in_slots)) {
         bf::detail::install_slot_allocator(ends_->shared_host_pool(), pool.min_slot_bytes / 2);
       }
       stager_ = ends_->stager(absl::Seconds(10));
@@ -169,7 +170,8 @@ class Worker {
         return 1;
       }
       link_ = *std::move(link);
-      receive_spin_ = absl::Microseconds(config->value("receive_spin_us", 0));
+      receive_spin_ = absl::Microseconds(
+          config->value("receive_spin_us", absl::ToInt64Microseconds(bf::WorkerOptions{}.receive_spin)));
       // A request's input died here: give its slot back to the host (through the one sender).
       resolver_ = ends_->resolver([replies = replies_](const bf::wire::ShmHandle& h) {
         bf::wire::Header release;
