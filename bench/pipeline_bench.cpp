@@ -32,11 +32,14 @@
 //
 //   pipeline_bench --models DIR [--mode threads|workers|worker_memory] [--channel shm|zmq|cuda] [--requests N]
 //                  [--threads T] [--worker-env "K=V ..."] [--device cpu|cuda] [--round N]
-//                  [--receive-spin-us US] [--outputs-in-slots 0|1] [--optimize 0|1]
+//                  [--receive-spin-us US] [--outputs-in-slots 0|1] [--optimize 0|1] [--direct-edges 0|1]
 // --optimize 1: every block and the monolithic model also go through
 // torch::jit::optimize_for_inference after freezing (TorchScriptOptions); lines say which.
 // --outputs-in-slots 0: workers copy each block output into a slot when they send it
 // (WorkerOptions::shm_outputs_in_slots false) instead of allocating it there; lines say which.
+// --direct-edges 0 (channel zmq): every block output comes back to the session, which sends it on
+// to the next worker (WorkerOptions::direct_edges false), instead of going from worker to worker;
+// lines say which ("direct_edges", true only for zmq).
 
 #include "bench_util.hpp"
 
@@ -66,6 +69,7 @@ int main(int argc, char** argv) try {
   int requests = 100, threads = 2, warmup = 5, round = 20;
   std::optional<int> spin_us;  // WorkerOptions::receive_spin
   bool outputs_in_slots = bf::WorkerOptions{}.shm_outputs_in_slots;
+  bool direct_edges = bf::WorkerOptions{}.direct_edges;
   bool optimize = bf::TorchScriptOptions{}.optimize_for_inference;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
@@ -80,6 +84,7 @@ int main(int argc, char** argv) try {
     else if (a == "--round") round = std::max(1, std::stoi(v));
     else if (a == "--receive-spin-us") spin_us = std::stoi(v);
     else if (a == "--outputs-in-slots") outputs_in_slots = std::stoi(v) != 0;
+    else if (a == "--direct-edges") direct_edges = std::stoi(v) != 0;
     else if (a == "--optimize") optimize = std::stoi(v) != 0;
     else throw std::invalid_argument("unknown argument " + a);
   }
@@ -116,6 +121,7 @@ int main(int argc, char** argv) try {
     if (worker_env) o.environment = absl::StrSplit(*worker_env, ' ', absl::SkipEmpty());
     if (spin_us) o.receive_spin = absl::Microseconds(*spin_us);
     o.shm_outputs_in_slots = outputs_in_slots;
+    o.direct_edges = direct_edges;
     session.add_site(bf::make_worker(o));
   }
   session.add_path(bf::Path::chain("split", {"block1", "block2", "block3", "block4"}));
@@ -257,10 +263,10 @@ int main(int argc, char** argv) try {
   fmt::print(
       "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"threads_per_block\":{},\"requests\":{},"
       "\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},\"round\":{},"
-      "\"worker_env\":\"{}\",\"outputs_in_slots\":{},\"optimize_for_inference\":{},\"hardware_threads\":{},\"hops_us\":[{}]}}\n",
+      "\"worker_env\":\"{}\",\"outputs_in_slots\":{},\"direct_edges\":{},\"optimize_for_inference\":{},\"hardware_threads\":{},\"hops_us\":[{}]}}\n",
       mode, channel_label, threads, requests, sum.e2e, sum.mono, sum.e2e / sum.mono, sum.overhead, round,
       workers ? worker_env.value_or(fmt::format("{}", fmt::join(bf::WorkerOptions{}.environment, " "))) : "",
-      workers && channel != "zmq" && outputs_in_slots, optimize, std::thread::hardware_concurrency(),
+      workers && channel != "zmq" && outputs_in_slots, workers && channel == "zmq" && direct_edges, optimize, std::thread::hardware_concurrency(),
       hops_json());
   return 0;
 } catch (const std::exception& e) {

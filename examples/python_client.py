@@ -30,10 +30,10 @@ import time
 import numpy as np
 import zmq
 
-# --- Constants of docs/wire-format.md, version 3 ---------------------------------------------------
+# --- Constants of docs/wire-format.md, version 4 ---------------------------------------------------
 
 MAGIC = 0x57464C42  # the bytes b"BLFW" read as a little-endian u32
-VERSION = 3
+VERSION = 4
 
 KIND_SUBMIT = 4  # client -> server: a request for the task named by `target`
 KIND_REPLY = 5  # server -> client: outputs, or status_code != 0 and message

@@ -209,6 +209,13 @@ std::string MetricsSnapshot::to_prometheus() const {
           static_cast<double>(s.in_flight));
     e.add("blockflow_worker_malformed_frames_total", "counter", "Malformed frames received from a worker, dropped.", l,
           static_cast<double>(s.malformed_frames));
+    if (s.parked_outputs > 0 || s.direct_forwards > 0) {
+      e.add("blockflow_worker_parked_outputs_total", "counter",
+            "Results a worker kept for the next worker (direct edges).", l, static_cast<double>(s.parked_outputs));
+      e.add("blockflow_worker_direct_forwards_total", "counter",
+            "Kept outputs a worker was told to send straight to another worker (direct edges).", l,
+            static_cast<double>(s.direct_forwards));
+    }
     e.add("blockflow_worker_resident_memory_bytes", "gauge", "A worker's resident memory at its last heartbeat.", l,
           static_cast<double>(s.rss_bytes));
     e.add("blockflow_worker_idle_resident_memory_bytes", "gauge", "A worker's resident memory before it loaded any block.", l,

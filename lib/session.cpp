@@ -227,9 +227,32 @@ std::vector<BlockDescription> SessionCore::descriptions_of(const SiteRuntime& si
 
 absl::Status SessionCore::start_site(SiteRuntime& site) {
   SiteRuntime* raw = &site;
-  return site.site->start(descriptions_of(site),
-                          [this, raw](SiteCompletion&& c) { on_site_completion(*raw, std::move(c)); });
+  auto status = site.site->start(descriptions_of(site),
+                                 [this, raw](SiteCompletion&& c) { on_site_completion(*raw, std::move(c)); });
+  if (status.ok()) site.peer_endpoint = site.site->peer_endpoint();
+  return status;
 }
+
+namespace {
+
+// Direct edges: node `node` runs at a site that may keep its outputs, because every next node is a
+// single-input block at a site reachable from it (RemoteSite::peer_endpoint()).
+bool outputs_may_stay(const PathPlan& plan, std::uint32_t node) {
+  const PlanNode& n = plan.nodes[node];
+  if (n.block == nullptr || n.block->site == nullptr || n.block->site->peer_endpoint.empty() || n.successors.empty()) {
+    return false;
+  }
+  for (const PlanEdge& e : n.successors) {
+    const PlanNode& next = plan.nodes[static_cast<std::size_t>(e.node)];
+    if (next.join_index >= 0 || next.block == nullptr || next.block->site == nullptr ||
+        next.block->site->peer_endpoint.empty()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
 
 absl::Status SessionCore::start_sites() {
   for (auto& site : sites_) {
@@ -254,6 +277,7 @@ void SessionCore::forward_to_site(BlockRuntime& runtime) {
       absl::MutexLock lock(&runtime.site->mu);
       runtime.site->in_flight[{envelope->request_id, envelope->node}] = {state, &runtime};
     }
+    envelope->outputs_may_stay = outputs_may_stay(*state->plan, envelope->node);
     runtime.site->site->run(runtime.name(), std::move(*envelope));
   }
 }
@@ -537,6 +561,7 @@ bool SessionCore::try_site_now(BlockRuntime& runtime, Envelope& envelope) {
     absl::MutexLock lock(&runtime.site->mu);
     runtime.site->in_flight[key] = {state, &runtime};
   }
+  envelope.outputs_may_stay = outputs_may_stay(*state->plan, envelope.node);
   if (runtime.site->site->try_run(runtime.name(), envelope)) {
     runtime.handed_directly.fetch_add(1, std::memory_order_relaxed);
     return true;

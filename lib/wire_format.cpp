@@ -60,7 +60,7 @@ std::string truncated(std::size_t size, std::size_t need) {
 
 bool known_kind(std::uint8_t code) {
   return code >= static_cast<std::uint8_t>(MessageKind::kData) &&
-         code <= static_cast<std::uint8_t>(MessageKind::kRelease);
+         code <= static_cast<std::uint8_t>(MessageKind::kDrop);
 }
 
 // Bytes a tensor with this layout spans, or nullopt if a product or sum overflows. The element count
@@ -264,6 +264,8 @@ std::string_view to_string(MessageKind kind) {
     case MessageKind::kSubmit: return "submit";
     case MessageKind::kReply: return "reply";
     case MessageKind::kRelease: return "release";
+    case MessageKind::kForward: return "forward";
+    case MessageKind::kDrop: return "drop";
   }
   return "unknown";
 }
@@ -361,11 +363,16 @@ absl::Status check_frames(const Header& header, const std::vector<std::size_t>& 
                                                   frame_sizes.size(), header.tensors.size()));
   }
   const bool handles = (header.flags & kFlagShmHandles) != 0;
+  const bool parked = (header.flags & kFlagParked) != 0;
+  if (handles && parked) return header_error("flags 0x01 (shm handles) and 0x04 (parked) exclude each other");
   for (std::size_t i = 0; i < frame_sizes.size(); ++i) {
     if (handles && frame_sizes[i] != kShmHandleBytes) {
       return tensor_error(i, fmt::format("handle frame is {} bytes, a shm handle is {}", frame_sizes[i], kShmHandleBytes));
     }
-    if (!handles && frame_sizes[i] != header.tensors[i].byte_count) {
+    if (parked && frame_sizes[i] != kParkedRefBytes) {
+      return tensor_error(i, fmt::format("parked reference frame is {} bytes, need {}", frame_sizes[i], kParkedRefBytes));
+    }
+    if (!handles && !parked && frame_sizes[i] != header.tensors[i].byte_count) {
       return tensor_error(
           i, fmt::format("frame is {} bytes, header says {}", frame_sizes[i], header.tensors[i].byte_count));
     }
@@ -424,6 +431,24 @@ absl::StatusOr<std::vector<ShmHandle>> decode_releases(const std::string& messag
     if (!h.ok()) return h.status();
     out.push_back(*h);
   }
+  return out;
+}
+
+std::string encode_parked_ids(const std::vector<std::uint64_t>& ids) {
+  std::string out;
+  out.reserve(ids.size() * kParkedRefBytes);
+  for (const std::uint64_t id : ids) put(out, id);
+  return out;
+}
+
+absl::StatusOr<std::vector<std::uint64_t>> decode_parked_ids(const void* data, std::size_t size) {
+  if (size % kParkedRefBytes != 0 || (data == nullptr && size != 0)) {
+    return absl::InvalidArgumentError(
+        fmt::format("parked ids: {} bytes is not a whole number of {}-byte ids", size, kParkedRefBytes));
+  }
+  std::vector<std::uint64_t> out;
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (std::size_t at = 0; at < size; at += kParkedRefBytes) out.push_back(load<std::uint64_t>(p + at));
   return out;
 }
 

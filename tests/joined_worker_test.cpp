@@ -107,29 +107,8 @@ TEST_CASE("a worker joins over TCP, dies under load, another joins, traffic flow
 
   // kill -9 under load: requests inside fail with the worker's name and the cause; those queued
   // while it is down wait for the next worker.
-  std::atomic<int> submitted{0}, resolved{0}, ok{0}, named{0}, other{0};
-  std::atomic<bool> run{true};
-  std::mutex mu;
-  std::string sample;
-  std::vector<std::thread> clients;
-  for (int c = 0; c < 2; ++c) {
-    clients.emplace_back([&] {
-      while (run) {
-        ++submitted;
-        Result r = session.submit("t", at::ones({4})).get();
-        ++resolved;
-        const std::string message(r.status.message());
-        if (r.ok()) {
-          ++ok;
-        } else {
-          ++(message.find("worker far missed heartbeats") != std::string::npos ? named : other);
-          std::lock_guard lock(mu);
-          sample = message;
-        }
-      }
-    });
-  }
-  while (ok.load() < 20) std::this_thread::sleep_for(1ms);
+  test::LoadClients load(session, "t", at::ones({4}), 2, "worker far missed heartbeats");
+  REQUIRE(load.wait_ok(20));
   REQUIRE(::kill(first, SIGKILL) == 0);
   REQUIRE(wait_exit(first, 5000ms).has_value());
   // Detected within heartbeat_timeout (500 ms) plus a supervision tick.
@@ -139,18 +118,15 @@ TEST_CASE("a worker joins over TCP, dies under load, another joins, traffic flow
   }
   CHECK(std::chrono::steady_clock::now() - killed_at < 1s);
   const pid_t second = start_joining_worker(listen, "far");
-  const int ok_at_rejoin = ok.load();
-  const auto deadline = std::chrono::steady_clock::now() + 60s;
-  while (ok.load() < ok_at_rejoin + 20 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
-  run = false;
-  for (auto& c : clients) c.join();
-  INFO(sample);
-  CHECK(resolved.load() == submitted.load());
-  CHECK(other.load() == 0);
-  CHECK(ok.load() >= ok_at_rejoin + 20);
+  const bool served = load.wait_ok(20);
+  load.finish();
+  INFO(load.sample);
+  CHECK(served);
+  CHECK(load.resolved.load() == load.submitted.load());
+  CHECK(load.other.load() == 0);
   const auto m = session.metrics();
   CHECK(m.sites.at(0).restarts == 1);
-  CHECK(m.sites.at(0).failed_requests == static_cast<std::uint64_t>(named.load()));
+  CHECK(m.sites.at(0).failed_requests == static_cast<std::uint64_t>(load.named.load()));
 
   session.shutdown();
   const auto status = wait_exit(second, 5000ms);  // told to stop; --once: it exits

@@ -143,7 +143,7 @@ TEST_CASE("the fixed part has the documented byte layout", "[wire]") {
   const std::string b = encode_header(h);
   auto byte = [&](std::size_t i) { return static_cast<unsigned>(static_cast<unsigned char>(b.at(i))); };
   CHECK(b.substr(0, 4) == "BLFW");
-  CHECK(byte(4) == 3);
+  CHECK(byte(4) == 4);
   CHECK(byte(5) == 0);
   CHECK(byte(6) == 4);
   CHECK(byte(7) == 0);
@@ -169,7 +169,8 @@ TEST_CASE("the fixed part has the documented byte layout", "[wire]") {
 
 TEST_CASE("every kind and dtype round trips; limits are reachable", "[wire]") {
   for (auto kind :
-       {MessageKind::kData, MessageKind::kResult, MessageKind::kError, MessageKind::kSubmit, MessageKind::kReply}) {
+       {MessageKind::kData, MessageKind::kResult, MessageKind::kError, MessageKind::kSubmit, MessageKind::kReply,
+        MessageKind::kRelease, MessageKind::kForward, MessageKind::kDrop}) {
     Header h;
     h.kind = kind;
     auto d = decode(encode_header(h));
@@ -247,15 +248,15 @@ TEST_CASE("bad magic, version, kind, flags and reserved fields are rejected", "[
 
   bad = good;
   poke<std::uint16_t>(bad, 4, 7);
-  CHECK_THAT(rejection(bad), Equals("wire header: version 7 not supported (expected 3)"));
+  CHECK_THAT(rejection(bad), Equals("wire header: version 7 not supported (expected 4)"));
 
-  for (std::uint8_t kind : {0, 7, 9, 255}) {
+  for (std::uint8_t kind : {0, 9, 10, 255}) {
     bad = good;
     poke<std::uint8_t>(bad, 6, kind);
     CHECK_THAT(rejection(bad), Equals("wire header: unknown message kind " + std::to_string(kind)));
   }
 
-  for (std::uint8_t flags : {0x02, 0x80, 0xFF}) {
+  for (std::uint8_t flags : {0x10, 0x80, 0xFF}) {
     bad = good;
     poke<std::uint8_t>(bad, 7, flags);
     CHECK_THAT(rejection(bad), Contains("wire header: flags") && Contains("unknown bits"));
@@ -453,4 +454,31 @@ TEST_CASE("shm handles: round trip, frames checked as handles, release lists val
   CHECK(list->at(1) == h);
   CHECK_THAT(std::string(decode_releases(std::string(40, '\0')).status().message()),
              Contains("40 bytes is not a whole number of 32-byte handles"));
+}
+
+TEST_CASE("parked references: frames checked as 8-byte ids, exclusive with shm handles; drop lists validated", "[wire]") {
+  Header header = one_tensor(contiguous(DType::kFloat32, {256, 56, 56}));
+  header.kind = MessageKind::kForward;
+  header.flags = kFlagParked | kFlagReleaseAfter | kFlagParkOutputs;
+  header.message = "ipc:///run/blockflow-x/peer";
+  auto decoded = decode(encode_header(header));
+  REQUIRE(decoded.ok());
+  CHECK(*decoded == header);
+  CHECK(to_string(MessageKind::kForward) == "forward");
+  CHECK(to_string(MessageKind::kDrop) == "drop");
+  CHECK(check_frames(*decoded, {kParkedRefBytes}).ok());
+  CHECK_THAT(std::string(check_frames(*decoded, {256 * 56 * 56 * 4}).message()),
+             Equals("tensor 0: parked reference frame is 3211264 bytes, need 8"));
+  decoded->flags |= kFlagShmHandles;
+  CHECK_THAT(std::string(check_frames(*decoded, {kParkedRefBytes}).message()), Contains("exclude each other"));
+
+  const std::string ids = encode_parked_ids({1, 0xFFFFFFFFFFFFFFFFull, 42});
+  REQUIRE(ids.size() == 3 * kParkedRefBytes);
+  auto back = decode_parked_ids(ids.data(), ids.size());
+  REQUIRE(back.ok());
+  CHECK(*back == std::vector<std::uint64_t>{1, 0xFFFFFFFFFFFFFFFFull, 42});
+  CHECK(static_cast<unsigned char>(ids[0]) == 1);  // little-endian
+  CHECK_THAT(std::string(decode_parked_ids(ids.data(), 12).status().message()),
+             Contains("12 bytes is not a whole number of 8-byte ids"));
+  CHECK(decode_parked_ids(nullptr, 0).ok());
 }

@@ -105,48 +105,13 @@ TEST_CASE("kill -9 of a worker under load: every request resolves, the worker re
   const std::int64_t first_pid = site->pid();
   REQUIRE(process_exists(first_pid));
 
-  std::atomic<int> resolved{0}, ok{0}, named_errors{0}, other_errors{0};
-  std::atomic<bool> run{true};
-  std::mutex mu;
-  std::string sample_error;
-  std::vector<std::thread> clients;
-  std::atomic<int> submitted{0};
-  for (int c = 0; c < 3; ++c) {
-    clients.emplace_back([&] {
-      while (run) {
-        ++submitted;
-        Result r = session.submit("t", at::ones({4})).get();
-        ++resolved;
-        if (r.ok()) {
-          ++ok;
-        } else if (std::string(r.status.message()).find("worker w2 killed by signal 9") != std::string::npos) {
-          ++named_errors;
-          std::lock_guard lock(mu);
-          sample_error = std::string(r.status.message());
-        } else {
-          ++other_errors;
-          std::lock_guard lock(mu);
-          sample_error = std::string(r.status.message());
-        }
-      }
-    });
-  }
-  while (ok.load() < 20) std::this_thread::sleep_for(1ms);
-  REQUIRE(::kill(static_cast<pid_t>(first_pid), SIGKILL) == 0);
-  // Wait until the restarted worker has served requests again.
-  const int ok_at_kill = ok.load();
-  const auto deadline = std::chrono::steady_clock::now() + 60s;
-  while ((site->pid() == first_pid || site->pid() == 0 || ok.load() < ok_at_kill + 20) &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(5ms);
-  }
-  run = false;
-  for (auto& c : clients) c.join();
-  INFO(sample_error);
-  CHECK(resolved.load() == submitted.load());
-  CHECK(named_errors.load() >= 1);
-  CHECK(other_errors.load() == 0);
-  CHECK(ok.load() >= ok_at_kill + 20);
+  test::LoadClients load(session, "t", at::ones({4}), 3, "worker w2 killed by signal 9");
+  const bool served = load.kill_under_load(first_pid, 20);  // and the restarted worker served again
+  INFO(load.sample);
+  CHECK(served);
+  CHECK(load.resolved.load() == load.submitted.load());
+  CHECK(load.named.load() >= 1);
+  CHECK(load.other.load() == 0);
   CHECK(site->pid() != first_pid);
   CHECK_FALSE(process_exists(first_pid));
   const auto m = session.metrics();

@@ -5,7 +5,12 @@
 
 #include <blockflow/worker_site.hpp>
 
+#include <atomic>
+#include <csignal>
+#include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace blockflow::test {
@@ -40,5 +45,69 @@ inline WorkerOptions test_worker(const std::string& name, const std::string& cha
   o.restart_backoff = absl::Milliseconds(20);
   return o;
 }
+
+/// Clients that submit `task` (input `input`) in a loop from `threads` threads until finish(), sorting
+/// what comes back: results that pass `good`, errors whose message contains `named`, and anything
+/// else (the last such message is kept in `sample`). For the kill-under-load tests.
+class LoadClients {
+ public:
+  LoadClients(Session& session, std::string task, Tensor input, int threads, std::string named_error,
+              std::function<bool(const Tensor&)> good = [](const Tensor&) { return true; })
+      : named_(std::move(named_error)), good_(std::move(good)) {
+    for (int c = 0; c < threads; ++c) {
+      clients_.emplace_back([this, &session, task, input] {
+        while (run_) {
+          ++submitted;
+          Result r = session.submit(task, input).get();
+          ++resolved;
+          const std::string message(r.status.message());
+          if (r.ok() && good_(r.output())) {
+            ++ok;
+            continue;
+          }
+          ++(!r.ok() && message.find(named_) != std::string::npos ? named : other);
+          std::lock_guard lock(mu_);
+          sample = r.ok() ? "a wrong result" : message;
+        }
+      });
+    }
+  }
+  ~LoadClients() { finish(); }
+  /// Waits until `n` more results passed than now, or `within` went by; false on timeout.
+  bool wait_ok(int n, std::chrono::milliseconds within = std::chrono::milliseconds(60000)) {
+    const int target = ok.load() + n;
+    const auto deadline = std::chrono::steady_clock::now() + within;
+    while (ok.load() < target) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return true;
+  }
+  /// Once `n` results passed, kill -9 `pid`; then waits until `n` more passed (the worker is back)
+  /// and stops the clients. False if a wait timed out or the kill failed.
+  bool kill_under_load(std::int64_t pid, int n) {
+    const bool killed = wait_ok(n) && ::kill(static_cast<pid_t>(pid), SIGKILL) == 0;
+    const bool served = killed && wait_ok(n);
+    finish();
+    return served;
+  }
+  /// Stops the clients once their requests in flight resolved.
+  void finish() {
+    run_ = false;
+    for (auto& c : clients_) {
+      if (c.joinable()) c.join();
+    }
+  }
+
+  std::atomic<int> submitted{0}, resolved{0}, ok{0}, named{0}, other{0};
+  std::string sample;  // read after finish()
+
+ private:
+  std::string named_;
+  std::function<bool(const Tensor&)> good_;
+  std::atomic<bool> run_{true};
+  std::mutex mu_;
+  std::vector<std::thread> clients_;
+};
 
 }  // namespace blockflow::test

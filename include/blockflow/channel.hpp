@@ -44,6 +44,10 @@ struct Envelope {
   Tensors tensors;
   std::int64_t sent_ns = 0;    ///< steady-clock time the channel accepted it (set by the channel)
   std::shared_ptr<detail::RequestState> local;
+  /// Set by the session for a block at a remote site when every next block of the path runs at a
+  /// site with a RemoteSite::peer_endpoint(): the site may keep the outputs where they were made and
+  /// report placeholders that only such sites can take.
+  bool outputs_may_stay = false;
 };
 
 /// @brief Counters of one channel. Zero-copy backends report `bytes_copied == 0`.

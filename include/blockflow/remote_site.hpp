@@ -56,6 +56,10 @@ struct SiteStats {
   std::uint64_t failed_requests = 0;  ///< requests failed because the site died or was stopped
   std::uint64_t in_flight = 0;
   std::uint64_t malformed_frames = 0;
+  /// Direct edges (WorkerOptions::direct_edges): results the worker kept for the next worker,
+  /// and kept outputs this site told its worker to send to another worker.
+  std::uint64_t parked_outputs = 0;
+  std::uint64_t direct_forwards = 0;
   std::int64_t rss_idle_bytes = 0;  ///< resident memory of the process before it loaded any block
   std::int64_t rss_bytes = 0;       ///< resident memory at the last heartbeat
   ChannelStats data;          ///< the channel that carries requests to the site
@@ -105,6 +109,10 @@ class RemoteSite {
     (void)blocks;
     return absl::UnimplementedError("site '" + name() + "' cannot change its blocks while it runs");
   }
+  /// @brief Where other sites of this host may send this site's requests directly (a site that
+  /// keeps a block's outputs when Envelope::outputs_may_stay is set). Empty: nowhere, the default.
+  /// The session asks once the site has started.
+  [[nodiscard]] virtual std::string peer_endpoint() const { return {}; }
   /// @brief Switches the site's own KPI sampler (its process's figures, reported in stats().kpi).
   /// The default does nothing: a site without a process of its own has nothing to sample.
   virtual void set_sampling(bool enabled, absl::Duration period) {

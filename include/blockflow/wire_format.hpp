@@ -31,7 +31,7 @@
 namespace blockflow::wire {
 
 inline constexpr std::uint32_t kMagic = 0x57464C42;  ///< bytes 'B','L','F','W' on the wire (little-endian u32)
-inline constexpr std::uint16_t kVersion = 3;         ///< bumped on any layout change (2: shm handles, release; 3: CUDA handles)
+inline constexpr std::uint16_t kVersion = 4;  ///< bumped on any layout change (2: shm handles, release; 3: CUDA handles; 4: parked outputs)
 inline constexpr int kMaxDims = 8;
 inline constexpr int kMaxTensors = 64;
 inline constexpr std::size_t kMaxNameBytes = 255;                          ///< limit of Header::target
@@ -42,12 +42,33 @@ inline constexpr std::size_t kTensorDescFixedBytes = 16;  ///< a tensor descript
 
 /// @brief What a message is. Values are the wire codes. kRelease returns shared-memory slots to
 /// their producer: its `message` holds whole ShmHandle records (kShmHandleBytes each), no tensors.
-enum class MessageKind : std::uint8_t { kData = 1, kResult = 2, kError = 3, kSubmit = 4, kReply = 5, kRelease = 6 };
+/// kForward (host to a worker holding parked outputs): send the parked tensors its frames name to
+/// the worker at the endpoint in `message`, as a kData for block `target`, hop `node`. kDrop (host to
+/// such a worker): forget the parked tensors whose ids `message` lists (u64 each), no tensors.
+enum class MessageKind : std::uint8_t {
+  kData = 1,
+  kResult = 2,
+  kError = 3,
+  kSubmit = 4,
+  kReply = 5,
+  kRelease = 6,
+  kForward = 7,
+  kDrop = 8,
+};
 
 /// @brief Header flag: each tensor frame is a kShmHandleBytes ShmHandle naming a slot of a shared-memory
 /// pool that holds the tensor's bytes, instead of the bytes themselves (the zero-copy channel).
 inline constexpr std::uint8_t kFlagShmHandles = 0x01;
-inline constexpr std::uint8_t kKnownFlags = kFlagShmHandles;
+/// @brief kData flag: the worker may keep this hop's outputs in its process (park them) and reply
+/// with references, because the next hops run in workers it can reach directly.
+inline constexpr std::uint8_t kFlagParkOutputs = 0x02;
+/// @brief kResult / kForward flag: each tensor frame is a kParkedRefBytes reference (u64 id) to a
+/// tensor parked in the sending (kResult) or receiving (kForward) worker, not its bytes.
+inline constexpr std::uint8_t kFlagParked = 0x04;
+/// @brief kForward flag: the worker forgets the named parked tensors once it has sent them.
+inline constexpr std::uint8_t kFlagReleaseAfter = 0x08;
+inline constexpr std::uint8_t kKnownFlags = kFlagShmHandles | kFlagParkOutputs | kFlagParked | kFlagReleaseAfter;
+inline constexpr std::size_t kParkedRefBytes = 8;
 inline constexpr std::size_t kShmHandleBytes = 32;
 
 /// @brief Where a tensor's bytes lie in a producer's shared-memory pool: pool (random 64-bit id; the
@@ -73,6 +94,10 @@ bool operator==(const ShmHandle& a, const ShmHandle& b);
 /// @brief The message of a kRelease: the handles' records one after the other.
 [[nodiscard]] std::string encode_releases(const std::vector<ShmHandle>& handles);
 [[nodiscard]] absl::StatusOr<std::vector<ShmHandle>> decode_releases(const std::string& message);
+/// @brief A parked tensor's reference frame / the message of a kDrop: u64 ids, little-endian.
+[[nodiscard]] std::string encode_parked_ids(const std::vector<std::uint64_t>& ids);
+/// @brief InvalidArgument naming the problem when `size` is not a whole number of u64 ids.
+[[nodiscard]] absl::StatusOr<std::vector<std::uint64_t>> decode_parked_ids(const void* data, std::size_t size);
 
 /// @brief Element type of a tensor. Values are the wire codes.
 enum class DType : std::uint8_t {
@@ -157,7 +182,8 @@ inline bool operator!=(const Header& a, const Header& b) {
 [[nodiscard]] absl::StatusOr<Header> decode_header(const void* data, std::size_t size);
 
 /// @brief Checks the tensor frames' sizes against a decoded header: as many frames as tensors, and
-/// each frame exactly `byte_count` long (kShmHandleBytes with kFlagShmHandles). InvalidArgument
+/// each frame exactly `byte_count` long (kShmHandleBytes with kFlagShmHandles, kParkedRefBytes with
+/// kFlagParked). InvalidArgument
 /// naming the tensor index otherwise.
 [[nodiscard]] absl::Status check_frames(const Header& header, const std::vector<std::size_t>& frame_sizes);
 

@@ -74,6 +74,13 @@ struct WorkerOptions {
   /// milliseconds apart, as in a pipeline of DNN blocks, never spins, so the spin takes no core from
   /// a block that starts computing. 0: never spin.
   absl::Duration receive_spin = absl::Microseconds(50);
+  /// Channel "zmq", a child worker: direct edges. When the next block of a request's path runs in
+  /// another such worker (or this one), this worker keeps the block's outputs and the session gets
+  /// references to them; the session then tells it to send them straight to that worker, so each
+  /// tensor crosses one socket instead of two (worker -> session -> worker). A worker that dies
+  /// with parked outputs fails the requests they were for, naming it. false: every output comes
+  /// back to the session.
+  bool direct_edges = true;
 };
 
 /// @brief A RemoteSite that runs blocks in a child process started with posix_spawn (never fork) of
@@ -119,10 +126,14 @@ class WorkerSite final : public RemoteSite {
   [[nodiscard]] std::string result_endpoint() const;
   /// @brief Where a worker joins (WorkerOptions::listen with the port resolved), empty for a child.
   [[nodiscard]] std::string join_endpoint() const;
+  /// @brief Channel "zmq" with WorkerOptions::direct_edges, a child: the endpoint (in the private
+  /// directory) where other workers of the session send this worker its requests' parked inputs.
+  /// Empty otherwise.
+  [[nodiscard]] std::string peer_endpoint() const override;
 
  private:
   struct Impl;
-  std::unique_ptr<Impl> impl_;
+  std::shared_ptr<Impl> impl_;  // shared with the placeholders of outputs parked in the worker
 };
 
 /// @brief Adds a deployment's blocks and tasks to `session` (before start()), with one child worker

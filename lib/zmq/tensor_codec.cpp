@@ -45,7 +45,7 @@ absl::StatusOr<EncodedMessage> encode_message(wire::Header header, const Tensors
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     if (!t.defined()) return absl::InvalidArgumentError(fmt::format("tensor {} is undefined", i));
-    if (!t.device().is_cpu() && stager == nullptr) {
+    if (!t.device().is_cpu() && !t.device().is_meta() && stager == nullptr) {
       return absl::InvalidArgumentError(
           fmt::format("tensor {} is on {}: the serialized channel carries CPU tensors", i, t.device().str()));
     }
@@ -79,6 +79,11 @@ absl::StatusOr<EncodedMessage> encode_message(wire::Header header, const Tensors
 
 absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, const Tensors& tensors,
                                   zmq::send_flags flags, std::uint64_t* bytes_copied, const ShmStager* stager) {
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].defined() && tensors[i].device().is_meta()) {
+      return absl::InvalidArgumentError(fmt::format("tensor {} is a placeholder without bytes (meta device)", i));
+    }
+  }
   auto encoded = encode_message(std::move(header), tensors, bytes_copied, stager);
   if (!encoded.ok()) return encoded.status();
   auto& [encoded_header, handles, owned] = *encoded;
@@ -99,6 +104,24 @@ absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, co
   return true;
 }
 
+absl::StatusOr<bool> send_references(zmq::socket_t& socket, wire::Header header, const Tensors& described,
+                                     const std::vector<std::string>& frames, zmq::send_flags flags) {
+  if (frames.size() != described.size()) {
+    return absl::InvalidArgumentError(
+        fmt::format("{} reference frames for {} tensors", frames.size(), described.size()));
+  }
+  header.flags |= wire::kFlagParked;
+  // Placeholders (meta device) describe themselves; only send_message() must refuse them.
+  auto encoded = encode_message(std::move(header), described, nullptr, nullptr);
+  if (!encoded.ok()) return encoded.status();
+  auto sent = socket.send(zmq::buffer(encoded->header), frames.empty() ? flags : (flags | zmq::send_flags::sndmore));
+  if (!sent) return false;
+  for (std::size_t i = 0; i < frames.size(); ++i) {
+    (void)socket.send(zmq::buffer(frames[i]), i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+  }
+  return true;
+}
+
 absl::Status send_packet(PacketLink& link, wire::Header header, const Tensors& tensors, std::uint64_t* bytes_copied,
                          const ShmStager* stager) {
   if (stager == nullptr && !tensors.empty()) {
@@ -111,7 +134,8 @@ absl::Status send_packet(PacketLink& link, wire::Header header, const Tensors& t
   return link.send(frames);
 }
 
-absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& frames, const ShmResolver* resolver) {
+absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& frames, const ShmResolver* resolver,
+                                              const ParkedResolver* parked) {
   if (frames.empty()) return absl::InvalidArgumentError("empty message");
   DecodedMessage out;
   auto header = wire::decode_header(frames[0].data(), frames[0].size());
@@ -124,6 +148,10 @@ absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& fram
   if (handles && resolver == nullptr) {
     return absl::InvalidArgumentError("shared-memory handles on a channel without shared memory");
   }
+  const bool references = (out.header.flags & wire::kFlagParked) != 0;
+  if (references && parked == nullptr) {
+    return absl::InvalidArgumentError("parked-tensor references where none are expected");
+  }
   for (std::size_t i = 0; i < out.header.tensors.size(); ++i) {
     const auto& desc = out.header.tensors[i];
     auto type = from_wire_dtype(desc.dtype);
@@ -132,6 +160,14 @@ absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& fram
       auto handle = wire::decode_shm_handle(frames[i + 1].data(), frames[i + 1].size());
       if (!handle.ok()) return absl::InvalidArgumentError(fmt::format("tensor {}: {}", i, std::string(handle.status().message())));
       auto tensor = (*resolver)(desc, *handle, *type);
+      if (!tensor.ok()) return absl::InvalidArgumentError(fmt::format("tensor {}: {}", i, std::string(tensor.status().message())));
+      out.tensors.push_back(*std::move(tensor));
+      continue;
+    }
+    if (references) {
+      auto id = wire::decode_parked_ids(frames[i + 1].data(), frames[i + 1].size());
+      if (!id.ok()) return absl::InvalidArgumentError(fmt::format("tensor {}: {}", i, std::string(id.status().message())));
+      auto tensor = (*parked)(desc, id->front(), *type);
       if (!tensor.ok()) return absl::InvalidArgumentError(fmt::format("tensor {}: {}", i, std::string(tensor.status().message())));
       out.tensors.push_back(*std::move(tensor));
       continue;

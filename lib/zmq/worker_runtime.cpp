@@ -30,6 +30,7 @@
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <optional>
 #include <mutex>
 #include <set>
@@ -50,8 +51,71 @@ std::int64_t rss_bytes() { return bf::sample_process().rss_bytes; }
 
 // One reply on its way back to the host.
 struct Reply {
+  Reply(bf::wire::Header h, bf::Tensors t = {}, std::vector<std::string> refs = {})
+      : header(std::move(h)), tensors(std::move(t)), references(std::move(refs)) {}
   bf::wire::Header header;
   bf::Tensors tensors;
+  // Parked outputs (direct edges): one kParkedRefBytes id per tensor, sent instead of its bytes.
+  std::vector<std::string> references;
+};
+
+// Direct edges (channel "zmq"): outputs that the host asked us to keep, by id, until it says which
+// worker takes them (kForward) or that nobody will (kDrop). Bounded: beyond max_count entries or
+// max_bytes, outputs go back to the host as usual.
+class ParkedOutputs {
+ public:
+  void set_limits(std::size_t max_count, std::uint64_t max_bytes) {
+    std::lock_guard lock(mu_);
+    max_count_ = max_count;
+    max_bytes_ = max_bytes;
+  }
+  // Keeps all of `outputs` (contiguous CPU tensors) and returns their ids, or nothing (no room).
+  std::optional<std::vector<std::uint64_t>> park(const bf::Tensors& outputs) {
+    std::uint64_t bytes = 0;
+    for (const auto& t : outputs) {
+      if (!t.defined() || !t.device().is_cpu() || !t.is_contiguous()) return std::nullopt;
+      bytes += t.nbytes();
+    }
+    std::lock_guard lock(mu_);
+    if (outputs.empty() || by_id_.size() + outputs.size() > max_count_ || bytes_ + bytes > max_bytes_) return std::nullopt;
+    std::vector<std::uint64_t> ids;
+    for (const auto& t : outputs) {
+      ids.push_back(next_id_++);
+      by_id_.emplace(ids.back(), t);
+    }
+    bytes_ += bytes;
+    return ids;
+  }
+  // The tensors of `ids`, taken out (release) or left in place; nothing if one is unknown.
+  std::optional<bf::Tensors> get(const std::vector<std::uint64_t>& ids, bool release) {
+    std::lock_guard lock(mu_);
+    bf::Tensors out;
+    for (const auto id : ids) {
+      auto it = by_id_.find(id);
+      if (it == by_id_.end()) return std::nullopt;
+      out.push_back(it->second);
+    }
+    if (release) drop_locked(ids);
+    return out;
+  }
+  void drop(const std::vector<std::uint64_t>& ids) {
+    std::lock_guard lock(mu_);
+    drop_locked(ids);
+  }
+
+ private:
+  void drop_locked(const std::vector<std::uint64_t>& ids) {
+    for (const auto id : ids) {
+      auto it = by_id_.find(id);
+      if (it == by_id_.end()) continue;
+      bytes_ -= it->second.nbytes();
+      by_id_.erase(it);
+    }
+  }
+  std::mutex mu_;
+  std::map<std::uint64_t, at::Tensor> by_id_;
+  std::uint64_t next_id_ = 1, bytes_ = 0, max_bytes_ = 0;
+  std::size_t max_count_ = 0;
 };
 
 // A small blocking queue: worker threads produce replies, the one thread owning the PUSH socket
@@ -179,6 +243,11 @@ class Worker {
         release.message = bf::wire::encode_shm_handle(h);
         replies->push({std::move(release), {}});
       });
+    }
+    peer_endpoint_ = config->value("peer_endpoint", "");
+    if (!peer_endpoint_.empty()) {
+      parked_.set_limits(config->value("max_parked", std::size_t{128}),
+                         config->value("max_parked_bytes", std::uint64_t{1} << 30));
     }
     sampler_.set(config->value("sampling", false), absl::Milliseconds(config->value("sampling_period_ms", 100)));
     if (auto status = load(*config); !status.ok()) {
@@ -344,7 +413,17 @@ class Worker {
     if (!link_) {
       pull.set(zmq::sockopt::linger, 0);
       pull.set(zmq::sockopt::rcvtimeo, 100);
+      pull.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(bf::wire::kMaxTensorBytes));
       pull.connect(args_.requests);
+      if (!peer_endpoint_.empty()) {
+        // Direct edges: other workers of this session send us requests here (same private directory).
+        try {
+          pull.bind(peer_endpoint_);
+        } catch (const zmq::error_t& e) {
+          std::cerr << fmt::format("blockflow-worker {}: no direct edges: cannot bind {}: {}\n", args_.name,
+                                   peer_endpoint_, e.what());
+        }
+      }
     }
     while (!stopping_) {
       auto next = next_request(pull);
@@ -358,7 +437,9 @@ class Worker {
       std::vector<zmq::message_t> frames = *std::move(*next);
       std::optional<std::uint64_t> id;
       if (!frames.empty()) id = bf::wire::peek_request_id(frames[0].data(), frames[0].size());
-      auto message = bf::detail::decode_message(std::move(frames), ends_ ? &resolver_ : nullptr);
+      forwarded_ids_.clear();
+      forward_problem_.clear();
+      auto message = bf::detail::decode_message(std::move(frames), ends_ ? &resolver_ : nullptr, &parked_resolver_);
       if (!message.ok()) {
         std::cerr << fmt::format("blockflow-worker {}: malformed request frame dropped: {}\n", args_.name,
                                  std::string(message.status().message()));
@@ -376,8 +457,71 @@ class Worker {
         }
         continue;
       }
+      if (message->header.kind == bf::wire::MessageKind::kDrop) {
+        auto ids = bf::wire::decode_parked_ids(message->header.message.data(), message->header.message.size());
+        if (ids.ok()) parked_.drop(*ids);
+        continue;
+      }
+      if (message->header.kind == bf::wire::MessageKind::kForward) {
+        forward(std::move(*message), arrived);
+        continue;
+      }
       dispatch(std::move(*message), arrived);
     }
+  }
+
+  // Direct edges: sends parked outputs (the tensors of the kForward, resolved by id) to the worker
+  // at the endpoint it names, as that worker's request; to ourselves without a socket. A failure is
+  // reported to the host as the error of the request it was for.
+  void forward(bf::detail::DecodedMessage&& message, std::int64_t arrived) {
+    const auto& f = message.header;
+    bf::wire::Header h;
+    h.kind = bf::wire::MessageKind::kData;
+    h.flags = f.flags & bf::wire::kFlagParkOutputs;
+    h.request_id = f.request_id;
+    h.node = f.node;
+    h.target = f.target;
+    if ((f.flags & bf::wire::kFlagReleaseAfter) != 0) parked_.drop(forwarded_ids_);
+    if (f.message == peer_endpoint_ && forward_problem_.empty()) {
+      message.header = std::move(h);
+      return dispatch(std::move(message), arrived);
+    }
+    absl::Status status;
+    if (!forward_problem_.empty()) {
+      status = absl::DataLossError(forward_problem_);
+    } else if (f.kind != bf::wire::MessageKind::kForward || message.tensors.empty()) {
+      status = absl::InvalidArgumentError("a forward without parked outputs");
+    } else if (f.message.rfind("ipc://", 0) != 0) {
+      status = absl::InvalidArgumentError(fmt::format("forward to '{}': not an ipc:// endpoint", f.message));
+    } else {
+      try {
+        zmq::socket_t& to = peer_socket(f.message);
+        h.times.sent_ns = now_ns();
+        auto sent = bf::detail::send_message(to, h, message.tensors, zmq::send_flags::dontwait);
+        if (!sent.ok()) status = sent.status();
+        else if (!*sent) status = absl::UnavailableError(fmt::format("worker at {} is not taking requests", f.message));
+      } catch (const zmq::error_t& e) {
+        status = absl::UnavailableError(e.what());
+      }
+    }
+    if (!status.ok()) {
+      reply({error_header(f.request_id, f.node,
+                          absl::Status(status.code(), fmt::format("block '{}': input from worker {} not delivered: {}",
+                                                                  f.target, args_.name, std::string(status.message())))),
+             {}});
+    }
+  }
+
+  // The receiver thread's PUSH socket to another worker's peer endpoint (a handful per worker).
+  zmq::socket_t& peer_socket(const std::string& endpoint) {
+    auto it = peers_.find(endpoint);
+    if (it != peers_.end()) return it->second;
+    if (peers_.size() >= 64) peers_.clear();
+    zmq::socket_t socket(context_, zmq::socket_type::push);
+    socket.set(zmq::sockopt::linger, 0);
+    socket.set(zmq::sockopt::sndhwm, 256);
+    socket.connect(endpoint);
+    return peers_.emplace(endpoint, std::move(socket)).first->second;
   }
 
   void dispatch(bf::detail::DecodedMessage&& message, std::int64_t arrived) {
@@ -393,7 +537,8 @@ class Worker {
       reply({error_header(id, node, absl::NotFoundError(fmt::format("does not host block '{}'", block))), {}});
       return;
     }
-    session_.submit(block, std::move(message.tensors), [this, id, node, arrived](bf::Result&& r) {
+    const bool park = (message.header.flags & bf::wire::kFlagParkOutputs) != 0 && !peer_endpoint_.empty();
+    session_.submit(block, std::move(message.tensors), [this, id, node, arrived, park](bf::Result&& r) {
       if (!r.ok()) return reply({error_header(id, node, r.status), {}});
       bf::wire::Header h;
       h.kind = bf::wire::MessageKind::kResult;
@@ -405,6 +550,16 @@ class Worker {
         h.times.dequeued_ns = hop.dequeued_ns;
         h.times.compute_start_ns = hop.compute_start_ns;
         h.times.compute_end_ns = hop.compute_end_ns;
+      }
+      if (park) {
+        // Kept here for the next worker on the path; the host gets their descriptions and ids.
+        bf::Tensors kept;
+        for (const auto& t : r.outputs) kept.push_back(t.defined() ? t.contiguous() : t);
+        if (auto ids = parked_.park(kept)) {
+          std::vector<std::string> references;
+          for (const auto parked_id : *ids) references.push_back(bf::wire::encode_parked_ids({parked_id}));
+          return reply({std::move(h), std::move(kept), std::move(references)});
+        }
       }
       reply({std::move(h), std::move(r.outputs)});
     });
@@ -440,7 +595,9 @@ class Worker {
     while (auto next = replies_->pop()) {
       transmit(*next, [&](const bf::wire::Header& h, const bf::Tensors& t, const bf::detail::ShmStager* stager) {
         if (link_) return bf::detail::send_packet(*link_, h, t, nullptr, stager);
-        auto sent = bf::detail::send_message(push, h, t, zmq::send_flags::none, nullptr, stager);
+        auto sent = next->references.empty()
+                        ? bf::detail::send_message(push, h, t, zmq::send_flags::none, nullptr, stager)
+                        : bf::detail::send_references(push, h, t, next->references);
         return sent.ok() ? absl::OkStatus() : sent.status();
       });
     }
@@ -477,6 +634,29 @@ class Worker {
   bf::detail::ShmStager stager_;
   bf::detail::ShmResolver resolver_;
   bf::KpiSampler sampler_;  // off unless the session switches sampling on
+  // Direct edges (channel "zmq", a child worker): our endpoint for other workers' requests, the
+  // outputs kept for them, and the sockets to them (receiver thread only).
+  std::string peer_endpoint_;
+  ParkedOutputs parked_;
+  std::vector<std::uint64_t> forwarded_ids_;  // receiver thread: the ids of the kForward being decoded
+  std::string forward_problem_;               // and what was wrong with them
+  bf::detail::ParkedResolver parked_resolver_ = [this](const bf::wire::TensorDesc& desc, std::uint64_t parked_id,
+                                                       at::ScalarType type) -> absl::StatusOr<at::Tensor> {
+    // A problem is reported by forward() as the error of the request (undefined tensor here).
+    forwarded_ids_.push_back(parked_id);
+    auto found = parked_.get({parked_id}, false);
+    if (!found) {
+      forward_problem_ = fmt::format("its output {} is no longer there", parked_id);
+      return at::Tensor();
+    }
+    const at::Tensor& t = found->front();
+    if (t.scalar_type() != type || std::vector<std::int64_t>(t.sizes().begin(), t.sizes().end()) != desc.shape) {
+      forward_problem_ = fmt::format("its output {} does not match the description the host sent", parked_id);
+      return at::Tensor();
+    }
+    return t;
+  };
+  std::map<std::string, zmq::socket_t> peers_;
   std::atomic<bool> stopping_{false};
 };
 

@@ -8,6 +8,9 @@
 #include <blockflow/detail/worker_protocol.hpp>
 
 #include <absl/container/flat_hash_map.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
+#include <c10/core/TensorImpl.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <zmq.hpp>
@@ -110,6 +113,54 @@ constexpr std::size_t kReleasesPerMessage = wire::kMaxMessageBytes / wire::kShmH
 
 struct WorkerSite::Impl {
   enum class State { kIdle, kStarting, kReady, kDown, kFailed, kStopped };
+  using Key = std::pair<std::uint64_t, std::uint32_t>;  // (request id, node)
+
+  // Direct edges (channel "zmq", children of this host): an output the worker parked, as the
+  // session holds it. A placeholder tensor on the meta device (no bytes here: reading it fails
+  // loudly) whose storage context is this record; when the last reference dies unsent, the
+  // worker is told to drop the output.
+  struct ParkedRef {
+    std::weak_ptr<Impl> owner;
+    std::uint64_t id = 0;
+    pid_t pid = 0;                      // the worker process that holds it
+    std::atomic<bool> consumed{false};  // forwarded with kFlagReleaseAfter: nothing to drop
+  };
+  // A kForward waiting for the sender thread of the worker that holds the outputs.
+  struct Forward {
+    wire::Header header;
+    Tensors described;
+    std::vector<std::string> references;
+  };
+  struct InFlight {
+    std::string block;
+    std::weak_ptr<Impl> via;  // the site whose worker holds this request's parked input
+  };
+
+  static void delete_parked(void* context) {
+    auto* ref = static_cast<ParkedRef*>(context);
+    if (!ref->consumed.load(std::memory_order_acquire)) {
+      if (auto owner = ref->owner.lock()) owner->queue_drop(ref->id, ref->pid);
+    }
+    delete ref;
+  }
+  static ParkedRef* parked_ref_of(const at::Tensor& t) {
+    if (!t.defined() || !t.has_storage()) return nullptr;
+    const c10::DataPtr& ptr = t.storage().data_ptr();
+    return ptr.get_deleter() == &delete_parked ? static_cast<ParkedRef*>(ptr.get_context()) : nullptr;
+  }
+  // The site whose worker holds every tensor of `tensors` parked (one worker process), or null.
+  static std::shared_ptr<Impl> parked_owner(const Tensors& tensors, pid_t* holder = nullptr) {
+    std::shared_ptr<Impl> owner;
+    for (const auto& t : tensors) {
+      ParkedRef* ref = parked_ref_of(t);
+      if (ref == nullptr) return nullptr;
+      auto o = ref->owner.lock();
+      if (!o || (owner && (o != owner || (holder != nullptr && *holder != ref->pid)))) return nullptr;
+      owner = std::move(o);
+      if (holder != nullptr) *holder = ref->pid;
+    }
+    return owner;
+  }
 
   WorkerOptions options;
   std::vector<BlockDescription> blocks;
@@ -138,7 +189,18 @@ struct WorkerSite::Impl {
   bool loaded = false;              // the worker said "loaded"; ready once its data link is up too
   std::shared_ptr<detail::PacketLink> link;  // zero-copy channels: the live worker's data link
   std::deque<Outbound> outbound;
-  absl::flat_hash_map<std::pair<std::uint64_t, std::uint32_t>, std::string> in_flight;
+  absl::flat_hash_map<Key, InFlight> in_flight;
+  // Direct edges. `peer`: our worker's endpoint for other workers (empty: none). As the site whose
+  // worker holds parked outputs: kForwards for the sender thread, and the forwarded requests not
+  // yet answered by the site that runs them (failed if our worker dies with their input).
+  std::weak_ptr<Impl> self;
+  std::string peer;
+  std::deque<Forward> forwards;
+  absl::flat_hash_map<Key, std::weak_ptr<Impl>> pending_forwards;
+  std::uint64_t parked_results = 0, forwards_sent = 0, drops_sent = 0;
+  std::mutex drops_mu;  // taken by placeholders' deleters (any thread; never with mu)
+  std::vector<std::pair<std::uint64_t, pid_t>> drops;
+  std::atomic<bool> drops_pending{false};
   std::uint64_t bytes_copied = 0;
   // The zero-copy channels ("shm", "cuda"): our pools for requests, the worker's pools mapped here.
   std::unique_ptr<detail::ZeroCopyEnds> ends;
@@ -280,6 +342,128 @@ struct WorkerSite::Impl {
     }
   }
 
+  // Direct edges: the requests whose input our worker held, now lost with it (or with our stop).
+  void fail_forwarded(const std::vector<std::pair<Key, std::weak_ptr<Impl>>>& forwarded, const absl::Status& why) {
+    for (const auto& [key, consumer] : forwarded) {
+      if (auto c = consumer.lock()) {
+        c->complete_error(key.first, key.second,
+                          absl::Status(why.code(), fmt::format("its input was parked in {}: {}", prefix(), std::string(why.message()))));
+      }
+    }
+  }
+  // Tells the sites that held our requests' inputs that those requests are answered.
+  static void forget_vias(const std::vector<std::pair<Key, std::weak_ptr<Impl>>>& vias) {
+    for (const auto& [key, via] : vias) {
+      if (auto v = via.lock()) {
+        std::lock_guard lock(v->mu);
+        v->pending_forwards.erase(key);
+      }
+    }
+  }
+  // From a placeholder's deleter, on any thread.
+  void queue_drop(std::uint64_t id, pid_t holder) {
+    {
+      std::lock_guard lock(drops_mu);
+      drops.emplace_back(id, holder);
+    }
+    drops_pending.store(true, std::memory_order_release);
+    changed.notify_all();
+  }
+  // Consumer side: asks the site whose worker holds `f`'s tensors to send them to our worker.
+  absl::Status enqueue_forward(Forward&& f, pid_t holder, std::weak_ptr<Impl> consumer) {
+    {
+      std::lock_guard lock(mu);
+      if (stopping || pid != holder || state != State::kReady) {
+        return absl::UnavailableError(fmt::format("{}, which held it, {}", prefix(),
+                                                  stopping ? "stopped" : pid != holder ? "restarted" : "is down"));
+      }
+      pending_forwards[{f.header.request_id, f.header.node}] = std::move(consumer);
+      forwards.push_back(std::move(f));
+    }
+    changed.notify_all();
+    return absl::OkStatus();
+  }
+  // Sender thread: kForwards, then drops for the live worker (the others' outputs died with them).
+  void send_direct_edge_messages() {
+    std::deque<Forward> now;
+    pid_t live = 0;
+    {
+      std::lock_guard lock(mu);
+      now.swap(forwards);
+      live = pid;
+    }
+    for (auto& f : now) {
+      absl::Status status;
+      try {
+        auto sent = detail::send_references(push, f.header, f.described, f.references);
+        if (!sent.ok()) status = sent.status();
+      } catch (const zmq::error_t& e) {
+        status = absl::UnavailableError(e.what());
+      }
+      std::shared_ptr<Impl> consumer;
+      {
+        std::lock_guard lock(mu);
+        ++forwards_sent;
+        if (!status.ok()) {
+          auto it = pending_forwards.find({f.header.request_id, f.header.node});
+          if (it != pending_forwards.end()) {
+            consumer = it->second.lock();
+            pending_forwards.erase(it);
+          }
+        }
+      }
+      if (consumer) {
+        consumer->complete_error(f.header.request_id, f.header.node,
+                                 absl::UnavailableError(fmt::format("{}: cannot forward its parked output: {}", prefix(),
+                                                                    std::string(status.message()))));
+      }
+    }
+    if (!drops_pending.exchange(false, std::memory_order_acq_rel)) return;
+    std::vector<std::pair<std::uint64_t, pid_t>> taken;
+    {
+      std::lock_guard lock(drops_mu);
+      taken.swap(drops);
+    }
+    std::vector<std::uint64_t> ids;
+    for (const auto& [id, holder] : taken) {
+      if (holder == live && live != 0) ids.push_back(id);
+    }
+    constexpr std::size_t kIdsPerMessage = wire::kMaxMessageBytes / wire::kParkedRefBytes;
+    for (std::size_t at = 0; at < ids.size(); at += kIdsPerMessage) {
+      wire::Header h;
+      h.kind = wire::MessageKind::kDrop;
+      h.message = wire::encode_parked_ids(
+          {ids.begin() + static_cast<std::ptrdiff_t>(at), ids.begin() + static_cast<std::ptrdiff_t>(std::min(ids.size(), at + kIdsPerMessage))});
+      try {
+        (void)detail::send_message(push, h, {});
+      } catch (const zmq::error_t&) {
+        return;  // the worker is going away; its parked outputs with it
+      }
+      std::lock_guard lock(mu);
+      ++drops_sent;
+    }
+  }
+  // The placeholder for output `id` parked in our worker.
+  absl::StatusOr<at::Tensor> make_placeholder(const wire::TensorDesc& desc, std::uint64_t id, at::ScalarType type) {
+    auto* ref = new ParkedRef;
+    ref->owner = self;
+    ref->id = id;
+    {
+      std::lock_guard lock(mu);
+      ref->pid = pid;
+      ++parked_results;
+    }
+    c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<std::size_t>(desc.byte_count),
+                         c10::DataPtr(ref, ref, &delete_parked, c10::Device(c10::kMeta)), nullptr, false);
+    auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::Meta),
+                                                      c10::scalarTypeToTypeMeta(type));
+    t.unsafeGetTensorImpl()->set_sizes_and_strides(desc.shape, desc.strides);
+    return t;
+  }
+  detail::ParkedResolver parked_resolver = [this](const wire::TensorDesc& desc, std::uint64_t id, at::ScalarType type) {
+    return make_placeholder(desc, id, type);
+  };
+
   void on_death(std::string what) {
     // Its leases are void: our slots come back, its pools are no longer looked up.
     if (ends) {
@@ -290,6 +474,7 @@ struct WorkerSite::Impl {
     }
     std::vector<std::pair<std::uint64_t, std::uint32_t>> lost;
     std::vector<Outbound> queued;
+    std::vector<std::pair<Key, std::weak_ptr<Impl>>> vias, forwarded;
     absl::Status why;
     {
       std::lock_guard lock(mu);
@@ -298,8 +483,14 @@ struct WorkerSite::Impl {
       loaded = false;
       link.reset();
       cause = kill_cause.empty() ? what : kill_cause;
-      for (const auto& [key, block] : in_flight) lost.push_back(key);
+      for (const auto& [key, entry] : in_flight) {
+        lost.push_back(key);
+        if (!entry.via.expired()) vias.emplace_back(key, entry.via);
+      }
       in_flight.clear();
+      forwarded.assign(pending_forwards.begin(), pending_forwards.end());
+      pending_forwards.clear();
+      forwards.clear();
       failed_requests += lost.size();
       why = absl::UnavailableError(fmt::format("{} {}", prefix(), cause));
       if (!ever_ready) {
@@ -321,7 +512,9 @@ struct WorkerSite::Impl {
       }
     }
     changed.notify_all();
+    forget_vias(vias);
     fail_all(std::move(lost), why);
+    fail_forwarded(forwarded, why);
     for (auto& o : queued) {
       fail_all({{o.envelope.request_id, o.envelope.node}},
                absl::UnavailableError(fmt::format("{} is down: {}", prefix(), cause)));
@@ -370,6 +563,10 @@ struct WorkerSite::Impl {
       if (!cuda_probe.empty()) config["cuda_probe"] = cuda_probe;
       sampling_sent = true;
       if (listener) config["data_link"] = listener->path();
+      if (!peer.empty()) {
+        config["peer_endpoint"] = peer;
+        config["max_parked"] = 2 * options.max_in_flight;
+      }
       if (joined()) {
         config["requests_port"] = port_of(request_endpoint);
         config["results_port"] = port_of(result_endpoint);
@@ -534,13 +731,20 @@ struct WorkerSite::Impl {
       {
         std::unique_lock lock(mu);
         auto ready = [&] {
-          return stopping || (!outbound.empty() && state == State::kReady && in_flight.size() < options.max_in_flight);
+          return stopping || (!outbound.empty() && state == State::kReady && in_flight.size() < options.max_in_flight) ||
+                 !forwards.empty() || drops_pending.load(std::memory_order_acquire);
         };
         // Released slots are noticed by polling (their deleters run anywhere, and must not take mu).
+        // Drops (direct edges) are flagged without mu: a missed wake-up costs at most 50 ms.
         if (shm()) changed.wait_for(lock, std::chrono::milliseconds(2), ready);
-        else changed.wait(lock, ready);
+        else changed.wait_for(lock, std::chrono::milliseconds(50), ready);
         if (stopping) return;
         if (!ready()) continue;
+        if (!forwards.empty() || drops_pending.load(std::memory_order_acquire)) {
+          lock.unlock();
+          send_direct_edge_messages();
+          continue;
+        }
         next = std::move(outbound.front());
         outbound.pop_front();
         stager_of_next = admit_locked(next, to);
@@ -559,7 +763,7 @@ struct WorkerSite::Impl {
   // With mu held, for a ready worker with a credit: `next` counts as in flight from now on. Returns
   // its stager (zero-copy channels) and sets `to`, the data link to send it on.
   const detail::ShmStager* admit_locked(const Outbound& next, std::shared_ptr<detail::PacketLink>& to) {
-    in_flight[{next.envelope.request_id, next.envelope.node}] = next.block;
+    in_flight[{next.envelope.request_id, next.envelope.node}] = {next.block, parked_owner(next.envelope.tensors)};
     ++sent;
     to = link;
     return shm() ? stager_for(next.block) : nullptr;  // `blocks` changes with update()
@@ -579,7 +783,10 @@ struct WorkerSite::Impl {
     if (shm()) {
       status = to ? detail::send_packet(*to, header, next.envelope.tensors, &copied, stager)
                   : absl::UnavailableError("its data link is down");
+    } else if (pid_t holder = 0; auto owner = parked_owner(next.envelope.tensors, &holder)) {
+      status = forward_from(*owner, holder, std::move(header), std::move(next.envelope));
     } else {
+      if (next.envelope.outputs_may_stay && !peer.empty()) header.flags |= wire::kFlagParkOutputs;
       try {
         auto sent_ok = detail::send_message(push, header, next.envelope.tensors, zmq::send_flags::none, &copied, stager);
         if (!sent_ok.ok()) status = sent_ok.status();
@@ -598,13 +805,41 @@ struct WorkerSite::Impl {
     }
   }
 
+  // Direct edges: our request's input is parked in `owner`'s worker: that site tells its worker to
+  // send it to ours (kForward). Any thread (the owner's sender thread does the sending).
+  absl::Status forward_from(Impl& owner, pid_t holder, wire::Header header, Envelope&& envelope) {
+    if (peer.empty()) return absl::FailedPreconditionError("its input is parked in another worker, and this one takes no direct edges");
+    header.kind = wire::MessageKind::kForward;
+    header.message = peer;
+    header.times.sent_ns = 0;
+    if (envelope.outputs_may_stay) header.flags |= wire::kFlagParkOutputs;
+    Forward f;
+    // Nobody else holds these placeholders: the worker may forget the outputs once sent.
+    bool last = true;
+    for (const auto& t : envelope.tensors) last = last && t.use_count() == 1 && t.storage().use_count() == 1;
+    for (const auto& t : envelope.tensors) {
+      ParkedRef* ref = parked_ref_of(t);
+      f.references.push_back(wire::encode_parked_ids({ref->id}));
+      if (last) ref->consumed.store(true, std::memory_order_release);
+    }
+    if (last) header.flags |= wire::kFlagReleaseAfter;
+    f.header = std::move(header);
+    f.described = std::move(envelope.tensors);
+    return owner.enqueue_forward(std::move(f), holder, self);
+  }
+
   // Reports an error for one in-flight request unless it was already reported.
   void complete_error(std::uint64_t id, std::uint32_t node, absl::Status why) {
+    std::weak_ptr<Impl> via;
     {
       std::lock_guard lock(mu);
-      if (in_flight.erase({id, node}) == 0) return;
+      auto it = in_flight.find({id, node});
+      if (it == in_flight.end()) return;
+      via = it->second.via;
+      in_flight.erase(it);
     }
     changed.notify_all();
+    forget_vias({{{id, node}, via}});
     fail_all({{id, node}}, why);
   }
 
@@ -678,7 +913,7 @@ struct WorkerSite::Impl {
   void handle_frames(std::vector<zmq::message_t>&& frames) {
     std::optional<std::uint64_t> id;
     if (!frames.empty()) id = wire::peek_request_id(frames[0].data(), frames[0].size());
-    auto decoded = detail::decode_message(std::move(frames), shm() ? &resolver : nullptr);
+    auto decoded = detail::decode_message(std::move(frames), shm() ? &resolver : nullptr, peer.empty() ? nullptr : &parked_resolver);
     if (!decoded.ok()) return on_malformed(id, decoded.status());
     if (decoded->header.kind == wire::MessageKind::kRelease) {
       auto handles = wire::decode_releases(decoded->header.message);
@@ -751,12 +986,30 @@ struct WorkerSite::Impl {
 
   void deliver(detail::DecodedMessage&& message) {
     const auto& h = message.header;
+    std::weak_ptr<Impl> via;
     {
-      std::lock_guard lock(mu);
-      if (in_flight.erase({h.request_id, h.node}) == 0) return;  // already failed (worker declared dead)
+      std::unique_lock lock(mu);
+      auto it = in_flight.find({h.request_id, h.node});
+      if (it == in_flight.end()) {
+        // Not ours: already failed (worker declared dead), or a request whose parked input our
+        // worker could not forward: that error belongs to the site that runs the request.
+        auto f = pending_forwards.find({h.request_id, h.node});
+        if (f == pending_forwards.end() || h.kind != wire::MessageKind::kError) return;
+        auto consumer = f->second.lock();
+        pending_forwards.erase(f);
+        lock.unlock();
+        if (consumer) {
+          const auto code = static_cast<absl::StatusCode>(h.status_code == 0 ? 13 : h.status_code);
+          consumer->complete_error(h.request_id, h.node, absl::Status(code, fmt::format("{}: {}", prefix(), h.message)));
+        }
+        return;
+      }
+      via = it->second.via;
+      in_flight.erase(it);
       ++received;
     }
     changed.notify_all();
+    if (!via.expired()) forget_vias({{{h.request_id, h.node}, via}});
     SiteCompletion c;
     c.request_id = h.request_id;
     c.node = h.node;
@@ -779,7 +1032,8 @@ struct WorkerSite::Impl {
   }
 };
 
-WorkerSite::WorkerSite(WorkerOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {
+WorkerSite::WorkerSite(WorkerOptions options) : impl_(std::make_shared<Impl>(std::move(options))) {
+  impl_->self = impl_;
   if (impl_->options.name.empty()) throw std::invalid_argument("WorkerOptions::name must not be empty");
 }
 
@@ -807,6 +1061,7 @@ absl::Status WorkerSite::start(const std::vector<BlockDescription>& blocks, Comp
     s.control_endpoint = "ipc://" + s.dir + "/control";
     s.request_endpoint = "ipc://" + s.dir + "/requests";
     s.result_endpoint = "ipc://" + s.dir + "/results";
+    if (s.options.channel == "zmq" && s.options.direct_edges) s.peer = "ipc://" + s.dir + "/peer";
   }
   if (auto status = s.bind_sockets(); !status.ok()) {
     detail::remove_private_dir(s.dir);
@@ -860,7 +1115,23 @@ void WorkerSite::run(const std::string& block, Envelope&& envelope) {
 
 bool WorkerSite::try_run(const std::string& block, Envelope& envelope) {
   Impl& s = *impl_;
-  if (!s.shm()) return false;
+  if (!s.shm()) {
+    // Direct edges: a request whose input is parked in a worker costs this thread a small message
+    // to that worker's site, never a wait.
+    if (s.peer.empty() || !Impl::parked_owner(envelope.tensors)) return false;
+    std::unique_lock lock(s.mu);
+    if (s.stopping || !s.outbound.empty() || s.state != Impl::State::kReady ||
+        s.in_flight.size() >= s.options.max_in_flight) {
+      return false;
+    }
+    envelope.local.reset();
+    Outbound next{block, std::move(envelope)};
+    std::shared_ptr<detail::PacketLink> unused;
+    (void)s.admit_locked(next, unused);
+    lock.unlock();
+    s.transmit(std::move(next), nullptr, nullptr);
+    return true;
+  }
   for (const auto& t : envelope.tensors) {
     if (!detail::ZeroCopyEnds::relays_as_is(t)) return false;  // staging could wait for a credit
   }
@@ -890,16 +1161,28 @@ void WorkerSite::stop() {
     if (t->joinable()) t->join();
   }
   std::vector<std::pair<std::uint64_t, std::uint32_t>> lost;
+  std::vector<std::pair<Impl::Key, std::weak_ptr<Impl>>> vias, forwarded;
+  std::deque<Outbound> outbound;
   {
     std::lock_guard lock(s.mu);
-    for (const auto& [key, block] : s.in_flight) lost.push_back(key);
+    for (const auto& [key, entry] : s.in_flight) {
+      lost.push_back(key);
+      if (!entry.via.expired()) vias.emplace_back(key, entry.via);
+    }
     for (const auto& o : s.outbound) lost.emplace_back(o.envelope.request_id, o.envelope.node);
+    forwarded.assign(s.pending_forwards.begin(), s.pending_forwards.end());
+    s.pending_forwards.clear();
+    s.forwards.clear();
     s.in_flight.clear();
-    s.outbound.clear();
+    outbound.swap(s.outbound);  // destroyed outside mu (placeholders' deleters)
     s.state = Impl::State::kStopped;
     s.pid = 0;
   }
-  s.fail_all(std::move(lost), absl::CancelledError(fmt::format("{} stopped", s.prefix())));
+  outbound.clear();
+  const absl::Status stopped = absl::CancelledError(fmt::format("{} stopped", s.prefix()));
+  Impl::forget_vias(vias);
+  s.fail_all(std::move(lost), stopped);
+  s.fail_forwarded(forwarded, stopped);
   {
     std::lock_guard lock(s.mu);
     s.link.reset();
@@ -934,6 +1217,8 @@ SiteStats WorkerSite::stats() const {
   out.data.received = s.received;
   out.data.depth = s.outbound.size();
   out.data.capacity = s.options.max_in_flight;
+  out.parked_outputs = s.parked_results;
+  out.direct_forwards = s.forwards_sent;
   return out;
 }
 
@@ -989,6 +1274,8 @@ std::int64_t WorkerSite::pid() const {
 
 namespace blockflow {
 std::string WorkerSite::result_endpoint() const { return impl_->result_endpoint; }
+std::string WorkerSite::peer_endpoint() const { return impl_->peer; }
+
 std::string WorkerSite::join_endpoint() const { return impl_->joined() ? impl_->control_endpoint : std::string(); }
 }  // namespace blockflow
 

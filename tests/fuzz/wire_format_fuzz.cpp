@@ -88,10 +88,19 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (!redecoded.ok() || *redecoded != *decoded) std::abort();
   std::vector<std::size_t> frames;
   const bool handles = (decoded->flags & wire::kFlagShmHandles) != 0;
+  const bool parked = (decoded->flags & wire::kFlagParked) != 0;
   for (const auto& t : decoded->tensors) {
-    frames.push_back(handles ? wire::kShmHandleBytes : static_cast<std::size_t>(t.byte_count));
+    frames.push_back(handles  ? wire::kShmHandleBytes
+                     : parked ? wire::kParkedRefBytes
+                              : static_cast<std::size_t>(t.byte_count));
   }
-  if (!wire::check_frames(*decoded, frames).ok()) std::abort();
+  // Frames as the flags say are accepted, unless the two kinds of reference are both claimed.
+  const absl::Status frames_status = wire::check_frames(*decoded, frames);
+  if (frames_status.ok() == (handles && parked)) std::abort();
+  if (!frames_status.ok() && !absl::IsInvalidArgument(frames_status)) std::abort();
+  // Parked-id lists (a drop's message) decode or fail cleanly and re-encode exactly.
+  auto ids = wire::decode_parked_ids(decoded->message.data(), decoded->message.size());
+  if (ids.ok() && wire::encode_parked_ids(*ids) != decoded->message) std::abort();
   // Release lists and handles decode or fail cleanly, whatever the bytes.
   auto releases = wire::decode_releases(decoded->message);
   if (releases.ok() && wire::encode_releases(*releases) != decoded->message) std::abort();

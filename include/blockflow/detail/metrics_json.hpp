@@ -24,7 +24,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(TorchCudaMemory, device, allocat
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(KpiSample, time_s, process, gpus, gpu_status, torch_cuda,
                                                 torch_cuda_status, energy_j)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteStats, name, kind, pid, restarts, failed_requests, in_flight,
-                                                malformed_frames, rss_idle_bytes, rss_bytes, data, shm_requests,
+                                                malformed_frames, parked_outputs, direct_forwards, rss_idle_bytes, rss_bytes, data, shm_requests,
                                                 shm_results, cuda_requests, cuda_results, kpi)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(BlockMetrics, name, kind, device, placement, workers,
                                                 intra_op_threads, processed, failed, batches, batched_requests, wait,

@@ -47,6 +47,7 @@ struct BlockRuntime {
 struct SiteRuntime {
   std::shared_ptr<RemoteSite> site;
   bool stop_when_empty = false;  ///< apply() stops it once it holds no block (factory and deployment sites)
+  std::string peer_endpoint;     ///< RemoteSite::peer_endpoint() once started (direct edges)
   std::vector<BlockRuntime*> blocks;
   absl::Mutex mu;
   absl::flat_hash_map<std::pair<std::uint64_t, std::uint32_t>, std::pair<std::shared_ptr<RequestState>, BlockRuntime*>>

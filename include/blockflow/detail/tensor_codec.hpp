@@ -42,6 +42,13 @@ struct EncodedMessage {
 absl::StatusOr<EncodedMessage> encode_message(wire::Header header, const Tensors& tensors,
                                              std::uint64_t* bytes_copied, const ShmStager* stager);
 
+/// Sends `header`, its tensor descriptors filled from `described`, followed by `frames` in place of
+/// the tensors' bytes: the kParkedRefBytes references of parked tensors (sets kFlagParked). The
+/// tensors themselves may be placeholders on the meta device.
+absl::StatusOr<bool> send_references(zmq::socket_t& socket, wire::Header header, const Tensors& described,
+                                     const std::vector<std::string>& frames,
+                                     zmq::send_flags flags = zmq::send_flags::none);
+
 /// A stager for `producer`: a tensor that already lies in a slot it leased (make_shm_allocator())
 /// crosses as its handle, nothing copied; any other is copied into a free slot, waiting up to
 /// `wait` for a credit.
@@ -64,8 +71,13 @@ struct DecodedMessage {
 /// Messages with kFlagShmHandles need a `resolver` (else they are rejected, named).
 using ShmResolver = std::function<absl::StatusOr<at::Tensor>(const wire::TensorDesc&, const wire::ShmHandle&,
                                                              at::ScalarType)>;
+/// Messages with kFlagParked need a `parked` resolver, which makes the tensor a reference frame
+/// stands for (else they are rejected, named).
+using ParkedResolver = std::function<absl::StatusOr<at::Tensor>(const wire::TensorDesc&, std::uint64_t id,
+                                                                at::ScalarType)>;
 absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& frames,
-                                              const ShmResolver* resolver = nullptr);
+                                              const ShmResolver* resolver = nullptr,
+                                              const ParkedResolver* parked = nullptr);
 /// A resolver building tensors over `consumer`'s mapped slots; `release` runs with the handle when
 /// such a tensor (and every view of it) dies, on whatever thread that happens.
 ShmResolver make_resolver(ShmConsumer& consumer, std::function<void(const wire::ShmHandle&)> release);
