@@ -31,6 +31,7 @@
 #include <iostream>
 #include <limits>
 #include <map>
+#include <random>
 #include <optional>
 #include <mutex>
 #include <set>
@@ -61,9 +62,13 @@ struct Reply {
 
 // Direct edges (channel "zmq"): outputs that the host asked us to keep, by id, until it says which
 // worker takes them (kForward) or that nobody will (kDrop). Bounded: beyond max_count entries or
-// max_bytes, outputs go back to the host as usual.
+// max_bytes, outputs go back to the host as usual; an output nobody asked for within kExpiry (a
+// lost drop) is forgotten. Ids start at a random base, so that a message meant for an earlier
+// process of this worker matches nothing here.
 class ParkedOutputs {
  public:
+  static constexpr std::int64_t kExpiryNs = 30'000'000'000;
+  ParkedOutputs() : next_id_((static_cast<std::uint64_t>(std::random_device{}()) << 32) | 1) {}
   void set_limits(std::size_t max_count, std::uint64_t max_bytes) {
     std::lock_guard lock(mu_);
     max_count_ = max_count;
@@ -77,11 +82,16 @@ class ParkedOutputs {
       bytes += t.nbytes();
     }
     std::lock_guard lock(mu_);
+    const std::int64_t now = now_ns();
+    while (!by_id_.empty() && by_id_.begin()->second.parked_ns < now - kExpiryNs) {  // ids grow with time
+      bytes_ -= by_id_.begin()->second.tensor.nbytes();
+      by_id_.erase(by_id_.begin());
+    }
     if (outputs.empty() || by_id_.size() + outputs.size() > max_count_ || bytes_ + bytes > max_bytes_) return std::nullopt;
     std::vector<std::uint64_t> ids;
     for (const auto& t : outputs) {
       ids.push_back(next_id_++);
-      by_id_.emplace(ids.back(), t);
+      by_id_.emplace(ids.back(), Entry{t, now});
     }
     bytes_ += bytes;
     return ids;
@@ -93,7 +103,7 @@ class ParkedOutputs {
     for (const auto id : ids) {
       auto it = by_id_.find(id);
       if (it == by_id_.end()) return std::nullopt;
-      out.push_back(it->second);
+      out.push_back(it->second.tensor);
     }
     if (release) drop_locked(ids);
     return out;
@@ -108,12 +118,16 @@ class ParkedOutputs {
     for (const auto id : ids) {
       auto it = by_id_.find(id);
       if (it == by_id_.end()) continue;
-      bytes_ -= it->second.nbytes();
+      bytes_ -= it->second.tensor.nbytes();
       by_id_.erase(it);
     }
   }
+  struct Entry {
+    at::Tensor tensor;
+    std::int64_t parked_ns = 0;
+  };
   std::mutex mu_;
-  std::map<std::uint64_t, at::Tensor> by_id_;
+  std::map<std::uint64_t, Entry> by_id_;
   std::uint64_t next_id_ = 1, bytes_ = 0, max_bytes_ = 0;
   std::size_t max_count_ = 0;
 };
@@ -250,7 +264,9 @@ class Worker {
                          config->value("max_parked_bytes", std::uint64_t{1} << 30));
     }
     sampler_.set(config->value("sampling", false), absl::Milliseconds(config->value("sampling_period_ms", 100)));
-    if (auto status = load(*config); !status.ok()) {
+    absl::Status status = link_ ? absl::OkStatus() : open_requests();
+    if (status.ok()) status = load(*config);
+    if (!status.ok()) {
       send_control({{"type", bf::detail::kLoadError}, {"message", std::string(std::string(status.message()))}});
       std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let the message leave
       return 1;
@@ -408,25 +424,26 @@ class Worker {
     return frames;
   }
 
-  void receiver_main() {
-    zmq::socket_t pull(context_, zmq::socket_type::pull);
-    if (!link_) {
-      pull.set(zmq::sockopt::linger, 0);
-      pull.set(zmq::sockopt::rcvtimeo, 100);
-      pull.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(bf::wire::kMaxTensorBytes));
-      pull.connect(args_.requests);
-      if (!peer_endpoint_.empty()) {
-        // Direct edges: other workers of this session send us requests here (same private directory).
-        try {
-          pull.bind(peer_endpoint_);
-        } catch (const zmq::error_t& e) {
-          std::cerr << fmt::format("blockflow-worker {}: no direct edges: cannot bind {}: {}\n", args_.name,
-                                   peer_endpoint_, e.what());
-        }
-      }
+  // Channel "zmq": the PULL socket for requests, from the host and (direct edges) from the other
+  // workers at our peer endpoint. Made here, used by the receiver thread only.
+  absl::Status open_requests() {
+    pull_ = zmq::socket_t(context_, zmq::socket_type::pull);
+    pull_.set(zmq::sockopt::linger, 0);
+    pull_.set(zmq::sockopt::rcvtimeo, 100);
+    pull_.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(bf::wire::kMaxTensorBytes));
+    try {
+      pull_.connect(args_.requests);
+      if (!peer_endpoint_.empty()) pull_.bind(peer_endpoint_);
+    } catch (const zmq::error_t& e) {
+      return absl::UnavailableError(fmt::format("cannot open the request endpoints ({}, {}): {}", args_.requests,
+                                                peer_endpoint_, e.what()));
     }
+    return absl::OkStatus();
+  }
+
+  void receiver_main() {
     while (!stopping_) {
-      auto next = next_request(pull);
+      auto next = next_request(pull_);
       if (!next) continue;
       const std::int64_t arrived = now_ns();
       if (!next->ok()) {
@@ -512,11 +529,11 @@ class Worker {
     }
   }
 
-  // The receiver thread's PUSH socket to another worker's peer endpoint (a handful per worker).
+  // The receiver thread's PUSH socket to another worker's peer endpoint (one per other worker of
+  // the session it forwards to).
   zmq::socket_t& peer_socket(const std::string& endpoint) {
     auto it = peers_.find(endpoint);
     if (it != peers_.end()) return it->second;
-    if (peers_.size() >= 64) peers_.clear();
     zmq::socket_t socket(context_, zmq::socket_type::push);
     socket.set(zmq::sockopt::linger, 0);
     socket.set(zmq::sockopt::sndhwm, 256);
@@ -554,7 +571,12 @@ class Worker {
       if (park) {
         // Kept here for the next worker on the path; the host gets their descriptions and ids.
         bf::Tensors kept;
-        for (const auto& t : r.outputs) kept.push_back(t.defined() ? t.contiguous() : t);
+        for (const auto& t : r.outputs) {
+          // A view keeps its whole storage alive: keep a copy of what it shows instead.
+          at::Tensor c = t.defined() ? t.contiguous() : t;
+          if (c.defined() && c.storage().nbytes() > c.nbytes()) c = c.clone();
+          kept.push_back(std::move(c));
+        }
         if (auto ids = parked_.park(kept)) {
           std::vector<std::string> references;
           for (const auto parked_id : *ids) references.push_back(bf::wire::encode_parked_ids({parked_id}));
@@ -614,6 +636,7 @@ class Worker {
   bool stopped_by_host_ = false;
   zmq::context_t context_{1};  // for the data sockets; the control socket is the launcher's
   zmq::socket_ref control_;
+  zmq::socket_t pull_;  // channel "zmq": requests (receiver thread)
   std::string config_text_;
   bf::Session session_;
   std::mutex hosted_mu_;

@@ -130,6 +130,7 @@ struct WorkerSite::Impl {
     wire::Header header;
     Tensors described;
     std::vector<std::string> references;
+    pid_t holder = 0;  // the worker process that holds the outputs
   };
   struct InFlight {
     std::string block;
@@ -378,12 +379,16 @@ struct WorkerSite::Impl {
                                                   stopping ? "stopped" : pid != holder ? "restarted" : "is down"));
       }
       pending_forwards[{f.header.request_id, f.header.node}] = std::move(consumer);
+      f.holder = holder;
       forwards.push_back(std::move(f));
     }
     changed.notify_all();
     return absl::OkStatus();
   }
   // Sender thread: kForwards, then drops for the live worker (the others' outputs died with them).
+  // Never blocks: a message the socket does not take now waits for the next round (1 ms later),
+  // and a kForward for a worker process that is gone fails its request instead of reaching the
+  // next one.
   void send_direct_edge_messages() {
     std::deque<Forward> now;
     pid_t live = 0;
@@ -392,18 +397,32 @@ struct WorkerSite::Impl {
       now.swap(forwards);
       live = pid;
     }
-    for (auto& f : now) {
+    while (!now.empty()) {
+      Forward& f = now.front();
       absl::Status status;
-      try {
-        auto sent = detail::send_references(push, f.header, f.described, f.references);
-        if (!sent.ok()) status = sent.status();
-      } catch (const zmq::error_t& e) {
-        status = absl::UnavailableError(e.what());
+      if (f.holder != live || live == 0) {
+        status = absl::UnavailableError(fmt::format("{} restarted or stopped", prefix()));
+      } else {
+        try {
+          auto sent = detail::send_references(push, f.header, f.described, f.references, zmq::send_flags::dontwait);
+          if (!sent.ok()) {
+            status = sent.status();
+          } else if (!*sent) {  // full: keep the order, try again shortly
+            std::lock_guard lock(mu);
+            while (!now.empty()) {
+              forwards.push_front(std::move(now.back()));
+              now.pop_back();
+            }
+            break;
+          }
+        } catch (const zmq::error_t& e) {
+          status = absl::UnavailableError(e.what());
+        }
       }
       std::shared_ptr<Impl> consumer;
       {
         std::lock_guard lock(mu);
-        ++forwards_sent;
+        if (status.ok()) ++forwards_sent;
         if (!status.ok()) {
           auto it = pending_forwards.find({f.header.request_id, f.header.node});
           if (it != pending_forwards.end()) {
@@ -412,12 +431,25 @@ struct WorkerSite::Impl {
           }
         }
       }
+      if (!status.ok() && (f.header.flags & wire::kFlagReleaseAfter) != 0) {
+        for (const auto& t : f.described) {  // not sent: the worker still holds them
+          if (ParkedRef* ref = parked_ref_of(t)) ref->consumed.store(false, std::memory_order_release);
+        }
+      }
+      const Key key{f.header.request_id, f.header.node};
+      now.pop_front();  // placeholders die here (drops queued unless consumed)
       if (consumer) {
-        consumer->complete_error(f.header.request_id, f.header.node,
+        consumer->complete_error(key.first, key.second,
                                  absl::UnavailableError(fmt::format("{}: cannot forward its parked output: {}", prefix(),
                                                                     std::string(status.message()))));
       }
     }
+    bool blocked = false;
+    {
+      std::lock_guard lock(mu);
+      blocked = !forwards.empty();
+    }
+    if (blocked) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     if (!drops_pending.exchange(false, std::memory_order_acq_rel)) return;
     std::vector<std::pair<std::uint64_t, pid_t>> taken;
     {
@@ -435,7 +467,8 @@ struct WorkerSite::Impl {
       h.message = wire::encode_parked_ids(
           {ids.begin() + static_cast<std::ptrdiff_t>(at), ids.begin() + static_cast<std::ptrdiff_t>(std::min(ids.size(), at + kIdsPerMessage))});
       try {
-        (void)detail::send_message(push, h, {});
+        auto sent = detail::send_message(push, h, {}, zmq::send_flags::dontwait);
+        if (!sent.ok() || !*sent) return;  // full: the worker lets its outputs expire
       } catch (const zmq::error_t&) {
         return;  // the worker is going away; its parked outputs with it
       }
@@ -783,8 +816,13 @@ struct WorkerSite::Impl {
     if (shm()) {
       status = to ? detail::send_packet(*to, header, next.envelope.tensors, &copied, stager)
                   : absl::UnavailableError("its data link is down");
-    } else if (pid_t holder = 0; auto owner = parked_owner(next.envelope.tensors, &holder)) {
-      status = forward_from(*owner, holder, std::move(header), std::move(next.envelope));
+    } else if (std::any_of(next.envelope.tensors.begin(), next.envelope.tensors.end(),
+                           [](const at::Tensor& t) { return parked_ref_of(t) != nullptr; })) {
+      // Not on `push`: this may be any thread (try_run()).
+      pid_t holder = 0;
+      auto owner = parked_owner(next.envelope.tensors, &holder);
+      status = owner ? forward_from(*owner, holder, std::move(header), std::move(next.envelope))
+                     : absl::UnavailableError("its input is parked in a worker that is gone, or split between workers");
     } else {
       if (next.envelope.outputs_may_stay && !peer.empty()) header.flags |= wire::kFlagParkOutputs;
       try {
@@ -825,7 +863,18 @@ struct WorkerSite::Impl {
     if (last) header.flags |= wire::kFlagReleaseAfter;
     f.header = std::move(header);
     f.described = std::move(envelope.tensors);
-    return owner.enqueue_forward(std::move(f), holder, self);
+    const Key key{f.header.request_id, f.header.node};
+    auto status = owner.enqueue_forward(std::move(f), holder, self);
+    if (status.ok()) {
+      // Failed meanwhile (our worker died after admitting it): the owner need not remember it.
+      bool gone = false;
+      {
+        std::lock_guard lock(mu);
+        gone = in_flight.count(key) == 0;
+      }
+      if (gone) forget_vias({{key, owner.self}});
+    }
+    return status;
   }
 
   // Reports an error for one in-flight request unless it was already reported.
@@ -929,6 +978,7 @@ struct WorkerSite::Impl {
 
   void on_malformed(std::optional<std::uint64_t> id, const absl::Status& why) {
     std::vector<std::pair<std::uint64_t, std::uint32_t>> affected;
+    std::vector<std::pair<Key, std::weak_ptr<Impl>>> vias;
     {
       std::lock_guard lock(mu);
       ++malformed;
@@ -936,6 +986,7 @@ struct WorkerSite::Impl {
         for (auto it = in_flight.begin(); it != in_flight.end();) {
           if (it->first.first == *id) {
             affected.push_back(it->first);
+            if (!it->second.via.expired()) vias.emplace_back(it->first, it->second.via);
             in_flight.erase(it++);
           } else {
             ++it;
@@ -943,6 +994,7 @@ struct WorkerSite::Impl {
         }
       }
     }
+    forget_vias(vias);
     std::cerr << fmt::format("blockflow: {}: malformed result frame dropped: {}\n", prefix(), std::string(why.message()));
     fail_all(std::move(affected),
              absl::DataLossError(fmt::format("{} sent a malformed result: {}", prefix(), std::string(why.message()))));
@@ -972,7 +1024,8 @@ struct WorkerSite::Impl {
     }
     push = zmq::socket_t(context, zmq::socket_type::push);
     push.set(zmq::sockopt::linger, 0);
-    push.set(zmq::sockopt::sndhwm, static_cast<int>(options.max_in_flight) + 1);
+    // Credits bound the data messages; kForward and kDrop (direct edges) share the pipe.
+    push.set(zmq::sockopt::sndhwm, static_cast<int>(4 * options.max_in_flight) + 16);
     pull = zmq::socket_t(context, zmq::socket_type::pull);
     pull.set(zmq::sockopt::linger, 0);
     pull.set(zmq::sockopt::rcvtimeo, 100);
