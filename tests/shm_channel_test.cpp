@@ -398,6 +398,28 @@ TEST_CASE("shm workers: without credits a kReject block fails the request at onc
   CHECK(session.metrics().sites.at(0).shm_requests.credit_waits >= 1);
 }
 
+TEST_CASE("shm workers: a request whose tensors cannot all be staged gives back the slots it took", "[shm]") {
+  WorkerOptions o = test::test_worker("w1", "shm");
+  o.shm_slots_per_pool = 2;
+  o.shm_max_bytes = 3u << 20;  // the host's pool: 2 slots of 1 MB
+  BlockDescription block = test::plugin_block("affine", "affine", "w1");
+  block.options.full_policy = FullPolicy::kReject;  // staging never waits for a credit
+  Session session;
+  session.add_site(make_worker(o)).add_block(block).add_path(Path::chain("t", {"affine"}));
+  test::require_started(session);
+  // Three inputs, two slots: the third cannot be staged, and the two staged ones must come back.
+  Result r = session.submit("t", Tensors{at::ones({1000}), at::ones({1000}), at::ones({1000})}).get();
+  REQUIRE_FALSE(r.ok());
+  CHECK_THAT(std::string(r.status.message()), Contains("tensor 2") && Contains("no free shared-memory slot"));
+  CHECK(session.metrics().sites.at(0).shm_requests.slots_in_use == 0);
+  for (int i = 0; i < 3; ++i) {
+    Result ok = session.submit("t", at::full({1000}, i)).get();
+    INFO(ok.status.ToString());
+    REQUIRE(ok.ok());
+    CHECK(at::equal(ok.output(), at::full({1000}, 3.0 * i + 1)));
+  }
+}
+
 TEST_CASE("a tensor allocated in a slot crosses as its handle: no copy at the producer either", "[shm]") {
   Edge edge;
   const ShmAllocator allocate = make_shm_allocator(edge.producer, absl::Milliseconds(50));

@@ -38,7 +38,7 @@ absl::StatusOr<at::ScalarType> from_wire_dtype(wire::DType type) {
 }
 
 absl::StatusOr<EncodedMessage> encode_message(wire::Header header, const Tensors& tensors, std::uint64_t* bytes_copied,
-                                             const ShmStager* stager) {
+                                             const ShmStager* stager, const ShmUnstager* unstage) {
   EncodedMessage out;
   out.tensors.reserve(tensors.size());
   header.tensors.clear();
@@ -66,10 +66,14 @@ absl::StatusOr<EncodedMessage> encode_message(wire::Header header, const Tensors
     for (std::size_t i = 0; i < out.tensors.size(); ++i) {
       auto handle = (*stager)(out.tensors[i]);
       if (!handle.ok()) {
+        if (unstage != nullptr) {
+          for (const auto& staged : out.staged) (*unstage)(staged);  // this message will not carry them
+        }
         return absl::Status(handle.status().code(),
                             fmt::format("tensor {}: {}", i, std::string(handle.status().message())));
       }
       out.handles.push_back(wire::encode_shm_handle(*handle));
+      out.staged.push_back(*handle);
     }
     out.tensors.clear();  // the handles stand for them (the stager keeps what must stay alive)
   }
@@ -86,7 +90,8 @@ absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, co
   }
   auto encoded = encode_message(std::move(header), tensors, bytes_copied, stager);
   if (!encoded.ok()) return encoded.status();
-  auto& [encoded_header, handles, owned] = *encoded;
+  auto& [encoded_header, handles, staged, owned] = *encoded;
+  (void)staged;
   const std::size_t parts = handles.size() + owned.size();
   auto sent = socket.send(zmq::buffer(encoded_header), parts > 0 ? (flags | zmq::send_flags::sndmore) : flags);
   if (!sent) return false;
@@ -123,15 +128,19 @@ absl::StatusOr<bool> send_references(zmq::socket_t& socket, wire::Header header,
 }
 
 absl::Status send_packet(PacketLink& link, wire::Header header, const Tensors& tensors, std::uint64_t* bytes_copied,
-                         const ShmStager* stager) {
+                         const ShmStager* stager, const ShmUnstager* unstage) {
   if (stager == nullptr && !tensors.empty()) {
     return absl::InvalidArgumentError("the data link carries handles, not tensor bytes: a stager is needed");
   }
-  auto encoded = encode_message(std::move(header), tensors, bytes_copied, stager);
+  auto encoded = encode_message(std::move(header), tensors, bytes_copied, stager, unstage);
   if (!encoded.ok()) return encoded.status();
   std::vector<std::string_view> frames{encoded->header};
   for (const auto& h : encoded->handles) frames.emplace_back(h);
-  return link.send(frames);
+  absl::Status sent = link.send(frames);
+  if (!sent.ok() && unstage != nullptr) {
+    for (const auto& staged : encoded->staged) (*unstage)(staged);  // the consumer never saw them
+  }
+  return sent;
 }
 
 absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& frames, const ShmResolver* resolver,

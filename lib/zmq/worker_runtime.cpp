@@ -240,6 +240,7 @@ class Worker {
         bf::detail::install_slot_allocator(ends_->shared_host_pool(), pool.min_slot_bytes / 2);
       }
       stager_ = ends_->stager(absl::Seconds(10));
+      unstage_ = [ends = ends_.get()](const bf::wire::ShmHandle& h) { (void)ends->release(h); };
       // Handles and releases travel on the data link, not on the ZeroMQ data sockets.
       auto link = bf::detail::PacketLink::connect(config->value("data_link", ""));
       if (!link.ok()) {
@@ -592,7 +593,7 @@ class Worker {
   void reply(Reply&& r) {
     if (!link_) return replies_->push(std::move(r));
     transmit(r, [&](const bf::wire::Header& h, const bf::Tensors& t, const bf::detail::ShmStager* stager) {
-      return bf::detail::send_packet(*link_, h, t, nullptr, stager);
+      return bf::detail::send_packet(*link_, h, t, nullptr, stager, &unstage_);
     });
   }
 
@@ -616,7 +617,7 @@ class Worker {
     }
     while (auto next = replies_->pop()) {
       transmit(*next, [&](const bf::wire::Header& h, const bf::Tensors& t, const bf::detail::ShmStager* stager) {
-        if (link_) return bf::detail::send_packet(*link_, h, t, nullptr, stager);
+        if (link_) return bf::detail::send_packet(*link_, h, t, nullptr, stager, &unstage_);
         auto sent = next->references.empty()
                         ? bf::detail::send_message(push, h, t, zmq::send_flags::none, nullptr, stager)
                         : bf::detail::send_references(push, h, t, next->references);
@@ -655,6 +656,7 @@ class Worker {
   std::shared_ptr<bf::detail::PacketLink> link_;     // their data link (set before the threads start)
   absl::Duration receive_spin_;
   bf::detail::ShmStager stager_;
+  bf::detail::ShmUnstager unstage_;  // staged for a reply that was not sent: back to our pool
   bf::detail::ShmResolver resolver_;
   bf::KpiSampler sampler_;  // off unless the session switches sampling on
   // Direct edges (channel "zmq", a child worker): our endpoint for other workers' requests, the

@@ -207,6 +207,7 @@ struct WorkerSite::Impl {
   std::unique_ptr<detail::ZeroCopyEnds> ends;
   detail::ShmStager stager, stager_no_wait;
   detail::ShmResolver resolver;
+  detail::ShmUnstager unstage;  // staged for a request that was not sent: back to our pool
   std::shared_ptr<ReleaseQueue> releases = std::make_shared<ReleaseQueue>();
   ShmEdgeStats shm_results, cuda_results;
   KpiSample kpi;
@@ -261,6 +262,7 @@ struct WorkerSite::Impl {
       stager = ends->stager(absl::Seconds(10));
       stager_no_wait = ends->stager(absl::ZeroDuration());
       resolver = ends->resolver([queue = releases](const wire::ShmHandle& h) { queue->push(h); });
+      unstage = [this](const wire::ShmHandle& h) { (void)ends->release(h); };
     }
     return absl::OkStatus();
   }
@@ -814,7 +816,7 @@ struct WorkerSite::Impl {
     absl::Status status;
     std::uint64_t copied = 0;
     if (shm()) {
-      status = to ? detail::send_packet(*to, header, next.envelope.tensors, &copied, stager)
+      status = to ? detail::send_packet(*to, header, next.envelope.tensors, &copied, stager, &unstage)
                   : absl::UnavailableError("its data link is down");
     } else if (std::any_of(next.envelope.tensors.begin(), next.envelope.tensors.end(),
                            [](const at::Tensor& t) { return parked_ref_of(t) != nullptr; })) {

@@ -27,20 +27,28 @@ using ShmStager = std::function<absl::StatusOr<wire::ShmHandle>(const at::Tensor
 absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, const Tensors& tensors,
                                   zmq::send_flags flags = zmq::send_flags::none, std::uint64_t* bytes_copied = nullptr,
                                   const ShmStager* stager = nullptr);
+/// Gives a staged handle back to its producer (ZeroCopyEnds::release()): for handles staged for a
+/// message that is not sent after all.
+using ShmUnstager = std::function<void(const wire::ShmHandle&)>;
 /// Sends the same message as one packet on a zero-copy channel's data link: every tensor as its
-/// handle (a `stager` is needed when there are tensors). Thread-safe as PacketLink::send().
+/// handle (a `stager` is needed when there are tensors). Thread-safe as PacketLink::send(). When a
+/// tensor cannot be staged or the packet cannot be sent, the handles staged for it go back through
+/// `unstage` (else they stay leased until the consumer's death reclaims them).
 absl::Status send_packet(PacketLink& link, wire::Header header, const Tensors& tensors,
-                         std::uint64_t* bytes_copied = nullptr, const ShmStager* stager = nullptr);
+                         std::uint64_t* bytes_copied = nullptr, const ShmStager* stager = nullptr,
+                         const ShmUnstager* unstage = nullptr);
 
 /// What send_message() and send_packet() put on the wire: the encoded header, then the handles
 /// (with a stager) or the contiguous tensors whose bytes follow.
 struct EncodedMessage {
   std::string header;
   std::vector<std::string> handles;
+  std::vector<wire::ShmHandle> staged;  ///< the handles, decoded
   std::vector<at::Tensor> tensors;
 };
 absl::StatusOr<EncodedMessage> encode_message(wire::Header header, const Tensors& tensors,
-                                             std::uint64_t* bytes_copied, const ShmStager* stager);
+                                             std::uint64_t* bytes_copied, const ShmStager* stager,
+                                             const ShmUnstager* unstage = nullptr);
 
 /// Sends `header`, its tensor descriptors filled from `described`, followed by `frames` in place of
 /// the tensors' bytes: the kParkedRefBytes references of parked tensors (sets kFlagParked). The
