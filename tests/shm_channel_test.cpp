@@ -398,6 +398,31 @@ TEST_CASE("shm workers: without credits a kReject block fails the request at onc
   CHECK(session.metrics().sites.at(0).shm_requests.credit_waits >= 1);
 }
 
+TEST_CASE("shm workers: a worker whose data link breaks while it lives is restarted; traffic flows", "[shm]") {
+  auto site = make_worker(test::test_worker("w1", "shm"));
+  Session session;
+  session.add_site(site)
+      .add_block(test::plugin_block("cut", "cut_data_link", "w1"))
+      .add_block(test::plugin_block("affine", "affine", "w1"))
+      .add_path(Path::chain("cut", {"cut"}))
+      .add_path(Path::chain("t", {"affine"}));
+  test::require_started(session);
+  const std::int64_t first_pid = site->pid();
+  // Its answer cannot leave: the request fails, naming the worker and why, once it is killed.
+  Result cut = session.submit("cut", at::ones({4})).get();
+  REQUIRE_FALSE(cut.ok());
+  CHECK_THAT(std::string(cut.status.message()), Contains("worker w1 lost its data link"));
+  CHECK(test::eventually([&] { return site->pid() != 0 && site->pid() != first_pid; }, std::chrono::milliseconds(20000)));
+  Result r;
+  CHECK(test::eventually([&] {
+    r = session.submit("t", at::ones({4})).get();
+    return r.ok();
+  }, std::chrono::milliseconds(20000)));
+  REQUIRE(r.ok());
+  CHECK(at::equal(r.output(), at::full({4}, 4.0)));
+  CHECK(session.metrics().sites.at(0).restarts == 1);
+}
+
 TEST_CASE("shm workers: a request whose tensors cannot all be staged gives back the slots it took", "[shm]") {
   WorkerOptions o = test::test_worker("w1", "shm");
   o.shm_slots_per_pool = 2;

@@ -189,6 +189,8 @@ struct WorkerSite::Impl {
   std::int64_t rss_idle = 0, rss = 0;
   bool loaded = false;              // the worker said "loaded"; ready once its data link is up too
   std::shared_ptr<detail::PacketLink> link;  // zero-copy channels: the live worker's data link
+  std::int64_t link_lost_ns = 0;             // when it closed while the worker was still ready
+  static constexpr std::int64_t kLinkGraceNs = 500'000'000;  // to exit by itself before we kill it
   std::deque<Outbound> outbound;
   absl::flat_hash_map<Key, InFlight> in_flight;
   // Direct edges. `peer`: our worker's endpoint for other workers (empty: none). As the site whose
@@ -327,6 +329,7 @@ struct WorkerSite::Impl {
     identity.clear();
     loaded = false;
     link.reset();
+    link_lost_ns = 0;
     state = State::kStarting;
     kill_cause.clear();
     start_deadline_ns = now_ns() + absl::ToInt64Nanoseconds(options.start_timeout);
@@ -517,6 +520,7 @@ struct WorkerSite::Impl {
       identity.clear();
       loaded = false;
       link.reset();
+      link_lost_ns = 0;
       cause = kill_cause.empty() ? what : kill_cause;
       for (const auto& [key, entry] : in_flight) {
         lost.push_back(key);
@@ -664,6 +668,10 @@ struct WorkerSite::Impl {
         death = kill_cause;
       } else if (state == State::kReady && now - last_heartbeat_ns > absl::ToInt64Nanoseconds(options.heartbeat_timeout)) {
         declare(fmt::format("missed heartbeats for {} ms", (now - last_heartbeat_ns) / 1000000));
+      } else if (state == State::kReady && link_lost_ns != 0 && now - link_lost_ns > kLinkGraceNs) {
+        // Its data link closed but the process lives on: it can take no request; start it anew.
+        link_lost_ns = 0;
+        declare("lost its data link");
       } else if (state == State::kStarting && now > start_deadline_ns) {
         declare(joined() ? fmt::format("did not join at {} within {}", control_endpoint,
                                        absl::FormatDuration(options.start_timeout))
@@ -929,9 +937,12 @@ struct WorkerSite::Impl {
       received = current->receive(0);
     }
     if (!received) return false;
-    if (received->closed) {  // the worker is going away; supervision tells how
+    if (received->closed) {  // the worker is going away; supervision tells how (or kills it)
       std::lock_guard lock(mu);
-      if (link == current) link.reset();
+      if (link == current) {
+        link.reset();
+        link_lost_ns = now_ns();
+      }
       return false;
     }
     if (!received->frames.ok()) {

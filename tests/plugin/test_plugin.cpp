@@ -3,7 +3,11 @@
 
 #include <ATen/ATen.h>
 
+#include <dirent.h>
+#include <sys/socket.h>
+
 #include <cstdlib>
+#include <string>
 #include <thread>
 
 #ifdef BLOCKFLOW_TEST_TORCH_CUDA
@@ -50,6 +54,27 @@ extern "C" void blockflow_register_blocks(blockflow::BlockRegistry& registry) {
         options);
   });
 #endif
+  // Fault injection: shuts down every SOCK_SEQPACKET socket of its process (a worker's data link
+  // to the session) while the process lives on, then returns its input.
+  registry.add("cut_data_link", [](const std::string& name, const blockflow::BlockOptions& options) {
+    return blockflow::Block::callable(
+        name,
+        [](blockflow::Tensors&& in) -> absl::StatusOr<blockflow::Tensors> {
+          if (DIR* fds = ::opendir("/proc/self/fd")) {
+            while (const dirent* e = ::readdir(fds)) {
+              const int fd = std::atoi(e->d_name);
+              int type = 0;
+              socklen_t len = sizeof type;
+              if (fd > 2 && ::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) == 0 && type == SOCK_SEQPACKET) {
+                ::shutdown(fd, SHUT_RDWR);
+              }
+            }
+            ::closedir(fds);
+          }
+          return blockflow::Tensors{in.at(0)};
+        },
+        options);
+  });
   // Kills its process while it is being built: a worker dying in the middle of loading.
   registry.add("abort_on_build", [](const std::string&, const blockflow::BlockOptions&) -> std::shared_ptr<blockflow::Block> {
     std::abort();
