@@ -4,6 +4,8 @@
 // through one worker, and kill -9 of the worker that holds the outputs.
 #include "worker_util.hpp"
 
+#include <blockflow/deployment.hpp>
+
 #include <csignal>
 
 using namespace blockflow;
@@ -146,4 +148,54 @@ TEST_CASE("direct edges: kill -9 of a worker holding or receiving parked outputs
       for (const auto& s : m.sites) CHECK(s.in_flight == 0);
     }
   }
+}
+
+TEST_CASE("direct edges: apply() removes the second worker of a chain under traffic; every request resolves", "[direct]") {
+  auto parse = [](const std::string& json) {
+    auto d = Deployment::parse(json);
+    INFO(d.status().ToString());
+    REQUIRE(d.ok());
+    return *d;
+  };
+  Session session;
+  add_deployment(session, parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"},
+                                               {"name": "c", "factory": "affine", "placement": "w2"}],
+                                    "tasks": {"t1": ["a"], "t3": ["a", "c"]}})"),
+                 zmq_worker(""));
+  test::require_started(session);
+  // t3 = c(a(x)) = 3(3x + 1) + 1: 13 for x = 1, its input to c parked in w1 each time.
+  std::atomic<int> sent{0}, ok{0}, refused{0}, other{0};
+  std::thread traffic([&] {
+    for (int i = 0; i < 2000 && refused < 5; ++i) {
+      Result r = session.submit("t3", at::full({64}, 1.0)).get();
+      ++sent;
+      if (r.ok() && at::equal(r.output(), at::full({64}, 13.0))) ++ok;
+      else if (!r.ok() && r.status.message().find("t3") != std::string::npos) ++refused;
+      else ++other;
+    }
+  });
+  while (ok.load() < 20) std::this_thread::sleep_for(1ms);
+  auto v1 = session.apply(parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"}],
+                                    "tasks": {"t1": ["a"]}})"));
+  INFO(v1.status().ToString());
+  REQUIRE(v1.ok());
+  traffic.join();
+  INFO("t3: sent " << sent << ", ok " << ok << ", refused " << refused << ", other " << other);
+  CHECK(other == 0);
+  CHECK(refused > 0);
+  auto m = session.metrics();
+  REQUIRE(m.sites.size() == 1);
+  CHECK(m.sites[0].direct_forwards >= 20);
+  CHECK(m.sites[0].in_flight == 0);
+  // c comes back in a new w2; the chain goes worker to worker again.
+  auto v2 = session.apply(parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"},
+                                               {"name": "c", "factory": "affine", "placement": "w2"}],
+                                    "tasks": {"t1": ["a"], "t3": ["a", "c"]}})"));
+  INFO(v2.status().ToString());
+  REQUIRE(v2.ok());
+  const std::uint64_t forwards = session.metrics().sites.at(0).direct_forwards;
+  Result r = session.submit("t3", at::full({2}, 0.0)).get();
+  REQUIRE(r.ok());
+  CHECK(at::equal(r.output(), at::full({2}, 4.0)));
+  CHECK(session.metrics().sites.at(0).direct_forwards == forwards + 1);
 }
