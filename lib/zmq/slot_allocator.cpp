@@ -46,17 +46,15 @@ class SlotAllocator final : public c10::Allocator {
     State& s = state();
     // Small allocations (most of them) and paused threads go straight to libtorch's allocator.
     if (bytes < s.min_bytes.load(std::memory_order_relaxed) || paused != 0) return s.fallback->allocate(bytes);
-    std::shared_ptr<ShmProducer> producer;
     {
+      // One lock section (the producer's own lock nests inside; lease drops never take ours).
       absl::MutexLock lock(&s.mu);
-      producer = s.producer;
-    }
-    if (producer) {
-      if (auto lease = producer->try_lease(bytes)) {
-        void* data = lease->data;
-        absl::MutexLock lock(&s.mu);
-        s.leases.emplace(data, *std::move(lease));
-        return {data, data, &delete_slot_or_fallback, c10::Device(c10::DeviceType::CPU)};
+      if (s.producer) {
+        if (auto lease = s.producer->try_lease(bytes)) {
+          void* data = lease->data;
+          s.leases.emplace(data, *std::move(lease));
+          return {data, data, &delete_slot_or_fallback, c10::Device(c10::DeviceType::CPU)};
+        }
       }
     }
     return s.fallback->allocate(bytes);

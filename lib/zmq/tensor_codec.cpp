@@ -81,19 +81,14 @@ absl::StatusOr<EncodedMessage> encode_message(wire::Header header, const Tensors
   return out;
 }
 
-absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, const Tensors& tensors,
-                                  zmq::send_flags flags, std::uint64_t* bytes_copied, const ShmStager* stager) {
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    if (tensors[i].defined() && tensors[i].device().is_meta()) {
-      return absl::InvalidArgumentError(fmt::format("tensor {} is a placeholder without bytes (meta device)", i));
-    }
-  }
-  auto encoded = encode_message(std::move(header), tensors, bytes_copied, stager);
-  if (!encoded.ok()) return encoded.status();
-  auto& [encoded_header, handles, staged, owned] = *encoded;
-  (void)staged;
+namespace {
+
+// The header, then the small frames (handles or parked references), then the tensors' bytes.
+bool send_encoded(zmq::socket_t& socket, const EncodedMessage& encoded, zmq::send_flags flags) {
+  const auto& handles = encoded.handles;
+  const auto& owned = encoded.tensors;
   const std::size_t parts = handles.size() + owned.size();
-  auto sent = socket.send(zmq::buffer(encoded_header), parts > 0 ? (flags | zmq::send_flags::sndmore) : flags);
+  auto sent = socket.send(zmq::buffer(encoded.header), parts > 0 ? (flags | zmq::send_flags::sndmore) : flags);
   if (!sent) return false;
   // Later parts of a multipart message never block once the first part was accepted.
   for (std::size_t i = 0; i < handles.size(); ++i) {
@@ -109,6 +104,20 @@ absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, co
   return true;
 }
 
+}  // namespace
+
+absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, const Tensors& tensors,
+                                  zmq::send_flags flags, std::uint64_t* bytes_copied, const ShmStager* stager) {
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].defined() && tensors[i].device().is_meta()) {
+      return absl::InvalidArgumentError(fmt::format("tensor {} is a placeholder without bytes (meta device)", i));
+    }
+  }
+  auto encoded = encode_message(std::move(header), tensors, bytes_copied, stager);
+  if (!encoded.ok()) return encoded.status();
+  return send_encoded(socket, *encoded, flags);
+}
+
 absl::StatusOr<bool> send_references(zmq::socket_t& socket, wire::Header header, const Tensors& described,
                                      const std::vector<std::string>& frames, zmq::send_flags flags) {
   if (frames.size() != described.size()) {
@@ -119,12 +128,9 @@ absl::StatusOr<bool> send_references(zmq::socket_t& socket, wire::Header header,
   // Placeholders (meta device) describe themselves; only send_message() must refuse them.
   auto encoded = encode_message(std::move(header), described, nullptr, nullptr);
   if (!encoded.ok()) return encoded.status();
-  auto sent = socket.send(zmq::buffer(encoded->header), frames.empty() ? flags : (flags | zmq::send_flags::sndmore));
-  if (!sent) return false;
-  for (std::size_t i = 0; i < frames.size(); ++i) {
-    (void)socket.send(zmq::buffer(frames[i]), i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
-  }
-  return true;
+  encoded->tensors.clear();  // the references stand for them
+  encoded->handles = frames;
+  return send_encoded(socket, *encoded, flags);
 }
 
 absl::Status send_packet(PacketLink& link, wire::Header header, const Tensors& tensors, std::uint64_t* bytes_copied,

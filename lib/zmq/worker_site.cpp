@@ -83,11 +83,6 @@ std::string with_any_port(const std::string& endpoint) {
 
 int port_of(const std::string& endpoint) { return std::stoi(endpoint.substr(endpoint.rfind(':') + 1)); }
 
-struct Outbound {
-  std::string block;
-  Envelope envelope;
-};
-
 // Handles of the worker's slots whose tensors died here, waiting for the sender to return them.
 // Shared with the tensors' deleters, which may run after the site is gone.
 struct ReleaseQueue {
@@ -149,18 +144,43 @@ struct WorkerSite::Impl {
     const c10::DataPtr& ptr = t.storage().data_ptr();
     return ptr.get_deleter() == &delete_parked ? static_cast<ParkedRef*>(ptr.get_context()) : nullptr;
   }
-  // The site whose worker holds every tensor of `tensors` parked (one worker process), or null.
-  static std::shared_ptr<Impl> parked_owner(const Tensors& tensors, pid_t* holder = nullptr) {
-    std::shared_ptr<Impl> owner;
+  // Where a request's input lies when placeholders stand for it (direct edges).
+  struct ParkedInput {
+    bool any = false;          // some tensor is a placeholder
+    std::weak_ptr<Impl> site;  // set when all are, parked by one worker process: its site...
+    pid_t holder = 0;          // ...and that process
+  };
+  static ParkedInput parked_input(const Tensors& tensors) {
+    ParkedInput in;
+    bool all = !tensors.empty();
     for (const auto& t : tensors) {
       ParkedRef* ref = parked_ref_of(t);
-      if (ref == nullptr) return nullptr;
-      auto o = ref->owner.lock();
-      if (!o || (owner && (o != owner || (holder != nullptr && *holder != ref->pid)))) return nullptr;
-      owner = std::move(o);
-      if (holder != nullptr) *holder = ref->pid;
+      if (ref == nullptr) {
+        all = false;
+        continue;
+      }
+      if (!in.any) {
+        in.any = true;
+        in.site = ref->owner;
+        in.holder = ref->pid;
+        continue;
+      }
+      const bool same_site = !ref->owner.owner_before(in.site) && !in.site.owner_before(ref->owner);
+      if (!same_site || ref->pid != in.holder) all = false;
     }
-    return owner;
+    if (!all) in.site.reset();
+    return in;
+  }
+  // A request waiting for (or being given to) the worker.
+  struct Outbound {
+    std::string block;
+    Envelope envelope;
+    ParkedInput parked;
+  };
+  static Outbound make_outbound(std::string block, Envelope&& envelope) {
+    envelope.local.reset();  // never crosses the process boundary
+    ParkedInput parked = parked_input(envelope.tensors);
+    return Outbound{std::move(block), std::move(envelope), std::move(parked)};
   }
 
   WorkerOptions options;
@@ -806,7 +826,7 @@ struct WorkerSite::Impl {
   // With mu held, for a ready worker with a credit: `next` counts as in flight from now on. Returns
   // its stager (zero-copy channels) and sets `to`, the data link to send it on.
   const detail::ShmStager* admit_locked(const Outbound& next, std::shared_ptr<detail::PacketLink>& to) {
-    in_flight[{next.envelope.request_id, next.envelope.node}] = {next.block, parked_owner(next.envelope.tensors)};
+    in_flight[{next.envelope.request_id, next.envelope.node}] = {next.block, next.parked.site};
     ++sent;
     to = link;
     return shm() ? stager_for(next.block) : nullptr;  // `blocks` changes with update()
@@ -826,12 +846,10 @@ struct WorkerSite::Impl {
     if (shm()) {
       status = to ? detail::send_packet(*to, header, next.envelope.tensors, &copied, stager, &unstage)
                   : absl::UnavailableError("its data link is down");
-    } else if (std::any_of(next.envelope.tensors.begin(), next.envelope.tensors.end(),
-                           [](const at::Tensor& t) { return parked_ref_of(t) != nullptr; })) {
+    } else if (next.parked.any) {
       // Not on `push`: this may be any thread (try_run()).
-      pid_t holder = 0;
-      auto owner = parked_owner(next.envelope.tensors, &holder);
-      status = owner ? forward_from(*owner, holder, std::move(header), std::move(next.envelope))
+      auto owner = next.parked.site.lock();
+      status = owner ? forward_from(*owner, next.parked.holder, std::move(header), std::move(next.envelope))
                      : absl::UnavailableError("its input is parked in a worker that is gone, or split between workers");
     } else {
       if (next.envelope.outputs_may_stay && !peer.empty()) header.flags |= wire::kFlagParkOutputs;
@@ -1152,7 +1170,7 @@ absl::Status WorkerSite::start(const std::vector<BlockDescription>& blocks, Comp
 
 void WorkerSite::run(const std::string& block, Envelope&& envelope) {
   Impl& s = *impl_;
-  envelope.local.reset();  // never crosses the process boundary
+  Impl::Outbound next = Impl::make_outbound(block, std::move(envelope));
   std::unique_lock lock(s.mu);
   s.changed.wait(lock, [&] {
     return s.stopping || s.state == Impl::State::kFailed || s.outbound.size() < s.options.max_in_flight;
@@ -1161,10 +1179,10 @@ void WorkerSite::run(const std::string& block, Envelope&& envelope) {
     const std::string why = s.stopping ? "stopped" : "down: " + s.cause;
     ++s.failed_requests;
     lock.unlock();
-    s.fail_all({{envelope.request_id, envelope.node}}, absl::UnavailableError(fmt::format("{} is {}", s.prefix(), why)));
+    s.fail_all({{next.envelope.request_id, next.envelope.node}},
+               absl::UnavailableError(fmt::format("{} is {}", s.prefix(), why)));
     return;
   }
-  Outbound next{block, std::move(envelope)};
   if (s.can_send_now_locked()) {
     // The data link takes any thread's packets: send from here, without waking the sender thread
     // (staging may wait for a credit: run() may block).
@@ -1184,14 +1202,15 @@ bool WorkerSite::try_run(const std::string& block, Envelope& envelope) {
   if (!s.shm()) {
     // Direct edges: a request whose input is parked in a worker costs this thread a small message
     // to that worker's site, never a wait.
-    if (s.peer.empty() || !Impl::parked_owner(envelope.tensors)) return false;
+    Impl::ParkedInput parked = Impl::parked_input(envelope.tensors);
+    if (s.peer.empty() || parked.site.expired()) return false;
     std::unique_lock lock(s.mu);
     if (s.stopping || !s.outbound.empty() || s.state != Impl::State::kReady ||
         s.in_flight.size() >= s.options.max_in_flight) {
       return false;
     }
-    envelope.local.reset();
-    Outbound next{block, std::move(envelope)};
+    envelope.local.reset();  // never crosses the process boundary
+    Impl::Outbound next{block, std::move(envelope), std::move(parked)};
     std::shared_ptr<detail::PacketLink> unused;
     (void)s.admit_locked(next, unused);
     lock.unlock();
@@ -1203,8 +1222,7 @@ bool WorkerSite::try_run(const std::string& block, Envelope& envelope) {
   }
   std::unique_lock lock(s.mu);
   if (s.stopping || !s.can_send_now_locked()) return false;
-  envelope.local.reset();  // never crosses the process boundary
-  Outbound next{block, std::move(envelope)};
+  Impl::Outbound next = Impl::make_outbound(block, std::move(envelope));
   std::shared_ptr<detail::PacketLink> to;
   const detail::ShmStager* stager = s.admit_locked(next, to);
   lock.unlock();
@@ -1228,7 +1246,7 @@ void WorkerSite::stop() {
   }
   std::vector<std::pair<std::uint64_t, std::uint32_t>> lost;
   std::vector<std::pair<Impl::Key, std::weak_ptr<Impl>>> vias, forwarded;
-  std::deque<Outbound> outbound;
+  std::deque<Impl::Outbound> outbound;
   {
     std::lock_guard lock(s.mu);
     for (const auto& [key, entry] : s.in_flight) {
