@@ -25,16 +25,26 @@ InProcessChannel::InProcessChannel(InProcessChannelOptions options) : options_(o
 
 InProcessChannel::~InProcessChannel() { close(); }
 
-SendOutcome InProcessChannel::send(Envelope&& envelope) {
+SendOutcome InProcessChannel::send(Envelope&& envelope, absl::Time deadline) {
   SendOutcome outcome;
   std::unique_lock lock(mu_);
   if (queue_.size() >= options_.capacity && !closed_) {
     switch (options_.full_policy) {
-      case FullPolicy::kBlock:
+      case FullPolicy::kBlock: {
+        auto room = [&] { return closed_ || queue_.size() < options_.capacity; };
         ++sleeping_senders_;
-        not_full_.wait(lock, [&] { return closed_ || queue_.size() < options_.capacity; });
+        if (deadline == absl::InfiniteFuture()) {
+          not_full_.wait(lock, room);
+        } else if (!not_full_.wait_until(lock, absl::ToChronoTime(deadline), room)) {
+          --sleeping_senders_;
+          outcome.status = absl::DeadlineExceededError(
+              fmt::format("queue full (capacity {}, policy block)", options_.capacity));
+          outcome.displaced = std::move(envelope);
+          return outcome;
+        }
         --sleeping_senders_;
         break;
+      }
       case FullPolicy::kReject:
         ++stats_.rejected;
         outcome.status = absl::ResourceExhaustedError(
@@ -70,6 +80,16 @@ std::optional<Envelope> InProcessChannel::pop_locked() {
   queue_.pop_front();
   ++stats_.received;
   size_.store(queue_.size(), std::memory_order_release);
+  return envelope;
+}
+
+std::optional<Envelope> InProcessChannel::try_receive() {
+  if (size_.load(std::memory_order_acquire) == 0) return std::nullopt;
+  std::unique_lock lock(mu_);
+  auto envelope = pop_locked();
+  const bool wake = envelope && sleeping_senders_ > 0;
+  lock.unlock();
+  if (wake) not_full_.notify_one();
   return envelope;
 }
 

@@ -185,6 +185,18 @@ std::string MetricsSnapshot::to_prometheus() const {
     e.add("blockflow_block_queue_dropped_total", "counter", "Requests evicted from a full queue (policy drop-oldest).", l,
           static_cast<double>(b.queue.dropped));
   }
+  for (const auto& lane : lanes) {
+    const Exposition::Labels l = {{"lane", std::to_string(lane.index)}};
+    e.add("blockflow_lane_runs_total", "counter", "Block work units (requests or batches) a compute lane ran.", l,
+          static_cast<double>(lane.runs));
+    e.add("blockflow_lane_tasks_total", "counter", "Warm-ups and run_on_lane() tasks a compute lane ran.", l,
+          static_cast<double>(lane.tasks));
+    e.add("blockflow_lane_inline_continuations_total", "counter",
+          "Next blocks a compute lane ran at once after the previous block of the request.", l,
+          static_cast<double>(lane.inline_continuations));
+    e.add("blockflow_lane_busy_seconds_total", "counter", "Time a compute lane spent running work.", l, lane.busy_s);
+    e.add("blockflow_lane_utilisation", "gauge", "Busy time of a compute lane over its lifetime.", l, lane.utilisation);
+  }
   for (const auto& p : paths) {
     const Exposition::Labels l = {{"path", p.task}};
     e.add("blockflow_path_submitted_total", "counter", "Requests submitted to a path (task).", l, static_cast<double>(p.submitted));

@@ -94,7 +94,7 @@ void SessionCore::add_path(Path path) {
 }
 
 // A block's input queue: its bound and full policy, the session's receive spin.
-std::unique_ptr<TensorChannel> SessionCore::make_inbox(const BlockOptions& options) const {
+std::unique_ptr<InProcessChannel> SessionCore::make_inbox(const BlockOptions& options) const {
   InProcessChannelOptions channel_options;
   channel_options.capacity = options.queue_capacity;
   channel_options.full_policy = options.full_policy;
@@ -104,6 +104,8 @@ std::unique_ptr<TensorChannel> SessionCore::make_inbox(const BlockOptions& optio
 
 absl::Status SessionCore::add_runtime(std::unique_ptr<BlockRuntime> runtime) {
   if (!runtime->inbox) runtime->inbox = make_inbox(runtime->description.options);
+  runtime->core = this;
+  runtime->max_lanes = std::max(1, runtime->description.options.workers);
   absl::MutexLock lock(&state_mu_);
   if (!block_by_name_.emplace(runtime->name(), runtime.get()).second) {
     return absl::InvalidArgumentError(fmt::format("two blocks are named '{}'", runtime->name()));
@@ -118,6 +120,8 @@ std::unique_ptr<BlockRuntime> SessionCore::make_runtime(std::shared_ptr<Block> b
   runtime->description.options = block->options();
   runtime->block = std::move(block);
   runtime->inbox = make_inbox(runtime->description.options);
+  runtime->core = const_cast<SessionCore*>(this);
+  runtime->max_lanes = std::max(1, runtime->description.options.workers);
   return runtime;
 }
 
@@ -205,13 +209,15 @@ absl::Status SessionCore::start() {
     return status;
   }
   started_ns_ = now_ns();
+  lanes_ = std::make_unique<ComputeLanes>(lane_options());
+  lanes_->start();
   if (auto status = start_sites(); !status.ok()) {
     shutdown(absl::ZeroDuration());
     return status;
   }
   std::vector<BlockRuntime*> all;
   for (auto& runtime : blocks_) all.push_back(runtime.get());
-  if (auto status = start_workers(all); !status.ok()) {
+  if (auto status = warm_up(all); !status.ok()) {
     shutdown(absl::ZeroDuration());
     return status;
   }
@@ -259,7 +265,7 @@ absl::Status SessionCore::start_sites() {
     if (auto status = start_site(*site); !status.ok()) return status;
   }
   for (auto& runtime : blocks_) {
-    if (runtime->site != nullptr) runtime->workers.emplace_back([this, rt = runtime.get()] { forward_to_site(*rt); });
+    if (runtime->site != nullptr) runtime->forwarder = std::thread([this, rt = runtime.get()] { forward_to_site(*rt); });
   }
   return absl::OkStatus();
 }
@@ -308,87 +314,106 @@ void SessionCore::on_site_completion(SiteRuntime& site, SiteCompletion&& c) {
   forward_outputs(state, static_cast<int>(c.node), *std::move(c.outputs), runtime);
 }
 
-absl::Status SessionCore::start_workers(const std::vector<BlockRuntime*>& runtimes) {
-  std::size_t total = 0;
-  for (const auto* runtime : runtimes) {
-    if (runtime->block) total += static_cast<std::size_t>(runtime->block->options().workers);
-  }
-  std::vector<absl::Status> warmup(total);
-  absl::BlockingCounter ready(static_cast<int>(total));
-  std::size_t k = 0;
-  for (auto* runtime : runtimes) {
-    if (!runtime->block) continue;
-    for (int i = 0; i < runtime->block->options().workers; ++i, ++k) {
-      absl::Status* slot = &warmup[k];
-      runtime->workers.emplace_back([this, rt = runtime, i, slot, &ready] { worker_main(*rt, i, slot, ready); });
+// Lanes: one OpenMP team size for the session (SessionOptions::intra_op_threads, else the largest
+// of its in-process blocks', else libtorch's default), and as many lanes as the cores hold teams.
+ComputeLanes::Options SessionCore::lane_options() const {
+  ComputeLanes::Options o;
+  o.intra_op_threads = options_.intra_op_threads;
+  if (o.intra_op_threads <= 0) {
+    o.intra_op_threads = 0;
+    for (const auto& runtime : blocks_) {
+      if (runtime->site == nullptr) o.intra_op_threads = std::max(o.intra_op_threads, runtime->description.options.intra_op_threads);
     }
   }
-  ready.Wait();
-  for (const auto& status : warmup) {
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  o.lanes = options_.lanes > 0 ? options_.lanes : std::max(1, cores / std::max(1, o.intra_op_threads > 0 ? o.intra_op_threads : cores));
+  o.spin = options_.receive_spin;
+  return o;
+}
+
+absl::Status SessionCore::warm_up_block(BlockRuntime& runtime) {
+  c10::InferenceMode inference_mode;
+  Block& block = *runtime.block;
+  const auto& options = block.options();
+  Tensors zeros;
+  for (auto shape : options.input_shapes) {
+    for (auto& d : shape) d = d < 0 ? 1 : d;
+    zeros.push_back(at::zeros(shape, at::TensorOptions().device(block.device())));
+  }
+  for (int run = 0; run < options.warmup_runs; ++run) {
+    auto out = guarded_forward(block, Tensors(zeros));
+    if (!out.ok()) return with_prefix(out.status(), "warm-up failed");
+  }
+  return absl::OkStatus();
+}
+
+// Each new in-process block with input shapes warms up on a lane, as its requests will run, the
+// blocks in parallel across lanes. Sites warm theirs up themselves.
+absl::Status SessionCore::warm_up(const std::vector<BlockRuntime*>& runtimes) {
+  std::vector<BlockRuntime*> todo;
+  for (auto* runtime : runtimes) {
+    if (runtime->block && !runtime->block->options().input_shapes.empty()) todo.push_back(runtime);
+  }
+  if (todo.empty()) return absl::OkStatus();
+  std::vector<absl::Status> statuses(todo.size());
+  absl::BlockingCounter done(static_cast<int>(todo.size()));
+  for (std::size_t i = 0; i < todo.size(); ++i) {
+    auto task = [this, &statuses, &todo, &done, i] {
+      statuses[i] = warm_up_block(*todo[i]);
+      done.DecrementCount();
+    };
+    // Called on a lane (apply() from a completion callback): warm up here rather than wait on it.
+    if (lanes_->current_lane() >= 0 || !lanes_->post(task)) task();
+  }
+  done.Wait();
+  for (const auto& status : statuses) {
     if (!status.ok()) return status;
   }
   return absl::OkStatus();
 }
 
-void SessionCore::worker_main(BlockRuntime& runtime, int index, absl::Status* warmup_status,
-                              absl::BlockingCounter& ready) {
-  name_thread(runtime.block->name(), index);
+void BlockRuntime::run_one() { core->run_block(*this, std::nullopt); }
+
+void SessionCore::run_block(BlockRuntime& runtime, std::optional<Envelope> first) {
+  if (!first) first = runtime.inbox->try_receive();
+  if (!first) return;  // another lane took it
   c10::InferenceMode inference_mode;
   Block& block = *runtime.block;
   const auto& options = block.options();
-  if (options.intra_op_threads > 0) {
-    // Set after the lazy initialisation, so this thread's OpenMP team keeps this size.
-    at::internal::lazy_init_num_threads();
-    at::set_num_threads(options.intra_op_threads);
-  }
-  if (!options.input_shapes.empty()) {
-    Tensors zeros;
-    for (auto shape : options.input_shapes) {
-      for (auto& d : shape) d = d < 0 ? 1 : d;
-      zeros.push_back(at::zeros(shape, at::TensorOptions().device(block.device())));
+  if (options.max_batch > 1) {
+    // Take what else waits, up to max_batch or until max_batch_delay_ms after the first arrived.
+    std::vector<Envelope> batch;
+    const absl::Time until = absl::FromUnixNanos(
+        absl::GetCurrentTimeNanos() +
+        std::max<std::int64_t>(0, first->sent_ns + static_cast<std::int64_t>(options.max_batch_delay_ms * 1e6) - now_ns()));
+    batch.push_back(std::move(*first));
+    while (static_cast<int>(batch.size()) < options.max_batch) {
+      auto more = runtime.inbox->receive(until);
+      if (!more) break;
+      batch.push_back(std::move(*more));
     }
-    for (int run = 0; run < options.warmup_runs && warmup_status->ok(); ++run) {
-      auto out = guarded_forward(block, Tensors(zeros));
-      if (!out.ok()) *warmup_status = with_prefix(out.status(), "warm-up failed");
-    }
-  }
-  ready.DecrementCount();
-  while (auto envelope = runtime.inbox->receive(absl::InfiniteFuture())) {
-    if (options.max_batch > 1) {
-      // Take what else waits, up to max_batch or until max_batch_delay_ms after the first arrived.
-      std::vector<Envelope> batch;
-      const absl::Time until = absl::FromUnixNanos(absl::GetCurrentTimeNanos() +
-                                                   std::max<std::int64_t>(0, envelope->sent_ns + static_cast<std::int64_t>(
-                                                       options.max_batch_delay_ms * 1e6) - now_ns()));
-      batch.push_back(std::move(*envelope));
-      while (static_cast<int>(batch.size()) < options.max_batch) {
-        auto more = runtime.inbox->receive(until);
-        if (!more) break;
-        batch.push_back(std::move(*more));
-      }
-      if (batch.size() > 1) {
-        std::vector<StatePtr> states;
-        for (const auto& e : batch) states.push_back(e.local);
-        try {
-          process_batch(runtime, std::move(batch));
-        } catch (const std::exception& e) {
-          for (auto& state : states) {
-            runtime.failed.fetch_add(1, std::memory_order_relaxed);
-            fail(state, absl::InternalError(fmt::format("block '{}': {}", block.name(), e.what())));
-          }
+    if (batch.size() > 1) {
+      std::vector<StatePtr> states;
+      for (const auto& e : batch) states.push_back(e.local);
+      try {
+        process_batch(runtime, std::move(batch));
+      } catch (const std::exception& e) {
+        for (auto& state : states) {
+          runtime.failed.fetch_add(1, std::memory_order_relaxed);
+          fail(state, absl::InternalError(fmt::format("block '{}': {}", block.name(), e.what())));
         }
-        continue;
       }
-      envelope = std::move(batch.front());
+      return;
     }
-    StatePtr state = envelope->local;
-    try {
-      process(runtime, std::move(*envelope));
-    } catch (const std::exception& e) {
-      // Nothing may escape a worker thread: the request fails, the worker keeps serving.
-      runtime.failed.fetch_add(1, std::memory_order_relaxed);
-      fail(state, absl::InternalError(fmt::format("block '{}': {}", block.name(), e.what())));
-    }
+    first = std::move(batch.front());
+  }
+  StatePtr state = first->local;
+  try {
+    process(runtime, std::move(*first));
+  } catch (const std::exception& e) {
+    // Nothing may escape a lane: the request fails, the lane keeps serving.
+    runtime.failed.fetch_add(1, std::memory_order_relaxed);
+    fail(state, absl::InternalError(fmt::format("block '{}': {}", block.name(), e.what())));
   }
 }
 
@@ -542,13 +567,44 @@ void SessionCore::deliver(const StatePtr& state, int node, int slot, Tensors&& t
 
 void SessionCore::hand_over(const PlanNode& target, Envelope&& envelope) {
   BlockRuntime* runtime = target.block;
-  // A block at a site with nothing queued before this request: the site may take it from this
-  // thread, sparing the forwarding thread's wake-up (RemoteSite::try_run()).
-  if (runtime != nullptr && runtime->site != nullptr && runtime->inbox->stats().depth == 0 &&
-      try_site_now(*runtime, envelope)) {
+  if (runtime->site != nullptr) {
+    // A block at a site with nothing queued before this request: the site may take it from this
+    // thread, sparing the forwarding thread's wake-up (RemoteSite::try_run()).
+    if (runtime->inbox->depth() == 0 && try_site_now(*runtime, envelope)) return;
+    return handle_displaced(runtime->inbox->send(std::move(envelope)), target);
+  }
+  // Run to completion: on a lane, a block with nothing queued before this request runs next on
+  // this same lane, once the current block is done (no queue, no wake-up, warm caches).
+  if (runtime->inbox->depth() == 0 && !runtime->inbox->closed() && lanes_->claim_next(*runtime)) {
+    envelope.sent_ns = now_ns();
+    runtime->handed_directly.fetch_add(1, std::memory_order_relaxed);
+    lanes_->run_next([this, runtime, e = std::move(envelope)]() mutable { run_block(*runtime, std::move(e)); });
     return;
   }
-  handle_displaced(target.channel->send(std::move(envelope)), target);
+  queue_on_lanes(*runtime, std::move(envelope), target);
+}
+
+void SessionCore::queue_on_lanes(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target) {
+  // A lane must not sleep on a full queue (with one lane nobody would empty it): it runs the full
+  // block's requests itself until there is room. Nested helping is bounded; beyond, it waits.
+  thread_local int helping = 0;
+  constexpr int kMaxHelpDepth = 8;
+  if (lanes_->current_lane() >= 0 && runtime.inbox->full_policy() == FullPolicy::kBlock && helping < kMaxHelpDepth) {
+    for (;;) {
+      SendOutcome outcome = runtime.inbox->send(std::move(envelope), absl::Now() + absl::Milliseconds(1));
+      if (!absl::IsDeadlineExceeded(outcome.status)) {
+        lanes_->notify(runtime);
+        return handle_displaced(std::move(outcome), target);
+      }
+      envelope = std::move(*outcome.displaced);
+      ++helping;
+      (void)lanes_->help(runtime);
+      --helping;
+    }
+  }
+  SendOutcome outcome = runtime.inbox->send(std::move(envelope));
+  lanes_->notify(runtime);
+  handle_displaced(std::move(outcome), target);
 }
 
 bool SessionCore::try_site_now(BlockRuntime& runtime, Envelope& envelope) {
@@ -602,8 +658,10 @@ void SessionCore::handle_displaced(SendOutcome&& outcome, const PlanNode& target
   if (outcome.status.ok()) {
     why = absl::ResourceExhaustedError(fmt::format("block '{}': dropped from its full input queue (policy drop-oldest)", block));
   } else if (absl::IsCancelled(outcome.status)) {
+    const std::string* removed = target.block->removed_why.load(std::memory_order_acquire);
     why = absl::CancelledError(stopped_.load() ? fmt::format("block '{}': session shut down before the request reached it", block)
-                                               : fmt::format("block '{}': removed by an update before the request reached it", block));
+                               : removed != nullptr ? fmt::format("block '{}': {}", block, *removed)
+                                                    : fmt::format("block '{}': removed by an update before the request reached it", block));
   } else {
     why = with_prefix(outcome.status, fmt::format("block '{}': input", block));
   }
@@ -744,9 +802,24 @@ MetricsSnapshot SessionCore::metrics() const {
     const std::uint64_t direct = runtime->handed_directly.load(std::memory_order_relaxed);
     b.queue.sent += direct;
     b.queue.received += direct;
+    if (direct > 0) b.queue.high_watermark = std::max<std::size_t>(b.queue.high_watermark, 1);
     snapshot.blocks.push_back(std::move(b));
   }
   for (const auto& site : sites_) snapshot.sites.push_back(site->site->stats());
+  if (lanes_) {
+    snapshot.lane_intra_op_threads = lanes_->intra_op_threads();
+    int index = 0;
+    for (const auto& c : lanes_->counters()) {
+      LaneMetrics lane;
+      lane.index = index++;
+      lane.runs = c.runs;
+      lane.tasks = c.tasks;
+      lane.inline_continuations = c.inline_continuations;
+      lane.busy_s = static_cast<double>(c.busy_ns) / 1e9;
+      lane.utilisation = c.alive_ns > 0 ? static_cast<double>(c.busy_ns) / static_cast<double>(c.alive_ns) : 0.0;
+      snapshot.lanes.push_back(lane);
+    }
+  }
   snapshot.sampling = sampler_.enabled();
   snapshot.sampling_period_s = absl::ToDoubleSeconds(sampler_.period());
   if (snapshot.sampling) snapshot.host = sampler_.latest();
@@ -770,10 +843,11 @@ MetricsSnapshot SessionCore::metrics() const {
 
 // Closes a block's queue, joins its threads and fails what was still queued, naming `why`.
 void SessionCore::stop_runtime(BlockRuntime& runtime, const std::string& why) {
+  runtime.removed_reason = why;  // before close(): whoever finds the queue closed reads it
+  runtime.removed_why.store(&runtime.removed_reason, std::memory_order_release);
   runtime.inbox->close();
-  for (auto& worker : runtime.workers) {
-    if (worker.joinable()) worker.join();
-  }
+  if (runtime.forwarder.joinable()) runtime.forwarder.join();
+  if (runtime.site == nullptr && lanes_) lanes_->quiesce(runtime);
   for (auto& envelope : runtime.inbox->drain()) {
     runtime.failed.fetch_add(1, std::memory_order_relaxed);
     fail(envelope.local, absl::CancelledError(fmt::format("block '{}': {}", runtime.name(), why)));
@@ -888,7 +962,7 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
   for (auto& runtime : fresh) {
     if (runtime->site == nullptr) starting.push_back(runtime.get());
   }
-  if (auto status = start_workers(starting); !status.ok()) {
+  if (auto status = warm_up(starting); !status.ok()) {
     for (auto* runtime : starting) stop_runtime(*runtime, "update rejected");
     return invalid(std::string(status.message()));
   }
@@ -931,7 +1005,7 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
     for (auto& [site, runtimes] : incoming) {
       const bool is_new = std::any_of(new_sites.begin(), new_sites.end(), [&](const auto& n) { return n.get() == site; });
       if (!is_new) site->blocks.insert(site->blocks.end(), runtimes.begin(), runtimes.end());
-      for (auto* runtime : runtimes) runtime->workers.emplace_back([this, runtime] { forward_to_site(*runtime); });
+      for (auto* runtime : runtimes) runtime->forwarder = std::thread([this, runtime] { forward_to_site(*runtime); });
     }
   }
   timing.load_ms += ms_since(t_warm);
@@ -1047,10 +1121,10 @@ void SessionCore::shutdown(absl::Duration drain) {
   while (in_flight_.load(std::memory_order_acquire) > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
   for (auto& runtime : blocks_) runtime->inbox->close();
   for (auto& runtime : blocks_) {
-    for (auto& worker : runtime->workers) {
-      if (worker.joinable()) worker.join();
-    }
+    if (runtime->forwarder.joinable()) runtime->forwarder.join();
+    if (runtime->site == nullptr && lanes_) lanes_->quiesce(*runtime);
   }
+  if (lanes_) lanes_->stop();  // runs what run_on_lane() still had queued
   for (auto& site : sites_) site->site->stop();  // fails, through completions, what is still inside
   for (auto& runtime : blocks_) {
     for (auto& envelope : runtime->inbox->drain()) {
@@ -1133,6 +1207,10 @@ void SessionCore::set_sampling(bool enabled, absl::Duration period) {
   for (const auto& site : sites_) site->site->set_sampling(enabled, period);
 }
 
+bool SessionCore::post_to_lane(std::function<void()> task) {
+  return admitting_.load() && lanes_ && lanes_->post(std::move(task));
+}
+
 void SessionCore::set_site_factory(Session::SiteFactory factory) {
   absl::MutexLock serial(&shutdown_mu_);
   site_factory_ = std::move(factory);
@@ -1140,5 +1218,7 @@ void SessionCore::set_site_factory(Session::SiteFactory factory) {
 }  // namespace detail
 
 void Session::shutdown(absl::Duration drain) { core_->shutdown(drain); }
+
+bool Session::post_to_lane(std::function<void()> task) { return core_->post_to_lane(std::move(task)); }
 
 }  // namespace blockflow

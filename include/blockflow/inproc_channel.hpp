@@ -29,8 +29,17 @@ class InProcessChannel final : public TensorChannel {
   explicit InProcessChannel(InProcessChannelOptions options = {});
   ~InProcessChannel() override;
 
-  SendOutcome send(Envelope&& envelope) override;
+  SendOutcome send(Envelope&& envelope) override { return send(std::move(envelope), absl::InfiniteFuture()); }
+  /// @brief send() that, with kBlock on a full queue, waits only until `deadline`: then
+  /// DeadlineExceeded, with the envelope back in `displaced`.
+  SendOutcome send(Envelope&& envelope, absl::Time deadline);
   std::optional<Envelope> receive(absl::Time deadline) override;
+  /// @brief The next envelope if one is queued (and the channel is open); never waits.
+  [[nodiscard]] std::optional<Envelope> try_receive();
+  /// @brief Envelopes queued now (no lock taken).
+  [[nodiscard]] std::size_t depth() const { return size_.load(std::memory_order_acquire); }
+  /// @brief What the queue does when it is full.
+  [[nodiscard]] FullPolicy full_policy() const { return options_.full_policy; }
   void close() override;
   std::vector<Envelope> drain() override;
   bool closed() const override;

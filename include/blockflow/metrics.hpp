@@ -25,8 +25,8 @@ struct BlockMetrics {
   std::string kind;    ///< "callable" or "torchscript"
   std::string device;
   std::string placement;  ///< "threads" or the name of the site (worker) running it
-  int workers = 0;
-  int intra_op_threads = 0;  ///< 0: libtorch's default
+  int workers = 0;           ///< at most this many lanes run the block at once
+  int intra_op_threads = 0;  ///< as asked for in its options (it runs with the lanes' setting)
   std::uint64_t processed = 0;  ///< forward() calls that returned outputs
   std::uint64_t failed = 0;     ///< requests that failed at this block
   std::uint64_t batches = 0;          ///< forward() calls that ran more than one request (batching)
@@ -34,6 +34,16 @@ struct BlockMetrics {
   LatencyStats wait, compute, overhead;
   double throughput_per_s = 0;  ///< processed / uptime
   ChannelStats queue;           ///< the block's input queue (depth = current depth)
+};
+
+/// @brief One compute lane of the session (docs/lanes.md), since it started.
+struct LaneMetrics {
+  int index = 0;
+  std::uint64_t runs = 0;                  ///< block work units run (a request, or a batch)
+  std::uint64_t tasks = 0;                 ///< warm-ups and Session::run_on_lane() tasks run
+  std::uint64_t inline_continuations = 0;  ///< next blocks run at once by the lane that ran the previous block
+  double busy_s = 0;                       ///< seconds spent running work
+  double utilisation = 0;                  ///< busy_s / the lane's lifetime
 };
 
 /// @brief Per-path (task) aggregates since the session started.
@@ -69,6 +79,8 @@ struct MetricsSnapshot {
   std::vector<BlockMetrics> blocks;
   std::vector<PathMetrics> paths;
   std::vector<SiteStats> sites;  ///< worker processes and other remote sites
+  std::vector<LaneMetrics> lanes;  ///< this process's compute lanes
+  int lane_intra_op_threads = 0;   ///< each lane's OpenMP team (0: libtorch's default)
 
   /// @brief JSON object; `indent` < 0 gives one line. Keys: docs/metrics.md.
   [[nodiscard]] std::string to_json(int indent = -1) const;

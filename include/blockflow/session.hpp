@@ -13,16 +13,26 @@
 #include <absl/status/status.h>
 #include <absl/time/time.h>
 
+#include <exception>
 #include <functional>
 #include <future>
 #include <memory>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace blockflow {
 
 /// @brief Session-wide settings.
 struct SessionOptions {
-  /// How long an idle block worker polls its queue before sleeping (see InProcessChannelOptions).
+  /// Compute lanes: the threads that run every block of this process (docs/lanes.md). 0: as many
+  /// as the cores hold teams of intra_op_threads (hardware threads / intra_op_threads, at least 1).
+  int lanes = 0;
+  /// libtorch intra-op threads of each lane (its one OpenMP team). 0: the largest
+  /// BlockOptions::intra_op_threads among the blocks this process runs at start(), or libtorch's
+  /// default when none sets one. Every block runs with the lanes' setting.
+  int intra_op_threads = 0;
+  /// How long an idle lane polls for work before it sleeps.
   absl::Duration receive_spin = absl::Microseconds(50);
 };
 
@@ -30,11 +40,11 @@ namespace detail {
 class SessionCore;
 }
 
-/// @brief Runs blocks in worker threads and routes each task's requests along its path.
+/// @brief Runs blocks on compute lanes and routes each task's requests along its path.
 ///
 /// Lifecycle: add_block()/add_path() describe the session; start() validates everything (unknown
 /// blocks, cycles, empty paths, ... are reported with the path and the problem), starts one input
-/// queue and BlockOptions::workers threads per block and warms blocks up; submit() may then be
+/// queue per block and the compute lanes, and warms blocks up on the lanes; submit() may then be
 /// called from any number of threads; shutdown() (also run by the destructor) stops admissions,
 /// lets in-flight requests finish for up to `drain`, then fails whatever is left with Cancelled.
 ///
@@ -123,11 +133,44 @@ class Session {
   void set_sampling(bool enabled, absl::Duration period = absl::Milliseconds(100));
 
   /// @brief Stops admissions, waits up to `drain` for in-flight requests, then cancels the rest
-  /// (each fails with Cancelled naming the block it was at), joins the workers and stops the sites.
-  /// Idempotent. Must not be called from a submit() callback (it joins the thread running it).
+  /// (each fails with Cancelled naming the block it was at), stops the lanes and the sites.
+  /// Idempotent. Must not be called from a submit() callback (it joins the lane running it).
   void shutdown(absl::Duration drain = absl::Seconds(5));
 
+  /// @brief Runs `fn` on one of the session's compute lanes, taking turns with the blocks, and
+  /// returns its result (or exception) through the future. For the application's own libtorch
+  /// work: on a lane it uses the lane's OpenMP team instead of making one more, so the process
+  /// stays within its cores (docs/lanes.md). Before start() or after shutdown() the future holds a
+  /// std::logic_error. `fn` must not wait on the session's requests (it would hold a lane).
+  /// @code
+  /// double ms = session.run_on_lane([&] { return my_model.forward({x}).toTensor().sum().item<double>(); }).get();
+  /// @endcode
+  template <class F>
+  [[nodiscard]] auto run_on_lane(F&& fn) -> std::future<std::invoke_result_t<std::decay_t<F>&>> {
+    using R = std::invoke_result_t<std::decay_t<F>&>;
+    auto promise = std::make_shared<std::promise<R>>();
+    auto future = promise->get_future();
+    auto task = [promise, f = std::make_shared<std::decay_t<F>>(std::forward<F>(fn))] {
+      try {
+        if constexpr (std::is_void_v<R>) {
+          (*f)();
+          promise->set_value();
+        } else {
+          promise->set_value((*f)());
+        }
+      } catch (...) {
+        promise->set_exception(std::current_exception());
+      }
+    };
+    if (!post_to_lane(std::move(task))) {
+      promise->set_exception(std::make_exception_ptr(std::logic_error("Session::run_on_lane(): the session is not running")));
+    }
+    return future;
+  }
+
  private:
+  bool post_to_lane(std::function<void()> task);
+
   std::unique_ptr<detail::SessionCore> core_;
 };
 

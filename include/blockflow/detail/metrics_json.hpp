@@ -32,9 +32,10 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(BlockMetrics, name, kind, device
                                                 throughput_per_s, queue)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(PathMetrics, task, active, submitted, completed, failed, e2e, wait, compute,
                                                 overhead, throughput_per_s)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(LaneMetrics, index, runs, tasks, inline_continuations, busy_s, utilisation)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(UpdateStats, version, blocks_added, blocks_removed, sites_started,
                                                 sites_stopped, load_ms, route_ms, drain_ms, total_ms)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(MetricsSnapshot, uptime_s, in_flight, version, last_update, sampling, sampling_period_s,
-                                                host, blocks, paths, sites)
+                                                host, blocks, paths, sites, lanes, lane_intra_op_threads)
 
 }  // namespace blockflow

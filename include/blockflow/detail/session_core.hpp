@@ -8,6 +8,8 @@
 #include <blockflow/metrics.hpp>
 #include <blockflow/path.hpp>
 #include <blockflow/session.hpp>
+#include <blockflow/inproc_channel.hpp>
+#include <blockflow/detail/compute_lanes.hpp>
 #include <blockflow/detail/histogram.hpp>
 #include <blockflow/detail/request_state.hpp>
 #include <blockflow/detail/routing.hpp>
@@ -18,6 +20,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -26,21 +29,32 @@ namespace blockflow::detail {
 
 struct SiteRuntime;
 
-/// A block as the session runs it: the block, its input channel, its worker threads (or, for a
-/// block placed at a remote site, the one thread that forwards its queue to the site), its counters.
-struct BlockRuntime {
+class SessionCore;
+
+/// A block as the session runs it: the block, its input queue, its counters. A block of this
+/// process runs on the session's compute lanes (LaneWork: at most BlockOptions::workers lanes at
+/// once); a block placed at a remote site has one thread that forwards its queue to the site.
+struct BlockRuntime final : LaneWork {
   std::shared_ptr<Block> block;     ///< null for a block placed at a remote site
   BlockDescription description;     ///< name, options and placement (set for every block)
-  SiteRuntime* site = nullptr;      ///< where it runs when not in this process's threads
-  std::unique_ptr<TensorChannel> inbox;
-  std::vector<std::thread> workers;
+  SiteRuntime* site = nullptr;      ///< where it runs when not on this process's lanes
+  SessionCore* core = nullptr;
+  std::unique_ptr<InProcessChannel> inbox;
+  std::thread forwarder;            ///< site blocks only
   Histogram wait, compute, overhead;
   std::atomic<std::uint64_t> processed{0};
   std::atomic<std::uint64_t> failed{0};
   std::atomic<std::uint64_t> batches{0}, batched_requests{0};
-  std::atomic<std::uint64_t> handed_directly{0};  ///< taken by the site without queueing (try_run())
+  /// Taken without queueing: by the site (try_run()), or run at once by the lane that ran the
+  /// request's previous block (an inline continuation).
+  std::atomic<std::uint64_t> handed_directly{0};
+  /// Why stop_runtime() closed the queue ("removed by update 3 ..."), for requests that find it closed.
+  std::string removed_reason;
+  std::atomic<const std::string*> removed_why{nullptr};
 
   [[nodiscard]] const std::string& name() const { return description.name; }
+  [[nodiscard]] bool has_work() const override { return inbox->depth() > 0 && !inbox->closed(); }
+  void run_one() override;
 };
 
 /// A remote site and the requests the session has handed to it, keyed by (request id, node).
@@ -77,6 +91,7 @@ class SessionCore {
   absl::StatusOr<std::uint64_t> apply(const Deployment& wanted, absl::Duration drain);
   void set_site_factory(Session::SiteFactory factory);
   void shutdown(absl::Duration drain);
+  bool post_to_lane(std::function<void()> task);
 
  private:
   using StatePtr = std::shared_ptr<RequestState>;
@@ -84,13 +99,19 @@ class SessionCore {
   absl::Status build();
   absl::Status add_runtime(std::unique_ptr<BlockRuntime> runtime);
   std::unique_ptr<BlockRuntime> make_runtime(std::shared_ptr<Block> block) const;
-  std::unique_ptr<TensorChannel> make_inbox(const BlockOptions& options) const;
-  absl::Status start_workers(const std::vector<BlockRuntime*>& runtimes);
+  std::unique_ptr<InProcessChannel> make_inbox(const BlockOptions& options) const;
+  absl::Status warm_up(const std::vector<BlockRuntime*>& runtimes);
+  absl::Status warm_up_block(BlockRuntime& runtime);
+  ComputeLanes::Options lane_options() const;
   void stop_runtime(BlockRuntime& runtime, const std::string& why);
   absl::StatusOr<std::shared_ptr<RoutingTable>> compile_table(
       const std::vector<Path>& paths, const std::function<BlockRuntime*(const std::string&)>& lookup,
       std::vector<std::unique_ptr<PathRuntime>>* new_path_runtimes);
-  void worker_main(BlockRuntime& runtime, int index, absl::Status* warmup_status, absl::BlockingCounter& ready);
+  friend struct BlockRuntime;
+  // One unit of a block's work on a lane: `first` (an inline continuation) or the next queued
+  // request, with what else waits when the block batches.
+  void run_block(BlockRuntime& runtime, std::optional<Envelope> first);
+  void queue_on_lanes(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target);
   void process(BlockRuntime& runtime, Envelope&& envelope);
   void process_batch(BlockRuntime& runtime, std::vector<Envelope>&& batch);
   void forward_to_site(BlockRuntime& runtime);
@@ -114,6 +135,7 @@ class SessionCore {
   std::vector<std::shared_ptr<Block>> pending_blocks_;
   std::vector<BlockDescription> pending_descriptions_;
   KpiSampler sampler_;  // this process's figures, off until set_sampling()
+  std::unique_ptr<ComputeLanes> lanes_;  // made and started by start(), stopped by shutdown()
   // Changed by start() and apply() under state_mu_ too; read by metrics() and set_sampling().
   std::vector<std::unique_ptr<SiteRuntime>> sites_;
   // Sites stopped by apply() once their last block went: kept for late references.
