@@ -41,6 +41,7 @@
 // to the next worker (WorkerOptions::direct_edges false), instead of going from worker to worker;
 // lines say which ("direct_edges", true only for zmq).
 
+#include "alone_process.hpp"
 #include "bench_util.hpp"
 
 #include <blockflow/blockflow.hpp>
@@ -48,6 +49,8 @@
 #include <blockflow/detail/clock.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <fmt/format.h>
 
 #include <fmt/ranges.h>
@@ -63,8 +66,80 @@
 
 namespace bf = blockflow;
 
+// host_app: the application's own monolithic model next to a started, idle session of the four
+// blocks in threads, against the same model in a clean process of its own, in alternating rounds.
+// --app-on lane: the application runs its model through Session::run_on_lane() (what docs/lanes.md
+// tells it to do; timed around the whole call); --app-on thread: on its own thread, with its own
+// OpenMP team of --threads (the process then holds more OpenMP threads than the lanes).
+int host_app(const std::string& models, int requests, int threads, int round, bool optimize, const std::string& app_on) {
+  if (app_on != "lane" && app_on != "thread") throw std::invalid_argument("--app-on lane|thread");
+  bf::Session session;
+  const std::vector<std::pair<std::string, std::vector<std::int64_t>>> blocks = {
+      {"block1", {1, 3, 224, 224}}, {"block2", {1, 256, 56, 56}}, {"block3", {1, 512, 28, 28}}, {"block4", {1, 1024, 14, 14}}};
+  for (const auto& [name, shape] : blocks) {
+    bf::BlockDescription d;
+    d.name = name;
+    d.torchscript = models + "/" + name + ".pt";
+    d.options.intra_op_threads = threads;
+    d.torchscript_options.optimize_for_inference = optimize;
+    d.options.input_shapes = {shape};
+    session.add_block(d);
+  }
+  session.add_path(bf::Path::chain("split", {"block1", "block2", "block3", "block4"}));
+  if (auto status = session.start(); !status.ok()) throw std::runtime_error(status.ToString());
+  bf::BlockDescription md;
+  md.name = "app_model";
+  md.torchscript = models + "/monolithic.pt";
+  md.torchscript_options.optimize_for_inference = optimize;
+  std::shared_ptr<bf::Block> app_model;
+  at::Tensor x;
+  auto load = [&] {
+    auto made = bf::make_block(md);
+    if (!made.ok()) throw std::runtime_error(made.status().ToString());
+    app_model = *made;
+    x = at::randn({1, 3, 224, 224});
+  };
+  auto forward = [&] {
+    c10::InferenceMode inference_mode;
+    if (!app_model->forward({x}).ok()) throw std::runtime_error("app model failed");
+  };
+  if (app_on == "lane") {
+    session.run_on_lane(load).get();
+  } else {
+    at::internal::lazy_init_num_threads();
+    at::set_num_threads(threads);
+    load();
+  }
+  auto timed = [&] {
+    const std::int64_t t0 = bf::detail::now_ns();
+    if (app_on == "lane") session.run_on_lane(forward).get();
+    else forward();
+    return static_cast<double>(bf::detail::now_ns() - t0) / 1e6;
+  };
+  for (int i = 0; i < 3; ++i) (void)timed();
+  bf::bench::AloneProcess alone(models + "/monolithic.pt", threads, {1, 3, 224, 224}, optimize);
+  const int skip = round > 2 ? 2 : 0;
+  std::vector<double> app_ms, alone_ms;
+  while (static_cast<int>(app_ms.size()) < requests || static_cast<int>(alone_ms.size()) < requests) {
+    for (int j = 0; j < round; ++j) {
+      const double ms = timed();
+      if (j >= skip && static_cast<int>(app_ms.size()) < requests) app_ms.push_back(ms);
+    }
+    const auto clean = alone.run(round);
+    for (int j = skip; j < round && static_cast<int>(alone_ms.size()) < requests; ++j) alone_ms.push_back(clean[static_cast<std::size_t>(j)]);
+  }
+  const double app = bf::bench::percentile(app_ms, 0.5), base = bf::bench::percentile(alone_ms, 0.5);
+  const auto m = session.metrics();
+  fmt::print("{{\"bench\":\"host_app\",\"app_on\":\"{}\",\"blocks\":4,\"threads\":{},\"lanes\":{},\"requests\":{},"
+             "\"app_p50_ms\":{:.3f},\"monolithic_alone_p50_ms\":{:.3f},\"ratio\":{:.4f},\"process_threads\":{},"
+             "\"hardware_threads\":{},\"cpu\":\"{}\"}}\n",
+             app_on, threads, m.lanes.size(), requests, app, base, app / base, bf::bench::process_threads(),
+             std::thread::hardware_concurrency(), bf::bench::cpu_model());
+  return 0;
+}
+
 int main(int argc, char** argv) try {
-  std::string models, mode = "threads", channel = "shm", device = "cpu";
+  std::string models, mode = "threads", channel = "shm", device = "cpu", model, shape, app_on = "lane";
   std::optional<std::string> worker_env;  // "K=V K=V": replaces WorkerOptions::environment
   int requests = 100, threads = 2, warmup = 5, round = 20;
   std::optional<int> spin_us;  // WorkerOptions::receive_spin
@@ -86,9 +161,18 @@ int main(int argc, char** argv) try {
     else if (a == "--outputs-in-slots") outputs_in_slots = std::stoi(v) != 0;
     else if (a == "--direct-edges") direct_edges = std::stoi(v) != 0;
     else if (a == "--optimize") optimize = std::stoi(v) != 0;
+    else if (a == "--model") model = v;      // --mode alone (the baseline process)
+    else if (a == "--shape") shape = v;      // --mode alone
+    else if (a == "--app-on") app_on = v;    // --mode host_app: lane | thread
     else throw std::invalid_argument("unknown argument " + a);
   }
+  if (mode == "alone") {
+    std::vector<std::int64_t> dims;
+    for (const auto& d : absl::StrSplit(shape, ',')) dims.push_back(std::stoll(std::string(d)));
+    return bf::bench::AloneProcess::serve(model, threads, dims, optimize);
+  }
   if (models.empty()) throw std::invalid_argument("usage: pipeline_bench --models DIR [--requests N] [--threads T]");
+  if (mode == "host_app") return host_app(models, requests, threads, round, optimize, app_on);
 
   const std::vector<std::pair<std::string, std::vector<std::int64_t>>> blocks = {
       {"block1", {1, 3, 224, 224}}, {"block2", {1, 256, 56, 56}}, {"block3", {1, 512, 28, 28}},
@@ -136,7 +220,8 @@ int main(int argc, char** argv) try {
     return 0;
   }
 
-  const bf::Tensor x = at::randn({1, 3, 224, 224});
+  // Made on a lane: this thread makes no OpenMP team of its own (docs/lanes.md).
+  const bf::Tensor x = session.run_on_lane([] { return at::randn({1, 3, 224, 224}); }).get();
   if (sampler_cost) {
     std::vector<double> off_ms, on_ms;
     for (int i = 0; i < warmup; ++i) (void)session.submit("split", x).get();
@@ -236,14 +321,24 @@ int main(int argc, char** argv) try {
         split_rps, mono_rps, hops_json());
     return 0;
   }
-  // Alternating rounds: `round` split requests, then `round` monolithic ones; the first 2 of each
-  // round are not counted (the other model's threads may still be spinning down).
+  // Alternating rounds: `round` split requests, then `round` monolithic ones in this session, then
+  // `round` in a clean process of its own (the baseline a user would run instead); the first 2 of
+  // each round are not counted (the other side's threads may still be spinning down).
   const int skip = round > 2 ? 2 : 0;
+  bf::bench::AloneProcess alone(models + "/monolithic.pt", threads, {1, 3, 224, 224}, optimize);
+  // The floor of any pipeline of these blocks: the four run one after the other, no session at all.
+  const std::string chain = fmt::format("{0}/block1.pt,{0}/block2.pt,{0}/block3.pt,{0}/block4.pt", models);
+  bf::bench::AloneProcess split_alone(chain, threads, {1, 3, 224, 224}, optimize);
+  std::vector<double> alone_ms, split_alone_ms;
   for (int i = 0; i < warmup; ++i) {
     (void)session.submit("split", x).get();
     (void)session.submit("whole", x).get();
   }
-  while (static_cast<int>(e2e_ms.size()) < requests || static_cast<int>(mono_ms.size()) < requests) {
+  auto keep = [&](std::vector<double>& into, int j, double ms) {
+    if (j >= skip && static_cast<int>(into.size()) < requests) into.push_back(ms);
+  };
+  while (static_cast<int>(e2e_ms.size()) < requests || static_cast<int>(mono_ms.size()) < requests ||
+         static_cast<int>(alone_ms.size()) < requests || static_cast<int>(split_alone_ms.size()) < requests) {
     for (int j = 0; j < round; ++j) {
       const bf::Result r = session.submit("split", x).get();
       if (!r.ok()) throw std::runtime_error(r.status.ToString());
@@ -255,19 +350,30 @@ int main(int argc, char** argv) try {
     for (int j = 0; j < round; ++j) {
       const bf::Result m = session.submit("whole", x).get();
       if (!m.ok()) throw std::runtime_error(m.status.ToString());
-      if (j < skip || static_cast<int>(mono_ms.size()) >= requests) continue;
-      mono_ms.push_back(m.trace.compute_ms());  // the model alone: its forward() time
+      keep(mono_ms, j, m.trace.compute_ms());  // the model in this session: its forward() time
     }
+    const auto clean = alone.run(round);
+    for (int j = 0; j < round; ++j) keep(alone_ms, j, clean[static_cast<std::size_t>(j)]);
+    const auto floor = split_alone.run(round);
+    for (int j = 0; j < round; ++j) keep(split_alone_ms, j, floor[static_cast<std::size_t>(j)]);
   }
   const Summary sum = summarize();
+  const double mono_alone = bf::bench::percentile(alone_ms, 0.5);
+  const double split_floor = bf::bench::percentile(split_alone_ms, 0.5);
+  const auto m = session.metrics();
   fmt::print(
       "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"threads_per_block\":{},\"requests\":{},"
-      "\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},\"round\":{},"
-      "\"worker_env\":\"{}\",\"outputs_in_slots\":{},\"direct_edges\":{},\"optimize_for_inference\":{},\"hardware_threads\":{},\"hops_us\":[{}]}}\n",
-      mode, channel_label, threads, requests, sum.e2e, sum.mono, sum.e2e / sum.mono, sum.overhead, round,
+      "\"e2e_p50_ms\":{:.3f},\"monolithic_alone_p50_ms\":{:.3f},\"ratio_alone\":{:.4f},\"ratio\":{:.4f},"
+      "\"split_alone_p50_ms\":{:.3f},\"split_alone_over_monolithic_alone\":{:.4f},\"ratio_split_alone\":{:.4f},"
+      "\"monolithic_in_session_p50_ms\":{:.3f},\"ratio_in_session\":{:.4f},\"overhead_p50_ms\":{:.4f},\"round\":{},"
+      "\"worker_env\":\"{}\",\"outputs_in_slots\":{},\"direct_edges\":{},\"optimize_for_inference\":{},\"hardware_threads\":{},"
+      "\"lanes\":{},\"lane_intra_op_threads\":{},\"cpu\":\"{}\",\"hops_us\":[{}]}}\n",
+      mode, channel_label, threads, requests, sum.e2e, mono_alone, sum.e2e / mono_alone, sum.e2e / mono_alone, split_floor,
+      split_floor / mono_alone, sum.e2e / split_floor, sum.mono,
+      sum.e2e / sum.mono, sum.overhead, round,
       workers ? worker_env.value_or(fmt::format("{}", fmt::join(bf::WorkerOptions{}.environment, " "))) : "",
       workers && channel != "zmq" && outputs_in_slots, workers && channel == "zmq" && direct_edges, optimize, std::thread::hardware_concurrency(),
-      hops_json());
+      m.lanes.size(), m.lane_intra_op_threads, bf::bench::cpu_model(), hops_json());
   return 0;
 } catch (const std::exception& e) {
   std::cerr << "pipeline_bench: " << e.what() << "\n";

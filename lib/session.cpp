@@ -1,6 +1,7 @@
 #include <blockflow/session.hpp>
 #include <blockflow/detail/deployment_json.hpp>
 #include <blockflow/inproc_channel.hpp>
+#include <blockflow/detail/build_scope.hpp>
 #include <blockflow/detail/clock.hpp>
 #include <blockflow/detail/session_core.hpp>
 
@@ -162,9 +163,14 @@ absl::Status SessionCore::build() {
     if (auto status = check_device(*block); !status.ok()) return status;
     if (auto status = add_runtime(make_runtime(block)); !status.ok()) return status;
   }
-  for (auto& description : pending_descriptions_) {
-    if (!description.placement.empty()) continue;
-    auto block = make_block(description);
+  std::vector<const BlockDescription*> local;
+  for (const auto& description : pending_descriptions_) {
+    if (description.placement.empty()) local.push_back(&description);
+  }
+  auto built = make_blocks(local);
+  for (std::size_t i = 0; i < local.size(); ++i) {
+    const BlockDescription& description = *local[i];
+    auto& block = built[i];
     if (!block.ok()) return block.status();
     if (auto status = check_device(**block); !status.ok()) return status;
     auto runtime = make_runtime(*std::move(block));
@@ -204,13 +210,14 @@ absl::Status SessionCore::build() {
 
 absl::Status SessionCore::start() {
   if (started_.exchange(true)) return absl::FailedPreconditionError("Session::start() called twice");
+  lanes_ = std::make_unique<ComputeLanes>(lane_options());
+  lanes_->start();
   if (auto status = build(); !status.ok()) {
     stopped_ = true;
+    lanes_->stop();
     return status;
   }
   started_ns_ = now_ns();
-  lanes_ = std::make_unique<ComputeLanes>(lane_options());
-  lanes_->start();
   if (auto status = start_sites(); !status.ok()) {
     shutdown(absl::ZeroDuration());
     return status;
@@ -321,8 +328,9 @@ ComputeLanes::Options SessionCore::lane_options() const {
   o.intra_op_threads = options_.intra_op_threads;
   if (o.intra_op_threads <= 0) {
     o.intra_op_threads = 0;
-    for (const auto& runtime : blocks_) {
-      if (runtime->site == nullptr) o.intra_op_threads = std::max(o.intra_op_threads, runtime->description.options.intra_op_threads);
+    for (const auto& block : pending_blocks_) o.intra_op_threads = std::max(o.intra_op_threads, block->options().intra_op_threads);
+    for (const auto& d : pending_descriptions_) {
+      if (d.placement.empty()) o.intra_op_threads = std::max(o.intra_op_threads, d.options.intra_op_threads);
     }
   }
   const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
@@ -347,6 +355,36 @@ absl::Status SessionCore::warm_up_block(BlockRuntime& runtime) {
   return absl::OkStatus();
 }
 
+// Runs the tasks on the lanes, in parallel across them, and waits for all. On a lane already
+// (apply() from a completion callback), or with the lanes stopped, they run here instead.
+void SessionCore::on_lanes(std::vector<std::function<void()>>& tasks) {
+  if (tasks.empty()) return;
+  absl::BlockingCounter done(static_cast<int>(tasks.size()));
+  for (auto& task : tasks) {
+    auto counted = [&task, &done] {
+      task();
+      done.DecrementCount();
+    };
+    if (!lanes_ || lanes_->current_lane() >= 0 || !lanes_->post(counted)) counted();
+  }
+  done.Wait();
+}
+
+// Blocks of this process are built where they will run, on the lanes: libtorch's graph passes and
+// weight prepacking use the lane's OpenMP team, and the caller's thread makes none of its own.
+std::vector<absl::StatusOr<std::shared_ptr<Block>>> SessionCore::make_blocks(const std::vector<const BlockDescription*>& descriptions) {
+  std::vector<absl::StatusOr<std::shared_ptr<Block>>> out(descriptions.size(), absl::UnknownError("not built"));
+  std::vector<std::function<void()>> tasks;
+  for (std::size_t i = 0; i < descriptions.size(); ++i) {
+    tasks.emplace_back([&out, &descriptions, i] {
+      const auto scope = enter_build_scope();
+      out[i] = make_block(*descriptions[i]);
+    });
+  }
+  on_lanes(tasks);
+  return out;
+}
+
 // Each new in-process block with input shapes warms up on a lane, as its requests will run, the
 // blocks in parallel across lanes. Sites warm theirs up themselves.
 absl::Status SessionCore::warm_up(const std::vector<BlockRuntime*>& runtimes) {
@@ -354,18 +392,15 @@ absl::Status SessionCore::warm_up(const std::vector<BlockRuntime*>& runtimes) {
   for (auto* runtime : runtimes) {
     if (runtime->block && !runtime->block->options().input_shapes.empty()) todo.push_back(runtime);
   }
-  if (todo.empty()) return absl::OkStatus();
   std::vector<absl::Status> statuses(todo.size());
-  absl::BlockingCounter done(static_cast<int>(todo.size()));
+  std::vector<std::function<void()>> tasks;
   for (std::size_t i = 0; i < todo.size(); ++i) {
-    auto task = [this, &statuses, &todo, &done, i] {
+    tasks.emplace_back([this, &statuses, &todo, i] {
+      const auto scope = enter_build_scope();
       statuses[i] = warm_up_block(*todo[i]);
-      done.DecrementCount();
-    };
-    // Called on a lane (apply() from a completion callback): warm up here rather than wait on it.
-    if (lanes_->current_lane() >= 0 || !lanes_->post(task)) task();
+    });
   }
-  done.Wait();
+  on_lanes(tasks);
   for (const auto& status : statuses) {
     if (!status.ok()) return status;
   }
@@ -913,6 +948,15 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
   // ones going to sites, making the sites the session lacks.
   std::vector<std::unique_ptr<BlockRuntime>> fresh;
   std::vector<std::unique_ptr<SiteRuntime>> new_sites;
+  std::map<const BlockDescription*, absl::StatusOr<std::shared_ptr<Block>>> built;
+  {
+    std::vector<const BlockDescription*> local;
+    for (const auto& d : added) {
+      if (d.placement.empty()) local.push_back(&d);
+    }
+    auto blocks = make_blocks(local);  // in parallel, on the lanes
+    for (std::size_t i = 0; i < local.size(); ++i) built.emplace(local[i], std::move(blocks[i]));
+  }
   for (const auto& d : added) {
     if (!d.placement.empty()) {
       SiteRuntime* site = site_named(d.placement);
@@ -934,7 +978,7 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
       fresh.push_back(std::move(runtime));
       continue;
     }
-    auto block = make_block(d);
+    auto& block = built.at(&d);
     if (!block.ok()) return invalid(std::string(block.status().message()));
     if (auto status = check_device(**block); !status.ok()) return invalid(std::string(status.message()));
     fresh.push_back(make_runtime(*std::move(block)));

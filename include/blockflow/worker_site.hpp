@@ -81,6 +81,9 @@ struct WorkerOptions {
   /// with parked outputs fails the requests they were for, naming it. false: every output comes
   /// back to the session.
   bool direct_edges = true;
+  /// Compute lanes of the worker process (SessionOptions::lanes): 0, as many as its cores hold
+  /// OpenMP teams of its blocks' intra-op threads.
+  int lanes = 0;
 };
 
 /// @brief A RemoteSite that runs blocks in a child process started with posix_spawn (never fork) of

@@ -16,7 +16,8 @@ nlohmann::json make_config(const std::vector<BlockDescription>& blocks, const Wo
           {"shm_slots_per_pool", options.shm_slots_per_pool},
           {"shm_max_bytes", options.shm_max_bytes},
           {"shm_outputs_in_slots", options.shm_outputs_in_slots},
-          {"receive_spin_us", absl::ToInt64Microseconds(options.receive_spin)}};
+          {"receive_spin_us", absl::ToInt64Microseconds(options.receive_spin)},
+          {"lanes", options.lanes}};
 }
 
 }  // namespace blockflow::detail

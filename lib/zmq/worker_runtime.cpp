@@ -3,6 +3,7 @@
 // messages until told to stop or until the host goes away (see worker_launcher.cpp).
 
 #include <blockflow/blockflow.hpp>
+#include <blockflow/detail/build_scope.hpp>
 #include <blockflow/detail/clock.hpp>
 #include <blockflow/detail/slot_allocator.hpp>
 #include <blockflow/worker_site.hpp>
@@ -279,7 +280,7 @@ class Worker {
     if (updater_.joinable()) updater_.join();
     stopping_ = true;
     receiver.join();
-    session_.shutdown(absl::Seconds(1));
+    if (session_) session_->shutdown(absl::Seconds(1));
     replies_->close();
     sender.join();
     bf::detail::uninstall_slot_allocator();
@@ -299,11 +300,15 @@ class Worker {
   absl::Status load(const nlohmann::json& config) {
     auto wanted = blocks_of(config);
     if (!wanted.ok()) return wanted.status();
-    for (const auto& description : wanted->blocks) session_.add_block(description);
-    for (auto& path : wanted->paths()) session_.add_path(std::move(path));
+    bf::SessionOptions options;
+    options.lanes = config.value("lanes", 0);
+    session_ = std::make_unique<bf::Session>(options);
+    for (const auto& description : wanted->blocks) session_->add_block(description);
+    for (auto& path : wanted->paths()) session_->add_path(std::move(path));
     set_hosted(*wanted);
-    const bf::detail::SlotAllocatorPause weights_off_slots;  // blocks are built on this thread
-    return session_.start();
+    // Blocks are built and warmed up on the session's lanes: the slot allocator stays off there.
+    bf::detail::set_build_scope([] { return std::make_shared<bf::detail::SlotAllocatorPause>(); });
+    return session_->start();
   }
 
   // The blocks of a config or update message, each with a task of its own name (how the host
@@ -343,11 +348,11 @@ class Worker {
     updater_ = std::thread([this, message] {
       absl::Status status;
       try {
-        const bf::detail::SlotAllocatorPause weights_off_slots;  // new blocks are built on this thread
+        const bf::detail::SlotAllocatorPause weights_off_slots;  // in case a block is built on this thread
         auto wanted = blocks_of(message);
         if (!wanted.ok()) {
           status = wanted.status();
-        } else if (auto version = session_.apply(*wanted, absl::Seconds(5)); !version.ok()) {
+        } else if (auto version = session_->apply(*wanted, absl::Seconds(5)); !version.ok()) {
           status = version.status();
         } else {
           set_hosted(*wanted);
@@ -556,7 +561,7 @@ class Worker {
       return;
     }
     const bool park = (message.header.flags & bf::wire::kFlagParkOutputs) != 0 && !peer_endpoint_.empty();
-    session_.submit(block, std::move(message.tensors), [this, id, node, arrived, park](bf::Result&& r) {
+    session_->submit(block, std::move(message.tensors), [this, id, node, arrived, park](bf::Result&& r) {
       if (!r.ok()) return reply({error_header(id, node, r.status), {}});
       bf::wire::Header h;
       h.kind = bf::wire::MessageKind::kResult;
@@ -639,7 +644,7 @@ class Worker {
   zmq::socket_ref control_;
   zmq::socket_t pull_;  // channel "zmq": requests (receiver thread)
   std::string config_text_;
-  bf::Session session_;
+  std::unique_ptr<bf::Session> session_;  // made once the configuration has arrived
   std::mutex hosted_mu_;
   std::set<std::string> hosted_;   // read by the receiver thread, changed by updates
   std::set<std::string> plugins_;  // loaded already

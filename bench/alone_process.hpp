@@ -1,0 +1,141 @@
+#pragma once
+// The baseline a user would run instead of BlockFlow: one model in a clean process of its own.
+//
+// The benchmark starts itself again (posix_spawn of /proc/self/exe, never fork: this process has
+// initialised libtorch and OpenMP) with `--mode alone`: the child loads the model as a block would
+// (same TorchScriptOptions), sets its intra-op threads on its main thread, and then, for each line
+// "N" on its stdin, runs N forward passes on its main thread and answers one line of N times in
+// milliseconds. Several models, comma-separated, run as a chain (each one's output is the next one's
+// input): the split model with no session at all, the floor of what a pipeline of its blocks costs. The parent alternates rounds of its own measurements with rounds of the child's, so
+// that noise of the shared machine falls on both alike.
+
+#include <blockflow/blockflow.hpp>
+#include <blockflow/detail/clock.hpp>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <fmt/format.h>
+
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace blockflow::bench {
+
+/// The parent's handle on the child. Not thread-safe.
+class AloneProcess {
+ public:
+  /// Starts `/proc/self/exe --mode alone --model FILE[,FILE...] --threads T --shape a,b,c,d --optimize 0|1`.
+  AloneProcess(const std::string& model, int threads, const std::vector<std::int64_t>& shape, bool optimize) {
+    int to_child[2], from_child[2];
+    if (::pipe(to_child) != 0 || ::pipe(from_child) != 0) throw std::runtime_error("alone: pipe() failed");
+    std::string dims;
+    for (auto d : shape) dims += (dims.empty() ? "" : ",") + std::to_string(d);
+    std::vector<std::string> args = {"pipeline_bench", "--mode", "alone", "--model", model, "--threads",
+                                     std::to_string(threads), "--shape", dims, "--optimize", optimize ? "1" : "0"};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, to_child[0], STDIN_FILENO);
+    posix_spawn_file_actions_adddup2(&actions, from_child[1], STDOUT_FILENO);
+    for (int fd : {to_child[0], to_child[1], from_child[0], from_child[1]}) posix_spawn_file_actions_addclose(&actions, fd);
+    const int rc = posix_spawn(&pid_, "/proc/self/exe", &actions, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    ::close(to_child[0]);
+    ::close(from_child[1]);
+    if (rc != 0) throw std::runtime_error(fmt::format("alone: posix_spawn failed ({})", rc));
+    in_ = ::fdopen(to_child[1], "w");
+    out_ = ::fdopen(from_child[0], "r");
+    if (read_line() != "ready") throw std::runtime_error("alone: the baseline process did not start");
+  }
+  ~AloneProcess() {
+    if (in_ != nullptr) std::fclose(in_);  // EOF: the child exits
+    if (out_ != nullptr) std::fclose(out_);
+    int status = 0;
+    if (pid_ > 0) ::waitpid(pid_, &status, 0);
+  }
+  AloneProcess(const AloneProcess&) = delete;
+  AloneProcess& operator=(const AloneProcess&) = delete;
+
+  /// Runs `n` forward passes in the child; their times in ms.
+  std::vector<double> run(int n) {
+    std::fprintf(in_, "%d\n", n);
+    std::fflush(in_);
+    std::istringstream line(read_line());
+    std::vector<double> ms;
+    for (double v; line >> v;) ms.push_back(v);
+    if (static_cast<int>(ms.size()) != n) throw std::runtime_error("alone: short answer from the baseline process");
+    return ms;
+  }
+
+  /// The child's side: `main` calls this for --mode alone.
+  static int serve(const std::string& model, int threads, const std::vector<std::int64_t>& shape, bool optimize) {
+    at::internal::lazy_init_num_threads();
+    at::set_num_threads(threads);
+    std::vector<std::shared_ptr<Block>> chain;
+    for (std::size_t from = 0; from <= model.size();) {
+      const std::size_t comma = std::min(model.find(',', from), model.size());
+      BlockDescription d;
+      d.name = "alone";
+      d.torchscript = model.substr(from, comma - from);
+      d.torchscript_options.optimize_for_inference = optimize;
+      auto block = make_block(d);
+      if (!block.ok()) {
+        std::cerr << block.status() << "\n";
+        return 1;
+      }
+      chain.push_back(*std::move(block));
+      from = comma + 1;
+    }
+    c10::InferenceMode inference_mode;
+    const at::Tensor x = at::randn(shape);
+    auto forward = [&] {
+      Tensors t{x};
+      for (auto& block : chain) {
+        auto out = block->forward(std::move(t));
+        if (!out.ok()) return false;
+        t = *std::move(out);
+      }
+      return true;
+    };
+    for (int i = 0; i < 3; ++i) (void)forward();
+    std::printf("ready\n");
+    std::fflush(stdout);
+    for (int n; std::scanf("%d", &n) == 1;) {
+      std::string line;
+      for (int i = 0; i < n; ++i) {
+        const std::int64_t t0 = detail::now_ns();
+        if (!forward()) return 1;
+        line += fmt::format("{}{:.4f}", i ? " " : "", static_cast<double>(detail::now_ns() - t0) / 1e6);
+      }
+      std::printf("%s\n", line.c_str());
+      std::fflush(stdout);
+    }
+    return 0;
+  }
+
+ private:
+  std::string read_line() {
+    std::string line;
+    for (int c; (c = std::fgetc(out_)) != EOF && c != '\n';) line.push_back(static_cast<char>(c));
+    return line;
+  }
+  pid_t pid_ = -1;
+  std::FILE* in_ = nullptr;
+  std::FILE* out_ = nullptr;
+};
+
+}  // namespace blockflow::bench

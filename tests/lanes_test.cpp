@@ -1,0 +1,197 @@
+// Compute lanes: a bounded number of threads, fairness across blocks, run-to-completion, helping a
+// full queue, run_on_lane().
+#include "test_util.hpp"
+
+#include <absl/synchronization/notification.h>
+#include <pthread.h>
+
+#include <filesystem>
+#include <mutex>
+#include <thread>
+
+using namespace blockflow;
+using namespace std::chrono_literals;
+
+namespace {
+
+int process_threads() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+std::string this_thread_name() {
+  char name[16] = {};
+  pthread_getname_np(pthread_self(), name, sizeof(name));
+  return name;
+}
+
+// A block whose forward runs libtorch parallel ops (an elementwise op over 1M floats is split
+// across the thread's OpenMP team), so the thread that runs it makes a team if it has none.
+std::shared_ptr<Block> parallel_block(const std::string& name, int intra_op_threads) {
+  BlockOptions options;
+  options.intra_op_threads = intra_op_threads;
+  options.input_shapes = {{1 << 20}};
+  return test::unary(name, [](const Tensor& x) { return (x * 2 + 1).sum().reshape({1}).expand({1 << 20}).contiguous(); },
+                     options);
+}
+
+// The process's threads after a session of `blocks` parallel blocks has started and served.
+int threads_added_by_session(int blocks, int lanes, int intra_op_threads) {
+  const Tensor input = at::ones({1 << 20});
+  const int before = process_threads();
+  SessionOptions options;
+  options.lanes = lanes;
+  Session session(options);
+  std::vector<std::string> chain;
+  for (int i = 0; i < blocks; ++i) {
+    chain.push_back("b" + std::to_string(i));
+    session.add_block(parallel_block(chain.back(), intra_op_threads));
+  }
+  session.add_path(Path::chain("t", chain));
+  test::require_started(session);
+  std::vector<std::future<Result>> results;
+  for (int i = 0; i < 8; ++i) results.push_back(session.submit("t", input));
+  for (auto& f : results) REQUIRE(f.get().ok());
+  const auto m = session.metrics();
+  REQUIRE(static_cast<int>(m.lanes.size()) == lanes);
+  CHECK(m.lane_intra_op_threads == intra_op_threads);
+  return process_threads() - before;
+}
+
+}  // namespace
+
+TEST_CASE("the process's threads are bounded by lanes x intra-op threads, whatever the number of blocks", "[lanes]") {
+  // A fixed base beyond the lanes' teams: nothing today; 2 to spare for libtorch's lazily made helpers.
+  constexpr int kBase = 2;
+  for (const int blocks : {4, 16}) {
+    const int added = threads_added_by_session(blocks, /*lanes=*/2, /*intra_op_threads=*/2);
+    INFO(blocks << " blocks added " << added << " threads");
+    CHECK(added <= 2 * 2 + kBase);
+  }
+  const int one_lane = threads_added_by_session(16, /*lanes=*/1, /*intra_op_threads=*/2);
+  INFO("16 blocks on one lane added " << one_lane << " threads");
+  CHECK(one_lane <= 1 * 2 + kBase);
+}
+
+TEST_CASE("blocks take turns on a lane: a fast task waits for at most one run of a busy block", "[lanes]") {
+  SessionOptions options;
+  options.lanes = 1;
+  Session session(options);
+  absl::Notification slow_started, gate;
+  std::atomic<int> slow_runs{0};
+  session.add_block(test::unary("slow", [&](const Tensor& x) {
+    if (slow_runs.fetch_add(1) == 0) {
+      slow_started.Notify();
+      gate.WaitForNotification();  // the first run holds the only lane until the fast request is queued
+    } else {
+      std::this_thread::sleep_for(5ms);
+    }
+    return x + 1;
+  }));
+  session.add_block(test::unary("fast", [](const Tensor& x) { return x * 10; }));
+  session.add_path(Path::chain("slow_task", {"slow"})).add_path(Path::chain("fast_task", {"fast"}));
+  test::require_started(session);
+
+  std::mutex mu;
+  std::vector<std::string> order;
+  std::atomic<int> resolved{0};
+  auto record = [&](std::string what) {
+    return [&, what](Result&& r) {
+      CHECK(r.ok());
+      std::lock_guard lock(mu);
+      order.push_back(what);
+      ++resolved;
+    };
+  };
+  for (int i = 0; i < 6; ++i) session.submit("slow_task", {at::zeros({1})}, record("slow"));
+  slow_started.WaitForNotification();
+  session.submit("fast_task", {at::ones({1})}, record("fast"));
+  gate.Notify();
+  REQUIRE(test::eventually([&] { return resolved.load() == 7; }));
+  std::lock_guard lock(mu);
+  const auto fast_at = std::find(order.begin(), order.end(), "fast") - order.begin();
+  INFO("completion order position of the fast request: " << fast_at);
+  CHECK(fast_at <= 1);  // behind the slow run that held the lane, never behind the slow queue
+}
+
+TEST_CASE("a lane runs a request's next blocks itself, and the trace still adds up", "[lanes]") {
+  SessionOptions options;
+  options.lanes = 1;
+  Session session(options);
+  for (const char* name : {"b1", "b2", "b3", "b4"}) session.add_block(test::unary(name, [](const Tensor& x) { return x + 1; }));
+  session.add_path(Path::chain("chain", {"b1", "b2", "b3", "b4"}));
+  test::require_started(session);
+  for (int i = 0; i < 10; ++i) {
+    const Result r = session.submit("chain", at::full({2}, static_cast<double>(i))).get();
+    REQUIRE(r.ok());
+    CHECK(at::equal(r.output(), at::full({2}, static_cast<double>(i + 4))));
+    REQUIRE(r.trace.hops.size() == 4);
+    CHECK(r.trace.wait_ms() + r.trace.compute_ms() + r.trace.overhead_ms() == Approx(r.trace.e2e_ms()).margin(1e-6));
+    for (std::size_t h = 1; h < 4; ++h) CHECK(r.trace.hops[h - 1].done_ns == r.trace.hops[h].input_ready_ns);
+  }
+  const auto m = session.metrics();
+  REQUIRE(m.lanes.size() == 1);
+  // Requests one at a time: b1 is queued by submit(); b2, b3 and b4 run inline after it.
+  CHECK(m.lanes[0].inline_continuations == 30);
+  CHECK(m.lanes[0].runs == 40);
+  CHECK(m.lanes[0].busy_s > 0);
+  for (const auto& b : m.blocks) {
+    CHECK(b.processed == 10);
+    CHECK(b.queue.sent == 10);
+    CHECK(b.queue.received == 10);
+  }
+  const std::string prometheus = m.to_prometheus();
+  CHECK(prometheus.find("blockflow_lane_inline_continuations_total{lane=\"0\"} 30") != std::string::npos);
+}
+
+TEST_CASE("one lane and a full queue (policy block) do not deadlock: the lane helps the full block", "[lanes]") {
+  SessionOptions options;
+  options.lanes = 1;
+  Session session(options);
+  BlockOptions tiny;
+  tiny.queue_capacity = 1;
+  tiny.full_policy = FullPolicy::kBlock;
+  // Requests of "direct" fill sink's queue of one from an application thread; the lane, finishing
+  // "fan", finds it full: it must run sink itself rather than sleep (nobody else would run sink).
+  session.add_block(test::unary("fan", [](const Tensor& x) { return x * 2; }))
+      .add_block(test::slow_plus_one("sink", 1ms, tiny))
+      .add_path(Path::chain("t", {"fan", "sink"}))
+      .add_path(Path::chain("direct", {"sink"}));
+  test::require_started(session);
+  constexpr int kEach = 30;
+  std::vector<std::future<Result>> via_fan(kEach), direct(kEach);
+  std::thread a([&] {
+    for (int i = 0; i < kEach; ++i) via_fan[i] = session.submit("t", at::full({1}, static_cast<double>(i)));
+  });
+  std::thread b([&] {
+    for (int i = 0; i < kEach; ++i) direct[i] = session.submit("direct", at::full({1}, static_cast<double>(i)));
+  });
+  a.join();
+  b.join();
+  for (int i = 0; i < kEach; ++i) {
+    const Result r = via_fan[static_cast<std::size_t>(i)].get();
+    REQUIRE(r.ok());
+    CHECK(r.output().item<double>() == 2.0 * i + 1);
+    const Result d = direct[static_cast<std::size_t>(i)].get();
+    REQUIRE(d.ok());
+    CHECK(d.output().item<double>() == i + 1.0);
+  }
+  CHECK(session.metrics().blocks[1].queue.high_watermark == 1);
+}
+
+TEST_CASE("run_on_lane runs the application's work on a lane and returns its value or exception", "[lanes]") {
+  Session session;
+  session.add_block(test::unary("id", [](const Tensor& x) { return x; })).add_path(Path::chain("t", {"id"}));
+  CHECK_THROWS_AS(session.run_on_lane([] { return 1; }).get(), std::logic_error);  // not started
+  test::require_started(session);
+  CHECK(session.run_on_lane([] { return this_thread_name(); }).get().rfind("bf-lane/", 0) == 0);
+  CHECK(session.run_on_lane([] { return at::ones({3}).sum().item<int>(); }).get() == 3);
+  auto failing = session.run_on_lane([]() -> int { throw std::runtime_error("app error"); });
+  CHECK_THROWS_WITH(failing.get(), "app error");
+  session.run_on_lane([] {}).get();  // void
+  CHECK(session.submit("t", at::ones({1})).get().ok());  // the lane serves on
+  CHECK(session.metrics().lanes.at(0).tasks >= 4);
+  session.shutdown();
+  CHECK_THROWS_AS(session.run_on_lane([] { return 1; }).get(), std::logic_error);
+}
