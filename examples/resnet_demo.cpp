@@ -129,8 +129,9 @@ std::optional<Summary> run(const Args& args, const std::string& channel) {
                                                channel == "shm"    ? "shared memory (zero-copy)"
                                                : channel == "cuda" ? "CUDA IPC on cuda:0 (zero-copy)"
                                                                    : "serialized ZeroMQ (ipc://)"));
-  fmt::print("threads: {} intra-op per block, 1 worker thread per block, {} hardware threads\n", args.threads,
-             std::thread::hardware_concurrency());
+  const auto lanes = session.metrics().lanes.size();
+  fmt::print("threads: {} compute lane{} of {} intra-op threads, {} hardware threads\n", lanes, lanes == 1 ? "" : "s",
+             args.threads, std::thread::hardware_concurrency());
 
   // Equality of the split pipelines with the monolithic models.
   at::manual_seed(0);

@@ -416,16 +416,22 @@ void SessionCore::run_block(BlockRuntime& runtime, std::optional<Envelope> first
   Block& block = *runtime.block;
   const auto& options = block.options();
   if (options.max_batch > 1) {
-    // Take what else waits, up to max_batch or until max_batch_delay_ms after the first arrived.
+    // Take what else waits, up to max_batch. Wait for more (until max_batch_delay_ms after the first
+    // arrived) only while no other block has work ready: a lane never idles on a short batch while
+    // work it could run waits (with one lane, the next block's inputs come from this very lane).
     std::vector<Envelope> batch;
-    const absl::Time until = absl::FromUnixNanos(
-        absl::GetCurrentTimeNanos() +
-        std::max<std::int64_t>(0, first->sent_ns + static_cast<std::int64_t>(options.max_batch_delay_ms * 1e6) - now_ns()));
+    const std::int64_t deadline_ns = first->sent_ns + static_cast<std::int64_t>(options.max_batch_delay_ms * 1e6);
     batch.push_back(std::move(*first));
     while (static_cast<int>(batch.size()) < options.max_batch) {
-      auto more = runtime.inbox->receive(until);
-      if (!more) break;
-      batch.push_back(std::move(*more));
+      if (auto more = runtime.inbox->try_receive()) {
+        batch.push_back(std::move(*more));
+        continue;
+      }
+      const std::int64_t left = deadline_ns - now_ns();
+      if (left <= 0 || lanes_->pending() > 0) break;
+      // In slices, so that work arriving for another block ends the wait.
+      auto more = runtime.inbox->receive(absl::Now() + absl::Nanoseconds(std::min<std::int64_t>(left, 200'000)));
+      if (more) batch.push_back(std::move(*more));
     }
     if (batch.size() > 1) {
       std::vector<StatePtr> states;

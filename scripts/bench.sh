@@ -4,7 +4,10 @@
 # hop: one tensor hand-off per channel (inproc, shm with the tensor allocated in a slot, shm-copy, shm-zmq, zmq-ipc,
 #   socketpair (the bare kernel socket under zmq-ipc), zmq-tcp) at 4 KB, 3.2 MB and 100 MB, with
 #   the time of one memcpy of the same bytes; pipeline: the 4-block split ResNet50 against the
-#   monolithic model, in threads (inproc) and in 4 worker processes (shm, then zmq-ipc); worker_memory: a
+#   monolithic model in a clean process of its own (and the bare chain of the four blocks in another:
+#   the floor of any pipeline of them), in threads (inproc) and in 4 worker processes (shm, then
+#   zmq-ipc), alternating rounds; host_app: the application's own monolithic model next to a started,
+#   idle 4-block session, run on a session lane and on its own thread, against a clean process; worker_memory: a
 #   worker's resident memory before and after loading the four blocks; sampler_cost: the 4-worker
 #   pipeline's e2e p50 with KPI sampling on (10 Hz, every process) over off, interleaved; update:
 #   apply() under Poisson traffic (re-route, add, remove a block), its duration and lost requests;
@@ -28,7 +31,7 @@ for arg in "$@"; do
 done
 set -- ${names[@]+"${names[@]}"}
 if [ $# -eq 0 ]; then
-  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline worker_memory sampler_cost update batching)" >&2
+  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching)" >&2
   exit 2
 fi
 if [ "$plot" = 1 ]; then
@@ -72,6 +75,12 @@ for name in "$@"; do
   case "$name" in
     hop)
       "$BUILD_DIR/bench/hop_bench" "${BENCH_HOP_ITERATIONS:-20000}" ;;
+    host_app)
+      "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
+      for on in lane thread; do
+        "$BUILD_DIR/bench/pipeline_bench" --models "$BUILD_DIR/models" --mode host_app --app-on "$on" \
+          --requests "${BENCH_REQUESTS:-300}" --threads "${BENCH_THREADS:-2}"
+      done ;;
     pipeline|worker_memory|sampler_cost)
       "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
       runs=("threads shm" "workers shm" "workers zmq")
@@ -92,7 +101,7 @@ for name in "$@"; do
       "$PYTHON" "$ROOT/scripts/batching_bench.py" "$BUILD_DIR/tools/blockflow-loadgen" "$BUILD_DIR/models" \
         --threads "${BENCH_THREADS:-2}" ${BENCH_RATES:+--rates "$BENCH_RATES"} ;;
     *)
-      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline worker_memory sampler_cost update batching)" >&2
+      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline host_app worker_memory sampler_cost update batching)" >&2
       exit 2 ;;
   esac
 done

@@ -20,10 +20,12 @@ namespace blockflow {
 struct BlockOptions {
   /// "cpu", "cuda", "cuda:1", ... Inputs are moved to this device before forward().
   std::string device = "cpu";
-  /// libtorch intra-op threads of each worker thread; 0 keeps libtorch's default. Debian's CPU
+  /// libtorch intra-op threads the block asks for; it runs with its session's lanes' setting
+  /// (SessionOptions::intra_op_threads, by default the largest of its blocks'). Debian's CPU
   /// libtorch runs convolutions ~10x slower with 1 thread than with 2: set this deliberately.
   int intra_op_threads = 0;
-  /// Worker threads that pop this block's input queue (forward() must then be thread-safe).
+  /// At most this many compute lanes run the block at once (above 1, forward() must be thread-safe;
+  /// a block in a worker process: lanes of that process).
   int workers = 1;
   /// Bound of the block's input queue, and what happens when it is full.
   std::size_t queue_capacity = 64;
@@ -32,9 +34,9 @@ struct BlockOptions {
   /// before forward() (a mismatch fails the request with a message naming the block) and each
   /// worker warms the block up on zeros of this shape (-1 read as 1) before traffic arrives.
   std::vector<std::vector<std::int64_t>> input_shapes;
-  /// Warm-up forward passes per worker thread (only with input_shapes).
+  /// Warm-up forward passes, on a compute lane, before start() or apply() returns (only with input_shapes).
   int warmup_runs = 3;
-  /// Dynamic batching: with max_batch > 1, a worker that takes a request also takes what else is
+  /// Dynamic batching: with max_batch > 1, a lane that takes a request also takes what else is
   /// waiting in the queue, from any task, up to max_batch requests or until max_batch_delay_ms has
   /// passed since the first of them entered the queue. Requests whose inputs agree in count, dtype,
   /// device and every dimension but the first are stacked along dimension 0 and run in one

@@ -15,7 +15,7 @@ namespace blockflow {
 /// @brief How a node with several inputs merges them (fan-in).
 ///
 /// Each input is the output list of one predecessor, in the order the node names its inputs.
-/// Copyable, cheap, thread-safe (the function is called concurrently by worker threads).
+/// Copyable, cheap, thread-safe (the function is called concurrently by compute lanes).
 class Combine {
  public:
   using Fn = std::function<absl::StatusOr<Tensors>(std::vector<Tensors>&&)>;

@@ -1,6 +1,6 @@
 #pragma once
 /// @file
-/// @brief Session: owns blocks and paths, runs blocks in worker threads, routes requests.
+/// @brief Session: owns blocks and paths, runs blocks on compute lanes, routes requests.
 
 #include <blockflow/block.hpp>
 #include <blockflow/block_registry.hpp>
@@ -94,8 +94,8 @@ class Session {
   /// @brief Submits one request. The future always becomes ready: see the class comment.
   [[nodiscard]] std::future<Result> submit(const std::string& task, Tensors inputs);
   [[nodiscard]] std::future<Result> submit(const std::string& task, Tensor input);
-  /// @brief Callback flavour: `done` runs exactly once, on a worker thread (or inline when the
-  /// request is refused at once). It must not block for long.
+  /// @brief Callback flavour: `done` runs exactly once, on a compute lane or a site's
+  /// thread (or inline when the request is refused at once). It must not block for long: it holds a lane.
   void submit(const std::string& task, Tensors inputs, std::function<void(Result&&)> done);
 
   /// @brief A snapshot of the built-in measurements.

@@ -97,6 +97,8 @@ class ComputeLanes {
   /// Refuses further claims of `work`, waits until no lane runs it and takes it off the ready queue.
   void quiesce(LaneWork& work);
 
+  /// Entries (blocks with work, tasks) waiting in the ready queue now, read without the lock.
+  [[nodiscard]] std::size_t pending() const { return pending_.load(std::memory_order_acquire); }
   /// The lane index of the calling thread in this executor, or -1.
   [[nodiscard]] int current_lane() const;
   [[nodiscard]] std::vector<LaneCounters> counters() const;
