@@ -105,8 +105,6 @@ std::unique_ptr<InProcessChannel> SessionCore::make_inbox(const BlockOptions& op
 
 absl::Status SessionCore::add_runtime(std::unique_ptr<BlockRuntime> runtime) {
   if (!runtime->inbox) runtime->inbox = make_inbox(runtime->description.options);
-  runtime->core = this;
-  runtime->max_lanes = std::max(1, runtime->description.options.workers);
   absl::MutexLock lock(&state_mu_);
   if (!block_by_name_.emplace(runtime->name(), runtime.get()).second) {
     return absl::InvalidArgumentError(fmt::format("two blocks are named '{}'", runtime->name()));
@@ -115,13 +113,13 @@ absl::Status SessionCore::add_runtime(std::unique_ptr<BlockRuntime> runtime) {
   return absl::OkStatus();
 }
 
-std::unique_ptr<BlockRuntime> SessionCore::make_runtime(std::shared_ptr<Block> block) const {
+std::unique_ptr<BlockRuntime> SessionCore::make_runtime(std::shared_ptr<Block> block) {
   auto runtime = std::make_unique<BlockRuntime>();
   runtime->description.name = block->name();
   runtime->description.options = block->options();
   runtime->block = std::move(block);
   runtime->inbox = make_inbox(runtime->description.options);
-  runtime->core = const_cast<SessionCore*>(this);
+  runtime->core = this;  // it runs on this session's lanes
   runtime->max_lanes = std::max(1, runtime->description.options.workers);
   return runtime;
 }

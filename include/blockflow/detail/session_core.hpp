@@ -98,7 +98,7 @@ class SessionCore {
 
   absl::Status build();
   absl::Status add_runtime(std::unique_ptr<BlockRuntime> runtime);
-  std::unique_ptr<BlockRuntime> make_runtime(std::shared_ptr<Block> block) const;
+  std::unique_ptr<BlockRuntime> make_runtime(std::shared_ptr<Block> block);
   std::unique_ptr<InProcessChannel> make_inbox(const BlockOptions& options) const;
   void on_lanes(std::vector<std::function<void()>>& tasks);
   std::vector<absl::StatusOr<std::shared_ptr<Block>>> make_blocks(const std::vector<const BlockDescription*>& descriptions);
