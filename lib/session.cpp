@@ -20,7 +20,6 @@
 #include <numeric>
 #include <set>
 #include <future>
-#include <iostream>
 #include <map>
 
 namespace blockflow {
@@ -46,6 +45,8 @@ absl::StatusOr<Tensors> guarded_forward(Block& block, Tensors&& inputs) {
   }
 }
 
+}  // namespace
+
 // A block placed on a GPU this process cannot see is a configuration error, reported at start().
 absl::Status check_device(const Block& block) {
   const c10::Device device = block.device();
@@ -64,8 +65,6 @@ void name_thread(const std::string& block, int index) {
   std::string name = fmt::format("bf-{}", block).substr(0, 12) + fmt::format("/{}", index % 100);
   pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
 }
-
-}  // namespace
 
 SessionCore::~SessionCore() { shutdown(absl::ZeroDuration()); }
 
@@ -228,95 +227,6 @@ absl::Status SessionCore::start() {
   }
   admitting_ = true;
   return absl::OkStatus();
-}
-
-std::vector<BlockDescription> SessionCore::descriptions_of(const SiteRuntime& site) {
-  std::vector<BlockDescription> out;
-  for (const auto* runtime : site.blocks) out.push_back(runtime->description);
-  return out;
-}
-
-absl::Status SessionCore::start_site(SiteRuntime& site) {
-  SiteRuntime* raw = &site;
-  auto status = site.site->start(descriptions_of(site),
-                                 [this, raw](SiteCompletion&& c) { on_site_completion(*raw, std::move(c)); });
-  if (status.ok()) site.peer_endpoint = site.site->peer_endpoint();
-  return status;
-}
-
-namespace {
-
-// Direct edges: node `node` runs at a site that may keep its outputs, because every next node is a
-// single-input block at a site reachable from it (RemoteSite::peer_endpoint()).
-bool outputs_may_stay(const PathPlan& plan, std::uint32_t node) {
-  const PlanNode& n = plan.nodes[node];
-  if (n.block == nullptr || n.block->site == nullptr || n.block->site->peer_endpoint.empty() || n.successors.empty()) {
-    return false;
-  }
-  for (const PlanEdge& e : n.successors) {
-    const PlanNode& next = plan.nodes[static_cast<std::size_t>(e.node)];
-    if (next.join_index >= 0 || next.block == nullptr || next.block->site == nullptr ||
-        next.block->site->peer_endpoint.empty()) {
-      return false;
-    }
-  }
-  return true;
-}
-
-}  // namespace
-
-absl::Status SessionCore::start_sites() {
-  for (auto& site : sites_) {
-    if (auto status = start_site(*site); !status.ok()) return status;
-  }
-  for (auto& runtime : blocks_) {
-    if (runtime->site != nullptr) runtime->forwarder = std::thread([this, rt = runtime.get()] { forward_to_site(*rt); });
-  }
-  return absl::OkStatus();
-}
-
-void SessionCore::forward_to_site(BlockRuntime& runtime) {
-  name_thread(runtime.name(), 0);
-  while (auto envelope = runtime.inbox->receive(absl::InfiniteFuture())) {
-    const std::int64_t dequeued = now_ns();
-    StatePtr state = std::move(envelope->local);
-    if (state->resolved.load(std::memory_order_acquire)) continue;
-    HopTiming& hop = state->hops[envelope->node];
-    hop.arrived_ns = envelope->sent_ns;
-    hop.dequeued_ns = dequeued;  // provisional: on completion it also absorbs the site's queueing
-    {
-      absl::MutexLock lock(&runtime.site->mu);
-      runtime.site->in_flight[{envelope->request_id, envelope->node}] = {state, &runtime};
-    }
-    envelope->outputs_may_stay = outputs_may_stay(*state->plan, envelope->node);
-    runtime.site->site->run(runtime.name(), std::move(*envelope));
-  }
-}
-
-void SessionCore::on_site_completion(SiteRuntime& site, SiteCompletion&& c) {
-  const std::int64_t received = now_ns();
-  std::pair<StatePtr, BlockRuntime*> entry;
-  {
-    absl::MutexLock lock(&site.mu);
-    auto it = site.in_flight.find({c.request_id, c.node});
-    if (it == site.in_flight.end()) return;  // already reported (exactly once)
-    entry = std::move(it->second);
-    site.in_flight.erase(it);
-  }
-  auto& [state, runtime] = entry;
-  if (!c.outputs.ok()) {
-    runtime->failed.fetch_add(1, std::memory_order_relaxed);
-    return fail(state, c.outputs.status());
-  }
-  HopTiming& hop = state->hops[c.node];
-  // Same host, same steady clock: wait = our queue + the site's queue; the transfers are overhead.
-  const std::int64_t start = c.compute_start_ns != 0 ? c.compute_start_ns : received;
-  const std::int64_t end = c.compute_end_ns != 0 ? c.compute_end_ns : received;
-  hop.dequeued_ns = std::min(hop.dequeued_ns + c.wait_ns, start);
-  hop.compute_start_ns = start;
-  hop.compute_end_ns = end;
-  runtime->processed.fetch_add(1, std::memory_order_relaxed);
-  forward_outputs(state, static_cast<int>(c.node), *std::move(c.outputs), runtime);
 }
 
 // Lanes: one OpenMP team size for the session (SessionOptions::intra_op_threads, else the largest
@@ -646,26 +556,6 @@ void SessionCore::queue_on_lanes(BlockRuntime& runtime, Envelope&& envelope, con
   handle_displaced(std::move(outcome), target);
 }
 
-bool SessionCore::try_site_now(BlockRuntime& runtime, Envelope& envelope) {
-  StatePtr state = envelope.local;
-  if (state->resolved.load(std::memory_order_acquire)) return true;  // failed meanwhile: nothing to run
-  const std::pair<std::uint64_t, std::uint32_t> key{envelope.request_id, envelope.node};
-  HopTiming& hop = state->hops[envelope.node];
-  hop.arrived_ns = hop.dequeued_ns = now_ns();
-  {
-    absl::MutexLock lock(&runtime.site->mu);
-    runtime.site->in_flight[key] = {state, &runtime};
-  }
-  envelope.outputs_may_stay = outputs_may_stay(*state->plan, envelope.node);
-  if (runtime.site->site->try_run(runtime.name(), envelope)) {
-    runtime.handed_directly.fetch_add(1, std::memory_order_relaxed);
-    return true;
-  }
-  absl::MutexLock lock(&runtime.site->mu);
-  runtime.site->in_flight.erase(key);
-  return false;
-}
-
 void SessionCore::run_join(const StatePtr& state, int node, std::vector<Tensors>&& inputs, std::int64_t ready_ns) {
   const PlanNode& target = state->plan->nodes[static_cast<std::size_t>(node)];
   HopTiming& hop = state->hops[static_cast<std::size_t>(node)];
@@ -810,361 +700,13 @@ void SessionCore::submit(const std::string& task, Tensors inputs, std::function<
   }
 }
 
-MetricsSnapshot SessionCore::metrics() const {
-  absl::MutexLock lock(&state_mu_);
-  MetricsSnapshot snapshot;
-  snapshot.version = version_.load();
-  snapshot.last_update = last_update_;
-  snapshot.uptime_s = started_ns_ == 0 ? 0.0 : static_cast<double>(now_ns() - started_ns_) / 1e9;
-  snapshot.in_flight = static_cast<std::uint64_t>(std::max<std::int64_t>(in_flight_.load(), 0));
-  const double uptime = std::max(snapshot.uptime_s, 1e-9);
-  for (const auto& runtime : blocks_) {
-    BlockMetrics b;
-    const BlockOptions& options = runtime->description.options;
-    b.name = runtime->name();
-    b.kind = runtime->block ? std::string(runtime->block->kind())
-                            : (runtime->description.torchscript.empty() ? "factory" : "torchscript");
-    b.device = options.device;
-    b.placement = runtime->site ? runtime->site->site->name() : "threads";
-    b.workers = options.workers;
-    b.intra_op_threads = options.intra_op_threads;
-    b.processed = runtime->processed.load();
-    b.failed = runtime->failed.load();
-    b.batches = runtime->batches.load();
-    b.batched_requests = runtime->batched_requests.load();
-    b.wait = runtime->wait.stats();
-    b.compute = runtime->compute.stats();
-    b.overhead = runtime->overhead.stats();
-    b.throughput_per_s = static_cast<double>(b.processed) / uptime;
-    b.queue = runtime->inbox->stats();
-    // Requests a site took straight away passed through the queue in no time.
-    const std::uint64_t direct = runtime->handed_directly.load(std::memory_order_relaxed);
-    b.queue.sent += direct;
-    b.queue.received += direct;
-    if (direct > 0) b.queue.high_watermark = std::max<std::size_t>(b.queue.high_watermark, 1);
-    snapshot.blocks.push_back(std::move(b));
-  }
-  for (const auto& site : sites_) snapshot.sites.push_back(site->site->stats());
-  if (lanes_) {
-    snapshot.lane_intra_op_threads = lanes_->intra_op_threads();
-    int index = 0;
-    for (const auto& c : lanes_->counters()) {
-      LaneMetrics lane;
-      lane.index = index++;
-      lane.runs = c.runs;
-      lane.tasks = c.tasks;
-      lane.inline_continuations = c.inline_continuations;
-      lane.busy_s = static_cast<double>(c.busy_ns) / 1e9;
-      lane.utilisation = c.alive_ns > 0 ? static_cast<double>(c.busy_ns) / static_cast<double>(c.alive_ns) : 0.0;
-      snapshot.lanes.push_back(lane);
-    }
-  }
-  snapshot.sampling = sampler_.enabled();
-  snapshot.sampling_period_s = absl::ToDoubleSeconds(sampler_.period());
-  if (snapshot.sampling) snapshot.host = sampler_.latest();
-  const auto table = routing();
-  for (const auto& runtime : paths_) {
-    PathMetrics p;
-    p.task = runtime->task;
-    p.active = table && table->plans.contains(runtime->task);
-    p.submitted = runtime->submitted.load();
-    p.completed = runtime->completed.load();
-    p.failed = runtime->failed.load();
-    p.e2e = runtime->e2e.stats();
-    p.wait = runtime->wait.stats();
-    p.compute = runtime->compute.stats();
-    p.overhead = runtime->overhead.stats();
-    p.throughput_per_s = static_cast<double>(p.completed) / uptime;
-    snapshot.paths.push_back(std::move(p));
-  }
-  return snapshot;
-}
-
-// Closes a block's queue, joins its threads and fails what was still queued, naming `why`.
-void SessionCore::stop_runtime(BlockRuntime& runtime, const std::string& why) {
-  runtime.removed_reason = why;  // before close(): whoever finds the queue closed reads it
-  runtime.removed_why.store(&runtime.removed_reason, std::memory_order_release);
-  runtime.inbox->close();
-  if (runtime.forwarder.joinable()) runtime.forwarder.join();
-  if (runtime.site == nullptr && lanes_) lanes_->quiesce(runtime);
-  for (auto& envelope : runtime.inbox->drain()) {
-    runtime.failed.fetch_add(1, std::memory_order_relaxed);
-    fail(envelope.local, absl::CancelledError(fmt::format("block '{}': {}", runtime.name(), why)));
-  }
-}
-
-absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl::Duration drain) {
-  absl::MutexLock serial(&shutdown_mu_);
-  if (!admitting_.load() || stopped_.load()) {
-    return absl::FailedPreconditionError("update: the session is not running (start() it first; not after shutdown())");
-  }
-  const std::uint64_t version = version_.load() + 1;
-  const std::int64_t t_begin = now_ns();
-  auto ms_since = [](std::int64_t t) { return static_cast<double>(now_ns() - t) / 1e6; };
-  UpdateStats timing;
-  timing.version = version;
-  auto invalid = [&](const std::string& what) {
-    return absl::InvalidArgumentError(fmt::format("update {} rejected, nothing changed: {}", version, what));
-  };
-  // 1. What stays, what comes, what goes.
-  const std::set<std::string> bare(wanted.bare_names.begin(), wanted.bare_names.end());
-  std::set<std::string> wanted_names;
-  std::vector<BlockDescription> added;
-  std::vector<BlockRuntime*> removed;
-  for (const auto& d : wanted.blocks) {
-    wanted_names.insert(d.name);
-    auto it = block_by_name_.find(d.name);
-    if (it != block_by_name_.end()) {
-      const BlockRuntime& current = *it->second;
-      const bool same = bare.count(d.name) != 0 ||
-                        (current.description.torchscript == d.torchscript && current.description.factory == d.factory &&
-                         block_to_json(current.description) == block_to_json(d));
-      if (same) continue;
-      removed.push_back(it->second);  // replaced
-    }
-    added.push_back(d);
-  }
-  for (const auto& runtime : blocks_) {
-    if (wanted_names.count(runtime->name()) == 0) removed.push_back(runtime.get());
-  }
-  auto site_named = [&](const std::string& name) -> SiteRuntime* {
-    for (const auto& site : sites_) {
-      if (site->site->name() == name) return site.get();
-    }
-    return nullptr;
-  };
-  for (const auto& d : added) {
-    if (d.placement.empty()) continue;
-    auto current = block_by_name_.find(d.name);
-    if (current != block_by_name_.end() && current->second->site != nullptr &&
-        current->second->site->site->name() == d.placement) {
-      return invalid(fmt::format("block '{}' in site '{}': changing a block in place inside the same site is not "
-                                 "supported; give the new version another name or another placement",
-                                 d.name, d.placement));
-    }
-    if (site_named(d.placement) == nullptr && !site_factory_) {
-      return invalid(fmt::format("block '{}': placement '{}' names no site, and the session has no site factory to "
-                                 "start one (add_deployment() installs one for worker processes)", d.name, d.placement));
-    }
-  }
-  const std::int64_t t_load = now_ns();
-  // 2. Build and load the new blocks of this process (nothing is routed to them yet); describe the
-  // ones going to sites, making the sites the session lacks.
-  std::vector<std::unique_ptr<BlockRuntime>> fresh;
-  std::vector<std::unique_ptr<SiteRuntime>> new_sites;
-  std::map<const BlockDescription*, absl::StatusOr<std::shared_ptr<Block>>> built;
-  {
-    std::vector<const BlockDescription*> local;
-    for (const auto& d : added) {
-      if (d.placement.empty()) local.push_back(&d);
-    }
-    auto blocks = make_blocks(local);  // in parallel, on the lanes
-    for (std::size_t i = 0; i < local.size(); ++i) built.emplace(local[i], std::move(blocks[i]));
-  }
-  for (const auto& d : added) {
-    if (!d.placement.empty()) {
-      SiteRuntime* site = site_named(d.placement);
-      for (const auto& made : new_sites) {
-        if (made->site->name() == d.placement) site = made.get();
-      }
-      if (site == nullptr) {
-        auto made = std::make_unique<SiteRuntime>();
-        made->site = site_factory_(d.placement);
-        made->stop_when_empty = true;
-        if (!made->site) return invalid(fmt::format("block '{}': the site factory made no site '{}'", d.name, d.placement));
-        site = made.get();
-        new_sites.push_back(std::move(made));
-      }
-      auto runtime = std::make_unique<BlockRuntime>();
-      runtime->description = d;
-      runtime->site = site;
-      runtime->inbox = make_inbox(d.options);
-      fresh.push_back(std::move(runtime));
-      continue;
-    }
-    auto& block = built.at(&d);
-    if (!block.ok()) return invalid(std::string(block.status().message()));
-    if (auto status = check_device(**block); !status.ok()) return invalid(std::string(status.message()));
-    fresh.push_back(make_runtime(*std::move(block)));
-    fresh.back()->description = d;
-  }
-  timing.load_ms = ms_since(t_load);  // this process's blocks built; sites and warm-up follow in 4
-  const std::int64_t t_route = now_ns();
-  // 3. The new routing table, against the blocks that stay and the new ones.
-  absl::flat_hash_map<std::string, BlockRuntime*> next_by_name;
-  for (const auto& runtime : blocks_) {
-    if (std::find(removed.begin(), removed.end(), runtime.get()) == removed.end()) next_by_name[runtime->name()] = runtime.get();
-  }
-  for (const auto& runtime : fresh) next_by_name[runtime->name()] = runtime.get();
-  std::vector<std::unique_ptr<PathRuntime>> new_paths;
-  auto table = compile_table(wanted.paths(), [&](const std::string& name) -> BlockRuntime* {
-    auto it = next_by_name.find(name);
-    return it == next_by_name.end() ? nullptr : it->second;
-  }, &new_paths);
-  if (!table.ok()) return invalid(std::string(table.status().message()));
-  timing.route_ms = ms_since(t_route);
-  const std::int64_t t_warm = now_ns();
-  // 4. Start and warm the new blocks up: this process's, then the sites' (new sites start with
-  // theirs; running sites load theirs next to what they have).
-  std::vector<BlockRuntime*> starting;
-  for (auto& runtime : fresh) {
-    if (runtime->site == nullptr) starting.push_back(runtime.get());
-  }
-  if (auto status = warm_up(starting); !status.ok()) {
-    for (auto* runtime : starting) stop_runtime(*runtime, "update rejected");
-    return invalid(std::string(status.message()));
-  }
-  std::vector<std::pair<SiteRuntime*, std::vector<BlockDescription>>> grown;  // running sites, their blocks before
-  auto undo_sites = [&] {
-    for (auto& site : new_sites) site->site->stop();
-    for (auto& [site, before] : grown) {
-      if (auto status = site->site->update(before); !status.ok()) {
-        std::cerr << fmt::format("blockflow: update {} rejected; site '{}' could not unload what it loaded: {}\n",
-                                 version, site->site->name(), std::string(status.message()));
-      }
-    }
-    for (auto* runtime : starting) stop_runtime(*runtime, "update rejected");
-  };
-  {
-    std::map<SiteRuntime*, std::vector<BlockRuntime*>> incoming;
-    for (auto& runtime : fresh) {
-      if (runtime->site != nullptr) incoming[runtime->site].push_back(runtime.get());
-    }
-    for (auto& [site, runtimes] : incoming) {
-      const bool is_new = std::any_of(new_sites.begin(), new_sites.end(), [&](const auto& n) { return n.get() == site; });
-      const auto before = descriptions_of(*site);
-      auto after = before;
-      for (const auto* runtime : runtimes) after.push_back(runtime->description);
-      if (is_new) site->blocks = runtimes;
-      const absl::Status status = is_new ? start_site(*site) : site->site->update(after);
-      if (!status.ok()) {
-        if (is_new) site->blocks.clear();
-        // A worker that did not answer may load them yet; one that died restarts with its old list.
-        else if (absl::IsDeadlineExceeded(status)) grown.emplace_back(site, before);
-        undo_sites();
-        // InvalidArgument for what could not be loaded (a new site that fails to start included);
-        // a running worker that died or did not answer keeps its code (Unavailable, DeadlineExceeded).
-        const bool invalid_update = is_new || absl::IsInvalidArgument(status);
-        return absl::Status(invalid_update ? absl::StatusCode::kInvalidArgument : status.code(),
-                            fmt::format("update {} rejected, nothing changed: {}", version, std::string(status.message())));
-      }
-      if (!is_new) grown.emplace_back(site, before);
-    }
-    for (auto& [site, runtimes] : incoming) {
-      const bool is_new = std::any_of(new_sites.begin(), new_sites.end(), [&](const auto& n) { return n.get() == site; });
-      if (!is_new) site->blocks.insert(site->blocks.end(), runtimes.begin(), runtimes.end());
-      for (auto* runtime : runtimes) runtime->forwarder = std::thread([this, runtime] { forward_to_site(*runtime); });
-    }
-  }
-  timing.load_ms += ms_since(t_warm);
-  const std::int64_t t_publish = now_ns();
-  timing.blocks_added = static_cast<std::uint32_t>(fresh.size());
-  timing.blocks_removed = static_cast<std::uint32_t>(removed.size());
-  timing.sites_started = static_cast<std::uint32_t>(new_sites.size());
-  // 5. Publish: blocks, then the routing table, at once for every task.
-  {
-    absl::MutexLock lock(&state_mu_);
-    for (auto& runtime : fresh) blocks_.push_back(std::move(runtime));
-    for (auto& site : new_sites) {
-      // set_sampling() holds state_mu_ too: a new site gets the setting of the moment.
-      if (sampler_.enabled()) site->site->set_sampling(true, sampler_.period());
-      sites_.push_back(std::move(site));
-    }
-    for (auto& p : new_paths) paths_.push_back(std::move(p));
-    block_by_name_ = next_by_name;
-    version_.store(version);
-    timing.total_ms = ms_since(t_begin);
-    last_update_ = timing;  // drain figures follow once it is done
-  }
-  for (const auto& [task, plan] : (*table)->plans) published_plans_.push_back(plan);
-  std::shared_ptr<const RoutingTable> old;
-  {
-    absl::MutexLock lock(&routing_mu_);
-    old = std::exchange(routing_, *std::move(table));
-  }
-  timing.route_ms += ms_since(t_publish);
-  const std::int64_t t_drain = now_ns();
-  // 6. Drain what is going: wait until no request holds a plan through a removed block, from the
-  // table just replaced or from any earlier one.
-  std::vector<std::shared_ptr<const PathPlan>> through_removed;
-  for (auto it = published_plans_.begin(); it != published_plans_.end();) {
-    auto plan = it->lock();
-    if (!plan) {
-      it = published_plans_.erase(it);
-      continue;
-    }
-    ++it;
-    for (const auto& node : plan->nodes) {
-      if (std::find(removed.begin(), removed.end(), node.block) != removed.end()) {
-        through_removed.push_back(plan);
-        break;
-      }
-    }
-  }
-  // A submit() that read the old table just before the swap still holds it: wait for that too.
-  const std::weak_ptr<const RoutingTable> old_table = old;
-  old.reset();
-  const absl::Time deadline = absl::Now() + drain;
-  auto held = [&] {
-    return !old_table.expired() ||
-           std::any_of(through_removed.begin(), through_removed.end(), [](const auto& p) { return p.use_count() > 1; });
-  };
-  while (held() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
-  std::set<SiteRuntime*> shrinking;
-  for (auto* runtime : removed) {
-    stop_runtime(*runtime, fmt::format("removed by update {} before the request reached it", version));
-    runtime->block.reset();  // its model's memory goes now; the runtime stays for late plans
-    if (runtime->site != nullptr) {
-      auto& list = runtime->site->blocks;
-      list.erase(std::remove(list.begin(), list.end(), runtime), list.end());
-      shrinking.insert(runtime->site);
-    }
-  }
-  // Sites unload what was removed; a factory's or deployment's site left without blocks stops (its
-  // process exits), one the user added stays, idle.
-  std::vector<SiteRuntime*> emptied;
-  for (auto* site : shrinking) {
-    if (site->blocks.empty() && site->stop_when_empty) {
-      site->site->stop();
-      emptied.push_back(site);
-    } else if (auto status = site->site->update(descriptions_of(*site)); !status.ok()) {
-      // Drained and unrouted already: the site just keeps the model loaded.
-      std::cerr << fmt::format("blockflow: update {}: site '{}' could not unload removed blocks: {}\n", version,
-                               site->site->name(), std::string(status.message()));
-    }
-  }
-  timing.sites_stopped = static_cast<std::uint32_t>(emptied.size());
-  std::vector<std::shared_ptr<RemoteSite>> released_sites;  // destroyed outside state_mu_
-  timing.drain_ms = ms_since(t_drain);
-  timing.total_ms = ms_since(t_begin);
-  {
-    absl::MutexLock lock(&state_mu_);
-    last_update_ = timing;
-    for (auto it = sites_.begin(); it != sites_.end();) {
-      if (std::find(emptied.begin(), emptied.end(), it->get()) != emptied.end()) {
-        released_sites.push_back(std::move((*it)->site));  // stopped: no callback can come any more
-        retired_sites_.push_back(std::move(*it));
-        it = sites_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    for (auto it = blocks_.begin(); it != blocks_.end();) {
-      if (std::find(removed.begin(), removed.end(), it->get()) != removed.end()) {
-        retired_.push_back(std::move(*it));
-        it = blocks_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-  return version;
-}
 
 void SessionCore::shutdown(absl::Duration drain) {
   absl::MutexLock serial(&shutdown_mu_);
   stopped_ = true;
   admitting_ = false;
+  cancel_update();                      // an apply() in progress stops at its next step
+  absl::MutexLock update(&update_mu_);  // and is over once this is held
   const absl::Time deadline = absl::Now() + drain;
   while (in_flight_.load(std::memory_order_acquire) > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
   for (auto& runtime : blocks_) runtime->inbox->close();
@@ -1260,12 +802,14 @@ bool SessionCore::post_to_lane(std::function<void()> task) {
 }
 
 void SessionCore::set_site_factory(Session::SiteFactory factory) {
-  absl::MutexLock serial(&shutdown_mu_);
+  absl::MutexLock lock(&factory_mu_);  // never waits behind an update: apply() copies it at its start
   site_factory_ = std::move(factory);
 }
 }  // namespace detail
 
 void Session::shutdown(absl::Duration drain) { core_->shutdown(drain); }
+
+void Session::cancel_update() { core_->cancel_update(); }
 
 bool Session::post_to_lane(std::function<void()> task) { return core_->post_to_lane(std::move(task)); }
 

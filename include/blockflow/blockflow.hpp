@@ -14,3 +14,4 @@
 #include <blockflow/tensor.hpp>
 #include <blockflow/torchscript_block.hpp>
 #include <blockflow/version.hpp>
+#include <blockflow/log.hpp>

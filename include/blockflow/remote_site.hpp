@@ -79,7 +79,9 @@ struct SiteStats {
 /// the site and the block). run() hands over one request for one block; it may block for
 /// backpressure. Every request given to run() is reported exactly once through the completion
 /// callback: with outputs, or with an error naming the site and the cause (for instance
-/// "worker w2 killed by signal 9"). stop() fails whatever is still inside, then returns.
+/// "worker w2 killed by signal 9"). stop() fails whatever is still inside, then returns; after it
+/// returns the completion callback is never called again (the site drops it: the session that
+/// gave it may be gone), and run() drops what it is given.
 /// Implementations are thread-safe.
 class RemoteSite {
  public:
@@ -109,6 +111,10 @@ class RemoteSite {
     (void)blocks;
     return absl::UnimplementedError("site '" + name() + "' cannot change its blocks while it runs");
   }
+  /// @brief Makes an update() in progress on another thread return CancelledError now (the site
+  /// may still load the blocks it was given; the session never routes to them). Does nothing when
+  /// no update() runs. The default does nothing: that site's update() ends when it ends.
+  virtual void cancel_update() {}
   /// @brief Where other sites of this host may send this site's requests directly (a site that
   /// keeps a block's outputs when Envelope::outputs_may_stay is set). Empty: nowhere, the default.
   /// The session asks once the site has started.

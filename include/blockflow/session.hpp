@@ -124,16 +124,29 @@ class Session {
   /// SiteLifetime::kStopWhenEmpty (as add_deployment() does), and otherwise stays, idle. Changing a block in place inside the same site is refused
   /// (give the new version another name, or another placement). A site that fails to load a block
   /// rejects the update as a whole: new sites are stopped, the others unload what they loaded.
-  /// Serialised with other apply() calls and with shutdown().
+  ///
+  /// A deployment describes chains: an update that leaves out a task added with add_path() as a
+  /// DAG is refused, naming the task (it would be dropped without anyone asking). Blocks and sites
+  /// an update removed are freed once no request in flight can reach them any more.
+  ///
+  /// apply() calls run one at a time. metrics(), submit(), set_site_factory() and set_sampling()
+  /// never wait for one. shutdown() and cancel_update() end one early: before the new routing is
+  /// published it returns Cancelled and nothing changed; while it drains, the drain ends at once.
   absl::StatusOr<std::uint64_t> apply(const Deployment& wanted, absl::Duration drain = absl::Seconds(30));
+  /// @brief Cancels the apply() in progress, if any (see apply()); returns at once. A site busy
+  /// loading the update's blocks is asked to stop waiting (RemoteSite::cancel_update()); a site the
+  /// update was starting is stopped. Building a block in this process is not interrupted: the
+  /// update ends when that build returns.
+  void cancel_update();
 
   /// @brief Switches KPI sampling (process figures from /proc, GPU figures through NVML where
   /// present) on or off, in this process and in every site (worker), at any time, with the given
   /// period. Off by default. The samples appear in metrics(): `host` and each site's `kpi`.
   void set_sampling(bool enabled, absl::Duration period = absl::Milliseconds(100));
 
-  /// @brief Stops admissions, waits up to `drain` for in-flight requests, then cancels the rest
-  /// (each fails with Cancelled naming the block it was at), stops the lanes and the sites.
+  /// @brief Stops admissions, cancels an apply() in progress, waits up to `drain` for in-flight
+  /// requests, then cancels the rest (each fails with Cancelled naming the block it was at), stops
+  /// the lanes and the sites.
   /// Idempotent. Must not be called from a submit() callback (it joins the lane running it).
   void shutdown(absl::Duration drain = absl::Seconds(5));
 

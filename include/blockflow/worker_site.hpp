@@ -118,6 +118,9 @@ class WorkerSite final : public RemoteSite {
   /// Heartbeats go on meanwhile. Waits up to WorkerOptions::start_timeout; a restart later loads
   /// the new list. Errors name the worker and the block.
   absl::Status update(const std::vector<BlockDescription>& blocks) override;
+  /// @brief Makes an update() in progress return Cancelled now (the worker may still load the
+  /// blocks; a restart loads the list it had before that update).
+  void cancel_update() override;
 
   /// @brief The worker's process id (0 while it is down, and for a worker on another host). For
   /// tests and tools.

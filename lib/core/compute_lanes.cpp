@@ -1,11 +1,11 @@
 #include <blockflow/detail/compute_lanes.hpp>
+#include <blockflow/detail/log.hpp>
 #include <blockflow/detail/clock.hpp>
 
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 #include <pthread.h>
 
-#include <iostream>
 #include <stdexcept>
 
 namespace blockflow::detail {
@@ -144,7 +144,7 @@ void ComputeLanes::run_entry(Lane& lane, Entry&& entry) {
     try {
       entry.task();
     } catch (const std::exception& e) {  // tasks report through their own futures; never kill a lane
-      std::cerr << fmt::format("blockflow: a task on a compute lane raised: {}\n", e.what());
+      detail::log(LogLevel::kError, fmt::format("a task on a compute lane raised: {}", e.what()));
     }
   }
   // Run-to-completion: the next block of the request, claimed while the unit above ran.

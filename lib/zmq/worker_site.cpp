@@ -1,4 +1,5 @@
 #include <blockflow/worker_site.hpp>
+#include <blockflow/detail/log.hpp>
 #include <blockflow/detail/clock.hpp>
 #include <blockflow/detail/runtime_dir.hpp>
 #include <blockflow/detail/zero_copy_ends.hpp>
@@ -28,7 +29,6 @@
 #include <cstring>
 #include <deque>
 #include <filesystem>
-#include <iostream>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -84,13 +84,35 @@ std::string with_any_port(const std::string& endpoint) {
 int port_of(const std::string& endpoint) { return std::stoi(endpoint.substr(endpoint.rfind(':') + 1)); }
 
 // Handles of the worker's slots whose tensors died here, waiting for the sender to return them.
-// Shared with the tensors' deleters, which may run after the site is gone.
+// Shared with the tensors' deleters, which may run after the site is gone. Also the sender
+// thread's doorbell: whatever gives the sender work rings it (deleters cannot take the site's
+// mutex, so the sender sleeps on this one), and the sender sleeps until then.
 struct ReleaseQueue {
   std::mutex mu;
+  std::condition_variable rung_cv;
+  bool rung = false;
   std::vector<wire::ShmHandle> handles;
   void push(const wire::ShmHandle& h) {
-    std::lock_guard lock(mu);
-    handles.push_back(h);
+    {
+      std::lock_guard lock(mu);
+      handles.push_back(h);
+      rung = true;
+    }
+    rung_cv.notify_one();
+  }
+  void ring() {
+    {
+      std::lock_guard lock(mu);
+      rung = true;
+    }
+    rung_cv.notify_one();
+  }
+  // Until rung (or `backstop`, a guard against a wake-up missed by a bug: it costs a wake-up per
+  // second when idle, never a stuck request).
+  void wait(std::chrono::milliseconds backstop) {
+    std::unique_lock lock(mu);
+    rung_cv.wait_for(lock, backstop, [&] { return rung; });
+    rung = false;
   }
   std::vector<wire::ShmHandle> take() {
     std::lock_guard lock(mu);
@@ -237,16 +259,23 @@ struct WorkerSite::Impl {
   absl::Duration sampling_period = absl::Milliseconds(100);
   // A block-list update for the running worker: queued for the control thread, answered by seq.
   std::optional<nlohmann::json> pending_update;
-  std::uint64_t update_seq = 0, update_answered = 0;
+  std::uint64_t update_seq = 0, update_answered = 0, update_cancelled = 0;
   std::string update_error;
   std::string cuda_probe;  // channel "cuda": what the worker must open (the connect-time check)
   bool stopping = false;
   bool death_pending = false;       // a joined worker declared dead from the control thread
   std::string unreachable_peer;     // control thread only
   std::thread control, sender, receiver;
+  detail::RateLimitedLog noisy;  // messages a peer can trigger per frame
 
   explicit Impl(WorkerOptions o) : options(std::move(o)) {
     if (options.executable.empty()) options.executable = default_executable();
+  }
+
+  // Wakes whoever waits on `changed` (run(), start(), update()) and the sender thread.
+  void wake() {
+    changed.notify_all();
+    releases->ring();
   }
 
   std::string prefix() const { return fmt::format("worker {}", options.name); }
@@ -358,13 +387,20 @@ struct WorkerSite::Impl {
   }
 
   // Fails the given requests outside the lock.
+  // Any thread: run() may fail a request while stop() drops `done` (then nobody is told).
   void fail_all(std::vector<std::pair<std::uint64_t, std::uint32_t>> lost, const absl::Status& why) {
+    CompletionFn report;
+    {
+      std::lock_guard lock(mu);
+      report = done;
+    }
+    if (!report) return;
     for (const auto& [id, node] : lost) {
       SiteCompletion c;
       c.request_id = id;
       c.node = node;
       c.outputs = why;
-      done(std::move(c));
+      report(std::move(c));
     }
   }
 
@@ -393,7 +429,7 @@ struct WorkerSite::Impl {
       drops.emplace_back(id, holder);
     }
     drops_pending.store(true, std::memory_order_release);
-    changed.notify_all();
+    wake();
   }
   // Consumer side: asks the site whose worker holds `f`'s tensors to send them to our worker.
   absl::Status enqueue_forward(Forward&& f, pid_t holder, std::weak_ptr<Impl> consumer) {
@@ -407,7 +443,7 @@ struct WorkerSite::Impl {
       f.holder = holder;
       forwards.push_back(std::move(f));
     }
-    changed.notify_all();
+    wake();
     return absl::OkStatus();
   }
   // Sender thread: kForwards, then drops for the live worker (the others' outputs died with them).
@@ -526,7 +562,7 @@ struct WorkerSite::Impl {
     // Its leases are void: our slots come back, its pools are no longer looked up.
     if (ends) {
       if (const std::size_t n = ends->reclaim_all(); n > 0) {
-        std::cerr << fmt::format("blockflow: {}: {} zero-copy slot(s) reclaimed\n", prefix(), n);
+        detail::log(LogLevel::kWarning, fmt::format("{}: {} zero-copy slot(s) reclaimed", prefix(), n));
       }
       ends->forget_all();
     }
@@ -560,17 +596,17 @@ struct WorkerSite::Impl {
         state = State::kDown;
         const auto backoff = options.restart_backoff * static_cast<double>(1ull << std::min<std::uint64_t>(restarts - 1, 10));
         restart_at_ns = now_ns() + absl::ToInt64Nanoseconds(backoff);
-        std::cerr << fmt::format("blockflow: {} {}; {} request(s) failed; restart {} of {}\n", prefix(), cause,
-                                 lost.size(), restarts, options.max_restarts);
+        detail::log(LogLevel::kWarning, fmt::format("{} {}; {} request(s) failed; restart {} of {}", prefix(), cause,
+                                                     lost.size(), restarts, options.max_restarts));
       } else {
         state = State::kFailed;
         for (auto& o : outbound) queued.push_back(std::move(o));
         outbound.clear();
         failed_requests += queued.size();
-        std::cerr << fmt::format("blockflow: {} {}; not restarted ({} restarts used)\n", prefix(), cause, restarts);
+        detail::log(LogLevel::kError, fmt::format("{} {}; not restarted ({} restarts used)", prefix(), cause, restarts));
       }
     }
-    changed.notify_all();
+    wake();
     forget_vias(vias);
     fail_all(std::move(lost), why);
     fail_forwarded(forwarded, why);
@@ -589,7 +625,7 @@ struct WorkerSite::Impl {
       // once per peer.
       if (to != unreachable_peer) {
         unreachable_peer = to;
-        std::cerr << fmt::format("blockflow: {}: control message lost: {}\n", prefix(), e.what());
+        noisy.log(LogLevel::kWarning, fmt::format("{}: control message lost: {}", prefix(), e.what()));
       }
     }
   }
@@ -597,7 +633,7 @@ struct WorkerSite::Impl {
   void handle_control(zmq::socket_t& router, const std::string& from, const std::string& payload) {
     auto message = nlohmann::json::parse(payload, nullptr, false);
     if (message.is_discarded() || !message.contains("type")) {
-      std::cerr << fmt::format("blockflow: {}: malformed control message dropped\n", prefix());
+      noisy.log(LogLevel::kWarning, fmt::format("{}: malformed control message dropped", prefix()));
       return;
     }
     const std::string type = message.value("type", "");
@@ -605,8 +641,8 @@ struct WorkerSite::Impl {
     if (type == detail::kHello) {
       if (joined()) {
         if (message.value("name", "") != options.name) {
-          std::cerr << fmt::format("blockflow: {}: a worker named '{}' tried to join; ignored\n", prefix(),
-                                   message.value("name", ""));
+          noisy.log(LogLevel::kWarning, fmt::format("{}: a worker named '{}' tried to join; ignored", prefix(),
+                                                       message.value("name", "")));
           return;
         }
         if (state != State::kStarting) return;  // one worker at a time; a second one keeps knocking
@@ -640,7 +676,7 @@ struct WorkerSite::Impl {
       last_heartbeat_ns = now_ns();
       become_ready_locked();
       lock.unlock();
-      changed.notify_all();
+      wake();
     } else if (type == detail::kLoadError) {
       start_error = fmt::format("{}: {}", prefix(), message.value("message", "load failed"));
       kill_cause = "failed to load its blocks";
@@ -651,7 +687,7 @@ struct WorkerSite::Impl {
       update_error = type == detail::kUpdated ? "" : message.value("message", "update failed");
       rss = message.value("rss_bytes", rss);
       lock.unlock();
-      changed.notify_all();
+      wake();
     } else if (type == detail::kHeartbeat) {
       last_heartbeat_ns = now_ns();
       rss = message.value("rss_bytes", rss);
@@ -718,7 +754,7 @@ struct WorkerSite::Impl {
         start_error = std::string(std::string(status.message()));
       }
     }
-    changed.notify_all();
+    wake();
     std::int64_t next_ping = 0;
     while (true) {
       {
@@ -797,12 +833,14 @@ struct WorkerSite::Impl {
           return stopping || (!outbound.empty() && state == State::kReady && in_flight.size() < options.max_in_flight) ||
                  !forwards.empty() || drops_pending.load(std::memory_order_acquire);
         };
-        // Released slots are noticed by polling (their deleters run anywhere, and must not take mu).
-        // Drops (direct edges) are flagged without mu: a missed wake-up costs at most 50 ms.
-        if (shm()) changed.wait_for(lock, std::chrono::milliseconds(2), ready);
-        else changed.wait_for(lock, std::chrono::milliseconds(50), ready);
         if (stopping) return;
-        if (!ready()) continue;
+        if (!ready()) {
+          // Asleep until something rings: run(), a state change, a reply (room in flight), a
+          // released slot or a drop (their deleters run anywhere and ring without mu).
+          lock.unlock();
+          releases->wait(std::chrono::milliseconds(1000));
+          continue;
+        }
         if (!forwards.empty() || drops_pending.load(std::memory_order_acquire)) {
           lock.unlock();
           send_direct_edge_messages();
@@ -812,7 +850,7 @@ struct WorkerSite::Impl {
         outbound.pop_front();
         stager_of_next = admit_locked(next, to);
       }
-      changed.notify_all();  // room in outbound for run()
+      wake();  // room in outbound for run()
       transmit(std::move(next), stager_of_next, to);
     }
   }
@@ -915,7 +953,7 @@ struct WorkerSite::Impl {
       via = it->second.via;
       in_flight.erase(it);
     }
-    changed.notify_all();
+    wake();
     forget_vias({{{id, node}, via}});
     fail_all({{id, node}}, why);
   }
@@ -979,14 +1017,14 @@ struct WorkerSite::Impl {
         ++malformed;
         const pid_t expected = pid;
         lock.unlock();
-        std::cerr << fmt::format("blockflow: {}: data link connection from pid {} refused (the worker is pid {})\n",
-                                 prefix(), accepted->peer_pid, expected);
+        noisy.log(LogLevel::kWarning, fmt::format("{}: data link connection from pid {} refused (the worker is pid {})",
+                                                   prefix(), accepted->peer_pid, expected));
         continue;
       }
       link = std::move(accepted->link);
       become_ready_locked();
       lock.unlock();
-      changed.notify_all();
+      wake();
     }
   }
 
@@ -1026,7 +1064,7 @@ struct WorkerSite::Impl {
       }
     }
     forget_vias(vias);
-    std::cerr << fmt::format("blockflow: {}: malformed result frame dropped: {}\n", prefix(), std::string(why.message()));
+    noisy.log(LogLevel::kWarning, fmt::format("{}: malformed result frame dropped: {}", prefix(), std::string(why.message())));
     fail_all(std::move(affected),
              absl::DataLossError(fmt::format("{} sent a malformed result: {}", prefix(), std::string(why.message()))));
   }
@@ -1092,7 +1130,7 @@ struct WorkerSite::Impl {
       in_flight.erase(it);
       ++received;
     }
-    changed.notify_all();
+    wake();
     if (!via.expired()) forget_vias({{{h.request_id, h.node}, via}});
     SiteCompletion c;
     c.request_id = h.request_id;
@@ -1158,9 +1196,14 @@ absl::Status WorkerSite::start(const std::vector<BlockDescription>& blocks, Comp
   s.sender = std::thread([&s] { s.sender_main(); });
   s.control = std::thread([&s] { s.control_main(); });
   std::unique_lock lock(s.mu);
-  s.changed.wait(lock, [&] { return s.state == Impl::State::kReady || s.state == Impl::State::kFailed; });
-  if (s.state == Impl::State::kFailed) {
-    const std::string error = s.start_error.empty() ? s.prefix() + " failed to start" : s.start_error;
+  s.changed.wait(lock, [&] {
+    return s.state == Impl::State::kReady || s.state == Impl::State::kFailed || s.stopping ||
+           s.state == Impl::State::kStopped;
+  });
+  if (s.state != Impl::State::kReady) {
+    const std::string error = s.stopping || s.state == Impl::State::kStopped
+                                  ? s.prefix() + " was stopped while it started"
+                                  : (s.start_error.empty() ? s.prefix() + " failed to start" : s.start_error);
     lock.unlock();
     stop();
     return absl::UnavailableError(error);
@@ -1194,7 +1237,7 @@ void WorkerSite::run(const std::string& block, Envelope&& envelope) {
   }
   s.outbound.push_back(std::move(next));
   lock.unlock();
-  s.changed.notify_all();
+  s.wake();
 }
 
 bool WorkerSite::try_run(const std::string& block, Envelope& envelope) {
@@ -1240,7 +1283,7 @@ void WorkerSite::stop() {
     }
     s.stopping = true;
   }
-  s.changed.notify_all();
+  s.wake();
   for (auto* t : {&s.control, &s.sender, &s.receiver}) {
     if (t->joinable()) t->join();
   }
@@ -1273,6 +1316,12 @@ void WorkerSite::stop() {
   }
   s.listener.reset();
   detail::remove_private_dir(s.dir);
+  CompletionFn dropped;  // destroyed outside mu: it may hold the last reference to its owner
+  {
+    std::lock_guard lock(s.mu);
+    dropped = std::move(s.done);
+    s.done = nullptr;
+  }
 }
 
 SiteStats WorkerSite::stats() const {
@@ -1333,7 +1382,7 @@ absl::Status WorkerSite::update(const std::vector<BlockDescription>& blocks) {
   message["seq"] = seq;
   s.pending_update = std::move(message);  // the control thread sends it within its poll interval
   const bool answered = s.changed.wait_for(lock, absl::ToChronoNanoseconds(s.options.start_timeout), [&] {
-    return s.stopping || s.update_answered == seq || s.state != Impl::State::kReady;
+    return s.stopping || s.update_answered == seq || s.update_cancelled == seq || s.state != Impl::State::kReady;
   });
   if (s.update_answered == seq) {
     if (!s.update_error.empty()) return absl::InvalidArgumentError(fmt::format("{}: {}", s.prefix(), s.update_error));
@@ -1341,12 +1390,25 @@ absl::Status WorkerSite::update(const std::vector<BlockDescription>& blocks) {
     return absl::OkStatus();
   }
   s.pending_update.reset();
+  if (s.update_cancelled == seq) {
+    return absl::CancelledError(fmt::format("{}: update cancelled (the worker may still load the blocks)", s.prefix()));
+  }
   if (!answered) {
     return absl::DeadlineExceededError(fmt::format("{} did not load its new blocks within {}", s.prefix(),
                                                    absl::FormatDuration(s.options.start_timeout)));
   }
   return absl::UnavailableError(fmt::format("{} went down during the update{}", s.prefix(),
                                             s.cause.empty() ? "" : ": " + s.cause));
+}
+
+void WorkerSite::cancel_update() {
+  Impl& s = *impl_;
+  {
+    std::lock_guard lock(s.mu);
+    if (s.update_answered == s.update_seq) return;  // none in progress
+    s.update_cancelled = s.update_seq;
+  }
+  s.wake();
 }
 
 std::int64_t WorkerSite::pid() const {

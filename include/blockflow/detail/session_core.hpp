@@ -19,6 +19,7 @@
 #include <absl/synchronization/mutex.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -30,6 +31,11 @@ namespace blockflow::detail {
 struct SiteRuntime;
 
 class SessionCore;
+
+/// A block placed on a GPU this process cannot see is a configuration error (InvalidArgument).
+absl::Status check_device(const Block& block);
+/// Names the calling thread after a block ("bf-<block>/<index>", cut to 15 characters).
+void name_thread(const std::string& block, int index);
 
 /// A block as the session runs it: the block, its input queue, its counters. A block of this
 /// process runs on the session's compute lanes (LaneWork: at most BlockOptions::workers lanes at
@@ -89,6 +95,7 @@ class SessionCore {
   MetricsSnapshot metrics() const;
   void set_sampling(bool enabled, absl::Duration period);
   absl::StatusOr<std::uint64_t> apply(const Deployment& wanted, absl::Duration drain);
+  void cancel_update();
   void set_site_factory(Session::SiteFactory factory);
   void shutdown(absl::Duration drain);
   bool post_to_lane(std::function<void()> task);
@@ -106,6 +113,20 @@ class SessionCore {
   absl::Status warm_up_block(BlockRuntime& runtime);
   ComputeLanes::Options lane_options() const;
   void stop_runtime(BlockRuntime& runtime, const std::string& why);
+  // apply(), step by step (lib/core/session_update.cpp).
+  struct UpdateWork;
+  absl::Status update_diff(UpdateWork& u);
+  absl::Status update_load(UpdateWork& u);
+  absl::Status update_route(UpdateWork& u);
+  absl::Status update_start(UpdateWork& u);
+  void update_undo(UpdateWork& u);
+  void update_publish(UpdateWork& u);
+  void update_drain(UpdateWork& u, absl::Duration drain);
+  void collect_retired();
+  std::vector<std::shared_ptr<const PathPlan>> live_plans();
+  bool update_cancelled() const;
+  absl::Status at_site(SiteRuntime& site, bool is_new, const std::function<absl::Status()>& step);
+  SiteRuntime* site_named(const std::string& name) const;
   absl::StatusOr<std::shared_ptr<RoutingTable>> compile_table(
       const std::vector<Path>& paths, const std::function<BlockRuntime*(const std::string&)>& lookup,
       std::vector<std::unique_ptr<PathRuntime>>* new_path_runtimes);
@@ -142,7 +163,8 @@ class SessionCore {
   std::vector<std::unique_ptr<SiteRuntime>> sites_;
   // Sites stopped by apply() once their last block went: kept for late references.
   std::vector<std::unique_ptr<SiteRuntime>> retired_sites_;
-  Session::SiteFactory site_factory_;  // guarded by shutdown_mu_
+  absl::Mutex factory_mu_;
+  Session::SiteFactory site_factory_ ABSL_GUARDED_BY(factory_mu_);
   std::vector<Path> pending_paths_;
 
   // Changed by start() and apply() (under shutdown_mu_ and state_mu_); read by metrics() under state_mu_.
@@ -150,12 +172,13 @@ class SessionCore {
   std::vector<std::unique_ptr<BlockRuntime>> blocks_;
   absl::flat_hash_map<std::string, BlockRuntime*> block_by_name_;
   std::vector<std::unique_ptr<PathRuntime>> paths_;
-  // Blocks removed by apply(): stopped, their Block released, kept so that plans still held by
-  // late requests never point at freed memory.
+  // Blocks removed by apply(): stopped, their Block released, kept while a plan still held by a
+  // late request may point at them (collect_retired() frees the others).
   std::vector<std::unique_ptr<BlockRuntime>> retired_;
   std::atomic<std::uint64_t> version_{0};
   UpdateStats last_update_;  // under state_mu_
-  // Every plan published and maybe still held by a request (apply() drains removed blocks by them).
+  // Every plan published and maybe still held by a request (apply() drains removed blocks by them,
+  // collect_retired() frees what none of them reaches). start() and apply() only.
   std::vector<std::weak_ptr<const PathPlan>> published_plans_;
 
   mutable absl::Mutex routing_mu_;
@@ -171,7 +194,17 @@ class SessionCore {
   std::atomic<bool> started_{false};
   std::atomic<bool> stopped_{false};
   std::int64_t started_ns_ = 0;
+  // Lock order: shutdown_mu_ (shutdown() only), then update_mu_ (one apply() at a time, and
+  // shutdown() once it has cancelled it), then state_mu_ / busy_mu_ / routing_mu_ / live_mu_.
   absl::Mutex shutdown_mu_;
+  absl::Mutex update_mu_;
+  // The apply() in progress, for cancel_update(): whether one runs, whether it was cancelled, and
+  // the site it waits on (a new one is stopped to cancel it, a running one asked to cancel).
+  mutable absl::Mutex busy_mu_;
+  bool updating_ ABSL_GUARDED_BY(busy_mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(busy_mu_) = false;
+  std::shared_ptr<RemoteSite> busy_site_ ABSL_GUARDED_BY(busy_mu_);
+  bool busy_site_is_new_ ABSL_GUARDED_BY(busy_mu_) = false;
 };
 
 }  // namespace blockflow::detail

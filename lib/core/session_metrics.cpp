@@ -1,0 +1,81 @@
+// Session::metrics(): the snapshot of the session's counters.
+#include <blockflow/detail/clock.hpp>
+#include <blockflow/detail/session_core.hpp>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace blockflow::detail {
+
+MetricsSnapshot SessionCore::metrics() const {
+  absl::MutexLock lock(&state_mu_);
+  MetricsSnapshot snapshot;
+  snapshot.version = version_.load();
+  snapshot.last_update = last_update_;
+  snapshot.uptime_s = started_ns_ == 0 ? 0.0 : static_cast<double>(now_ns() - started_ns_) / 1e9;
+  snapshot.in_flight = static_cast<std::uint64_t>(std::max<std::int64_t>(in_flight_.load(), 0));
+  const double uptime = std::max(snapshot.uptime_s, 1e-9);
+  for (const auto& runtime : blocks_) {
+    BlockMetrics b;
+    const BlockOptions& options = runtime->description.options;
+    b.name = runtime->name();
+    b.kind = runtime->block ? std::string(runtime->block->kind())
+                            : (runtime->description.torchscript.empty() ? "factory" : "torchscript");
+    b.device = options.device;
+    b.placement = runtime->site ? runtime->site->site->name() : "threads";
+    b.workers = options.workers;
+    b.intra_op_threads = options.intra_op_threads;
+    b.processed = runtime->processed.load();
+    b.failed = runtime->failed.load();
+    b.batches = runtime->batches.load();
+    b.batched_requests = runtime->batched_requests.load();
+    b.wait = runtime->wait.stats();
+    b.compute = runtime->compute.stats();
+    b.overhead = runtime->overhead.stats();
+    b.throughput_per_s = static_cast<double>(b.processed) / uptime;
+    b.queue = runtime->inbox->stats();
+    // Requests a site took straight away passed through the queue in no time.
+    const std::uint64_t direct = runtime->handed_directly.load(std::memory_order_relaxed);
+    b.queue.sent += direct;
+    b.queue.received += direct;
+    if (direct > 0) b.queue.high_watermark = std::max<std::size_t>(b.queue.high_watermark, 1);
+    snapshot.blocks.push_back(std::move(b));
+  }
+  for (const auto& site : sites_) snapshot.sites.push_back(site->site->stats());
+  if (lanes_) {
+    snapshot.lane_intra_op_threads = lanes_->intra_op_threads();
+    int index = 0;
+    for (const auto& c : lanes_->counters()) {
+      LaneMetrics lane;
+      lane.index = index++;
+      lane.runs = c.runs;
+      lane.tasks = c.tasks;
+      lane.inline_continuations = c.inline_continuations;
+      lane.busy_s = static_cast<double>(c.busy_ns) / 1e9;
+      lane.utilisation = c.alive_ns > 0 ? static_cast<double>(c.busy_ns) / static_cast<double>(c.alive_ns) : 0.0;
+      snapshot.lanes.push_back(lane);
+    }
+  }
+  snapshot.sampling = sampler_.enabled();
+  snapshot.sampling_period_s = absl::ToDoubleSeconds(sampler_.period());
+  if (snapshot.sampling) snapshot.host = sampler_.latest();
+  const auto table = routing();
+  for (const auto& runtime : paths_) {
+    PathMetrics p;
+    p.task = runtime->task;
+    p.active = table && table->plans.contains(runtime->task);
+    p.submitted = runtime->submitted.load();
+    p.completed = runtime->completed.load();
+    p.failed = runtime->failed.load();
+    p.e2e = runtime->e2e.stats();
+    p.wait = runtime->wait.stats();
+    p.compute = runtime->compute.stats();
+    p.overhead = runtime->overhead.stats();
+    p.throughput_per_s = static_cast<double>(p.completed) / uptime;
+    snapshot.paths.push_back(std::move(p));
+  }
+  return snapshot;
+}
+
+}  // namespace blockflow::detail

@@ -1,0 +1,119 @@
+// The session's remote sites: starting them, forwarding a block's queue to its site, and what
+// the site reports back.
+#include <blockflow/detail/clock.hpp>
+#include <blockflow/detail/session_core.hpp>
+
+#include <fmt/format.h>
+
+namespace blockflow::detail {
+
+std::vector<BlockDescription> SessionCore::descriptions_of(const SiteRuntime& site) {
+  std::vector<BlockDescription> out;
+  for (const auto* runtime : site.blocks) out.push_back(runtime->description);
+  return out;
+}
+
+absl::Status SessionCore::start_site(SiteRuntime& site) {
+  SiteRuntime* raw = &site;
+  auto status = site.site->start(descriptions_of(site),
+                                 [this, raw](SiteCompletion&& c) { on_site_completion(*raw, std::move(c)); });
+  if (status.ok()) site.peer_endpoint = site.site->peer_endpoint();
+  return status;
+}
+
+namespace {
+
+// Direct edges: node `node` runs at a site that may keep its outputs, because every next node is a
+// single-input block at a site reachable from it (RemoteSite::peer_endpoint()).
+bool outputs_may_stay(const PathPlan& plan, std::uint32_t node) {
+  const PlanNode& n = plan.nodes[node];
+  if (n.block == nullptr || n.block->site == nullptr || n.block->site->peer_endpoint.empty() || n.successors.empty()) {
+    return false;
+  }
+  for (const PlanEdge& e : n.successors) {
+    const PlanNode& next = plan.nodes[static_cast<std::size_t>(e.node)];
+    if (next.join_index >= 0 || next.block == nullptr || next.block->site == nullptr ||
+        next.block->site->peer_endpoint.empty()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::Status SessionCore::start_sites() {
+  for (auto& site : sites_) {
+    if (auto status = start_site(*site); !status.ok()) return status;
+  }
+  for (auto& runtime : blocks_) {
+    if (runtime->site != nullptr) runtime->forwarder = std::thread([this, rt = runtime.get()] { forward_to_site(*rt); });
+  }
+  return absl::OkStatus();
+}
+
+void SessionCore::forward_to_site(BlockRuntime& runtime) {
+  name_thread(runtime.name(), 0);
+  while (auto envelope = runtime.inbox->receive(absl::InfiniteFuture())) {
+    const std::int64_t dequeued = now_ns();
+    StatePtr state = std::move(envelope->local);
+    if (state->resolved.load(std::memory_order_acquire)) continue;
+    HopTiming& hop = state->hops[envelope->node];
+    hop.arrived_ns = envelope->sent_ns;
+    hop.dequeued_ns = dequeued;  // provisional: on completion it also absorbs the site's queueing
+    {
+      absl::MutexLock lock(&runtime.site->mu);
+      runtime.site->in_flight[{envelope->request_id, envelope->node}] = {state, &runtime};
+    }
+    envelope->outputs_may_stay = outputs_may_stay(*state->plan, envelope->node);
+    runtime.site->site->run(runtime.name(), std::move(*envelope));
+  }
+}
+
+void SessionCore::on_site_completion(SiteRuntime& site, SiteCompletion&& c) {
+  const std::int64_t received = now_ns();
+  std::pair<StatePtr, BlockRuntime*> entry;
+  {
+    absl::MutexLock lock(&site.mu);
+    auto it = site.in_flight.find({c.request_id, c.node});
+    if (it == site.in_flight.end()) return;  // already reported (exactly once)
+    entry = std::move(it->second);
+    site.in_flight.erase(it);
+  }
+  auto& [state, runtime] = entry;
+  if (!c.outputs.ok()) {
+    runtime->failed.fetch_add(1, std::memory_order_relaxed);
+    return fail(state, c.outputs.status());
+  }
+  HopTiming& hop = state->hops[c.node];
+  // Same host, same steady clock: wait = our queue + the site's queue; the transfers are overhead.
+  const std::int64_t start = c.compute_start_ns != 0 ? c.compute_start_ns : received;
+  const std::int64_t end = c.compute_end_ns != 0 ? c.compute_end_ns : received;
+  hop.dequeued_ns = std::min(hop.dequeued_ns + c.wait_ns, start);
+  hop.compute_start_ns = start;
+  hop.compute_end_ns = end;
+  runtime->processed.fetch_add(1, std::memory_order_relaxed);
+  forward_outputs(state, static_cast<int>(c.node), *std::move(c.outputs), runtime);
+}
+
+bool SessionCore::try_site_now(BlockRuntime& runtime, Envelope& envelope) {
+  StatePtr state = envelope.local;
+  if (state->resolved.load(std::memory_order_acquire)) return true;  // failed meanwhile: nothing to run
+  const std::pair<std::uint64_t, std::uint32_t> key{envelope.request_id, envelope.node};
+  HopTiming& hop = state->hops[envelope.node];
+  hop.arrived_ns = hop.dequeued_ns = now_ns();
+  {
+    absl::MutexLock lock(&runtime.site->mu);
+    runtime.site->in_flight[key] = {state, &runtime};
+  }
+  envelope.outputs_may_stay = outputs_may_stay(*state->plan, envelope.node);
+  if (runtime.site->site->try_run(runtime.name(), envelope)) {
+    runtime.handed_directly.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  absl::MutexLock lock(&runtime.site->mu);
+  runtime.site->in_flight.erase(key);
+  return false;
+}
+
+}  // namespace blockflow::detail

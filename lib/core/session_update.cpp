@@ -1,0 +1,482 @@
+// Session::apply(): moving a running session to a wanted deployment while traffic flows, in steps
+// (what changes, load, route, start, publish, drain), each of which can be cancelled before the
+// publish; and freeing what earlier updates removed once no request can reach it any more.
+#include <blockflow/detail/clock.hpp>
+#include <blockflow/detail/deployment_json.hpp>
+#include <blockflow/detail/log.hpp>
+#include <blockflow/detail/session_core.hpp>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+namespace blockflow::detail {
+namespace {
+
+double ms_since(std::int64_t t) { return static_cast<double>(now_ns() - t) / 1e6; }
+
+// A plan a Deployment can describe: one entry, and every node feeds at most one other.
+bool is_chain(const PathPlan& plan) {
+  if (plan.entries.size() != 1 || plan.num_joins != 0) return false;
+  return std::all_of(plan.nodes.begin(), plan.nodes.end(),
+                     [](const PlanNode& n) { return n.successors.size() <= 1 && n.inputs.size() <= 1; });
+}
+
+}  // namespace
+
+/// What one apply() call has found and made so far, between its steps.
+struct SessionCore::UpdateWork {
+  explicit UpdateWork(const Deployment& w) : wanted(w) {}
+  const Deployment& wanted;
+  std::uint64_t version = 0;
+  std::int64_t t_begin = 0;
+  UpdateStats timing;
+  Session::SiteFactory factory;
+  std::vector<BlockDescription> added;      // new blocks, and new versions of changed ones
+  std::vector<BlockRuntime*> removed;       // running blocks that go (changed ones included)
+  std::vector<std::unique_ptr<BlockRuntime>> fresh;
+  std::vector<std::unique_ptr<SiteRuntime>> new_sites;
+  std::vector<BlockRuntime*> starting;      // fresh blocks of this process, started in step 4
+  std::vector<std::pair<SiteRuntime*, std::vector<BlockDescription>>> grown;  // running sites, their blocks before
+  absl::flat_hash_map<std::string, BlockRuntime*> next_by_name;
+  std::vector<std::unique_ptr<PathRuntime>> new_paths;
+  std::shared_ptr<RoutingTable> table;
+  std::weak_ptr<const RoutingTable> old_table;  // the one update_publish() replaced
+
+  [[nodiscard]] absl::Status invalid(const std::string& what) const {
+    return absl::InvalidArgumentError(fmt::format("update {} rejected, nothing changed: {}", version, what));
+  }
+  [[nodiscard]] absl::Status cancelled() const {
+    return absl::CancelledError(fmt::format("update {} cancelled, nothing changed", version));
+  }
+  [[nodiscard]] bool is_new(const SiteRuntime* site) const {
+    return std::any_of(new_sites.begin(), new_sites.end(), [&](const auto& n) { return n.get() == site; });
+  }
+};
+
+// Closes a block's queue, joins its threads and fails what was still queued, naming `why`.
+void SessionCore::stop_runtime(BlockRuntime& runtime, const std::string& why) {
+  runtime.removed_reason = why;  // before close(): whoever finds the queue closed reads it
+  runtime.removed_why.store(&runtime.removed_reason, std::memory_order_release);
+  runtime.inbox->close();
+  if (runtime.forwarder.joinable()) runtime.forwarder.join();
+  if (runtime.site == nullptr && lanes_) lanes_->quiesce(runtime);
+  for (auto& envelope : runtime.inbox->drain()) {
+    runtime.failed.fetch_add(1, std::memory_order_relaxed);
+    fail(envelope.local, absl::CancelledError(fmt::format("block '{}': {}", runtime.name(), why)));
+  }
+}
+
+absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl::Duration drain) {
+  absl::MutexLock serial(&update_mu_);
+  UpdateWork u(wanted);
+  u.version = version_.load() + 1;
+  u.t_begin = now_ns();
+  u.timing.version = u.version;
+  {
+    // shutdown() sets stopped_ before it looks for an update to cancel: one of the two sees the other.
+    absl::MutexLock lock(&busy_mu_);
+    updating_ = true;
+    cancelled_ = false;
+  }
+  struct Done {
+    SessionCore* core;
+    ~Done() {
+      absl::MutexLock lock(&core->busy_mu_);
+      core->updating_ = false;
+    }
+  } done{this};
+  if (!admitting_.load() || stopped_.load()) {
+    return absl::FailedPreconditionError("update: the session is not running (start() it first; not after shutdown())");
+  }
+  collect_retired();
+  {
+    absl::MutexLock lock(&factory_mu_);
+    u.factory = site_factory_;
+  }
+  if (auto status = update_diff(u); !status.ok()) return status;
+  if (auto status = update_load(u); !status.ok()) return status;
+  if (auto status = update_route(u); !status.ok()) return status;
+  if (auto status = update_start(u); !status.ok()) return status;
+  update_publish(u);
+  update_drain(u, drain);
+  collect_retired();
+  return u.version;
+}
+
+bool SessionCore::update_cancelled() const {
+  absl::MutexLock lock(&busy_mu_);
+  return cancelled_;
+}
+
+void SessionCore::cancel_update() {
+  std::shared_ptr<RemoteSite> site;
+  bool stop_it = false;
+  {
+    absl::MutexLock lock(&busy_mu_);
+    if (!updating_) return;
+    cancelled_ = true;
+    site = busy_site_;
+    stop_it = busy_site_is_new_;
+  }
+  if (!site) return;
+  // A site this update was starting serves nothing yet: stopping it is how its start() ends.
+  if (stop_it) site->stop();
+  else site->cancel_update();
+}
+
+// Runs `step` against `site` so that cancel_update() can interrupt it; not at all once cancelled.
+absl::Status SessionCore::at_site(SiteRuntime& site, bool is_new, const std::function<absl::Status()>& step) {
+  {
+    absl::MutexLock lock(&busy_mu_);
+    if (cancelled_) return absl::CancelledError("cancelled");
+    busy_site_ = site.site;
+    busy_site_is_new_ = is_new;
+  }
+  absl::Status status = step();
+  absl::MutexLock lock(&busy_mu_);
+  busy_site_.reset();
+  if (cancelled_ && !status.ok()) return absl::CancelledError("cancelled");
+  return status;
+}
+
+// 1. What stays, what comes, what goes; and what a deployment cannot say.
+absl::Status SessionCore::update_diff(UpdateWork& u) {
+  const Deployment& wanted = u.wanted;
+  const std::set<std::string> bare(wanted.bare_names.begin(), wanted.bare_names.end());
+  std::set<std::string> wanted_names;
+  for (const auto& d : wanted.blocks) {
+    wanted_names.insert(d.name);
+    auto it = block_by_name_.find(d.name);
+    if (it != block_by_name_.end()) {
+      const BlockRuntime& current = *it->second;
+      const bool same = bare.count(d.name) != 0 ||
+                        (current.description.torchscript == d.torchscript && current.description.factory == d.factory &&
+                         block_to_json(current.description) == block_to_json(d));
+      if (same) continue;
+      u.removed.push_back(it->second);  // replaced
+    }
+    u.added.push_back(d);
+  }
+  for (const auto& runtime : blocks_) {
+    if (wanted_names.count(runtime->name()) == 0) u.removed.push_back(runtime.get());
+  }
+  // A deployment describes chains only: a DAG task (Session::add_path()) it leaves out would be
+  // dropped without anyone having asked for it.
+  if (const auto table = routing()) {
+    std::set<std::string> wanted_tasks;
+    for (const auto& [task, chain] : wanted.tasks) wanted_tasks.insert(task);
+    for (const auto& [task, plan] : table->plans) {
+      if (wanted_tasks.count(task) == 0 && !is_chain(*plan)) {
+        return u.invalid(fmt::format("task '{}' is a DAG path (added with Session::add_path()) that a deployment "
+                                     "cannot describe; the update would drop it. List the task in the deployment "
+                                     "(as a chain) to replace it", task));
+      }
+    }
+  }
+  for (const auto& d : u.added) {
+    if (d.placement.empty()) continue;
+    auto current = block_by_name_.find(d.name);
+    if (current != block_by_name_.end() && current->second->site != nullptr &&
+        current->second->site->site->name() == d.placement) {
+      return u.invalid(fmt::format("block '{}' in site '{}': changing a block in place inside the same site is not "
+                                   "supported; give the new version another name or another placement",
+                                   d.name, d.placement));
+    }
+    if (site_named(d.placement) == nullptr && !u.factory) {
+      return u.invalid(fmt::format("block '{}': placement '{}' names no site, and the session has no site factory to "
+                                   "start one (add_deployment() installs one for worker processes)", d.name, d.placement));
+    }
+  }
+  return absl::OkStatus();
+}
+
+SiteRuntime* SessionCore::site_named(const std::string& name) const {
+  for (const auto& site : sites_) {
+    if (site->site->name() == name) return site.get();
+  }
+  return nullptr;
+}
+
+// 2. Build and load the new blocks of this process (nothing is routed to them yet); describe the
+// ones going to sites, making the sites the session lacks.
+absl::Status SessionCore::update_load(UpdateWork& u) {
+  const std::int64_t t_load = now_ns();
+  std::map<const BlockDescription*, absl::StatusOr<std::shared_ptr<Block>>> built;
+  {
+    std::vector<const BlockDescription*> local;
+    for (const auto& d : u.added) {
+      if (d.placement.empty()) local.push_back(&d);
+    }
+    auto blocks = make_blocks(local);  // in parallel, on the lanes
+    for (std::size_t i = 0; i < local.size(); ++i) built.emplace(local[i], std::move(blocks[i]));
+  }
+  if (update_cancelled()) return u.cancelled();
+  for (const auto& d : u.added) {
+    if (!d.placement.empty()) {
+      SiteRuntime* site = site_named(d.placement);
+      for (const auto& made : u.new_sites) {
+        if (made->site->name() == d.placement) site = made.get();
+      }
+      if (site == nullptr) {
+        auto made = std::make_unique<SiteRuntime>();
+        made->site = u.factory(d.placement);
+        made->stop_when_empty = true;
+        if (!made->site) return u.invalid(fmt::format("block '{}': the site factory made no site '{}'", d.name, d.placement));
+        site = made.get();
+        u.new_sites.push_back(std::move(made));
+      }
+      auto runtime = std::make_unique<BlockRuntime>();
+      runtime->description = d;
+      runtime->site = site;
+      runtime->inbox = make_inbox(d.options);
+      u.fresh.push_back(std::move(runtime));
+      continue;
+    }
+    auto& block = built.at(&d);
+    if (!block.ok()) return u.invalid(std::string(block.status().message()));
+    if (auto status = check_device(**block); !status.ok()) return u.invalid(std::string(status.message()));
+    u.fresh.push_back(make_runtime(*std::move(block)));
+    u.fresh.back()->description = d;
+  }
+  u.timing.load_ms = ms_since(t_load);  // this process's blocks built; sites and warm-up follow in 4
+  return absl::OkStatus();
+}
+
+// 3. The new routing table, against the blocks that stay and the new ones.
+absl::Status SessionCore::update_route(UpdateWork& u) {
+  const std::int64_t t_route = now_ns();
+  for (const auto& runtime : blocks_) {
+    if (std::find(u.removed.begin(), u.removed.end(), runtime.get()) == u.removed.end()) {
+      u.next_by_name[runtime->name()] = runtime.get();
+    }
+  }
+  for (const auto& runtime : u.fresh) u.next_by_name[runtime->name()] = runtime.get();
+  auto table = compile_table(u.wanted.paths(), [&](const std::string& name) -> BlockRuntime* {
+    auto it = u.next_by_name.find(name);
+    return it == u.next_by_name.end() ? nullptr : it->second;
+  }, &u.new_paths);
+  if (!table.ok()) return u.invalid(std::string(table.status().message()));
+  u.table = *std::move(table);
+  u.timing.route_ms = ms_since(t_route);
+  return absl::OkStatus();
+}
+
+// 4. Start and warm the new blocks up: this process's, then the sites' (new sites start with
+// theirs; running sites load theirs next to what they have). On failure or cancel, undone.
+absl::Status SessionCore::update_start(UpdateWork& u) {
+  const std::int64_t t_warm = now_ns();
+  for (auto& runtime : u.fresh) {
+    if (runtime->site == nullptr) u.starting.push_back(runtime.get());
+  }
+  if (auto status = warm_up(u.starting); !status.ok()) {
+    for (auto* runtime : u.starting) stop_runtime(*runtime, "update rejected");
+    return u.invalid(std::string(status.message()));
+  }
+  std::map<SiteRuntime*, std::vector<BlockRuntime*>> incoming;
+  for (auto& runtime : u.fresh) {
+    if (runtime->site != nullptr) incoming[runtime->site].push_back(runtime.get());
+  }
+  for (auto& [site, runtimes] : incoming) {
+    const bool is_new = u.is_new(site);
+    const auto before = descriptions_of(*site);
+    auto after = before;
+    for (const auto* runtime : runtimes) after.push_back(runtime->description);
+    if (is_new) site->blocks = runtimes;
+    const absl::Status status =
+        at_site(*site, is_new, [&] { return is_new ? start_site(*site) : site->site->update(after); });
+    if (!status.ok()) {
+      if (is_new) site->blocks.clear();
+      // A worker that did not answer may load them yet; one that died restarts with its old list.
+      else if (absl::IsDeadlineExceeded(status) || absl::IsCancelled(status)) u.grown.emplace_back(site, before);
+      update_undo(u);
+      if (absl::IsCancelled(status)) return u.cancelled();
+      // InvalidArgument for what could not be loaded (a new site that fails to start included);
+      // a running worker that died or did not answer keeps its code (Unavailable, DeadlineExceeded).
+      const bool invalid_update = is_new || absl::IsInvalidArgument(status);
+      return absl::Status(invalid_update ? absl::StatusCode::kInvalidArgument : status.code(),
+                          fmt::format("update {} rejected, nothing changed: {}", u.version, std::string(status.message())));
+    }
+    if (!is_new) u.grown.emplace_back(site, before);
+  }
+  if (update_cancelled()) {
+    update_undo(u);
+    return u.cancelled();
+  }
+  for (auto& [site, runtimes] : incoming) {
+    if (!u.is_new(site)) site->blocks.insert(site->blocks.end(), runtimes.begin(), runtimes.end());
+    for (auto* runtime : runtimes) runtime->forwarder = std::thread([this, runtime] { forward_to_site(*runtime); });
+  }
+  u.timing.load_ms += ms_since(t_warm);
+  return absl::OkStatus();
+}
+
+// Takes back what update_start() did: new sites stop, running ones unload what they loaded (not
+// after a cancel: a cancelled site would not answer in time either, and the blocks it may have
+// loaded are never routed to), this process's new blocks stop.
+void SessionCore::update_undo(UpdateWork& u) {
+  for (auto& site : u.new_sites) site->site->stop();
+  if (!update_cancelled()) {
+    for (auto& [site, before] : u.grown) {
+      if (auto status = site->site->update(before); !status.ok()) {
+        detail::log(LogLevel::kWarning, fmt::format("update {} rejected; site '{}' could not unload what it loaded: {}",
+                                            u.version, site->site->name(), std::string(status.message())));
+      }
+    }
+  }
+  for (auto* runtime : u.starting) stop_runtime(*runtime, "update rejected");
+}
+
+// 5. Publish: blocks, then the routing table, at once for every task.
+void SessionCore::update_publish(UpdateWork& u) {
+  const std::int64_t t_publish = now_ns();
+  u.timing.blocks_added = static_cast<std::uint32_t>(u.fresh.size());
+  u.timing.blocks_removed = static_cast<std::uint32_t>(u.removed.size());
+  u.timing.sites_started = static_cast<std::uint32_t>(u.new_sites.size());
+  {
+    absl::MutexLock lock(&state_mu_);
+    for (auto& runtime : u.fresh) blocks_.push_back(std::move(runtime));
+    for (auto& site : u.new_sites) {
+      // set_sampling() holds state_mu_ too: a new site gets the setting of the moment.
+      if (sampler_.enabled()) site->site->set_sampling(true, sampler_.period());
+      sites_.push_back(std::move(site));
+    }
+    for (auto& p : u.new_paths) paths_.push_back(std::move(p));
+    block_by_name_ = u.next_by_name;
+    version_.store(u.version);
+    u.timing.total_ms = ms_since(u.t_begin);
+    last_update_ = u.timing;  // drain figures follow once it is done
+  }
+  for (const auto& [task, plan] : u.table->plans) published_plans_.push_back(plan);
+  std::shared_ptr<const RoutingTable> old;
+  {
+    absl::MutexLock lock(&routing_mu_);
+    old = std::exchange(routing_, std::move(u.table));
+  }
+  u.old_table = old;
+  u.timing.route_ms += ms_since(t_publish);
+}
+
+// 6. Drain what is going: wait until no request holds a plan through a removed block, from the
+// table just replaced or from any earlier one (up to `drain`; a cancel or shutdown() ends the wait
+// at once). Then stop the removed blocks, unload them from their sites, stop emptied sites.
+void SessionCore::update_drain(UpdateWork& u, absl::Duration drain) {
+  const std::int64_t t_drain = now_ns();
+  std::vector<std::shared_ptr<const PathPlan>> through_removed;
+  for (auto& plan : live_plans()) {
+    for (const auto& node : plan->nodes) {
+      if (std::find(u.removed.begin(), u.removed.end(), node.block) != u.removed.end()) {
+        through_removed.push_back(plan);
+        break;
+      }
+    }
+  }
+  // A submit() that read the old table just before the swap still holds it: wait for that too.
+  const absl::Time deadline = absl::Now() + drain;
+  auto held = [&] {
+    return !u.old_table.expired() ||
+           std::any_of(through_removed.begin(), through_removed.end(), [](const auto& p) { return p.use_count() > 1; });
+  };
+  while (held() && absl::Now() < deadline && !update_cancelled() && !stopped_.load()) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  through_removed.clear();
+  std::set<SiteRuntime*> shrinking;
+  for (auto* runtime : u.removed) {
+    stop_runtime(*runtime, fmt::format("removed by update {} before the request reached it", u.version));
+    runtime->block.reset();  // its model's memory goes now; the runtime stays for late plans
+    if (runtime->site != nullptr) {
+      auto& list = runtime->site->blocks;
+      list.erase(std::remove(list.begin(), list.end(), runtime), list.end());
+      shrinking.insert(runtime->site);
+    }
+  }
+  // Sites unload what was removed; a factory's or deployment's site left without blocks stops (its
+  // process exits), one the user added stays, idle. shutdown() stops them all anyway.
+  std::vector<SiteRuntime*> emptied;
+  for (auto* site : shrinking) {
+    if (site->blocks.empty() && site->stop_when_empty) {
+      site->site->stop();
+      emptied.push_back(site);
+    } else if (!stopped_.load()) {
+      const auto status = at_site(*site, false, [&] { return site->site->update(descriptions_of(*site)); });
+      if (!status.ok()) {
+        // Drained and unrouted already: the site just keeps the model loaded.
+        detail::log(LogLevel::kWarning, fmt::format("update {}: site '{}' could not unload removed blocks: {}", u.version,
+                                            site->site->name(), std::string(status.message())));
+      }
+    }
+  }
+  u.timing.sites_stopped = static_cast<std::uint32_t>(emptied.size());
+  std::vector<std::shared_ptr<RemoteSite>> released_sites;  // destroyed outside state_mu_
+  u.timing.drain_ms = ms_since(t_drain);
+  u.timing.total_ms = ms_since(u.t_begin);
+  absl::MutexLock lock(&state_mu_);
+  last_update_ = u.timing;
+  for (auto it = sites_.begin(); it != sites_.end();) {
+    if (std::find(emptied.begin(), emptied.end(), it->get()) != emptied.end()) {
+      released_sites.push_back(std::move((*it)->site));  // stopped: no callback can come any more
+      retired_sites_.push_back(std::move(*it));
+      it = sites_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = blocks_.begin(); it != blocks_.end();) {
+    if (std::find(u.removed.begin(), u.removed.end(), it->get()) != u.removed.end()) {
+      retired_.push_back(std::move(*it));
+      it = blocks_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// The published plans some request or the routing table still holds (the others are forgotten).
+std::vector<std::shared_ptr<const PathPlan>> SessionCore::live_plans() {
+  std::vector<std::shared_ptr<const PathPlan>> live;
+  for (auto it = published_plans_.begin(); it != published_plans_.end();) {
+    if (auto plan = it->lock()) {
+      live.push_back(std::move(plan));
+      ++it;
+    } else {
+      it = published_plans_.erase(it);
+    }
+  }
+  return live;
+}
+
+// Frees the removed blocks (and emptied sites, and counters of removed tasks) that no live plan
+// refers to any more: no request can reach them. A plan lives as long as a request or the routing
+// table holds it, and every plan ever published is in published_plans_ until it dies.
+void SessionCore::collect_retired() {
+  std::set<const BlockRuntime*> held_blocks;
+  std::set<const PathRuntime*> held_paths;
+  for (const auto& plan : live_plans()) {
+    held_paths.insert(plan->metrics);
+    for (const auto& node : plan->nodes) held_blocks.insert(node.block);
+  }
+  std::vector<std::unique_ptr<BlockRuntime>> freed;
+  std::vector<std::unique_ptr<SiteRuntime>> freed_sites;
+  std::vector<std::unique_ptr<PathRuntime>> freed_paths;
+  absl::MutexLock lock(&state_mu_);
+  auto keep_block = [&](const auto& runtime) { return held_blocks.count(runtime.get()) != 0; };
+  auto split = std::stable_partition(retired_.begin(), retired_.end(), keep_block);
+  std::move(split, retired_.end(), std::back_inserter(freed));
+  retired_.erase(split, retired_.end());
+  auto keep_site = [&](const auto& site) {
+    return std::any_of(retired_.begin(), retired_.end(), [&](const auto& r) { return r->site == site.get(); });
+  };
+  auto site_split = std::stable_partition(retired_sites_.begin(), retired_sites_.end(), keep_site);
+  std::move(site_split, retired_sites_.end(), std::back_inserter(freed_sites));
+  retired_sites_.erase(site_split, retired_sites_.end());
+  // A removed task's counters go with its last plan (metrics() shows it while they live).
+  auto keep_path = [&](const auto& path) { return held_paths.count(path.get()) != 0; };
+  auto path_split = std::stable_partition(paths_.begin(), paths_.end(), keep_path);
+  std::move(path_split, paths_.end(), std::back_inserter(freed_paths));
+  paths_.erase(path_split, paths_.end());
+}
+
+}  // namespace blockflow::detail
