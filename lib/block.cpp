@@ -8,12 +8,12 @@
 namespace blockflow {
 namespace {
 
-c10::Device parse_device(const std::string& block, const std::string& device) {
+// After validate(): the device string parses.
+c10::Device parse_device(const std::string& device) {
   try {
     return c10::Device(device);
   } catch (const std::exception&) {
-    throw std::invalid_argument(fmt::format("block '{}': invalid device '{}' (expected cpu, cuda or cuda:N)",
-                                            block, device));
+    return c10::Device(c10::kCPU);  // unreachable after validate()
   }
 }
 
@@ -30,14 +30,36 @@ class CallableBlock final : public Block {
 
 }  // namespace
 
-Block::Block(std::string name, BlockOptions options)
-    : name_(std::move(name)), options_(std::move(options)), device_(parse_device(name_, options_.device)) {
-  if (name_.empty()) throw std::invalid_argument("a block needs a non-empty name");
-  if (options_.workers < 1) throw std::invalid_argument(fmt::format("block '{}': workers must be >= 1", name_));
-  if (options_.queue_capacity < 1) {
-    throw std::invalid_argument(fmt::format("block '{}': queue_capacity must be >= 1", name_));
+absl::Status validate(const std::string& block, const BlockOptions& o) {
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(fmt::format("block '{}': {}", block, what));
+  };
+  if (block.empty()) return absl::InvalidArgumentError("a block needs a non-empty name");
+  try {
+    const c10::Device device(o.device);
+    if (!device.is_cpu() && !device.is_cuda()) return bad(fmt::format("device '{}' is not supported (use cpu or cuda:N)", o.device));
+  } catch (const std::exception&) {  // c10::Error for "cuda:x", "gpu", ""
+    return bad(fmt::format("invalid device '{}' (expected cpu, cuda or cuda:N)", o.device));
   }
+  if (o.workers < 1) return bad("workers must be >= 1");
+  if (o.queue_capacity < 1) return bad("queue_capacity must be >= 1");
+  if (o.intra_op_threads < 0) return bad("intra_op_threads must be >= 0");
+  if (o.max_batch < 1) return bad("max_batch must be >= 1");
+  if (!(o.max_batch_delay_ms >= 0)) return bad("max_batch_delay_ms must be >= 0");
+  if (o.warmup_runs < 0) return bad("warmup_runs must be >= 0");
+  return absl::OkStatus();
 }
+
+namespace {
+// Throws std::invalid_argument for what validate() refuses: a constructor has no status to return.
+const std::string& checked(const std::string& name, const BlockOptions& options) {
+  if (auto status = validate(name, options); !status.ok()) throw std::invalid_argument(std::string(status.message()));
+  return name;
+}
+}  // namespace
+
+Block::Block(std::string name, BlockOptions options)
+    : name_(checked(name, options)), options_(std::move(options)), device_(parse_device(options_.device)) {}
 
 Block::~Block() = default;
 

@@ -56,8 +56,16 @@ absl::StatusOr<std::shared_ptr<Block>> make_block(const BlockDescription& d) {
     return absl::InvalidArgumentError(
         fmt::format("block '{}': set exactly one of torchscript (a file) and factory (a registered name)", d.name));
   }
-  if (!d.torchscript.empty()) return load_torchscript_block(d.name, d.torchscript, d.options, d.torchscript_options);
-  return BlockRegistry::global().create(d.factory, d.name, d.options);
+  if (auto status = validate(d.name, d.options); !status.ok()) return status;
+  // The boundary of the Status API: nothing libtorch or a factory throws gets past it.
+  try {
+    if (!d.torchscript.empty()) return load_torchscript_block(d.name, d.torchscript, d.options, d.torchscript_options);
+    return BlockRegistry::global().create(d.factory, d.name, d.options);
+  } catch (const c10::Error& e) {
+    return absl::InvalidArgumentError(fmt::format("block '{}': {}", d.name, e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(fmt::format("block '{}': {}", d.name, e.what()));
+  }
 }
 
 absl::Status load_plugin(const std::string& path) {

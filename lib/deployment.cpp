@@ -104,13 +104,7 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
     return absl::InvalidArgumentError(
         fmt::format("block '{}': optimize_for_inference needs \"freeze\": true (it works on the frozen module)", d.name));
   }
-  if (o.workers < 1) return absl::InvalidArgumentError(fmt::format("block '{}': workers must be >= 1", d.name));
-  if (o.intra_op_threads < 0) return absl::InvalidArgumentError(fmt::format("block '{}': intra_op_threads must be >= 0", d.name));
-  if (o.max_batch < 1) return absl::InvalidArgumentError(fmt::format("block '{}': max_batch must be >= 1", d.name));
-  if (o.max_batch_delay_ms < 0) {
-    return absl::InvalidArgumentError(fmt::format("block '{}': max_batch_delay_ms must be >= 0", d.name));
-  }
-  if (o.queue_capacity < 1) return absl::InvalidArgumentError(fmt::format("block '{}': queue_capacity must be >= 1", d.name));
+  if (auto status = validate(d.name, o); !status.ok()) return status;
   d.torchscript = resolve(d.torchscript, models_dir);
   return d;
 }

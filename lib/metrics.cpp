@@ -158,6 +158,8 @@ std::string MetricsSnapshot::to_prometheus() const {
   e.add("blockflow_in_flight_requests", "gauge", "Requests submitted and not yet resolved.", {}, static_cast<double>(in_flight));
   e.add("blockflow_deployment_version", "gauge", "Deployment version: 0 at start, +1 per applied update.", {},
         static_cast<double>(version));
+  e.add("blockflow_retired_blocks", "gauge", "Blocks removed by updates, kept while a request in flight may reach them.",
+        {}, static_cast<double>(retired_blocks));
   for (const auto& [phase, ms] : {std::pair{"load", last_update.load_ms}, std::pair{"route", last_update.route_ms},
                                   std::pair{"drain", last_update.drain_ms}, std::pair{"total", last_update.total_ms}}) {
     e.add("blockflow_last_update_seconds", "gauge", "Time the last applied update spent, by phase.", {{"phase", phase}},

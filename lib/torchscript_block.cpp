@@ -58,6 +58,7 @@ absl::StatusOr<std::shared_ptr<Block>> load_torchscript_block(std::string name, 
   if (!std::filesystem::is_regular_file(file, ec)) {
     return absl::NotFoundError(fmt::format("block '{}': TorchScript file '{}' not found", name, file));
   }
+  if (auto status = validate(name, options); !status.ok()) return status;
   const c10::Device device(options.device);
   torch::jit::Module module;
   try {

@@ -1,7 +1,7 @@
 // The CUDA IPC channel (TensorMQ, channel "cuda"). The [cuda] cases need a GPU and a libtorch with
 // CUDA (scripts/gpu.sh builds and runs them); elsewhere they print "SKIPPED: no usable CUDA
 // channel: <reason>" and ctest reports them as skipped. The refusal case runs where CUDA cannot be
-// used (CI), as part of [shm].
+// used (CI), as part of [shm], and so does the export table's (plain host code).
 #include "worker_util.hpp"
 
 #include <blockflow/detail/cuda_ipc.hpp>
@@ -58,6 +58,37 @@ TEST_CASE("channel cuda is refused at start, naming the reason, where CUDA canno
   const std::string message(session.start().message());
   CHECK_THAT(message, Contains("worker wc: channel 'cuda': "));
   CHECK_THAT(message, Contains(std::string(usable.message())));
+}
+
+TEST_CASE("cuda export table: only released exports are evicted; with all live it grows", "[shm]") {
+  using blockflow::detail::CudaExportTable;
+  CudaExportTable table(4);
+  char memory[6] = {};
+  auto key = [](int i) { return std::string(64, static_cast<char>('a' + i)); };
+  std::vector<std::shared_ptr<void>> shares;
+  for (int i = 0; i < 4; ++i) shares.push_back(table.remember(key(i), {&memory[i], 100}));
+  shares[1].reset();  // export 1's share was released
+  CHECK_FALSE(table.find(key(1)));
+  shares.push_back(table.remember(key(4), {&memory[4], 100}));  // full: evicts export 1 only
+  CHECK(table.size() == 4);
+  CHECK(table.bound() == 4);
+  for (int i : {0, 2, 3, 4}) {
+    INFO("export " << i);
+    auto found = table.find(key(i));
+    REQUIRE(found);
+    CHECK(found->base == &memory[i]);
+    CHECK(found->bytes == 100);
+  }
+  shares.push_back(table.remember(key(5), {&memory[5], 100}));  // full and all live: grows
+  CHECK(table.size() == 5);
+  CHECK(table.bound() == 8);
+  for (int i : {0, 2, 3, 4, 5}) CHECK(table.find(key(i)));
+  // Two shares of one allocation: it stays until both are released.
+  auto again = table.remember(key(0), {&memory[0], 100});
+  shares[0].reset();
+  CHECK(table.find(key(0)));
+  again.reset();
+  CHECK_FALSE(table.find(key(0)));
 }
 
 TEST_CASE("split small CNN on cuda:0 in two workers over channel cuda equals the monolithic model; nothing copied",

@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include <chrono>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -53,6 +54,26 @@ bool eventually(F condition, std::chrono::milliseconds within = std::chrono::mil
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return condition();
+}
+
+// C++ blocks by factory for deployments: "upd_add_K" adds K; "upd_slow_MS" sleeps MS then adds 1000.
+inline void register_update_factories() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    for (int k : {1, 2, 4, 8, 16, 32, 64, 128}) {
+      BlockRegistry::global().add("upd_add_" + std::to_string(k), [k](const std::string& name, const BlockOptions& o) {
+        return Block::callable(name, [k](Tensors&& in) -> absl::StatusOr<Tensors> { return Tensors{in.at(0) + k}; }, o);
+      });
+    }
+    for (int ms : {20, 300}) {
+      BlockRegistry::global().add("upd_slow_" + std::to_string(ms), [ms](const std::string& name, const BlockOptions& o) {
+        return Block::callable(name, [ms](Tensors&& in) -> absl::StatusOr<Tensors> {
+          std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+          return Tensors{in.at(0) + 1000};
+        }, o);
+      });
+    }
+  });
 }
 
 }  // namespace blockflow::test

@@ -22,26 +22,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-// C++ blocks by factory for deployments: "upd_add_K" adds K; "upd_slow_MS" sleeps MS then adds 1000.
-void register_test_factories() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    for (int k : {1, 2, 4, 8, 16, 32, 64, 128}) {
-      BlockRegistry::global().add("upd_add_" + std::to_string(k), [k](const std::string& name, const BlockOptions& o) {
-        return Block::callable(name, [k](Tensors&& in) -> absl::StatusOr<Tensors> { return Tensors{in.at(0) + k}; }, o);
-      });
-    }
-    for (int ms : {20, 300}) {
-      BlockRegistry::global().add("upd_slow_" + std::to_string(ms), [ms](const std::string& name, const BlockOptions& o) {
-        return Block::callable(name, [ms](Tensors&& in) -> absl::StatusOr<Tensors> {
-          std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-          return Tensors{in.at(0) + 1000};
-        }, o);
-      });
-    }
-  });
-}
-
 Deployment parse(const std::string& json) {
   auto d = Deployment::parse(json);
   INFO(d.status().ToString());
@@ -72,7 +52,7 @@ std::uint64_t processed(const MetricsSnapshot& m, const std::string& block) {
 }  // namespace
 
 TEST_CASE("apply adds blocks and tasks, re-routes, removes; unchanged blocks keep running", "[update]") {
-  register_test_factories();
+  test::register_update_factories();
   Session session;
   start_with(session, parse(R"({"blocks": [{"name": "a", "factory": "upd_add_1"}, {"name": "b", "factory": "upd_add_2"}],
                                 "tasks": {"t1": ["a", "b"]}})"));
@@ -111,7 +91,7 @@ TEST_CASE("apply adds blocks and tasks, re-routes, removes; unchanged blocks kee
 }
 
 TEST_CASE("an invalid update is rejected whole, naming the problem; nothing changes", "[update]") {
-  register_test_factories();
+  test::register_update_factories();
   Session session;
   start_with(session, parse(R"({"blocks": [{"name": "a", "factory": "upd_add_1"}], "tasks": {"t": ["a"]}})"));
   const auto before = session.metrics().to_json();
@@ -146,7 +126,7 @@ TEST_CASE("an invalid update is rejected whole, naming the problem; nothing chan
 }
 
 TEST_CASE("a removed block is drained before it stops; past the drain time, what waits fails named", "[update]") {
-  register_test_factories();
+  test::register_update_factories();
   Session session;
   start_with(session, parse(R"({"blocks": [{"name": "a", "factory": "upd_add_1"}, {"name": "slow", "factory": "upd_slow_20"}],
                                 "tasks": {"quick": ["a"], "s": ["a", "slow"]}})"));
@@ -182,7 +162,7 @@ TEST_CASE("a removed block is drained before it stops; past the drain time, what
 }
 
 TEST_CASE("100 random updates under traffic on three tasks: every request resolves once, values match a path", "[update]") {
-  register_test_factories();
+  test::register_update_factories();
   const std::vector<int> constants = {1, 2, 4, 8, 16, 32, 64, 128};  // a path's sum names its blocks
   const std::vector<std::string> tasks = {"t0", "t1", "t2"};
   const std::int64_t threads_before = sample_process().threads;

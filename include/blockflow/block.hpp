@@ -47,6 +47,12 @@ struct BlockOptions {
   double max_batch_delay_ms = 2.0;
 };
 
+/// @brief Checks a block's options, the one rule for every way a block is made (Block's
+/// constructor, Deployment::parse(), worker configurations): a device libtorch parses and that is
+/// cpu or cuda[:N], workers >= 1, queue_capacity >= 1, intra_op_threads >= 0, max_batch >= 1,
+/// max_batch_delay_ms >= 0, warmup_runs >= 0. InvalidArgument naming the block and the field.
+absl::Status validate(const std::string& block, const BlockOptions& options);
+
 /// @brief A unit of compute with a name and a device.
 ///
 /// Contract: forward() receives the request's tensors already on device(); it returns the output

@@ -1,13 +1,20 @@
 #pragma once
 /// @file
 /// @brief The control endpoint: how an external optimiser (or `blockflowctl`) drives a running
-/// session. ZeroMQ REQ/REP, one JSON object per message. Part of the optional `blockflow::zmq` target.
+/// session. ZeroMQ: clients use REQ (or DEALER with an empty delimiter frame), the endpoint a
+/// ROUTER; one JSON object per message. Part of the optional `blockflow::zmq` target.
+///
+/// Updates run on a thread of their own, one at a time (up to 4 wait their turn; more are refused,
+/// saying so): status, metrics and sampling are answered while an apply runs. Destroying the
+/// endpoint cancels an apply in progress (Session::cancel_update()) instead of waiting for it;
+/// queued ones are dropped unanswered.
 ///
 /// Requests and replies (every reply has "ok"; a failed one has "error", naming the problem):
 /// - `{"cmd": "apply", "deployment": {...}}` -> `{"ok": true, "version": N}`: Session::apply() of a
 ///   deployment (deployment.hpp; relative model paths against the endpoint's models directory).
 /// - `{"cmd": "status"}` -> `{"ok": true, "version", "uptime_s", "in_flight", "tasks": [...],
-///   "blocks": [{"name", "placement", "processed", "failed"}], "workers": [{"name", "pid", "restarts"}]}`
+///   "blocks": [{"name", "placement", "processed", "failed"}], "workers": [{"name", "pid", "restarts"}],
+///   "updating": true while an apply runs}`
 /// - `{"cmd": "metrics"}` -> `{"ok": true, "metrics": {...snapshot...}, "prometheus": "..."}`
 /// - `{"cmd": "sampling", "enabled": true, "period_ms": 100}` -> `{"ok": true}`
 

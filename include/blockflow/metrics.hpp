@@ -73,6 +73,9 @@ struct MetricsSnapshot {
   std::uint64_t in_flight = 0;
   std::uint64_t version = 0;      ///< deployment version: 0 at start(), +1 per successful Session::apply()
   UpdateStats last_update;        ///< the timing of the apply() that made `version`
+  /// Blocks removed by updates and still kept because a request in flight may reach them (freed
+  /// by the next apply() once none can).
+  std::uint64_t retired_blocks = 0;
   bool sampling = false;          ///< KPI sampling on (Session::set_sampling)
   double sampling_period_s = 0;
   KpiSample host;                 ///< this process's last KPI sample (time_s 0 while sampling is off)

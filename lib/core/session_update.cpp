@@ -56,17 +56,18 @@ struct SessionCore::UpdateWork {
   }
 };
 
-// Closes a block's queue, joins its threads and fails what was still queued, naming `why`.
+// Closes a block's queue, fails what was still queued, naming `why`, then waits for a lane still
+// running the block to finish (a forward in progress is never interrupted).
 void SessionCore::stop_runtime(BlockRuntime& runtime, const std::string& why) {
   runtime.removed_reason = why;  // before close(): whoever finds the queue closed reads it
   runtime.removed_why.store(&runtime.removed_reason, std::memory_order_release);
   runtime.inbox->close();
   if (runtime.forwarder.joinable()) runtime.forwarder.join();
-  if (runtime.site == nullptr && lanes_) lanes_->quiesce(runtime);
   for (auto& envelope : runtime.inbox->drain()) {
     runtime.failed.fetch_add(1, std::memory_order_relaxed);
     fail(envelope.local, absl::CancelledError(fmt::format("block '{}': {}", runtime.name(), why)));
   }
+  if (runtime.site == nullptr && lanes_) lanes_->quiesce(runtime);
 }
 
 absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl::Duration drain) {

@@ -4,8 +4,12 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <zmq.hpp>
+#include <zmq_addon.hpp>
 
 #include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 
@@ -17,17 +21,33 @@ nlohmann::json error(const std::string& message) { return {{"ok", false}, {"erro
 }  // namespace
 
 struct ControlEndpoint::Impl {
+  // A request's routing frames (ROUTER: the peer's identity, then the empty delimiter of REQ).
+  using Envelope = std::vector<zmq::message_t>;
+  struct Apply {
+    Envelope envelope;
+    Deployment deployment;
+  };
+  static constexpr std::size_t kMaxQueuedApplies = 4;
+
   Session& session;
   std::string models_dir, endpoint;
   zmq::context_t context{1};
-  zmq::socket_t socket{context, zmq::socket_type::rep};
+  zmq::socket_t socket{context, zmq::socket_type::router};
+  // The updater thread rings the serving thread through this pair when a reply is ready.
+  zmq::socket_t bell_in{context, zmq::socket_type::pair}, bell_out{context, zmq::socket_type::pair};
   std::atomic<bool> stopping{false};
+  std::atomic<bool> updating{false};
   std::atomic<std::uint64_t> served{0};
-  std::thread thread;
+  std::mutex mu;  // applies, replies, bell_out
+  std::condition_variable work;
+  std::deque<Apply> applies;
+  std::deque<std::pair<Envelope, nlohmann::json>> replies;
+  std::thread thread, updater;
 
   Impl(Session& s, std::string dir) : session(s), models_dir(std::move(dir)) {}
 
-  nlohmann::json handle(const std::string& text) {
+  // The reply to `text`, or null for an apply queued for the updater thread (which replies).
+  nlohmann::json handle(const std::string& text, Envelope& envelope) {
     const auto request = nlohmann::json::parse(text, nullptr, false);
     if (request.is_discarded() || !request.is_object()) return error("control: a request is a JSON object");
     if (!request.contains("cmd") || !request["cmd"].is_string()) return error("control: a request needs a string \"cmd\"");
@@ -36,9 +56,14 @@ struct ControlEndpoint::Impl {
       if (!request.contains("deployment")) return error("control: apply needs \"deployment\"");
       auto deployment = Deployment::parse(request["deployment"].dump(), models_dir);
       if (!deployment.ok()) return error(std::string(deployment.status().message()));
-      auto version = session.apply(*deployment);
-      if (!version.ok()) return error(std::string(version.status().message()));
-      return {{"ok", true}, {"version", *version}};
+      std::lock_guard lock(mu);
+      if (applies.size() >= kMaxQueuedApplies) {
+        return error(fmt::format("control: {} updates already wait to be applied; send this one again later",
+                                 applies.size()));
+      }
+      applies.push_back({std::move(envelope), *std::move(deployment)});
+      work.notify_one();
+      return nullptr;  // answered by the updater thread once applied
     }
     if (cmd == "status") {
       const MetricsSnapshot m = session.metrics();
@@ -50,8 +75,8 @@ struct ControlEndpoint::Impl {
         blocks.push_back({{"name", b.name}, {"placement", b.placement}, {"processed", b.processed}, {"failed", b.failed}});
       }
       for (const auto& s : m.sites) workers.push_back({{"name", s.name}, {"pid", s.pid}, {"restarts", s.restarts}});
-      return {{"ok", true},   {"version", m.version}, {"uptime_s", m.uptime_s}, {"in_flight", m.in_flight},
-              {"tasks", tasks}, {"blocks", blocks},    {"workers", workers}};
+      return {{"ok", true},     {"version", m.version}, {"uptime_s", m.uptime_s}, {"in_flight", m.in_flight},
+              {"tasks", tasks},  {"blocks", blocks},    {"workers", workers},   {"updating", updating.load()}};
     }
     if (cmd == "metrics") {
       const MetricsSnapshot m = session.metrics();
@@ -69,21 +94,72 @@ struct ControlEndpoint::Impl {
     return error(fmt::format("control: unknown cmd '{}' (apply, status, metrics, sampling)", cmd));
   }
 
-  void main() {
-    while (!stopping) {
-      zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
-      zmq::poll(&item, 1, std::chrono::milliseconds(100));
-      if ((item.revents & ZMQ_POLLIN) == 0) continue;
-      zmq::message_t message;
-      if (!socket.recv(message, zmq::recv_flags::dontwait)) continue;
+  // Runs the queued applies one at a time, so that status and metrics are answered meanwhile.
+  void updater_main() {
+    while (true) {
+      Apply next;
+      {
+        std::unique_lock lock(mu);
+        work.wait(lock, [&] { return stopping || !applies.empty(); });
+        if (stopping) return;
+        next = std::move(applies.front());
+        applies.pop_front();
+        updating = true;
+      }
       nlohmann::json reply;
       try {
-        reply = handle(message.to_string());
+        auto version = session.apply(next.deployment);
+        reply = version.ok() ? nlohmann::json{{"ok", true}, {"version", *version}} : error(std::string(version.status().message()));
+      } catch (const std::exception& e) {
+        reply = error(fmt::format("control: {}", e.what()));
+      }
+      std::lock_guard lock(mu);
+      updating = false;
+      replies.emplace_back(std::move(next.envelope), std::move(reply));
+      (void)bell_out.send(zmq::message_t(), zmq::send_flags::dontwait);
+    }
+  }
+
+  void send(Envelope&& envelope, const nlohmann::json& reply) {
+    for (auto& frame : envelope) (void)socket.send(std::move(frame), zmq::send_flags::sndmore);
+    (void)socket.send(zmq::buffer(reply.dump()), zmq::send_flags::dontwait);
+    ++served;
+  }
+
+  void main() {
+    while (!stopping) {
+      zmq::pollitem_t items[] = {{socket.handle(), 0, ZMQ_POLLIN, 0}, {bell_in.handle(), 0, ZMQ_POLLIN, 0}};
+      zmq::poll(items, 2, std::chrono::milliseconds(100));
+      if ((items[1].revents & ZMQ_POLLIN) != 0) {
+        zmq::message_t ring;
+        while (bell_in.recv(ring, zmq::recv_flags::dontwait)) {
+        }
+        std::deque<std::pair<Envelope, nlohmann::json>> ready;
+        {
+          std::lock_guard lock(mu);
+          ready.swap(replies);
+        }
+        for (auto& [envelope, reply] : ready) send(std::move(envelope), reply);
+      }
+      if ((items[0].revents & ZMQ_POLLIN) == 0) continue;
+      std::vector<zmq::message_t> frames;
+      try {
+        if (!zmq::recv_multipart(socket, std::back_inserter(frames), zmq::recv_flags::dontwait)) continue;
+      } catch (const zmq::error_t&) {
+        continue;
+      }
+      // Everything up to the empty delimiter routes the reply back; the last frame is the request.
+      if (frames.size() < 2) continue;
+      Envelope envelope;
+      for (std::size_t i = 0; i + 1 < frames.size(); ++i) envelope.push_back(std::move(frames[i]));
+      const std::string text = frames.back().to_string();
+      nlohmann::json reply;
+      try {
+        reply = handle(text, envelope);
       } catch (const std::exception& e) {  // never let a request take the endpoint down
         reply = error(fmt::format("control: {}", e.what()));
       }
-      (void)socket.send(zmq::buffer(reply.dump()), zmq::send_flags::none);
-      ++served;
+      if (!reply.is_null()) send(std::move(envelope), reply);
     }
   }
 };
@@ -99,12 +175,28 @@ ControlEndpoint::ControlEndpoint(Session& session, const std::string& endpoint, 
     throw std::runtime_error(fmt::format("control endpoint '{}': cannot bind: {}", endpoint, e.what()));
   }
   s.endpoint = s.socket.get(zmq::sockopt::last_endpoint);
+  const std::string bell = fmt::format("inproc://control-bell-{}", static_cast<const void*>(&s));
+  s.bell_in.bind(bell);
+  s.bell_out.connect(bell);
   s.thread = std::thread([&s] { s.main(); });
+  s.updater = std::thread([&s] { s.updater_main(); });
 }
 
 ControlEndpoint::~ControlEndpoint() {
-  impl_->stopping = true;
-  impl_->thread.join();
+  Impl& s = *impl_;
+  {
+    std::lock_guard lock(s.mu);
+    s.stopping = true;
+    s.applies.clear();  // never started: nobody waits for them once the endpoint is gone
+  }
+  s.work.notify_all();
+  s.thread.join();
+  // An apply in progress is cancelled (Session::cancel_update()) rather than waited for.
+  while (s.updating.load()) {
+    s.session.cancel_update();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  s.updater.join();
 }
 
 const std::string& ControlEndpoint::endpoint() const { return impl_->endpoint; }

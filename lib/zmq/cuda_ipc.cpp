@@ -10,7 +10,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -41,6 +43,71 @@ struct Record {
 static_assert(sizeof(Record) <= kRecordSlotBytes);
 
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+// Plain host code (no CUDA call), so it builds, and is tested, everywhere.
+struct CudaExportTable::Impl {
+  struct Entry {
+    Allocation allocation;
+    std::weak_ptr<void> live;  // expires when the last share of the allocation is released
+  };
+  mutable absl::Mutex mu;
+  std::size_t bound ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<std::string, Entry> entries ABSL_GUARDED_BY(mu);
+
+  // Makes room before an insert: evicts the released entries; if every entry is live, grows the
+  // bound instead (doubling keeps the sweeps rare), since dropping one would make a handle still
+  // out fail with "never exported".
+  void make_room() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (entries.size() < bound) return;
+    for (auto it = entries.begin(); it != entries.end();) {
+      if (it->second.live.expired()) {
+        entries.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+    if (entries.size() >= bound) bound *= 2;
+  }
+};
+
+CudaExportTable::CudaExportTable(std::size_t bound) : impl_(std::make_unique<Impl>()) {
+  impl_->bound = std::max<std::size_t>(bound, 1);
+}
+CudaExportTable::~CudaExportTable() = default;
+
+std::shared_ptr<void> CudaExportTable::remember(const std::string& key, Allocation allocation) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  if (auto it = s.entries.find(key); it != s.entries.end()) {
+    if (auto live = it->second.live.lock()) {
+      it->second.allocation = allocation;
+      return live;
+    }
+  } else {
+    s.make_room();
+  }
+  std::shared_ptr<void> token = std::make_shared<char>(0);
+  s.entries[key] = Impl::Entry{allocation, token};
+  return token;
+}
+
+std::optional<CudaExportTable::Allocation> CudaExportTable::find(const std::string& key) const {
+  absl::MutexLock lock(&impl_->mu);
+  auto it = impl_->entries.find(key);
+  if (it == impl_->entries.end() || it->second.live.expired()) return std::nullopt;
+  return it->second.allocation;
+}
+
+std::size_t CudaExportTable::size() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->entries.size();
+}
+
+std::size_t CudaExportTable::bound() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->bound;
+}
 
 #ifdef BLOCKFLOW_CUDA
 namespace {
@@ -153,14 +220,16 @@ class Imports {
     absl::MutexLock lock(&mu_);
     if (record.producer_pid == static_cast<std::uint64_t>(::getpid())) {
       // Our own allocation, handed back (a worker returned a view of what we sent it). CUDA opens
-      // no handle of its own process; the allocation is alive (the record holding it is).
-      auto it = exported_.find(key);
-      if (it == exported_.end()) {
-        return absl::InvalidArgumentError("cuda handle: names an allocation of this process that it never exported");
+      // no handle of its own process; the allocation is alive (the share that exported it is out).
+      auto exported = exported_.find(key);
+      if (!exported) {
+        return absl::InvalidArgumentError(
+            "cuda handle: names an allocation of this process that it never exported, or whose shares were all "
+            "released");
       }
       auto own = std::make_shared<Imported>();
-      own->base = it->second.first;
-      own->bytes = it->second.second;
+      own->base = exported->base;
+      own->bytes = exported->bytes;
       own->device = device;
       own->record = record;
       own->own = true;
@@ -204,12 +273,11 @@ class Imports {
   }
 
   // An allocation this process exported (CudaProducer::share), so that a handle naming it can
-  // come back. Keyed by its IPC handle; a freed segment's next handle differs.
-  void remember_export(const Record& record, void* base) {
+  // come back. Keyed by its IPC handle; a freed segment's next handle differs. The share keeps the
+  // token until its release: only released exports are ever evicted (CudaExportTable).
+  [[nodiscard]] std::shared_ptr<void> remember_export(const Record& record, void* base) {
     const std::string key(reinterpret_cast<const char*>(record.memory), kIpcHandleBytes);
-    absl::MutexLock lock(&mu_);
-    if (exported_.size() >= 4096) exported_.clear();
-    exported_[key] = {base, record.alloc_bytes};
+    return exported_.remember(key, {base, record.alloc_bytes});
   }
 
   // The device a PCI bus id names here (cached: the driver query is not free).
@@ -254,7 +322,7 @@ class Imports {
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Imported>> memory_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, cudaEvent_t> events_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, std::pair<void*, std::uint64_t>> exported_ ABSL_GUARDED_BY(mu_);
+  CudaExportTable exported_;  // thread-safe on its own
   absl::flat_hash_map<std::string, int> devices_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -368,6 +436,7 @@ struct CudaProducer::Impl {
   struct Held {
     at::Tensor tensor;                   // keeps the allocation from being reused
     int event = -1;                      // index in `events`
+    std::shared_ptr<void> exported;      // keeps the allocation's export record (null when forwarded)
   };
   using Key = std::tuple<std::uint64_t, std::uint32_t, std::uint64_t>;  // pool, slot, generation
 
@@ -423,6 +492,7 @@ absl::StatusOr<wire::ShmHandle> CudaProducer::share(const at::Tensor& t, absl::T
   Record record;
   record.producer_pid = static_cast<std::uint64_t>(::getpid());
   std::uint64_t offset = 0;
+  std::shared_ptr<void> exported;  // our own allocation's export, live until this share's release
   if (auto origin = Imports::get().origin(t.data_ptr())) {
     // Received here over CUDA IPC: hand over the original allocation. The event is ours (below):
     // our stream waited on the producer's, and anything this process did to the tensor since
@@ -451,7 +521,7 @@ absl::StatusOr<wire::ShmHandle> CudaProducer::share(const at::Tensor& t, absl::T
     }
     std::memcpy(record.memory, &mem, sizeof(mem));
     record.alloc_bytes = alloc_bytes;
-    Imports::get().remember_export(record, base);
+    exported = Imports::get().remember_export(record, base);
     offset = static_cast<std::uint64_t>(static_cast<const char*>(t.data_ptr()) - static_cast<const char*>(base));
     auto pci = pci_bus_id(device);
     if (!pci.ok()) return pci.status();
@@ -487,7 +557,7 @@ absl::StatusOr<wire::ShmHandle> CudaProducer::share(const at::Tensor& t, absl::T
   auto handle = s.records.share(lease->data, sizeof(record));
   lease->drop();  // from here the record slot is the consumer's until it releases the handle
   if (!handle) return absl::InternalError("CUDA channel: a leased record slot could not be shared");
-  s.held.emplace(Impl::Key{handle->pool_id, handle->slot, handle->generation}, Impl::Held{t, event});
+  s.held.emplace(Impl::Key{handle->pool_id, handle->slot, handle->generation}, Impl::Held{t, event, std::move(exported)});
   handle->memory = wire::kCudaMemory;
   handle->offset = offset;
   return *handle;

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -12,7 +13,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <csignal>
 #include <cstring>
 #include <dirent.h>
 #include <random>
@@ -52,8 +52,8 @@ std::size_t next_pow2(std::size_t n) {
   return p;
 }
 
-// Pool ids carry the producer's pid in their high 32 bits, so pools left by a killed producer can
-// be found and removed.
+// Pool ids carry the producer's pid in their high 32 bits: a hint for people reading /dev/shm, not
+// the test of abandonment (sweep_orphaned_pools()), as pids mean nothing across PID namespaces.
 std::uint64_t new_pool_id() {
   static std::mt19937_64 random{std::random_device{}()};
   static absl::Mutex mu;
@@ -61,24 +61,48 @@ std::uint64_t new_pool_id() {
   return (static_cast<std::uint64_t>(::getpid()) << 32) | (random() & 0xFFFFFFFFull);
 }
 
-// Unlinks /dev/shm/blockflow-* objects whose producer no longer exists.
+// flock(LOCK_SH), waiting out a sweeper that holds LOCK_EX for a moment.
+bool lock_shared(int fd) {
+  while (::flock(fd, LOCK_SH) != 0) {
+    if (errno != EINTR) return false;
+  }
+  return true;
+}
+
+// Unlinks the pool object `name` when it is abandoned. A producer holds LOCK_SH on each pool from
+// its creation to its end, so LOCK_EX at once means no producer holds it (it died, or it is between
+// the exclusive create and its flock); it takes the lock before it gives the object a size, so a
+// size-0 object may be one being created right now and is kept. Never judged by the pid in the name.
+void unlink_if_abandoned(const std::string& name) {
+  const int fd = ::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC, 0);
+  if (fd < 0) return;  // gone meanwhile, or another user's
+  struct stat st {};
+  if (::flock(fd, LOCK_EX | LOCK_NB) == 0 && ::fstat(fd, &st) == 0 && st.st_size > 0) ::shm_unlink(name.c_str());
+  ::close(fd);  // drops our LOCK_EX too
+}
+
+// Unlinks the /dev/shm/blockflow-* objects that no live producer holds (unlink_if_abandoned()).
 void sweep_orphaned_pools() {
   DIR* dir = ::opendir("/dev/shm");
   if (dir == nullptr) return;
   while (dirent* entry = ::readdir(dir)) {
     unsigned long long id = 0;
     if (std::sscanf(entry->d_name, "blockflow-%16llx", &id) != 1) continue;
-    const auto pid = static_cast<pid_t>(id >> 32);
-    if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) ::shm_unlink(shm_name(id).c_str());
+    const std::string name = shm_name(id);
+    if (name.compare(1, std::string::npos, entry->d_name) == 0) unlink_if_abandoned(name);
   }
   ::closedir(dir);
 }
 
+// A pool mapped here. A producer's mapping also keeps the descriptor that holds the pool's LOCK_SH
+// (closed, hence unlocked, with the mapping); a consumer's keeps none (fd -1).
 struct Mapping {
   void* base = MAP_FAILED;
   std::size_t size = 0;
+  int fd = -1;
   ~Mapping() {
     if (base != MAP_FAILED) ::munmap(base, size);
+    if (fd >= 0) ::close(fd);
   }
 };
 
@@ -142,18 +166,19 @@ struct ShmProducer::Impl {
     const std::string name = shm_name(pool.id);
     const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
     if (fd < 0) return absl::InternalError(fmt::format("shm_open {}: {}", name, std::strerror(errno)));
+    auto mapping = std::make_shared<Mapping>();
+    mapping->fd = fd;  // open for the pool's life: it holds the pool's flock (closed with the mapping)
     auto fail = [&](const char* what) {
       const int e = errno;
-      ::close(fd);
       ::shm_unlink(name.c_str());
       return absl::ResourceExhaustedError(fmt::format("{} {} ({} bytes): {}", what, name, size, std::strerror(e)));
     };
+    // Locked before it has a size: a sweeper that gets here first sees size 0 and keeps it.
+    if (!lock_shared(fd)) return fail("flock");
     if (::ftruncate(fd, static_cast<off_t>(size)) != 0) return fail("ftruncate");
-    auto mapping = std::make_shared<Mapping>();
+    mapping->size = size;
     mapping->base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (mapping->base == MAP_FAILED) return fail("mmap");
-    ::close(fd);
-    mapping->size = size;
     auto* header = static_cast<SegmentHeader*>(mapping->base);
     *header = SegmentHeader{kSegmentMagic, kSegmentVersion, pool.id, options.slots_per_pool, slot_bytes, pool.data_offset, {}};
     for (std::size_t i = 0; i < options.slots_per_pool; ++i) generations(mapping->base)[i].store(0);
@@ -242,6 +267,29 @@ struct ShmProducer::Impl {
     }
   }
 
+  // stage()'s first step: a slot for `bytes`, held by the producer as a lease is (producer_holds),
+  // so that while it is copied into, without the lock, nobody can take, free or reclaim it: find_slot
+  // skips it, and release(), reclaim_all() and maybe_free() see no consumer hold to drop.
+  absl::StatusOr<std::pair<wire::ShmHandle, char*>> reserve(std::size_t bytes, absl::Time deadline) {
+    absl::MutexLock lock(&mu);
+    auto acquired = acquire(bytes, deadline);
+    if (!acquired.ok()) return acquired.status();
+    auto [pool, slot] = *acquired;
+    pool->slots[slot].producer_holds = true;
+    return std::make_pair(wire::ShmHandle{pool->id, slot, pool->slots[slot].generation, 0}, pool->slot_address(slot));
+  }
+
+  // stage()'s last step: the filled slot becomes the consumer's (its handle is about to be sent).
+  // Found again by id: another stage() may have added a pool (and moved `pools`) meanwhile.
+  void publish_staged(const wire::ShmHandle& handle, std::size_t bytes) {
+    absl::MutexLock lock(&mu);
+    Slot& x = pool_of(handle.pool_id)->slots[handle.slot];
+    x.producer_holds = false;
+    x.consumer_holds = 1;
+    ++stats.handles;
+    stats.bytes_staged += bytes;
+  }
+
   void free_slot(Pool& pool, std::uint32_t slot) {
     pool.slots[slot] = {};
     generations(pool.mapping->base)[slot].store(0, std::memory_order_release);
@@ -260,17 +308,19 @@ ShmProducer::~ShmProducer() {
   for (const auto& pool : impl_->pools) ::shm_unlink(shm_name(pool.id).c_str());
 }
 
+std::atomic<void (*)(const wire::ShmHandle&)> shm_stage_copy_hook{nullptr};
+
 absl::StatusOr<wire::ShmHandle> ShmProducer::stage(const void* data, std::size_t bytes, absl::Time deadline) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
-  auto acquired = s.acquire(bytes, deadline);
-  if (!acquired.ok()) return acquired.status();
-  auto [pool, slot] = *acquired;
-  if (bytes > 0) std::memcpy(pool->slot_address(slot), data, bytes);
-  pool->slots[slot].consumer_holds = 1;
-  ++s.stats.handles;
-  s.stats.bytes_staged += bytes;
-  return wire::ShmHandle{pool->id, slot, pool->slots[slot].generation, 0};
+  auto reserved = s.reserve(bytes, deadline);
+  if (!reserved.ok()) return reserved.status();
+  const auto [handle, slot_data] = *reserved;
+  if (auto hook = shm_stage_copy_hook.load(std::memory_order_acquire)) hook(handle);
+  // Without the lock: a 100 MB copy takes ~10 ms, and every release() and share() of these pools
+  // would wait that long. The handle is sent only after this returns (the send orders the bytes).
+  if (bytes > 0) std::memcpy(slot_data, data, bytes);
+  s.publish_staged(handle, bytes);
+  return handle;
 }
 
 absl::StatusOr<ShmLease> ShmProducer::lease(std::size_t bytes, absl::Time deadline) {
@@ -401,7 +451,7 @@ struct ShmConsumer::Impl {
     auto mapping = std::make_shared<Mapping>();
     mapping->size = static_cast<std::size_t>(st.st_size);
     mapping->base = ::mmap(nullptr, mapping->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    ::close(fd);
+    ::close(fd);  // no lock kept: abandonment is the producer's lock alone (shm_pool.hpp)
     if (mapping->base == MAP_FAILED) {
       return absl::ResourceExhaustedError(fmt::format("shm pool {:016x}: mmap: {}", pool_id, std::strerror(errno)));
     }

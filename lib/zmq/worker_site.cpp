@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <pthread.h>
 #include <csignal>
 #include <cstring>
 #include <deque>
@@ -279,6 +280,11 @@ struct WorkerSite::Impl {
   }
 
   std::string prefix() const { return fmt::format("worker {}", options.name); }
+  // "bf-w1:snd": the site's threads, as top -H and /proc/<pid>/task/*/comm show them.
+  void name_thread(const char* role) const {
+    const std::string name = fmt::format("bf-{}", options.name).substr(0, 10) + ":" + role;
+    pthread_setname_np(pthread_self(), name.c_str());
+  }
   bool joined() const { return !options.listen.empty(); }  // on another host, joins over TCP
   bool shm() const { return options.channel == "shm" || options.channel == "cuda"; }  // zero-copy
 
@@ -747,6 +753,7 @@ struct WorkerSite::Impl {
   }
 
   void control_main() {
+    name_thread("ctl");
     {
       std::lock_guard lock(mu);
       if (auto status = spawn_locked(); !status.ok()) {
@@ -822,6 +829,7 @@ struct WorkerSite::Impl {
   }
 
   void sender_main() {
+    name_thread("snd");
     while (true) {
       flush_releases();
       Outbound next;
@@ -959,6 +967,7 @@ struct WorkerSite::Impl {
   }
 
   void receiver_main() {
+    name_thread("rcv");
     while (true) {
       {
         std::lock_guard lock(mu);

@@ -11,6 +11,15 @@
 // handle back (a kRelease message) and the slot is free again: free slots are the producer's credits.
 // When the consumer dies, reclaim_all() frees every slot it held.
 //
+// Abandoned pools: a producer holds flock(LOCK_SH) on each of its pools from the moment it creates
+// the object (before it gives it a size) until the pool is gone, on a descriptor it keeps open. A
+// producer killed without unlinking its pools leaves them unlocked: every ShmProducer constructor
+// removes the /dev/shm/blockflow-* objects on which it can take LOCK_EX at once and whose size is not
+// zero (a size-0 object may be one being created right now). The pid in a pool's name is only a hint
+// for people: pids say nothing across PID namespaces (containers) or between unrelated programs.
+// Consumers hold no lock: a pool lives as long as its producer, and a mapping stays valid after the
+// object is unlinked.
+//
 // Segment layout: a 64-byte header {u32 magic "BFSP", u32 version, u64 pool_id, u64 slot_count,
 // u64 slot_bytes, u64 data_offset, 24 reserved}, then one atomic u64 generation per slot (0 while the
 // slot is free), then the slots from data_offset (page-aligned), slot_bytes each.
@@ -21,6 +30,7 @@
 #include <absl/status/statusor.h>
 #include <absl/time/time.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -47,9 +57,15 @@ struct ShmLease {
   std::function<void()> drop;
 };
 
+/// Tests only: when set, ShmProducer::stage() calls it with the handle of the slot it reserved, after
+/// reserving it and before copying into it, without the pool's lock (so a test can hold a copy in
+/// progress and show that the pool stays usable meanwhile). Null by default.
+extern std::atomic<void (*)(const wire::ShmHandle&)> shm_stage_copy_hook;
+
 /// The producing side. Thread-safe.
 class ShmProducer {
  public:
+  /// Sweeps abandoned pools first (see the top of this file).
   explicit ShmProducer(ShmPoolOptions options = {});
   ~ShmProducer();  // unmaps and unlinks its pools (mappings held by consumers stay valid)
   ShmProducer(const ShmProducer&) = delete;
@@ -57,7 +73,9 @@ class ShmProducer {
 
   /// Copies `bytes` bytes into a free slot that fits and returns its handle. Waits for a credit until
   /// `deadline`: DeadlineExceeded then, naming the size and the slots in use; ResourceExhausted when
-  /// the tensor can never fit under max_total_bytes.
+  /// the tensor can never fit under max_total_bytes. The copy runs without the pool's lock: other
+  /// calls (release, share, stats, another stage) proceed meanwhile; the slot is reserved the way a
+  /// lease is, so nobody can take, free or reclaim it before its handle is returned.
   absl::StatusOr<wire::ShmHandle> stage(const void* data, std::size_t bytes, absl::Time deadline);
   /// Leases a free slot of at least `bytes` bytes to the producer (same credits and bound as
   /// stage()). The slot is free again once the lease is dropped and every handle shared from it

@@ -1,0 +1,369 @@
+// The life of an update next to everything else: shutdown() and cancel_update() end an apply()
+// that waits on a site, set_site_factory() and metrics() never wait for one, what updates remove
+// is freed once no request can reach it, an update never drops a DAG task silently, a bad device
+// is a status (never an exception), and the library's warnings reach the application's log sink.
+#include "test_util.hpp"
+
+#include <blockflow/deployment.hpp>
+#include <blockflow/detail/log.hpp>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <fstream>
+#include <future>
+#include <mutex>
+
+using namespace blockflow;
+using Catch::Matchers::Contains;
+using namespace std::chrono_literals;
+
+namespace {
+
+Deployment parse(const std::string& json) {
+  auto d = Deployment::parse(json);
+  INFO(d.status().ToString());
+  REQUIRE(d.ok());
+  return *d;
+}
+
+// A site whose update() that adds blocks waits for its gate: until cancel_update(), stop() or
+// open(). Removals answer at once (or fail, with fail_removals). Its blocks add 1.
+class GateSite final : public RemoteSite {
+ public:
+  explicit GateSite(std::string name) : name_(std::move(name)) {}
+  const std::string& name() const override { return name_; }
+  absl::Status start(const std::vector<BlockDescription>& blocks, CompletionFn done) override {
+    std::lock_guard lock(mu_);
+    loaded_ = blocks.size();
+    done_ = std::move(done);
+    return absl::OkStatus();
+  }
+  void run(const std::string&, Envelope&& envelope) override {
+    CompletionFn done;
+    {
+      std::lock_guard lock(mu_);
+      done = done_;
+    }
+    if (!done) return;
+    SiteCompletion c;
+    c.request_id = envelope.request_id;
+    c.node = envelope.node;
+    c.outputs = Tensors{envelope.tensors.at(0) + 1};
+    done(std::move(c));
+  }
+  void stop() override {
+    std::lock_guard lock(mu_);
+    stopped_ = true;
+    done_ = nullptr;
+    cv_.notify_all();
+  }
+  SiteStats stats() const override {
+    SiteStats s;
+    s.name = name_;
+    s.kind = "gate";
+    return s;
+  }
+  absl::Status update(const std::vector<BlockDescription>& blocks) override {
+    std::unique_lock lock(mu_);
+    if (blocks.size() <= loaded_) {
+      if (fail_removals_) return absl::UnavailableError("gate site cannot unload");
+      loaded_ = blocks.size();
+      return absl::OkStatus();
+    }
+    waiting_ = true;
+    cv_.notify_all();
+    cv_.wait_for(lock, 60s, [&] { return cancelled_ || stopped_ || open_; });
+    waiting_ = false;
+    if (open_) {
+      loaded_ = blocks.size();
+      return absl::OkStatus();
+    }
+    cancelled_ = false;
+    return stopped_ ? absl::UnavailableError("gate site stopped") : absl::CancelledError("gate site: update cancelled");
+  }
+  void cancel_update() override {
+    std::lock_guard lock(mu_);
+    if (waiting_) cancelled_ = true;
+    cv_.notify_all();
+  }
+  bool wait_until_updating() {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, 30s, [&] { return waiting_; });
+  }
+  void fail_removals() {
+    std::lock_guard lock(mu_);
+    fail_removals_ = true;
+  }
+
+ private:
+  const std::string name_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  CompletionFn done_;
+  std::size_t loaded_ = 0;
+  bool waiting_ = false, cancelled_ = false, stopped_ = false, open_ = false, fail_removals_ = false;
+};
+
+// Started with block "a" (+1) in this process, task "t" = [a], and a GateSite "gate".
+std::shared_ptr<GateSite> start_with_gate(Session& session) {
+  test::register_update_factories();
+  auto gate = std::make_shared<GateSite>("gate");
+  session.add_site(gate);
+  session.add_block(test::unary("a", [](const Tensor& x) { return x + 1; }));
+  session.add_path(Path::chain("t", {"a"}));
+  test::require_started(session);
+  return gate;
+}
+
+// An update that places a new block at the gate: it waits there until the gate opens.
+const char* kThroughGate = R"({"blocks": ["a", {"name": "g", "factory": "upd_add_1", "placement": "gate"}],
+                               "tasks": {"t": ["a"], "t2": ["a", "g"]}})";
+
+template <typename T>
+bool ready_within(std::future<T>& f, std::chrono::seconds s) {
+  return f.wait_for(s) == std::future_status::ready;
+}
+
+long rss_kb() {
+  std::ifstream status("/proc/self/status");
+  std::string key;
+  long value = 0;
+  while (status >> key) {
+    if (key == "VmRSS:") {
+      status >> value;
+      return value;
+    }
+    status.ignore(1 << 10, '\n');
+  }
+  return 0;
+}
+
+}  // namespace
+
+TEST_CASE("shutdown() ends an apply() that waits on a site; set_site_factory() and metrics() do not wait",
+          "[update_lifecycle]") {
+  Session session;
+  auto gate = start_with_gate(session);
+  auto update = std::async(std::launch::async, [&] { return session.apply(parse(kThroughGate)); });
+  REQUIRE(gate->wait_until_updating());
+  auto factory = std::async(std::launch::async, [&] { session.set_site_factory(nullptr); });
+  REQUIRE(ready_within(factory, 30s));  // it used to wait for the update (same lock)
+  CHECK(session.metrics().version == 0);
+  auto stopped = std::async(std::launch::async, [&] { session.shutdown(); });
+  REQUIRE(ready_within(stopped, 30s));  // it used to wait for the update, up to the site's timeout
+  REQUIRE(ready_within(update, 30s));
+  auto version = update.get();
+  INFO(version.status().ToString());
+  CHECK(absl::IsCancelled(version.status()));
+  CHECK_THAT(std::string(version.status().message()), Contains("update 1 cancelled, nothing changed"));
+}
+
+TEST_CASE("cancel_update() ends an apply() before it publishes: nothing changed", "[update_lifecycle]") {
+  Session session;
+  auto gate = start_with_gate(session);
+  auto update = std::async(std::launch::async, [&] { return session.apply(parse(kThroughGate)); });
+  REQUIRE(gate->wait_until_updating());
+  session.cancel_update();
+  REQUIRE(ready_within(update, 30s));
+  auto version = update.get();
+  CHECK(absl::IsCancelled(version.status()));
+  CHECK(session.metrics().version == 0);
+  CHECK(session.submit("t", at::zeros({1})).get().output().item<double>() == 1);
+  CHECK(absl::IsNotFound(session.submit("t2", at::zeros({1})).get().status));
+  // The session takes the next update as usual.
+  auto next = session.apply(parse(R"({"blocks": ["a", {"name": "b", "factory": "upd_add_1"}], "tasks": {"t": ["a", "b"]}})"));
+  INFO(next.status().ToString());
+  REQUIRE(next.ok());
+  CHECK(*next == 1);
+  CHECK(session.submit("t", at::zeros({1})).get().output().item<double>() == 2);
+}
+
+TEST_CASE("cancel_update() during the drain ends the wait: what still queues for a removed block fails now",
+          "[update_lifecycle]") {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool entered = false, release = false;
+  Session session;
+  session.add_block(test::unary("held", [&](const Tensor& x) {
+    std::unique_lock lock(mu);
+    entered = true;
+    cv.notify_all();
+    cv.wait(lock, [&] { return release; });
+    return x + 10;
+  }));
+  session.add_block(test::unary("a", [](const Tensor& x) { return x + 1; }));
+  session.add_path(Path::chain("slow", {"held"}));
+  session.add_path(Path::chain("t", {"a"}));
+  test::require_started(session);
+  auto inside = session.submit("slow", at::zeros({1}));
+  {
+    std::unique_lock lock(mu);
+    REQUIRE(cv.wait_for(lock, 30s, [&] { return entered; }));
+  }
+  auto queued = session.submit("slow", at::zeros({1}));  // waits in held's queue
+  // Removes task "slow" and block "held", with a drain long enough to hang the test.
+  auto update = std::async(std::launch::async,
+                           [&] { return session.apply(parse(R"({"blocks": ["a"], "tasks": {"t": ["a"]}})"), absl::Hours(1)); });
+  CHECK(queued.wait_for(100ms) == std::future_status::timeout);  // draining: it may still run
+  session.cancel_update();
+  REQUIRE(ready_within(queued, 30s));  // failed by the cancelled drain while "held" still runs
+  Result failed = queued.get();
+  CHECK(absl::IsCancelled(failed.status));
+  CHECK_THAT(std::string(failed.status.message()), Contains("block 'held': removed by update 1"));
+  {
+    std::lock_guard lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+  Result r = inside.get();  // the forward in progress was not interrupted
+  INFO(r.status.ToString());
+  CHECK(r.ok());
+  CHECK(r.output().item<double>() == 10);
+  REQUIRE(ready_within(update, 30s));
+  auto version = update.get();
+  REQUIRE(version.ok());  // published before the cancel: the update stands
+  CHECK(*version == 1);
+}
+
+TEST_CASE("1,000 updates: removed blocks and tasks are freed, memory stays flat", "[update_lifecycle]") {
+  test::register_update_factories();
+  Session session;
+  session.add_block(test::unary("keep", [](const Tensor& x) { return x + 1; }));
+  session.add_path(Path::chain("t", {"keep"}));
+  test::require_started(session);
+  long rss_after_warmup = 0;
+  for (int i = 1; i <= 1000; ++i) {
+    // Each update replaces block b<i-1> by b<i> and task u<i-1> by u<i>.
+    const auto json = fmt::format(R"({{"blocks": ["keep", {{"name": "b{}", "factory": "upd_add_1"}}],
+                                       "tasks": {{"t": ["keep"], "u{}": ["keep", "b{}"]}}}})", i, i, i);
+    auto version = session.apply(parse(json));
+    INFO(version.status().ToString());
+    REQUIRE(version.ok());
+    if (i % 50 == 0) {
+      Result r = session.submit(fmt::format("u{}", i), at::zeros({1})).get();
+      REQUIRE(r.ok());
+      CHECK(r.output().item<double>() == 2);
+      const MetricsSnapshot m = session.metrics();
+      CHECK(m.retired_blocks <= 1);  // at most the block the update just removed
+      CHECK(m.blocks.size() == 2);
+      CHECK(m.paths.size() <= 3);    // t, u<i>, and u<i-1> until the next update
+    }
+    if (i == 200) rss_after_warmup = rss_kb();
+  }
+  const long growth_kb = rss_kb() - rss_after_warmup;
+  INFO("RSS growth over the last 800 updates: " << growth_kb << " kB");
+  CHECK(growth_kb < 8 * 1024);  // retired blocks kept forever grow it by ~800 runtimes and histograms
+}
+
+TEST_CASE("an update that would drop a DAG task is refused, naming the task", "[update_lifecycle]") {
+  test::register_update_factories();
+  Session session;
+  session.add_block(test::unary("trunk", [](const Tensor& x) { return x + 1; }));
+  session.add_block(test::unary("left", [](const Tensor& x) { return x * 2; }));
+  session.add_block(test::unary("right", [](const Tensor& x) { return x * 3; }));
+  Path dag("ensemble");
+  dag.then("trunk").node("left", {"trunk"}).node("right", {"trunk"}).join("sum", {"left", "right"}, Combine::mean());
+  session.add_path(std::move(dag));
+  session.add_path(Path::chain("t", {"trunk"}));
+  test::require_started(session);
+  auto refused = session.apply(parse(R"({"blocks": ["trunk", "left", "right"], "tasks": {"t": ["trunk", "left"]}})"));
+  REQUIRE_FALSE(refused.ok());
+  CHECK(absl::IsInvalidArgument(refused.status()));
+  CHECK_THAT(std::string(refused.status().message()), Contains("task 'ensemble' is a DAG path"));
+  CHECK(session.submit("ensemble", at::ones({1})).get().output().item<double>() == 5);  // mean of (1+1)*2 and (1+1)*3
+  // Naming the task replaces it (as a chain): that is asked for.
+  auto replaced = session.apply(parse(R"({"blocks": ["trunk", "left"], "tasks": {"ensemble": ["trunk", "left"]}})"));
+  INFO(replaced.status().ToString());
+  REQUIRE(replaced.ok());
+  CHECK(session.submit("ensemble", at::ones({1})).get().output().item<double>() == 4);
+}
+
+TEST_CASE("a bad device is a status from start(), apply() and Deployment::parse(), never an exception",
+          "[update_lifecycle]") {
+  test::register_update_factories();
+  BlockDescription bad;
+  bad.name = "odd";
+  bad.torchscript = test::model_path("block1.pt");
+  bad.options.device = "cuda:x";
+  {
+    Session session;
+    session.add_block(bad);
+    session.add_path(Path::chain("t", {"odd"}));
+    absl::Status status;
+    REQUIRE_NOTHROW(status = session.start());
+    CHECK(absl::IsInvalidArgument(status));
+    CHECK_THAT(std::string(status.message()), Contains("block 'odd': invalid device 'cuda:x'"));
+  }
+  auto parsed = Deployment::parse(R"({"blocks": [{"name": "odd", "factory": "upd_add_1", "device": "cuda:x"}],
+                                      "tasks": {"t": ["odd"]}})");
+  REQUIRE_FALSE(parsed.ok());
+  CHECK_THAT(std::string(parsed.status().message()), Contains("block 'odd': invalid device 'cuda:x'"));
+  CHECK_THAT(std::string(Deployment::parse(R"({"blocks": [{"name": "m", "factory": "upd_add_1", "device": "meta"}],
+                                               "tasks": {"t": ["m"]}})").status().message()),
+             Contains("device 'meta' is not supported"));
+  // A deployment built in code skips parse(): apply() still answers with a status.
+  Session session;
+  session.add_block(test::unary("a", [](const Tensor& x) { return x + 1; }));
+  session.add_path(Path::chain("t", {"a"}));
+  test::require_started(session);
+  Deployment d = parse(R"({"blocks": ["a", {"name": "odd", "factory": "upd_add_1"}], "tasks": {"t": ["a", "odd"]}})");
+  d.blocks[1].options.device = "cuda:x";
+  absl::StatusOr<std::uint64_t> version;
+  REQUIRE_NOTHROW(version = session.apply(d));
+  CHECK(absl::IsInvalidArgument(version.status()));
+  CHECK_THAT(std::string(version.status().message()), Contains("invalid device 'cuda:x'"));
+  BlockOptions gpu;
+  gpu.device = "gpu";
+  CHECK_THROWS_WITH(Block::callable("c", [](Tensors&& in) -> absl::StatusOr<Tensors> { return std::move(in); }, gpu),
+                    Contains("block 'c': invalid device 'gpu'"));
+}
+
+TEST_CASE("the library's warnings reach the application's log sink; a level filters; repeats are limited",
+          "[update_lifecycle]") {
+  test::register_update_factories();
+  std::mutex mu;
+  std::vector<std::pair<LogLevel, std::string>> seen;
+  set_log_sink([&](LogLevel level, std::string_view message) {
+    std::lock_guard lock(mu);
+    seen.emplace_back(level, std::string(message));
+  });
+  auto count_containing = [&](const std::string& text) {
+    std::lock_guard lock(mu);
+    return std::count_if(seen.begin(), seen.end(), [&](const auto& m) { return m.second.find(text) != std::string::npos; });
+  };
+  {
+    // A site that cannot unload a removed block: the update stands, and a warning names the site.
+    auto gate = std::make_shared<GateSite>("gate");
+    Session session;
+    session.add_site(gate);
+    session.add_block(test::unary("a", [](const Tensor& x) { return x + 1; }));
+    BlockDescription g;
+    g.name = "g";
+    g.factory = "upd_add_1";
+    g.placement = "gate";
+    session.add_block(g);
+    session.add_path(Path::chain("t", {"a"}));
+    session.add_path(Path::chain("t2", {"a", "g"}));
+    test::require_started(session);
+    CHECK(session.submit("t2", at::zeros({1})).get().output().item<double>() == 2);
+    gate->fail_removals();
+    auto version = session.apply(parse(R"({"blocks": ["a"], "tasks": {"t": ["a"]}})"));
+    REQUIRE(version.ok());
+    CHECK(count_containing("update 1: site 'gate' could not unload removed blocks: gate site cannot unload") == 1);
+  }
+  set_log_level(LogLevel::kError);
+  blockflow::detail::log(LogLevel::kWarning, "filtered out");
+  blockflow::detail::log(LogLevel::kError, "let through");
+  set_log_level(LogLevel::kInfo);
+  CHECK(count_containing("filtered out") == 0);
+  CHECK(count_containing("let through") == 1);
+  blockflow::detail::RateLimitedLog limited(3, absl::Hours(1));
+  for (int i = 0; i < 10; ++i) limited.log(LogLevel::kWarning, "malformed frame");
+  CHECK(count_containing("malformed frame") == 3);
+  CHECK(limited.suppressed() == 7);
+  set_log_sink(nullptr);
+  blockflow::detail::log(LogLevel::kWarning, "to stderr");  // the default sink again
+  CHECK(count_containing("to stderr") == 0);
+}
