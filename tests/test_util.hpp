@@ -2,6 +2,7 @@
 // Helpers shared by the test files.
 
 #include <blockflow/blockflow.hpp>
+#include <blockflow/deployment.hpp>
 
 #include <ATen/ATen.h>
 #include <catch2/catch.hpp>
@@ -74,6 +75,14 @@ inline void register_update_factories() {
       });
     }
   });
+}
+
+/// Parses a deployment; fails the test with the status message otherwise.
+inline Deployment parse(const std::string& json) {
+  auto d = Deployment::parse(json);
+  INFO(d.status().ToString());
+  REQUIRE(d.ok());
+  return *d;
 }
 
 }  // namespace blockflow::test

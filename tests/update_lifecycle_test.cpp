@@ -21,12 +21,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-Deployment parse(const std::string& json) {
-  auto d = Deployment::parse(json);
-  INFO(d.status().ToString());
-  REQUIRE(d.ok());
-  return *d;
-}
+using test::parse;
 
 // A site whose update() that adds blocks waits for its gate: until cancel_update(), stop() or
 // open(). Removals answer at once (or fail, with fail_removals). Its blocks add 1.

@@ -22,12 +22,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-Deployment parse(const std::string& json) {
-  auto d = Deployment::parse(json);
-  INFO(d.status().ToString());
-  REQUIRE(d.ok());
-  return *d;
-}
+using test::parse;
 
 void start_with(Session& session, const Deployment& d) {
   for (const auto& b : d.blocks) session.add_block(b);
