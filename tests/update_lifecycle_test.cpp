@@ -2,6 +2,7 @@
 // that waits on a site, set_site_factory() and metrics() never wait for one, what updates remove
 // is freed once no request can reach it, an update never drops a DAG task silently, a bad device
 // is a status (never an exception), and the library's warnings reach the application's log sink.
+#include "gate_site.hpp"
 #include "test_util.hpp"
 
 #include <blockflow/deployment.hpp>
@@ -23,98 +24,6 @@ namespace {
 
 using test::parse;
 
-// A site whose update() that adds blocks waits for its gate: until cancel_update(), stop() or
-// open(). Removals answer at once (or fail, with fail_removals). Its blocks add 1.
-class GateSite final : public RemoteSite {
- public:
-  explicit GateSite(std::string name) : name_(std::move(name)) {}
-  const std::string& name() const override { return name_; }
-  absl::Status start(const std::vector<BlockDescription>& blocks, CompletionFn done) override {
-    std::lock_guard lock(mu_);
-    loaded_ = blocks.size();
-    done_ = std::move(done);
-    return absl::OkStatus();
-  }
-  void run(const std::string&, Envelope&& envelope) override {
-    CompletionFn done;
-    {
-      std::lock_guard lock(mu_);
-      done = done_;
-    }
-    if (!done) return;
-    SiteCompletion c;
-    c.request_id = envelope.request_id;
-    c.node = envelope.node;
-    c.outputs = Tensors{envelope.tensors.at(0) + 1};
-    done(std::move(c));
-  }
-  void stop() override {
-    std::lock_guard lock(mu_);
-    stopped_ = true;
-    done_ = nullptr;
-    cv_.notify_all();
-  }
-  SiteStats stats() const override {
-    SiteStats s;
-    s.name = name_;
-    s.kind = "gate";
-    return s;
-  }
-  absl::Status update(const std::vector<BlockDescription>& blocks) override {
-    std::unique_lock lock(mu_);
-    if (blocks.size() <= loaded_) {
-      if (fail_removals_) return absl::UnavailableError("gate site cannot unload");
-      loaded_ = blocks.size();
-      return absl::OkStatus();
-    }
-    waiting_ = true;
-    cv_.notify_all();
-    cv_.wait_for(lock, 60s, [&] { return cancelled_ || stopped_ || open_; });
-    waiting_ = false;
-    if (open_) {
-      loaded_ = blocks.size();
-      return absl::OkStatus();
-    }
-    cancelled_ = false;
-    return stopped_ ? absl::UnavailableError("gate site stopped") : absl::CancelledError("gate site: update cancelled");
-  }
-  void cancel_update() override {
-    std::lock_guard lock(mu_);
-    if (waiting_) cancelled_ = true;
-    cv_.notify_all();
-  }
-  bool wait_until_updating() {
-    std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, 30s, [&] { return waiting_; });
-  }
-  void fail_removals() {
-    std::lock_guard lock(mu_);
-    fail_removals_ = true;
-  }
-
- private:
-  const std::string name_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  CompletionFn done_;
-  std::size_t loaded_ = 0;
-  bool waiting_ = false, cancelled_ = false, stopped_ = false, open_ = false, fail_removals_ = false;
-};
-
-// Started with block "a" (+1) in this process, task "t" = [a], and a GateSite "gate".
-std::shared_ptr<GateSite> start_with_gate(Session& session) {
-  test::register_update_factories();
-  auto gate = std::make_shared<GateSite>("gate");
-  session.add_site(gate);
-  session.add_block(test::unary("a", [](const Tensor& x) { return x + 1; }));
-  session.add_path(Path::chain("t", {"a"}));
-  test::require_started(session);
-  return gate;
-}
-
-// An update that places a new block at the gate: it waits there until the gate opens.
-const char* kThroughGate = R"({"blocks": ["a", {"name": "g", "factory": "upd_add_1", "placement": "gate"}],
-                               "tasks": {"t": ["a"], "t2": ["a", "g"]}})";
 
 template <typename T>
 bool ready_within(std::future<T>& f, std::chrono::seconds s) {
@@ -140,8 +49,8 @@ long rss_kb() {
 TEST_CASE("shutdown() ends an apply() that waits on a site; set_site_factory() and metrics() do not wait",
           "[update_lifecycle]") {
   Session session;
-  auto gate = start_with_gate(session);
-  auto update = std::async(std::launch::async, [&] { return session.apply(parse(kThroughGate)); });
+  auto gate = test::start_with_gate(session);
+  auto update = std::async(std::launch::async, [&] { return session.apply(parse(test::kThroughGate)); });
   REQUIRE(gate->wait_until_updating());
   auto factory = std::async(std::launch::async, [&] { session.set_site_factory(nullptr); });
   REQUIRE(ready_within(factory, 30s));  // it used to wait for the update (same lock)
@@ -157,8 +66,8 @@ TEST_CASE("shutdown() ends an apply() that waits on a site; set_site_factory() a
 
 TEST_CASE("cancel_update() ends an apply() before it publishes: nothing changed", "[update_lifecycle]") {
   Session session;
-  auto gate = start_with_gate(session);
-  auto update = std::async(std::launch::async, [&] { return session.apply(parse(kThroughGate)); });
+  auto gate = test::start_with_gate(session);
+  auto update = std::async(std::launch::async, [&] { return session.apply(parse(test::kThroughGate)); });
   REQUIRE(gate->wait_until_updating());
   session.cancel_update();
   REQUIRE(ready_within(update, 30s));
@@ -330,7 +239,7 @@ TEST_CASE("the library's warnings reach the application's log sink; a level filt
   };
   {
     // A site that cannot unload a removed block: the update stands, and a warning names the site.
-    auto gate = std::make_shared<GateSite>("gate");
+    auto gate = std::make_shared<test::GateSite>("gate");
     Session session;
     session.add_site(gate);
     session.add_block(test::unary("a", [](const Tensor& x) { return x + 1; }));

@@ -1,0 +1,84 @@
+// The control endpoint while an update runs: status and metrics are answered meanwhile, the apply
+// is answered once it is done, and destroying the endpoint cancels the update instead of waiting.
+#include "gate_site.hpp"
+#include "test_util.hpp"
+
+#include <blockflow/control_endpoint.hpp>
+
+#include <nlohmann/json.hpp>
+#include <zmq.hpp>
+
+#include <future>
+
+using namespace blockflow;
+using namespace std::chrono_literals;
+
+namespace {
+
+
+const std::string kApplyThroughGate = std::string(R"({"cmd": "apply", "deployment": )") + test::kThroughGate + "}";
+
+// A REQ client of the endpoint.
+struct Client {
+  zmq::context_t context{1};
+  zmq::socket_t socket{context, zmq::socket_type::req};
+  explicit Client(const std::string& endpoint) {
+    socket.set(zmq::sockopt::linger, 0);
+    socket.connect(endpoint);
+  }
+  void send(const std::string& text) { REQUIRE(socket.send(zmq::buffer(text), zmq::send_flags::none)); }
+  // The reply, or null if none came within `within`.
+  nlohmann::json receive(std::chrono::milliseconds within) {
+    zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
+    if (zmq::poll(&item, 1, within) == 0) return nullptr;
+    zmq::message_t reply;
+    REQUIRE(socket.recv(reply));
+    return nlohmann::json::parse(reply.to_string());
+  }
+};
+
+}  // namespace
+
+TEST_CASE("control: status and metrics are answered while an apply runs; the apply when it is done", "[control]") {
+  Session session;
+  auto gate = test::start_with_gate(session);
+  ControlEndpoint endpoint(session, "tcp://127.0.0.1:*");
+  Client updater(endpoint.endpoint()), watcher(endpoint.endpoint());
+  updater.send(kApplyThroughGate);
+  REQUIRE(gate->wait_until_updating());
+  watcher.send(R"({"cmd": "status"})");
+  const auto status = watcher.receive(30s);  // a REP endpoint answered nothing until the update ended
+  REQUIRE_FALSE(status.is_null());
+  CHECK(status["ok"] == true);
+  CHECK(status["updating"] == true);
+  CHECK(status["version"] == 0);
+  watcher.send(R"({"cmd": "metrics"})");
+  const auto metrics = watcher.receive(30s);
+  REQUIRE_FALSE(metrics.is_null());
+  CHECK(metrics["ok"] == true);
+  CHECK(updater.receive(0ms).is_null());  // still running
+  gate->open();
+  const auto applied = updater.receive(30s);
+  REQUIRE_FALSE(applied.is_null());
+  INFO(applied.dump());
+  CHECK(applied["ok"] == true);
+  CHECK(applied["version"] == 1);
+  watcher.send(R"({"cmd": "status"})");
+  const auto after = watcher.receive(30s);
+  REQUIRE_FALSE(after.is_null());
+  CHECK(after["updating"] == false);
+  CHECK(after["tasks"].size() == 2);
+}
+
+TEST_CASE("control: destroying the endpoint cancels the apply in progress instead of waiting for it", "[control]") {
+  Session session;
+  auto gate = test::start_with_gate(session);
+  auto endpoint = std::make_unique<ControlEndpoint>(session, "tcp://127.0.0.1:*");
+  Client updater(endpoint->endpoint());
+  updater.send(kApplyThroughGate);
+  REQUIRE(gate->wait_until_updating());
+  auto destroyed = std::async(std::launch::async, [&] { endpoint.reset(); });
+  REQUIRE(destroyed.wait_for(30s) == std::future_status::ready);  // the gate would hold it 60 s
+  CHECK(session.metrics().version == 0);                           // cancelled: nothing changed
+  CHECK(session.submit("t", at::zeros({1})).get().output().item<double>() == 1);
+}

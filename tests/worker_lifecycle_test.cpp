@@ -1,0 +1,100 @@
+// A WorkerSite's life next to its owner: after stop() its completion callback is never called
+// (the session that gave it may be gone), an update can be cancelled, and an idle site's sender
+// thread sleeps instead of polling.
+#include "worker_util.hpp"
+
+#include <dirent.h>
+
+#include <fstream>
+#include <future>
+
+using namespace blockflow;
+using namespace std::chrono_literals;
+
+namespace {
+
+// The id of this process's thread named `name`, or 0.
+std::string thread_named(const std::string& name) {
+  DIR* dir = ::opendir("/proc/self/task");
+  if (dir == nullptr) return {};
+  std::string found;
+  while (dirent* entry = ::readdir(dir)) {
+    std::ifstream comm(std::string("/proc/self/task/") + entry->d_name + "/comm");
+    std::string line;
+    if (std::getline(comm, line) && line == name) found = entry->d_name;
+  }
+  ::closedir(dir);
+  return found;
+}
+
+// How often a thread of this process went to sleep and was woken (voluntary context switches).
+long wake_ups(const std::string& tid) {
+  std::ifstream status("/proc/self/task/" + tid + "/status");
+  std::string key;
+  while (status >> key) {
+    if (key == "voluntary_ctxt_switches:") {
+      long n = 0;
+      status >> n;
+      return n;
+    }
+    status.ignore(1 << 10, '\n');
+  }
+  return -1;
+}
+
+}  // namespace
+
+TEST_CASE("a stopped WorkerSite never calls its completion callback again", "[worker_lifecycle]") {
+  auto calls = std::make_shared<std::atomic<int>>(0);
+  auto site = std::make_shared<WorkerSite>(test::test_worker("wl1", "shm"));
+  auto status = site->start({test::plugin_block("x", "affine", "wl1")},
+                            [calls](SiteCompletion&&) { calls->fetch_add(1); });
+  INFO(status.ToString());
+  REQUIRE(status.ok());
+  Envelope before;
+  before.request_id = 1;
+  before.tensors = {at::ones({2})};
+  site->run("x", std::move(before));
+  REQUIRE(test::eventually([&] { return calls->load() == 1; }));
+  site->stop();
+  Envelope after;
+  after.request_id = 2;
+  after.tensors = {at::ones({2})};
+  site->run("x", std::move(after));  // used to be failed through the callback of a session maybe gone
+  CHECK(calls->load() == 1);
+}
+
+TEST_CASE("WorkerSite::cancel_update() ends an update that is loading", "[worker_lifecycle]") {
+  auto site = std::make_shared<WorkerSite>(test::test_worker("wl2", "shm"));
+  REQUIRE(site->start({test::plugin_block("x", "affine", "wl2")}, [](SiteCompletion&&) {}).ok());
+  // 2,000 warm-up runs of 5 ms: ten seconds of loading.
+  BlockDescription slow = test::plugin_block("s", "slow_identity", "wl2");
+  slow.options.input_shapes = {{1}};
+  slow.options.warmup_runs = 2000;
+  auto update = std::async(std::launch::async, [&] { return site->update({test::plugin_block("x", "affine", "wl2"), slow}); });
+  // Until it is in progress (a cancel before it starts does nothing), then once more.
+  while (update.wait_for(10ms) != std::future_status::ready) site->cancel_update();
+  const absl::Status status = update.get();
+  INFO(status.ToString());
+  CHECK(absl::IsCancelled(status));
+  site->stop();
+}
+
+TEST_CASE("an idle WorkerSite's sender thread sleeps until there is work", "[worker_lifecycle]") {
+  auto site = std::make_shared<WorkerSite>(test::test_worker("wl3", "shm"));
+  std::atomic<int> done{0};
+  REQUIRE(site->start({test::plugin_block("x", "affine", "wl3")}, [&](SiteCompletion&&) { ++done; }).ok());
+  const std::string sender = thread_named("bf-wl3:snd");
+  REQUIRE_FALSE(sender.empty());
+  const long before = wake_ups(sender);
+  std::this_thread::sleep_for(500ms);
+  const long idle = wake_ups(sender) - before;
+  INFO("sender wake-ups in 500 ms idle: " << idle);
+  CHECK(idle < 25);  // it polled every 2 ms: ~250
+  Envelope work;
+  work.request_id = 7;
+  work.tensors = {at::ones({2})};
+  site->run("x", std::move(work));  // and it still serves
+  CHECK(test::eventually([&] { return done.load() == 1; }));
+  site->stop();
+}
