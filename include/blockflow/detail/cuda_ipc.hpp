@@ -25,6 +25,7 @@
 //
 // Everything here builds without CUDA (functions then answer Unimplemented, naming the reason).
 
+#include <blockflow/detail/cuda_export_table.hpp>
 #include <blockflow/detail/shm_pool.hpp>
 #include <blockflow/tensor.hpp>
 #include <blockflow/wire_format.hpp>
@@ -51,37 +52,6 @@ absl::Status cuda_ipc_usable();
 /// PID namespace, the device not visible there, no IPC support).
 absl::StatusOr<std::string> export_cuda_probe();
 absl::Status open_cuda_probe(const std::string& probe);
-
-/// The allocations this process exported (CudaProducer::share), by their CUDA IPC memory handle, so
-/// that a handle naming one can come back here (a worker returned a view of its input). An entry is
-/// live while a share of its allocation is unreleased: remember() returns a token that the share
-/// holds until the consumer releases it (a handle naming the allocation can only come back while one
-/// is out). Once the table holds `bound` entries, a new one first evicts the released ones; when all
-/// are live the bound doubles instead: a live export is never dropped. Thread-safe.
-class CudaExportTable {
- public:
-  struct Allocation {
-    void* base = nullptr;
-    std::uint64_t bytes = 0;
-  };
-  explicit CudaExportTable(std::size_t bound = 4096);
-  ~CudaExportTable();
-  CudaExportTable(const CudaExportTable&) = delete;
-  CudaExportTable& operator=(const CudaExportTable&) = delete;
-
-  /// Records the allocation that `key` (the IPC handle's bytes) names; keep the token while a
-  /// handle naming it is out. A live entry's token is shared: the entry lives until the last dies.
-  [[nodiscard]] std::shared_ptr<void> remember(const std::string& key, Allocation allocation);
-  /// The allocation `key` names while live; nullopt when never exported or every share of it was
-  /// released (its memory may be reused).
-  [[nodiscard]] std::optional<Allocation> find(const std::string& key) const;
-  [[nodiscard]] std::size_t size() const;   ///< entries held, released ones not yet evicted included
-  [[nodiscard]] std::size_t bound() const;  ///< the size at which remember() evicts (or grows)
-
- private:
-  struct Impl;
-  std::unique_ptr<Impl> impl_;
-};
 
 /// The producing side of CUDA hand-offs. Thread-safe.
 class CudaProducer {
