@@ -1,9 +1,11 @@
 #include <blockflow/deployment.hpp>
 #include <blockflow/detail/deployment_json.hpp>
+#include <blockflow/names.hpp>
 
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -22,6 +24,22 @@ absl::StatusOr<FullPolicy> policy_from(const std::string& name) {
 std::string resolve(const std::string& file, const std::string& models_dir) {
   if (file.empty() || file.front() == '/' || models_dir.empty()) return file;
   return models_dir + "/" + file;
+}
+
+// `file` (relative to `models_dir`, or absolute) as a path inside `models_dir` once `..` and
+// symbolic links are resolved; else an error that says nothing about the file (nor whether it exists).
+absl::StatusOr<std::string> resolve_inside(const std::string& block, const std::string& file, const std::string& models_dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path root = fs::weakly_canonical(fs::absolute(models_dir.empty() ? "." : models_dir, ec), ec);
+  const fs::path wanted = fs::path(file).is_absolute() ? fs::path(file) : root / file;
+  const fs::path resolved = fs::weakly_canonical(wanted, ec);
+  const fs::path inside = resolved.lexically_relative(root);
+  if (ec || inside.empty() || *inside.begin() == ".." || *inside.begin() == ".") {
+    return absl::InvalidArgumentError(fmt::format("block '{}': TorchScript path '{}' is not inside the models directory",
+                                                  block, file));
+  }
+  return resolved.string();
 }
 
 }  // namespace
@@ -46,11 +64,34 @@ nlohmann::json block_to_json(const BlockDescription& d) {
           {"optimize_for_inference", d.torchscript_options.freeze && d.torchscript_options.optimize_for_inference}};
 }
 
-absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, const std::string& models_dir) {
+absl::Status check_json_depth(std::string_view text, int max_depth) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > max_depth) {
+        return absl::InvalidArgumentError(fmt::format("JSON nests deeper than {} levels", max_depth));
+      }
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, const std::string& models_dir, bool confine) {
   BlockDescription d;
   if (json.is_string()) {  // the reference's form: a name, its model file beside the others
     d.name = json.get<std::string>();
-    if (d.name.empty()) return absl::InvalidArgumentError("a block name is empty");
+    if (auto status = check_name("block", d.name); !status.ok()) return status;
     d.torchscript = resolve(d.name + ".pt", models_dir);
     return d;
   }
@@ -61,6 +102,7 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
     return absl::InvalidArgumentError(fmt::format("block {}: needs a non-empty string \"name\"", json.dump()));
   }
   d.name = json["name"].get<std::string>();
+  if (auto status = check_name("block", d.name); !status.ok()) return status;
   static const std::set<std::string> known = {"name",         "torchscript", "factory",        "placement",
                                               "device",       "intra_op_threads", "workers",   "queue_capacity",
                                               "full_policy",  "input_shapes", "warmup_runs", "max_batch",
@@ -105,13 +147,27 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
         fmt::format("block '{}': optimize_for_inference needs \"freeze\": true (it works on the frozen module)", d.name));
   }
   if (auto status = validate(d.name, o); !status.ok()) return status;
+  if (!d.placement.empty()) {
+    if (auto status = check_name("placement", d.placement); !status.ok()) {
+      return absl::InvalidArgumentError(fmt::format("block '{}': {}", d.name, std::string(status.message())));
+    }
+  }
+  if (confine && !d.torchscript.empty()) {
+    auto inside = resolve_inside(d.name, d.torchscript, models_dir);
+    if (!inside.ok()) return inside.status();
+    d.torchscript = *std::move(inside);
+    return d;
+  }
   d.torchscript = resolve(d.torchscript, models_dir);
   return d;
 }
 
 }  // namespace detail
 
-absl::StatusOr<Deployment> Deployment::parse(const std::string& text, const std::string& models_dir) {
+absl::StatusOr<Deployment> Deployment::parse(const std::string& text, const std::string& models_dir, bool confine) {
+  if (auto status = detail::check_json_depth(text); !status.ok()) {
+    return absl::InvalidArgumentError(fmt::format("deployment: {}", std::string(status.message())));
+  }
   const auto json = nlohmann::json::parse(text, nullptr, false);
   if (json.is_discarded()) return absl::InvalidArgumentError("deployment: not valid JSON");
   if (!json.is_object()) return absl::InvalidArgumentError("deployment: expected an object with \"blocks\" and \"tasks\"");
@@ -129,7 +185,7 @@ absl::StatusOr<Deployment> Deployment::parse(const std::string& text, const std:
   Deployment out;
   std::set<std::string> names;
   for (const auto& b : json["blocks"]) {
-    auto block = detail::block_from_json(b, models_dir);
+    auto block = detail::block_from_json(b, models_dir, confine);
     if (!block.ok()) return absl::InvalidArgumentError(fmt::format("deployment: {}", std::string(block.status().message())));
     if (!names.insert(block->name).second) {
       return absl::InvalidArgumentError(fmt::format("deployment: block '{}' appears twice", block->name));
@@ -138,7 +194,7 @@ absl::StatusOr<Deployment> Deployment::parse(const std::string& text, const std:
     out.blocks.push_back(*std::move(block));
   }
   for (const auto& [task, chain] : json["tasks"].items()) {
-    if (task.empty()) return absl::InvalidArgumentError("deployment: a task name is empty");
+    if (auto status = check_name("task", task); !status.ok()) return absl::InvalidArgumentError(fmt::format("deployment: {}", std::string(status.message())));
     if (!chain.is_array() || chain.empty()) {
       return absl::InvalidArgumentError(fmt::format("deployment: task '{}' must be a non-empty list of block names", task));
     }

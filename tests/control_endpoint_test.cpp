@@ -11,6 +11,7 @@
 #include <future>
 
 using namespace blockflow;
+using Catch::Matchers::Contains;
 using namespace std::chrono_literals;
 
 namespace {
@@ -81,4 +82,35 @@ TEST_CASE("control: destroying the endpoint cancels the apply in progress instea
   REQUIRE(destroyed.wait_for(30s) == std::future_status::ready);  // the gate would hold it 60 s
   CHECK(session.metrics().version == 0);                           // cancelled: nothing changed
   CHECK(session.submit("t", at::zeros({1})).get().output().item<double>() == 1);
+}
+
+TEST_CASE("control: limits on what one request may ask, each refusal naming its limit", "[control]") {
+  Session session;
+  auto gate = test::start_with_gate(session);
+  ControlOptions options;
+  options.models_dir = BLOCKFLOW_TEST_MODELS_DIR;
+  options.max_message_bytes = 4096;
+  options.max_workers = 2;
+  ControlEndpoint endpoint(session, "tcp://127.0.0.1:*", options);
+  Client client(endpoint.endpoint());
+  auto ask = [&](const std::string& text) {
+    client.send(text);
+    auto reply = client.receive(30s);
+    REQUIRE_FALSE(reply.is_null());
+    CHECK(reply["ok"] == false);
+    return reply["error"].get<std::string>();
+  };
+  CHECK_THAT(ask(std::string(70, '[') + std::string(70, ']')), Contains("JSON nests deeper than 64 levels"));
+  CHECK_THAT(ask(R"({"cmd": "status", "pad": ")" + std::string(5000, 'x') + "\"}"),
+             Contains("over the limit of 4096 (ControlOptions::max_message_bytes)"));
+  CHECK_THAT(ask(R"({"cmd": "apply", "deployment": {"blocks": [{"name": "a", "factory": "upd_add_1", "placement": "w1"},
+              {"name": "b", "factory": "upd_add_1", "placement": "w2"}, {"name": "c", "factory": "upd_add_1", "placement": "w3"}],
+              "tasks": {"t": ["a", "b", "c"]}}})"),
+             Contains("names 3 worker placements, over the limit of 2 (ControlOptions::max_workers)"));
+  CHECK_THAT(ask(R"({"cmd": "apply", "deployment": {"blocks": [{"name": "p", "torchscript": "/etc/passwd"}], "tasks": {"t": ["p"]}}})"),
+             Contains("block 'p': TorchScript path '/etc/passwd' is not inside the models directory"));
+  CHECK_THAT(ask(R"({"cmd": "apply", "deployment": {"blocks": [{"name": "a", "factory": "upd_add_1", "placement": "../w"}],
+              "tasks": {"t": ["a"]}}})"),
+             Contains("placement name '../w' starts with . or -"));
+  CHECK(session.metrics().version == 0);
 }

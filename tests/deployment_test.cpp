@@ -4,6 +4,14 @@
 
 #include <blockflow/deployment.hpp>
 #include <blockflow/detail/deployment_json.hpp>
+#include <blockflow/names.hpp>
+#include <blockflow/worker_site.hpp>
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 
 using namespace blockflow;
 using Catch::Matchers::Contains;
@@ -90,7 +98,7 @@ TEST_CASE("malformed deployments are rejected whole, naming the fault", "[deploy
   CHECK_THAT(error_of(R"({"blocks": [], "tasks": {}, "extra": 1})"), Contains("unknown field 'extra'"));
   CHECK_THAT(error_of(R"({"tasks": {}})"), Contains("\"blocks\" must be an array"));
   CHECK_THAT(error_of(R"({"blocks": []})"), Contains("\"tasks\" must be an object"));
-  CHECK_THAT(error_of(R"({"blocks": [""], "tasks": {}})"), Contains("a block name is empty"));
+  CHECK_THAT(error_of(R"({"blocks": [""], "tasks": {}})"), Contains("block name '' is empty"));
   CHECK_THAT(error_of(R"({"blocks": [3], "tasks": {}})"), Contains("a block is a name or an object, not 3"));
   CHECK_THAT(error_of(R"({"blocks": [{"torchscript": "x.pt"}], "tasks": {}})"), Contains("needs a non-empty string \"name\""));
   CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "torchscript": "x.pt", "colour": "red"}], "tasks": {}})"),
@@ -114,4 +122,62 @@ TEST_CASE("malformed deployments are rejected whole, naming the fault", "[deploy
              Contains("task 't': has a cycle: block 'a' appears twice"));
   CHECK_THAT(error_of(R"({"blocks": ["a"], "tasks": {"t": [1]}})"), Contains("task 't': 1 is not a block name"));
   CHECK(absl::IsNotFound(load_deployment("/nonexistent/deploy.json").status()));
+}
+
+TEST_CASE("names of blocks, tasks and placements follow one rule: never a path, never an option", "[deployment]") {
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "a/b", "factory": "f"}], "tasks": {"t": ["a/b"]}})"),
+             Contains("block name 'a/b' holds a character outside the set"));
+  CHECK_THAT(error_of(R"({"blocks": [".."], "tasks": {"t": [".."]}})"), Contains("block name '..' starts with . or -"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "a", "factory": "f", "placement": "w1\n"}], "tasks": {"t": ["a"]}})"),
+             Contains("block 'a': placement name 'w1\\n' holds a character outside the set"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "a", "factory": "f", "placement": " "}], "tasks": {"t": ["a"]}})"),
+             Contains("placement name ' '"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "a", "factory": "f", "placement": "../../x"}], "tasks": {"t": ["a"]}})"),
+             Contains("placement name '../../x' starts with . or -"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "a", "factory": "f"}], "tasks": {"-t": ["a"]}})"),
+             Contains("task name '-t' starts with . or -"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": ")" + std::string(65, 'x') + R"(", "factory": "f"}], "tasks": {}})"),
+             Contains("is too long"));
+  CHECK(check_name("worker", "w-1.gpu_0").ok());
+  WorkerOptions slash;
+  slash.name = "w/1";
+  CHECK_THROWS_WITH(WorkerSite(slash), Contains("worker name 'w/1'"));
+}
+
+TEST_CASE("confined to the models directory: no path leads out, and the error does not say what exists", "[deployment]") {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / fmt::format("bf-models-{}", ::getpid());
+  fs::remove_all(root);
+  fs::create_directories(root / "sub");
+  std::ofstream(root / "sub" / "m.pt") << "x";
+  fs::create_symlink("/etc", root / "out");
+  auto confined = [&](const std::string& file) {
+    return Deployment::parse(R"({"blocks": [{"name": "a", "torchscript": ")" + file + R"("}], "tasks": {"t": ["a"]}})",
+                             root.string(), /*confine_to_models_dir=*/true);
+  };
+  auto inside = confined("sub/m.pt");
+  INFO(inside.status().ToString());
+  REQUIRE(inside.ok());
+  CHECK(inside->blocks[0].torchscript == (root / "sub" / "m.pt").string());
+  CHECK(confined((root / "sub" / "m.pt").string()).ok());  // absolute, but inside
+  for (const std::string file : {"../etc/passwd", "/etc/passwd", "/etc/no-such-file", "out/passwd", "sub/../../x.pt"}) {
+    auto refused = confined(file);
+    INFO(file);
+    REQUIRE_FALSE(refused.ok());
+    CHECK(std::string(refused.status().message()) ==
+          "deployment: block 'a': TorchScript path '" + file + "' is not inside the models directory");
+  }
+  CHECK(Deployment::parse(R"({"blocks": [{"name": "a", "torchscript": "/etc/passwd"}], "tasks": {"t": ["a"]}})", root.string())
+            .ok());  // the application's own deployments are not confined unless asked
+  fs::remove_all(root);
+}
+
+TEST_CASE("JSON nested deeper than the limit is refused before it is parsed", "[deployment]") {
+  const std::string deep = std::string(75000, '[') + std::string(75000, ']');
+  auto d = Deployment::parse(deep);
+  REQUIRE_FALSE(d.ok());
+  CHECK_THAT(std::string(d.status().message()), Contains("JSON nests deeper than 64 levels"));
+  CHECK(blockflow::detail::check_json_depth(R"({"a": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["})").ok());
+  CHECK(blockflow::detail::check_json_depth(std::string(64, '{')).ok());
+  CHECK_FALSE(blockflow::detail::check_json_depth(std::string(65, '{')).ok());
 }

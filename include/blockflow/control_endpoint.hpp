@@ -11,7 +11,8 @@
 ///
 /// Requests and replies (every reply has "ok"; a failed one has "error", naming the problem):
 /// - `{"cmd": "apply", "deployment": {...}}` -> `{"ok": true, "version": N}`: Session::apply() of a
-///   deployment (deployment.hpp; relative model paths against the endpoint's models directory).
+///   deployment (deployment.hpp), its model paths confined to the endpoint's models directory and
+///   its size to ControlOptions. JSON nested deeper than 64 levels is refused before it is parsed.
 /// - `{"cmd": "status"}` -> `{"ok": true, "version", "uptime_s", "in_flight", "tasks": [...],
 ///   "blocks": [{"name", "placement", "processed", "failed"}], "workers": [{"name", "pid", "restarts"}],
 ///   "updating": true while an apply runs}`
@@ -20,16 +21,31 @@
 
 #include <blockflow/session.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
 
 namespace blockflow {
 
+/// @brief What one control request may ask for. Every refusal is an error reply naming the limit.
+struct ControlOptions {
+  /// TorchScript files of deployments resolve inside this directory (no `..`, no absolute path or
+  /// symbolic link leading out); a path outside is refused without saying whether it exists.
+  std::string models_dir = ".";
+  /// A request above this size gets an error reply; one above twice this size closes the
+  /// connection unanswered (ZeroMQ drops it before it is read whole).
+  std::size_t max_message_bytes = std::size_t{1} << 20;
+  /// Worker processes (distinct placements) and blocks one deployment may name.
+  std::size_t max_workers = 16;
+  std::size_t max_blocks = 128;
+};
+
 class ControlEndpoint {
  public:
   /// @brief Binds `endpoint` (say "tcp://127.0.0.1:5560"; name another interface only on purpose) and
   /// serves on its own thread. Throws std::runtime_error naming the endpoint when it cannot bind.
+  ControlEndpoint(Session& session, const std::string& endpoint, ControlOptions options);
   ControlEndpoint(Session& session, const std::string& endpoint, std::string models_dir = ".");
   ~ControlEndpoint();
   ControlEndpoint(const ControlEndpoint&) = delete;

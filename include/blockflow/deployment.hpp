@@ -39,8 +39,14 @@ struct Deployment {
   /// resolved against `models_dir`. Every error is InvalidArgument and names the field, block or
   /// task at fault: not JSON, unknown key, wrong type, empty or duplicate name, a block that is
   /// neither TorchScript nor factory, an unknown full_policy, a task naming an unknown block or
-  /// visiting a block twice, an empty task. Files are not opened here (start() does).
-  static absl::StatusOr<Deployment> parse(const std::string& json, const std::string& models_dir = ".");
+  /// visiting a block twice, an empty task, a block, task or placement name that breaks the rule of
+  /// names.hpp. Files are not opened here (start() does).
+  ///
+  /// With `confine_to_models_dir` (what the control endpoint does with deployments from the wire),
+  /// every TorchScript path must lie inside `models_dir` once `..` and symbolic links are resolved;
+  /// one outside is refused with a message that does not say whether the file exists.
+  static absl::StatusOr<Deployment> parse(const std::string& json, const std::string& models_dir = ".",
+                                          bool confine_to_models_dir = false);
 
   /// @brief The worker names the blocks are placed in, sorted, without duplicates.
   [[nodiscard]] std::vector<std::string> workers() const;

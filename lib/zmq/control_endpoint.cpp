@@ -1,4 +1,5 @@
 #include <blockflow/control_endpoint.hpp>
+#include <blockflow/detail/deployment_json.hpp>
 #include <blockflow/detail/metrics_json.hpp>
 
 #include <fmt/format.h>
@@ -30,7 +31,8 @@ struct ControlEndpoint::Impl {
   static constexpr std::size_t kMaxQueuedApplies = 4;
 
   Session& session;
-  std::string models_dir, endpoint;
+  const ControlOptions options;
+  std::string endpoint;
   zmq::context_t context{1};
   zmq::socket_t socket{context, zmq::socket_type::router};
   // The updater thread rings the serving thread through this pair when a reply is ready.
@@ -44,18 +46,33 @@ struct ControlEndpoint::Impl {
   std::deque<std::pair<Envelope, nlohmann::json>> replies;
   std::thread thread, updater;
 
-  Impl(Session& s, std::string dir) : session(s), models_dir(std::move(dir)) {}
+  Impl(Session& s, ControlOptions o) : session(s), options(std::move(o)) {}
 
   // The reply to `text`, or null for an apply queued for the updater thread (which replies).
   nlohmann::json handle(const std::string& text, Envelope& envelope) {
+    if (text.size() > options.max_message_bytes) {
+      return error(fmt::format("control: a request of {} bytes is over the limit of {} (ControlOptions::max_message_bytes)",
+                               text.size(), options.max_message_bytes));
+    }
+    if (auto depth = detail::check_json_depth(text); !depth.ok()) {
+      return error(fmt::format("control: {}", std::string(depth.message())));
+    }
     const auto request = nlohmann::json::parse(text, nullptr, false);
     if (request.is_discarded() || !request.is_object()) return error("control: a request is a JSON object");
     if (!request.contains("cmd") || !request["cmd"].is_string()) return error("control: a request needs a string \"cmd\"");
     const std::string cmd = request["cmd"].get<std::string>();
     if (cmd == "apply") {
       if (!request.contains("deployment")) return error("control: apply needs \"deployment\"");
-      auto deployment = Deployment::parse(request["deployment"].dump(), models_dir);
+      auto deployment = Deployment::parse(request["deployment"].dump(), options.models_dir, /*confine_to_models_dir=*/true);
       if (!deployment.ok()) return error(std::string(deployment.status().message()));
+      if (const auto workers = deployment->workers().size(); workers > options.max_workers) {
+        return error(fmt::format("control: the deployment names {} worker placements, over the limit of {} "
+                                 "(ControlOptions::max_workers)", workers, options.max_workers));
+      }
+      if (deployment->blocks.size() > options.max_blocks) {
+        return error(fmt::format("control: the deployment has {} blocks, over the limit of {} (ControlOptions::max_blocks)",
+                                 deployment->blocks.size(), options.max_blocks));
+      }
       std::lock_guard lock(mu);
       if (applies.size() >= kMaxQueuedApplies) {
         return error(fmt::format("control: {} updates already wait to be applied; send this one again later",
@@ -165,10 +182,17 @@ struct ControlEndpoint::Impl {
 };
 
 ControlEndpoint::ControlEndpoint(Session& session, const std::string& endpoint, std::string models_dir)
-    : impl_(std::make_unique<Impl>(session, std::move(models_dir))) {
+    : ControlEndpoint(session, endpoint, [&] {
+        ControlOptions o;
+        o.models_dir = std::move(models_dir);
+        return o;
+      }()) {}
+
+ControlEndpoint::ControlEndpoint(Session& session, const std::string& endpoint, ControlOptions options)
+    : impl_(std::make_unique<Impl>(session, std::move(options))) {
   Impl& s = *impl_;
   s.socket.set(zmq::sockopt::linger, 0);
-  s.socket.set(zmq::sockopt::maxmsgsize, std::int64_t{64} << 20);
+  s.socket.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(2 * s.options.max_message_bytes));
   try {
     s.socket.bind(endpoint);
   } catch (const zmq::error_t& e) {

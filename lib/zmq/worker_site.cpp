@@ -1,5 +1,6 @@
 #include <blockflow/worker_site.hpp>
 #include <blockflow/detail/log.hpp>
+#include <blockflow/names.hpp>
 #include <blockflow/detail/clock.hpp>
 #include <blockflow/detail/runtime_dir.hpp>
 #include <blockflow/detail/zero_copy_ends.hpp>
@@ -1165,7 +1166,10 @@ struct WorkerSite::Impl {
 
 WorkerSite::WorkerSite(WorkerOptions options) : impl_(std::make_shared<Impl>(std::move(options))) {
   impl_->self = impl_;
-  if (impl_->options.name.empty()) throw std::invalid_argument("WorkerOptions::name must not be empty");
+  // The name becomes a directory name, a thread name and a metric label: never a path.
+  if (auto status = check_name("worker", impl_->options.name); !status.ok()) {
+    throw std::invalid_argument(fmt::format("WorkerOptions::name: {}", std::string(status.message())));
+  }
 }
 
 WorkerSite::~WorkerSite() { stop(); }

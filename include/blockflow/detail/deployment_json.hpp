@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <string>
+#include <string_view>
 
 namespace blockflow::detail {
 
@@ -15,6 +16,14 @@ nlohmann::json block_to_json(const BlockDescription& description);
 /// A block from a name (the TorchScript file <models_dir>/<name>.pt) or an object; relative
 /// TorchScript paths are resolved against `models_dir` when it is not empty. Errors name the block
 /// and the field.
-absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, const std::string& models_dir);
+absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, const std::string& models_dir,
+                                                 bool confine = false);
+
+/// Deepest nesting of JSON accepted from outside (a deployment, a control request): nlohmann's
+/// parser recurses per level, so a 150 KB document of brackets would overflow the stack.
+inline constexpr int kMaxJsonDepth = 64;
+/// OK when no object or array in `text` nests deeper than `max_depth` (strings are skipped, so
+/// brackets inside them do not count); else InvalidArgument naming the limit. Checks the text only.
+absl::Status check_json_depth(std::string_view text, int max_depth = kMaxJsonDepth);
 
 }  // namespace blockflow::detail
