@@ -10,14 +10,38 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <stdexcept>
 #include <thread>
+#include <vector>
 
 namespace blockflow {
+
+namespace {
+
+constexpr std::size_t kMaxConnections = 64;         // more wait in the listen backlog
+constexpr std::size_t kMaxRequestHead = 8192;
+constexpr std::int64_t kDeadlineMs = 2000;          // per connection, whole request; then whole reply
+
+std::int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// One client: its request head as it arrives, then its reply as it leaves. Each phase has a
+// deadline for the whole of it, so a client trickling a byte at a time cannot hold the server.
+struct Connection {
+  int fd = -1;
+  std::string in, out;
+  std::size_t sent = 0;
+  std::int64_t deadline_ms = 0;
+  bool replying = false;
+};
+
+}  // namespace
 
 struct MetricsHttpServer::Impl {
   const Session& session;
@@ -29,17 +53,8 @@ struct MetricsHttpServer::Impl {
 
   explicit Impl(const Session& s) : session(s) {}
 
-  // Reads the request head (up to 8 KiB, 2 s) and answers; one connection at a time.
-  void serve(int client) {
-    std::string request;
-    char buffer[1024];
-    while (request.find("\r\n\r\n") == std::string::npos && request.size() < 8192) {
-      pollfd p{client, POLLIN, 0};
-      if (::poll(&p, 1, 2000) <= 0) return;
-      const ssize_t n = ::recv(client, buffer, sizeof buffer, 0);
-      if (n <= 0) return;
-      request.append(buffer, static_cast<std::size_t>(n));
-    }
+  // The reply to a complete request head.
+  std::string respond(const std::string& request) const {
     std::string status = "200 OK", type, body;
     const auto line_end = request.find("\r\n");
     const std::string line = request.substr(0, line_end);
@@ -62,27 +77,64 @@ struct MetricsHttpServer::Impl {
       type = "text/plain";
       body = "BlockFlow metrics: GET /metrics (Prometheus) or /metrics.json\n";
     }
-    const std::string head = fmt::format("HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                                         status, type, body.size());
-    const std::string response = head + body;
-    std::size_t sent = 0;
-    while (sent < response.size()) {
-      const ssize_t n = ::send(client, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
-      if (n <= 0) return;
-      sent += static_cast<std::size_t>(n);
-    }
-    ++served;
+    return fmt::format("HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", status,
+                       type, body.size()) + body;
   }
 
+  // Reads what `c` sent; once the head is whole, prepares the reply. False: close it.
+  bool on_readable(Connection& c) {
+    char buffer[1024];
+    const ssize_t n = ::recv(c.fd, buffer, sizeof buffer, MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) return false;
+    if (n > 0) c.in.append(buffer, static_cast<std::size_t>(n));
+    if (c.in.find("\r\n\r\n") == std::string::npos) return c.in.size() < kMaxRequestHead;
+    c.out = respond(c.in);
+    c.replying = true;
+    c.deadline_ms = now_ms() + kDeadlineMs;
+    return true;
+  }
+
+  // Sends what `c` can take now. False: close it (done, or gone).
+  bool on_writable(Connection& c) {
+    const ssize_t n = ::send(c.fd, c.out.data() + c.sent, c.out.size() - c.sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) return errno == EAGAIN || errno == EINTR;
+    c.sent += static_cast<std::size_t>(n);
+    if (c.sent < c.out.size()) return true;
+    ++served;
+    return false;
+  }
+
+  // One thread serves every connection at once (poll), each within its deadlines.
   void main() {
+    std::vector<Connection> open;
+    std::vector<pollfd> polled;
     while (!stopping) {
-      pollfd p{fd, POLLIN, 0};
-      if (::poll(&p, 1, 100) <= 0) continue;
-      const int client = ::accept4(fd, nullptr, nullptr, SOCK_CLOEXEC);
-      if (client < 0) continue;
-      serve(client);
-      ::close(client);
+      polled.clear();
+      polled.push_back({open.size() < kMaxConnections ? fd : -1, POLLIN, 0});
+      for (const auto& c : open) polled.push_back({c.fd, static_cast<short>(c.replying ? POLLOUT : POLLIN), 0});
+      (void)::poll(polled.data(), polled.size(), 100);
+      const std::int64_t now = now_ms();
+      std::vector<Connection> kept;
+      for (std::size_t i = 0; i < open.size(); ++i) {
+        Connection& c = open[i];
+        const short ready = polled[i + 1].revents;
+        bool keep = now < c.deadline_ms;
+        if (keep && (ready & (POLLERR | POLLHUP | POLLNVAL)) != 0 && (ready & POLLIN) == 0) keep = false;
+        if (keep && (ready & POLLIN) != 0 && !c.replying) keep = on_readable(c);
+        if (keep && (ready & POLLOUT) != 0 && c.replying) keep = on_writable(c);
+        if (keep) {
+          kept.push_back(std::move(c));
+        } else {
+          ::close(c.fd);
+        }
+      }
+      open.swap(kept);
+      if ((polled[0].revents & POLLIN) != 0) {
+        const int client = ::accept4(fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (client >= 0) open.push_back({client, {}, {}, 0, now + kDeadlineMs, false});
+      }
     }
+    for (const auto& c : open) ::close(c.fd);
   }
 };
 

@@ -9,6 +9,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -249,13 +250,19 @@ TEST_CASE("Prometheus text parses and has every documented metric with its label
 namespace {
 
 // A raw HTTP/1.1 GET to 127.0.0.1:port; the whole response.
-std::string http_get(int port, const std::string& target) {
+// A TCP connection to the loopback port.
+int connect_to(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
   sa.sin_port = htons(static_cast<std::uint16_t>(port));
   sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
+  return fd;
+}
+
+std::string http_get(int port, const std::string& target) {
+  const int fd = connect_to(port);
   const std::string request = "GET " + target + " HTTP/1.1\r\nHost: localhost\r\n\r\n";
   REQUIRE(::send(fd, request.data(), request.size(), 0) == static_cast<ssize_t>(request.size()));
   std::string response;
@@ -292,4 +299,24 @@ TEST_CASE("the metrics endpoint serves Prometheus text and JSON on loopback; the
   CHECK(parse_prometheus(text).count("blockflow_block_processed_total") == 1);
   std::remove(file.c_str());
   CHECK_FALSE(write_prometheus_file(session.metrics(), "/nonexistent-dir/x.prom").ok());
+}
+
+TEST_CASE("a slow metrics client holds no scrape back; it is closed at its deadline", "[kpi]") {
+  Session session;
+  busy_session(session);
+  MetricsHttpServer server(session, "127.0.0.1:0");
+  const int slow = connect_to(server.port());
+  REQUIRE(::send(slow, "G", 1, 0) == 1);  // and nothing more: the attack sends a byte every 1.5 s
+  const std::string scraped = http_get(server.port(), "/metrics");
+  CHECK_THAT(scraped, StartsWith("HTTP/1.1 200 OK\r\n"));
+  // Served while the slow one was still open (one connection at a time closed it first).
+  char byte = 0;
+  CHECK(::recv(slow, &byte, 1, MSG_DONTWAIT) == -1);
+  CHECK(errno == EAGAIN);
+  // At its deadline the server gives up on it: end of stream, no reply.
+  pollfd p{slow, POLLIN, 0};
+  REQUIRE(::poll(&p, 1, 30000) == 1);
+  CHECK(::recv(slow, &byte, 1, 0) == 0);
+  ::close(slow);
+  CHECK(server.requests_served() == 1);
 }
