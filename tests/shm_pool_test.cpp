@@ -228,3 +228,32 @@ TEST_CASE("shm stage: the copy runs without the pool's lock; its slot cannot be 
   CHECK(producer.release(*staged));
   CHECK(producer.stats().slots_in_use == 0);
 }
+
+TEST_CASE("shm consumer: a pool header rewritten after mapping moves no handle outside the pool", "[shm]") {
+  ShmProducer producer;
+  ShmConsumer consumer;
+  const std::vector<char> first(100, 'a'), second(100, 'b');
+  auto h1 = producer.stage(first.data(), first.size(), absl::Now() + absl::Seconds(10));
+  REQUIRE(h1.ok());
+  auto mapped = consumer.resolve(*h1, first.size());  // maps the pool, checks its header
+  REQUIRE(mapped.ok());
+  // Another process of the same user rewrites data_offset (offset 32) and slot_bytes (offset 24).
+  const int fd = ::shm_open(fmt::format("/blockflow-{:016x}", h1->pool_id).c_str(), O_RDWR, 0);
+  REQUIRE(fd >= 0);
+  void* header = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  REQUIRE(header != MAP_FAILED);
+  auto* fields = static_cast<std::uint64_t*>(header);
+  fields[3] = std::uint64_t{1} << 40;  // slot_bytes
+  fields[4] = std::uint64_t{1} << 40;  // data_offset
+  auto h2 = producer.stage(second.data(), second.size(), absl::Now() + absl::Seconds(10));
+  REQUIRE(h2.ok());
+  auto view = consumer.resolve(*h2, second.size());
+  REQUIRE(view.ok());
+  const auto* base = static_cast<const char*>(view->pool_base);
+  const auto* data = static_cast<const char*>(view->data);
+  REQUIRE(data >= base);
+  REQUIRE(data + second.size() <= base + view->pool_bytes);  // the layout captured at mapping time
+  CHECK(std::string(data, second.size()) == std::string(second.begin(), second.end()));
+  ::munmap(header, 4096);
+}

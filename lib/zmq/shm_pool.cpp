@@ -100,6 +100,9 @@ struct Mapping {
   void* base = MAP_FAILED;
   std::size_t size = 0;
   int fd = -1;
+  // A consumer's copy of the pool's layout, taken (and checked against `size`) when it was mapped:
+  // the header lies in memory another process can rewrite, so it is never read again.
+  std::uint64_t slot_count = 0, slot_bytes = 0, data_offset = 0;
   ~Mapping() {
     if (base != MAP_FAILED) ::munmap(base, size);
     if (fd >= 0) ::close(fd);
@@ -461,6 +464,13 @@ struct ShmConsumer::Impl {
                       h->slot_bytes > 0 && h->slot_bytes <= mapping->size &&
                       h->data_offset <= mapping->size && (mapping->size - h->data_offset) / h->slot_bytes >= h->slot_count;
     if (!sane) return absl::InvalidArgumentError(fmt::format("shm handle: pool {:016x} has a malformed header", pool_id));
+    mapping->slot_count = h->slot_count;
+    mapping->slot_bytes = h->slot_bytes;
+    mapping->data_offset = h->data_offset;
+    // Checked above, on these very values; a header rewritten since changes nothing here.
+    if (mapping->data_offset + mapping->slot_count * mapping->slot_bytes > mapping->size) {
+      return absl::InvalidArgumentError(fmt::format("shm handle: pool {:016x} changed while it was mapped", pool_id));
+    }
     return mapping;
   }
 };
@@ -482,14 +492,14 @@ absl::StatusOr<ShmConsumer::View> ShmConsumer::resolve(const wire::ShmHandle& ha
     absl::MutexLock lock(&s.mu);
     mapping = s.pools.try_emplace(handle.pool_id, *mapped).first->second;
   }
-  const auto* h = static_cast<const SegmentHeader*>(mapping->base);
-  if (handle.slot >= h->slot_count) {
+  const Mapping& m = *mapping;  // the layout captured when mapped, never the shared header
+  if (handle.slot >= m.slot_count) {
     return absl::InvalidArgumentError(
-        fmt::format("shm handle: slot {} out of range (pool {:016x} has {})", handle.slot, handle.pool_id, h->slot_count));
+        fmt::format("shm handle: slot {} out of range (pool {:016x} has {})", handle.slot, handle.pool_id, m.slot_count));
   }
-  if (handle.offset > h->slot_bytes || bytes > h->slot_bytes - handle.offset) {
+  if (handle.offset > m.slot_bytes || bytes > m.slot_bytes - handle.offset) {
     return absl::InvalidArgumentError(fmt::format("shm handle: offset {} + {} bytes exceeds the slot ({} bytes)",
-                                                  handle.offset, bytes, h->slot_bytes));
+                                                  handle.offset, bytes, m.slot_bytes));
   }
   const std::uint64_t current = generations(mapping->base)[handle.slot].load(std::memory_order_acquire);
   if (handle.generation == 0 || current != handle.generation) {
@@ -497,7 +507,7 @@ absl::StatusOr<ShmConsumer::View> ShmConsumer::resolve(const wire::ShmHandle& ha
                                                   handle.generation, handle.slot, current));
   }
   View view;
-  view.data = static_cast<char*>(mapping->base) + h->data_offset + handle.slot * h->slot_bytes + handle.offset;
+  view.data = static_cast<char*>(mapping->base) + m.data_offset + handle.slot * m.slot_bytes + handle.offset;
   view.pool_base = mapping->base;
   view.pool_bytes = mapping->size;
   view.keep = std::move(mapping);
@@ -522,12 +532,11 @@ std::optional<wire::ShmHandle> shm_origin(const void* data, std::size_t bytes) {
     const auto mapping = weak.lock();
     if (!mapping) continue;
     const auto* base = static_cast<const char*>(mapping->base);
-    const auto* h = static_cast<const SegmentHeader*>(mapping->base);
-    const char* first = base + h->data_offset;
+    const char* first = base + mapping->data_offset;
     if (p < first || p >= base + mapping->size) continue;
-    const auto slot = static_cast<std::uint32_t>(static_cast<std::size_t>(p - first) / h->slot_bytes);
-    const std::uint64_t offset = static_cast<std::uint64_t>(p - first) - std::uint64_t{slot} * h->slot_bytes;
-    if (slot >= h->slot_count || offset + bytes > h->slot_bytes) return std::nullopt;
+    const auto slot = static_cast<std::uint32_t>(static_cast<std::size_t>(p - first) / mapping->slot_bytes);
+    const std::uint64_t offset = static_cast<std::uint64_t>(p - first) - std::uint64_t{slot} * mapping->slot_bytes;
+    if (slot >= mapping->slot_count || offset + bytes > mapping->slot_bytes) return std::nullopt;
     const std::uint64_t generation = generations(mapping->base)[slot].load(std::memory_order_acquire);
     if (generation == 0) return std::nullopt;
     return wire::ShmHandle{id, slot, generation, offset};
