@@ -438,6 +438,9 @@ TEST_CASE("shm workers: a request whose tensors cannot all be staged gives back 
   CHECK_THAT(std::string(r.status.message()), Contains("tensor 2") && Contains("no free shared-memory slot"));
   CHECK(session.metrics().sites.at(0).shm_requests.slots_in_use == 0);
   for (int i = 0; i < 3; ++i) {
+    // kReject never waits for a credit: let the worker's release of the last request's slot land
+    // first (it travels after the result).
+    REQUIRE(test::eventually([&] { return session.metrics().sites.at(0).shm_requests.slots_in_use == 0; }));
     Result ok = session.submit("t", at::full({1000}, i)).get();
     INFO(ok.status.ToString());
     REQUIRE(ok.ok());

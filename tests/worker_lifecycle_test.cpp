@@ -3,8 +3,12 @@
 // thread sleeps instead of polling.
 #include "worker_util.hpp"
 
+#include <blockflow/detail/runtime_dir.hpp>
+
 #include <dirent.h>
 
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <future>
 
@@ -97,4 +101,26 @@ TEST_CASE("an idle WorkerSite's sender thread sleeps until there is work", "[wor
   site->run("x", std::move(work));  // and it still serves
   CHECK(test::eventually([&] { return done.load() == 1; }));
   site->stop();
+}
+
+TEST_CASE("private directories a killed host left are removed by the next one; live ones stay", "[worker_lifecycle]") {
+  namespace fs = std::filesystem;
+  // What a host killed with SIGKILL leaves: its directory and owner lock, the lock held by no one.
+  const char* base = std::getenv("XDG_RUNTIME_DIR");
+  const std::string root = (base != nullptr && *base != '\0') ? base : "/tmp";
+  std::string pattern = root + "/blockflow-orphan-XXXXXX";
+  REQUIRE(::mkdtemp(pattern.data()) != nullptr);
+  const std::string orphan = pattern;
+  std::ofstream(orphan + "/owner.lock") << "";
+  std::ofstream(orphan + "/requests") << "";
+  auto live = blockflow::detail::make_private_dir("live");
+  REQUIRE(live.ok());
+  auto next = blockflow::detail::make_private_dir("next");  // sweeps first
+  REQUIRE(next.ok());
+  CHECK_FALSE(fs::exists(orphan));
+  CHECK(fs::exists(*live));
+  CHECK(fs::exists(*next + "/owner.lock"));
+  blockflow::detail::remove_private_dir(*live);
+  blockflow::detail::remove_private_dir(*next);
+  CHECK_FALSE(fs::exists(*live));
 }
