@@ -17,7 +17,7 @@ constexpr std::size_t kOffVersion = 4;
 constexpr std::size_t kOffKind = 6;
 constexpr std::size_t kOffFlags = 7;
 constexpr std::size_t kOffRequestId = 8;
-constexpr std::size_t kOffPathId = 16;
+constexpr std::size_t kOffPathId = 16;  // reserved (Header::path_id): senders write 0, receivers ignore it
 constexpr std::size_t kOffNode = 20;
 constexpr std::size_t kOffTimes = 24;
 constexpr std::size_t kOffStatusCode = 72;
@@ -338,7 +338,7 @@ absl::StatusOr<Header> decode_header(const void* data, std::size_t size) {
   header.kind = static_cast<MessageKind>(p[kOffKind]);
   header.flags = p[kOffFlags];
   header.request_id = load<std::uint64_t>(p + kOffRequestId);
-  header.path_id = load<std::uint32_t>(p + kOffPathId);
+  header.path_id = load<std::uint32_t>(p + kOffPathId);  // reserved: not checked, kept for a canonical re-encoding
   header.node = load<std::uint32_t>(p + kOffNode);
   std::int64_t* times[] = {&header.times.submitted_ns,     &header.times.arrived_ns,     &header.times.dequeued_ns,
                            &header.times.compute_start_ns, &header.times.compute_end_ns, &header.times.sent_ns};

@@ -1,6 +1,7 @@
 // Remote clients: round trips through the client endpoint, errors, and malformed frames sent with a
 // raw ZeroMQ socket to the client endpoint and to a worker's data endpoint; a stranger on a
-// zero-copy worker's data link.
+// zero-copy worker's data link; requests that complete after their endpoint stopped or was
+// destroyed.
 #include "test_util.hpp"
 
 #include <blockflow/client_endpoint.hpp>
@@ -8,8 +9,17 @@
 #include <blockflow/wire_format.hpp>
 #include <blockflow/worker_site.hpp>
 
+#include <fmt/format.h>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
+
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <filesystem>
+#include <future>
+#include <mutex>
 
 using namespace blockflow;
 using Catch::Matchers::Contains;
@@ -54,6 +64,31 @@ std::optional<wire::Header> send_raw(zmq::socket_t& dealer, const std::vector<st
   auto h = wire::decode_header(reply.at(0).data(), reply.at(0).size());
   REQUIRE(h.ok());
   return *h;
+}
+
+// A latch the block of task "held" waits on, so that a request stays inside the session until the
+// test opens it.
+using Latch = test::Latch;
+
+void serve_held(Session& session, Latch& latch) {
+  auto held = test::unary("held", [&latch](const Tensor& x) {
+    ++latch.entered;
+    latch.wait();
+    return x;
+  });
+  session.add_block(held).add_path(Path::chain("held", {"held"}));
+  test::require_started(session);
+}
+
+// This process's open eventfds: a client endpoint wakes its socket thread through one, which must
+// stay open while a completion callback may still write to it.
+int open_eventfds() {
+  int n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    if (std::filesystem::read_symlink(entry.path(), ec).string() == "anon_inode:[eventfd]") ++n;
+  }
+  return n;
 }
 
 }  // namespace
@@ -186,4 +221,43 @@ TEST_CASE("a zero-copy worker's data link refuses any process but the worker; th
   Result r = session.submit("t", at::ones({2})).get();
   REQUIRE(r.ok());
   CHECK(at::equal(r.output(), at::full({2}, 4.0)));
+}
+
+TEST_CASE("a request that completes after its endpoint stopped is dropped and counted; then the session goes first", "[client]") {
+  Latch latch;
+  auto session = std::make_unique<Session>();
+  serve_held(*session, latch);
+  ClientEndpoint endpoint(*session, "tcp://127.0.0.1:*");
+  auto reply = std::async(std::launch::async, [address = endpoint.endpoint()] {
+    return RemoteClient(address, absl::Milliseconds(300)).submit("held", {at::ones({2})});
+  });
+  REQUIRE(test::eventually([&] { return latch.entered.load() == 1; }));
+  endpoint.stop();
+  latch.release();  // the completion runs on a lane now; nobody sends its reply
+  CHECK(test::eventually([&] { return endpoint.dropped_replies() == 1; }));
+  CHECK(absl::IsDeadlineExceeded(reply.get().status()));
+  CHECK(endpoint.served() == 0);
+  session.reset();  // the session may go before the stopped endpoint
+  CHECK(endpoint.dropped_replies() == 1);
+}
+
+TEST_CASE("the endpoint destroyed while its request is inside the session: the late completion touches nothing freed", "[client]") {
+  Latch latch;
+  Session session;
+  serve_held(session, latch);
+  // Made before the endpoint, so that the eventfds of its ZeroMQ context are in the baseline.
+  const std::string address = fmt::format("ipc:///tmp/blockflow-client-test-{}", ::getpid());
+  RemoteClient client(address, absl::Milliseconds(300));
+  const int baseline = open_eventfds();
+  auto endpoint = std::make_unique<ClientEndpoint>(session, address);
+  auto reply = std::async(std::launch::async, [&client] { return client.submit("held", {at::ones({2})}); });
+  REQUIRE(test::eventually([&] { return latch.entered.load() == 1; }));
+  endpoint.reset();
+  // The request's completion callback still holds the endpoint's outbox: its wake-up fd stays open
+  // (the endpoint used to close it here, and its callback then wrote through the freed endpoint).
+  CHECK(open_eventfds() == baseline + 1);
+  latch.release();     // the completion runs now, on a lane, and drops its reply
+  session.shutdown();  // waits for it
+  CHECK(absl::IsDeadlineExceeded(reply.get().status()));
+  CHECK(open_eventfds() == baseline);  // the last owner, the callback, is gone: so is the fd
 }

@@ -132,21 +132,7 @@ TEST_CASE("unknown tasks and submits outside start/shutdown resolve at once with
 namespace {
 
 // A block that waits on a gate, so a test controls when its queue moves.
-struct Gate {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool open = false;
-  std::atomic<bool> entered{false};
-  void release() {
-    std::lock_guard lock(mu);
-    open = true;
-    cv.notify_all();
-  }
-  void wait() {
-    std::unique_lock lock(mu);
-    cv.wait(lock, [&] { return open; });
-  }
-};
+using Gate = test::Latch;
 
 std::shared_ptr<Block> gated(const std::string& name, Gate& gate, BlockOptions options) {
   return test::unary(name, [&gate](const Tensor& x) {

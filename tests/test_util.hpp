@@ -7,6 +7,8 @@
 #include <ATen/ATen.h>
 #include <catch2/catch.hpp>
 
+#include <atomic>
+#include <condition_variable>
 #include <chrono>
 #include <mutex>
 #include <string>
@@ -84,5 +86,22 @@ inline Deployment parse(const std::string& json) {
   REQUIRE(d.ok());
   return *d;
 }
+
+/// A latch blocks wait on until the test releases it (counts how many entered).
+struct Latch {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false;
+  std::atomic<int> entered{0};
+  void release() {
+    std::lock_guard lock(mu);
+    open = true;
+    cv.notify_all();
+  }
+  void wait() {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return open; });
+  }
+};
 
 }  // namespace blockflow::test

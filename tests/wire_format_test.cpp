@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -132,7 +133,6 @@ TEST_CASE("the fixed part has the documented byte layout", "[wire]") {
   Header h;
   h.kind = MessageKind::kSubmit;
   h.request_id = 0x0102030405060708ULL;
-  h.path_id = 0x11223344;
   h.node = 5;
   h.target = "task";
   h.times.submitted_ns = 0x10;
@@ -149,7 +149,7 @@ TEST_CASE("the fixed part has the documented byte layout", "[wire]") {
   CHECK(byte(7) == 0);
   CHECK(byte(8) == 0x08);
   CHECK(byte(15) == 0x01);
-  CHECK(byte(16) == 0x44);
+  CHECK(b.substr(16, 4) == std::string(4, '\0'));  // reserved
   CHECK(byte(20) == 5);
   CHECK(byte(24) == 0x10);
   CHECK(byte(64) == 0x60);
@@ -165,6 +165,29 @@ TEST_CASE("the fixed part has the documented byte layout", "[wire]") {
   CHECK(byte(93 + 16) == 2);  // shape[0]
   CHECK(byte(93 + 24) == 1);  // strides[0]
   CHECK(b.size() == 93 + 32);
+}
+
+TEST_CASE("bytes 16..20 (Header::path_id) are reserved: written 0, ignored on receipt", "[wire]") {
+  Header h = one_tensor(contiguous(DType::kFloat32, {2}));
+  h.node = 3;
+  const std::string zero = encode_header(h);
+  CHECK(zero.substr(16, 4) == std::string(4, '\0'));  // what every sender writes
+  // Whatever a peer put there, the frame is accepted and nothing else in it changes.
+  std::string other = zero;
+  poke(other, 16, std::uint32_t{0xDEADBEEF});
+  auto d = decode(other);
+  INFO(d.status().ToString());
+  REQUIRE(d.ok());
+  CHECK(d->node == 3);
+  CHECK(d->request_id == 99);
+  Header without = *d;
+  without.path_id = 0;
+  CHECK(without == h);
+  CHECK(peek_request_id(other.data(), other.size()) == std::optional<std::uint64_t>(99));
+  // Unlike the reserved word at byte 84, which must be 0.
+  std::string reserved = zero;
+  poke(reserved, 84, std::uint32_t{1});
+  CHECK_THAT(rejection(reserved), Contains("reserved"));
 }
 
 TEST_CASE("every kind and dtype round trips; limits are reachable", "[wire]") {

@@ -1,10 +1,20 @@
 // Blocks in child worker processes: equality with threads mode, mixed placement, C++ blocks through
 // a plugin, kill -9 under load (every request resolves, the worker restarts), start errors, no
-// orphans.
+// orphans; the configuration a worker gets (heartbeat interval, parked-output bound) and applies.
 #include "worker_util.hpp"
 
+#include <blockflow/detail/worker_protocol.hpp>
+
+#include <nlohmann/json.hpp>
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
 #include <csignal>
+#include <spawn.h>
 #include <sys/types.h>
+#include <sys/wait.h>
+
+extern char** environ;
 
 using namespace blockflow;
 using Catch::Matchers::Contains;
@@ -13,6 +23,81 @@ using namespace std::chrono_literals;
 namespace {
 
 bool process_exists(std::int64_t pid) { return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) == 0; }
+
+// The test plays the session for one `blockflow-worker --join ENDPOINT --name NAME --once`: it
+// binds the control socket and the two data sockets, and reads and writes the control messages.
+class FakeHost {
+ public:
+  explicit FakeHost(const std::string& name) {
+    for (zmq::socket_t* s : {&control_, &requests_, &results_}) s->set(zmq::sockopt::linger, 0);
+    control_.bind("tcp://127.0.0.1:*");
+    requests_.bind("tcp://127.0.0.1:*");
+    results_.bind("tcp://127.0.0.1:*");
+    std::vector<std::string> args = {BLOCKFLOW_TEST_WORKER, "--join", control_.get(zmq::sockopt::last_endpoint), "--name",
+                                     name, "--once"};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    REQUIRE(::posix_spawn(&pid_, BLOCKFLOW_TEST_WORKER, nullptr, nullptr, argv.data(), environ) == 0);
+  }
+  ~FakeHost() {
+    if (pid_ > 0 && !exit_status(std::chrono::milliseconds(0))) ::kill(pid_, SIGKILL);
+    if (pid_ > 0) ::waitpid(pid_, nullptr, 0);
+  }
+  FakeHost(const FakeHost&) = delete;
+  FakeHost& operator=(const FakeHost&) = delete;
+
+  // The next control message of this type from the worker (others are skipped); fails the test if
+  // none comes within `within`.
+  nlohmann::json expect(const std::string& type, std::chrono::milliseconds within = std::chrono::seconds(60)) {
+    const auto deadline = std::chrono::steady_clock::now() + within;
+    while (std::chrono::steady_clock::now() < deadline) {
+      zmq::pollitem_t item{control_.handle(), 0, ZMQ_POLLIN, 0};
+      zmq::poll(&item, 1, std::chrono::milliseconds(100));
+      if ((item.revents & ZMQ_POLLIN) == 0) continue;
+      std::vector<zmq::message_t> parts;
+      if (!zmq::recv_multipart(control_, std::back_inserter(parts)) || parts.size() != 2) continue;
+      identity_ = parts[0].to_string();
+      auto message = nlohmann::json::parse(parts[1].to_string(), nullptr, false);
+      if (!message.is_discarded() && message.value("type", "") == type) return message;
+    }
+    FAIL("no '" << type << "' message from the worker");
+    return {};
+  }
+  void send(nlohmann::json message) {
+    if (message.value("type", "") == blockflow::detail::kConfig) {  // a joined worker learns the data ports
+      message["requests_port"] = port_of(requests_);
+      message["results_port"] = port_of(results_);
+    }
+    (void)control_.send(zmq::buffer(identity_), zmq::send_flags::sndmore);
+    (void)control_.send(zmq::buffer(message.dump()), zmq::send_flags::none);
+  }
+  // The worker's exit status once it has exited (within `within`).
+  std::optional<int> exit_status(std::chrono::milliseconds within) {
+    const auto deadline = std::chrono::steady_clock::now() + within;
+    int status = 0;
+    do {
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = 0;
+        return status;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    } while (std::chrono::steady_clock::now() < deadline);
+    return std::nullopt;
+  }
+
+ private:
+  static int port_of(zmq::socket_t& socket) {
+    const std::string endpoint = socket.get(zmq::sockopt::last_endpoint);
+    return std::stoi(endpoint.substr(endpoint.rfind(':') + 1));
+  }
+  zmq::context_t context_;
+  zmq::socket_t control_{context_, zmq::socket_type::router};
+  zmq::socket_t requests_{context_, zmq::socket_type::push};
+  zmq::socket_t results_{context_, zmq::socket_type::pull};
+  std::string identity_;
+  pid_t pid_ = 0;
+};
 
 }  // namespace
 
@@ -131,4 +216,44 @@ TEST_CASE("no orphans: workers are gone after shutdown and after the session is 
     REQUIRE(session.submit("t", at::zeros({1})).get().ok());
   }
   CHECK_FALSE(process_exists(pid));
+}
+
+TEST_CASE("what a worker makes of the heartbeat interval in its configuration: bounded, with a default", "[worker]") {
+  using blockflow::detail::heartbeat_settings;
+  const absl::Duration fallback = WorkerOptions{}.heartbeat_interval;
+  CHECK(heartbeat_settings({{"heartbeat_ms", 40}}).interval == absl::Milliseconds(40));
+  CHECK(heartbeat_settings({{"heartbeat_ms", 40}}).host_silence == absl::Milliseconds(1200));  // 30 intervals
+  CHECK(heartbeat_settings({{"heartbeat_ms", 10}}).host_silence == blockflow::detail::kMinHostSilence);  // not below 1 s
+  CHECK(heartbeat_settings({{"heartbeat_ms", 3'600'000}}).interval == blockflow::detail::kMaxHeartbeat);
+  CHECK(heartbeat_settings({{"heartbeat_ms", 0.01}}).interval == blockflow::detail::kMinHeartbeat);
+  for (const auto& config : {nlohmann::json::object(), nlohmann::json{{"heartbeat_ms", 0}},
+                             nlohmann::json{{"heartbeat_ms", -5}}, nlohmann::json{{"heartbeat_ms", "fast"}}}) {
+    INFO(config.dump());
+    CHECK(heartbeat_settings(config).interval == fallback);
+    CHECK(heartbeat_settings(config).host_silence == 30 * fallback);
+  }
+}
+
+TEST_CASE("WorkerOptions::heartbeat_interval and max_parked_bytes reach the worker, which applies them", "[worker]") {
+  WorkerOptions options = test::test_worker("hb");
+  options.heartbeat_interval = absl::Milliseconds(40);
+  options.max_parked_bytes = 12345;
+  const nlohmann::json config = blockflow::detail::make_config({test::plugin_block("affine", "affine", "")}, options);
+  CHECK(config.at("heartbeat_ms") == 40);
+  CHECK(config.at("max_parked_bytes") == 12345);
+
+  FakeHost host("hb");
+  CHECK(host.expect(blockflow::detail::kHello).value("name", "") == "hb");
+  host.send(config);
+  const nlohmann::json loaded = host.expect(blockflow::detail::kLoaded);
+  INFO(loaded.dump());
+  CHECK(loaded.value("heartbeat_ms", std::int64_t{0}) == 40);       // the interval it applied
+  CHECK(loaded.value("host_silence_ms", std::int64_t{0}) == 1200);  // how long it waits for a ping
+  host.send({{"type", blockflow::detail::kPing}});
+  CHECK(host.expect(blockflow::detail::kHeartbeat).value("rss_bytes", std::int64_t{0}) > 0);
+  host.send({{"type", blockflow::detail::kStop}});
+  const auto status = host.exit_status(std::chrono::seconds(10));  // --once: told to stop, it exits
+  REQUIRE(status.has_value());
+  CHECK(WIFEXITED(*status));
+  CHECK(WEXITSTATUS(*status) == 0);
 }

@@ -1,10 +1,14 @@
 #pragma once
 /// @file
-/// @brief TensorChannel: the interface every hand-off between two blocks goes through.
+/// @brief TensorChannel: the interface of a block's input queue, and the Envelope and ChannelStats
+/// shapes that hand-offs share.
 ///
-/// A channel is one direction of a hand-off. The in-process backend (inproc_channel.hpp) moves a
-/// reference; the cross-process backends (shared memory, CUDA IPC, serialized ZeroMQ) implement the
-/// same interface, so the session's routing never knows which one an edge uses.
+/// A channel is one direction of a hand-off. Today one backend implements TensorChannel: the
+/// in-process InProcessChannel (inproc_channel.hpp), which moves references and serves as every
+/// block's input queue. Hand-offs to and from other processes (serialized ZeroMQ, shared-memory
+/// handles, CUDA IPC handles) are not TensorChannels: a RemoteSite (remote_site.hpp; WorkerSite in
+/// worker_site.hpp) carries them, taking Envelopes in run() and reporting its data channel's
+/// counters as ChannelStats in SiteStats::data.
 
 #include <blockflow/tensor.hpp>
 
@@ -36,8 +40,8 @@ std::string_view to_string(FullPolicy policy);
 
 /// @brief One request's tensors on their way to one node of the request's path.
 ///
-/// Cross-process backends carry `request_id`, `node` and the tensors; `local` is the in-process
-/// shortcut to the request's state and is never serialised.
+/// A RemoteSite carries `request_id`, `node` and the tensors to another process; `local` is the
+/// in-process shortcut to the request's state and is never serialised.
 struct Envelope {
   std::uint64_t request_id = 0;
   std::uint32_t node = 0;      ///< index of the receiving node in the request's path plan
@@ -50,8 +54,11 @@ struct Envelope {
   bool outputs_may_stay = false;
 };
 
-/// @brief Counters of one channel. Zero-copy backends report `bytes_copied == 0`.
+/// @brief Counters of one channel: a block's input queue, or a site's data channel (SiteStats::data).
+/// Zero-copy channels report `bytes_copied == 0`.
 struct ChannelStats {
+  /// "inproc" (an InProcessChannel); for a worker's data channel "zmq-ipc", "zmq-tcp" (a joined
+  /// worker), "shm" or "cuda".
   std::string kind;
   std::uint64_t sent = 0;
   std::uint64_t received = 0;
@@ -97,7 +104,7 @@ class TensorChannel {
 
   [[nodiscard]] virtual bool closed() const = 0;
   [[nodiscard]] virtual ChannelStats stats() const = 0;
-  /// @brief "inproc", "shm", "cuda" or "zmq".
+  /// @brief What the backend is: "inproc" for InProcessChannel, the only implementation today.
   [[nodiscard]] virtual std::string_view kind() const = 0;
 };
 

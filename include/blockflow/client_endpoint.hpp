@@ -23,6 +23,21 @@ namespace blockflow {
 /// the client gets an InvalidArgument reply naming the problem. `tcp://` endpoints should name
 /// 127.0.0.1 unless clients on other hosts must reach it (`tcp://*:port` binds every interface).
 /// One thread owns the socket; thread-safe.
+///
+/// Lifetime: the endpoint does not own the session, and requests it submitted may still be inside
+/// the session when it stops. Their completion callbacks hold a small shared outbox, never the
+/// endpoint itself, so:
+/// - stopping or destroying the endpoint first is always safe: a request that completes afterwards
+///   is dropped (counted in dropped_replies() while the endpoint exists; its client times out);
+/// - destroying the session first is safe once no new request can reach it: stop() (or destroy)
+///   the endpoint before the session dies, since the endpoint's thread calls Session::submit() for
+///   each request it receives. Requests the session cancels on its way down are still answered
+///   (Cancelled) if the endpoint serves, or dropped after stop().
+/// Declaring the endpoint after its session, as below, gets both right.
+/// @code
+/// blockflow::Session session;  // ... blocks, paths, start()
+/// blockflow::ClientEndpoint endpoint(session, "tcp://127.0.0.1:5555");  // destroyed first
+/// @endcode
 class ClientEndpoint {
  public:
   /// @brief Binds `endpoint` ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:*", "ipc:///run/x/client")
@@ -36,7 +51,12 @@ class ClientEndpoint {
   [[nodiscard]] const std::string& endpoint() const;
   [[nodiscard]] std::uint64_t malformed_frames() const;
   [[nodiscard]] std::uint64_t served() const;
-  /// @brief Stops serving; requests still running are answered by nobody (their clients time out).
+  /// @brief Replies that nobody sent because their request completed after stop() (or was
+  /// queued, unsent, when stop() came).
+  [[nodiscard]] std::uint64_t dropped_replies() const;
+  /// @brief Stops serving: joins the socket thread, which sends nothing more. Requests still in the
+  /// session are answered by nobody (their clients time out); their replies are dropped and counted
+  /// in dropped_replies(). Idempotent; the destructor calls it.
   void stop();
 
  private:

@@ -31,7 +31,6 @@ struct SiteCompletion {
   std::int64_t compute_end_ns = 0;
 };
 
-/// @brief Counters of a site, for metrics.
 /// @brief One direction of a zero-copy shared-memory edge: the producer's pool and what crossed it.
 struct ShmEdgeStats {
   std::uint64_t handles = 0;         ///< tensors handed over as handles
@@ -48,9 +47,12 @@ struct ShmEdgeStats {
   std::uint64_t forwarded = 0;       ///< handles passed on unchanged: tensors that lie in a third process's slot (counted in handles too)
 };
 
+/// @brief Counters of a site, for metrics.
 struct SiteStats {
   std::string name;
-  std::string kind;          ///< "worker"
+  /// What the site is: "worker" (a WorkerSite's child process) or "joined-worker" (a WorkerSite
+  /// whose worker joined over TCP, WorkerOptions::listen). Another RemoteSite names its own kind.
+  std::string kind;
   std::int64_t pid = 0;      ///< current process id (0 when down)
   std::uint64_t restarts = 0;
   std::uint64_t failed_requests = 0;  ///< requests failed because the site died or was stopped

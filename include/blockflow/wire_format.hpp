@@ -31,7 +31,9 @@
 namespace blockflow::wire {
 
 inline constexpr std::uint32_t kMagic = 0x57464C42;  ///< bytes 'B','L','F','W' on the wire (little-endian u32)
-inline constexpr std::uint16_t kVersion = 4;  ///< bumped on any layout change (2: shm handles, release; 3: CUDA handles; 4: parked outputs)
+/// Bumped on any change of layout, meaning or rule (docs/wire-format.md, "Versioning"); 2: shm
+/// handles, release; 3: CUDA handles; 4: parked outputs.
+inline constexpr std::uint16_t kVersion = 4;
 inline constexpr int kMaxDims = 8;
 inline constexpr int kMaxTensors = 64;
 inline constexpr std::size_t kMaxNameBytes = 255;                          ///< limit of Header::target
@@ -40,19 +42,20 @@ inline constexpr std::uint64_t kMaxTensorBytes = std::uint64_t{16} << 30;  ///< 
 inline constexpr std::size_t kFixedHeaderBytes = 88;      ///< the fixed part, before target/message/tensors
 inline constexpr std::size_t kTensorDescFixedBytes = 16;  ///< a tensor descriptor before shape/strides
 
-/// @brief What a message is. Values are the wire codes. kRelease returns shared-memory slots to
-/// their producer: its `message` holds whole ShmHandle records (kShmHandleBytes each), no tensors.
-/// kForward (host to a worker holding parked outputs): send the parked tensors its frames name to
-/// the worker at the endpoint in `message`, as a kData for block `target`, hop `node`. kDrop (host to
-/// such a worker): forget the parked tensors whose ids `message` lists (u64 each), no tensors.
+/// @brief What a message is. Values are the wire codes (docs/wire-format.md, "Codes").
 enum class MessageKind : std::uint8_t {
-  kData = 1,
-  kResult = 2,
-  kError = 3,
-  kSubmit = 4,
-  kReply = 5,
+  kData = 1,     ///< tensors for hop `node` of a request; `target` names the block
+  kResult = 2,   ///< a block's outputs for the request
+  kError = 3,    ///< the request failed at this hop: `status_code` and `message` say why; no tensors
+  kSubmit = 4,   ///< a new request (client to session) for the task named by `target`
+  kReply = 5,    ///< the final answer to a kSubmit: outputs, or `status_code` != 0 and `message`
+  /// Shared-memory slots given back to their producer: `message` holds whole ShmHandle records
+  /// (kShmHandleBytes each); no tensors.
   kRelease = 6,
+  /// Host to a worker holding parked outputs: send the parked tensors its frames name to the
+  /// worker at the endpoint in `message`, as a kData for block `target`, hop `node`.
   kForward = 7,
+  /// Host to such a worker: forget the parked tensors whose ids `message` lists (u64 each); no tensors.
   kDrop = 8,
 };
 
@@ -117,7 +120,8 @@ enum class DType : std::uint8_t {
 [[nodiscard]] std::size_t element_size(DType dtype);
 /// @brief "float32", "bfloat16", "bool", ...; "unknown" for a value that is not a known dtype.
 [[nodiscard]] std::string_view to_string(DType dtype);
-/// @brief "data", "result", "error", "submit", "reply"; "unknown" otherwise.
+/// @brief "data", "result", "error", "submit", "reply", "release", "forward", "drop"; "unknown"
+/// for a value that is not a known kind.
 [[nodiscard]] std::string_view to_string(MessageKind kind);
 
 /// @brief Layout of one tensor frame. Strides are in elements, one per dimension; `byte_count` is
@@ -137,10 +141,15 @@ struct Timestamps {
 /// @brief Frame 0 of a message, decoded. Value type.
 struct Header {
   MessageKind kind = MessageKind::kData;
-  std::uint8_t flags = 0;     ///< kFlagShmHandles or 0
+  /// 0, or kFlagShmHandles, kFlagParkOutputs, kFlagParked, kFlagReleaseAfter or'ed (kKnownFlags;
+  /// kFlagShmHandles and kFlagParked exclude each other).
+  std::uint8_t flags = 0;
   std::uint64_t request_id = 0;
-  std::uint32_t path_id = 0;  ///< index of the request's path in the sender's routing table
-  std::uint32_t node = 0;     ///< hop: node index in that path
+  /// Bytes 16..20, reserved: a sender leaves them 0; a receiver ignores them (it neither rejects a
+  /// nonzero value nor acts on it). Decoded as they are only so that encoding stays canonical.
+  /// (Once documented as a path index; no version of BlockFlow ever set or read one.)
+  std::uint32_t path_id = 0;
+  std::uint32_t node = 0;     ///< hop: node index in the request's path
   std::string target;         ///< block name (kData), task name (kSubmit); may be empty; <= kMaxNameBytes
   Timestamps times;
   std::int32_t status_code = 0;  ///< absl::StatusCode value for kError / failed kReply; 0 = OK

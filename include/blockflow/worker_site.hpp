@@ -9,6 +9,7 @@
 
 #include <absl/time/time.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,6 +64,10 @@ struct WorkerOptions {
   bool shm_outputs_in_slots = true;
   int max_restarts = 5;                                  ///< per session; then the worker stays down
   absl::Duration restart_backoff = absl::Milliseconds(100);  ///< doubled after each restart
+  /// How often the session pings the worker; the worker answers each ping with a heartbeat (its
+  /// resident memory, pool counters and KPI sample: stats()). Sent to the worker in its
+  /// configuration: a joined worker (listen) takes the session for gone after 30 intervals without
+  /// a message from it (at least 1 s; the worker bounds the interval to 1 ms .. 10 s) and joins again.
   absl::Duration heartbeat_interval = absl::Milliseconds(100);
   absl::Duration heartbeat_timeout = absl::Milliseconds(800);  ///< silence that counts as death
   absl::Duration start_timeout = absl::Seconds(120);           ///< spawn + load + warm-up
@@ -81,6 +86,9 @@ struct WorkerOptions {
   /// with parked outputs fails the requests they were for, naming it. false: every output comes
   /// back to the session.
   bool direct_edges = true;
+  /// Direct edges: bound on the bytes of outputs the worker keeps for other workers at a time (it
+  /// also keeps at most 2 x max_in_flight of them); beyond it, outputs come back to the session.
+  std::uint64_t max_parked_bytes = std::uint64_t{1} << 30;
   /// Compute lanes of the worker process (SessionOptions::lanes): 0, as many as its cores hold
   /// OpenMP teams of its blocks' intra-op threads.
   int lanes = 0;

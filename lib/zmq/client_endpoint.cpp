@@ -12,7 +12,9 @@
 #include <atomic>
 #include <deque>
 #include <iostream>
+#include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 
 namespace blockflow {
@@ -27,36 +29,81 @@ wire::Header reply_header(std::uint64_t id, const absl::Status& status) {
   return h;
 }
 
-}  // namespace
+// One reply on its way to a client.
+struct Reply {
+  std::string peer;  // ROUTER routing id of the client
+  wire::Header header;
+  Tensors tensors;
+};
 
-struct ClientEndpoint::Impl {
-  struct Reply {
-    std::string peer;  // ROUTER routing id of the client
-    wire::Header header;
-    Tensors tensors;
-  };
-
-  Session& session;
-  zmq::context_t context{1};
-  zmq::socket_t router{context, zmq::socket_type::router};
-  std::string endpoint;
-  int wake_fd = -1;  // callbacks signal the socket thread through it
+// What the completion callbacks given to Session::submit() reach: the replies waiting for the socket
+// thread and the eventfd that wakes it. The endpoint and every callback still inside the session
+// share it, so it outlives whichever goes last: a completion that comes after stop() (or after the
+// endpoint is gone) finds it alive, sees `closed` and drops its reply instead of touching freed
+// memory. The fd is closed only when the last owner lets go. Thread-safe.
+struct Outbox {
   std::mutex mu;
-  std::deque<Reply> replies;
-  std::atomic<bool> stopping{false};
-  std::atomic<std::uint64_t> malformed{0}, served{0};
-  std::thread thread;
+  std::deque<Reply> replies;  // guarded by mu
+  bool closed = false;        // guarded by mu: set by stop(); nobody sends replies any more
+  int wake_fd = -1;           // the socket thread polls it; owned, closed by the destructor
+  std::atomic<std::uint64_t> dropped{0};
 
-  explicit Impl(Session& s) : session(s) {}
+  Outbox() : wake_fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+    if (wake_fd < 0) throw std::runtime_error("client endpoint: eventfd failed");
+  }
+  ~Outbox() { ::close(wake_fd); }
+  Outbox(const Outbox&) = delete;
+  Outbox& operator=(const Outbox&) = delete;
 
+  // Queues a reply and wakes the socket thread; once closed, counts it as dropped instead.
   void post(Reply&& reply) {
     {
       std::lock_guard lock(mu);
+      if (closed) {
+        ++dropped;
+        return;
+      }
       replies.push_back(std::move(reply));
     }
     const std::uint64_t one = 1;
     (void)::write(wake_fd, &one, sizeof one);
   }
+
+  // The replies queued so far (the socket thread sends them).
+  std::deque<Reply> take() {
+    std::uint64_t count = 0;
+    (void)::read(wake_fd, &count, sizeof count);
+    std::deque<Reply> batch;
+    std::lock_guard lock(mu);
+    batch.swap(replies);
+    return batch;
+  }
+
+  // From now on every reply is dropped; those still queued are dropped now.
+  void close() {
+    std::lock_guard lock(mu);
+    closed = true;
+    dropped += replies.size();
+    replies.clear();
+  }
+};
+
+}  // namespace
+
+struct ClientEndpoint::Impl {
+  Session& session;
+  zmq::context_t context{1};
+  zmq::socket_t router{context, zmq::socket_type::router};
+  std::string endpoint;
+  const std::shared_ptr<Outbox> outbox = std::make_shared<Outbox>();  // shared with the callbacks
+  std::atomic<bool> stopping{false};
+  std::atomic<std::uint64_t> malformed{0}, served{0};
+  std::mutex stop_mu;  // one stop() joins the thread
+  std::thread thread;
+
+  explicit Impl(Session& s) : session(s) {}
+
+  void post(Reply&& reply) { outbox->post(std::move(reply)); }
 
   void on_request(std::string peer, std::vector<zmq::message_t>&& frames) {
     std::optional<std::uint64_t> id;
@@ -79,21 +126,15 @@ struct ClientEndpoint::Impl {
       return;
     }
     const std::uint64_t request = message->header.request_id;
+    // The callback may run after stop() or after this object is gone: it holds the outbox, not `this`.
     session.submit(message->header.target, std::move(message->tensors),
-                   [this, peer = std::move(peer), request](Result&& r) mutable {
-                     post({std::move(peer), reply_header(request, r.status), std::move(r.outputs)});
+                   [outbox = outbox, peer = std::move(peer), request](Result&& r) mutable {
+                     outbox->post({std::move(peer), reply_header(request, r.status), std::move(r.outputs)});
                    });
   }
 
   void flush() {
-    std::uint64_t count = 0;
-    (void)::read(wake_fd, &count, sizeof count);
-    std::deque<Reply> batch;
-    {
-      std::lock_guard lock(mu);
-      batch.swap(replies);
-    }
-    for (auto& reply : batch) {
+    for (auto& reply : outbox->take()) {
       // Counted before the send: the client may read the reply before this thread goes on.
       ++served;
       try {
@@ -111,7 +152,7 @@ struct ClientEndpoint::Impl {
   }
 
   void main() {
-    zmq::pollitem_t items[2] = {{router.handle(), 0, ZMQ_POLLIN, 0}, {nullptr, wake_fd, ZMQ_POLLIN, 0}};
+    zmq::pollitem_t items[2] = {{router.handle(), 0, ZMQ_POLLIN, 0}, {nullptr, outbox->wake_fd, ZMQ_POLLIN, 0}};
     while (!stopping) {
       zmq::poll(items, 2, std::chrono::milliseconds(100));
       if ((items[1].revents & ZMQ_POLLIN) != 0) flush();
@@ -136,23 +177,22 @@ ClientEndpoint::ClientEndpoint(Session& session, const std::string& endpoint) : 
     throw std::runtime_error(fmt::format("client endpoint '{}': cannot bind: {}", endpoint, e.what()));
   }
   s.endpoint = s.router.get(zmq::sockopt::last_endpoint);
-  s.wake_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (s.wake_fd < 0) throw std::runtime_error("client endpoint: eventfd failed");
   s.thread = std::thread([&s] { s.main(); });
 }
 
-ClientEndpoint::~ClientEndpoint() {
-  stop();
-  if (impl_->wake_fd >= 0) ::close(impl_->wake_fd);
-}
+// Requests still in the session keep the outbox (and its fd) alive; their replies are dropped.
+ClientEndpoint::~ClientEndpoint() { stop(); }
 
 const std::string& ClientEndpoint::endpoint() const { return impl_->endpoint; }
 std::uint64_t ClientEndpoint::malformed_frames() const { return impl_->malformed.load(); }
 std::uint64_t ClientEndpoint::served() const { return impl_->served.load(); }
+std::uint64_t ClientEndpoint::dropped_replies() const { return impl_->outbox->dropped.load(); }
 
 void ClientEndpoint::stop() {
+  std::lock_guard lock(impl_->stop_mu);
   impl_->stopping = true;
   if (impl_->thread.joinable()) impl_->thread.join();
+  impl_->outbox->close();  // after the join: the socket thread sends nothing any more
 }
 
 struct RemoteClient::Impl {

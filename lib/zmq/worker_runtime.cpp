@@ -263,8 +263,9 @@ class Worker {
     peer_endpoint_ = config->value("peer_endpoint", "");
     if (!peer_endpoint_.empty()) {
       parked_.set_limits(config->value("max_parked", std::size_t{128}),
-                         config->value("max_parked_bytes", std::uint64_t{1} << 30));
+                         config->value("max_parked_bytes", bf::WorkerOptions{}.max_parked_bytes));
     }
+    heartbeat_ = bf::detail::heartbeat_settings(*config);
     sampler_.set(config->value("sampling", false), absl::Milliseconds(config->value("sampling_period_ms", 100)));
     absl::Status status = link_ ? absl::OkStatus() : open_requests();
     if (status.ok()) status = load(*config);
@@ -275,7 +276,11 @@ class Worker {
     }
     std::thread sender([this] { sender_main(); });
     std::thread receiver([this] { receiver_main(); });
-    send_control({{"type", bf::detail::kLoaded}, {"rss_bytes", rss_bytes()}});
+    send_control({{"type", bf::detail::kLoaded},
+                  {"rss_bytes", rss_bytes()},
+                  {"heartbeat_ms", absl::ToInt64Milliseconds(heartbeat_.interval)},
+                  {"host_silence_ms", absl::ToInt64Milliseconds(heartbeat_.host_silence)}});
+    last_host_ns_ = now_ns();  // the pings that came while the blocks loaded are still to be read
     control_loop();
     if (updater_.joinable()) updater_.join();
     stopping_ = true;
@@ -291,10 +296,10 @@ class Worker {
   void send_control(const nlohmann::json& message) { (void)control_.send(zmq::buffer(message.dump()), zmq::send_flags::none); }
 
   // A child lives while its parent does; a joined worker while the session keeps pinging (it pings
-  // every heartbeat interval, 100 ms by default).
+  // every heartbeat interval, WorkerOptions::heartbeat_interval, sent in the config).
   bool host_alive() const {
     if (!args_.join) return ::getppid() == args_.parent;
-    return now_ns() - last_host_ns_ < kHostSilenceNs;
+    return now_ns() - last_host_ns_ < absl::ToInt64Nanoseconds(heartbeat_.host_silence);
   }
 
   absl::Status load(const nlohmann::json& config) {
@@ -631,14 +636,13 @@ class Worker {
     }
   }
 
-  static constexpr std::int64_t kHostSilenceNs = 3'000'000'000;
-
  public:
   bool stopped_by_host() const { return stopped_by_host_; }
 
  private:
   Args args_;
   std::int64_t last_host_ns_ = 0;
+  bf::detail::HeartbeatSettings heartbeat_ = bf::detail::heartbeat_settings(nlohmann::json::object());  // from the config
   bool stopped_by_host_ = false;
   zmq::context_t context_{1};  // for the data sockets; the control socket is the launcher's
   zmq::socket_ref control_;
