@@ -4,7 +4,8 @@
 /// written to stderr as one line, "blockflow: [warning] ...". An application routes them into its
 /// own logging (or silences them) with set_log_sink(); messages that can repeat per request or per
 /// frame (a malformed frame, a refused peer) are rate-limited at the source, and the next message
-/// that gets through says how many were suppressed.
+/// that gets through says how many were suppressed. A worker process logs to its own stderr, which
+/// a WorkerSite's child inherits from the host.
 ///
 /// @code
 /// blockflow::set_log_sink([](blockflow::LogLevel level, std::string_view message) {

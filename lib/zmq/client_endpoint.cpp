@@ -1,4 +1,5 @@
 #include <blockflow/client_endpoint.hpp>
+#include <blockflow/detail/log.hpp>
 #include <blockflow/detail/clock.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
 
@@ -11,7 +12,6 @@
 
 #include <atomic>
 #include <deque>
-#include <iostream>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -98,6 +98,7 @@ struct ClientEndpoint::Impl {
   const std::shared_ptr<Outbox> outbox = std::make_shared<Outbox>();  // shared with the callbacks
   std::atomic<bool> stopping{false};
   std::atomic<std::uint64_t> malformed{0}, served{0};
+  detail::RateLimitedLog noisy;  // per-frame messages a client can trigger
   std::mutex stop_mu;  // one stop() joins the thread
   std::thread thread;
 
@@ -118,8 +119,8 @@ struct ClientEndpoint::Impl {
     }
     if (!problem.ok()) {
       ++malformed;
-      std::cerr << fmt::format("blockflow: client endpoint {}: malformed frame dropped: {}\n", endpoint,
-                               std::string(problem.message()));
+      noisy.log(LogLevel::kWarning, fmt::format("client endpoint {}: malformed frame dropped: {}", endpoint,
+                                                 std::string(problem.message())));
       if (id) post({std::move(peer), reply_header(*id, absl::InvalidArgumentError(fmt::format(
                                                              "malformed request: {}", std::string(problem.message())))),
                     {}});
@@ -146,7 +147,7 @@ struct ClientEndpoint::Impl {
         }
       } catch (const zmq::error_t& e) {  // the client went away (ROUTER_MANDATORY)
         --served;
-        std::cerr << fmt::format("blockflow: client endpoint {}: reply lost: {}\n", endpoint, e.what());
+        noisy.log(LogLevel::kWarning, fmt::format("client endpoint {}: reply lost: {}", endpoint, e.what()));
       }
     }
   }

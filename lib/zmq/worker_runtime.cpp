@@ -10,6 +10,7 @@
 #include <blockflow/detail/zero_copy_ends.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
 #include <blockflow/detail/deployment_json.hpp>
+#include <blockflow/detail/log.hpp>
 #include <blockflow/detail/metrics_json.hpp>
 #include <blockflow/detail/worker_launch.hpp>
 #include <blockflow/detail/worker_protocol.hpp>
@@ -29,7 +30,6 @@
 #include <csignal>
 #include <deque>
 #include <fstream>
-#include <iostream>
 #include <limits>
 #include <map>
 #include <random>
@@ -214,11 +214,11 @@ class Worker {
         args_.requests = with_port(args_.control, config->at("requests_port").get<int>());
         args_.results = with_port(args_.control, config->at("results_port").get<int>());
       } catch (const nlohmann::json::exception& e) {
-        std::cerr << fmt::format("blockflow-worker {}: configuration without data ports: {}\n", args_.name, e.what());
+        bf::detail::log(bf::LogLevel::kError, fmt::format("worker {}: configuration without data ports: {}", args_.name, e.what()));
         return 1;
       }
-      std::cerr << fmt::format("blockflow-worker {}: joined {}; loading {} block(s)\n", args_.name, args_.control,
-                               config->value("blocks", nlohmann::json::array()).size());
+      bf::detail::log(bf::LogLevel::kInfo, fmt::format("worker {}: joined {}; loading {} block(s)", args_.name, args_.control,
+                                                      config->value("blocks", nlohmann::json::array()).size()));
     }
     const std::string channel = config->value("channel", "zmq");
     if (channel == "cuda") {
@@ -458,8 +458,8 @@ class Worker {
       if (!next) continue;
       const std::int64_t arrived = now_ns();
       if (!next->ok()) {
-        std::cerr << fmt::format("blockflow-worker {}: malformed packet dropped: {}\n", args_.name,
-                                 std::string(next->status().message()));
+        noisy_.log(bf::LogLevel::kWarning, fmt::format("worker {}: malformed packet dropped: {}", args_.name,
+                                                       std::string(next->status().message())));
         continue;
       }
       std::vector<zmq::message_t> frames = *std::move(*next);
@@ -469,8 +469,8 @@ class Worker {
       forward_problem_.clear();
       auto message = bf::detail::decode_message(std::move(frames), ends_ ? &resolver_ : nullptr, &parked_resolver_);
       if (!message.ok()) {
-        std::cerr << fmt::format("blockflow-worker {}: malformed request frame dropped: {}\n", args_.name,
-                                 std::string(message.status().message()));
+        noisy_.log(bf::LogLevel::kWarning, fmt::format("worker {}: malformed request frame dropped: {}", args_.name,
+                                                       std::string(message.status().message())));
         if (id) reply({error_header(*id, 0, absl::InvalidArgumentError(fmt::format(
                                                     "malformed request frame: {}", std::string(message.status().message())))),
                                {}});
@@ -481,7 +481,7 @@ class Worker {
         if (handles.ok() && ends_) {
           for (const auto& h : *handles) ends_->release(h);
         } else {
-          std::cerr << fmt::format("blockflow-worker {}: bad release message dropped\n", args_.name);
+          noisy_.log(bf::LogLevel::kWarning, fmt::format("worker {}: bad release message dropped", args_.name));
         }
         continue;
       }
@@ -641,6 +641,7 @@ class Worker {
 
  private:
   Args args_;
+  bf::detail::RateLimitedLog noisy_;  // per-frame messages a peer can trigger
   std::int64_t last_host_ns_ = 0;
   bf::detail::HeartbeatSettings heartbeat_ = bf::detail::heartbeat_settings(nlohmann::json::object());  // from the config
   bool stopped_by_host_ = false;
@@ -702,6 +703,6 @@ extern "C" __attribute__((visibility("default"))) int blockflow_worker_serve(Blo
   launch->stopped_by_host = worker.stopped_by_host() ? 1 : 0;
   return rc;
 } catch (const std::exception& e) {
-  std::cerr << "blockflow-worker runtime: " << e.what() << "\n";
+  bf::detail::log(bf::LogLevel::kError, fmt::format("worker runtime: {}", e.what()));
   return 2;
 }
