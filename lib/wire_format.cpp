@@ -122,6 +122,15 @@ absl::Status validate_layout(std::size_t index, const TensorDesc& desc) {
     return tensor_error(index, fmt::format("byte count {} does not match {} ({} bytes)", desc.byte_count,
                                            describe_layout(desc), *need));
   }
+  // Elements may not share bytes (a zero or overlapping stride): a 4-byte frame must not decode as
+  // 2^28 floats that every later copy materialises (the amplification of a broadcast view).
+  std::uint64_t numel = 1;
+  for (std::int64_t d : desc.shape) numel *= static_cast<std::uint64_t>(d);  // no overflow: checked above
+  if (numel > 0 && numel * element_size(desc.dtype) > desc.byte_count) {
+    return tensor_error(index, fmt::format("{} holds {} elements in {} bytes: elements may not overlap (zero or "
+                                           "overlapping strides are refused)", describe_layout(desc), numel,
+                                           desc.byte_count));
+  }
   return absl::OkStatus();
 }
 

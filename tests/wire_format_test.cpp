@@ -57,7 +57,7 @@ Header full_header() {
       contiguous(DType::kInt64, {}),                                      // 0-dim scalar: 8 bytes
       contiguous(DType::kUInt8, {4, 0, 5}),                               // empty: 0 bytes
       strided(DType::kFloat16, {2, 3}, {1, 2}, 2 * (1 + 1 * 1 + 2 * 2)),  // transposed view
-      strided(DType::kBFloat16, {3, 4}, {0, 1}, 2 * (1 + 0 + 3 * 1)),     // broadcast along dim 0
+      strided(DType::kBFloat16, {3, 4}, {4, 1}, 2 * 12),                  // contiguous, given explicitly
       contiguous(DType::kBool, {1, 2, 1, 2, 1, 2, 1, 2}),                 // kMaxDims
   };
   return h;
@@ -364,6 +364,19 @@ TEST_CASE("a byte count that does not match the layout is rejected, naming the t
   CHECK_THAT(rejection(encode_header(one_tensor(strided(DType::kInt64, {}, {}, 0)))), Contains("(8 bytes)"));
 }
 
+TEST_CASE("zero and overlapping strides are refused: 130 bytes never decode as 1 GiB", "[wire]") {
+  // The amplification: shape [2^28], stride [0], over a 4-byte frame.
+  CHECK_THAT(rejection(encode_header(one_tensor(strided(DType::kFloat32, {std::int64_t{1} << 28}, {0}, 4)))),
+             Contains("tensor 0: shape [268435456] strides [0] x float32 holds 268435456 elements in 4 bytes: "
+                      "elements may not overlap"));
+  CHECK_THAT(rejection(encode_header(one_tensor(strided(DType::kBFloat16, {3, 4}, {0, 1}, 8)))),
+             Contains("elements may not overlap"));                                 // a broadcast along dim 0
+  CHECK_THAT(rejection(encode_header(one_tensor(strided(DType::kUInt8, {4, 4}, {2, 1}, 10)))),
+             Contains("elements may not overlap"));                                 // rows overlapping
+  CHECK(decode(encode_header(one_tensor(strided(DType::kUInt8, {4, 4}, {8, 1}, 28)))).ok());  // rows with gaps
+  CHECK(decode(encode_header(one_tensor(strided(DType::kUInt8, {4, 1}, {1, 0}, 4)))).ok());   // stride 0 on a size-1 dim
+}
+
 TEST_CASE("negative dimensions and strides are rejected", "[wire]") {
   CHECK_THAT(rejection(encode_header(one_tensor(strided(DType::kFloat32, {2, -1}, {1, 1}, 0)))),
              Contains("tensor 0: negative dimension"));
@@ -374,7 +387,7 @@ TEST_CASE("negative dimensions and strides are rejected", "[wire]") {
 TEST_CASE("sizes that overflow 64 bits or exceed the tensor limit are rejected", "[wire]") {
   const std::int64_t big = std::int64_t{1} << 62;
   const std::int64_t max = std::numeric_limits<std::int64_t>::max();
-  // numel overflows, whether the strides are contiguous or all zero (a broadcast).
+  // numel overflows, whether the strides are contiguous or all zero.
   CHECK_THAT(rejection(encode_header(one_tensor(strided(DType::kFloat32, {big, big}, {big, 1}, 16)))),
              Contains("tensor 0: size overflow"));
   CHECK_THAT(rejection(encode_header(one_tensor(strided(DType::kFloat32, {big, big}, {0, 0}, 4)))),
