@@ -39,7 +39,7 @@ KIND_SUBMIT = 4  # client -> server: a request for the task named by `target`
 KIND_REPLY = 5  # server -> client: outputs, or status_code != 0 and message
 
 # Fixed part of the header, 88 bytes, little-endian ("<"), no padding:
-#   magic u32, version u16, kind u8, flags u8, request_id u64, path_id u32, node u32,
+#   magic u32, version u16, kind u8, flags u8, request_id u64, reserved u32 (0), node u32,
 #   6 x i64 timestamps (submitted, arrived, dequeued, compute_start, compute_end, sent),
 #   status_code i32, target_len u16, num_tensors u16, message_len u32, reserved u32.
 FIXED = struct.Struct("<IHBBQII6qiHHII")
@@ -158,7 +158,7 @@ def decode_header(frame):
                          f"(expected {VERSION})")
     if size < FIXED.size:
         raise ValueError(f"wire header: truncated: {size} bytes, need at least {FIXED.size}")
-    (_, _, kind, flags, request_id, _path_id, _node, *_times, status_code, target_len,
+    (_, _, kind, flags, request_id, _reserved, _node, *_times, status_code, target_len,
      num_tensors, message_len, reserved) = FIXED.unpack_from(buf, 0)
     if flags != 0:
         raise ValueError(f"wire header: flags 0x{flags:02X} not supported by this client")

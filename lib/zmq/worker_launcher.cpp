@@ -121,8 +121,6 @@ BlockflowWorkerServeFn load_runtime() {
   throw std::runtime_error("worker runtime not found; tried" + tried);
 }
 
-constexpr std::int64_t kHostSilenceNs = 3'000'000'000;
-
 // One incarnation: hello, configuration, then the runtime serves. Returns its exit status.
 int serve_once(const Args& args, int incarnation, bool& stopped_by_host) {
   zmq::context_t context(1);
