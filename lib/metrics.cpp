@@ -1,4 +1,5 @@
 #include <blockflow/metrics.hpp>
+#include <blockflow/detail/auth_failures.hpp>
 #include <blockflow/detail/metrics_json.hpp>
 
 #include <fmt/format.h>
@@ -160,6 +161,8 @@ std::string MetricsSnapshot::to_prometheus() const {
         static_cast<double>(version));
   e.add("blockflow_retired_blocks", "gauge", "Blocks removed by updates, kept while a request in flight may reach them.",
         {}, static_cast<double>(retired_blocks));
+  e.add("blockflow_auth_failures_total", "counter", "Peers refused by this process's CURVE endpoints.", {},
+        static_cast<double>(auth_failures));
   for (const auto& [phase, ms] : {std::pair{"load", last_update.load_ms}, std::pair{"route", last_update.route_ms},
                                   std::pair{"drain", last_update.drain_ms}, std::pair{"total", last_update.total_ms}}) {
     e.add("blockflow_last_update_seconds", "gauge", "Time the last applied update spent, by phase.", {{"phase", phase}},
@@ -254,5 +257,14 @@ std::string MetricsSnapshot::to_prometheus() const {
   }
   return e.str();
 }
+
+namespace detail {
+
+std::atomic<std::uint64_t>& auth_failure_counter() {
+  static std::atomic<std::uint64_t> counter{0};
+  return counter;
+}
+
+}  // namespace detail
 
 }  // namespace blockflow

@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <future>
 #include <mutex>
+#include <set>
 
 using namespace blockflow;
 using Catch::Matchers::Contains;
@@ -260,4 +261,122 @@ TEST_CASE("the endpoint destroyed while its request is inside the session: the l
   session.shutdown();  // waits for it
   CHECK(absl::IsDeadlineExceeded(reply.get().status()));
   CHECK(open_eventfds() == baseline);  // the last owner, the callback, is gone: so is the fd
+}
+
+TEST_CASE("a client that never reads its replies loses them, counted; the other clients are served meanwhile", "[client]") {
+  Session session;
+  serve_basic(session);
+  ClientEndpointOptions options;
+  options.max_backlog_bytes_per_client = 1 << 20;  // 16 replies of 64 KiB wait for it, beyond ZeroMQ's 16
+  ClientEndpoint endpoint(session, "tcp://127.0.0.1:*", options);
+
+  zmq::context_t context;
+  zmq::socket_t sloth(context, zmq::socket_type::dealer);
+  sloth.set(zmq::sockopt::linger, 0);
+  sloth.set(zmq::sockopt::rcvhwm, 1);
+  sloth.set(zmq::sockopt::rcvbuf, 4096);
+  sloth.connect(endpoint.endpoint());
+  const std::string payload(64 << 10, '\1');  // 16,384 float32
+  constexpr int kRequests = 400;
+  for (int i = 0; i < kRequests; ++i) {
+    wire::Header h = *wire::decode_header(valid_header(1000 + i).data(), valid_header(1000 + i).size());
+    h.tensors[0].shape = {16384};
+    h.tensors[0].byte_count = payload.size();
+    (void)sloth.send(zmq::buffer(wire::encode_header(h)), zmq::send_flags::sndmore);
+    (void)sloth.send(zmq::buffer(payload), zmq::send_flags::none);
+  }
+  // Once the session has answered all of them, most of the sloth's replies are dropped...
+  REQUIRE(test::eventually([&] { return endpoint.dropped_replies() >= kRequests / 2; }, std::chrono::seconds(60)));
+  // ...and another client is answered while the sloth still reads nothing.
+  RemoteClient other(endpoint.endpoint(), absl::Seconds(10));
+  for (int i = 0; i < 20; ++i) {
+    auto out = other.submit("double", {at::ones({4})});
+    REQUIRE(out.ok());
+    CHECK(out->at(0).sum().item<double>() == 8);
+  }
+  // The sloth gets what was kept for it, in order, when it finally reads.
+  std::vector<zmq::message_t> reply;
+  REQUIRE(zmq::recv_multipart(sloth, std::back_inserter(reply)));
+  auto first = wire::decode_header(reply.at(0).data(), reply.at(0).size());
+  REQUIRE(first.ok());
+  CHECK(first->request_id == 1000);
+}
+
+TEST_CASE("requests above max_request_bytes are refused naming the limit; a frame above it is never read whole",
+          "[client]") {
+  Session session;
+  serve_basic(session);
+  ClientEndpointOptions options;
+  options.max_request_bytes = 1 << 20;
+  ClientEndpoint endpoint(session, "tcp://127.0.0.1:*", options);
+  zmq::context_t context;
+  zmq::socket_t dealer(context, zmq::socket_type::dealer);
+  dealer.set(zmq::sockopt::linger, 0);
+  dealer.connect(endpoint.endpoint());
+
+  // Two tensors of 600 KiB each: every frame is under the limit, the request is not.
+  const std::string part(600 << 10, '\0');
+  wire::Header h = *wire::decode_header(valid_header(7).data(), valid_header(7).size());
+  h.tensors[0].shape = {153600};
+  h.tensors[0].byte_count = part.size();
+  h.tensors.push_back(h.tensors[0]);
+  auto refused = send_raw(dealer, {wire::encode_header(h), part, part});
+  REQUIRE(refused.has_value());
+  CHECK(refused->request_id == 7);
+  CHECK(refused->status_code == static_cast<int>(absl::StatusCode::kInvalidArgument));
+  CHECK_THAT(refused->message, Contains("max_request_bytes") && Contains("1048576"));
+
+  // One frame of 2 MiB: ZeroMQ drops the connection before reading it whole, and nothing answers.
+  h.tensors.resize(1);
+  h.tensors[0].shape = {524288};
+  h.tensors[0].byte_count = 2 << 20;
+  CHECK_FALSE(send_raw(dealer, {wire::encode_header(h), std::string(2 << 20, '\0')}).has_value());
+
+  // The endpoint serves on.
+  RemoteClient client(endpoint.endpoint(), absl::Seconds(10));
+  REQUIRE(client.submit("double", {at::ones({2})}).ok());
+}
+
+TEST_CASE("one client's requests in flight are bounded: beyond max_in_flight_per_client, ResourceExhausted at once",
+          "[client]") {
+  Session session;
+  Latch latch;
+  serve_held(session, latch);
+  ClientEndpointOptions options;
+  options.max_in_flight_per_client = 2;
+  ClientEndpoint endpoint(session, "tcp://127.0.0.1:*", options);
+  zmq::context_t context;
+  zmq::socket_t dealer(context, zmq::socket_type::dealer);
+  dealer.set(zmq::sockopt::linger, 0);
+  dealer.connect(endpoint.endpoint());
+  auto held_header = [](std::uint64_t id) {
+    wire::Header h = *wire::decode_header(valid_header(id).data(), valid_header(id).size());
+    h.target = "held";
+    return wire::encode_header(h);
+  };
+  auto submit_held = [&](std::uint64_t id) {
+    (void)dealer.send(zmq::buffer(held_header(id)), zmq::send_flags::sndmore);
+    (void)dealer.send(zmq::buffer(std::string(8, '\0')), zmq::send_flags::none);
+  };
+  submit_held(1);
+  submit_held(2);
+  auto third = send_raw(dealer, {held_header(3), std::string(8, '\0')});
+  REQUIRE(third.has_value());
+  CHECK(third->request_id == 3);
+  CHECK(third->status_code == static_cast<int>(absl::StatusCode::kResourceExhausted));
+  CHECK_THAT(third->message, Contains("max_in_flight_per_client"));
+  latch.release();
+  // The two held ones are answered, and the client may submit again.
+  std::set<std::uint64_t> answered;
+  for (int i = 0; i < 2; ++i) {
+    zmq::pollitem_t item{dealer.handle(), 0, ZMQ_POLLIN, 0};
+    zmq::poll(&item, 1, std::chrono::milliseconds(5000));
+    std::vector<zmq::message_t> reply;
+    REQUIRE(zmq::recv_multipart(dealer, std::back_inserter(reply), zmq::recv_flags::dontwait));
+    answered.insert(wire::decode_header(reply.at(0).data(), reply.at(0).size())->request_id);
+  }
+  CHECK(answered == std::set<std::uint64_t>{1, 2});
+  auto fourth = send_raw(dealer, {held_header(4), std::string(8, '\0')});
+  REQUIRE(fourth.has_value());
+  CHECK(fourth->status_code == 0);
 }

@@ -158,7 +158,13 @@ TEST_CASE("1,000 updates: removed blocks and tasks are freed, memory stays flat"
   }
   const long growth_kb = rss_kb() - rss_after_warmup;
   INFO("RSS growth over the last 800 updates: " << growth_kb << " kB");
+#if defined(__SANITIZE_ADDRESS__)
+  // AddressSanitizer keeps freed memory in its quarantine (256 MB), so RSS says nothing under it;
+  // the ordinary build of the suite (scripts/test.sh) checks this bound.
+  (void)growth_kb;
+#else
   CHECK(growth_kb < 8 * 1024);  // retired blocks kept forever grow it by ~800 runtimes and histograms
+#endif
 }
 
 TEST_CASE("an update that would drop a DAG task is refused, naming the task", "[update_lifecycle]") {

@@ -4,9 +4,14 @@
 //   blockflowctl [--endpoint EP] status                   version, tasks, blocks, workers (JSON)
 //   blockflowctl [--endpoint EP] metrics [--json|--prometheus]   both by default
 //   blockflowctl [--endpoint EP] sampling on|off [--period MS]
+//   blockflowctl keygen NAME [--dir DIR]      writes DIR/NAME.key and DIR/NAME.key_secret (CURVE)
 //
-// EP defaults to $BLOCKFLOW_CONTROL, else tcp://127.0.0.1:5560. Exit status: 0 when the session
+// EP defaults to $BLOCKFLOW_CONTROL, else tcp://127.0.0.1:5560. An endpoint with CURVE keys
+// (ControlOptions::security) takes `--key NAME.key_secret --server-key SESSION.key` (or
+// $BLOCKFLOW_KEY and $BLOCKFLOW_SERVER_KEY) before the command. Exit status: 0 when the session
 // says ok, 1 when it refuses (its error is printed), 2 for usage errors or no answer.
+
+#include <blockflow/detail/curve_keys.hpp>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -21,11 +26,37 @@
 namespace {
 
 constexpr const char* kUsage =
-    "usage: blockflowctl [--endpoint EP] (apply FILE | status | metrics [--json|--prometheus] | sampling on|off [--period MS])";
+    "usage: blockflowctl [--endpoint EP] [--key FILE.key_secret --server-key FILE.key] "
+    "(apply FILE | status | metrics [--json|--prometheus] | sampling on|off [--period MS])\n"
+    "   or: blockflowctl keygen NAME [--dir DIR]";
 
 int usage(const std::string& why) {
   std::cerr << "blockflowctl: " << why << "\n" << kUsage << "\n";
   return 2;
+}
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? value : fallback;
+}
+
+int keygen(const std::vector<std::string>& args) {
+  std::string dir = ".";
+  if (args.size() == 4 && args[2] == "--dir") dir = args[3];
+  else if (args.size() != 2) return usage("keygen takes NAME [--dir DIR]");
+  char public_key[41], secret_key[41];
+  if (zmq_curve_keypair(public_key, secret_key) != 0) {
+    std::cerr << "blockflowctl: this libzmq cannot make CURVE keys: " << zmq_strerror(zmq_errno()) << "\n";
+    return 1;
+  }
+  std::string error;
+  if (blockflow::detail::write_key_files(dir, args[1], {public_key, secret_key}, error) != 0) {
+    std::cerr << "blockflowctl: " << error << "\n";
+    return 1;
+  }
+  std::cout << fmt::format("wrote {0}/{1}.key (public) and {0}/{1}.key_secret (secret, 0600); fingerprint {2}\n", dir,
+                           args[1], blockflow::detail::key_fingerprint(public_key));
+  return 0;
 }
 
 }  // namespace
@@ -34,11 +65,13 @@ int main(int argc, char** argv) try {
   std::vector<std::string> args(argv + 1, argv + argc);
   const char* env = std::getenv("BLOCKFLOW_CONTROL");
   std::string endpoint = env != nullptr && *env != '\0' ? env : "tcp://127.0.0.1:5560";
-  if (args.size() >= 2 && args[0] == "--endpoint") {
-    endpoint = args[1];
+  std::string key = env_or("BLOCKFLOW_KEY", ""), server_key = env_or("BLOCKFLOW_SERVER_KEY", "");
+  while (args.size() >= 2 && (args[0] == "--endpoint" || args[0] == "--key" || args[0] == "--server-key")) {
+    (args[0] == "--endpoint" ? endpoint : args[0] == "--key" ? key : server_key) = args[1];
     args.erase(args.begin(), args.begin() + 2);
   }
   if (args.empty()) return usage("no command");
+  if (args[0] == "keygen") return keygen(args);
   const std::string cmd = args[0];
   nlohmann::json request = {{"cmd", cmd}};
   std::string format = "both";
@@ -74,6 +107,10 @@ int main(int argc, char** argv) try {
   socket.set(zmq::sockopt::linger, 0);
   socket.set(zmq::sockopt::rcvtimeo, timeout_ms);
   socket.set(zmq::sockopt::sndtimeo, 5000);
+  if (!key.empty()) {
+    std::string error;
+    if (!blockflow::detail::configure_curve_client(socket, key, server_key, error)) return usage(error);
+  }
   socket.connect(endpoint);
   if (!socket.send(zmq::buffer(request.dump()), zmq::send_flags::none)) {
     std::cerr << fmt::format("blockflowctl: cannot send to {}\n", endpoint);
@@ -81,7 +118,7 @@ int main(int argc, char** argv) try {
   }
   zmq::message_t message;
   if (!socket.recv(message)) {
-    std::cerr << fmt::format("blockflowctl: no answer from {} within {} s (is a session serving its control endpoint there?)\n",
+    std::cerr << fmt::format("blockflowctl: no answer from {} within {} s (is a session serving its control endpoint there? one with CURVE keys answers only a --key it admits)\n",
                              endpoint, timeout_ms / 1000);
     return 2;
   }

@@ -19,6 +19,7 @@
 /// - `{"cmd": "metrics"}` -> `{"ok": true, "metrics": {...snapshot...}, "prometheus": "..."}`
 /// - `{"cmd": "sampling", "enabled": true, "period_ms": 100}` -> `{"ok": true}`
 
+#include <blockflow/curve.hpp>
 #include <blockflow/session.hpp>
 
 #include <cstddef>
@@ -39,12 +40,16 @@ struct ControlOptions {
   /// Worker processes (distinct placements) and blocks one deployment may name.
   std::size_t max_workers = 16;
   std::size_t max_blocks = 128;
+  /// CURVE keys and the admitted clients (curve.hpp; `blockflowctl --key --server-key` is such a
+  /// client). Without keys, a TCP endpoint beyond the loopback is refused unless `security.insecure`.
+  ServerSecurity security;
 };
 
 class ControlEndpoint {
  public:
   /// @brief Binds `endpoint` (say "tcp://127.0.0.1:5560"; name another interface only on purpose) and
-  /// serves on its own thread. Throws std::runtime_error naming the endpoint when it cannot bind.
+  /// serves on its own thread. Throws std::runtime_error naming the endpoint when it cannot bind,
+  /// when a key file is unusable, or when a plain-TCP endpoint beyond the loopback is not insecure.
   ControlEndpoint(Session& session, const std::string& endpoint, ControlOptions options);
   ControlEndpoint(Session& session, const std::string& endpoint, std::string models_dir = ".");
   ~ControlEndpoint();
@@ -53,6 +58,8 @@ class ControlEndpoint {
 
   [[nodiscard]] const std::string& endpoint() const;
   [[nodiscard]] std::uint64_t requests_served() const;
+  /// @brief Clients refused by CURVE since the endpoint started.
+  [[nodiscard]] std::uint64_t auth_failures() const;
 
  private:
   struct Impl;

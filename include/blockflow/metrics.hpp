@@ -76,6 +76,9 @@ struct MetricsSnapshot {
   /// Blocks removed by updates and still kept because a request in flight may reach them (freed
   /// by the next apply() once none can).
   std::uint64_t retired_blocks = 0;
+  /// Peers this process refused on its CURVE endpoints since it started (unknown key, no key, a
+  /// worker's name with another key, a wrong server key): curve.hpp. Process-wide, like `host`.
+  std::uint64_t auth_failures = 0;
   bool sampling = false;          ///< KPI sampling on (Session::set_sampling)
   double sampling_period_s = 0;
   KpiSample host;                 ///< this process's last KPI sample (time_s 0 while sampling is off)

@@ -11,7 +11,7 @@
 
 namespace blockflow {
 
-inline constexpr std::size_t kMaxNameLength = 64;
+inline constexpr std::size_t kMaxNameLength = 64;  // detail::kNameMaxLength
 
 /// @brief OK, or InvalidArgument naming `what` ("block", "task", "placement", "worker") and the
 /// name (escaped when it holds unprintable bytes) and the rule it breaks.

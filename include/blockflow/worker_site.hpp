@@ -3,6 +3,7 @@
 /// @brief WorkerSite: blocks in a child worker process, reached over serialized ZeroMQ (`ipc://`).
 /// Part of the optional `blockflow::zmq` target.
 
+#include <blockflow/curve.hpp>
 #include <blockflow/deployment.hpp>
 #include <blockflow/remote_site.hpp>
 #include <blockflow/session.hpp>
@@ -45,6 +46,13 @@ struct WorkerOptions {
   /// dead after heartbeat_timeout; "restart" then means waiting up to start_timeout for it to join
   /// again (blockflow-worker re-joins by itself). Name an address: 127.0.0.1 keeps it on this host.
   std::string listen;
+  /// With `listen`: CURVE keys (curve.hpp). The session's key pair and the directory of the workers'
+  /// public keys; the worker must hold the key named after it (`w1.key` for "w1"), on the control
+  /// socket and on both data sockets, so no other process can join as it, take its requests or send
+  /// results in its name. Without keys, `listen` beyond the loopback is refused unless
+  /// `security.insecure`. The worker's side: `blockflow-worker --join ... --key w1.key_secret
+  /// --session-key session.key`.
+  ServerSecurity security;
   /// How tensors cross between the host and a worker. "shm" (what "" means for a child): the
   /// zero-copy channel; each side copies a tensor once into a slot of its own shared-memory pool and
   /// sends a 32-byte handle, the other side's tensor is a view of that slot, and the slot returns

@@ -1,4 +1,5 @@
 // Session::metrics(): the snapshot of the session's counters.
+#include <blockflow/detail/auth_failures.hpp>
 #include <blockflow/detail/clock.hpp>
 #include <blockflow/detail/session_core.hpp>
 
@@ -14,6 +15,7 @@ MetricsSnapshot SessionCore::metrics() const {
   snapshot.version = version_.load();
   snapshot.last_update = last_update_;
   snapshot.retired_blocks = retired_.size();
+  snapshot.auth_failures = auth_failure_counter().load(std::memory_order_relaxed);
   snapshot.uptime_s = started_ns_ == 0 ? 0.0 : static_cast<double>(now_ns() - started_ns_) / 1e9;
   snapshot.in_flight = static_cast<std::uint64_t>(std::max<std::int64_t>(in_flight_.load(), 0));
   const double uptime = std::max(snapshot.uptime_s, 1e-9);

@@ -1,4 +1,5 @@
 #include <blockflow/control_endpoint.hpp>
+#include <blockflow/detail/curve_auth.hpp>
 #include <blockflow/detail/deployment_json.hpp>
 #include <blockflow/detail/metrics_json.hpp>
 
@@ -34,6 +35,7 @@ struct ControlEndpoint::Impl {
   const ControlOptions options;
   std::string endpoint;
   zmq::context_t context{1};
+  std::unique_ptr<detail::CurveServer> curve;  // after the socket's close, before the context's
   zmq::socket_t socket{context, zmq::socket_type::router};
   // The updater thread rings the serving thread through this pair when a reply is ready.
   zmq::socket_t bell_in{context, zmq::socket_type::pair}, bell_out{context, zmq::socket_type::pair};
@@ -191,6 +193,15 @@ ControlEndpoint::ControlEndpoint(Session& session, const std::string& endpoint, 
 ControlEndpoint::ControlEndpoint(Session& session, const std::string& endpoint, ControlOptions options)
     : impl_(std::make_unique<Impl>(session, std::move(options))) {
   Impl& s = *impl_;
+  if (auto status = detail::check_tcp_bind(endpoint, s.options.security, "control endpoint"); !status.ok()) {
+    throw std::runtime_error(std::string(status.message()));
+  }
+  if (s.options.security.curve()) {
+    auto curve = detail::CurveServer::start(s.context, s.options.security, fmt::format("control endpoint '{}'", endpoint));
+    if (!curve.ok()) throw std::runtime_error(std::string(curve.status().message()));
+    s.curve = *std::move(curve);
+    s.curve->secure(s.socket);
+  }
   s.socket.set(zmq::sockopt::linger, 0);
   s.socket.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(2 * s.options.max_message_bytes));
   try {
@@ -199,6 +210,7 @@ ControlEndpoint::ControlEndpoint(Session& session, const std::string& endpoint, 
     throw std::runtime_error(fmt::format("control endpoint '{}': cannot bind: {}", endpoint, e.what()));
   }
   s.endpoint = s.socket.get(zmq::sockopt::last_endpoint);
+  if (s.curve) s.curve->describe(fmt::format("control endpoint '{}'", s.endpoint));
   const std::string bell = fmt::format("inproc://control-bell-{}", static_cast<const void*>(&s));
   s.bell_in.bind(bell);
   s.bell_out.connect(bell);
@@ -221,9 +233,12 @@ ControlEndpoint::~ControlEndpoint() {
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   s.updater.join();
+  s.socket.close();  // before the authenticator and the context
+  s.curve.reset();
 }
 
 const std::string& ControlEndpoint::endpoint() const { return impl_->endpoint; }
 std::uint64_t ControlEndpoint::requests_served() const { return impl_->served.load(); }
+std::uint64_t ControlEndpoint::auth_failures() const { return impl_->curve ? impl_->curve->failures() : 0; }
 
 }  // namespace blockflow

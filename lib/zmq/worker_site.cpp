@@ -2,6 +2,7 @@
 #include <blockflow/detail/log.hpp>
 #include <blockflow/names.hpp>
 #include <blockflow/detail/clock.hpp>
+#include <blockflow/detail/curve_auth.hpp>
 #include <blockflow/detail/runtime_dir.hpp>
 #include <blockflow/detail/zero_copy_ends.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
@@ -212,6 +213,7 @@ struct WorkerSite::Impl {
   CompletionFn done;
   std::string dir, control_endpoint, request_endpoint, result_endpoint;
   zmq::context_t context{1};
+  std::unique_ptr<detail::CurveServer> curve;  // joined over CURVE; after the sockets, before the context
   // Bound in start() on the caller's thread, then each used by exactly one thread. push and pull
   // carry the data of channel "zmq"; the zero-copy channels use the data link instead.
   zmq::socket_t router, push, pull;
@@ -1090,7 +1092,21 @@ struct WorkerSite::Impl {
       endpoint = socket.get(zmq::sockopt::last_endpoint);
       return absl::OkStatus();
     };
+    if (joined()) {
+      const std::string what = fmt::format("{} join endpoint", prefix());
+      if (auto status = detail::check_tcp_bind(options.listen, options.security, what); !status.ok()) return status;
+      if (options.security.curve()) {
+        auto started = detail::CurveServer::start(context, options.security, what);
+        if (!started.ok()) return started.status();
+        curve = *std::move(started);
+      }
+    }
+    // Every socket a joined worker reaches admits the key named after the worker only.
+    auto secure = [&](zmq::socket_t& socket) {
+      if (curve) curve->secure(socket, options.name);
+    };
     router = zmq::socket_t(context, zmq::socket_type::router);
+    secure(router);
     router.set(zmq::sockopt::router_mandatory, 1);
     router.set(zmq::sockopt::linger, 0);
     router.set(zmq::sockopt::maxmsgsize, std::int64_t{1} << 20);  // control messages are small JSON
@@ -1102,10 +1118,12 @@ struct WorkerSite::Impl {
       return bind(router, control_endpoint);
     }
     push = zmq::socket_t(context, zmq::socket_type::push);
+    secure(push);
     push.set(zmq::sockopt::linger, 0);
     // Credits bound the data messages; kForward and kDrop (direct edges) share the pipe.
     push.set(zmq::sockopt::sndhwm, static_cast<int>(4 * options.max_in_flight) + 16);
     pull = zmq::socket_t(context, zmq::socket_type::pull);
+    secure(pull);
     pull.set(zmq::sockopt::linger, 0);
     pull.set(zmq::sockopt::rcvtimeo, 100);
     pull.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(wire::kMaxTensorBytes));
