@@ -14,15 +14,22 @@ docs/wire-format.md, and is meant as documentation for writing a client in any l
 Usage:
 
     python3 examples/python_client.py tcp://127.0.0.1:5555
+    python3 examples/python_client.py tcp://10.0.0.1:5555 --key alice.key_secret --server-key server.key
 
     from python_client import BlockflowClient, RemoteError
     with BlockflowClient("tcp://127.0.0.1:5555", timeout_s=10) as client:
         (y,) = client.submit("affine", np.ones((2, 3), np.float32))
 
+An endpoint behind CURVE (`serve --key ... --authorized-keys DIR`, docs/security.md) admits a
+client whose public key is in DIR: pass `key_file` (its `blockflowctl keygen` `.key_secret` file)
+and `server_key_file` (the server's `.key`). A refused client gets no reply, only TimeoutError.
+
 Not implemented here, because a remote client does not need them: the shared-memory handle flag
 (same-host worker channels only) and bfloat16 (numpy has no such dtype).
 """
 
+import argparse
+import os
 import struct
 import sys
 import time
@@ -217,16 +224,44 @@ def frame_to_array(frame, dtype, shape, strides):
 # --- The client ----------------------------------------------------------------------------------------
 
 
+def read_key_file(path, need_secret):
+    """The Z85 keys of a `blockflowctl keygen` file: {'public-key': ..., 'secret-key': ...}.
+    Lines `name = "value"`; `#` starts a comment. A secret key file must be private (mode 0600)."""
+    keys = {}
+    with open(path, encoding="ascii") as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            name, _, value = line.partition("=")
+            keys[name.strip()] = value.strip().strip('"')
+    wanted = ["public-key", "secret-key"] if need_secret else ["public-key"]
+    for name in wanted:
+        if len(keys.get(name, "")) != 40:
+            raise ValueError(f"{path}: no 40-character {name}")
+    if need_secret and os.stat(path).st_mode & 0o077:
+        raise ValueError(f"{path}: a secret key file must be readable by its owner only (chmod 600)")
+    return keys
+
+
 class BlockflowClient:
     """A synchronous client of a blockflow::ClientEndpoint. One request at a time; not thread-safe."""
 
-    def __init__(self, endpoint, timeout_s=60.0):
+    def __init__(self, endpoint, timeout_s=60.0, key_file=None, server_key_file=None):
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)  # close() never waits for unsent requests
         self._socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        if key_file or server_key_file:
+            if not (key_file and server_key_file):
+                raise ValueError("CURVE needs both key_file (this client's .key_secret) and server_key_file")
+            own = read_key_file(key_file, need_secret=True)
+            server = read_key_file(server_key_file, need_secret=False)
+            self._socket.setsockopt(zmq.CURVE_SERVERKEY, server["public-key"].encode())
+            self._socket.setsockopt(zmq.CURVE_PUBLICKEY, own["public-key"].encode())
+            self._socket.setsockopt(zmq.CURVE_SECRETKEY, own["secret-key"].encode())
         self._socket.connect(endpoint)
         self._next_id = 1
 
@@ -293,10 +328,13 @@ class BlockflowClient:
 
 
 def main(argv):
-    if len(argv) != 2:
-        print(f"usage: {argv[0]} ENDPOINT   (e.g. tcp://127.0.0.1:5555, served by examples/serve)",
-              file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(prog=argv[0], description="Demo against examples/serve.")
+    parser.add_argument("endpoint", help="e.g. tcp://127.0.0.1:5555, served by examples/serve")
+    parser.add_argument("--key", help="this client's .key_secret file (CURVE; with --server-key)")
+    parser.add_argument("--server-key", help="the server's .key file (CURVE; with --key)")
+    args = parser.parse_args(argv[1:])
+    if bool(args.key) != bool(args.server_key):
+        parser.error("--key and --server-key go together")
     failures = []
 
     def check(ok, what):
@@ -304,7 +342,7 @@ def main(argv):
         if not ok:
             failures.append(what)
 
-    with BlockflowClient(argv[1], timeout_s=30) as client:
+    with BlockflowClient(args.endpoint, timeout_s=30, key_file=args.key, server_key_file=args.server_key) as client:
         x = np.arange(6, dtype=np.float32).reshape(2, 3)
         (y,) = client.submit("affine", x)
         print(f"affine: x =\n{x}\n-> y =\n{y}")

@@ -2,6 +2,7 @@
 // docs/wire-format.md).
 //
 //   serve [--endpoint EP] [--metrics HOST:PORT] [--sampling MS] [--control EP] [--no-stdin]
+//         [--key SERVER.key_secret --authorized-keys DIR | --insecure]
 //
 // EP defaults to tcp://127.0.0.1:5555; "tcp://127.0.0.1:*" picks a free port. The server prints
 // exactly one line to stdout, `serving on <endpoint>` (the port resolved), then serves until
@@ -12,6 +13,9 @@
 // --metrics serves the session's metrics over HTTP (GET /metrics: Prometheus text, /metrics.json),
 // on loopback unless HOST says otherwise; --sampling MS switches KPI sampling on at that period;
 // --control EP serves the control endpoint that blockflowctl talks to (apply, status, metrics).
+// --key and --authorized-keys put both endpoints behind CURVE (keys from `blockflowctl keygen`; a
+// client is admitted when its public key is in DIR); without them a TCP address other than the
+// loopback is refused, unless --insecure (docs/security.md).
 //
 // Tasks, each one C++ callable block:
 //   affine  x -> 3*x + 1 (one floating-point tensor)
@@ -20,6 +24,11 @@
 //
 //   ./serve --endpoint tcp://127.0.0.1:5555 &
 //   python3 examples/python_client.py tcp://127.0.0.1:5555
+//
+//   blockflowctl keygen server --dir keys; blockflowctl keygen alice --dir keys
+//   mkdir keys/clients && cp keys/alice.key keys/clients/
+//   ./serve --endpoint tcp://10.0.0.1:5555 --key keys/server.key_secret --authorized-keys keys/clients &
+//   python3 examples/python_client.py tcp://10.0.0.1:5555 --key keys/alice.key_secret --server-key keys/server.key
 
 #include <blockflow/blockflow.hpp>
 #include <blockflow/control_endpoint.hpp>
@@ -112,6 +121,7 @@ int main(int argc, char** argv) {
   bool watch_stdin = true;
   std::string metrics_address, control_address;
   int sampling_ms = 0;
+  bf::ServerSecurity security;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--endpoint" && i + 1 < argc) {
@@ -124,8 +134,15 @@ int main(int argc, char** argv) {
       sampling_ms = std::atoi(argv[++i]);
     } else if (arg == "--no-stdin") {
       watch_stdin = false;
+    } else if (arg == "--key" && i + 1 < argc) {
+      security.secret_key_file = argv[++i];
+    } else if (arg == "--authorized-keys" && i + 1 < argc) {
+      security.authorized_keys_dir = argv[++i];
+    } else if (arg == "--insecure") {
+      security.insecure = true;
     } else {
-      std::cerr << "usage: serve [--endpoint tcp://127.0.0.1:5555] [--metrics 127.0.0.1:9464] [--sampling MS] [--control tcp://127.0.0.1:5560] [--no-stdin]\n";
+      std::cerr << "usage: serve [--endpoint tcp://127.0.0.1:5555] [--metrics 127.0.0.1:9464] [--sampling MS] "
+                   "[--control tcp://127.0.0.1:5560] [--no-stdin] [--key SERVER.key_secret --authorized-keys DIR | --insecure]\n";
       return arg == "--help" || arg == "-h" ? 0 : 2;
     }
   }
@@ -158,9 +175,13 @@ int main(int argc, char** argv) {
   std::optional<bf::MetricsHttpServer> metrics;
   std::optional<bf::ControlEndpoint> control;
   try {
-    server.emplace(session, endpoint);
+    bf::ClientEndpointOptions client_options;
+    client_options.security = security;
+    server.emplace(session, endpoint, client_options);
     if (!control_address.empty()) {
-      control.emplace(session, control_address);
+      bf::ControlOptions control_options;
+      control_options.security = security;
+      control.emplace(session, control_address, control_options);
       std::cerr << "serve: control endpoint on " << control->endpoint() << "\n";
     }
     if (!metrics_address.empty()) {
@@ -182,8 +203,8 @@ int main(int argc, char** argv) {
   metrics.reset();
   control.reset();
   session.shutdown();
-  std::cerr << fmt::format("serve: stopped ({}); {} replies sent, {} malformed frames\n", reason, server->served(),
-                           server->malformed_frames());
+  std::cerr << fmt::format("serve: stopped ({}); {} replies sent, {} malformed frames, {} peers refused\n", reason,
+                           server->served(), server->malformed_frames(), server->auth_failures());
   server.reset();
   ::close(signal_fd);
   return 0;

@@ -1,7 +1,7 @@
 // CURVE (curve.hpp): key files, the plain-TCP bind rule, and the client and control endpoints with
 // keys: the admitted key is served; an unknown key, no key and a wrong server key are refused and
 // counted (per endpoint and in the session's metrics). The joined worker's keys: curve_worker_test.cpp.
-#include "test_util.hpp"
+#include "curve_util.hpp"
 
 #include <blockflow/client_endpoint.hpp>
 #include <blockflow/control_endpoint.hpp>
@@ -24,27 +24,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A scratch directory with `server`, `alice` and `mallory` key pairs; only alice is authorized.
-struct Keys {
-  fs::path root;
-  Keys() {
-    root = fs::temp_directory_path() / fmt::format("bf-curve-test-{}-{}", ::getpid(), counter()++);
-    fs::create_directories(root / "authorized");
-    for (const char* name : {"server", "alice", "mallory"}) {
-      auto pair = generate_curve_keypair();
-      REQUIRE(pair.ok());
-      REQUIRE(write_curve_keypair(root.string(), name, *pair).ok());
-    }
-    fs::copy_file(root / "alice.key", root / "authorized" / "alice.key");
-  }
-  ~Keys() { fs::remove_all(root); }
-  static int& counter() {
-    static int n = 0;
-    return n;
-  }
-  std::string file(const std::string& name) const { return (root / name).string(); }
-  ServerSecurity server() const { return {file("server.key_secret"), (root / "authorized").string(), false}; }
-  ClientSecurity client(const std::string& who) const { return {file(who + ".key_secret"), file("server.key")}; }
+// `server`, `alice` and `mallory` key pairs; only alice is authorized.
+struct Keys : test::CurveKeys {
+  Keys() : test::CurveKeys({"server", "alice", "mallory"}, {"alice"}) {}
 };
 
 void serve_twice(Session& session) {

@@ -3,66 +3,19 @@
 // fails the requests inside it with a named error; a new worker joins and traffic flows again; the
 // session's stop sends it away. The hidden "[.two-host]" case is run by tests/two_host_test.sh with
 // the worker in another network namespace.
-#include "worker_util.hpp"
+#include "joined_util.hpp"
 
 #include <fmt/format.h>
 
-#include <netinet/in.h>
-#include <spawn.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <atomic>
-#include <csignal>
 #include <cstdlib>
 #include <mutex>
 
 using namespace blockflow;
 using Catch::Matchers::Contains;
 using namespace std::chrono_literals;
-
-extern char** environ;
+using test::WorkerProcess;
 
 namespace {
-
-// A TCP port nobody listens on right now (the kernel's choice for an ephemeral bind).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
-  socklen_t length = sizeof address;
-  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0);
-  ::close(fd);
-  return ntohs(address.sin_port);
-}
-
-// Starts `blockflow-worker --join endpoint --name name --once` as another host would.
-pid_t start_joining_worker(const std::string& endpoint, const std::string& name) {
-  std::vector<std::string> args = {BLOCKFLOW_TEST_WORKER, "--join", endpoint, "--name", name, "--once"};
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  REQUIRE(::posix_spawn(&pid, BLOCKFLOW_TEST_WORKER, nullptr, nullptr, argv.data(), environ) == 0);
-  return pid;
-}
-
-// The exit status of `pid` if it ends within `timeout`, else nullopt (and it is killed).
-std::optional<int> wait_exit(pid_t pid, std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  int status = 0;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (::waitpid(pid, &status, WNOHANG) == pid) return status;
-    std::this_thread::sleep_for(10ms);
-  }
-  ::kill(pid, SIGKILL);
-  ::waitpid(pid, &status, 0);
-  return std::nullopt;
-}
 
 WorkerOptions joined(const std::string& name, const std::string& listen) {
   WorkerOptions o = test::test_worker(name);
@@ -95,8 +48,8 @@ void check_serves(Session& session) {
 }  // namespace
 
 TEST_CASE("a worker joins over TCP, dies under load, another joins, traffic flows, stop sends it home", "[joined]") {
-  const std::string listen = fmt::format("tcp://127.0.0.1:{}", free_port());
-  const pid_t first = start_joining_worker(listen, "far");
+  const std::string listen = fmt::format("tcp://127.0.0.1:{}", test::free_port());
+  WorkerProcess first(WorkerProcess::join_args(listen, "far", {"--plugin", BLOCKFLOW_TEST_PLUGIN}));
   auto site = make_worker(joined("far", listen));
   Session session;
   session.add_site(site).add_block(test::plugin_block("affine", "affine", "far")).add_path(Path::chain("t", {"affine"}));
@@ -109,15 +62,14 @@ TEST_CASE("a worker joins over TCP, dies under load, another joins, traffic flow
   // while it is down wait for the next worker.
   test::LoadClients load(session, "t", at::ones({4}), 2, "worker far missed heartbeats");
   REQUIRE(load.wait_ok(20));
-  REQUIRE(::kill(first, SIGKILL) == 0);
-  REQUIRE(wait_exit(first, 5000ms).has_value());
+  first.kill();
   // Detected within heartbeat_timeout (500 ms) plus a supervision tick.
   const auto killed_at = std::chrono::steady_clock::now();
   while (session.metrics().sites.at(0).restarts == 0 && std::chrono::steady_clock::now() < killed_at + 5s) {
     std::this_thread::sleep_for(5ms);
   }
   CHECK(std::chrono::steady_clock::now() - killed_at < 1s);
-  const pid_t second = start_joining_worker(listen, "far");
+  WorkerProcess second(WorkerProcess::join_args(listen, "far", {"--plugin", BLOCKFLOW_TEST_PLUGIN}));
   const bool served = load.wait_ok(20);
   load.finish();
   INFO(load.sample);
@@ -129,15 +81,15 @@ TEST_CASE("a worker joins over TCP, dies under load, another joins, traffic flow
   CHECK(m.sites.at(0).failed_requests == static_cast<std::uint64_t>(load.named.load()));
 
   session.shutdown();
-  const auto status = wait_exit(second, 5000ms);  // told to stop; --once: it exits
+  const auto status = second.exit_status(5000ms);  // told to stop; --once: it exits
   REQUIRE(status.has_value());
   CHECK(WIFEXITED(*status));
   CHECK(WEXITSTATUS(*status) == 0);
 }
 
 TEST_CASE("nobody joins: start() fails naming the endpoint; a worker with another name is ignored", "[joined]") {
-  const std::string listen = fmt::format("tcp://127.0.0.1:{}", free_port());
-  const pid_t stranger = start_joining_worker(listen, "someone-else");
+  const std::string listen = fmt::format("tcp://127.0.0.1:{}", test::free_port());
+  WorkerProcess stranger(WorkerProcess::join_args(listen, "someone-else"));
   WorkerOptions o = joined("far", listen);
   o.start_timeout = absl::Seconds(2);
   Session session;
@@ -146,7 +98,7 @@ TEST_CASE("nobody joins: start() fails naming the endpoint; a worker with anothe
   CHECK(absl::IsUnavailable(status));
   CHECK_THAT(std::string(status.message()), Contains("worker far did not join at " + listen));
   // The stranger keeps knocking; it goes when nobody answers (killed here).
-  CHECK_FALSE(wait_exit(stranger, 100ms).has_value());
+  CHECK_FALSE(stranger.exit_status(100ms).has_value());
 
   WorkerOptions bad;
   bad.name = "x";
@@ -158,14 +110,32 @@ TEST_CASE("nobody joins: start() fails naming the endpoint; a worker with anothe
 }
 
 TEST_CASE("two hosts: a worker in another network namespace serves over TCP", "[.two-host]") {
-  // tests/two_host_test.sh sets this and starts the worker inside the namespace.
+  // tests/two_host_test.sh sets these and starts the worker inside the namespace; KEYS holds the
+  // session's key pair (session.key_secret) and the admitted workers' keys (authorized/).
   const char* listen = std::getenv("BLOCKFLOW_TWO_HOST_LISTEN");
+  const char* keys = std::getenv("BLOCKFLOW_TWO_HOST_KEYS");
   REQUIRE(listen != nullptr);
+  REQUIRE(keys != nullptr);
+  WorkerOptions o = joined("far", listen);
+  o.security.secret_key_file = std::string(keys) + "/session.key_secret";
+  o.security.authorized_keys_dir = std::string(keys) + "/authorized";
   Session session;
-  session.add_site(make_worker(joined("far", listen)))
-      .add_block(test::plugin_block("affine", "affine", "far"))
-      .add_path(Path::chain("t", {"affine"}));
+  session.add_site(make_worker(o)).add_block(test::plugin_block("affine", "affine", "far")).add_path(Path::chain("t", {"affine"}));
   test::require_started(session);
   check_serves(session);
+  // A recognisable payload (float 1234.5 is 00 50 9a 44), 64 KiB each way: the script looks for it
+  // in the bytes it captured on the wire and must not find it.
+  const Tensor marker = at::full({16384}, 1234.5, at::kFloat);
+  for (int i = 0; i < 3; ++i) {
+    Result r = session.submit("t", marker).get();
+    INFO(r.status.ToString());
+    REQUIRE(r.ok());
+    CHECK(at::equal(r.output(), marker * 3 + 1));
+  }
+  // The impostor the script started (named far, with a key the session does not hold as far's)
+  // was refused, and counted.
+  if (std::getenv("BLOCKFLOW_TWO_HOST_IMPOSTOR") != nullptr) {
+    CHECK(test::eventually([&] { return session.metrics().auth_failures > 0; }, 10000ms));
+  }
   session.shutdown();
 }

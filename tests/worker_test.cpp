@@ -1,7 +1,7 @@
 // Blocks in child worker processes: equality with threads mode, mixed placement, C++ blocks through
 // a plugin, kill -9 under load (every request resolves, the worker restarts), start errors, no
 // orphans; the configuration a worker gets (heartbeat interval, parked-output bound) and applies.
-#include "worker_util.hpp"
+#include "joined_util.hpp"
 
 #include <blockflow/detail/worker_protocol.hpp>
 
@@ -10,11 +10,7 @@
 #include <zmq_addon.hpp>
 
 #include <csignal>
-#include <spawn.h>
-#include <sys/types.h>
-#include <sys/wait.h>
-
-extern char** environ;
+#include <memory>
 
 using namespace blockflow;
 using Catch::Matchers::Contains;
@@ -33,16 +29,8 @@ class FakeHost {
     control_.bind("tcp://127.0.0.1:*");
     requests_.bind("tcp://127.0.0.1:*");
     results_.bind("tcp://127.0.0.1:*");
-    std::vector<std::string> args = {BLOCKFLOW_TEST_WORKER, "--join", control_.get(zmq::sockopt::last_endpoint), "--name",
-                                     name, "--once"};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    REQUIRE(::posix_spawn(&pid_, BLOCKFLOW_TEST_WORKER, nullptr, nullptr, argv.data(), environ) == 0);
-  }
-  ~FakeHost() {
-    if (pid_ > 0 && !exit_status(std::chrono::milliseconds(0))) ::kill(pid_, SIGKILL);
-    if (pid_ > 0) ::waitpid(pid_, nullptr, 0);
+    worker_ = std::make_unique<test::WorkerProcess>(test::WorkerProcess::join_args(
+        control_.get(zmq::sockopt::last_endpoint), name, {"--plugin", BLOCKFLOW_TEST_PLUGIN}));
   }
   FakeHost(const FakeHost&) = delete;
   FakeHost& operator=(const FakeHost&) = delete;
@@ -73,18 +61,7 @@ class FakeHost {
     (void)control_.send(zmq::buffer(message.dump()), zmq::send_flags::none);
   }
   // The worker's exit status once it has exited (within `within`).
-  std::optional<int> exit_status(std::chrono::milliseconds within) {
-    const auto deadline = std::chrono::steady_clock::now() + within;
-    int status = 0;
-    do {
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = 0;
-        return status;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    } while (std::chrono::steady_clock::now() < deadline);
-    return std::nullopt;
-  }
+  std::optional<int> exit_status(std::chrono::milliseconds within) { return worker_->exit_status(within); }
 
  private:
   static int port_of(zmq::socket_t& socket) {
@@ -96,7 +73,7 @@ class FakeHost {
   zmq::socket_t requests_{context_, zmq::socket_type::push};
   zmq::socket_t results_{context_, zmq::socket_type::pull};
   std::string identity_;
-  pid_t pid_ = 0;
+  std::unique_ptr<test::WorkerProcess> worker_;  // killed, if still running, before the sockets close
 };
 
 }  // namespace

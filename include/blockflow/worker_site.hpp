@@ -146,6 +146,8 @@ class WorkerSite final : public RemoteSite {
   /// data link (an AF_UNIX SOCK_SEQPACKET socket that only the worker's process may connect to)
   /// for the zero-copy channels. For tests and tools.
   [[nodiscard]] std::string result_endpoint() const;
+  /// @brief Where the worker's requests leave (the same kind of endpoint as result_endpoint()).
+  [[nodiscard]] std::string request_endpoint() const;
   /// @brief Where a worker joins (WorkerOptions::listen with the port resolved), empty for a child.
   [[nodiscard]] std::string join_endpoint() const;
   /// @brief Channel "zmq" with WorkerOptions::direct_edges, a child: the endpoint (in the private

@@ -154,19 +154,31 @@ std::string key_fingerprint_binary(const std::string& key32) {
   return hex8(reinterpret_cast<const std::uint8_t*>(key32.data()));
 }
 
-bool configure_curve_client(zmq::socket_t& socket, const std::string& secret_key_file,
-                            const std::string& server_key_file, std::string& error) {
+bool read_curve_client_keys(const std::string& secret_key_file, const std::string& server_key_file,
+                            CurveClientKeys& out, std::string& error) {
   if (server_key_file.empty()) {
     error = "a CURVE client needs the server's public key file besides its own secret key file";
     return false;
   }
-  KeyFile mine, server;
-  if (!read_key_file(secret_key_file, true, mine, error) || !read_key_file(server_key_file, false, server, error)) {
+  KeyFile server;
+  if (!read_key_file(secret_key_file, true, out.own, error) || !read_key_file(server_key_file, false, server, error)) {
     return false;
   }
-  socket.set(zmq::sockopt::curve_serverkey, server.public_key);
-  socket.set(zmq::sockopt::curve_publickey, mine.public_key);
-  socket.set(zmq::sockopt::curve_secretkey, mine.secret_key);
+  out.server_public_key = server.public_key;
+  return true;
+}
+
+void apply_curve_client(zmq::socket_t& socket, const CurveClientKeys& keys) {
+  socket.set(zmq::sockopt::curve_serverkey, keys.server_public_key);
+  socket.set(zmq::sockopt::curve_publickey, keys.own.public_key);
+  socket.set(zmq::sockopt::curve_secretkey, keys.own.secret_key);
+}
+
+bool configure_curve_client(zmq::socket_t& socket, const std::string& secret_key_file,
+                            const std::string& server_key_file, std::string& error) {
+  CurveClientKeys keys;
+  if (!read_curve_client_keys(secret_key_file, server_key_file, keys, error)) return false;
+  apply_curve_client(socket, keys);
   return true;
 }
 

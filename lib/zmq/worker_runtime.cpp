@@ -5,6 +5,7 @@
 #include <blockflow/blockflow.hpp>
 #include <blockflow/detail/build_scope.hpp>
 #include <blockflow/detail/clock.hpp>
+#include <blockflow/detail/curve_keys.hpp>
 #include <blockflow/detail/slot_allocator.hpp>
 #include <blockflow/worker_site.hpp>
 #include <blockflow/detail/zero_copy_ends.hpp>
@@ -25,10 +26,12 @@
 #include <sys/prctl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <csignal>
 #include <deque>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -47,6 +50,7 @@ struct Args {
   std::string name, control, requests, results;
   pid_t parent = 0;
   bool join = false;  // on another host: joined over TCP; no parent
+  std::optional<bf::detail::CurveClientKeys> curve;  // joined with --key/--session-key: the data sockets too
 };
 
 std::int64_t rss_bytes() { return bf::sample_process().rss_bytes; }
@@ -177,13 +181,80 @@ bf::wire::Header error_header(std::uint64_t id, std::uint32_t node, const absl::
   return h;
 }
 
+// What a joined worker may load: its configuration comes from whoever answers at the join address,
+// so only its own command line chooses code (--plugin) and files (--models) (issue 21). A child
+// worker's parent is trusted: it loads what the configuration names.
+// Refusals are logged here too: the operator of this host wants to know what was asked of it.
+struct Allowed {
+  bool enforced = false;          // a joined worker
+  std::string worker;             // its name, for the log
+  std::set<std::string> plugins;  // canonical
+  std::string models_dir;         // canonical; "" when no --models was given
+
+  static Allowed of(const BlockflowWorkerLaunch& launch) {
+    Allowed a;
+    a.enforced = launch.join != 0;
+    a.worker = launch.name;
+    if (!a.enforced) return a;
+    for (int i = 0; i < launch.allowed_plugin_count; ++i) a.plugins.insert(canonical(launch.allowed_plugins[i]));
+    if (launch.models_dir != nullptr) a.models_dir = canonical(launch.models_dir);
+    return a;
+  }
+  static std::string canonical(const std::string& path) {
+    std::error_code ec;
+    const auto c = std::filesystem::weakly_canonical(std::filesystem::absolute(path, ec), ec);
+    return ec ? std::string() : c.string();
+  }
+
+  // The file to dlopen() for a plugin the configuration names: itself, or refused.
+  absl::StatusOr<std::string> plugin(const std::string& path) const {
+    if (!enforced) return path;
+    const std::string c = canonical(path);
+    if (c.empty() || plugins.count(c) == 0) {
+      return refuse(fmt::format("plugin '{}' is not among this worker's --plugin arguments", path));
+    }
+    return c;
+  }
+
+  // A block of the configuration; its TorchScript file (relative: to --models) must lie inside
+  // --models once symbolic links are resolved (detail::block_from_json's confinement), and must not
+  // climb with `..` at all: resolving `outside/x/..` would tell whether x is a link. The refusal says
+  // the same whether or not the file exists.
+  absl::StatusOr<bf::BlockDescription> block(const nlohmann::json& json) const {
+    if (!enforced) return bf::detail::block_from_json(json, "");
+    // A bare name stands for "<name>.pt": confined like any other path.
+    const nlohmann::json b = json.is_string() ? nlohmann::json{{"name", json}, {"torchscript", json.get<std::string>() + ".pt"}} : json;
+    auto as_given = bf::detail::block_from_json(b, "");
+    if (!as_given.ok() || as_given->torchscript.empty()) return as_given;
+    if (models_dir.empty()) {
+      return refuse(fmt::format("block '{}': TorchScript path '{}' refused: this worker was started without --models DIR",
+                                as_given->name, as_given->torchscript));
+    }
+    const std::filesystem::path given(as_given->torchscript);
+    if (std::find(given.begin(), given.end(), std::filesystem::path("..")) != given.end()) {
+      return refuse(fmt::format("block '{}': TorchScript path '{}' is not inside the models directory (this worker's --models)",
+                                as_given->name, as_given->torchscript));
+    }
+    auto inside = bf::detail::block_from_json(b, models_dir, /*confine=*/true);
+    if (inside.ok()) return inside;
+    return refuse(fmt::format("{} (this worker's --models)", std::string(inside.status().message())));
+  }
+
+  absl::Status refuse(const std::string& why) const {
+    bf::detail::log(bf::LogLevel::kError, fmt::format("worker {}: {}", worker, why));
+    return absl::PermissionDeniedError(why);
+  }
+};
+
 // Loads each plugin once per process (an update may list those already loaded).
-absl::Status load_plugins(const nlohmann::json& plugins, std::set<std::string>& loaded) {
+absl::Status load_plugins(const nlohmann::json& plugins, const Allowed& allowed, std::set<std::string>& loaded) {
   for (const auto& p : plugins) {
-    const auto path = p.get<std::string>();
-    if (loaded.count(path) != 0) continue;
-    if (auto status = bf::load_plugin(path); !status.ok()) return status;
-    loaded.insert(path);
+    if (!p.is_string()) return absl::InvalidArgumentError(fmt::format("plugins: {} is not a path", p.dump()));
+    auto path = allowed.plugin(p.get<std::string>());
+    if (!path.ok()) return path.status();
+    if (loaded.count(*path) != 0) continue;
+    if (auto status = bf::load_plugin(*path); !status.ok()) return status;
+    loaded.insert(*path);
   }
   return absl::OkStatus();
 }
@@ -196,13 +267,24 @@ std::string with_port(const std::string& endpoint, int port) {
 class Worker {
  public:
   explicit Worker(const BlockflowWorkerLaunch& launch)
-      : control_(zmq::from_handle, launch.control_socket), config_text_(launch.config_json) {
+      : allowed_(Allowed::of(launch)), control_(zmq::from_handle, launch.control_socket), config_text_(launch.config_json) {
     args_.name = launch.name;
     args_.control = launch.control;
     args_.requests = launch.requests != nullptr ? launch.requests : "";
     args_.results = launch.results != nullptr ? launch.results : "";
     args_.parent = static_cast<pid_t>(launch.parent);
     args_.join = launch.join != 0;
+    if (launch.curve_secret_key_file != nullptr) {
+      // The launcher read these files a moment ago; a failure here is a file changed since.
+      bf::detail::CurveClientKeys keys;
+      std::string error;
+      if (!bf::detail::read_curve_client_keys(launch.curve_secret_key_file,
+                                              launch.curve_server_key_file != nullptr ? launch.curve_server_key_file : "",
+                                              keys, error)) {
+        throw std::runtime_error(error);
+      }
+      args_.curve = std::move(keys);
+    }
     last_host_ns_ = now_ns();
   }
 
@@ -319,12 +401,12 @@ class Worker {
   // The blocks of a config or update message, each with a task of its own name (how the host
   // addresses it), after loading the plugins they need.
   absl::StatusOr<bf::Deployment> blocks_of(const nlohmann::json& message) {
-    if (auto status = load_plugins(message.value("plugins", nlohmann::json::array()), plugins_); !status.ok()) {
+    if (auto status = load_plugins(message.value("plugins", nlohmann::json::array()), allowed_, plugins_); !status.ok()) {
       return status;
     }
     bf::Deployment d;
     for (const auto& b : message.at("blocks")) {
-      auto description = bf::detail::block_from_json(b, "");
+      auto description = allowed_.block(b);
       if (!description.ok()) return description.status();
       description->placement.clear();  // here, it runs in this process's threads
       d.tasks.push_back({description->name, {description->name}});
@@ -443,6 +525,7 @@ class Worker {
     pull_.set(zmq::sockopt::rcvtimeo, 100);
     pull_.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(bf::wire::kMaxTensorBytes));
     try {
+      secure(pull_);
       pull_.connect(args_.requests);
       if (!peer_endpoint_.empty()) pull_.bind(peer_endpoint_);
     } catch (const zmq::error_t& e) {
@@ -540,6 +623,11 @@ class Worker {
     }
   }
 
+  // A joined worker's data socket talks CURVE when its control socket does (before connect()).
+  void secure(zmq::socket_t& socket) const {
+    if (args_.curve) bf::detail::apply_curve_client(socket, *args_.curve);
+  }
+
   // The receiver thread's PUSH socket to another worker's peer endpoint (one per other worker of
   // the session it forwards to).
   zmq::socket_t& peer_socket(const std::string& endpoint) {
@@ -623,6 +711,7 @@ class Worker {
     zmq::socket_t push(context_, zmq::socket_type::push);
     if (!link_) {
       push.set(zmq::sockopt::linger, 1000);
+      secure(push);
       push.connect(args_.results);
     }
     while (auto next = replies_->pop()) {
@@ -641,6 +730,7 @@ class Worker {
 
  private:
   Args args_;
+  const Allowed allowed_;  // what this worker's command line lets it load
   bf::detail::RateLimitedLog noisy_;  // per-frame messages a peer can trigger
   std::int64_t last_host_ns_ = 0;
   bf::detail::HeartbeatSettings heartbeat_ = bf::detail::heartbeat_settings(nlohmann::json::object());  // from the config

@@ -1451,6 +1451,7 @@ std::int64_t WorkerSite::pid() const {
 
 namespace blockflow {
 std::string WorkerSite::result_endpoint() const { return impl_->result_endpoint; }
+std::string WorkerSite::request_endpoint() const { return impl_->request_endpoint; }
 std::string WorkerSite::peer_endpoint() const { return impl_->peer; }
 
 std::string WorkerSite::join_endpoint() const { return impl_->joined() ? impl_->control_endpoint : std::string(); }

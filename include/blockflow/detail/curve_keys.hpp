@@ -28,6 +28,17 @@ std::string key_fingerprint(const std::string& public_key_z85);
 /// The same for a 32-byte binary key (as a ZAP request carries it).
 std::string key_fingerprint_binary(const std::string& key32);
 
+/// A CURVE client's keys: its own pair and the server's public key.
+struct CurveClientKeys {
+  KeyFile own;
+  std::string server_public_key;  // Z85
+};
+/// Reads them from the two files. False with `error` naming the file at fault.
+bool read_curve_client_keys(const std::string& secret_key_file, const std::string& server_key_file,
+                            CurveClientKeys& out, std::string& error);
+/// Makes `socket` a CURVE client with `keys`. Call before connect().
+void apply_curve_client(zmq::socket_t& socket, const CurveClientKeys& keys);
+
 /// Makes `socket` a CURVE client: its pair from `secret_key_file`, the server's public key from
 /// `server_key_file`. Call before connect(). False with `error` naming the file at fault.
 bool configure_curve_client(zmq::socket_t& socket, const std::string& secret_key_file,
