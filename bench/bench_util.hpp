@@ -4,14 +4,60 @@
 #include <blockflow/kpi.hpp>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <random>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace blockflow::bench {
+
+/// Calls `send()` at the arrival times of a Poisson process of `rate` per second (seed 1: the same
+/// times in every run), on a thread of its own, until stop() or destruction. Open loop: a slow
+/// system does not slow the arrivals.
+class PoissonTraffic {
+ public:
+  PoissonTraffic(double rate, std::function<void()> send)
+      : thread_([this, rate, send = std::move(send)] {
+          std::mt19937_64 random(1);
+          std::exponential_distribution<double> gap(rate);
+          auto next = std::chrono::steady_clock::now();
+          while (run_) {
+            std::this_thread::sleep_until(next);
+            send();
+            next += std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(gap(random)));
+          }
+        }) {}
+  ~PoissonTraffic() { stop(); }
+  PoissonTraffic(const PoissonTraffic&) = delete;
+  PoissonTraffic& operator=(const PoissonTraffic&) = delete;
+  void stop() {
+    run_ = false;
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::atomic<bool> run_{true};
+  std::thread thread_;
+};
+
+/// Calls `on(name, value)` for each "--name value" pair of the command line; `on` returns false for
+/// a name it does not know, which throws std::invalid_argument naming it.
+template <class F>
+void parse_options(int argc, char** argv, F on) {
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!on(std::string(argv[i]), std::string(argv[i + 1]))) {
+      throw std::invalid_argument("unknown argument " + std::string(argv[i]));
+    }
+  }
+}
 
 /// The q-quantile (0..1) of `samples` (nearest rank). Sorts a copy.
 inline double percentile(std::vector<double> samples, double q) {

@@ -10,6 +10,9 @@
 // decoded into a tensor over the received buffer. Each line also has "memcpy_us": one memcpy of
 // the same bytes (p50), measured in the same run. socketpair: the floor under zmq-ipc, the same
 // bytes through a bare AF_UNIX stream socket pair between two threads (no ZeroMQ, a reused buffer).
+// zmq-tcp-curve: zmq-tcp with the data sockets talking CURVE (encrypted and authenticated, as a
+// joined worker's and a remote client's do); its line has "over_zmq_tcp", its p50 over the zmq-tcp
+// line's at the same size, measured just before.
 //
 // shm: the zero-copy channel as workers use it, over its data link (an AF_UNIX SOCK_SEQPACKET
 // socket pair, detail/packet_link.hpp), with the producer's tensor allocated in a shared-memory
@@ -55,6 +58,7 @@
 #endif
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -95,7 +99,8 @@ HopFigures measure(std::size_t bytes, int iterations) {
 
 // One-way latency over PUSH/PULL with the wire format; the ack goes back on a second pair.
 enum class Shm { kNone, kCopy, kLease };
-HopFigures measure_zmq(const std::string& endpoint, std::size_t bytes, int iterations, Shm mode = Shm::kNone) {
+HopFigures measure_zmq(const std::string& endpoint, std::size_t bytes, int iterations, Shm mode = Shm::kNone,
+                       bool curve = false) {
   const bool shm = mode != Shm::kNone;
   bf::detail::ShmProducer producer;
   bf::detail::ShmConsumer consumer;
@@ -105,6 +110,17 @@ HopFigures measure_zmq(const std::string& endpoint, std::size_t bytes, int itera
   zmq::context_t context(1);
   zmq::socket_t push(context, zmq::socket_type::push), pull(context, zmq::socket_type::pull);
   zmq::socket_t ack_push(context, zmq::socket_type::push), ack_pull(context, zmq::socket_type::pull);
+  if (curve) {  // fresh key pairs; no ZAP handler: the handshake and the encryption are what is measured
+    char server_public[41], server_secret[41], client_public[41], client_secret[41];
+    if (zmq_curve_keypair(server_public, server_secret) != 0 || zmq_curve_keypair(client_public, client_secret) != 0) {
+      std::abort();
+    }
+    pull.set(zmq::sockopt::curve_server, true);
+    pull.set(zmq::sockopt::curve_secretkey, std::string(server_secret, 40));
+    push.set(zmq::sockopt::curve_serverkey, std::string(server_public, 40));
+    push.set(zmq::sockopt::curve_publickey, std::string(client_public, 40));
+    push.set(zmq::sockopt::curve_secretkey, std::string(client_secret, 40));
+  }
   pull.bind(endpoint);
   push.connect(pull.get(zmq::sockopt::last_endpoint));
   ack_pull.bind(endpoint.rfind("ipc://", 0) == 0 ? endpoint + "-ack" : "tcp://127.0.0.1:*");
@@ -383,32 +399,37 @@ int main(int argc, char** argv) {
   }
   auto dir = bf::detail::make_private_dir("hop");
   if (!dir.ok()) return 1;
+  std::map<std::size_t, double> tcp_p50_us;  // the zmq-tcp line's, for the zmq-tcp-curve line's ratio
   for (const auto& [channel, endpoint] : {std::pair<std::string, std::string>{"shm", ""},
                                           std::pair<std::string, std::string>{"shm-copy", ""},
                                           std::pair<std::string, std::string>{"shm-zmq", "ipc://" + *dir + "/shm"},
                                           std::pair<std::string, std::string>{"zmq-ipc", "ipc://" + *dir + "/hop"},
                                           std::pair<std::string, std::string>{"socketpair", ""},
-                                          std::pair<std::string, std::string>{"zmq-tcp", "tcp://127.0.0.1:*"}}) {
+                                          std::pair<std::string, std::string>{"zmq-tcp", "tcp://127.0.0.1:*"},
+                                          std::pair<std::string, std::string>{"zmq-tcp-curve", "tcp://127.0.0.1:*"}}) {
     for (std::size_t bytes : sizes) {
       // Fewer round trips for the large sizes: each moves the whole tensor through the kernel.
       const int n = bytes > 50'000'000 ? 30 : bytes > 1'000'000 ? 500 : std::min(iterations, 5000);
       const double copy_us = memcpy_us(bytes);
       const HopFigures f = channel == "socketpair" ? measure_socketpair(bytes, n)
                            : endpoint.empty() ? measure_link(bytes, n, channel == "shm" ? Shm::kLease : Shm::kCopy)
-                           : measure_zmq(endpoint, bytes, n, channel == "shm-zmq" ? Shm::kLease : Shm::kNone);
+                           : measure_zmq(endpoint, bytes, n, channel == "shm-zmq" ? Shm::kLease : Shm::kNone,
+                                         channel == "zmq-tcp-curve");
       // The hops come one after another, a stream: the link's receiver polls for
       // WorkerOptions::receive_spin before it sleeps. "asleep_p50_us": the same hop with a receiver
       // that never spins, as a pipeline stage's whose packets come milliseconds apart: each hop
       // pays a thread's wake-up.
-      std::string asleep;
+      std::string extra;  // fields of one channel's line only
+      if (channel == "zmq-tcp") tcp_p50_us[bytes] = f.p50_us;
+      if (channel == "zmq-tcp-curve") extra = fmt::format(",\"over_zmq_tcp\":{:.2f}", f.p50_us / tcp_p50_us.at(bytes));
       if (channel == "shm") {
-        asleep = fmt::format(",\"spin_us\":{},\"asleep_p50_us\":{:.3f}", absl::ToInt64Microseconds(kSpin),
+        extra = fmt::format(",\"spin_us\":{},\"asleep_p50_us\":{:.3f}", absl::ToInt64Microseconds(kSpin),
                              measure_link(bytes, n, Shm::kLease, absl::ZeroDuration()).p50_us);
       }
       fmt::print(
           "{{\"bench\":\"hop\",\"channel\":\"{}\",\"bytes\":{},\"iterations\":{},\"p50_us\":{:.3f},\"p99_us\":{:.3f},"
           "\"memcpy_us\":{:.3f},\"p50_over_memcpy\":{:.2f}{}}}\n",
-          channel, bytes, n, f.p50_us, f.p99_us, copy_us, f.p50_us / copy_us, asleep);
+          channel, bytes, n, f.p50_us, f.p99_us, copy_us, f.p50_us / copy_us, extra);
     }
   }
   if (const absl::Status cuda = bf::detail::cuda_ipc_usable(); cuda.ok()) {

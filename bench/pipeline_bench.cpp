@@ -146,8 +146,7 @@ int main(int argc, char** argv) try {
   bool outputs_in_slots = bf::WorkerOptions{}.shm_outputs_in_slots;
   bool direct_edges = bf::WorkerOptions{}.direct_edges;
   bool optimize = bf::TorchScriptOptions{}.optimize_for_inference;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i], v = argv[i + 1];
+  bf::bench::parse_options(argc, argv, [&](const std::string& a, const std::string& v) {
     if (a == "--models") models = v;
     else if (a == "--requests") requests = std::stoi(v);
     else if (a == "--threads") threads = std::stoi(v);
@@ -164,8 +163,9 @@ int main(int argc, char** argv) try {
     else if (a == "--model") model = v;      // --mode alone (the baseline process)
     else if (a == "--shape") shape = v;      // --mode alone
     else if (a == "--app-on") app_on = v;    // --mode host_app: lane | thread
-    else throw std::invalid_argument("unknown argument " + a);
-  }
+    else return false;
+    return true;
+  });
   if (mode == "alone") {
     std::vector<std::int64_t> dims;
     for (const auto& d : absl::StrSplit(shape, ',')) dims.push_back(std::stoll(std::string(d)));

@@ -46,14 +46,14 @@ int main(int argc, char** argv) try {
   std::string models;
   double rate = 6;
   int updates = 10, threads = 2;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i], v = argv[i + 1];
+  bf::bench::parse_options(argc, argv, [&](const std::string& a, const std::string& v) {
     if (a == "--models") models = v;
     else if (a == "--rate") rate = std::stod(v);
     else if (a == "--updates") updates = std::stoi(v);
     else if (a == "--threads") threads = std::stoi(v);
-    else throw std::invalid_argument("unknown argument " + a);
-  }
+    else return false;
+    return true;
+  });
   if (models.empty()) throw std::invalid_argument("usage: update_bench --models DIR [--rate R] [--updates N] [--threads T]");
   const std::string blocks = fmt::format("{}, {}, {}, {}, {}", block(models, "block1", "[-1, 3, 224, 224]", threads),
                                          block(models, "block2", "[-1, 256, 56, 56]", threads),
@@ -79,22 +79,14 @@ int main(int argc, char** argv) try {
   if (auto status = session.start(); !status.ok()) throw std::runtime_error(status.ToString());
 
   // Poisson traffic on task_a for the whole run.
-  std::atomic<bool> run{true};
   std::atomic<long> sent{0}, resolved{0}, failed{0};
   const bf::Tensor x = at::randn({1, 3, 224, 224});
-  std::thread traffic([&] {
-    std::mt19937_64 random(1);
-    std::exponential_distribution<double> gap(rate);
-    auto next = Clock::now();
-    while (run) {
-      std::this_thread::sleep_until(next);
-      ++sent;
-      session.submit("task_a", {x}, [&](bf::Result&& r) {
-        if (!r.ok()) ++failed;
-        ++resolved;
-      });
-      next += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap(random)));
-    }
+  bf::bench::PoissonTraffic traffic(rate, [&] {
+    ++sent;
+    session.submit("task_a", {x}, [&](bf::Result&& r) {
+      if (!r.ok()) ++failed;
+      ++resolved;
+    });
   });
   struct Timing {
     std::vector<double> apply, load, route;
@@ -142,8 +134,7 @@ int main(int argc, char** argv) try {
     report(placement.empty() ? "add" : "add_worker", 1, 0, add);
     report(placement.empty() ? "remove" : "remove_worker", 1, 0, remove);
   }
-  run = false;
-  traffic.join();
+  traffic.stop();
   session.shutdown();
   return 0;
 } catch (const std::exception& e) {

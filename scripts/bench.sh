@@ -13,11 +13,16 @@
 #   apply() under Poisson traffic (re-route, add, remove a block), its duration and lost requests;
 #   batching: saturation throughput of the split ResNet50 with batching off and on (B = 2, 4, 8),
 #   through blockflow-loadgen rate sweeps (BENCH_RATES=10,14,... to change the sweep), then the CPU-bound
-#   ceiling per batch size ("batching_ceiling": the blocks' one-thread CPU ms per image, cores x 1000 / it).
+#   ceiling per batch size ("batching_ceiling": the blocks' one-thread CPU ms per image, cores x 1000 / it);
+#   soak: the split ResNet50 in 4 workers over shm under Poisson traffic at 90% of its measured
+#   saturation for BENCH_SOAK_S seconds (default 600), a worker SIGKILLed every 30 s and task_a
+#   re-routed with apply() every 45 s; a line every 30 s (sent, completed, failed, lost, per-process
+#   RSS, shm slots in use, descriptors), then a "final" line with the RSS slopes and one boolean per target.
 # Environment: BENCH_REQUESTS (pipeline requests, default 300), BENCH_THREADS (intra-op threads per
 # block and for the monolithic model, default 2), BENCH_HOP_ITERATIONS (default 20000),
 # BENCH_SAMPLER_REQUESTS (sampler_cost requests, default 1000), BENCH_ROUND (pipeline: requests per
-# alternating round of split and monolithic, default 20; 1 = interleaved one by one).
+# alternating round of split and monolithic, default 20; 1 = interleaved one by one), BENCH_SOAK_S
+# (soak seconds, default 600).
 # --plot (anywhere among the names): also writes a report into bench-report/ at the repository root
 #   (BENCH_REPORT=DIR for another folder): bench.jsonl (the lines printed), metrics-<channel>.json
 #   (with pipeline: each run's metrics snapshot, BENCH_METRICS=1), the figures scripts/plot.py draws
@@ -31,7 +36,7 @@ for arg in "$@"; do
 done
 set -- ${names[@]+"${names[@]}"}
 if [ $# -eq 0 ]; then
-  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching)" >&2
+  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching soak)" >&2
   exit 2
 fi
 if [ "$plot" = 1 ]; then
@@ -96,12 +101,16 @@ for name in "$@"; do
     update)
       "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
       "$BUILD_DIR/bench/update_bench" --models "$BUILD_DIR/models" --threads "${BENCH_THREADS:-2}" ;;
+    soak)
+      "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
+      "$BUILD_DIR/bench/soak_bench" --models "$BUILD_DIR/models" --threads "${BENCH_THREADS:-2}" \
+        --seconds "${BENCH_SOAK_S:-600}" ;;
     batching)
       "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
       "$PYTHON" "$ROOT/scripts/batching_bench.py" "$BUILD_DIR/tools/blockflow-loadgen" "$BUILD_DIR/models" \
         --threads "${BENCH_THREADS:-2}" ${BENCH_RATES:+--rates "$BENCH_RATES"} ;;
     *)
-      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline host_app worker_memory sampler_cost update batching)" >&2
+      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline host_app worker_memory sampler_cost update batching soak)" >&2
       exit 2 ;;
   esac
 done

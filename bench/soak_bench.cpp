@@ -1,0 +1,482 @@
+// soak: the split ResNet50 in 4 worker processes over shm, under open-loop Poisson traffic at a
+// fraction (--load, 0.9) of its measured saturation, for --seconds (600), while a worker is killed
+// with SIGKILL every 30 s (w1, w2, w3, w4, w1, ...; the session restarts it) and task_a is re-routed
+// with apply() every 45 s (its last block alternates between block4 and head_b, both loaded in w4:
+// no block is added or removed).
+//
+// Phase 1 measures the saturation: --saturation-s (20) seconds with 16 requests kept in flight,
+// completions counted after the first 5 s. Phase 2 is the soak. Prints one line at its start (t_s 0,
+// with "cpu", "threads" and the starting levels), one every 30 s:
+//   {"bench":"soak","t_s":..,"sent":..,"completed":..,"failed":..,"lost":..,"outstanding":..,
+//    "rss_mb":{"host":..,"w1":..,...},"shm_slots_in_use":..,"shm_slots_idle_min":..,"shm_objects":..,"shm_orphans":..,
+//    "fds":..,"worker_fds":{...},"restarts":..,"version":..}
+// and, after the traffic stops and what is in flight resolves (up to 30 s), a final line with
+// "final":true, the totals, the distinct error messages, each process's RSS slope and one boolean
+// per target. The bench measures and prints; it asserts nothing (exit status 1 only when set-up fails).
+//
+// What the fields mean:
+//   lost          in a 30 s line: requests with no reply for 30 s so far; in the final line:
+//                 sent - completed - failed once the 30 s drain wait is over.
+//   failed        requests that resolved with an error. Each error message must name a killed
+//                 worker ("worker w2 killed by signal 9"); unexplained_failures counts those that
+//                 name no worker killed before they resolved.
+//   rss_mb        /proc/<pid>/statm resident pages of the host and of each worker (pid() of its
+//                 WorkerSite; null while it is down).
+//   shm_slots_in_use  sum over the workers of SiteStats::shm_requests.slots_in_use (the host's
+//                 pools) and shm_results.slots_in_use (the worker's, as of its last heartbeat), now.
+//                 Under traffic it follows the requests in flight, so the target compares
+//                 shm_slots_idle_min: the least of it seen (sampled every 100 ms) at moments when the
+//                 session had nothing in flight since the previous line (null: no such moment).
+//   shm_objects   /dev/shm/blockflow-* pool objects whose producer pid (the high 32 bits of the pool
+//                 id in the name) is the host or a live worker of this run (pools are made on demand,
+//                 so this may grow with the traffic); shm_orphans: those of the workers killed, which
+//                 stay until a new producer's sweep removes them (shm_pool.hpp).
+//   fds           entries of /proc/self/fd (the host); worker_fds: of /proc/<pid>/fd.
+//   rss_slope_mb_per_min  per name: least squares over the RSS samples (every 5 s) taken once the
+//                 soak has run 60 s and the process has lived 60 s, with one intercept per process
+//                 (a restarted worker starts again from its idle size; its growth is what counts).
+//                 null: no such samples (a short run, or a worker killed every 120 s never lives 60 s
+//                 into the second minute of the soak before its next kill).
+// Targets: lost == 0; unexplained_failures == 0; every slope < 1 MB/min; at every line after a
+// kill (the one before the next kill, and the last) shm_slots_idle_min <= its starting level and
+// fds <= the starting level, and shm_orphans back to its starting level (shm_orphans_back); after
+// the drain, all three back to their starting levels.
+//
+//   soak_bench --models DIR [--seconds S] [--threads T] [--load F] [--saturation-s S]
+
+#include "bench_util.hpp"
+
+#include <blockflow/blockflow.hpp>
+#include <blockflow/deployment.hpp>
+#include <blockflow/worker_site.hpp>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <csignal>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <set>
+#include <thread>
+
+namespace bf = blockflow;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr int kWorkers = 4;
+constexpr double kKillEveryS = 30, kApplyEveryS = 45, kPrintEveryS = 30, kRssEveryS = 5, kDrainS = 30;
+constexpr double kSettledS = 60;  // RSS slopes: samples once the soak and the process are a minute old
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Resident memory of a process in MB (statm's second field); nullopt when it is gone.
+std::optional<double> rss_mb(const std::string& pid) {
+  std::ifstream in("/proc/" + pid + "/statm");
+  long size = 0, resident = 0;
+  if (!(in >> size >> resident)) return std::nullopt;
+  return static_cast<double>(resident) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / 1048576.0;
+}
+
+// Open descriptors of a process; -1 when it is gone.
+int fd_count(const std::string& pid) {
+  std::error_code ec;
+  int n = 0;
+  for (std::filesystem::directory_iterator it("/proc/" + pid + "/fd", ec), end; !ec && it != end; it.increment(ec)) ++n;
+  return ec ? -1 : n;
+}
+
+// /dev/shm/blockflow-<16 hex> objects made by one of `pids` (the pool id's high 32 bits): those of
+// live producers and those of dead ones (orphans, until the next producer's sweep removes them).
+struct ShmObjects {
+  int live = 0, orphaned = 0;
+};
+ShmObjects shm_objects(const std::set<std::int64_t>& pids) {
+  std::error_code ec;
+  ShmObjects n;
+  for (std::filesystem::directory_iterator it("/dev/shm", ec), end; !ec && it != end; it.increment(ec)) {
+    unsigned long long id = 0;
+    const std::string name = it->path().filename().string();
+    if (name.size() != 26 || std::sscanf(name.c_str(), "blockflow-%16llx", &id) != 1) continue;
+    if (pids.count(static_cast<std::int64_t>(id >> 32)) == 0) continue;
+    ++(::kill(static_cast<pid_t>(id >> 32), 0) == 0 ? n.live : n.orphaned);
+  }
+  return n;
+}
+
+std::uint64_t slots_in_use(const bf::MetricsSnapshot& m) {
+  std::uint64_t n = 0;
+  for (const auto& s : m.sites) n += s.shm_requests.slots_in_use + s.shm_results.slots_in_use;
+  return n;
+}
+
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (const char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) out += fmt::format("\\u{:04x}", c);
+    else out += c;
+  }
+  return out + "\"";
+}
+
+template <class T>
+std::string json_or_null(const std::optional<T>& v, const char* format = "{}") {
+  return v ? fmt::format(fmt::runtime(format), *v) : "null";
+}
+
+// One RSS sample of one process.
+struct RssSample {
+  double t_s;
+  std::int64_t pid;
+  double mb;
+};
+
+// MB/min: least squares slope with one intercept per process (pooled within-process fit).
+std::optional<double> rss_slope(const std::vector<RssSample>& samples) {
+  std::map<std::int64_t, std::pair<double, double>> sums;  // pid -> (sum t, sum mb)
+  std::map<std::int64_t, int> counts;
+  for (const auto& s : samples) {
+    sums[s.pid].first += s.t_s;
+    sums[s.pid].second += s.mb;
+    ++counts[s.pid];
+  }
+  double sxy = 0, sxx = 0;
+  for (const auto& s : samples) {
+    const double n = counts[s.pid], dt = s.t_s - sums[s.pid].first / n;
+    sxy += dt * (s.mb - sums[s.pid].second / n);
+    sxx += dt * dt;
+  }
+  if (sxx <= 0) return std::nullopt;
+  return sxy / sxx * 60.0;
+}
+
+// Requests sent and how each resolved; filled by the traffic thread and the completion callbacks.
+// Thread-safe.
+class Ledger {
+ public:
+  struct Counts {
+    long sent = 0, completed = 0, failed = 0, outstanding = 0, overdue = 0, unexplained = 0;
+  };
+
+  std::uint64_t begin() {
+    std::lock_guard lock(mu_);
+    ++sent_;
+    open_.emplace(next_id_, Clock::now());
+    return next_id_++;
+  }
+  void finish(std::uint64_t id, const bf::Result& r) {
+    std::lock_guard lock(mu_);
+    open_.erase(id);
+    if (r.ok()) {
+      ++completed_;
+      return;
+    }
+    ++failed_;
+    const std::string message(r.status.message());
+    bool named = false;
+    for (const auto& w : killed_) named = named || message.find("worker " + w) != std::string::npos;
+    if (!named) ++unexplained_;
+    std::string key = message.substr(0, 100);
+    if (errors_.size() >= 20 && errors_.count(key) == 0) key = "(other messages)";
+    ++errors_[key];
+  }
+  void killed(const std::string& worker) {
+    std::lock_guard lock(mu_);
+    killed_.insert(worker);
+  }
+  Counts counts(double overdue_after_s = kDrainS) const {
+    std::lock_guard lock(mu_);
+    Counts c{sent_, completed_, failed_, static_cast<long>(open_.size()), 0, unexplained_};
+    const auto limit = Clock::now() - std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(overdue_after_s));
+    for (const auto& [id, t] : open_) c.overdue += t < limit ? 1 : 0;
+    return c;
+  }
+  std::string errors_json() const {
+    std::lock_guard lock(mu_);
+    std::string out;
+    for (const auto& [message, n] : errors_) out += fmt::format("{}{}:{}", out.empty() ? "" : ",", json_string(message), n);
+    return "{" + out + "}";
+  }
+
+ private:
+  mutable std::mutex mu_;
+  long sent_ = 0, completed_ = 0, failed_ = 0, unexplained_ = 0;
+  std::uint64_t next_id_ = 0;
+  std::map<std::uint64_t, Clock::time_point> open_;
+  std::set<std::string> killed_;
+  std::map<std::string, long> errors_;
+};
+
+std::string block_json(const std::string& models, const std::string& name, const std::string& shape, int threads,
+                       const std::string& placement) {
+  return fmt::format(R"({{"name": "{}", "torchscript": "{}/{}.pt", "intra_op_threads": {}, "input_shapes": [{}], )"
+                     R"("warmup_runs": 1, "placement": "{}"}})",
+                     name, models, name, threads, shape, placement);
+}
+
+// The deployment: block1..block4 in w1..w4, head_b in w4 too; task_a ends with `head`.
+bf::Deployment deployment(const std::string& models, int threads, const std::string& head) {
+  const std::string blocks = fmt::format(
+      "{}, {}, {}, {}, {}", block_json(models, "block1", "[-1, 3, 224, 224]", threads, "w1"),
+      block_json(models, "block2", "[-1, 256, 56, 56]", threads, "w2"),
+      block_json(models, "block3", "[-1, 512, 28, 28]", threads, "w3"),
+      block_json(models, "block4", "[-1, 1024, 14, 14]", threads, "w4"),
+      block_json(models, "head_b", "[-1, 1024, 14, 14]", threads, "w4"));
+  auto d = bf::Deployment::parse(
+      fmt::format(R"({{"blocks": [{}], "tasks": {{"task_a": ["block1", "block2", "block3", "{}"]}}}})", blocks, head));
+  if (!d.ok()) throw std::runtime_error(d.status().ToString());
+  return *std::move(d);
+}
+
+// Completions per second with `window` requests kept in flight for `seconds` (the first 5 s not
+// counted); returns once all of them resolved.
+double saturation_rps(bf::Session& session, const bf::Tensor& x, double seconds, int window = 16) {
+  std::mutex mu;
+  std::condition_variable cv;
+  int in_flight = 0;
+  long counted = 0;
+  const auto t0 = Clock::now();
+  const double warm_s = std::min(5.0, seconds / 4);
+  while (seconds_since(t0) < seconds) {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return in_flight < window; });  // woken by a completion
+    ++in_flight;
+    lock.unlock();
+    session.submit("task_a", {x}, [&](bf::Result&&) {
+      std::lock_guard done(mu);
+      --in_flight;
+      const double t = seconds_since(t0);
+      if (t >= warm_s && t < seconds) ++counted;
+      cv.notify_all();
+    });
+  }
+  std::unique_lock lock(mu);
+  cv.wait(lock, [&] { return in_flight == 0; });
+  return static_cast<double>(counted) / (seconds - warm_s);
+}
+
+// The levels a leak would raise, taken with nothing in flight.
+struct Levels {
+  std::uint64_t slots = 0;
+  int fds = 0;
+  ShmObjects objects;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  std::string models;
+  double seconds = 600, load = 0.9, saturation_s = 20;
+  int threads = 2;
+  bf::bench::parse_options(argc, argv, [&](const std::string& a, const std::string& v) {
+    if (a == "--models") models = v;
+    else if (a == "--seconds") seconds = std::stod(v);
+    else if (a == "--threads") threads = std::stoi(v);
+    else if (a == "--load") load = std::stod(v);
+    else if (a == "--saturation-s") saturation_s = std::stod(v);
+    else return false;
+    return true;
+  });
+  if (models.empty()) {
+    throw std::invalid_argument("usage: soak_bench --models DIR [--seconds S] [--threads T] [--load F] [--saturation-s S]");
+  }
+  const auto origin = Clock::now();
+  Ledger ledger;  // outlives the session: its destructor may still resolve requests
+  bf::Session session;
+  std::vector<std::shared_ptr<bf::WorkerSite>> workers;
+  std::vector<std::string> names;
+  for (int w = 1; w <= kWorkers; ++w) {
+    bf::WorkerOptions o;
+    o.name = fmt::format("w{}", w);
+    o.channel = "shm";
+    // Every kill is restarted: one restart per kill with some to spare. The backoff doubles after
+    // each restart of a worker (capped at 2^10 x); 10 ms keeps the 5th restart of a 600 s run at 160 ms
+    // and a longer soak's worst at ~10 s, well inside the 120 s between two kills of one worker.
+    o.max_restarts = static_cast<int>(seconds / kKillEveryS / kWorkers) + 4;
+    o.restart_backoff = absl::Milliseconds(10);
+    workers.push_back(bf::make_worker(o));
+    names.push_back(o.name);
+    session.add_site(workers.back());
+  }
+  const bf::Deployment first = deployment(models, threads, "block4");
+  for (const auto& b : first.blocks) session.add_block(b);
+  for (auto& p : first.paths()) session.add_path(std::move(p));
+  if (auto status = session.start(); !status.ok()) throw std::runtime_error(status.ToString());
+  const bf::Tensor x = at::randn({1, 3, 224, 224});
+
+  // Every pid of the run with when it was first seen (for shm_objects and the processes' ages).
+  std::map<std::int64_t, double> first_seen{{::getpid(), 0.0}};
+  std::set<std::int64_t> pids{::getpid()};
+  auto watch_pids = [&] {
+    for (const auto& w : workers) {
+      const std::int64_t pid = w->pid();
+      if (pid > 0 && pids.insert(pid).second) first_seen[pid] = seconds_since(origin);
+    }
+  };
+  watch_pids();
+  auto levels_at_rest = [&] {  // nothing in flight: let releases and a heartbeat arrive, then read
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    watch_pids();
+    return Levels{slots_in_use(session.metrics()), fd_count("self"), shm_objects(pids)};
+  };
+
+  const double sat = saturation_rps(session, x, saturation_s);
+  if (!(sat > 0)) throw std::runtime_error("no request completed while measuring the saturation");
+  const double rate = load * sat;
+  const Levels start = levels_at_rest();
+
+  bf::bench::PoissonTraffic traffic(rate, [&] {
+    const std::uint64_t id = ledger.begin();
+    session.submit("task_a", {x}, [&ledger, id](bf::Result&& r) { ledger.finish(id, r); });
+  });
+
+  const auto soak0 = Clock::now();
+  const double soak_origin_s = seconds_since(origin);
+  std::map<std::string, std::vector<RssSample>> rss;  // "host", "w1".. -> samples for the slopes
+  std::optional<std::uint64_t> idle_min;              // least slots in use with nothing in flight
+  bool slots_back = true, fds_back = true, orphans_back = true;
+  int kills = 0, kills_skipped = 0, applies = 0, apply_errors = 0, checks = 0;
+  double apply_ms_max = 0;
+  auto sample_rss = [&] {
+    const double t = seconds_since(origin);
+    auto keep = [&](const std::string& key, std::int64_t pid, double mb) {
+      if (t - soak_origin_s >= kSettledS && t - first_seen[pid] >= kSettledS) rss[key].push_back({t, pid, mb});
+    };
+    if (auto mb = rss_mb("self")) keep("host", ::getpid(), *mb);
+    for (std::size_t i = 0; i < workers.size(); ++i) {
+      const std::int64_t pid = workers[i]->pid();
+      if (pid <= 0) continue;
+      if (auto mb = rss_mb(std::to_string(pid))) keep(names[i], pid, *mb);
+    }
+  };
+  auto print_line = [&](double t, const bf::MetricsSnapshot& m, const Levels& now, bool first_line) {
+    const Ledger::Counts c = ledger.counts();
+    std::string rss_json = fmt::format("\"host\":{:.1f}", rss_mb("self").value_or(0));
+    std::string fds_json;
+    std::uint64_t restarts = 0;
+    for (std::size_t i = 0; i < workers.size(); ++i) {
+      const std::int64_t pid = workers[i]->pid();
+      const std::string p = std::to_string(pid);
+      rss_json += fmt::format(",\"{}\":{}", names[i], pid > 0 ? json_or_null(rss_mb(p), "{:.1f}") : "null");
+      const int fds = pid > 0 ? fd_count(p) : -1;
+      fds_json += fmt::format("{}\"{}\":{}", i ? "," : "", names[i], fds >= 0 ? std::to_string(fds) : "null");
+    }
+    for (const auto& s : m.sites) restarts += s.restarts;
+    const std::string head =
+        first_line ? fmt::format("\"cpu\":{},\"threads\":{},\"hardware_threads\":{},\"workers\":{},\"channel\":\"shm\","
+                                 "\"saturation_rps\":{:.2f},\"rate_rps\":{:.2f},\"duration_s\":{},",
+                                 json_string(bf::bench::cpu_model()), threads, std::thread::hardware_concurrency(),
+                                 kWorkers, sat, rate, seconds)
+                   : "";
+    fmt::print("{{\"bench\":\"soak\",{}\"t_s\":{:.0f},\"sent\":{},\"completed\":{},\"failed\":{},\"lost\":{},"
+               "\"outstanding\":{},\"rss_mb\":{{{}}},\"shm_slots_in_use\":{},\"shm_slots_idle_min\":{},"
+               "\"shm_objects\":{},\"shm_orphans\":{},\"fds\":{},\"worker_fds\":{{{}}},\"restarts\":{},\"version\":{}}}\n",
+               head, t, c.sent, c.completed, c.failed, c.overdue, c.outstanding, rss_json, slots_in_use(m),
+               first_line ? std::to_string(start.slots) : json_or_null(idle_min), now.objects.live, now.objects.orphaned,
+               now.fds, fds_json,
+               restarts, m.version);
+    std::fflush(stdout);
+  };
+  print_line(0, session.metrics(), start, true);
+
+  double next_print = kPrintEveryS, next_kill = kKillEveryS, next_apply = kApplyEveryS, next_rss = 0;
+  for (;;) {
+    const double t = seconds_since(soak0);
+    watch_pids();
+    const bf::MetricsSnapshot m = session.metrics();
+    if (m.in_flight == 0) idle_min = std::min(idle_min.value_or(UINT64_MAX), slots_in_use(m));
+    if (t >= next_rss) {
+      sample_rss();
+      next_rss += kRssEveryS;
+    }
+    if (t >= next_print) {
+      const Levels now{slots_in_use(m), fd_count("self"), shm_objects(pids)};
+      print_line(t, m, now, false);
+      if (kills > 0) {  // a line after a kill: what it took must be back
+        ++checks;
+        slots_back = slots_back && idle_min && *idle_min <= start.slots;
+        fds_back = fds_back && now.fds <= start.fds;
+        orphans_back = orphans_back && now.objects.orphaned <= start.objects.orphaned;
+      }
+      idle_min.reset();
+      next_print += kPrintEveryS;
+    }
+    if (t >= seconds) break;
+    if (t >= next_kill) {
+      const std::size_t k = static_cast<std::size_t>(kills + kills_skipped) % workers.size();
+      const std::int64_t pid = workers[k]->pid();
+      ledger.killed(names[k]);  // before the kill: its failures may come at once
+      if (pid > 0 && ::kill(static_cast<pid_t>(pid), SIGKILL) == 0) ++kills;
+      else ++kills_skipped;  // down (still restarting): the next one is killed next time
+      next_kill += kKillEveryS;
+    }
+    if (t >= next_apply) {
+      const auto t0 = Clock::now();
+      const auto v = session.apply(deployment(models, threads, applies % 2 == 0 ? "head_b" : "block4"));
+      apply_ms_max = std::max(apply_ms_max, seconds_since(t0) * 1e3);
+      if (v.ok()) {
+        ++applies;
+      } else {
+        std::cerr << "soak_bench: apply: " << v.status() << "\n";
+        ++apply_errors;
+      }
+      next_apply += kApplyEveryS;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  traffic.stop();
+  const double traffic_s = seconds_since(soak0);
+  const auto drain_until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kDrainS));
+  while (ledger.counts().outstanding > 0 && Clock::now() < drain_until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const Ledger::Counts c = ledger.counts(0);
+  const Levels end = levels_at_rest();
+  const bf::MetricsSnapshot m = session.metrics();
+
+  std::string slopes, points;
+  bool slopes_ok = true;
+  for (const std::string key : {"host", "w1", "w2", "w3", "w4"}) {
+    const auto slope = rss_slope(rss[key]);
+    slopes_ok = slopes_ok && (!slope || *slope < 1.0);
+    slopes += fmt::format("{}\"{}\":{}", key == "host" ? "" : ",", key, json_or_null(slope, "{:.3f}"));
+    points += fmt::format("{}\"{}\":{}", key == "host" ? "" : ",", key, rss[key].size());
+  }
+  std::uint64_t restarts = 0, site_failed = 0;
+  for (const auto& s : m.sites) {
+    restarts += s.restarts;
+    site_failed += s.failed_requests;
+  }
+  const long lost = c.sent - c.completed - c.failed;
+  fmt::print(
+      "{{\"bench\":\"soak\",\"final\":true,\"duration_s\":{:.0f},\"rate_rps\":{:.2f},\"saturation_rps\":{:.2f},"
+      "\"sent\":{},\"completed\":{},\"failed\":{},\"lost\":{},\"unexplained_failures\":{},\"errors\":{},"
+      "\"kills\":{},\"kills_skipped\":{},\"restarts\":{},\"site_failed_requests\":{},\"applies\":{},\"apply_errors\":{},"
+      "\"apply_ms_max\":{:.1f},\"rss_slope_mb_per_min\":{{{}}},\"rss_slope_points\":{{{}}},"
+      "\"start\":{{\"shm_slots_in_use\":{},\"fds\":{},\"shm_objects\":{},\"shm_orphans\":{}}},"
+      "\"end\":{{\"shm_slots_in_use\":{},\"fds\":{},\"shm_objects\":{},\"shm_orphans\":{}}},\"checks_after_kills\":{},"
+      "\"targets\":{{\"lost_zero\":{},\"failures_name_killed_worker\":{},\"rss_slopes_under_1_mb_per_min\":{},"
+      "\"slots_back\":{},\"fds_back\":{},\"shm_orphans_back\":{}}}}}\n",
+      traffic_s, rate, sat, c.sent, c.completed, c.failed, lost, c.unexplained, ledger.errors_json(), kills,
+      kills_skipped, restarts, site_failed, applies, apply_errors, apply_ms_max, slopes, points, start.slots, start.fds,
+      start.objects.live, start.objects.orphaned, end.slots, end.fds, end.objects.live, end.objects.orphaned, checks, lost == 0, c.unexplained == 0, slopes_ok,
+      slots_back && end.slots <= start.slots, fds_back && end.fds <= start.fds,
+      orphans_back && end.objects.orphaned <= start.objects.orphaned);
+  std::fflush(stdout);
+  session.shutdown();
+  return 0;
+} catch (const std::exception& e) {
+  std::cerr << "soak_bench: " << e.what() << "\n";
+  return 1;
+}
