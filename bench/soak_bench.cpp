@@ -42,7 +42,10 @@
 // fds <= the starting level, and shm_orphans back to its starting level (shm_orphans_back); after
 // the drain, all three back to their starting levels.
 //
-//   soak_bench --models DIR [--seconds S] [--threads T] [--load F] [--saturation-s S]
+//   soak_bench --models DIR [--seconds S] [--threads T] [--load F] [--saturation-s S] [--kill-every-s S]
+//
+// --kill-every-s 0 kills nothing: with the 30 s kills a worker lives 120 s, so its slope covers
+// only its second minute (pools still being mapped on demand); without kills it covers the run.
 
 #include "bench_util.hpp"
 
@@ -75,7 +78,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 constexpr int kWorkers = 4;
-constexpr double kKillEveryS = 30, kApplyEveryS = 45, kPrintEveryS = 30, kRssEveryS = 5, kDrainS = 30;
+constexpr double kApplyEveryS = 45, kPrintEveryS = 30, kRssEveryS = 5, kDrainS = 30;
 constexpr double kSettledS = 60;  // RSS slopes: samples once the soak and the process are a minute old
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
@@ -277,7 +280,7 @@ struct Levels {
 
 int main(int argc, char** argv) try {
   std::string models;
-  double seconds = 600, load = 0.9, saturation_s = 20;
+  double seconds = 600, load = 0.9, saturation_s = 20, kill_every_s = 30;
   int threads = 2;
   bf::bench::parse_options(argc, argv, [&](const std::string& a, const std::string& v) {
     if (a == "--models") models = v;
@@ -285,11 +288,12 @@ int main(int argc, char** argv) try {
     else if (a == "--threads") threads = std::stoi(v);
     else if (a == "--load") load = std::stod(v);
     else if (a == "--saturation-s") saturation_s = std::stod(v);
+    else if (a == "--kill-every-s") kill_every_s = std::stod(v);  // 0: no kills (workers' RSS over a long life)
     else return false;
     return true;
   });
   if (models.empty()) {
-    throw std::invalid_argument("usage: soak_bench --models DIR [--seconds S] [--threads T] [--load F] [--saturation-s S]");
+    throw std::invalid_argument("usage: soak_bench --models DIR [--seconds S] [--threads T] [--load F] [--saturation-s S] [--kill-every-s S]");
   }
   const auto origin = Clock::now();
   Ledger ledger;  // outlives the session: its destructor may still resolve requests
@@ -303,7 +307,7 @@ int main(int argc, char** argv) try {
     // Every kill is restarted: one restart per kill with some to spare. The backoff doubles after
     // each restart of a worker (capped at 2^10 x); 10 ms keeps the 5th restart of a 600 s run at 160 ms
     // and a longer soak's worst at ~10 s, well inside the 120 s between two kills of one worker.
-    o.max_restarts = static_cast<int>(seconds / kKillEveryS / kWorkers) + 4;
+    o.max_restarts = kill_every_s > 0 ? static_cast<int>(seconds / kill_every_s / kWorkers) + 4 : 4;
     o.restart_backoff = absl::Milliseconds(10);
     workers.push_back(bf::make_worker(o));
     names.push_back(o.name);
@@ -375,9 +379,9 @@ int main(int argc, char** argv) try {
     for (const auto& s : m.sites) restarts += s.restarts;
     const std::string head =
         first_line ? fmt::format("\"cpu\":{},\"threads\":{},\"hardware_threads\":{},\"workers\":{},\"channel\":\"shm\","
-                                 "\"saturation_rps\":{:.2f},\"rate_rps\":{:.2f},\"duration_s\":{},",
+                                 "\"saturation_rps\":{:.2f},\"rate_rps\":{:.2f},\"duration_s\":{},\"kill_every_s\":{},",
                                  json_string(bf::bench::cpu_model()), threads, std::thread::hardware_concurrency(),
-                                 kWorkers, sat, rate, seconds)
+                                 kWorkers, sat, rate, seconds, kill_every_s)
                    : "";
     fmt::print("{{\"bench\":\"soak\",{}\"t_s\":{:.0f},\"sent\":{},\"completed\":{},\"failed\":{},\"lost\":{},"
                "\"outstanding\":{},\"rss_mb\":{{{}}},\"shm_slots_in_use\":{},\"shm_slots_idle_min\":{},"
@@ -390,7 +394,7 @@ int main(int argc, char** argv) try {
   };
   print_line(0, session.metrics(), start, true);
 
-  double next_print = kPrintEveryS, next_kill = kKillEveryS, next_apply = kApplyEveryS, next_rss = 0;
+  double next_print = kPrintEveryS, next_kill = kill_every_s > 0 ? kill_every_s : seconds + 1, next_apply = kApplyEveryS, next_rss = 0;
   for (;;) {
     const double t = seconds_since(soak0);
     watch_pids();
@@ -419,7 +423,7 @@ int main(int argc, char** argv) try {
       ledger.killed(names[k]);  // before the kill: its failures may come at once
       if (pid > 0 && ::kill(static_cast<pid_t>(pid), SIGKILL) == 0) ++kills;
       else ++kills_skipped;  // down (still restarting): the next one is killed next time
-      next_kill += kKillEveryS;
+      next_kill += kill_every_s;
     }
     if (t >= next_apply) {
       const auto t0 = Clock::now();

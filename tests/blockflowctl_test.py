@@ -46,9 +46,16 @@ def main():
               "the Prometheus text says so")
 
         with tempfile.TemporaryDirectory() as tmp:
+            # serve's blocks are C++ objects: a deployment that leaves one out would remove it for good.
+            drop = os.path.join(tmp, "drop.json")
+            with open(drop, "w") as f:
+                json.dump({"blocks": ["affine"], "tasks": {"affine": ["affine"]}}, f)
+            out = ctl(tool, endpoint, "apply", drop, expect=1)
+            check("is a C++ object (added with Session::add_block())" in out.stderr,
+                  "apply refuses to remove a C++ block for good, naming it")
             keep = os.path.join(tmp, "keep-affine.json")
             with open(keep, "w") as f:
-                json.dump({"blocks": ["affine"], "tasks": {"affine": ["affine"]}}, f)
+                json.dump({"blocks": ["affine", "sum2", "fails"], "tasks": {"affine": ["affine"]}}, f)
             check("applied: version 1" in ctl(tool, endpoint, "apply", keep).stdout, "apply: version 1")
             status = json.loads(ctl(tool, endpoint, "status").stdout)
             check(status["tasks"] == ["affine"] and status["version"] == 1, "status after the update")

@@ -190,6 +190,46 @@ TEST_CASE("an update that would drop a DAG task is refused, naming the task", "[
   CHECK(session.submit("ensemble", at::ones({1})).get().output().item<double>() == 4);
 }
 
+TEST_CASE("with keep_code_blocks (the control endpoint's), leaving out a C++ object block is refused, naming it",
+          "[update_lifecycle]") {
+  test::register_update_factories();
+  Session session;
+  session.add_block(test::unary("code", [](const Tensor& x) { return x * 10; }));
+  session.add_path(Path::chain("t", {"code"}));
+  test::require_started(session);
+  // Left out: no deployment could bring it back.
+  Deployment without = parse(R"({"blocks": [{"name": "other", "factory": "upd_add_1"}], "tasks": {"t": ["other"]}})");
+  without.keep_code_blocks = true;
+  auto refused = session.apply(without);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(absl::IsInvalidArgument(refused.status()));
+  CHECK_THAT(std::string(refused.status().message()),
+             Contains("block 'code' is a C++ object (added with Session::add_block()) that a deployment cannot describe"));
+  CHECK(session.metrics().version == 0);
+  CHECK(session.submit("t", at::ones({1})).get().output().item<double>() == 10);
+  // Listed by name it stays (and may leave every task); replaced by a block of its name it goes.
+  Deployment listed = parse(R"({"blocks": ["code", {"name": "other", "factory": "upd_add_1"}], "tasks": {"t": ["other"]}})");
+  listed.keep_code_blocks = true;
+  auto kept = session.apply(listed);
+  INFO(kept.status().ToString());
+  REQUIRE(kept.ok());
+  CHECK(session.submit("t", at::ones({1})).get().output().item<double>() == 2);
+  Deployment replacing = parse(R"({"blocks": [{"name": "code", "factory": "upd_add_1"}], "tasks": {"t": ["code"]}})");
+  replacing.keep_code_blocks = true;
+  auto replaced = session.apply(replacing);
+  INFO(replaced.status().ToString());
+  REQUIRE(replaced.ok());
+  CHECK(session.submit("t", at::ones({1})).get().output().item<double>() == 2);
+  // Without it (C++ callers), leaving a code block out removes it, as asked.
+  Session local;
+  local.add_block(test::unary("code", [](const Tensor& x) { return x * 10; }));
+  local.add_path(Path::chain("t", {"code"}));
+  test::require_started(local);
+  auto removed = local.apply(parse(R"({"blocks": [{"name": "other", "factory": "upd_add_1"}], "tasks": {"t": ["other"]}})"));
+  INFO(removed.status().ToString());
+  CHECK(removed.ok());
+}
+
 TEST_CASE("a bad device is a status from start(), apply() and Deployment::parse(), never an exception",
           "[update_lifecycle]") {
   test::register_update_factories();

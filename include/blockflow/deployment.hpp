@@ -34,6 +34,11 @@ struct Deployment {
   /// Blocks given by a bare name (the reference's form). Session::apply() keeps a running block of
   /// that name as it is, whatever it is (a C++ callable included).
   std::vector<std::string> bare_names;
+  /// When set, Session::apply() refuses, naming it, an update that leaves out a block added in code
+  /// as a C++ object (Session::add_block() with a Block): no deployment could bring it back. The
+  /// control endpoint sets it on every deployment it receives; in C++ leaving such a block out
+  /// removes it, as asked.
+  bool keep_code_blocks = false;
 
   /// @brief Parses and validates `json`. Relative TorchScript paths (and bare block names) are
   /// resolved against `models_dir`. Every error is InvalidArgument and names the field, block or

@@ -126,7 +126,10 @@ class Session {
   /// rejects the update as a whole: new sites are stopped, the others unload what they loaded.
   ///
   /// A deployment describes chains: an update that leaves out a task added with add_path() as a
-  /// DAG is refused, naming the task (it would be dropped without anyone asking). Blocks and sites
+  /// DAG is refused, naming the task (it would be dropped without anyone asking); with
+  /// Deployment::keep_code_blocks (the control endpoint's deployments) so is an update that leaves
+  /// out a block added as a C++ object with add_block(), as no deployment could bring it back: list
+  /// it by name to keep it, or give a block of its name to replace it. Blocks and sites
   /// an update removed are freed once no request in flight can reach them any more.
   ///
   /// apply() calls run one at a time. metrics(), submit(), set_site_factory() and set_sampling()

@@ -162,7 +162,16 @@ absl::Status SessionCore::update_diff(UpdateWork& u) {
     u.added.push_back(d);
   }
   for (const auto& runtime : blocks_) {
-    if (wanted_names.count(runtime->name()) == 0) u.removed.push_back(runtime.get());
+    if (wanted_names.count(runtime->name()) != 0) continue;
+    // A C++ object added with Session::add_block() has neither file nor factory: no deployment can
+    // bring it back, so leaving it out would remove it for good without anyone having said so.
+    if (wanted.keep_code_blocks && runtime->description.torchscript.empty() && runtime->description.factory.empty()) {
+      return u.invalid(fmt::format("block '{}' is a C++ object (added with Session::add_block()) that a deployment "
+                                   "cannot describe; the update would remove it for good. List it by name in the "
+                                   "deployment's blocks to keep it, or replace it with a block of the same name",
+                                   runtime->name()));
+    }
+    u.removed.push_back(runtime.get());
   }
   // A deployment describes chains only: a DAG task (Session::add_path()) it leaves out would be
   // dropped without anyone having asked for it.

@@ -67,6 +67,7 @@ struct ControlEndpoint::Impl {
       if (!request.contains("deployment")) return error("control: apply needs \"deployment\"");
       auto deployment = Deployment::parse(request["deployment"].dump(), options.models_dir, /*confine_to_models_dir=*/true);
       if (!deployment.ok()) return error(std::string(deployment.status().message()));
+      deployment->keep_code_blocks = true;  // what code added, the wire cannot take away for good
       if (const auto workers = deployment->workers().size(); workers > options.max_workers) {
         return error(fmt::format("control: the deployment names {} worker placements, over the limit of {} "
                                  "(ControlOptions::max_workers)", workers, options.max_workers));
