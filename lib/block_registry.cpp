@@ -1,4 +1,5 @@
 #include <blockflow/block_registry.hpp>
+#include <blockflow/detail/mutex.hpp>
 #include <blockflow/torchscript_block.hpp>
 
 #include <fmt/format.h>
@@ -14,17 +15,17 @@ BlockRegistry& BlockRegistry::global() {
 }
 
 void BlockRegistry::add(const std::string& factory, Factory fn) {
-  absl::MutexLock lock(&mu_);
+  blockflow::detail::MutexLock lock(&mu_);
   factories_[factory] = std::move(fn);
 }
 
 bool BlockRegistry::contains(const std::string& factory) const {
-  absl::MutexLock lock(&mu_);
+  blockflow::detail::MutexLock lock(&mu_);
   return factories_.count(factory) > 0;
 }
 
 std::vector<std::string> BlockRegistry::names() const {
-  absl::MutexLock lock(&mu_);
+  blockflow::detail::MutexLock lock(&mu_);
   std::vector<std::string> out;
   for (const auto& [name, fn] : factories_) out.push_back(name);
   return out;
@@ -34,7 +35,7 @@ absl::StatusOr<std::shared_ptr<Block>> BlockRegistry::create(const std::string& 
                                                              const BlockOptions& options) const {
   Factory fn;
   {
-    absl::MutexLock lock(&mu_);
+    blockflow::detail::MutexLock lock(&mu_);
     auto it = factories_.find(factory);
     if (it != factories_.end()) fn = it->second;
   }

@@ -1,4 +1,5 @@
 #include <blockflow/session.hpp>
+#include <blockflow/detail/mutex.hpp>
 #include <blockflow/detail/deployment_json.hpp>
 #include <blockflow/inproc_channel.hpp>
 #include <blockflow/detail/build_scope.hpp>
@@ -10,7 +11,6 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/zeros.h>
-#include <absl/synchronization/blocking_counter.h>
 #include <c10/core/InferenceMode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -104,7 +104,7 @@ std::unique_ptr<InProcessChannel> SessionCore::make_inbox(const BlockOptions& op
 
 absl::Status SessionCore::add_runtime(std::unique_ptr<BlockRuntime> runtime) {
   if (!runtime->inbox) runtime->inbox = make_inbox(runtime->description.options);
-  absl::MutexLock lock(&state_mu_);
+  blockflow::detail::MutexLock lock(&state_mu_);
   if (!block_by_name_.emplace(runtime->name(), runtime.get()).second) {
     return absl::InvalidArgumentError(fmt::format("two blocks are named '{}'", runtime->name()));
   }
@@ -196,11 +196,11 @@ absl::Status SessionCore::build() {
   auto table = compile_table(pending_paths_, lookup, &path_runtimes);
   if (!table.ok()) return table.status();
   {
-    absl::MutexLock lock(&state_mu_);
+    blockflow::detail::MutexLock lock(&state_mu_);
     for (auto& p : path_runtimes) paths_.push_back(std::move(p));
   }
   for (const auto& [task, plan] : (*table)->plans) published_plans_.push_back(plan);
-  absl::MutexLock lock(&routing_mu_);
+  blockflow::detail::MutexLock lock(&routing_mu_);
   routing_ = *std::move(table);
   return absl::OkStatus();
 }
@@ -267,7 +267,7 @@ absl::Status SessionCore::warm_up_block(BlockRuntime& runtime) {
 // (apply() from a completion callback), or with the lanes stopped, they run here instead.
 void SessionCore::on_lanes(std::vector<std::function<void()>>& tasks) {
   if (tasks.empty()) return;
-  absl::BlockingCounter done(static_cast<int>(tasks.size()));
+  blockflow::detail::BlockingCounter done(static_cast<int>(tasks.size()));
   for (auto& task : tasks) {
     auto counted = [&task, &done] {
       task();
@@ -632,7 +632,7 @@ void SessionCore::resolve(const StatePtr& state, absl::Status status, Tensors ou
   }
   result.status = std::move(status);
   {
-    absl::MutexLock lock(&live_mu_);
+    blockflow::detail::MutexLock lock(&live_mu_);
     live_.erase(state->id);
   }
   auto done = std::move(state->done);
@@ -649,7 +649,7 @@ void SessionCore::reject_now(const std::string& task, absl::Status status, const
 }
 
 std::shared_ptr<const RoutingTable> SessionCore::routing() const {
-  absl::MutexLock lock(&routing_mu_);
+  blockflow::detail::MutexLock lock(&routing_mu_);
   return routing_;
 }
 
@@ -691,7 +691,7 @@ void SessionCore::submit(const std::string& task, Tensors inputs, std::function<
   state->done = std::move(done);
   plan.metrics->submitted.fetch_add(1, std::memory_order_relaxed);
   {
-    absl::MutexLock lock(&live_mu_);
+    blockflow::detail::MutexLock lock(&live_mu_);
     live_.emplace(state->id, state);
   }
   for (std::size_t i = 0; i < plan.entries.size(); ++i) {
@@ -702,11 +702,11 @@ void SessionCore::submit(const std::string& task, Tensors inputs, std::function<
 
 
 void SessionCore::shutdown(absl::Duration drain) {
-  absl::MutexLock serial(&shutdown_mu_);
+  blockflow::detail::MutexLock serial(&shutdown_mu_);
   stopped_ = true;
   admitting_ = false;
   cancel_update();                      // an apply() in progress stops at its next step
-  absl::MutexLock update(&update_mu_);  // and is over once this is held
+  blockflow::detail::MutexLock update(&update_mu_);  // and is over once this is held
   const absl::Time deadline = absl::Now() + drain;
   while (in_flight_.load(std::memory_order_acquire) > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
   for (auto& runtime : blocks_) runtime->inbox->close();
@@ -726,7 +726,7 @@ void SessionCore::shutdown(absl::Duration drain) {
   }
   std::vector<StatePtr> leftovers;
   {
-    absl::MutexLock lock(&live_mu_);
+    blockflow::detail::MutexLock lock(&live_mu_);
     for (auto& [id, weak] : live_) {
       if (auto state = weak.lock()) leftovers.push_back(std::move(state));
     }
@@ -793,7 +793,7 @@ void Session::set_sampling(bool enabled, absl::Duration period) { core_->set_sam
 namespace detail {
 void SessionCore::set_sampling(bool enabled, absl::Duration period) {
   sampler_.set(enabled, period);
-  absl::MutexLock lock(&state_mu_);
+  blockflow::detail::MutexLock lock(&state_mu_);
   for (const auto& site : sites_) site->site->set_sampling(enabled, period);
 }
 
@@ -802,7 +802,7 @@ bool SessionCore::post_to_lane(std::function<void()> task) {
 }
 
 void SessionCore::set_site_factory(Session::SiteFactory factory) {
-  absl::MutexLock lock(&factory_mu_);  // never waits behind an update: apply() copies it at its start
+  blockflow::detail::MutexLock lock(&factory_mu_);  // never waits behind an update: apply() copies it at its start
   site_factory_ = std::move(factory);
 }
 }  // namespace detail

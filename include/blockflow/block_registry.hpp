@@ -7,7 +7,7 @@
 #include <blockflow/torchscript_block.hpp>
 
 #include <absl/status/statusor.h>
-#include <absl/synchronization/mutex.h>
+#include <blockflow/detail/mutex.hpp>
 
 #include <functional>
 #include <map>
@@ -58,7 +58,7 @@ class BlockRegistry {
                                                                const BlockOptions& options) const;
 
  private:
-  mutable absl::Mutex mu_;
+  mutable blockflow::detail::Mutex mu_;
   std::map<std::string, Factory> factories_ ABSL_GUARDED_BY(mu_);
 };
 

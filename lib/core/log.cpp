@@ -1,4 +1,5 @@
 #include <blockflow/detail/log.hpp>
+#include <blockflow/detail/mutex.hpp>
 
 #include <fmt/format.h>
 
@@ -12,8 +13,8 @@ namespace {
 
 std::atomic<int> g_level{static_cast<int>(LogLevel::kInfo)};
 
-absl::Mutex& sink_mu() {
-  static absl::Mutex mu;
+blockflow::detail::Mutex& sink_mu() {
+  static blockflow::detail::Mutex mu;
   return mu;
 }
 
@@ -42,7 +43,7 @@ std::string_view to_string(LogLevel level) {
 
 void set_log_sink(LogSink sink) {
   auto next = sink ? std::make_shared<const LogSink>(std::move(sink)) : nullptr;
-  absl::MutexLock lock(&sink_mu());
+  blockflow::detail::MutexLock lock(&sink_mu());
   sink_slot() = std::move(next);
 }
 
@@ -54,7 +55,7 @@ void log(LogLevel level, std::string_view message) {
   if (static_cast<int>(level) < g_level.load(std::memory_order_relaxed)) return;
   std::shared_ptr<const LogSink> sink;
   {
-    absl::MutexLock lock(&sink_mu());
+    blockflow::detail::MutexLock lock(&sink_mu());
     sink = sink_slot();
   }
   if (!sink) return to_stderr(level, message);
@@ -68,7 +69,7 @@ void log(LogLevel level, std::string_view message) {
 void RateLimitedLog::log(LogLevel level, std::string_view message) {
   std::uint64_t dropped = 0;
   {
-    absl::MutexLock lock(&mu_);
+    blockflow::detail::MutexLock lock(&mu_);
     const absl::Time now = absl::Now();
     if (now - window_start_ >= period_) {
       window_start_ = now;
@@ -87,7 +88,7 @@ void RateLimitedLog::log(LogLevel level, std::string_view message) {
 }
 
 std::uint64_t RateLimitedLog::suppressed() const {
-  absl::MutexLock lock(&mu_);
+  blockflow::detail::MutexLock lock(&mu_);
   return dropped_total_;
 }
 

@@ -1,5 +1,6 @@
 // Session::metrics(): the snapshot of the session's counters.
 #include <blockflow/detail/auth_failures.hpp>
+#include <blockflow/detail/mutex.hpp>
 #include <blockflow/detail/clock.hpp>
 #include <blockflow/detail/session_core.hpp>
 
@@ -10,7 +11,7 @@
 namespace blockflow::detail {
 
 MetricsSnapshot SessionCore::metrics() const {
-  absl::MutexLock lock(&state_mu_);
+  blockflow::detail::MutexLock lock(&state_mu_);
   MetricsSnapshot snapshot;
   snapshot.version = version_.load();
   snapshot.last_update = last_update_;

@@ -1,6 +1,7 @@
 // The session's remote sites: starting them, forwarding a block's queue to its site, and what
 // the site reports back.
 #include <blockflow/detail/clock.hpp>
+#include <blockflow/detail/mutex.hpp>
 #include <blockflow/detail/session_core.hpp>
 
 #include <fmt/format.h>
@@ -62,7 +63,7 @@ void SessionCore::forward_to_site(BlockRuntime& runtime) {
     hop.arrived_ns = envelope->sent_ns;
     hop.dequeued_ns = dequeued;  // provisional: on completion it also absorbs the site's queueing
     {
-      absl::MutexLock lock(&runtime.site->mu);
+      blockflow::detail::MutexLock lock(&runtime.site->mu);
       runtime.site->in_flight[{envelope->request_id, envelope->node}] = {state, &runtime};
     }
     envelope->outputs_may_stay = outputs_may_stay(*state->plan, envelope->node);
@@ -74,7 +75,7 @@ void SessionCore::on_site_completion(SiteRuntime& site, SiteCompletion&& c) {
   const std::int64_t received = now_ns();
   std::pair<StatePtr, BlockRuntime*> entry;
   {
-    absl::MutexLock lock(&site.mu);
+    blockflow::detail::MutexLock lock(&site.mu);
     auto it = site.in_flight.find({c.request_id, c.node});
     if (it == site.in_flight.end()) return;  // already reported (exactly once)
     entry = std::move(it->second);
@@ -103,7 +104,7 @@ bool SessionCore::try_site_now(BlockRuntime& runtime, Envelope& envelope) {
   HopTiming& hop = state->hops[envelope.node];
   hop.arrived_ns = hop.dequeued_ns = now_ns();
   {
-    absl::MutexLock lock(&runtime.site->mu);
+    blockflow::detail::MutexLock lock(&runtime.site->mu);
     runtime.site->in_flight[key] = {state, &runtime};
   }
   envelope.outputs_may_stay = outputs_may_stay(*state->plan, envelope.node);
@@ -111,7 +112,7 @@ bool SessionCore::try_site_now(BlockRuntime& runtime, Envelope& envelope) {
     runtime.handed_directly.fetch_add(1, std::memory_order_relaxed);
     return true;
   }
-  absl::MutexLock lock(&runtime.site->mu);
+  blockflow::detail::MutexLock lock(&runtime.site->mu);
   runtime.site->in_flight.erase(key);
   return false;
 }

@@ -2,6 +2,7 @@
 // (what changes, load, route, start, publish, drain), each of which can be cancelled before the
 // publish; and freeing what earlier updates removed once no request can reach it any more.
 #include <blockflow/detail/clock.hpp>
+#include <blockflow/detail/mutex.hpp>
 #include <blockflow/detail/deployment_json.hpp>
 #include <blockflow/detail/log.hpp>
 #include <blockflow/detail/session_core.hpp>
@@ -71,21 +72,21 @@ void SessionCore::stop_runtime(BlockRuntime& runtime, const std::string& why) {
 }
 
 absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl::Duration drain) {
-  absl::MutexLock serial(&update_mu_);
+  blockflow::detail::MutexLock serial(&update_mu_);
   UpdateWork u(wanted);
   u.version = version_.load() + 1;
   u.t_begin = now_ns();
   u.timing.version = u.version;
   {
     // shutdown() sets stopped_ before it looks for an update to cancel: one of the two sees the other.
-    absl::MutexLock lock(&busy_mu_);
+    blockflow::detail::MutexLock lock(&busy_mu_);
     updating_ = true;
     cancelled_ = false;
   }
   struct Done {
     SessionCore* core;
     ~Done() {
-      absl::MutexLock lock(&core->busy_mu_);
+      blockflow::detail::MutexLock lock(&core->busy_mu_);
       core->updating_ = false;
     }
   } done{this};
@@ -94,7 +95,7 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
   }
   collect_retired();
   {
-    absl::MutexLock lock(&factory_mu_);
+    blockflow::detail::MutexLock lock(&factory_mu_);
     u.factory = site_factory_;
   }
   if (auto status = update_diff(u); !status.ok()) return status;
@@ -108,7 +109,7 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
 }
 
 bool SessionCore::update_cancelled() const {
-  absl::MutexLock lock(&busy_mu_);
+  blockflow::detail::MutexLock lock(&busy_mu_);
   return cancelled_;
 }
 
@@ -116,7 +117,7 @@ void SessionCore::cancel_update() {
   std::shared_ptr<RemoteSite> site;
   bool stop_it = false;
   {
-    absl::MutexLock lock(&busy_mu_);
+    blockflow::detail::MutexLock lock(&busy_mu_);
     if (!updating_) return;
     cancelled_ = true;
     site = busy_site_;
@@ -131,13 +132,13 @@ void SessionCore::cancel_update() {
 // Runs `step` against `site` so that cancel_update() can interrupt it; not at all once cancelled.
 absl::Status SessionCore::at_site(SiteRuntime& site, bool is_new, const std::function<absl::Status()>& step) {
   {
-    absl::MutexLock lock(&busy_mu_);
+    blockflow::detail::MutexLock lock(&busy_mu_);
     if (cancelled_) return absl::CancelledError("cancelled");
     busy_site_ = site.site;
     busy_site_is_new_ = is_new;
   }
   absl::Status status = step();
-  absl::MutexLock lock(&busy_mu_);
+  blockflow::detail::MutexLock lock(&busy_mu_);
   busy_site_.reset();
   if (cancelled_ && !status.ok()) return absl::CancelledError("cancelled");
   return status;
@@ -346,7 +347,7 @@ void SessionCore::update_publish(UpdateWork& u) {
   u.timing.blocks_removed = static_cast<std::uint32_t>(u.removed.size());
   u.timing.sites_started = static_cast<std::uint32_t>(u.new_sites.size());
   {
-    absl::MutexLock lock(&state_mu_);
+    blockflow::detail::MutexLock lock(&state_mu_);
     for (auto& runtime : u.fresh) blocks_.push_back(std::move(runtime));
     for (auto& site : u.new_sites) {
       // set_sampling() holds state_mu_ too: a new site gets the setting of the moment.
@@ -362,7 +363,7 @@ void SessionCore::update_publish(UpdateWork& u) {
   for (const auto& [task, plan] : u.table->plans) published_plans_.push_back(plan);
   std::shared_ptr<const RoutingTable> old;
   {
-    absl::MutexLock lock(&routing_mu_);
+    blockflow::detail::MutexLock lock(&routing_mu_);
     old = std::exchange(routing_, std::move(u.table));
   }
   u.old_table = old;
@@ -423,7 +424,7 @@ void SessionCore::update_drain(UpdateWork& u, absl::Duration drain) {
   std::vector<std::shared_ptr<RemoteSite>> released_sites;  // destroyed outside state_mu_
   u.timing.drain_ms = ms_since(t_drain);
   u.timing.total_ms = ms_since(u.t_begin);
-  absl::MutexLock lock(&state_mu_);
+  blockflow::detail::MutexLock lock(&state_mu_);
   last_update_ = u.timing;
   for (auto it = sites_.begin(); it != sites_.end();) {
     if (std::find(emptied.begin(), emptied.end(), it->get()) != emptied.end()) {
@@ -471,7 +472,7 @@ void SessionCore::collect_retired() {
   std::vector<std::unique_ptr<BlockRuntime>> freed;
   std::vector<std::unique_ptr<SiteRuntime>> freed_sites;
   std::vector<std::unique_ptr<PathRuntime>> freed_paths;
-  absl::MutexLock lock(&state_mu_);
+  blockflow::detail::MutexLock lock(&state_mu_);
   auto keep_block = [&](const auto& runtime) { return held_blocks.count(runtime.get()) != 0; };
   auto split = std::stable_partition(retired_.begin(), retired_.end(), keep_block);
   std::move(split, retired_.end(), std::back_inserter(freed));

@@ -2,7 +2,7 @@
 #include <blockflow/detail/cuda_export_table.hpp>
 
 #include <absl/container/flat_hash_map.h>
-#include <absl/synchronization/mutex.h>
+#include <blockflow/detail/mutex.hpp>
 
 #include <algorithm>
 
@@ -13,7 +13,7 @@ struct CudaExportTable::Impl {
     Allocation allocation;
     std::weak_ptr<void> live;  // expires when the last share of the allocation is released
   };
-  mutable absl::Mutex mu;
+  mutable blockflow::detail::Mutex mu;
   std::size_t bound ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<std::string, Entry> entries ABSL_GUARDED_BY(mu);
 
@@ -40,7 +40,7 @@ CudaExportTable::~CudaExportTable() = default;
 
 std::shared_ptr<void> CudaExportTable::remember(const std::string& key, Allocation allocation) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  blockflow::detail::MutexLock lock(&s.mu);
   if (auto it = s.entries.find(key); it != s.entries.end()) {
     if (auto live = it->second.live.lock()) {
       it->second.allocation = allocation;
@@ -55,19 +55,19 @@ std::shared_ptr<void> CudaExportTable::remember(const std::string& key, Allocati
 }
 
 std::optional<CudaExportTable::Allocation> CudaExportTable::find(const std::string& key) const {
-  absl::MutexLock lock(&impl_->mu);
+  blockflow::detail::MutexLock lock(&impl_->mu);
   auto it = impl_->entries.find(key);
   if (it == impl_->entries.end() || it->second.live.expired()) return std::nullopt;
   return it->second.allocation;
 }
 
 std::size_t CudaExportTable::size() const {
-  absl::MutexLock lock(&impl_->mu);
+  blockflow::detail::MutexLock lock(&impl_->mu);
   return impl_->entries.size();
 }
 
 std::size_t CudaExportTable::bound() const {
-  absl::MutexLock lock(&impl_->mu);
+  blockflow::detail::MutexLock lock(&impl_->mu);
   return impl_->bound;
 }
 

@@ -5,7 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <absl/container/flat_hash_map.h>
-#include <absl/synchronization/mutex.h>
+#include <blockflow/detail/mutex.hpp>
 #include <fmt/format.h>
 
 #include <unistd.h>
@@ -103,17 +103,17 @@ cudaStream_t current_stream(int device) {
 }
 
 absl::StatusOr<std::string> pci_bus_id(int device) {
-  static absl::Mutex mu;
+  static blockflow::detail::Mutex mu;
   static absl::flat_hash_map<int, std::string> known;  // the driver query is not free: once per device
   {
-    absl::MutexLock lock(&mu);
+    blockflow::detail::MutexLock lock(&mu);
     if (auto it = known.find(device); it != known.end()) return it->second;
   }
   char id[32] = {};
   if (auto e = cudaDeviceGetPCIBusId(id, sizeof(id), device); e != cudaSuccess) {
     return absl::FailedPreconditionError(fmt::format("cudaDeviceGetPCIBusId(device {}): {}", device, take_error(e)));
   }
-  absl::MutexLock lock(&mu);
+  blockflow::detail::MutexLock lock(&mu);
   known[device] = id;
   return std::string(id);
 }
@@ -152,7 +152,7 @@ class Imports {
 
   absl::StatusOr<std::shared_ptr<Imported>> open(const Record& record, int device) {
     const std::string key(reinterpret_cast<const char*>(record.memory), kIpcHandleBytes);
-    absl::MutexLock lock(&mu_);
+    blockflow::detail::MutexLock lock(&mu_);
     if (record.producer_pid == static_cast<std::uint64_t>(::getpid())) {
       // Our own allocation, handed back (a worker returned a view of what we sent it). CUDA opens
       // no handle of its own process; the allocation is alive (the share that exported it is out).
@@ -193,7 +193,7 @@ class Imports {
 
   absl::StatusOr<cudaEvent_t> event(const Record& record, int device) {
     const std::string key(reinterpret_cast<const char*>(record.event), kIpcHandleBytes);
-    absl::MutexLock lock(&mu_);
+    blockflow::detail::MutexLock lock(&mu_);
     if (auto it = events_.find(key); it != events_.end()) return it->second;
     DeviceGuard guard(device);
     cudaIpcEventHandle_t handle;
@@ -218,12 +218,12 @@ class Imports {
   // The device a PCI bus id names here (cached: the driver query is not free).
   absl::StatusOr<int> device(const char* pci) {
     {
-      absl::MutexLock lock(&mu_);
+      blockflow::detail::MutexLock lock(&mu_);
       if (auto it = devices_.find(pci); it != devices_.end()) return it->second;
     }
     auto device = device_of(pci);
     if (!device.ok()) return device.status();
-    absl::MutexLock lock(&mu_);
+    blockflow::detail::MutexLock lock(&mu_);
     devices_[pci] = *device;
     return *device;
   }
@@ -231,7 +231,7 @@ class Imports {
   // The opened allocation `ptr` lies in, if any (a tensor received here, being forwarded).
   std::shared_ptr<Imported> origin(const void* ptr) {
     const auto* p = static_cast<const char*>(ptr);
-    absl::MutexLock lock(&mu_);
+    blockflow::detail::MutexLock lock(&mu_);
     for (const auto& [key, imported] : memory_) {
       const auto* base = static_cast<const char*>(imported->base);
       if (p >= base && p < base + imported->bytes) return imported;
@@ -254,7 +254,7 @@ class Imports {
     }
   }
 
-  absl::Mutex mu_;
+  blockflow::detail::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Imported>> memory_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, cudaEvent_t> events_ ABSL_GUARDED_BY(mu_);
   CudaExportTable exported_;  // thread-safe on its own
@@ -284,9 +284,9 @@ absl::Status cuda_ipc_usable() {
 }
 
 absl::StatusOr<std::string> export_cuda_probe() {
-  static absl::Mutex mu;
+  static blockflow::detail::Mutex mu;
   static std::string probe;
-  absl::MutexLock lock(&mu);
+  blockflow::detail::MutexLock lock(&mu);
   if (!probe.empty()) return probe;
   int device = 0;
   if (auto e = cudaGetDevice(&device); e != cudaSuccess) {
@@ -376,7 +376,7 @@ struct CudaProducer::Impl {
   using Key = std::tuple<std::uint64_t, std::uint32_t, std::uint64_t>;  // pool, slot, generation
 
   ShmProducer records;
-  absl::Mutex mu;
+  blockflow::detail::Mutex mu;
   absl::flat_hash_map<Key, Held> held ABSL_GUARDED_BY(mu);
   std::vector<Event> events ABSL_GUARDED_BY(mu);
 
@@ -410,7 +410,7 @@ struct CudaProducer::Impl {
   }
 
   ~Impl() {
-    absl::MutexLock lock(&mu);
+    blockflow::detail::MutexLock lock(&mu);
     held.clear();
     for (auto& e : events) (void)cudaEventDestroy(e.event);
   }
@@ -470,7 +470,7 @@ absl::StatusOr<wire::ShmHandle> CudaProducer::share(const at::Tensor& t, absl::T
   if (!lease.ok()) {
     return absl::Status(lease.status().code(), fmt::format("CUDA channel: {}", std::string(lease.status().message())));
   }
-  absl::MutexLock lock(&s.mu);
+  blockflow::detail::MutexLock lock(&s.mu);
   int event = -1;
   {
     auto taken = s.take_event(device);
@@ -500,7 +500,7 @@ absl::StatusOr<wire::ShmHandle> CudaProducer::share(const at::Tensor& t, absl::T
 
 bool CudaProducer::release(const wire::ShmHandle& handle) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  blockflow::detail::MutexLock lock(&s.mu);
   wire::ShmHandle record = handle;
   record.memory = wire::kHostMemory;
   record.offset = 0;
@@ -511,7 +511,7 @@ bool CudaProducer::release(const wire::ShmHandle& handle) {
 
 std::size_t CudaProducer::reclaim_all() {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  blockflow::detail::MutexLock lock(&s.mu);
   const std::size_t n = s.records.reclaim_all();
   std::vector<Impl::Key> keys;
   for (const auto& [key, held] : s.held) keys.push_back(key);

@@ -1,6 +1,6 @@
 #include <blockflow/detail/runtime_dir.hpp>
 
-#include <absl/synchronization/mutex.h>
+#include <blockflow/detail/mutex.hpp>
 #include <fmt/format.h>
 
 #include <cerrno>
@@ -29,7 +29,7 @@ std::string runtime_root() {
 // The owner locks this process holds, by directory: the lock lives as long as the process or
 // until remove_private_dir(), so a directory whose lock anyone can take is abandoned.
 struct OwnerLocks {
-  absl::Mutex mu;
+  blockflow::detail::Mutex mu;
   std::map<std::string, int> fds;
   static OwnerLocks& get() {
     static OwnerLocks* locks = new OwnerLocks;  // never destroyed: used until the process exits
@@ -102,7 +102,7 @@ absl::StatusOr<std::string> make_private_dir(const std::string& tag) {
     return absl::InternalError(fmt::format("cannot lock the private directory {}: {}", dir, why));
   }
   OwnerLocks& locks = OwnerLocks::get();
-  absl::MutexLock lock(&locks.mu);
+  blockflow::detail::MutexLock lock(&locks.mu);
   locks.fds[dir] = fd;
   return dir;
 }
@@ -111,7 +111,7 @@ void remove_private_dir(const std::string& dir) {
   if (dir.empty()) return;
   remove_tree(dir);
   OwnerLocks& locks = OwnerLocks::get();
-  absl::MutexLock lock(&locks.mu);
+  blockflow::detail::MutexLock lock(&locks.mu);
   if (auto it = locks.fds.find(dir); it != locks.fds.end()) {
     ::close(it->second);
     locks.fds.erase(it);

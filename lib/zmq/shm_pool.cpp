@@ -1,7 +1,7 @@
 #include <blockflow/detail/shm_pool.hpp>
 
 #include <absl/container/flat_hash_map.h>
-#include <absl/synchronization/mutex.h>
+#include <blockflow/detail/mutex.hpp>
 #include <fmt/format.h>
 
 #include <fcntl.h>
@@ -56,8 +56,8 @@ std::size_t next_pow2(std::size_t n) {
 // the test of abandonment (sweep_orphaned_pools()), as pids mean nothing across PID namespaces.
 std::uint64_t new_pool_id() {
   static std::mt19937_64 random{std::random_device{}()};
-  static absl::Mutex mu;
-  absl::MutexLock lock(&mu);
+  static blockflow::detail::Mutex mu;
+  blockflow::detail::MutexLock lock(&mu);
   return (static_cast<std::uint64_t>(::getpid()) << 32) | (random() & 0xFFFFFFFFull);
 }
 
@@ -112,14 +112,14 @@ struct Mapping {
 // Every pool of another process mapped here (by any ShmConsumer), so that a tensor over one can be
 // handed on as the same slot (shm_origin()).
 struct MappedPools {
-  absl::Mutex mu;
+  blockflow::detail::Mutex mu;
   std::vector<std::pair<std::uint64_t, std::weak_ptr<Mapping>>> pools ABSL_GUARDED_BY(mu);
   static MappedPools& get() {
     static auto* all = new MappedPools;  // never destroyed: deleters may run during exit
     return *all;
   }
   void add(std::uint64_t id, const std::shared_ptr<Mapping>& mapping) {
-    absl::MutexLock lock(&mu);
+    blockflow::detail::MutexLock lock(&mu);
     pools.erase(std::remove_if(pools.begin(), pools.end(), [](const auto& p) { return p.second.expired(); }),
                 pools.end());
     pools.emplace_back(id, mapping);
@@ -149,7 +149,7 @@ struct ShmProducer::Impl {
   };
 
   ShmPoolOptions options;
-  mutable absl::Mutex mu;
+  mutable blockflow::detail::Mutex mu;
   std::vector<Pool> pools;  // by slot size, small first
   ShmEdgeStats stats;
   std::uint64_t frees = 0;  // slots freed so far: stage() waits for this to move
@@ -274,7 +274,7 @@ struct ShmProducer::Impl {
   // so that while it is copied into, without the lock, nobody can take, free or reclaim it: find_slot
   // skips it, and release(), reclaim_all() and maybe_free() see no consumer hold to drop.
   absl::StatusOr<std::pair<wire::ShmHandle, char*>> reserve(std::size_t bytes, absl::Time deadline) {
-    absl::MutexLock lock(&mu);
+    blockflow::detail::MutexLock lock(&mu);
     auto acquired = acquire(bytes, deadline);
     if (!acquired.ok()) return acquired.status();
     auto [pool, slot] = *acquired;
@@ -285,7 +285,7 @@ struct ShmProducer::Impl {
   // stage()'s last step: the filled slot becomes the consumer's (its handle is about to be sent).
   // Found again by id: another stage() may have added a pool (and moved `pools`) meanwhile.
   void publish_staged(const wire::ShmHandle& handle, std::size_t bytes) {
-    absl::MutexLock lock(&mu);
+    blockflow::detail::MutexLock lock(&mu);
     Slot& x = pool_of(handle.pool_id)->slots[handle.slot];
     x.producer_holds = false;
     x.consumer_holds = 1;
@@ -338,7 +338,7 @@ std::optional<ShmLease> ShmProducer::try_lease(std::size_t bytes) {
 
 absl::StatusOr<ShmLease> ShmProducer::lease_slot(std::size_t bytes, absl::Time deadline, bool wait) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  blockflow::detail::MutexLock lock(&s.mu);
   auto acquired = s.acquire(bytes, deadline, wait);
   if (!acquired.ok()) return acquired.status();
   auto [pool, slot] = *acquired;
@@ -353,7 +353,7 @@ absl::StatusOr<ShmLease> ShmProducer::lease_slot(std::size_t bytes, absl::Time d
   out.drop = [weak, handle = out.handle] {
     auto impl = weak.lock();
     if (!impl) return;  // the producer is gone; the mapping stayed alive for the tensor
-    absl::MutexLock lock(&impl->mu);
+    blockflow::detail::MutexLock lock(&impl->mu);
     Impl::Pool* p = impl->pool_of(handle.pool_id);
     if (p == nullptr || handle.slot >= p->slots.size() || p->slots[handle.slot].generation != handle.generation) return;
     p->slots[handle.slot].producer_holds = false;
@@ -364,7 +364,7 @@ absl::StatusOr<ShmLease> ShmProducer::lease_slot(std::size_t bytes, absl::Time d
 
 std::optional<wire::ShmHandle> ShmProducer::share(const void* data, std::size_t bytes) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  blockflow::detail::MutexLock lock(&s.mu);
   const char* p = static_cast<const char*>(data);
   for (auto& pool : s.pools) {
     const char* first = pool.slot_address(0);
@@ -383,7 +383,7 @@ std::optional<wire::ShmHandle> ShmProducer::share(const void* data, std::size_t 
 
 bool ShmProducer::release(const wire::ShmHandle& handle) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  blockflow::detail::MutexLock lock(&s.mu);
   Impl::Pool* pool = s.pool_of(handle.pool_id);
   if (pool == nullptr || handle.slot >= pool->slots.size() || !pool->slots[handle.slot].leased ||
       pool->slots[handle.slot].generation != handle.generation) {
@@ -403,7 +403,7 @@ bool ShmProducer::release(const wire::ShmHandle& handle) {
 
 std::size_t ShmProducer::reclaim_all() {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  blockflow::detail::MutexLock lock(&s.mu);
   std::size_t n = 0;
   for (auto& pool : s.pools) {
     for (std::uint32_t i = 0; i < pool.slots.size(); ++i) {
@@ -420,7 +420,7 @@ std::size_t ShmProducer::reclaim_all() {
 
 ShmEdgeStats ShmProducer::stats() const {
   const Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  blockflow::detail::MutexLock lock(&s.mu);
   ShmEdgeStats out = s.stats;
   out.pools = s.pools.size();
   out.bytes_mapped = s.bytes_mapped();
@@ -429,7 +429,7 @@ ShmEdgeStats ShmProducer::stats() const {
 
 const void* ShmProducer::address(const wire::ShmHandle& handle) const {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  blockflow::detail::MutexLock lock(&s.mu);
   Impl::Pool* pool = s.pool_of(handle.pool_id);
   if (pool == nullptr || handle.slot >= pool->slots.size()) return nullptr;
   return pool->slot_address(handle.slot) + handle.offset;
@@ -437,7 +437,7 @@ const void* ShmProducer::address(const wire::ShmHandle& handle) const {
 
 // ---------------------------------------------------------------------------------------------------
 struct ShmConsumer::Impl {
-  mutable absl::Mutex mu;
+  mutable blockflow::detail::Mutex mu;
   absl::flat_hash_map<std::uint64_t, std::shared_ptr<Mapping>> pools;
 
   absl::StatusOr<std::shared_ptr<Mapping>> map(std::uint64_t pool_id) {
@@ -482,14 +482,14 @@ absl::StatusOr<ShmConsumer::View> ShmConsumer::resolve(const wire::ShmHandle& ha
   Impl& s = *impl_;
   std::shared_ptr<Mapping> mapping;
   {
-    absl::MutexLock lock(&s.mu);
+    blockflow::detail::MutexLock lock(&s.mu);
     if (auto it = s.pools.find(handle.pool_id); it != s.pools.end()) mapping = it->second;
   }
   if (!mapping) {
     auto mapped = s.map(handle.pool_id);
     if (!mapped.ok()) return mapped.status();
     MappedPools::get().add(handle.pool_id, *mapped);
-    absl::MutexLock lock(&s.mu);
+    blockflow::detail::MutexLock lock(&s.mu);
     mapping = s.pools.try_emplace(handle.pool_id, *mapped).first->second;
   }
   const Mapping& m = *mapping;  // the layout captured when mapped, never the shared header
@@ -515,19 +515,19 @@ absl::StatusOr<ShmConsumer::View> ShmConsumer::resolve(const wire::ShmHandle& ha
 }
 
 void ShmConsumer::forget_all() {
-  absl::MutexLock lock(&impl_->mu);
+  blockflow::detail::MutexLock lock(&impl_->mu);
   impl_->pools.clear();
 }
 
 std::size_t ShmConsumer::pools_mapped() const {
-  absl::MutexLock lock(&impl_->mu);
+  blockflow::detail::MutexLock lock(&impl_->mu);
   return impl_->pools.size();
 }
 
 std::optional<wire::ShmHandle> shm_origin(const void* data, std::size_t bytes) {
   const auto* p = static_cast<const char*>(data);
   MappedPools& all = MappedPools::get();
-  absl::MutexLock lock(&all.mu);
+  blockflow::detail::MutexLock lock(&all.mu);
   for (const auto& [id, weak] : all.pools) {
     const auto mapping = weak.lock();
     if (!mapping) continue;

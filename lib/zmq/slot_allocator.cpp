@@ -1,7 +1,7 @@
 #include <blockflow/detail/slot_allocator.hpp>
 
 #include <absl/container/flat_hash_map.h>
-#include <absl/synchronization/mutex.h>
+#include <blockflow/detail/mutex.hpp>
 #include <c10/core/CPUAllocator.h>
 
 #include <atomic>
@@ -11,7 +11,7 @@ namespace {
 
 // The raw deleter is a plain function: the allocator's state is process-wide.
 struct State {
-  absl::Mutex mu;
+  blockflow::detail::Mutex mu;
   std::shared_ptr<ShmProducer> producer ABSL_GUARDED_BY(mu);
   std::atomic<std::size_t> min_bytes{0};  // read without the lock on every allocation
   absl::flat_hash_map<void*, ShmLease> leases ABSL_GUARDED_BY(mu);  // by data pointer
@@ -29,7 +29,7 @@ void delete_slot_or_fallback(void* data) {
   State& s = state();
   ShmLease lease;
   {
-    absl::MutexLock lock(&s.mu);
+    blockflow::detail::MutexLock lock(&s.mu);
     auto it = s.leases.find(data);
     if (it != s.leases.end()) {
       lease = std::move(it->second);
@@ -48,7 +48,7 @@ class SlotAllocator final : public c10::Allocator {
     if (bytes < s.min_bytes.load(std::memory_order_relaxed) || paused != 0) return s.fallback->allocate(bytes);
     {
       // One lock section (the producer's own lock nests inside; lease drops never take ours).
-      absl::MutexLock lock(&s.mu);
+      blockflow::detail::MutexLock lock(&s.mu);
       if (s.producer) {
         if (auto lease = s.producer->try_lease(bytes)) {
           void* data = lease->data;
@@ -75,7 +75,7 @@ void install_slot_allocator(std::shared_ptr<ShmProducer> producer, std::size_t m
   static auto* allocator = new SlotAllocator;
   State& s = state();
   {
-    absl::MutexLock lock(&s.mu);
+    blockflow::detail::MutexLock lock(&s.mu);
     s.producer = std::move(producer);
     s.min_bytes.store(min_bytes);
   }
@@ -90,7 +90,7 @@ SlotAllocatorPause::~SlotAllocatorPause() { --paused; }
 
 void uninstall_slot_allocator() {
   State& s = state();
-  absl::MutexLock lock(&s.mu);
+  blockflow::detail::MutexLock lock(&s.mu);
   s.producer.reset();
 }
 

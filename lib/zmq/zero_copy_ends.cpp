@@ -1,4 +1,5 @@
 #include <blockflow/detail/zero_copy_ends.hpp>
+#include <blockflow/detail/mutex.hpp>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -21,7 +22,7 @@ ShmStager ZeroCopyEnds::stager(absl::Duration wait) {
       const std::size_t bytes = byte_size(contiguous);
       if (auto shared = own->share(contiguous.data_ptr(), bytes)) return *shared;
       if (auto origin = shm_origin(contiguous.data_ptr(), bytes)) {
-        absl::MutexLock lock(&forwarded->mu);
+        blockflow::detail::MutexLock lock(&forwarded->mu);
         forwarded->held[{origin->pool_id, origin->slot, origin->generation}].push_back(contiguous);
         ++forwarded->count;
         return *origin;
@@ -53,7 +54,7 @@ bool ZeroCopyEnds::release(const wire::ShmHandle& handle) {
   if (handle.memory == wire::kCudaMemory) return cuda_out_ != nullptr && cuda_out_->release(handle);
   at::Tensor dropped;  // dies outside the lock: its own release may run now
   {
-    absl::MutexLock lock(&forwarded_->mu);
+    blockflow::detail::MutexLock lock(&forwarded_->mu);
     auto it = forwarded_->held.find({handle.pool_id, handle.slot, handle.generation});
     if (it != forwarded_->held.end()) {
       dropped = std::move(it->second.back());
@@ -69,7 +70,7 @@ std::size_t ZeroCopyEnds::reclaim_all() {
   std::size_t forwarded = 0;
   decltype(forwarded_->held) dropped;
   {
-    absl::MutexLock lock(&forwarded_->mu);
+    blockflow::detail::MutexLock lock(&forwarded_->mu);
     for (const auto& [key, tensors] : forwarded_->held) forwarded += tensors.size();
     dropped.swap(forwarded_->held);
   }
@@ -78,7 +79,7 @@ std::size_t ZeroCopyEnds::reclaim_all() {
 
 ShmEdgeStats ZeroCopyEnds::host_stats() const {
   ShmEdgeStats s = host_out_->stats();
-  absl::MutexLock lock(&forwarded_->mu);
+  blockflow::detail::MutexLock lock(&forwarded_->mu);
   s.forwarded = forwarded_->count;
   s.handles += forwarded_->count;
   return s;

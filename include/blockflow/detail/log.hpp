@@ -3,7 +3,7 @@
 
 #include <blockflow/log.hpp>
 
-#include <absl/synchronization/mutex.h>
+#include <blockflow/detail/mutex.hpp>
 #include <absl/time/time.h>
 
 #include <cstdint>
@@ -26,7 +26,7 @@ class RateLimitedLog {
  private:
   const int burst_;
   const absl::Duration period_;
-  mutable absl::Mutex mu_;
+  mutable blockflow::detail::Mutex mu_;
   absl::Time window_start_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   int in_window_ ABSL_GUARDED_BY(mu_) = 0;
   std::uint64_t dropped_since_ ABSL_GUARDED_BY(mu_) = 0;  // since the last one that got through

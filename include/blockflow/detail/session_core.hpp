@@ -15,8 +15,7 @@
 #include <blockflow/detail/routing.hpp>
 
 #include <absl/container/flat_hash_map.h>
-#include <absl/synchronization/blocking_counter.h>
-#include <absl/synchronization/mutex.h>
+#include <blockflow/detail/mutex.hpp>
 
 #include <atomic>
 #include <functional>
@@ -69,7 +68,7 @@ struct SiteRuntime {
   bool stop_when_empty = false;  ///< apply() stops it once it holds no block (factory and deployment sites)
   std::string peer_endpoint;     ///< RemoteSite::peer_endpoint() once started (direct edges)
   std::vector<BlockRuntime*> blocks;
-  absl::Mutex mu;
+  blockflow::detail::Mutex mu;
   absl::flat_hash_map<std::pair<std::uint64_t, std::uint32_t>, std::pair<std::shared_ptr<RequestState>, BlockRuntime*>>
       in_flight ABSL_GUARDED_BY(mu);
 };
@@ -163,12 +162,12 @@ class SessionCore {
   std::vector<std::unique_ptr<SiteRuntime>> sites_;
   // Sites stopped by apply() once their last block went: kept for late references.
   std::vector<std::unique_ptr<SiteRuntime>> retired_sites_;
-  absl::Mutex factory_mu_;
+  blockflow::detail::Mutex factory_mu_;
   Session::SiteFactory site_factory_ ABSL_GUARDED_BY(factory_mu_);
   std::vector<Path> pending_paths_;
 
   // Changed by start() and apply() (under shutdown_mu_ and state_mu_); read by metrics() under state_mu_.
-  mutable absl::Mutex state_mu_;
+  mutable blockflow::detail::Mutex state_mu_;
   std::vector<std::unique_ptr<BlockRuntime>> blocks_;
   absl::flat_hash_map<std::string, BlockRuntime*> block_by_name_;
   std::vector<std::unique_ptr<PathRuntime>> paths_;
@@ -181,11 +180,11 @@ class SessionCore {
   // collect_retired() frees what none of them reaches). start() and apply() only.
   std::vector<std::weak_ptr<const PathPlan>> published_plans_;
 
-  mutable absl::Mutex routing_mu_;
+  mutable blockflow::detail::Mutex routing_mu_;
   std::shared_ptr<const RoutingTable> routing_ ABSL_GUARDED_BY(routing_mu_);
 
   // Live requests, so shutdown can resolve anything no channel still holds.
-  mutable absl::Mutex live_mu_;
+  mutable blockflow::detail::Mutex live_mu_;
   absl::flat_hash_map<std::uint64_t, std::weak_ptr<RequestState>> live_ ABSL_GUARDED_BY(live_mu_);
   std::atomic<std::int64_t> in_flight_{0};
 
@@ -196,11 +195,11 @@ class SessionCore {
   std::int64_t started_ns_ = 0;
   // Lock order: shutdown_mu_ (shutdown() only), then update_mu_ (one apply() at a time, and
   // shutdown() once it has cancelled it), then state_mu_ / busy_mu_ / routing_mu_ / live_mu_.
-  absl::Mutex shutdown_mu_;
-  absl::Mutex update_mu_;
+  blockflow::detail::Mutex shutdown_mu_;
+  blockflow::detail::Mutex update_mu_;
   // The apply() in progress, for cancel_update(): whether one runs, whether it was cancelled, and
   // the site it waits on (a new one is stopped to cancel it, a running one asked to cancel).
-  mutable absl::Mutex busy_mu_;
+  mutable blockflow::detail::Mutex busy_mu_;
   bool updating_ ABSL_GUARDED_BY(busy_mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(busy_mu_) = false;
   std::shared_ptr<RemoteSite> busy_site_ ABSL_GUARDED_BY(busy_mu_);

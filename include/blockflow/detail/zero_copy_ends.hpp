@@ -11,7 +11,7 @@
 
 #include <absl/container/flat_hash_map.h>
 #include <absl/status/status.h>
-#include <absl/synchronization/mutex.h>
+#include <blockflow/detail/mutex.hpp>
 
 #include <functional>
 #include <memory>
@@ -52,7 +52,7 @@ class ZeroCopyEnds {
  private:
   // Tensors passed on as another process's slot, kept until the peer releases that handle.
   struct Forwarded {
-    absl::Mutex mu;
+    blockflow::detail::Mutex mu;
     absl::flat_hash_map<std::tuple<std::uint64_t, std::uint32_t, std::uint64_t>, std::vector<at::Tensor>> held
         ABSL_GUARDED_BY(mu);
     std::uint64_t count ABSL_GUARDED_BY(mu) = 0;
