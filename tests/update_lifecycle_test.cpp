@@ -50,7 +50,8 @@ TEST_CASE("shutdown() ends an apply() that waits on a site; set_site_factory() a
           "[update_lifecycle]") {
   Session session;
   auto gate = test::start_with_gate(session);
-  auto update = std::async(std::launch::async, [&] { return session.apply(parse(test::kThroughGate)); });
+  const Deployment through_gate = parse(test::kThroughGate);  // Catch2 assertions only on this thread
+  auto update = std::async(std::launch::async, [&] { return session.apply(through_gate); });
   REQUIRE(gate->wait_until_updating());
   auto factory = std::async(std::launch::async, [&] { session.set_site_factory(nullptr); });
   REQUIRE(ready_within(factory, 30s));  // it used to wait for the update (same lock)
@@ -67,7 +68,8 @@ TEST_CASE("shutdown() ends an apply() that waits on a site; set_site_factory() a
 TEST_CASE("cancel_update() ends an apply() before it publishes: nothing changed", "[update_lifecycle]") {
   Session session;
   auto gate = test::start_with_gate(session);
-  auto update = std::async(std::launch::async, [&] { return session.apply(parse(test::kThroughGate)); });
+  const Deployment through_gate = parse(test::kThroughGate);  // Catch2 assertions only on this thread
+  auto update = std::async(std::launch::async, [&] { return session.apply(through_gate); });
   REQUIRE(gate->wait_until_updating());
   session.cancel_update();
   REQUIRE(ready_within(update, 30s));
@@ -108,8 +110,8 @@ TEST_CASE("cancel_update() during the drain ends the wait: what still queues for
   }
   auto queued = session.submit("slow", at::zeros({1}));  // waits in held's queue
   // Removes task "slow" and block "held", with a drain long enough to hang the test.
-  auto update = std::async(std::launch::async,
-                           [&] { return session.apply(parse(R"({"blocks": ["a"], "tasks": {"t": ["a"]}})"), absl::Hours(1)); });
+  const Deployment only_a = parse(R"({"blocks": ["a"], "tasks": {"t": ["a"]}})");  // Catch2 only on this thread
+  auto update = std::async(std::launch::async, [&] { return session.apply(only_a, absl::Hours(1)); });
   CHECK(queued.wait_for(100ms) == std::future_status::timeout);  // draining: it may still run
   session.cancel_update();
   REQUIRE(ready_within(queued, 30s));  // failed by the cancelled drain while "held" still runs

@@ -1,4 +1,5 @@
 #include <blockflow/detail/tensor_codec.hpp>
+#include <blockflow/detail/sanitizer.hpp>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -96,9 +97,16 @@ bool send_encoded(zmq::socket_t& socket, const EncodedMessage& encoded, zmq::sen
   }
   for (std::size_t i = 0; i < owned.size(); ++i) {
     // The frame keeps a reference to the tensor until ZeroMQ has written its bytes.
+    // libzmq calls the free function on its I/O thread, ordered after this one by its lock-free
+    // pipes, which ThreadSanitizer cannot see: the release/acquire pair tells it.
     auto* keep = new at::Tensor(owned[i]);
     zmq::message_t frame(keep->data_ptr(), byte_size(*keep),
-                         [](void*, void* hint) { delete static_cast<at::Tensor*>(hint); }, keep);
+                         [](void*, void* hint) {
+                           sanitizer::acquire(hint);
+                           delete static_cast<at::Tensor*>(hint);
+                         },
+                         keep);
+    sanitizer::release(keep);  // after this thread's last use of *keep
     (void)socket.send(frame, i + 1 < owned.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
   }
   return true;
