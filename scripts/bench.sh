@@ -17,7 +17,10 @@
 #   soak: the split ResNet50 in 4 workers over shm under Poisson traffic at 90% of its measured
 #   saturation for BENCH_SOAK_S seconds (default 600), a worker SIGKILLed every 30 s and task_a
 #   re-routed with apply() every 45 s; a line every 30 s (sent, completed, failed, lost, per-process
-#   RSS, shm slots in use, descriptors), then a "final" line with the RSS slopes and one boolean per target.
+#   RSS, shm slots in use, descriptors), then a "final" line with the RSS slopes and one boolean per target;
+#   metrics_http: the metrics HTTP endpoint's scrape latency while 16 clients trickle request bytes,
+#   and the threads it adds, next to cpp-httplib's in the same run where libcpp-httplib-dev is installed
+#   (not a dependency: the line is there only if the build found it).
 # Environment: BENCH_REQUESTS (pipeline requests, default 300), BENCH_THREADS (intra-op threads per
 # block and for the monolithic model, default 2), BENCH_HOP_ITERATIONS (default 20000),
 # BENCH_SAMPLER_REQUESTS (sampler_cost requests, default 1000), BENCH_ROUND (pipeline: requests per
@@ -36,7 +39,7 @@ for arg in "$@"; do
 done
 set -- ${names[@]+"${names[@]}"}
 if [ $# -eq 0 ]; then
-  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching soak)" >&2
+  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http)" >&2
   exit 2
 fi
 if [ "$plot" = 1 ]; then
@@ -105,12 +108,14 @@ for name in "$@"; do
       "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
       "$BUILD_DIR/bench/soak_bench" --models "$BUILD_DIR/models" --threads "${BENCH_THREADS:-2}" \
         --seconds "${BENCH_SOAK_S:-600}" ;;
+    metrics_http)
+      "$BUILD_DIR/bench/metrics_http_bench" --tricklers 16 --scrapes 10 ;;
     batching)
       "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
       "$PYTHON" "$ROOT/scripts/batching_bench.py" "$BUILD_DIR/tools/blockflow-loadgen" "$BUILD_DIR/models" \
         --threads "${BENCH_THREADS:-2}" ${BENCH_RATES:+--rates "$BENCH_RATES"} ;;
     *)
-      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline host_app worker_memory sampler_cost update batching soak)" >&2
+      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http)" >&2
       exit 2 ;;
   esac
 done

@@ -66,6 +66,12 @@ class ForeignHolder {
     REQUIRE(ok == 1);
   }
   ~ForeignHolder() { release(); }
+  // Kills the child with SIGKILL, as a host killed mid-run, and reaps it.
+  void kill() {
+    if (child_ <= 0) return;
+    ::kill(child_, SIGKILL);
+    release();
+  }
   // Lets the child exit (its descriptor, hence its lock, goes with it) and reaps it.
   void release() {
     if (child_ <= 0) return;
@@ -106,6 +112,17 @@ TEST_CASE("shm sweep: another program's live pool survives, even when its pid is
   { ShmProducer producer; }  // its constructor sweeps
   CHECK(pool.exists());
   holder.release();  // the holder exits: now the pool is abandoned, and the next sweep removes it
+  { ShmProducer producer; }
+  CHECK_FALSE(pool.exists());
+}
+
+TEST_CASE("shm sweep: the pool of a process killed with SIGKILL is removed by the next producer", "[shm]") {
+  CraftedPool pool(kNoSuchPid);
+  ForeignHolder holder(pool.name);
+  { ShmProducer producer; }
+  REQUIRE(pool.exists());  // alive: kept
+  holder.kill();           // no destructor, no unlink: only the kernel drops its lock
+  REQUIRE(pool.exists());  // left behind
   { ShmProducer producer; }
   CHECK_FALSE(pool.exists());
 }
