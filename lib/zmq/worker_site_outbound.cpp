@@ -1,0 +1,274 @@
+// The sender thread of a WorkerSite: requests to the worker (zero-copy handles over the data link,
+// or ZeroMQ frames), slot releases, and the direct edges' forwards and drops.
+#include "worker_site_impl.hpp"
+
+namespace blockflow {
+
+void WorkerSite::Impl::flush_releases() {
+  if (!shm()) return;
+  std::shared_ptr<detail::PacketLink> to;
+  {
+    std::lock_guard lock(mu);
+    if (state != State::kReady) return;
+    to = link;
+  }
+  if (!to) return;  // the worker's end closed; supervision is about to see it (its slots are reclaimed)
+  std::vector<wire::ShmHandle> all = releases->take();
+  for (std::size_t at = 0; at < all.size(); at += detail::kReleasesPerMessage) {
+    const std::size_t end = std::min(all.size(), at + detail::kReleasesPerMessage);
+    wire::Header h;
+    h.kind = wire::MessageKind::kRelease;
+    h.message = wire::encode_releases({all.begin() + static_cast<std::ptrdiff_t>(at), all.begin() + static_cast<std::ptrdiff_t>(end)});
+    if (!detail::send_packet(*to, h, {}).ok()) {
+      releases->put_back({all.begin() + static_cast<std::ptrdiff_t>(at), all.end()});
+      return;
+    }
+  }
+}
+
+void WorkerSite::Impl::fail_forwarded(const std::vector<std::pair<Key, std::weak_ptr<Impl>>>& forwarded, const absl::Status& why) {
+  for (const auto& [key, consumer] : forwarded) {
+    if (auto c = consumer.lock()) {
+      c->complete_error(key.first, key.second,
+                        absl::Status(why.code(), fmt::format("its input was parked in {}: {}", prefix(), std::string(why.message()))));
+    }
+  }
+}
+
+void WorkerSite::Impl::forget_vias(const std::vector<std::pair<Key, std::weak_ptr<Impl>>>& vias) {
+  for (const auto& [key, via] : vias) {
+    if (auto v = via.lock()) {
+      std::lock_guard lock(v->mu);
+      v->pending_forwards.erase(key);
+    }
+  }
+}
+
+void WorkerSite::Impl::queue_drop(std::uint64_t id, pid_t holder) {
+  {
+    std::lock_guard lock(drops_mu);
+    drops.emplace_back(id, holder);
+  }
+  drops_pending.store(true, std::memory_order_release);
+  wake();
+}
+
+absl::Status WorkerSite::Impl::enqueue_forward(Forward&& f, pid_t holder, std::weak_ptr<Impl> consumer) {
+  {
+    std::lock_guard lock(mu);
+    if (stopping || pid != holder || state != State::kReady) {
+      return absl::UnavailableError(fmt::format("{}, which held it, {}", prefix(),
+                                                stopping ? "stopped" : pid != holder ? "restarted" : "is down"));
+    }
+    pending_forwards[{f.header.request_id, f.header.node}] = std::move(consumer);
+    f.holder = holder;
+    forwards.push_back(std::move(f));
+  }
+  wake();
+  return absl::OkStatus();
+}
+
+void WorkerSite::Impl::send_direct_edge_messages() {
+  std::deque<Forward> now;
+  pid_t live = 0;
+  {
+    std::lock_guard lock(mu);
+    now.swap(forwards);
+    live = pid;
+  }
+  while (!now.empty()) {
+    Forward& f = now.front();
+    absl::Status status;
+    if (f.holder != live || live == 0) {
+      status = absl::UnavailableError(fmt::format("{} restarted or stopped", prefix()));
+    } else {
+      try {
+        auto sent = detail::send_references(push, f.header, f.described, f.references, zmq::send_flags::dontwait);
+        if (!sent.ok()) {
+          status = sent.status();
+        } else if (!*sent) {  // full: keep the order, try again shortly
+          std::lock_guard lock(mu);
+          while (!now.empty()) {
+            forwards.push_front(std::move(now.back()));
+            now.pop_back();
+          }
+          break;
+        }
+      } catch (const zmq::error_t& e) {
+        status = absl::UnavailableError(e.what());
+      }
+    }
+    std::shared_ptr<Impl> consumer;
+    {
+      std::lock_guard lock(mu);
+      if (status.ok()) ++forwards_sent;
+      if (!status.ok()) {
+        auto it = pending_forwards.find({f.header.request_id, f.header.node});
+        if (it != pending_forwards.end()) {
+          consumer = it->second.lock();
+          pending_forwards.erase(it);
+        }
+      }
+    }
+    if (!status.ok() && (f.header.flags & wire::kFlagReleaseAfter) != 0) {
+      for (const auto& t : f.described) {  // not sent: the worker still holds them
+        if (ParkedRef* ref = parked_ref_of(t)) ref->consumed.store(false, std::memory_order_release);
+      }
+    }
+    const Key key{f.header.request_id, f.header.node};
+    now.pop_front();  // placeholders die here (drops queued unless consumed)
+    if (consumer) {
+      consumer->complete_error(key.first, key.second,
+                               absl::UnavailableError(fmt::format("{}: cannot forward its parked output: {}", prefix(),
+                                                                  std::string(status.message()))));
+    }
+  }
+  bool blocked = false;
+  {
+    std::lock_guard lock(mu);
+    blocked = !forwards.empty();
+  }
+  if (blocked) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (!drops_pending.exchange(false, std::memory_order_acq_rel)) return;
+  std::vector<std::pair<std::uint64_t, pid_t>> taken;
+  {
+    std::lock_guard lock(drops_mu);
+    taken.swap(drops);
+  }
+  std::vector<std::uint64_t> ids;
+  for (const auto& [id, holder] : taken) {
+    if (holder == live && live != 0) ids.push_back(id);
+  }
+  constexpr std::size_t kIdsPerMessage = wire::kMaxMessageBytes / wire::kParkedRefBytes;
+  for (std::size_t at = 0; at < ids.size(); at += kIdsPerMessage) {
+    wire::Header h;
+    h.kind = wire::MessageKind::kDrop;
+    h.message = wire::encode_parked_ids(
+        {ids.begin() + static_cast<std::ptrdiff_t>(at), ids.begin() + static_cast<std::ptrdiff_t>(std::min(ids.size(), at + kIdsPerMessage))});
+    try {
+      auto sent = detail::send_message(push, h, {}, zmq::send_flags::dontwait);
+      if (!sent.ok() || !*sent) return;  // full: the worker lets its outputs expire
+    } catch (const zmq::error_t&) {
+      return;  // the worker is going away; its parked outputs with it
+    }
+    std::lock_guard lock(mu);
+    ++drops_sent;
+  }
+}
+
+void WorkerSite::Impl::sender_main() {
+  name_thread("snd");
+  while (true) {
+    flush_releases();
+    Outbound next;
+    const detail::ShmStager* stager_of_next = nullptr;
+    std::shared_ptr<detail::PacketLink> to;
+    {
+      std::unique_lock lock(mu);
+      auto ready = [&] {
+        return stopping || (!outbound.empty() && state == State::kReady && in_flight.size() < options.max_in_flight) ||
+               !forwards.empty() || drops_pending.load(std::memory_order_acquire);
+      };
+      if (stopping) return;
+      if (!ready()) {
+        // Asleep until something rings: run(), a state change, a reply (room in flight), a
+        // released slot or a drop (their deleters run anywhere and ring without mu).
+        lock.unlock();
+        releases->wait(std::chrono::milliseconds(1000));
+        continue;
+      }
+      if (!forwards.empty() || drops_pending.load(std::memory_order_acquire)) {
+        lock.unlock();
+        send_direct_edge_messages();
+        continue;
+      }
+      next = std::move(outbound.front());
+      outbound.pop_front();
+      stager_of_next = admit_locked(next, to);
+    }
+    wake();  // room in outbound for run()
+    transmit(std::move(next), stager_of_next, to);
+  }
+}
+
+bool WorkerSite::Impl::can_send_now_locked() const {
+  return shm() && link && outbound.empty() && state == State::kReady && in_flight.size() < options.max_in_flight;
+}
+
+const detail::ShmStager* WorkerSite::Impl::admit_locked(const Outbound& next, std::shared_ptr<detail::PacketLink>& to) {
+  in_flight[{next.envelope.request_id, next.envelope.node}] = {next.block, next.parked.site};
+  ++sent;
+  to = link;
+  return shm() ? stager_for(next.block) : nullptr;  // `blocks` changes with update()
+}
+
+void WorkerSite::Impl::transmit(Outbound&& next, const detail::ShmStager* stager, const std::shared_ptr<detail::PacketLink>& to) {
+  wire::Header header;
+  header.kind = wire::MessageKind::kData;
+  header.request_id = next.envelope.request_id;
+  header.node = next.envelope.node;
+  header.target = next.block;
+  header.times.sent_ns = detail::now_ns();
+  absl::Status status;
+  std::uint64_t copied = 0;
+  if (shm()) {
+    status = to ? detail::send_packet(*to, header, next.envelope.tensors, &copied, stager, &unstage)
+                : absl::UnavailableError("its data link is down");
+  } else if (next.parked.any) {
+    // Not on `push`: this may be any thread (try_run()).
+    auto owner = next.parked.site.lock();
+    status = owner ? forward_from(*owner, next.parked.holder, std::move(header), std::move(next.envelope))
+                   : absl::UnavailableError("its input is parked in a worker that is gone, or split between workers");
+  } else {
+    if (next.envelope.outputs_may_stay && !peer.empty()) header.flags |= wire::kFlagParkOutputs;
+    try {
+      auto sent_ok = detail::send_message(push, header, next.envelope.tensors, zmq::send_flags::none, &copied, stager);
+      if (!sent_ok.ok()) status = sent_ok.status();
+    } catch (const zmq::error_t& e) {
+      status = absl::UnavailableError(e.what());
+    }
+  }
+  if (copied > 0) {
+    std::lock_guard lock(mu);
+    bytes_copied += copied;
+  }
+  if (!status.ok()) {
+    complete_error(next.envelope.request_id, next.envelope.node,
+                   absl::Status(status.code(), fmt::format("{}: block '{}': cannot send: {}", prefix(), next.block,
+                                                           std::string(status.message()))));
+  }
+}
+
+absl::Status WorkerSite::Impl::forward_from(Impl& owner, pid_t holder, wire::Header header, Envelope&& envelope) {
+  if (peer.empty()) return absl::FailedPreconditionError("its input is parked in another worker, and this one takes no direct edges");
+  header.kind = wire::MessageKind::kForward;
+  header.message = peer;
+  header.times.sent_ns = 0;
+  if (envelope.outputs_may_stay) header.flags |= wire::kFlagParkOutputs;
+  Forward f;
+  // Nobody else holds these placeholders: the worker may forget the outputs once sent.
+  bool last = true;
+  for (const auto& t : envelope.tensors) last = last && t.use_count() == 1 && t.storage().use_count() == 1;
+  for (const auto& t : envelope.tensors) {
+    ParkedRef* ref = parked_ref_of(t);
+    f.references.push_back(wire::encode_parked_ids({ref->id}));
+    if (last) ref->consumed.store(true, std::memory_order_release);
+  }
+  if (last) header.flags |= wire::kFlagReleaseAfter;
+  f.header = std::move(header);
+  f.described = std::move(envelope.tensors);
+  const Key key{f.header.request_id, f.header.node};
+  auto status = owner.enqueue_forward(std::move(f), holder, self);
+  if (status.ok()) {
+    // Failed meanwhile (our worker died after admitting it): the owner need not remember it.
+    bool gone = false;
+    {
+      std::lock_guard lock(mu);
+      gone = in_flight.count(key) == 0;
+    }
+    if (gone) forget_vias({{key, owner.self}});
+  }
+  return status;
+}
+
+}  // namespace blockflow

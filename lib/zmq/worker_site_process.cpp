@@ -1,0 +1,421 @@
+// The worker process of a WorkerSite: spawning it, its control messages (hello, loaded,
+// heartbeats, updates), supervision and restarts, its death, and the sockets it talks to.
+#include "worker_site_impl.hpp"
+
+#include <dlfcn.h>
+#include <spawn.h>
+
+extern char** environ;
+
+namespace blockflow {
+namespace {
+
+// $BLOCKFLOW_WORKER; else beside this library (a build tree) or in ../bin (an install, wherever it
+// was moved); else the build tree's or the configured install path.
+std::string default_executable() {
+  if (const char* env = std::getenv("BLOCKFLOW_WORKER"); env != nullptr && *env != '\0') return env;
+  std::error_code ec;
+  Dl_info info{};
+  if (::dladdr(reinterpret_cast<void*>(&default_executable), &info) != 0 && info.dli_fname != nullptr) {
+    const std::filesystem::path dir = std::filesystem::canonical(info.dli_fname, ec).parent_path();
+    for (const auto& candidate : {dir / "blockflow-worker", dir.parent_path() / "bin" / "blockflow-worker"}) {
+      if (!ec && std::filesystem::exists(candidate, ec)) return candidate.string();
+    }
+  }
+  if (std::filesystem::exists(BLOCKFLOW_WORKER_BUILD_PATH, ec)) return BLOCKFLOW_WORKER_BUILD_PATH;
+  return BLOCKFLOW_WORKER_INSTALL_PATH;
+}
+
+std::string describe_exit(int status) {
+  if (WIFSIGNALED(status)) return fmt::format("killed by signal {}", WTERMSIG(status));
+  if (WIFEXITED(status)) return fmt::format("exited with status {}", WEXITSTATUS(status));
+  return "stopped";
+}
+
+// The host's environment with `overrides` ("NAME=VALUE") replacing same-named entries.
+std::vector<std::string> merged_environment(const std::vector<std::string>& overrides) {
+  std::vector<std::string> out;
+  auto name_of = [](const std::string& entry) { return entry.substr(0, entry.find('=')); };
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const std::string entry = *e;
+    const bool replaced = std::any_of(overrides.begin(), overrides.end(),
+                                      [&](const std::string& o) { return name_of(o) == name_of(entry); });
+    if (!replaced) out.push_back(entry);
+  }
+  out.insert(out.end(), overrides.begin(), overrides.end());
+  return out;
+}
+
+int port_of(const std::string& endpoint) { return std::stoi(endpoint.substr(endpoint.rfind(':') + 1)); }
+
+}  // namespace
+
+WorkerSite::Impl::Impl(WorkerOptions o) : options(std::move(o)) {
+  if (options.executable.empty()) options.executable = default_executable();
+}
+
+absl::Status WorkerSite::Impl::spawn_locked() {
+  if (joined()) {  // nothing to start: wait for the worker to join
+    identity.clear();
+    state = State::kStarting;
+    kill_cause.clear();
+    start_deadline_ns = detail::now_ns() + absl::ToInt64Nanoseconds(options.start_timeout);
+    return absl::OkStatus();
+  }
+  std::vector<std::string> args = {options.executable,       "--name",    options.name,   "--control",
+                                   control_endpoint,         "--requests", request_endpoint, "--results",
+                                   result_endpoint,          "--parent",  std::to_string(::getpid())};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> env_strings = merged_environment(options.environment);
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  pid_t child = 0;
+  const int rc = ::posix_spawn(&child, options.executable.c_str(), nullptr, nullptr, argv.data(), envp.data());
+  if (rc != 0) {
+    return absl::UnavailableError(
+        fmt::format("{}: cannot start '{}': {}", prefix(), options.executable, std::strerror(rc)));
+  }
+  pid = child;
+  identity.clear();
+  loaded = false;
+  link.reset();
+  link_lost_ns = 0;
+  state = State::kStarting;
+  kill_cause.clear();
+  start_deadline_ns = detail::now_ns() + absl::ToInt64Nanoseconds(options.start_timeout);
+  last_heartbeat_ns = detail::now_ns();
+  return absl::OkStatus();
+}
+
+void WorkerSite::Impl::fail_all(std::vector<std::pair<std::uint64_t, std::uint32_t>> lost, const absl::Status& why) {
+  CompletionFn report;
+  {
+    std::lock_guard lock(mu);
+    report = done;
+  }
+  if (!report) return;
+  for (const auto& [id, node] : lost) {
+    SiteCompletion c;
+    c.request_id = id;
+    c.node = node;
+    c.outputs = why;
+    report(std::move(c));
+  }
+}
+
+void WorkerSite::Impl::on_death(std::string what) {
+  // Its leases are void: our slots come back, its pools are no longer looked up.
+  if (ends) {
+    if (const std::size_t n = ends->reclaim_all(); n > 0) {
+      detail::log(LogLevel::kWarning, fmt::format("{}: {} zero-copy slot(s) reclaimed", prefix(), n));
+    }
+    ends->forget_all();
+  }
+  std::vector<std::pair<std::uint64_t, std::uint32_t>> lost;
+  std::vector<Outbound> queued;
+  std::vector<std::pair<Key, std::weak_ptr<Impl>>> vias, forwarded;
+  absl::Status why;
+  {
+    std::lock_guard lock(mu);
+    pid = 0;
+    identity.clear();
+    loaded = false;
+    link.reset();
+    link_lost_ns = 0;
+    cause = kill_cause.empty() ? what : kill_cause;
+    for (const auto& [key, entry] : in_flight) {
+      lost.push_back(key);
+      if (!entry.via.expired()) vias.emplace_back(key, entry.via);
+    }
+    in_flight.clear();
+    forwarded.assign(pending_forwards.begin(), pending_forwards.end());
+    pending_forwards.clear();
+    forwards.clear();
+    failed_requests += lost.size();
+    why = absl::UnavailableError(fmt::format("{} {}", prefix(), cause));
+    if (!ever_ready) {
+      state = State::kFailed;
+      if (start_error.empty()) start_error = fmt::format("{} {} while starting", prefix(), cause);
+    } else if (restarts < static_cast<std::uint64_t>(options.max_restarts) && !stopping) {
+      ++restarts;
+      state = State::kDown;
+      const auto backoff = options.restart_backoff * static_cast<double>(1ull << std::min<std::uint64_t>(restarts - 1, 10));
+      restart_at_ns = detail::now_ns() + absl::ToInt64Nanoseconds(backoff);
+      detail::log(LogLevel::kWarning, fmt::format("{} {}; {} request(s) failed; restart {} of {}", prefix(), cause,
+                                                   lost.size(), restarts, options.max_restarts));
+    } else {
+      state = State::kFailed;
+      for (auto& o : outbound) queued.push_back(std::move(o));
+      outbound.clear();
+      failed_requests += queued.size();
+      detail::log(LogLevel::kError, fmt::format("{} {}; not restarted ({} restarts used)", prefix(), cause, restarts));
+    }
+  }
+  wake();
+  forget_vias(vias);
+  fail_all(std::move(lost), why);
+  fail_forwarded(forwarded, why);
+  for (auto& o : queued) {
+    fail_all({{o.envelope.request_id, o.envelope.node}},
+             absl::UnavailableError(fmt::format("{} is down: {}", prefix(), cause)));
+  }
+}
+
+void WorkerSite::Impl::send_control(zmq::socket_t& router, const std::string& to, const nlohmann::json& message) {
+  try {
+    (void)router.send(zmq::buffer(to), zmq::send_flags::sndmore);
+    (void)router.send(zmq::buffer(message.dump()), zmq::send_flags::none);
+  } catch (const zmq::error_t& e) {
+    // ROUTER_MANDATORY: the peer is gone; supervision notices (process status, heartbeats). Said
+    // once per peer.
+    if (to != unreachable_peer) {
+      unreachable_peer = to;
+      noisy.log(LogLevel::kWarning, fmt::format("{}: control message lost: {}", prefix(), e.what()));
+    }
+  }
+}
+
+void WorkerSite::Impl::handle_control(zmq::socket_t& router, const std::string& from, const std::string& payload) {
+  auto message = nlohmann::json::parse(payload, nullptr, false);
+  if (message.is_discarded() || !message.contains("type")) {
+    noisy.log(LogLevel::kWarning, fmt::format("{}: malformed control message dropped", prefix()));
+    return;
+  }
+  const std::string type = message.value("type", "");
+  std::unique_lock lock(mu);
+  if (type == detail::kHello) {
+    if (joined()) {
+      if (message.value("name", "") != options.name) {
+        noisy.log(LogLevel::kWarning, fmt::format("{}: a worker named '{}' tried to join; ignored", prefix(),
+                                                     message.value("name", "")));
+        return;
+      }
+      if (state != State::kStarting) return;  // one worker at a time; a second one keeps knocking
+    } else if (message.value("pid", 0) != pid) {
+      return;  // a stale worker
+    }
+    identity = from;
+    last_heartbeat_ns = detail::now_ns();
+    rss_idle = rss = message.value("rss_bytes", std::int64_t{0});
+    nlohmann::json config = detail::make_config(blocks, options);
+    config["sampling"] = sampling;
+    config["sampling_period_ms"] = absl::ToInt64Milliseconds(sampling_period);
+    if (!cuda_probe.empty()) config["cuda_probe"] = cuda_probe;
+    sampling_sent = true;
+    if (listener) config["data_link"] = listener->path();
+    if (!peer.empty()) {
+      config["peer_endpoint"] = peer;
+      config["max_parked"] = 2 * options.max_in_flight;
+    }
+    if (joined()) {
+      config["requests_port"] = port_of(request_endpoint);
+      config["results_port"] = port_of(result_endpoint);
+    }
+    lock.unlock();
+    send_control(router, from, config);
+  } else if (from != identity) {
+    return;  // from an earlier incarnation
+  } else if (type == detail::kLoaded) {
+    rss = message.value("rss_bytes", rss);
+    loaded = true;
+    last_heartbeat_ns = detail::now_ns();
+    become_ready_locked();
+    lock.unlock();
+    wake();
+  } else if (type == detail::kLoadError) {
+    start_error = fmt::format("{}: {}", prefix(), message.value("message", "load failed"));
+    kill_cause = "failed to load its blocks";
+    if (joined()) death_pending = true;
+    else if (pid != 0) ::kill(pid, SIGKILL);
+  } else if (type == detail::kUpdated || type == detail::kUpdateError) {
+    update_answered = message.value("seq", std::uint64_t{0});
+    update_error = type == detail::kUpdated ? "" : message.value("message", "update failed");
+    rss = message.value("rss_bytes", rss);
+    lock.unlock();
+    wake();
+  } else if (type == detail::kHeartbeat) {
+    last_heartbeat_ns = detail::now_ns();
+    rss = message.value("rss_bytes", rss);
+    if (message.contains("shm") && message["shm"].is_object()) shm_results = message["shm"].get<ShmEdgeStats>();
+    if (message.contains("cuda") && message["cuda"].is_object()) cuda_results = message["cuda"].get<ShmEdgeStats>();
+    kpi = message.contains("kpi") ? message["kpi"].get<KpiSample>() : KpiSample{};
+  }
+}
+
+void WorkerSite::Impl::become_ready_locked() {
+  if (state != State::kStarting || !loaded || (listener && !link)) return;
+  state = State::kReady;
+  ever_ready = true;
+}
+
+void WorkerSite::Impl::supervise() {
+  pid_t child = 0;
+  std::string death;
+  {
+    std::lock_guard lock(mu);
+    child = pid;
+    const std::int64_t now = detail::now_ns();
+    auto declare = [&](std::string why) {
+      kill_cause = std::move(why);
+      if (joined()) death = kill_cause;
+      else if (child != 0) ::kill(child, SIGKILL);
+    };
+    if (death_pending) {
+      death_pending = false;
+      death = kill_cause;
+    } else if (state == State::kReady && now - last_heartbeat_ns > absl::ToInt64Nanoseconds(options.heartbeat_timeout)) {
+      declare(fmt::format("missed heartbeats for {} ms", (now - last_heartbeat_ns) / 1000000));
+    } else if (state == State::kReady && link_lost_ns != 0 && now - link_lost_ns > kLinkGraceNs) {
+      // Its data link closed but the process lives on: it can take no request; start it anew.
+      link_lost_ns = 0;
+      declare("lost its data link");
+    } else if (state == State::kStarting && now > start_deadline_ns) {
+      declare(joined() ? fmt::format("did not join at {} within {}", control_endpoint,
+                                     absl::FormatDuration(options.start_timeout))
+                       : fmt::format("did not start within {}", absl::FormatDuration(options.start_timeout)));
+    } else if (child == 0 && state == State::kDown && now >= restart_at_ns) {
+      if (auto status = spawn_locked(); !status.ok()) {
+        state = State::kFailed;
+        cause = std::string(std::string(status.message()));
+      }
+      return;
+    }
+  }
+  if (!death.empty()) return on_death(death);
+  if (child == 0) return;
+  int status = 0;
+  if (::waitpid(child, &status, WNOHANG) == child) on_death(describe_exit(status));
+}
+
+void WorkerSite::Impl::control_main() {
+  name_thread("ctl");
+  {
+    std::lock_guard lock(mu);
+    if (auto status = spawn_locked(); !status.ok()) {
+      state = State::kFailed;
+      start_error = std::string(std::string(status.message()));
+    }
+  }
+  wake();
+  std::int64_t next_ping = 0;
+  while (true) {
+    {
+      std::lock_guard lock(mu);
+      if (stopping) break;
+    }
+    zmq::pollitem_t item{router.handle(), 0, ZMQ_POLLIN, 0};
+    zmq::poll(&item, 1, std::chrono::milliseconds(50));
+    if ((item.revents & ZMQ_POLLIN) != 0) {
+      std::vector<zmq::message_t> parts;
+      if (zmq::recv_multipart(router, std::back_inserter(parts), zmq::recv_flags::dontwait) && parts.size() == 2) {
+        handle_control(router, parts[0].to_string(), parts[1].to_string());
+      }
+    }
+    supervise();
+    {
+      std::optional<nlohmann::json> update;
+      std::string to;
+      {
+        std::lock_guard lock(mu);
+        if (!identity.empty() && state == State::kReady) {
+          update = std::exchange(pending_update, std::nullopt);
+          to = identity;
+        }
+      }
+      if (update) send_control(router, to, *update);
+    }
+    if (detail::now_ns() >= next_ping) {  // the worker answers pings with heartbeats
+      std::string to;
+      std::optional<nlohmann::json> sampler;
+      {
+        std::lock_guard lock(mu);
+        to = identity;
+        if (!sampling_sent && !to.empty()) {
+          sampler = nlohmann::json{{"type", detail::kSampler}, {"enabled", sampling},
+                                   {"period_ms", absl::ToInt64Milliseconds(sampling_period)}};
+          sampling_sent = true;
+        }
+      }
+      if (sampler) send_control(router, to, *sampler);
+      if (!to.empty()) send_control(router, to, {{"type", detail::kPing}});
+      next_ping = detail::now_ns() + absl::ToInt64Nanoseconds(options.heartbeat_interval);
+    }
+  }
+  shutdown_worker(router);
+}
+
+void WorkerSite::Impl::shutdown_worker(zmq::socket_t& router) {
+  pid_t child = 0;
+  std::string to;
+  {
+    std::lock_guard lock(mu);
+    child = pid;
+    to = identity;
+  }
+  if (!to.empty()) send_control(router, to, {{"type", detail::kStop}});
+  if (child == 0) return;
+  int status = 0;
+  for (int i = 0; i < 200; ++i) {  // up to 2 s for a clean exit
+    if (::waitpid(child, &status, WNOHANG) == child) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ::kill(child, SIGKILL);
+  ::waitpid(child, &status, 0);
+}
+
+absl::Status WorkerSite::Impl::bind_sockets() {
+  auto bind = [&](zmq::socket_t& socket, std::string& endpoint) -> absl::Status {
+    try {
+      socket.bind(endpoint);
+    } catch (const zmq::error_t& e) {
+      return absl::UnavailableError(fmt::format("{}: cannot bind '{}': {}", prefix(), endpoint, e.what()));
+    }
+    endpoint = socket.get(zmq::sockopt::last_endpoint);
+    return absl::OkStatus();
+  };
+  if (joined()) {
+    const std::string what = fmt::format("{} join endpoint", prefix());
+    if (auto status = detail::check_tcp_bind(options.listen, options.security, what); !status.ok()) return status;
+    if (options.security.curve()) {
+      auto started = detail::CurveServer::start(context, options.security, what);
+      if (!started.ok()) return started.status();
+      curve = *std::move(started);
+    }
+  }
+  // Every socket a joined worker reaches admits the key named after the worker only.
+  auto secure = [&](zmq::socket_t& socket) {
+    if (curve) curve->secure(socket, options.name);
+  };
+  router = zmq::socket_t(context, zmq::socket_type::router);
+  secure(router);
+  router.set(zmq::sockopt::router_mandatory, 1);
+  router.set(zmq::sockopt::linger, 0);
+  router.set(zmq::sockopt::maxmsgsize, std::int64_t{1} << 20);  // control messages are small JSON
+  if (shm()) {  // a child on this host: the data link beside the control socket
+    auto bound = detail::PacketListener::bind(dir + "/data");
+    if (!bound.ok()) return absl::Status(bound.status().code(), fmt::format("{}: {}", prefix(), std::string(bound.status().message())));
+    listener = *std::move(bound);
+    request_endpoint = result_endpoint = listener->path();
+    return bind(router, control_endpoint);
+  }
+  push = zmq::socket_t(context, zmq::socket_type::push);
+  secure(push);
+  push.set(zmq::sockopt::linger, 0);
+  // Credits bound the data messages; kForward and kDrop (direct edges) share the pipe.
+  push.set(zmq::sockopt::sndhwm, static_cast<int>(4 * options.max_in_flight) + 16);
+  pull = zmq::socket_t(context, zmq::socket_type::pull);
+  secure(pull);
+  pull.set(zmq::sockopt::linger, 0);
+  pull.set(zmq::sockopt::rcvtimeo, 100);
+  pull.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(wire::kMaxTensorBytes));
+  for (auto [socket, endpoint] : {std::pair{&router, &control_endpoint}, std::pair{&push, &request_endpoint},
+                                  std::pair{&pull, &result_endpoint}}) {
+    if (auto status = bind(*socket, *endpoint); !status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace blockflow
