@@ -149,6 +149,8 @@ void add_shm(Exposition& e, const std::string& worker, const char* direction, co
         static_cast<double>(s.bytes_staged));
   e.add("blockflow_shm_mapped_bytes", "gauge", "Size of the producer's shared-memory pools.", l,
         static_cast<double>(s.bytes_mapped));
+  e.add("blockflow_shm_pools_trimmed_total", "counter", "Shared-memory pools removed after idling.", l,
+        static_cast<double>(s.pools_trimmed));
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include <future>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace blockflow;
@@ -273,4 +274,42 @@ TEST_CASE("shm consumer: a pool header rewritten after mapping moves no handle o
   REQUIRE(data + second.size() <= base + view->pool_bytes);  // the layout captured at mapping time
   CHECK(std::string(data, second.size()) == std::string(second.begin(), second.end()));
   ::munmap(header, 4096);
+}
+
+TEST_CASE("shm pools: a burst's extra pool is removed once idle, the last of its class stays; consumers let go", "[shm]") {
+  namespace fs = std::filesystem;
+  ShmPoolOptions options;
+  options.slots_per_pool = 1;
+  options.idle_trim = absl::Milliseconds(50);
+  ShmProducer producer(options);
+  ShmConsumer consumer;
+  std::vector<float> bytes(256, 5.0f);
+  auto first = producer.stage(bytes.data(), 1024, absl::Now());
+  auto second = producer.stage(bytes.data(), 1024, absl::Now());  // the burst: a second pool of the class
+  REQUIRE(first.ok());
+  REQUIRE(second.ok());
+  REQUIRE(first->pool_id != second->pool_id);
+  REQUIRE(consumer.resolve(*first, 1024).ok());
+  auto held = consumer.resolve(*second, 1024);  // a tensor still over the second pool
+  REQUIRE(held.ok());
+  CHECK(consumer.pools_mapped() == 2);
+  CHECK(producer.release(*first));
+  CHECK(producer.release(*second));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // both pools idle past idle_trim
+
+  auto third = producer.stage(bytes.data(), 1024, absl::Now());  // taking a slot trims first
+  REQUIRE(third.ok());
+  const ShmEdgeStats stats = producer.stats();
+  CHECK(stats.pools == 1);
+  CHECK(stats.pools_trimmed == 1);
+  CHECK(stats.slots_total == 1);
+  CHECK(third->pool_id == first->pool_id);  // the last of its class stayed and serves on
+  const std::string gone = fmt::format("/dev/shm/blockflow-{:016x}", second->pool_id);
+  CHECK_FALSE(fs::exists(gone));
+  CHECK(static_cast<const float*>(held->data)[255] == 5.0f);  // still mapped for the tensor over it
+
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));  // the consumer checks once a second
+  REQUIRE(consumer.resolve(*third, 1024).ok());
+  CHECK(consumer.pools_mapped() == 1);  // it dropped the gone pool; `held` alone keeps its pages
+  CHECK(producer.release(*third));
 }

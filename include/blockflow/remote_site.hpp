@@ -43,7 +43,8 @@ struct ShmEdgeStats {
   std::uint64_t stale_releases = 0;  ///< releases that matched no lease (ignored)
   std::uint64_t bytes_staged = 0;    ///< the producer's one copy into its slots
   std::uint64_t bytes_mapped = 0;    ///< size of the producer's pools
-  std::uint64_t pools = 0;           ///< pools (one per slot size in use)
+  std::uint64_t pools = 0;           ///< pools (one per slot size in use, more under bursts)
+  std::uint64_t pools_trimmed = 0;   ///< pools removed after idling (ShmPoolOptions::idle_trim)
   std::uint64_t forwarded = 0;       ///< handles passed on unchanged: tensors that lie in a third process's slot (counted in handles too)
 };
 

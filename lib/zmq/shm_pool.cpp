@@ -1,6 +1,7 @@
 #include <blockflow/detail/shm_pool.hpp>
 
 #include <absl/container/flat_hash_map.h>
+#include <blockflow/detail/clock.hpp>
 #include <blockflow/detail/mutex.hpp>
 #include <fmt/format.h>
 
@@ -143,6 +144,7 @@ struct ShmProducer::Impl {
     std::size_t data_offset = 0;
     std::vector<Slot> slots;
     std::uint64_t next_generation = 1;
+    std::int64_t idle_since_ns = 0;  // when its last leased slot was freed; 0 while any is leased
     char* slot_address(std::uint32_t slot) const {
       return static_cast<char*>(mapping->base) + data_offset + slot * slot_bytes;
     }
@@ -196,8 +198,28 @@ struct ShmProducer::Impl {
     return total;
   }
 
+  // Unlinks and unmaps the pools idle for options.idle_trim, newest first, keeping the oldest of
+  // each size class (the one every consumer has mapped). Before any Pool* is taken: it moves the
+  // others in `pools`.
+  void trim_idle_pools() {
+    if (options.idle_trim <= absl::ZeroDuration()) return;
+    const std::int64_t now = now_ns();
+    const std::int64_t idle_ns = absl::ToInt64Nanoseconds(options.idle_trim);
+    for (std::size_t i = pools.size(); i-- > 0;) {
+      const Pool& pool = pools[i];
+      const bool idle = pool.idle_since_ns != 0 && now - pool.idle_since_ns >= idle_ns;
+      const bool oldest_of_class = i == 0 || pools[i - 1].slot_bytes != pool.slot_bytes;  // sorted, stable
+      if (!idle || oldest_of_class) continue;
+      ::shm_unlink(shm_name(pool.id).c_str());  // then its mapping goes with the Pool (and the flock)
+      stats.slots_total -= pool.slots.size();
+      ++stats.pools_trimmed;
+      pools.erase(pools.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+  }
+
   // A free slot of the smallest fitting class, creating a pool if none is free and the bound allows.
   absl::StatusOr<std::pair<Pool*, std::uint32_t>> find_slot(std::size_t bytes, bool& can_ever_fit) {
+    trim_idle_pools();
     can_ever_fit = false;
     for (auto& pool : pools) {
       if (pool.slot_bytes < bytes) continue;
@@ -216,7 +238,8 @@ struct ShmProducer::Impl {
     can_ever_fit = true;
     stats.slots_total += options.slots_per_pool;
     pools.push_back(*std::move(pool));
-    std::sort(pools.begin(), pools.end(), [](const Pool& a, const Pool& b) { return a.slot_bytes < b.slot_bytes; });
+    // By size class, oldest first within one (trim_idle_pools() keeps the oldest).
+    std::stable_sort(pools.begin(), pools.end(), [](const Pool& a, const Pool& b) { return a.slot_bytes < b.slot_bytes; });
     for (auto& p : pools) {
       if (p.slot_bytes == slot_bytes && !p.slots[0].leased) return std::make_pair(&p, 0u);
     }
@@ -249,6 +272,7 @@ struct ShmProducer::Impl {
       if (auto [pool, slot] = *found; pool != nullptr) {
         const std::uint64_t generation = pool->next_generation++;
         pool->slots[slot] = {true, generation, false, 0};
+        pool->idle_since_ns = 0;
         // Published before the handle can reach anyone (the send that follows is a barrier too).
         generations(pool->mapping->base)[slot].store(generation, std::memory_order_release);
         ++stats.slots_in_use;
@@ -298,6 +322,9 @@ struct ShmProducer::Impl {
     generations(pool.mapping->base)[slot].store(0, std::memory_order_release);
     --stats.slots_in_use;
     ++frees;
+    if (std::none_of(pool.slots.begin(), pool.slots.end(), [](const Slot& x) { return x.leased; })) {
+      pool.idle_since_ns = now_ns();
+    }
   }
 };
 
@@ -437,8 +464,35 @@ const void* ShmProducer::address(const wire::ShmHandle& handle) const {
 
 // ---------------------------------------------------------------------------------------------------
 struct ShmConsumer::Impl {
+  static constexpr std::int64_t kForgetCheckNs = 1'000'000'000;
   mutable blockflow::detail::Mutex mu;
   absl::flat_hash_map<std::uint64_t, std::shared_ptr<Mapping>> pools;
+  std::int64_t last_forget_check_ns = 0;
+
+  // At most once a second: drops the cached mappings of pools their producer has unlinked (trimmed,
+  // or the producer is gone), so this process stops holding their pages once no tensor does.
+  void forget_gone_pools() {
+    std::vector<std::uint64_t> ids;
+    {
+      blockflow::detail::MutexLock lock(&mu);
+      const std::int64_t now = now_ns();
+      if (now - last_forget_check_ns < kForgetCheckNs) return;
+      last_forget_check_ns = now;
+      for (const auto& [id, mapping] : pools) ids.push_back(id);
+    }
+    std::vector<std::uint64_t> gone;
+    for (const std::uint64_t id : ids) {
+      const int fd = ::shm_open(shm_name(id).c_str(), O_RDONLY | O_CLOEXEC, 0);
+      if (fd >= 0) {
+        ::close(fd);
+      } else if (errno == ENOENT) {
+        gone.push_back(id);
+      }
+    }
+    if (gone.empty()) return;
+    blockflow::detail::MutexLock lock(&mu);
+    for (const std::uint64_t id : gone) pools.erase(id);
+  }
 
   absl::StatusOr<std::shared_ptr<Mapping>> map(std::uint64_t pool_id) {
     const std::string name = shm_name(pool_id);
@@ -480,6 +534,7 @@ ShmConsumer::~ShmConsumer() = default;
 
 absl::StatusOr<ShmConsumer::View> ShmConsumer::resolve(const wire::ShmHandle& handle, std::uint64_t bytes) {
   Impl& s = *impl_;
+  s.forget_gone_pools();
   std::shared_ptr<Mapping> mapping;
   {
     blockflow::detail::MutexLock lock(&s.mu);

@@ -22,6 +22,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -35,6 +36,10 @@ class SessionCore;
 absl::Status check_device(const Block& block);
 /// Names the calling thread after a block ("bf-<block>/<index>", cut to 15 characters).
 void name_thread(const std::string& block, int index);
+/// `status` with its message prefixed ("<prefix>: <message>"), same code.
+absl::Status with_prefix(const absl::Status& status, std::string_view prefix);
+/// Runs block.forward(), turning exceptions into statuses that name the block.
+absl::StatusOr<Tensors> guarded_forward(Block& block, Tensors&& inputs);
 
 /// A block as the session runs it: the block, its input queue, its counters. A block of this
 /// process runs on the session's compute lanes (LaneWork: at most BlockOptions::workers lanes at

@@ -17,8 +17,10 @@
 // removes the /dev/shm/blockflow-* objects on which it can take LOCK_EX at once and whose size is not
 // zero (a size-0 object may be one being created right now). The pid in a pool's name is only a hint
 // for people: pids say nothing across PID namespaces (containers) or between unrelated programs.
-// Consumers hold no lock: a pool lives as long as its producer, and a mapping stays valid after the
-// object is unlinked.
+// Consumers hold no lock: a pool lives as long as its producer (or until the producer trims it,
+// idle: ShmPoolOptions::idle_trim), and a mapping stays valid after the object is unlinked. A
+// consumer drops its cached mapping of a pool that no longer exists (checked at most once a second,
+// when it resolves a handle); tensors still over it keep it mapped until they die.
 //
 // Segment layout: a 64-byte header {u32 magic "BFSP", u32 version, u64 pool_id, u64 slot_count,
 // u64 slot_bytes, u64 data_offset, 24 reserved}, then one atomic u64 generation per slot (0 while the
@@ -44,6 +46,10 @@ struct ShmPoolOptions {
   std::size_t min_slot_bytes = std::size_t{1} << 20;  ///< smallest slot; slots are powers of two
   std::size_t max_total_bytes = std::size_t{1} << 30;  ///< bound on all pools of one producer
   std::size_t max_pools = 0;  ///< bound on the number of pools (0: only max_total_bytes bounds them)
+  /// A pool whose slots have all been free this long is unlinked and unmapped, unless it is the
+  /// last of its size class: a burst of traffic grows the pools, and they shrink back once it has
+  /// passed (checked when a slot is taken). Zero: pools stay until the producer goes.
+  absl::Duration idle_trim = absl::Seconds(30);
 };
 
 

@@ -1,0 +1,341 @@
+// How a session runs requests: a block's unit of work on a lane (one request or a batch), the
+// hand-off to the next block (inline on the same lane, or queued), joins of DAG paths, full
+// queues, and the resolution of each request exactly once.
+#include <blockflow/detail/clock.hpp>
+#include <blockflow/detail/session_core.hpp>
+
+#include <ATen/ops/cat.h>
+#include <c10/core/InferenceMode.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <numeric>
+
+namespace blockflow::detail {
+
+void BlockRuntime::run_one() { core->run_block(*this, std::nullopt); }
+
+void SessionCore::run_block(BlockRuntime& runtime, std::optional<Envelope> first) {
+  if (!first) first = runtime.inbox->try_receive();
+  if (!first) return;  // another lane took it
+  c10::InferenceMode inference_mode;
+  Block& block = *runtime.block;
+  const auto& options = block.options();
+  if (options.max_batch > 1) {
+    // Take what else waits, up to max_batch. Wait for more (until max_batch_delay_ms after the first
+    // arrived) only while no other block has work ready: a lane never idles on a short batch while
+    // work it could run waits (with one lane, the next block's inputs come from this very lane).
+    std::vector<Envelope> batch;
+    const std::int64_t deadline_ns = first->sent_ns + static_cast<std::int64_t>(options.max_batch_delay_ms * 1e6);
+    batch.push_back(std::move(*first));
+    while (static_cast<int>(batch.size()) < options.max_batch) {
+      if (auto more = runtime.inbox->try_receive()) {
+        batch.push_back(std::move(*more));
+        continue;
+      }
+      const std::int64_t left = deadline_ns - now_ns();
+      if (left <= 0 || lanes_->pending() > 0) break;
+      // In slices, so that work arriving for another block ends the wait.
+      auto more = runtime.inbox->receive(absl::Now() + absl::Nanoseconds(std::min<std::int64_t>(left, 200'000)));
+      if (more) batch.push_back(std::move(*more));
+    }
+    if (batch.size() > 1) {
+      std::vector<StatePtr> states;
+      for (const auto& e : batch) states.push_back(e.local);
+      try {
+        process_batch(runtime, std::move(batch));
+      } catch (const std::exception& e) {
+        for (auto& state : states) {
+          runtime.failed.fetch_add(1, std::memory_order_relaxed);
+          fail(state, absl::InternalError(fmt::format("block '{}': {}", block.name(), e.what())));
+        }
+      }
+      return;
+    }
+    first = std::move(batch.front());
+  }
+  StatePtr state = first->local;
+  try {
+    process(runtime, std::move(*first));
+  } catch (const std::exception& e) {
+    // Nothing may escape a lane: the request fails, the lane keeps serving.
+    runtime.failed.fetch_add(1, std::memory_order_relaxed);
+    fail(state, absl::InternalError(fmt::format("block '{}': {}", block.name(), e.what())));
+  }
+}
+
+// Runs compatible requests of a batch in one forward(): inputs stacked along dimension 0, outputs
+// split back by each request's rows. Requests that fit with no other run alone.
+void SessionCore::process_batch(BlockRuntime& runtime, std::vector<Envelope>&& batch) {
+  Block& block = *runtime.block;
+  // Requests agree when their inputs have the same count, dtypes, devices and sizes past dim 0.
+  auto key = [](const Tensors& inputs) {
+    std::string k = std::to_string(inputs.size());
+    for (const auto& t : inputs) {
+      if (!t.defined() || t.dim() == 0) return std::string();  // nothing to stack along
+      k += fmt::format("|{}|{}", c10::toString(t.scalar_type()), t.device().str());
+      for (std::int64_t d = 1; d < t.dim(); ++d) k += fmt::format(",{}", t.size(d));
+    }
+    return k;
+  };
+  std::vector<std::pair<std::string, std::vector<Envelope>>> groups;
+  for (auto& envelope : batch) {
+    const bool live = !envelope.local->resolved.load(std::memory_order_acquire) &&
+                      check_inputs(block, envelope.tensors).ok();
+    const std::string k = live ? key(envelope.tensors) : std::string();
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return !k.empty() && g.first == k; });
+    if (it == groups.end()) {
+      groups.emplace_back(k, std::vector<Envelope>{});
+      it = std::prev(groups.end());
+    }
+    it->second.push_back(std::move(envelope));
+  }
+  for (auto& [k, group] : groups) {
+    if (group.size() == 1 || k.empty()) {
+      for (auto& envelope : group) process(runtime, std::move(envelope));
+      continue;
+    }
+    const std::int64_t dequeued = now_ns();
+    const std::size_t inputs_per_request = group.front().tensors.size();
+    std::vector<std::int64_t> rows;
+    Tensors stacked;
+    for (std::size_t i = 0; i < inputs_per_request; ++i) {
+      std::vector<at::Tensor> parts;
+      for (const auto& envelope : group) parts.push_back(envelope.tensors[i]);
+      stacked.push_back(at::cat(parts, 0).to(block.device()));
+    }
+    for (const auto& envelope : group) rows.push_back(envelope.tensors.front().size(0));
+    const std::int64_t total = std::accumulate(rows.begin(), rows.end(), std::int64_t{0});
+    const std::int64_t start = now_ns();
+    absl::StatusOr<Tensors> outputs = guarded_forward(block, std::move(stacked));
+    const std::int64_t end = now_ns();
+    if (outputs.ok()) {
+      for (const auto& t : *outputs) {
+        if (!t.defined() || t.dim() == 0 || t.size(0) != total) {
+          outputs = absl::InternalError(fmt::format(
+              "block '{}': a batched output has {} rows for {} input rows; this block cannot batch (set max_batch 1)",
+              block.name(), t.defined() && t.dim() > 0 ? t.size(0) : 0, total));
+          break;
+        }
+      }
+    }
+    runtime.batches.fetch_add(1, std::memory_order_relaxed);
+    runtime.batched_requests.fetch_add(group.size(), std::memory_order_relaxed);
+    std::int64_t offset = 0;
+    for (std::size_t r = 0; r < group.size(); ++r) {
+      Envelope& envelope = group[r];
+      StatePtr state = std::move(envelope.local);
+      const int node = static_cast<int>(envelope.node);
+      HopTiming& hop = state->hops[static_cast<std::size_t>(node)];
+      hop.arrived_ns = envelope.sent_ns;
+      hop.dequeued_ns = std::max(dequeued, envelope.sent_ns);  // waiting for the batch is waiting
+      hop.compute_start_ns = start;
+      hop.compute_end_ns = end;
+      if (!outputs.ok()) {
+        runtime.failed.fetch_add(1, std::memory_order_relaxed);
+        fail(state, outputs.status());
+        continue;
+      }
+      Tensors mine;
+      for (const auto& t : *outputs) mine.push_back(t.narrow(0, offset, rows[r]));
+      offset += rows[r];
+      runtime.processed.fetch_add(1, std::memory_order_relaxed);
+      forward_outputs(state, node, std::move(mine), &runtime);
+    }
+  }
+}
+
+void SessionCore::process(BlockRuntime& runtime, Envelope&& envelope) {
+  const std::int64_t dequeued = now_ns();
+  StatePtr state = std::move(envelope.local);
+  if (state->resolved.load(std::memory_order_acquire)) return;  // a sibling branch failed it already
+  const int node = static_cast<int>(envelope.node);
+  HopTiming& hop = state->hops[static_cast<std::size_t>(node)];
+  hop.arrived_ns = envelope.sent_ns;
+  hop.dequeued_ns = dequeued;
+  Block& block = *runtime.block;
+
+  Tensors inputs = std::move(envelope.tensors);
+  absl::Status status = check_inputs(block, inputs);
+  if (status.ok()) {
+    for (auto& t : inputs) {
+      if (t.defined() && t.device() != block.device()) t = t.to(block.device());
+    }
+  }
+  hop.compute_start_ns = now_ns();
+  absl::StatusOr<Tensors> outputs = status.ok() ? guarded_forward(block, std::move(inputs)) : status;
+  hop.compute_end_ns = now_ns();
+  if (!outputs.ok()) {
+    runtime.failed.fetch_add(1, std::memory_order_relaxed);
+    fail(state, outputs.status());
+    return;
+  }
+  runtime.processed.fetch_add(1, std::memory_order_relaxed);
+  forward_outputs(state, node, std::move(*outputs), &runtime);
+}
+
+void SessionCore::forward_outputs(const StatePtr& state, int node, Tensors&& outputs, BlockRuntime* runtime) {
+  const PathPlan& plan = *state->plan;
+  HopTiming& hop = state->hops[static_cast<std::size_t>(node)];
+  hop.done_ns = now_ns();
+  if (runtime != nullptr) {
+    // Recorded before the hand-off, so a caller woken by the result sees this hop counted.
+    runtime->wait.record(hop.dequeued_ns - hop.arrived_ns);
+    runtime->compute.record(hop.compute_end_ns - hop.compute_start_ns);
+    runtime->overhead.record((hop.arrived_ns - hop.input_ready_ns) + (hop.compute_start_ns - hop.dequeued_ns) +
+                             (hop.done_ns - hop.compute_end_ns));
+  }
+  if (node == plan.sink) return resolve(state, absl::OkStatus(), std::move(outputs));
+  const auto& successors = plan.nodes[static_cast<std::size_t>(node)].successors;
+  const std::int64_t ready = hop.done_ns;
+  for (std::size_t i = 0; i < successors.size(); ++i) {
+    const bool last = i + 1 == successors.size();
+    deliver(state, successors[i].node, successors[i].slot, last ? std::move(outputs) : Tensors(outputs), ready);
+  }
+}
+
+void SessionCore::deliver(const StatePtr& state, int node, int slot, Tensors&& tensors, std::int64_t ready_ns) {
+  const PlanNode& target = state->plan->nodes[static_cast<std::size_t>(node)];
+  if (target.join_index >= 0) {
+    JoinState& join = state->joins[static_cast<std::size_t>(target.join_index)];
+    join.inputs[static_cast<std::size_t>(slot)] = std::move(tensors);
+    join.ready_ns[static_cast<std::size_t>(slot)] = ready_ns;
+    if (join.remaining.fetch_sub(1, std::memory_order_acq_rel) != 1) return;  // siblings still running
+    const auto last = std::max_element(join.ready_ns.begin(), join.ready_ns.end());
+    const auto last_slot = static_cast<std::size_t>(last - join.ready_ns.begin());
+    state->critical_pred[static_cast<std::size_t>(node)] = target.inputs[last_slot];
+    run_join(state, node, std::move(join.inputs), *last);
+    return;
+  }
+  state->critical_pred[static_cast<std::size_t>(node)] = target.inputs.empty() ? -1 : target.inputs.front();
+  state->hops[static_cast<std::size_t>(node)].input_ready_ns = ready_ns;
+  hand_over(target, Envelope{state->id, static_cast<std::uint32_t>(node), std::move(tensors), 0, state});
+}
+
+void SessionCore::hand_over(const PlanNode& target, Envelope&& envelope) {
+  BlockRuntime* runtime = target.block;
+  if (runtime->site != nullptr) {
+    // A block at a site with nothing queued before this request: the site may take it from this
+    // thread, sparing the forwarding thread's wake-up (RemoteSite::try_run()).
+    if (runtime->inbox->depth() == 0 && try_site_now(*runtime, envelope)) return;
+    return handle_displaced(runtime->inbox->send(std::move(envelope)), target);
+  }
+  // Run to completion: on a lane, a block with nothing queued before this request runs next on
+  // this same lane, once the current block is done (no queue, no wake-up, warm caches).
+  if (runtime->inbox->depth() == 0 && !runtime->inbox->closed() && lanes_->claim_next(*runtime)) {
+    envelope.sent_ns = now_ns();
+    runtime->handed_directly.fetch_add(1, std::memory_order_relaxed);
+    lanes_->run_next([this, runtime, e = std::move(envelope)]() mutable { run_block(*runtime, std::move(e)); });
+    return;
+  }
+  queue_on_lanes(*runtime, std::move(envelope), target);
+}
+
+void SessionCore::queue_on_lanes(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target) {
+  // A lane must not sleep on a full queue (with one lane nobody would empty it): it runs the full
+  // block's requests itself until there is room. Nested helping is bounded; beyond, it waits.
+  thread_local int helping = 0;
+  constexpr int kMaxHelpDepth = 8;
+  if (lanes_->current_lane() >= 0 && runtime.inbox->full_policy() == FullPolicy::kBlock && helping < kMaxHelpDepth) {
+    for (;;) {
+      SendOutcome outcome = runtime.inbox->send(std::move(envelope), absl::Now() + absl::Milliseconds(1));
+      if (!absl::IsDeadlineExceeded(outcome.status)) {
+        lanes_->notify(runtime);
+        return handle_displaced(std::move(outcome), target);
+      }
+      envelope = std::move(*outcome.displaced);
+      ++helping;
+      (void)lanes_->help(runtime);
+      --helping;
+    }
+  }
+  SendOutcome outcome = runtime.inbox->send(std::move(envelope));
+  lanes_->notify(runtime);
+  handle_displaced(std::move(outcome), target);
+}
+
+void SessionCore::run_join(const StatePtr& state, int node, std::vector<Tensors>&& inputs, std::int64_t ready_ns) {
+  const PlanNode& target = state->plan->nodes[static_cast<std::size_t>(node)];
+  HopTiming& hop = state->hops[static_cast<std::size_t>(node)];
+  hop.input_ready_ns = ready_ns;
+  if (target.block != nullptr) {
+    // A block with several inputs: merge, then queue like any other hop (the merge is overhead).
+    auto merged = target.combine.apply(std::move(inputs));
+    if (!merged.ok()) {
+      return fail(state, with_prefix(merged.status(), fmt::format("path '{}', inputs of block '{}'",
+                                                                  state->plan->task, target.name)));
+    }
+    return hand_over(target, Envelope{state->id, static_cast<std::uint32_t>(node), std::move(*merged), 0, state});
+  }
+  // A block-less join runs the combine rule inline; it counts as the node's compute.
+  hop.arrived_ns = hop.dequeued_ns = hop.compute_start_ns = now_ns();
+  auto merged = target.combine.apply(std::move(inputs));
+  hop.compute_end_ns = now_ns();
+  if (!merged.ok()) {
+    return fail(state, with_prefix(merged.status(), fmt::format("path '{}', join '{}'", state->plan->task, target.name)));
+  }
+  forward_outputs(state, node, std::move(*merged), nullptr);
+}
+
+void SessionCore::handle_displaced(SendOutcome&& outcome, const PlanNode& target) {
+  if (!outcome.displaced) return;
+  StatePtr victim = std::move(outcome.displaced->local);
+  const std::string& block = target.block->name();
+  absl::Status why;
+  if (outcome.status.ok()) {
+    why = absl::ResourceExhaustedError(fmt::format("block '{}': dropped from its full input queue (policy drop-oldest)", block));
+  } else if (absl::IsCancelled(outcome.status)) {
+    const std::string* removed = target.block->removed_why.load(std::memory_order_acquire);
+    why = absl::CancelledError(stopped_.load() ? fmt::format("block '{}': session shut down before the request reached it", block)
+                               : removed != nullptr ? fmt::format("block '{}': {}", block, *removed)
+                                                    : fmt::format("block '{}': removed by an update before the request reached it", block));
+  } else {
+    why = with_prefix(outcome.status, fmt::format("block '{}': input", block));
+  }
+  target.block->failed.fetch_add(1, std::memory_order_relaxed);
+  fail(victim, why);
+}
+
+void SessionCore::fail(const StatePtr& state, absl::Status status) { resolve(state, std::move(status), {}); }
+
+void SessionCore::resolve(const StatePtr& state, absl::Status status, Tensors outputs) {
+  if (state->resolved.exchange(true, std::memory_order_acq_rel)) return;
+  Result result;
+  result.trace.request_id = state->id;
+  result.trace.task = state->plan->task;
+  result.trace.submitted_ns = state->submitted_ns;
+  result.trace.resolved_ns = now_ns();
+  PathRuntime& path = *state->plan->metrics;
+  if (status.ok()) {
+    // Walk the critical path back from the sink.
+    for (int node = state->plan->sink; node >= 0; node = state->critical_pred[static_cast<std::size_t>(node)]) {
+      HopTiming hop = state->hops[static_cast<std::size_t>(node)];
+      hop.node = state->plan->nodes[static_cast<std::size_t>(node)].name;
+      const auto* block = state->plan->nodes[static_cast<std::size_t>(node)].block;
+      if (block != nullptr) hop.block = block->name();
+      result.trace.hops.push_back(std::move(hop));
+    }
+    std::reverse(result.trace.hops.begin(), result.trace.hops.end());
+    // The last hop ends when the request resolves: its resolution cost is overhead too.
+    result.trace.hops.back().done_ns = result.trace.resolved_ns;
+    result.outputs = std::move(outputs);
+    path.completed.fetch_add(1, std::memory_order_relaxed);
+    auto ms_to_ns = [](double ms) { return static_cast<std::int64_t>(ms * 1e6); };
+    path.e2e.record(result.trace.resolved_ns - result.trace.submitted_ns);
+    path.wait.record(ms_to_ns(result.trace.wait_ms()));
+    path.compute.record(ms_to_ns(result.trace.compute_ms()));
+    path.overhead.record(ms_to_ns(result.trace.overhead_ms()));
+  } else {
+    path.failed.fetch_add(1, std::memory_order_relaxed);
+  }
+  result.status = std::move(status);
+  {
+    blockflow::detail::MutexLock lock(&live_mu_);
+    live_.erase(state->id);
+  }
+  auto done = std::move(state->done);
+  in_flight_.fetch_sub(1, std::memory_order_acq_rel);  // before done(): its caller may read metrics
+  done(std::move(result));
+}
+
+}  // namespace blockflow::detail
