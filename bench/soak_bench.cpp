@@ -42,10 +42,12 @@
 //                 null: no such samples (a short run, or a worker killed every 120 s never lives 60 s
 //                 into the second minute of the soak before its next kill).
 // Targets: lost == 0; unexplained_failures == 0; every private slope < 1 MB/min (the total one is
-// printed and checked too: it includes the pool pages); at every line after a
-// kill (the one before the next kill, and the last) shm_slots_idle_min <= its starting level and
-// fds <= the starting level, and shm_orphans back to its starting level (shm_orphans_back); after
-// the drain, all three back to their starting levels.
+// printed and checked too: it includes the pool pages); at every line after a kill, shm_orphans
+// back to its starting level, and, taken at the moments since the previous line when nothing was
+// in flight, the least slots in use (shm_slots_idle_min) and the least host descriptors at their
+// starting levels (a line with no such moment, the system saturated all along, is counted in
+// lines_without_idle_moment and left to the next idle moment: a slot or descriptor a kill kept
+// would still be missing then); after the drain, all three back to their starting levels.
 //
 //   soak_bench --models DIR [--seconds S] [--threads T] [--load F] [--saturation-s S] [--kill-every-s S]
 //
@@ -66,6 +68,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <condition_variable>
 #include <filesystem>
 #include <fstream>
@@ -357,8 +360,9 @@ int main(int argc, char** argv) try {
   const double soak_origin_s = seconds_since(origin);
   std::map<std::string, std::vector<RssSample>> rss, private_rss;  // "host", "w1".. -> samples for the slopes
   std::optional<std::uint64_t> idle_min;              // least slots in use with nothing in flight
+  int idle_fds_min = INT_MAX;                         // least host descriptors then
   bool slots_back = true, fds_back = true, orphans_back = true;
-  int kills = 0, kills_skipped = 0, applies = 0, apply_errors = 0, checks = 0;
+  int kills = 0, kills_skipped = 0, applies = 0, apply_errors = 0, checks = 0, checks_without_idle = 0;
   double apply_ms_max = 0;
   auto sample_rss = [&] {
     const double t = seconds_since(origin);
@@ -410,7 +414,10 @@ int main(int argc, char** argv) try {
     const double t = seconds_since(soak0);
     watch_pids();
     const bf::MetricsSnapshot m = session.metrics();
-    if (m.in_flight == 0) idle_min = std::min(idle_min.value_or(UINT64_MAX), slots_in_use(m));
+    if (m.in_flight == 0) {
+      idle_min = std::min(idle_min.value_or(UINT64_MAX), slots_in_use(m));
+      idle_fds_min = std::min(idle_fds_min, fd_count("self"));
+    }
     if (t >= next_rss) {
       sample_rss();
       next_rss += kRssEveryS;
@@ -419,12 +426,17 @@ int main(int argc, char** argv) try {
       const Levels now{slots_in_use(m), fd_count("self"), shm_objects(pids)};
       print_line(t, m, now, false);
       if (kills > 0) {  // a line after a kill: what it took must be back
-        ++checks;
-        slots_back = slots_back && idle_min && *idle_min <= start.slots;
-        fds_back = fds_back && now.fds <= start.fds;
         orphans_back = orphans_back && now.objects.orphaned <= start.objects.orphaned;
+        if (idle_min) {  // slots and descriptors: at the moments with nothing in flight
+          ++checks;
+          slots_back = slots_back && *idle_min <= start.slots;
+          fds_back = fds_back && idle_fds_min <= start.fds;
+        } else {
+          ++checks_without_idle;  // saturated all along: the next idle moment (or the drain) checks it
+        }
       }
       idle_min.reset();
+      idle_fds_min = INT_MAX;
       next_print += kPrintEveryS;
     }
     if (t >= seconds) break;
@@ -485,13 +497,13 @@ int main(int argc, char** argv) try {
       "\"apply_ms_max\":{:.1f},\"rss_slope_mb_per_min\":{{{}}},\"private_slope_mb_per_min\":{{{}}},"
       "\"rss_slope_points\":{{{}}},"
       "\"start\":{{\"shm_slots_in_use\":{},\"fds\":{},\"shm_objects\":{},\"shm_orphans\":{}}},"
-      "\"end\":{{\"shm_slots_in_use\":{},\"fds\":{},\"shm_objects\":{},\"shm_orphans\":{}}},\"checks_after_kills\":{},"
+      "\"end\":{{\"shm_slots_in_use\":{},\"fds\":{},\"shm_objects\":{},\"shm_orphans\":{}}},\"checks_after_kills\":{},\"lines_without_idle_moment\":{},"
       "\"targets\":{{\"lost_zero\":{},\"failures_name_killed_worker\":{},\"rss_slopes_under_1_mb_per_min\":{},"
       "\"private_slopes_under_1_mb_per_min\":{},"
       "\"slots_back\":{},\"fds_back\":{},\"shm_orphans_back\":{}}}}}\n",
       traffic_s, rate, sat, c.sent, c.completed, c.failed, lost, c.unexplained, ledger.errors_json(), kills,
       kills_skipped, restarts, site_failed, applies, apply_errors, apply_ms_max, slopes, private_slopes, points, start.slots, start.fds,
-      start.objects.live, start.objects.orphaned, end.slots, end.fds, end.objects.live, end.objects.orphaned, checks, lost == 0, c.unexplained == 0, slopes_ok, private_slopes_ok,
+      start.objects.live, start.objects.orphaned, end.slots, end.fds, end.objects.live, end.objects.orphaned, checks, checks_without_idle, lost == 0, c.unexplained == 0, slopes_ok, private_slopes_ok,
       slots_back && end.slots <= start.slots, fds_back && end.fds <= start.fds,
       orphans_back && end.objects.orphaned <= start.objects.orphaned);
   std::fflush(stdout);

@@ -17,6 +17,9 @@
 #include <blockflow/detail/worker_protocol.hpp>
 #include <blockflow/kpi.hpp>
 
+#include "worker_allowlist.hpp"
+#include "worker_replies.hpp"
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <zmq.hpp>
@@ -43,6 +46,9 @@
 
 namespace bf = blockflow;
 using bf::detail::now_ns;
+using bf::detail::ParkedOutputs;
+using bf::detail::Reply;
+using bf::detail::ReplyQueue;
 
 namespace {
 
@@ -55,122 +61,6 @@ struct Args {
 
 std::int64_t rss_bytes() { return bf::sample_process().rss_bytes; }
 
-// One reply on its way back to the host.
-struct Reply {
-  Reply(bf::wire::Header h, bf::Tensors t = {}, std::vector<std::string> refs = {})
-      : header(std::move(h)), tensors(std::move(t)), references(std::move(refs)) {}
-  bf::wire::Header header;
-  bf::Tensors tensors;
-  // Parked outputs (direct edges): one kParkedRefBytes id per tensor, sent instead of its bytes.
-  std::vector<std::string> references;
-};
-
-// Direct edges (channel "zmq"): outputs that the host asked us to keep, by id, until it says which
-// worker takes them (kForward) or that nobody will (kDrop). Bounded: beyond max_count entries or
-// max_bytes, outputs go back to the host as usual; an output nobody asked for within kExpiry (a
-// lost drop) is forgotten. Ids start at a random base, so that a message meant for an earlier
-// process of this worker matches nothing here.
-class ParkedOutputs {
- public:
-  static constexpr std::int64_t kExpiryNs = 30'000'000'000;
-  ParkedOutputs() : next_id_((static_cast<std::uint64_t>(std::random_device{}()) << 32) | 1) {}
-  void set_limits(std::size_t max_count, std::uint64_t max_bytes) {
-    std::lock_guard lock(mu_);
-    max_count_ = max_count;
-    max_bytes_ = max_bytes;
-  }
-  // Keeps all of `outputs` (contiguous CPU tensors) and returns their ids, or nothing (no room).
-  std::optional<std::vector<std::uint64_t>> park(const bf::Tensors& outputs) {
-    std::uint64_t bytes = 0;
-    for (const auto& t : outputs) {
-      if (!t.defined() || !t.device().is_cpu() || !t.is_contiguous()) return std::nullopt;
-      bytes += t.nbytes();
-    }
-    std::lock_guard lock(mu_);
-    const std::int64_t now = now_ns();
-    while (!by_id_.empty() && by_id_.begin()->second.parked_ns < now - kExpiryNs) {  // ids grow with time
-      bytes_ -= by_id_.begin()->second.tensor.nbytes();
-      by_id_.erase(by_id_.begin());
-    }
-    if (outputs.empty() || by_id_.size() + outputs.size() > max_count_ || bytes_ + bytes > max_bytes_) return std::nullopt;
-    std::vector<std::uint64_t> ids;
-    for (const auto& t : outputs) {
-      ids.push_back(next_id_++);
-      by_id_.emplace(ids.back(), Entry{t, now});
-    }
-    bytes_ += bytes;
-    return ids;
-  }
-  // The tensors of `ids`, taken out (release) or left in place; nothing if one is unknown.
-  std::optional<bf::Tensors> get(const std::vector<std::uint64_t>& ids, bool release) {
-    std::lock_guard lock(mu_);
-    bf::Tensors out;
-    for (const auto id : ids) {
-      auto it = by_id_.find(id);
-      if (it == by_id_.end()) return std::nullopt;
-      out.push_back(it->second.tensor);
-    }
-    if (release) drop_locked(ids);
-    return out;
-  }
-  void drop(const std::vector<std::uint64_t>& ids) {
-    std::lock_guard lock(mu_);
-    drop_locked(ids);
-  }
-
- private:
-  void drop_locked(const std::vector<std::uint64_t>& ids) {
-    for (const auto id : ids) {
-      auto it = by_id_.find(id);
-      if (it == by_id_.end()) continue;
-      bytes_ -= it->second.tensor.nbytes();
-      by_id_.erase(it);
-    }
-  }
-  struct Entry {
-    at::Tensor tensor;
-    std::int64_t parked_ns = 0;
-  };
-  std::mutex mu_;
-  std::map<std::uint64_t, Entry> by_id_;
-  std::uint64_t next_id_ = 1, bytes_ = 0, max_bytes_ = 0;
-  std::size_t max_count_ = 0;
-};
-
-// A small blocking queue: worker threads produce replies, the one thread owning the PUSH socket
-// consumes them.
-class ReplyQueue {
- public:
-  void push(Reply&& r) {
-    {
-      std::lock_guard lock(mu_);
-      queue_.push_back(std::move(r));
-    }
-    cv_.notify_one();
-  }
-  std::optional<Reply> pop() {  // nullopt once closed and empty
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return closed_ || !queue_.empty(); });
-    if (queue_.empty()) return std::nullopt;
-    Reply r = std::move(queue_.front());
-    queue_.pop_front();
-    return r;
-  }
-  void close() {
-    {
-      std::lock_guard lock(mu_);
-      closed_ = true;
-    }
-    cv_.notify_all();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Reply> queue_;
-  bool closed_ = false;
-};
-
 bf::wire::Header error_header(std::uint64_t id, std::uint32_t node, const absl::Status& status) {
   bf::wire::Header h;
   h.kind = bf::wire::MessageKind::kError;
@@ -181,84 +71,6 @@ bf::wire::Header error_header(std::uint64_t id, std::uint32_t node, const absl::
   return h;
 }
 
-// What a joined worker may load: its configuration comes from whoever answers at the join address,
-// so only its own command line chooses code (--plugin) and files (--models) (issue 21). A child
-// worker's parent is trusted: it loads what the configuration names.
-// Refusals are logged here too: the operator of this host wants to know what was asked of it.
-struct Allowed {
-  bool enforced = false;          // a joined worker
-  std::string worker;             // its name, for the log
-  std::set<std::string> plugins;  // canonical
-  std::string models_dir;         // canonical; "" when no --models was given
-
-  static Allowed of(const BlockflowWorkerLaunch& launch) {
-    Allowed a;
-    a.enforced = launch.join != 0;
-    a.worker = launch.name;
-    if (!a.enforced) return a;
-    for (int i = 0; i < launch.allowed_plugin_count; ++i) a.plugins.insert(canonical(launch.allowed_plugins[i]));
-    if (launch.models_dir != nullptr) a.models_dir = canonical(launch.models_dir);
-    return a;
-  }
-  static std::string canonical(const std::string& path) {
-    std::error_code ec;
-    const auto c = std::filesystem::weakly_canonical(std::filesystem::absolute(path, ec), ec);
-    return ec ? std::string() : c.string();
-  }
-
-  // The file to dlopen() for a plugin the configuration names: itself, or refused.
-  absl::StatusOr<std::string> plugin(const std::string& path) const {
-    if (!enforced) return path;
-    const std::string c = canonical(path);
-    if (c.empty() || plugins.count(c) == 0) {
-      return refuse(fmt::format("plugin '{}' is not among this worker's --plugin arguments", path));
-    }
-    return c;
-  }
-
-  // A block of the configuration; its TorchScript file (relative: to --models) must lie inside
-  // --models once symbolic links are resolved (detail::block_from_json's confinement), and must not
-  // climb with `..` at all: resolving `outside/x/..` would tell whether x is a link. The refusal says
-  // the same whether or not the file exists.
-  absl::StatusOr<bf::BlockDescription> block(const nlohmann::json& json) const {
-    if (!enforced) return bf::detail::block_from_json(json, "");
-    // A bare name stands for "<name>.pt": confined like any other path.
-    const nlohmann::json b = json.is_string() ? nlohmann::json{{"name", json}, {"torchscript", json.get<std::string>() + ".pt"}} : json;
-    auto as_given = bf::detail::block_from_json(b, "");
-    if (!as_given.ok() || as_given->torchscript.empty()) return as_given;
-    if (models_dir.empty()) {
-      return refuse(fmt::format("block '{}': TorchScript path '{}' refused: this worker was started without --models DIR",
-                                as_given->name, as_given->torchscript));
-    }
-    const std::filesystem::path given(as_given->torchscript);
-    if (std::find(given.begin(), given.end(), std::filesystem::path("..")) != given.end()) {
-      return refuse(fmt::format("block '{}': TorchScript path '{}' is not inside the models directory (this worker's --models)",
-                                as_given->name, as_given->torchscript));
-    }
-    auto inside = bf::detail::block_from_json(b, models_dir, /*confine=*/true);
-    if (inside.ok()) return inside;
-    return refuse(fmt::format("{} (this worker's --models)", std::string(inside.status().message())));
-  }
-
-  absl::Status refuse(const std::string& why) const {
-    bf::detail::log(bf::LogLevel::kError, fmt::format("worker {}: {}", worker, why));
-    return absl::PermissionDeniedError(why);
-  }
-};
-
-// Loads each plugin once per process (an update may list those already loaded).
-absl::Status load_plugins(const nlohmann::json& plugins, const Allowed& allowed, std::set<std::string>& loaded) {
-  for (const auto& p : plugins) {
-    if (!p.is_string()) return absl::InvalidArgumentError(fmt::format("plugins: {} is not a path", p.dump()));
-    auto path = allowed.plugin(p.get<std::string>());
-    if (!path.ok()) return path.status();
-    if (loaded.count(*path) != 0) continue;
-    if (auto status = bf::load_plugin(*path); !status.ok()) return status;
-    loaded.insert(*path);
-  }
-  return absl::OkStatus();
-}
-
 // "tcp://HOST:PORT" with another port.
 std::string with_port(const std::string& endpoint, int port) {
   return fmt::format("{}{}", endpoint.substr(0, endpoint.rfind(':') + 1), port);
@@ -267,7 +79,7 @@ std::string with_port(const std::string& endpoint, int port) {
 class Worker {
  public:
   explicit Worker(const BlockflowWorkerLaunch& launch)
-      : allowed_(Allowed::of(launch)), control_(zmq::from_handle, launch.control_socket), config_text_(launch.config_json) {
+      : allowed_(bf::detail::WorkerAllowList::of(launch)), control_(zmq::from_handle, launch.control_socket), config_text_(launch.config_json) {
     args_.name = launch.name;
     args_.control = launch.control;
     args_.requests = launch.requests != nullptr ? launch.requests : "";
@@ -401,7 +213,7 @@ class Worker {
   // The blocks of a config or update message, each with a task of its own name (how the host
   // addresses it), after loading the plugins they need.
   absl::StatusOr<bf::Deployment> blocks_of(const nlohmann::json& message) {
-    if (auto status = load_plugins(message.value("plugins", nlohmann::json::array()), allowed_, plugins_); !status.ok()) {
+    if (auto status = bf::detail::load_plugins(message.value("plugins", nlohmann::json::array()), allowed_, plugins_); !status.ok()) {
       return status;
     }
     bf::Deployment d;
@@ -730,7 +542,7 @@ class Worker {
 
  private:
   Args args_;
-  const Allowed allowed_;  // what this worker's command line lets it load
+  const bf::detail::WorkerAllowList allowed_;  // what this worker's command line lets it load
   bf::detail::RateLimitedLog noisy_;  // per-frame messages a peer can trigger
   std::int64_t last_host_ns_ = 0;
   bf::detail::HeartbeatSettings heartbeat_ = bf::detail::heartbeat_settings(nlohmann::json::object());  // from the config
