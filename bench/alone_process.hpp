@@ -17,6 +17,7 @@
 #include <c10/core/InferenceMode.h>
 #include <fmt/format.h>
 
+#include <fcntl.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -33,30 +34,56 @@ extern char** environ;
 
 namespace blockflow::bench {
 
+/// "a,b,c,d"
+inline std::string dims_arg(const std::vector<std::int64_t>& shape) {
+  std::string dims;
+  for (auto d : shape) dims += (dims.empty() ? "" : ",") + std::to_string(d);
+  return dims;
+}
+
+/// Starts this benchmark again (`/proc/self/exe ARGS...`) with `in` as its stdin and `out` as its
+/// stdout, `extra_env` ("K=V") added to (and overriding) this process's environment. The caller
+/// closes its copies of `in` and `out`; every other descriptor of this process must be close-on-exec.
+inline pid_t spawn_self(const std::vector<std::string>& args, int in, int out, const std::vector<std::string>& extra_env) {
+  std::vector<std::string> all = {"pipeline_bench"};
+  all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : all) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> env_store(extra_env);
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    const std::string key = entry.substr(0, entry.find('='));
+    const bool overridden = std::any_of(extra_env.begin(), extra_env.end(),
+                                        [&](const std::string& x) { return x.substr(0, x.find('=')) == key; });
+    if (!overridden) env_store.push_back(entry);
+  }
+  std::vector<char*> envp;
+  for (auto& e : env_store) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, in, STDIN_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, out, STDOUT_FILENO);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, "/proc/self/exe", &actions, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) throw std::runtime_error(fmt::format("bench: posix_spawn failed ({})", rc));
+  return pid;
+}
+
 /// The parent's handle on the child. Not thread-safe.
 class AloneProcess {
  public:
   /// Starts `/proc/self/exe --mode alone --model FILE[,FILE...] --threads T --shape a,b,c,d --optimize 0|1`.
   AloneProcess(const std::string& model, int threads, const std::vector<std::int64_t>& shape, bool optimize) {
     int to_child[2], from_child[2];
-    if (::pipe(to_child) != 0 || ::pipe(from_child) != 0) throw std::runtime_error("alone: pipe() failed");
-    std::string dims;
-    for (auto d : shape) dims += (dims.empty() ? "" : ",") + std::to_string(d);
-    std::vector<std::string> args = {"pipeline_bench", "--mode", "alone", "--model", model, "--threads",
-                                     std::to_string(threads), "--shape", dims, "--optimize", optimize ? "1" : "0"};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, to_child[0], STDIN_FILENO);
-    posix_spawn_file_actions_adddup2(&actions, from_child[1], STDOUT_FILENO);
-    for (int fd : {to_child[0], to_child[1], from_child[0], from_child[1]}) posix_spawn_file_actions_addclose(&actions, fd);
-    const int rc = posix_spawn(&pid_, "/proc/self/exe", &actions, nullptr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&actions);
+    if (::pipe2(to_child, O_CLOEXEC) != 0 || ::pipe2(from_child, O_CLOEXEC) != 0) throw std::runtime_error("alone: pipe() failed");
+    pid_ = spawn_self({"--mode", "alone", "--model", model, "--threads", std::to_string(threads), "--shape", dims_arg(shape),
+                       "--optimize", optimize ? "1" : "0"},
+                      to_child[0], from_child[1], {});
     ::close(to_child[0]);
     ::close(from_child[1]);
-    if (rc != 0) throw std::runtime_error(fmt::format("alone: posix_spawn failed ({})", rc));
     in_ = ::fdopen(to_child[1], "w");
     out_ = ::fdopen(from_child[0], "r");
     if (read_line() != "ready") throw std::runtime_error("alone: the baseline process did not start");

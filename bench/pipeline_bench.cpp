@@ -27,6 +27,10 @@
 // both); overhead_p50_ms stays the trace's own (time outside compute and waits). The line adds
 // "device" (the GPU's name), "saturation_rps" and "monolithic_saturation_rps": completed requests
 // per second with 16 requests kept in flight.
+// In workers mode (CPU) the line adds the floor of any one-block-per-process pipeline, measured in
+// the same alternating rounds (bench/process_chain.hpp: the four blocks in four clean processes, one
+// after the other, nothing moved): "split_processes_p50_ms", "split_processes_over_monolithic_alone"
+// and "ratio_split_processes" = e2e p50 / that floor.
 // Every pipeline line ends with "hops_us": per block, the p50 in microseconds of [hand-off in,
 // queue, to the block (for a worker: the relay into its process), compute, hand-off out].
 //
@@ -42,6 +46,7 @@
 // lines say which ("direct_edges", true only for zmq).
 
 #include "alone_process.hpp"
+#include "process_chain.hpp"
 #include "bench_util.hpp"
 
 #include <blockflow/blockflow.hpp>
@@ -160,16 +165,17 @@ int main(int argc, char** argv) try {
     else if (a == "--outputs-in-slots") outputs_in_slots = std::stoi(v) != 0;
     else if (a == "--direct-edges") direct_edges = std::stoi(v) != 0;
     else if (a == "--optimize") optimize = std::stoi(v) != 0;
-    else if (a == "--model") model = v;      // --mode alone (the baseline process)
-    else if (a == "--shape") shape = v;      // --mode alone
+    else if (a == "--model") model = v;      // --mode alone (the baseline process), stage
+    else if (a == "--shape") shape = v;      // --mode alone, stage
     else if (a == "--app-on") app_on = v;    // --mode host_app: lane | thread
     else return false;
     return true;
   });
-  if (mode == "alone") {
+  if (mode == "alone" || mode == "stage") {
     std::vector<std::int64_t> dims;
     for (const auto& d : absl::StrSplit(shape, ',')) dims.push_back(std::stoll(std::string(d)));
-    return bf::bench::AloneProcess::serve(model, threads, dims, optimize);
+    return mode == "stage" ? bf::bench::ProcessChain::serve(model, threads, dims, optimize)
+                           : bf::bench::AloneProcess::serve(model, threads, dims, optimize);
   }
   if (models.empty()) throw std::invalid_argument("usage: pipeline_bench --models DIR [--requests N] [--threads T]");
   if (mode == "host_app") return host_app(models, requests, threads, round, optimize, app_on);
@@ -183,6 +189,8 @@ int main(int argc, char** argv) try {
   if (!workers && !memory && mode != "threads") {
     throw std::invalid_argument("--mode threads|workers|worker_memory|sampler_cost");
   }
+  const std::vector<std::string> worker_environment =
+      worker_env ? std::vector<std::string>(absl::StrSplit(*worker_env, ' ', absl::SkipEmpty())) : bf::WorkerOptions{}.environment;
   bf::Session session;
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     bf::BlockDescription d;
@@ -202,7 +210,7 @@ int main(int argc, char** argv) try {
     bf::WorkerOptions o;
     o.name = fmt::format("w{}", w);
     o.channel = channel;
-    if (worker_env) o.environment = absl::StrSplit(*worker_env, ' ', absl::SkipEmpty());
+    o.environment = worker_environment;
     if (spin_us) o.receive_spin = absl::Microseconds(*spin_us);
     o.shm_outputs_in_slots = outputs_in_slots;
     o.direct_edges = direct_edges;
@@ -329,7 +337,14 @@ int main(int argc, char** argv) try {
   // The floor of any pipeline of these blocks: the four run one after the other, no session at all.
   const std::string chain = fmt::format("{0}/block1.pt,{0}/block2.pt,{0}/block3.pt,{0}/block4.pt", models);
   bf::bench::AloneProcess split_alone(chain, threads, {1, 3, 224, 224}, optimize);
-  std::vector<double> alone_ms, split_alone_ms;
+  // Workers mode: the floor of running one block per process (bench/process_chain.hpp).
+  std::optional<bf::bench::ProcessChain> processes;
+  if (workers) {
+    std::vector<bf::bench::ProcessChain::Stage> stages;
+    for (std::size_t i = 0; i < 4; ++i) stages.push_back({fmt::format("{}/{}.pt", models, blocks[i].first), blocks[i].second});
+    processes.emplace(stages, threads, optimize, worker_environment);
+  }
+  std::vector<double> alone_ms, split_alone_ms, processes_ms;
   for (int i = 0; i < warmup; ++i) {
     (void)session.submit("split", x).get();
     (void)session.submit("whole", x).get();
@@ -356,20 +371,31 @@ int main(int argc, char** argv) try {
     for (int j = 0; j < round; ++j) keep(alone_ms, j, clean[static_cast<std::size_t>(j)]);
     const auto floor = split_alone.run(round);
     for (int j = 0; j < round; ++j) keep(split_alone_ms, j, floor[static_cast<std::size_t>(j)]);
+    if (processes) {
+      const auto chain_ms = processes->run(round);
+      for (int j = 0; j < round; ++j) keep(processes_ms, j, chain_ms[static_cast<std::size_t>(j)]);
+    }
   }
   const Summary sum = summarize();
   const double mono_alone = bf::bench::percentile(alone_ms, 0.5);
   const double split_floor = bf::bench::percentile(split_alone_ms, 0.5);
+  std::string processes_json;
+  if (processes) {
+    const double p = bf::bench::percentile(processes_ms, 0.5);
+    processes_json = fmt::format("\"split_processes_p50_ms\":{:.3f},\"split_processes_over_monolithic_alone\":{:.4f},"
+                                 "\"ratio_split_processes\":{:.4f},",
+                                 p, p / mono_alone, sum.e2e / p);
+  }
   const auto m = session.metrics();
   fmt::print(
       "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"threads_per_block\":{},\"requests\":{},"
       "\"e2e_p50_ms\":{:.3f},\"monolithic_alone_p50_ms\":{:.3f},\"ratio_alone\":{:.4f},\"ratio\":{:.4f},"
-      "\"split_alone_p50_ms\":{:.3f},\"split_alone_over_monolithic_alone\":{:.4f},\"ratio_split_alone\":{:.4f},"
+      "\"split_alone_p50_ms\":{:.3f},\"split_alone_over_monolithic_alone\":{:.4f},\"ratio_split_alone\":{:.4f},{}"
       "\"monolithic_in_session_p50_ms\":{:.3f},\"ratio_in_session\":{:.4f},\"overhead_p50_ms\":{:.4f},\"round\":{},"
       "\"worker_env\":\"{}\",\"outputs_in_slots\":{},\"direct_edges\":{},\"optimize_for_inference\":{},\"hardware_threads\":{},"
       "\"lanes\":{},\"lane_intra_op_threads\":{},\"cpu\":\"{}\",\"hops_us\":[{}]}}\n",
       mode, channel_label, threads, requests, sum.e2e, mono_alone, sum.e2e / mono_alone, sum.e2e / mono_alone, split_floor,
-      split_floor / mono_alone, sum.e2e / split_floor, sum.mono,
+      split_floor / mono_alone, sum.e2e / split_floor, processes_json, sum.mono,
       sum.e2e / sum.mono, sum.overhead, round,
       workers ? worker_env.value_or(fmt::format("{}", fmt::join(bf::WorkerOptions{}.environment, " "))) : "",
       workers && channel != "zmq" && outputs_in_slots, workers && channel == "zmq" && direct_edges, optimize, std::thread::hardware_concurrency(),
