@@ -194,7 +194,10 @@ std::optional<PacketListener::Accepted> PacketListener::accept() {
   Accepted out;
   ucred credentials{};
   socklen_t length = sizeof(credentials);
-  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &length) == 0) out.peer_pid = credentials.pid;
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &length) == 0) {
+    out.peer_pid = credentials.pid;
+    out.peer_uid = credentials.uid;
+  }
   out.link = std::make_shared<PacketLink>(fd);
   return out;
 }

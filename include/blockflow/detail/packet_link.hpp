@@ -89,6 +89,7 @@ class PacketListener {
   struct Accepted {
     std::shared_ptr<PacketLink> link;
     pid_t peer_pid = 0;  ///< from the kernel (SO_PEERCRED), not from the peer's word
+    uid_t peer_uid = static_cast<uid_t>(-1);  ///< likewise; -1 when the kernel did not say
   };
   /// Accepts a pending connection, if any (never waits).
   std::optional<Accepted> accept();

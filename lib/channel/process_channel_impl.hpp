@@ -1,0 +1,36 @@
+#pragma once
+// Internal: the backends behind ProcessChannel::open() (process_channel.cpp parses the URI and
+// checks the directory; shm_channel.cpp and zmq_channel.cpp are the two kinds of ends).
+
+#include <blockflow/process_channel.hpp>
+
+#include <absl/status/statusor.h>
+
+#include <memory>
+#include <string>
+
+namespace blockflow::detail {
+
+/// This user's rendezvous directory for shm:// and ipc://NAME channels, created 0700 when missing;
+/// PermissionDenied naming `uri` when it exists but is not a directory of ours closed to others.
+absl::StatusOr<std::string> channel_directory(const std::string& uri);
+
+/// PermissionDenied naming `uri` unless `dir` is a directory (not a symlink) owned by this user
+/// with no access for group or others.
+absl::Status check_private_directory(const std::string& dir, const std::string& uri);
+
+/// True when something accepts connections at the Unix socket `path` (a live receiver), trying
+/// `type` (SOCK_STREAM for ZeroMQ's ipc://, SOCK_SEQPACKET for shm://).
+bool unix_socket_live(const std::string& path, int type);
+
+/// shm://: the data link's socket at `socket_path`.
+absl::StatusOr<std::unique_ptr<ProcessChannel>> open_shm_channel(const std::string& uri, const std::string& socket_path,
+                                                                 ChannelRole role, const ProcessChannelOptions& options);
+/// ipc:// and tcp://: `endpoint` as ZeroMQ spells it.
+absl::StatusOr<std::unique_ptr<ProcessChannel>> open_zmq_channel(const std::string& uri, const std::string& endpoint,
+                                                                 ChannelRole role, const ProcessChannelOptions& options);
+
+/// The outcome of a send that did not happen: the envelope goes back to the caller.
+SendOutcome refused(Envelope&& envelope, absl::Status status);
+
+}  // namespace blockflow::detail

@@ -1,0 +1,337 @@
+// shm:// ends: tensors cross as handles to the sender's shared-memory slots over a SEQPACKET data
+// link (the machinery of a worker's "shm" channel, zero_copy_ends.hpp and packet_link.hpp, with no
+// session around it). The receiver listens in the channel directory; each sender connects, sends
+// kData packets of handles and reads kRelease packets back; the receiver's tensors are views of the
+// slots, and each one's death sends its handle back.
+#include "process_channel_impl.hpp"
+
+#include <blockflow/detail/clock.hpp>
+#include <blockflow/detail/log.hpp>
+#include <blockflow/detail/mutex.hpp>
+#include <blockflow/detail/packet_link.hpp>
+#include <blockflow/detail/tensor_codec.hpp>
+#include <blockflow/detail/zero_copy_ends.hpp>
+#include <blockflow/inproc_channel.hpp>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+
+namespace blockflow::detail {
+namespace {
+
+constexpr int kPollMs = 100;
+
+wire::Header data_header(const Envelope& envelope) {
+  wire::Header h;
+  h.kind = wire::MessageKind::kData;
+  h.request_id = envelope.request_id;
+  h.node = envelope.node;
+  h.times.sent_ns = now_ns();
+  return h;
+}
+
+// ---------------------------------------------------------------------------------------------
+class ShmSender final : public ProcessChannel {
+ public:
+  ShmSender(std::string uri, std::string path, const ProcessChannelOptions& options)
+      : uri_(std::move(uri)), path_(std::move(path)), options_(options), ends_(std::make_shared<ZeroCopyEnds>(pools(options), false)) {
+    reader_ = std::thread([this] { read_releases(); });
+  }
+  ~ShmSender() override {
+    close();
+    reader_.join();
+  }
+
+  SendOutcome send(Envelope&& envelope) override {
+    if (closed_.load()) return refused(std::move(envelope), absl::CancelledError(fmt::format("{}: closed", uri_)));
+    const bool wait = options_.full_policy == FullPolicy::kBlock;
+    const absl::Time deadline = absl::Now() + (wait ? options_.send_timeout : absl::ZeroDuration());
+    const ShmUnstager unstage = [ends = ends_](const wire::ShmHandle& h) { ends->release(h); };
+    absl::Status status;
+    while (true) {
+      auto link = ensure_link(deadline);
+      if (!link.ok()) return refused(std::move(envelope), link.status());
+      const ShmStager stager = ends_->stager(std::max(absl::ZeroDuration(), deadline - absl::Now()));
+      std::uint64_t copied = 0;
+      status = send_packet(**link, data_header(envelope), envelope.tensors, &copied, &stager, &unstage);
+      if (copied > 0) contiguous_copies_.fetch_add(copied);
+      if (status.ok()) break;
+      if (status.code() != absl::StatusCode::kUnavailable) break;  // not the link: a slot, a dtype...
+      drop_link(*link);  // the receiver went away: the next one may come before the deadline
+      if (absl::Now() >= deadline) break;
+    }
+    if (!status.ok()) {
+      if (!wait && status.code() == absl::StatusCode::kDeadlineExceeded) {
+        status = absl::ResourceExhaustedError(std::string(status.message()));
+      }
+      return refused(std::move(envelope), absl::Status(status.code(), fmt::format("{}: {}", uri_, std::string(status.message()))));
+    }
+    sent_.fetch_add(1);
+    return {};
+  }
+
+  std::optional<Envelope> receive(absl::Time) override { return std::nullopt; }
+  std::vector<Envelope> drain() override { return {}; }
+
+  void close() override {
+    if (closed_.exchange(true)) return;
+    std::shared_ptr<PacketLink> link;
+    {
+      MutexLock lock(&mu_);
+      link = link_;
+    }
+    if (link) ::shutdown(link->fd(), SHUT_RDWR);  // wakes the reader
+  }
+  bool closed() const override { return closed_.load(); }
+
+  ChannelStats stats() const override {
+    ChannelStats s;
+    s.kind = "shm";
+    s.sent = sent_.load();
+    s.bytes_copied = contiguous_copies_.load() + ends_->host_stats().bytes_staged;
+    return s;
+  }
+  std::string_view kind() const override { return "shm"; }
+
+  absl::StatusOr<at::Tensor> empty(at::IntArrayRef sizes, at::ScalarType dtype) override {
+    const absl::Duration wait = options_.full_policy == FullPolicy::kBlock ? options_.send_timeout : absl::ZeroDuration();
+    auto t = make_shm_allocator(ends_->host_pool(), wait)(sizes, dtype);
+    if (!t.ok()) return absl::Status(t.status().code(), fmt::format("{}: {}", uri_, std::string(t.status().message())));
+    return t;
+  }
+  const std::string& uri() const override { return uri_; }
+  ChannelRole role() const override { return ChannelRole::kSender; }
+  bool connected() const override {
+    MutexLock lock(&mu_);
+    return link_ != nullptr;
+  }
+  ShmEdgeStats shm_stats() const override { return ends_->host_stats(); }
+
+ private:
+  static ShmPoolOptions pools(const ProcessChannelOptions& o) {
+    ShmPoolOptions p;
+    p.slots_per_pool = std::max<std::size_t>(1, o.shm_slots_per_pool);
+    p.max_total_bytes = o.shm_max_bytes;
+    return p;
+  }
+
+  // The current link, or a new one to a receiver that listens now; retried until `deadline`.
+  absl::StatusOr<std::shared_ptr<PacketLink>> ensure_link(absl::Time deadline) {
+    while (true) {
+      {
+        MutexLock lock(&mu_);
+        if (link_) return link_;
+      }
+      auto link = PacketLink::connect(path_);
+      if (link.ok()) {
+        MutexLock lock(&mu_);
+        if (!link_) link_ = *link;
+        return link_;
+      }
+      if (closed_.load()) return absl::CancelledError(fmt::format("{}: closed", uri_));
+      if (absl::Now() >= deadline) {
+        return absl::Status(options_.full_policy == FullPolicy::kBlock ? absl::StatusCode::kDeadlineExceeded
+                                                                       : absl::StatusCode::kUnavailable,
+                            fmt::format("{}: no receiver ({})", uri_, std::string(link.status().message())));
+      }
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+  }
+
+  // The receiver is gone: every slot it held is ours again. Under the lock, so that no handle sent
+  // to the next receiver can be taken back by mistake.
+  void drop_link(const std::shared_ptr<PacketLink>& link) {
+    {
+      MutexLock lock(&mu_);
+      if (link_ != link) return;
+      link_.reset();
+      ends_->reclaim_all();
+    }
+    ::shutdown(link->fd(), SHUT_RDWR);
+  }
+
+  void read_releases() {
+    while (!closed_.load()) {
+      std::shared_ptr<PacketLink> link;
+      {
+        MutexLock lock(&mu_);
+        link = link_;
+      }
+      if (!link) {
+        absl::SleepFor(absl::Milliseconds(10));
+        continue;
+      }
+      auto received = link->receive(kPollMs);
+      if (!received) continue;
+      if (received->closed) {
+        drop_link(link);
+        continue;
+      }
+      if (!received->frames.ok()) {
+        noisy_.log(LogLevel::kWarning, fmt::format("{}: malformed packet from the receiver dropped: {}", uri_,
+                                                   std::string(received->frames.status().message())));
+        continue;
+      }
+      auto message = decode_message(std::move(*received->frames));
+      if (!message.ok() || message->header.kind != wire::MessageKind::kRelease) continue;
+      auto handles = wire::decode_releases(message->header.message);
+      if (!handles.ok()) continue;
+      for (const auto& h : *handles) ends_->release(h);
+    }
+  }
+
+  const std::string uri_, path_;
+  const ProcessChannelOptions options_;
+  const std::shared_ptr<ZeroCopyEnds> ends_;
+  mutable Mutex mu_;
+  std::shared_ptr<PacketLink> link_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> closed_{false};
+  std::atomic<std::uint64_t> sent_{0}, contiguous_copies_{0};
+  RateLimitedLog noisy_;
+  std::thread reader_;
+};
+
+// ---------------------------------------------------------------------------------------------
+class ShmReceiver final : public ProcessChannel {
+ public:
+  ShmReceiver(std::string uri, std::unique_ptr<PacketListener> listener, const ProcessChannelOptions& options)
+      : uri_(std::move(uri)),
+        listener_(std::move(listener)),
+        queue_(InProcessChannelOptions{options.capacity, options.full_policy, absl::ZeroDuration()}),
+        wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+    reader_ = std::thread([this] { read_links(); });
+  }
+  ~ShmReceiver() override {
+    close();
+    reader_.join();
+    ::close(wake_);
+  }
+
+  SendOutcome send(Envelope&& envelope) override {
+    return refused(std::move(envelope), absl::FailedPreconditionError(fmt::format("{}: this end receives", uri_)));
+  }
+  std::optional<Envelope> receive(absl::Time deadline) override { return queue_.receive(deadline); }
+  std::vector<Envelope> drain() override { return queue_.drain(); }
+  void close() override {
+    if (closed_.exchange(true)) return;
+    queue_.close();
+    const std::uint64_t one = 1;
+    (void)!::write(wake_, &one, sizeof(one));
+  }
+  bool closed() const override { return closed_.load(); }
+  ChannelStats stats() const override {
+    ChannelStats s = queue_.stats();
+    s.kind = "shm";
+    s.bytes_copied = misaligned_copies_.load();
+    return s;
+  }
+  std::string_view kind() const override { return "shm"; }
+  absl::StatusOr<at::Tensor> empty(at::IntArrayRef sizes, at::ScalarType dtype) override {
+    return at::empty(sizes, at::TensorOptions().dtype(dtype));
+  }
+  const std::string& uri() const override { return uri_; }
+  ChannelRole role() const override { return ChannelRole::kReceiver; }
+  bool connected() const override { return senders_.load() > 0; }
+
+ private:
+  struct Sender {
+    std::shared_ptr<PacketLink> link;
+    ShmResolver resolver;
+  };
+
+  void read_links() {
+    std::vector<Sender> senders;
+    std::vector<pollfd> fds;
+    while (!closed_.load()) {
+      fds.assign({{wake_, POLLIN, 0}, {listener_->fd(), POLLIN, 0}});
+      for (const auto& s : senders) fds.push_back({s.link->fd(), POLLIN, 0});
+      if (::poll(fds.data(), fds.size(), kPollMs) <= 0) continue;
+      if ((fds[1].revents & POLLIN) != 0) {
+        while (auto accepted = listener_->accept()) {
+          if (accepted->peer_uid != ::geteuid()) {
+            noisy_.log(LogLevel::kWarning, fmt::format("{}: refused a sender of another user (uid {}, pid {})", uri_,
+                                                       accepted->peer_uid, accepted->peer_pid));
+            continue;  // the link closes as `accepted` goes
+          }
+          std::weak_ptr<PacketLink> weak = accepted->link;
+          senders.push_back({accepted->link, make_resolver(consumer_, [weak](const wire::ShmHandle& h) {
+                               if (auto link = weak.lock()) {
+                                 wire::Header r;
+                                 r.kind = wire::MessageKind::kRelease;
+                                 r.message = wire::encode_releases({h});
+                                 (void)send_packet(*link, std::move(r), {});
+                               }
+                             })});
+        }
+      }
+      for (std::size_t i = 2; i < fds.size(); ++i) {
+        if (fds[i].revents == 0) continue;
+        Sender& s = senders[i - 2];
+        if (!take_one(s)) s.link.reset();  // gone: its releases have nowhere to go
+      }
+      senders.erase(std::remove_if(senders.begin(), senders.end(), [](const Sender& s) { return !s.link; }),
+                    senders.end());
+      senders_.store(senders.size());
+    }
+  }
+
+  // One packet from a sender; false when the sender has gone.
+  bool take_one(Sender& s) {
+    auto received = s.link->receive(0);
+    if (!received) return true;
+    if (received->closed) return false;
+    if (!received->frames.ok()) {
+      noisy_.log(LogLevel::kWarning, fmt::format("{}: malformed packet dropped: {}", uri_, std::string(received->frames.status().message())));
+      return true;
+    }
+    auto message = decode_message(std::move(*received->frames), &s.resolver);
+    if (!message.ok()) {
+      noisy_.log(LogLevel::kWarning, fmt::format("{}: malformed message dropped: {}", uri_, std::string(message.status().message())));
+      return true;
+    }
+    if (message->header.kind != wire::MessageKind::kData) return true;
+    misaligned_copies_.fetch_add(message->bytes_copied);
+    Envelope envelope;
+    envelope.request_id = message->header.request_id;
+    envelope.node = message->header.node;
+    envelope.tensors = std::move(message->tensors);
+    // kBlock: waits for room (or close()), and this end stops reading meanwhile, so senders wait too.
+    // A refused or evicted envelope dies here, and its slots go back to their sender.
+    (void)queue_.send(std::move(envelope));
+    return true;
+  }
+
+  const std::string uri_;
+  std::unique_ptr<PacketListener> listener_;
+  InProcessChannel queue_;
+  ShmConsumer consumer_;
+  const int wake_;
+  std::atomic<bool> closed_{false};
+  std::atomic<std::size_t> senders_{0};
+  std::atomic<std::uint64_t> misaligned_copies_{0};
+  RateLimitedLog noisy_;
+  std::thread reader_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ProcessChannel>> open_shm_channel(const std::string& uri, const std::string& socket_path,
+                                                                 ChannelRole role, const ProcessChannelOptions& options) {
+  if (role == ChannelRole::kSender) return std::unique_ptr<ProcessChannel>(new ShmSender(uri, socket_path, options));
+  if (unix_socket_live(socket_path, SOCK_SEQPACKET)) {
+    return absl::AlreadyExistsError(fmt::format("{}: another receiver holds it", uri));
+  }
+  auto listener = PacketListener::bind(socket_path);  // replaces a socket left by a dead receiver
+  if (!listener.ok()) return absl::Status(listener.status().code(), fmt::format("{}: {}", uri, std::string(listener.status().message())));
+  return std::unique_ptr<ProcessChannel>(new ShmReceiver(uri, *std::move(listener), options));
+}
+
+}  // namespace blockflow::detail

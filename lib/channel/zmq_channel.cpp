@@ -1,0 +1,201 @@
+// ipc:// and tcp:// ends: envelopes cross in the serialized wire format (docs/wire-format.md) over
+// a ZeroMQ PUSH (sender, connects) / PULL (receiver, binds) pair. ZeroMQ reconnects by itself, and
+// its high-water marks (the capacity, on both sides) push back on a sender whose receiver is slow
+// or absent.
+#include "process_channel_impl.hpp"
+
+#include <blockflow/detail/clock.hpp>
+#include <blockflow/detail/log.hpp>
+#include <blockflow/detail/mutex.hpp>
+#include <blockflow/detail/tensor_codec.hpp>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <zmq_addon.hpp>
+
+#include <sys/socket.h>
+
+#include <atomic>
+#include <iterator>
+
+namespace blockflow::detail {
+namespace {
+
+constexpr int kPollSliceMs = 50;  // a waiting receive() notices close() within this
+
+class ZmqEnd : public ProcessChannel {
+ public:
+  ZmqEnd(std::string uri, ChannelRole role, const ProcessChannelOptions& options)
+      : uri_(std::move(uri)), role_(role), options_(options), context_(1) {}
+
+  absl::StatusOr<at::Tensor> empty(at::IntArrayRef sizes, at::ScalarType dtype) override {
+    return at::empty(sizes, at::TensorOptions().dtype(dtype));
+  }
+  const std::string& uri() const override { return uri_; }
+  ChannelRole role() const override { return role_; }
+  bool closed() const override { return closed_.load(); }
+  std::string_view kind() const override { return kind_; }
+  void close() override { closed_.store(true); }
+  ChannelStats stats() const override {
+    ChannelStats s;
+    s.kind = kind_;
+    s.sent = sent_.load();
+    s.received = received_.load();
+    s.bytes_copied = copies_.load();
+    s.capacity = options_.capacity;
+    return s;
+  }
+  /// ZeroMQ connects and reconnects in the background and does not say whether a peer is there:
+  /// true while the end is open.
+  bool connected() const override { return !closed_.load(); }
+
+ protected:
+  const std::string uri_;
+  const ChannelRole role_;
+  const ProcessChannelOptions options_;
+  std::atomic<std::uint64_t> sent_{0}, received_{0}, copies_{0};
+  const std::string kind_ = uri_.rfind("tcp://", 0) == 0 ? "zmq-tcp" : "zmq-ipc";
+  zmq::context_t context_;
+  std::atomic<bool> closed_{false};
+  mutable Mutex mu_;  // the socket's: ZeroMQ sockets are not thread-safe
+};
+
+class ZmqSender final : public ZmqEnd {
+ public:
+  ZmqSender(std::string uri, const std::string& endpoint, const ProcessChannelOptions& options)
+      : ZmqEnd(std::move(uri), ChannelRole::kSender, options), socket_(context_, zmq::socket_type::push) {
+    socket_.set(zmq::sockopt::sndhwm, static_cast<int>(options.capacity));
+    socket_.set(zmq::sockopt::linger, 1000);  // what was accepted still leaves after close
+    socket_.set(zmq::sockopt::immediate, 1);  // nothing queues for a receiver that is not there
+    socket_.set(zmq::sockopt::sndtimeo, options.full_policy == FullPolicy::kBlock
+                                            ? static_cast<int>(absl::ToInt64Milliseconds(options.send_timeout))
+                                            : 0);
+    socket_.connect(endpoint);
+  }
+
+  SendOutcome send(Envelope&& envelope) override {
+    if (closed_.load()) return refused(std::move(envelope), absl::CancelledError(fmt::format("{}: closed", uri_)));
+    wire::Header h;
+    h.kind = wire::MessageKind::kData;
+    h.request_id = envelope.request_id;
+    h.node = envelope.node;
+    h.times.sent_ns = now_ns();
+    std::uint64_t copied = 0;
+    absl::StatusOr<bool> sent = false;
+    {
+      MutexLock lock(&mu_);
+      try {
+        sent = send_message(socket_, std::move(h), envelope.tensors, zmq::send_flags::none, &copied);
+      } catch (const zmq::error_t& e) {
+        sent = absl::UnavailableError(e.what());
+      }
+    }
+    copies_.fetch_add(copied);
+    if (!sent.ok()) {
+      return refused(std::move(envelope), absl::Status(sent.status().code(), fmt::format("{}: {}", uri_, std::string(sent.status().message()))));
+    }
+    if (!*sent) {
+      const bool wait = options_.full_policy == FullPolicy::kBlock;
+      return refused(std::move(envelope),
+                     wait ? absl::DeadlineExceededError(fmt::format("{}: no receiver took it within {}", uri_,
+                                                                    absl::FormatDuration(options_.send_timeout)))
+                          : absl::UnavailableError(fmt::format("{}: no receiver ready", uri_)));
+    }
+    sent_.fetch_add(1);
+    return {};
+  }
+  std::optional<Envelope> receive(absl::Time) override { return std::nullopt; }
+  std::vector<Envelope> drain() override { return {}; }
+
+ private:
+  zmq::socket_t socket_;
+};
+
+class ZmqReceiver final : public ZmqEnd {
+ public:
+  ZmqReceiver(std::string uri, const ProcessChannelOptions& options)
+      : ZmqEnd(std::move(uri), ChannelRole::kReceiver, options), socket_(context_, zmq::socket_type::pull) {
+    socket_.set(zmq::sockopt::rcvhwm, static_cast<int>(options.capacity));
+    socket_.set(zmq::sockopt::linger, 0);
+  }
+  absl::Status bind(const std::string& endpoint) {
+    try {
+      socket_.bind(endpoint);
+    } catch (const zmq::error_t& e) {
+      return e.num() == EADDRINUSE ? absl::AlreadyExistsError(fmt::format("{}: another receiver holds it", uri_))
+                                   : absl::UnavailableError(fmt::format("{}: cannot bind: {}", uri_, e.what()));
+    }
+    return absl::OkStatus();
+  }
+
+  SendOutcome send(Envelope&& envelope) override {
+    return refused(std::move(envelope), absl::FailedPreconditionError(fmt::format("{}: this end receives", uri_)));
+  }
+  std::optional<Envelope> receive(absl::Time deadline) override {
+    while (!closed_.load()) {
+      if (auto e = take(zmq::recv_flags::dontwait)) return e;
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) return std::nullopt;
+      MutexLock lock(&mu_);
+      zmq::pollitem_t item{static_cast<void*>(socket_), 0, ZMQ_POLLIN, 0};
+      (void)zmq::poll(&item, 1, std::chrono::milliseconds(std::min<std::int64_t>(kPollSliceMs, absl::ToInt64Milliseconds(left) + 1)));
+    }
+    return std::nullopt;
+  }
+  std::vector<Envelope> drain() override {
+    std::vector<Envelope> out;
+    while (auto e = take(zmq::recv_flags::dontwait)) out.push_back(std::move(*e));
+    return out;
+  }
+ private:
+  // The next well-formed message, if one is there; malformed ones are dropped (logged).
+  std::optional<Envelope> take(zmq::recv_flags flags) {
+    while (true) {
+      std::vector<zmq::message_t> frames;
+      {
+        MutexLock lock(&mu_);
+        try {
+          if (!zmq::recv_multipart(socket_, std::back_inserter(frames), flags)) return std::nullopt;
+        } catch (const zmq::error_t&) {
+          return std::nullopt;
+        }
+      }
+      auto message = decode_message(std::move(frames));
+      if (!message.ok()) {
+        noisy_.log(LogLevel::kWarning, fmt::format("{}: malformed message dropped: {}", uri_, std::string(message.status().message())));
+        continue;
+      }
+      if (message->header.kind != wire::MessageKind::kData) continue;
+      copies_.fetch_add(message->bytes_copied);
+      received_.fetch_add(1);
+      Envelope e;
+      e.request_id = message->header.request_id;
+      e.node = message->header.node;
+      e.tensors = std::move(message->tensors);
+      e.sent_ns = now_ns();
+      return e;
+    }
+  }
+
+  zmq::socket_t socket_;
+  RateLimitedLog noisy_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ProcessChannel>> open_zmq_channel(const std::string& uri, const std::string& endpoint,
+                                                                 ChannelRole role, const ProcessChannelOptions& options) {
+  try {
+    if (role == ChannelRole::kSender) return std::unique_ptr<ProcessChannel>(new ZmqSender(uri, endpoint, options));
+    if (endpoint.rfind("ipc://", 0) == 0 && unix_socket_live(endpoint.substr(6), SOCK_STREAM)) {
+      return absl::AlreadyExistsError(fmt::format("{}: another receiver holds it", uri));
+    }
+    auto receiver = std::make_unique<ZmqReceiver>(uri, options);
+    if (auto status = receiver->bind(endpoint); !status.ok()) return status;
+    return std::unique_ptr<ProcessChannel>(std::move(receiver));
+  } catch (const zmq::error_t& e) {
+    return absl::InvalidArgumentError(fmt::format("{}: {}", uri, e.what()));
+  }
+}
+
+}  // namespace blockflow::detail

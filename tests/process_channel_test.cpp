@@ -1,0 +1,266 @@
+// ProcessChannel (process_channel.hpp): the cross-process TensorChannels opened by URI, both ends in
+// this process here (the examples' ctest runs them in two processes and kills one): values and
+// request ids arrive intact, shm:// copies nothing for a tensor made by empty() and copies once
+// otherwise, slots come back when the receiver's tensors die and when the receiver goes, FullPolicy
+// on both ends, URIs and directories checked, errors name the URI.
+#include "test_util.hpp"
+
+#include <blockflow/process_channel.hpp>
+
+#include <fmt/format.h>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+using namespace blockflow;
+using Catch::Matchers::Contains;
+
+namespace {
+
+std::string unique_name(const char* tag) {
+  static int n = 0;
+  return fmt::format("pc-{}-{}-{}", tag, ::getpid(), ++n);
+}
+
+std::unique_ptr<ProcessChannel> open_or_fail(const std::string& uri, ChannelRole role, ProcessChannelOptions o = {}) {
+  auto ch = open_channel(uri, role, o);
+  INFO(uri << ": " << ch.status());
+  REQUIRE(ch.ok());
+  return *std::move(ch);
+}
+
+Envelope envelope_of(std::uint64_t id, Tensors tensors) {
+  Envelope e;
+  e.request_id = id;
+  e.node = static_cast<std::uint32_t>(id % 7);
+  e.tensors = std::move(tensors);
+  return e;
+}
+
+int free_tcp_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(a);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &length) == 0);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Sends `count` envelopes of one float tensor [2, 3] holding id*10 + 0..5, receives them, checks.
+void round_trip(ProcessChannel& sender, ProcessChannel& receiver, int count) {
+  for (int i = 0; i < count; ++i) {
+    auto t = sender.empty({2, 3});
+    REQUIRE(t.ok());
+    t->copy_(at::arange(6, at::kFloat).reshape({2, 3}) + 10.0 * i);
+    auto out = sender.send(envelope_of(static_cast<std::uint64_t>(i), {*t}));
+    INFO(out.status);
+    REQUIRE(out.status.ok());
+  }
+  for (int i = 0; i < count; ++i) {
+    auto e = receiver.receive(absl::Now() + absl::Seconds(10));
+    REQUIRE(e.has_value());
+    CHECK(e->request_id == static_cast<std::uint64_t>(i));
+    CHECK(e->node == static_cast<std::uint32_t>(i % 7));
+    REQUIRE(e->tensors.size() == 1);
+    CHECK(e->tensors[0].sizes() == at::IntArrayRef({2, 3}));
+    CHECK(at::equal(e->tensors[0], at::arange(6, at::kFloat).reshape({2, 3}) + 10.0 * i));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("shm:// hands tensors made by empty() over with no copy; slots return when the receiver's tensors die",
+          "[process_channel]") {
+  const std::string uri = "shm://" + unique_name("shm");
+  auto receiver = open_or_fail(uri, ChannelRole::kReceiver);
+  auto sender = open_or_fail(uri, ChannelRole::kSender);
+  CHECK(receiver->kind() == "shm");
+  CHECK(sender->uri() == uri);
+  round_trip(*sender, *receiver, 12);
+  CHECK(sender->stats().sent == 12);
+  CHECK(sender->stats().bytes_copied == 0);
+  CHECK(receiver->stats().received == 12);
+  CHECK(receiver->stats().bytes_copied == 0);
+  CHECK(sender->connected());
+  CHECK(receiver->connected());
+  // Every received tensor has died: every slot comes back.
+  CHECK(test::eventually([&] { return sender->shm_stats().releases == 12 && sender->shm_stats().slots_in_use == 0; }));
+  CHECK(sender->shm_stats().leases == 12);
+
+  SECTION("a tensor that is not in a slot is copied into one, once, and counted") {
+    const at::Tensor plain = at::full({256, 1024}, 3.0f);  // 1 MiB
+    REQUIRE(sender->send(envelope_of(99, {plain})).status.ok());
+    auto e = receiver->receive(absl::Now() + absl::Seconds(10));
+    REQUIRE(e.has_value());
+    CHECK(at::equal(e->tensors[0], plain));
+    CHECK(sender->stats().bytes_copied == plain.nbytes());
+    CHECK(receiver->stats().bytes_copied == 0);
+  }
+  SECTION("a non-contiguous tensor arrives with its values") {
+    const at::Tensor t = at::arange(12, at::kLong).reshape({3, 4}).t();
+    REQUIRE(sender->send(envelope_of(5, {t, at::ones({2}, at::kBool)})).status.ok());
+    auto e = receiver->receive(absl::Now() + absl::Seconds(10));
+    REQUIRE(e.has_value());
+    REQUIRE(e->tensors.size() == 2);
+    CHECK(at::equal(e->tensors[0], t));
+    CHECK(e->tensors[1].dtype() == at::kBool);
+  }
+}
+
+TEST_CASE("shm:// credits: a sender that must not wait is refused while the receiver holds every slot",
+          "[process_channel]") {
+  const std::string uri = "shm://" + unique_name("credits");
+  ProcessChannelOptions o;
+  o.shm_slots_per_pool = 2;
+  o.shm_max_bytes = 4u << 20;  // one pool of two 1 MiB slots (and its header); a second would not fit
+  o.full_policy = FullPolicy::kReject;
+  auto receiver = open_or_fail(uri, ChannelRole::kReceiver);
+  auto sender = open_or_fail(uri, ChannelRole::kSender, o);
+  std::vector<Envelope> held;
+  for (int i = 0; i < 2; ++i) {
+    auto sent = sender->send(envelope_of(i, {at::ones({1000})}));
+    INFO(sent.status);
+    REQUIRE(sent.status.ok());
+    auto e = receiver->receive(absl::Now() + absl::Seconds(10));
+    REQUIRE(e.has_value());
+    held.push_back(std::move(*e));
+  }
+  auto refused = sender->send(envelope_of(7, {at::ones({1000})}));
+  CHECK(refused.status.code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(refused.status.message()), Contains(uri));
+  REQUIRE(refused.displaced.has_value());
+  CHECK(refused.displaced->request_id == 7);
+  held.clear();  // the receiver lets go: the slots are credits again
+  REQUIRE(test::eventually([&] { return sender->shm_stats().slots_in_use == 0; }));
+  CHECK(sender->send(envelope_of(8, {at::ones({1000})})).status.ok());
+}
+
+TEST_CASE("shm:// sender takes back the slots of a receiver that went away and goes on with the next one",
+          "[process_channel]") {
+  const std::string uri = "shm://" + unique_name("reclaim");
+  auto sender = open_or_fail(uri, ChannelRole::kSender);
+  std::vector<Envelope> kept;  // outlive their receiver: their slots are reclaimed all the same
+  {
+    auto first = open_or_fail(uri, ChannelRole::kReceiver);
+    for (int i = 0; i < 3; ++i) REQUIRE(sender->send(envelope_of(i, {at::full({64}, float(i))})).status.ok());
+    for (int i = 0; i < 3; ++i) {
+      auto e = first->receive(absl::Now() + absl::Seconds(10));
+      REQUIRE(e.has_value());
+      kept.push_back(std::move(*e));
+    }
+    CHECK(sender->shm_stats().slots_in_use == 3);
+  }
+  REQUIRE(test::eventually([&] { return !sender->connected(); }));
+  CHECK(sender->shm_stats().reclaims == 3);
+  CHECK(sender->shm_stats().slots_in_use == 0);
+  CHECK(at::equal(kept[2].tensors[0], at::full({64}, 2.0f)));  // still readable: the mapping stays
+  auto second = open_or_fail(uri, ChannelRole::kReceiver);
+  round_trip(*sender, *second, 4);
+  kept.clear();  // releases toward the gone receiver's link go nowhere, and hurt nothing
+  CHECK(test::eventually([&] { return sender->shm_stats().slots_in_use == 0; }));
+  CHECK(sender->shm_stats().stale_releases == 0);
+}
+
+TEST_CASE("a sender with no receiver: kReject fails at once, kBlock after send_timeout; the envelope comes back",
+          "[process_channel]") {
+  for (const std::string scheme : {"shm", "ipc"}) {
+    const std::string uri = scheme + "://" + unique_name("absent");
+    ProcessChannelOptions o;
+    o.full_policy = FullPolicy::kReject;
+    auto now = open_or_fail(uri, ChannelRole::kSender, o);
+    auto out = now->send(envelope_of(1, {at::ones({4})}));
+    CHECK(out.status.code() == absl::StatusCode::kUnavailable);
+    CHECK_THAT(std::string(out.status.message()), Contains(uri));
+    REQUIRE(out.displaced.has_value());
+    o.full_policy = FullPolicy::kBlock;
+    o.send_timeout = absl::Milliseconds(50);
+    auto later = open_or_fail(uri, ChannelRole::kSender, o);
+    out = later->send(envelope_of(2, {at::ones({4})}));
+    CHECK(out.status.code() == absl::StatusCode::kDeadlineExceeded);
+    REQUIRE(out.displaced.has_value());
+    CHECK(out.displaced->request_id == 2);
+  }
+}
+
+TEST_CASE("the receiving end queues up to its capacity and applies its FullPolicy", "[process_channel]") {
+  const std::string uri = "shm://" + unique_name("policy");
+  ProcessChannelOptions o;
+  o.capacity = 1;
+  o.full_policy = FullPolicy::kDropOldest;
+  auto receiver = open_or_fail(uri, ChannelRole::kReceiver, o);
+  auto sender = open_or_fail(uri, ChannelRole::kSender);
+  for (int i = 0; i < 4; ++i) REQUIRE(sender->send(envelope_of(i, {at::full({8}, float(i))})).status.ok());
+  REQUIRE(test::eventually([&] { return receiver->stats().dropped == 3; }));
+  auto e = receiver->receive(absl::Now() + absl::Seconds(1));
+  REQUIRE(e.has_value());
+  CHECK(e->request_id == 3);  // the newest stayed
+  e.reset();
+  CHECK(test::eventually([&] { return sender->shm_stats().slots_in_use == 0; }));  // the dropped ones' too
+  CHECK(receiver->send(envelope_of(1, {})).status.code() == absl::StatusCode::kFailedPrecondition);
+  receiver->close();
+  CHECK(receiver->closed());
+  CHECK_FALSE(receiver->receive(absl::Now() + absl::Seconds(1)).has_value());
+}
+
+TEST_CASE("ipc:// and tcp:// carry the serialized wire format", "[process_channel]") {
+  const std::string ipc = "ipc://" + unique_name("ipc");
+  const std::string tcp = fmt::format("tcp://127.0.0.1:{}", free_tcp_port());
+  for (const std::string& uri : {ipc, tcp}) {
+    auto receiver = open_or_fail(uri, ChannelRole::kReceiver);
+    auto sender = open_or_fail(uri, ChannelRole::kSender);
+    CHECK(receiver->kind() == (uri == tcp ? "zmq-tcp" : "zmq-ipc"));
+    round_trip(*sender, *receiver, 5);
+    const at::Tensor bytes = at::arange(256, at::kInt).to(at::kByte);
+    REQUIRE(sender->send(envelope_of(42, {bytes, at::ones({3, 3}, at::kDouble)})).status.ok());
+    auto e = receiver->receive(absl::Now() + absl::Seconds(10));
+    REQUIRE(e.has_value());
+    CHECK(at::equal(e->tensors[0], bytes));
+    CHECK(at::equal(e->tensors[1], at::ones({3, 3}, at::kDouble)));
+    CHECK(sender->stats().sent == 6);
+    CHECK(receiver->stats().received == 6);
+    CHECK(sender->stats().bytes_copied == 0);
+  }
+}
+
+TEST_CASE("URIs are checked: names, schemes, directories and a URI held by a live receiver", "[process_channel]") {
+  const std::string uri = "shm://" + unique_name("held");
+  auto receiver = open_or_fail(uri, ChannelRole::kReceiver);
+  auto again = open_channel(uri, ChannelRole::kReceiver);
+  CHECK(again.status().code() == absl::StatusCode::kAlreadyExists);
+  CHECK_THAT(std::string(again.status().message()), Contains(uri));
+  const std::string ipc = "ipc://" + unique_name("held");
+  auto ipc_receiver = open_or_fail(ipc, ChannelRole::kReceiver);
+  CHECK(open_channel(ipc, ChannelRole::kReceiver).status().code() == absl::StatusCode::kAlreadyExists);
+
+  for (const char* bad : {"shm://../etc", "shm://a/b", "shm://", "ipc://-x", "udp://x", "frames", "tcp://host",
+                          "tcp://:80", "ipc:///tmp/../x"}) {
+    auto ch = open_channel(bad, ChannelRole::kSender);
+    INFO(bad);
+    CHECK(ch.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(ch.status().message()), Contains(bad));
+  }
+  CHECK(open_channel("cuda://x", ChannelRole::kSender).status().code() == absl::StatusCode::kUnimplemented);
+
+  // ipc:///ABS/PATH: only in a directory of ours closed to others.
+  const auto dir = std::filesystem::temp_directory_path() / unique_name("dir");
+  std::filesystem::create_directory(dir);
+  ::chmod(dir.c_str(), 0755);
+  const std::string open_dir = "ipc://" + (dir / "s").string();
+  auto refused = open_channel(open_dir, ChannelRole::kReceiver);
+  CHECK(refused.status().code() == absl::StatusCode::kPermissionDenied);
+  CHECK_THAT(std::string(refused.status().message()), Contains("0700"));
+  ::chmod(dir.c_str(), 0700);
+  {
+    auto ok = open_or_fail(open_dir, ChannelRole::kReceiver);
+    auto sender = open_or_fail(open_dir, ChannelRole::kSender);
+    round_trip(*sender, *ok, 2);
+  }
+  std::filesystem::remove_all(dir);
+}
