@@ -62,7 +62,7 @@ struct ProcessChannelOptions {
   /// Sender, shm://: slots per pool (one pool per power-of-two size class) and the bound on all
   /// pools. Free slots are the sender's credits: at most this many tensors are in flight.
   std::size_t shm_slots_per_pool = 4;
-  std::size_t shm_max_bytes = std::size_t{1} << 30;
+  std::size_t shm_max_bytes = std::size_t{256} << 20;
 };
 
 /// @brief One end of a cross-process channel. Thread-safe, like every TensorChannel.
@@ -86,6 +86,15 @@ class ProcessChannel : public TensorChannel {
   [[nodiscard]] virtual ChannelRole role() const = 0;
   /// @brief Sender: a receiver is attached now. Receiver: at least one sender is.
   [[nodiscard]] virtual bool connected() const = 0;
+  /// @brief Sender: waits until what was sent no longer needs this process. shm://: until the
+  /// receivers have let go of every slot (a sender that exits unlinks its pools, and a receiver
+  /// that had not mapped a pool yet could not read what lies in it); DeadlineExceeded naming the
+  /// slots still held. ipc:// and tcp://: OK at once (ZeroMQ keeps sending what it queued for up to
+  /// `send_timeout` after the end is destroyed). Receiver: OK at once.
+  virtual absl::Status flush(absl::Time deadline) {
+    (void)deadline;
+    return absl::OkStatus();
+  }
   /// @brief shm:// sender: its pools' figures (slots in use, releases, reclaims, bytes staged).
   /// Zeros elsewhere.
   [[nodiscard]] virtual ShmEdgeStats shm_stats() const { return {}; }

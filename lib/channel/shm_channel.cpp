@@ -114,6 +114,16 @@ class ShmSender final : public ProcessChannel {
     return link_ != nullptr;
   }
   ShmEdgeStats shm_stats() const override { return ends_->host_stats(); }
+  absl::Status flush(absl::Time deadline) override {
+    while (true) {
+      const std::uint64_t held = ends_->host_stats().slots_in_use;
+      if (held == 0) return absl::OkStatus();
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(fmt::format("{}: {} slot(s) still held by the receiver", uri_, held));
+      }
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+  }
 
  private:
   static ShmPoolOptions pools(const ProcessChannelOptions& o) {

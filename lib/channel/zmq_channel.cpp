@@ -65,7 +65,8 @@ class ZmqSender final : public ZmqEnd {
   ZmqSender(std::string uri, const std::string& endpoint, const ProcessChannelOptions& options)
       : ZmqEnd(std::move(uri), ChannelRole::kSender, options), socket_(context_, zmq::socket_type::push) {
     socket_.set(zmq::sockopt::sndhwm, static_cast<int>(options.capacity));
-    socket_.set(zmq::sockopt::linger, 1000);  // what was accepted still leaves after close
+    // What was accepted still leaves after close, for up to send_timeout.
+    socket_.set(zmq::sockopt::linger, static_cast<int>(absl::ToInt64Milliseconds(options.send_timeout)));
     socket_.set(zmq::sockopt::immediate, 1);  // nothing queues for a receiver that is not there
     socket_.set(zmq::sockopt::sndtimeo, options.full_policy == FullPolicy::kBlock
                                             ? static_cast<int>(absl::ToInt64Milliseconds(options.send_timeout))

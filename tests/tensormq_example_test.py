@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""ctest driver of examples/tensormq_producer.cpp and tensormq_consumer.cpp: two processes with no
+Session exchange 1000 tensors of 3.2 MB.
+
+shm://: the consumer is killed with SIGKILL mid-stream while it holds 8 tensors; a new consumer
+opens the same URI; the producer takes the dead consumer's slots back (reclaimed > 0), goes on, and
+the new consumer gets every tensor up to the last, with the right values; bytes_copied is 0 on both
+sides. tcp://127.0.0.1: the same pair, 1000 tensors, no kill.
+Prints "tensormq example: PASS" when every check holds.
+usage: tensormq_example_test.py PRODUCER CONSUMER
+"""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+COUNT = 1000
+
+
+def fail(message):
+    print(f"tensormq example: FAIL: {message}")
+    sys.exit(1)
+
+
+def start_consumer(binary, uri, *extra):
+    p = subprocess.Popen([binary, uri, str(COUNT), *extra], stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    if "listening" not in line:
+        fail(f"consumer did not start on {uri}: {line!r}")
+    return p
+
+
+def summary(output, pattern, who):
+    m = re.search(pattern, output)
+    if not m:
+        fail(f"no summary from the {who}: {output!r}")
+    return [int(g) for g in m.groups()]
+
+
+def run(producer, consumer, uri, kill):
+    first = start_consumer(consumer, uri, "--last", str(COUNT - 1), "--hold", "8")
+    prod = subprocess.Popen([producer, uri, str(COUNT)], stdout=subprocess.PIPE, text=True)
+    second = None
+    if kill:
+        for line in first.stdout:
+            if "received 200" in line:
+                break
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        second = start_consumer(consumer, uri, "--last", str(COUNT - 1))
+    last_consumer = second or first
+    out, _ = last_consumer.communicate(timeout=300)
+    if last_consumer.returncode != 0:
+        fail(f"{uri}: consumer exited {last_consumer.returncode}: {out!r}")
+    received, first_id, last_id, wrong, copied = summary(
+        out, r"received (\d+) \(ids (-?\d+) to (-?\d+)\), wrong values (\d+), bytes_copied (\d+)", "consumer")
+    pout, _ = prod.communicate(timeout=300)
+    if prod.returncode != 0:
+        fail(f"{uri}: producer exited {prod.returncode}: {pout!r}")
+    sent, pcopied, reclaimed, in_use = summary(
+        pout, r"sent (\d+) to \S+, bytes_copied (\d+), slots reclaimed (\d+), slots in use (\d+)", "producer")
+    print(f"{uri}: producer sent {sent}, bytes_copied {pcopied}, reclaimed {reclaimed}; "
+          f"{'second ' if kill else ''}consumer received {received} (ids {first_id}..{last_id}), wrong {wrong}, "
+          f"bytes_copied {copied}")
+    checks = [(sent == COUNT, "the producer sent every tensor"), (wrong == 0, "every value is right"),
+              (last_id == COUNT - 1, "the last tensor arrived"), (in_use == 0, "no slot left in use")]
+    if kill:
+        checks += [(reclaimed > 0, "the killed consumer's slots were reclaimed"),
+                   (first_id > 200 and received == COUNT - first_id, "the new consumer got every tensor from its first on"),
+                   (pcopied == 0 and copied == 0, "bytes_copied is 0 on both sides")]
+    else:
+        checks += [(received == COUNT and first_id == 0, "every tensor arrived, in order")]
+    for ok, what in checks:
+        if not ok:
+            fail(f"{uri}: not true that {what}")
+
+
+def main():
+    producer, consumer = sys.argv[1], sys.argv[2]
+    run(producer, consumer, f"shm://tensormq-example-{os.getpid()}", kill=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run(producer, consumer, f"tcp://127.0.0.1:{port}", kill=False)
+    print("tensormq example: PASS")
+
+
+if __name__ == "__main__":
+    main()
