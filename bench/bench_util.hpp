@@ -3,6 +3,10 @@
 
 #include <blockflow/kpi.hpp>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -68,6 +72,21 @@ inline double percentile(std::vector<double> samples, double q) {
 }
 
 /// The CPU model ("model name" in /proc/cpuinfo), printed with every figure: machines differ.
+/// A TCP port on 127.0.0.1 free now (the kernel's choice; released at once for the caller to bind).
+inline int free_tcp_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(a);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &length) != 0) {
+    throw std::runtime_error("free_tcp_port: no port");
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
 inline std::string cpu_model() {
   std::ifstream in("/proc/cpuinfo");
   for (std::string line; std::getline(in, line);) {

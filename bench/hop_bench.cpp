@@ -31,6 +31,7 @@
 // builds its tensor over the producer's memory. Nothing is copied. Releases ride on the acks.
 
 #include "bench_util.hpp"
+#include "uri_hop.hpp"
 
 #include <blockflow/inproc_channel.hpp>
 #include <blockflow/detail/clock.hpp>
@@ -390,6 +391,9 @@ double memcpy_us(std::size_t bytes) {
 
 int main(int argc, char** argv) {
   if (argc == 4 && std::string(argv[1]) == "--cuda-receiver") return cuda_receiver(argv[2], std::stoi(argv[3]));
+  if (argc == 5 && std::string(argv[1]) == "--channel-receiver") {
+    return bf::bench::serve_uri_receiver(argv[2], std::stoul(argv[3]), std::stoi(argv[4]));
+  }
   const int iterations = argc > 1 ? std::stoi(argv[1]) : 20000;
   const std::vector<std::size_t> sizes = {4096, 3211264, 104857600};
   for (std::size_t bytes : sizes) {
@@ -400,6 +404,7 @@ int main(int argc, char** argv) {
   auto dir = bf::detail::make_private_dir("hop");
   if (!dir.ok()) return 1;
   std::map<std::size_t, double> tcp_p50_us;  // the zmq-tcp line's, for the zmq-tcp-curve line's ratio
+  std::map<std::pair<std::string, std::size_t>, double> thread_p50_us;  // for the URI lines' ratios
   for (const auto& [channel, endpoint] : {std::pair<std::string, std::string>{"shm", ""},
                                           std::pair<std::string, std::string>{"shm-copy", ""},
                                           std::pair<std::string, std::string>{"shm-zmq", "ipc://" + *dir + "/shm"},
@@ -421,6 +426,7 @@ int main(int argc, char** argv) {
       // pays a thread's wake-up.
       std::string extra;  // fields of one channel's line only
       if (channel == "zmq-tcp") tcp_p50_us[bytes] = f.p50_us;
+      thread_p50_us[{channel, bytes}] = f.p50_us;
       if (channel == "zmq-tcp-curve") extra = fmt::format(",\"over_zmq_tcp\":{:.2f}", f.p50_us / tcp_p50_us.at(bytes));
       if (channel == "shm") {
         extra = fmt::format(",\"spin_us\":{},\"asleep_p50_us\":{:.3f}", absl::ToInt64Microseconds(kSpin),
@@ -430,6 +436,21 @@ int main(int argc, char** argv) {
           "{{\"bench\":\"hop\",\"channel\":\"{}\",\"bytes\":{},\"iterations\":{},\"p50_us\":{:.3f},\"p99_us\":{:.3f},"
           "\"memcpy_us\":{:.3f},\"p50_over_memcpy\":{:.2f}{}}}\n",
           channel, bytes, n, f.p50_us, f.p99_us, copy_us, f.p50_us / copy_us, extra);
+    }
+  }
+  // The public channels, opened by URI in two processes (uri_hop.hpp). "over_threads": p50 over the
+  // line of the same machinery between two threads above (shm, zmq-ipc, zmq-tcp), same size.
+  for (const auto& [channel, uri] :
+       {std::pair<std::string, std::string>{"shm", fmt::format("shm://hop-bench-{}", ::getpid())},
+        std::pair<std::string, std::string>{"zmq-ipc", fmt::format("ipc://hop-bench-{}", ::getpid())},
+        std::pair<std::string, std::string>{"zmq-tcp", "tcp://127.0.0.1:" + std::to_string(bf::bench::free_tcp_port())}}) {
+    for (std::size_t bytes : sizes) {
+      const int n = bytes > 50'000'000 ? 30 : bytes > 1'000'000 ? 500 : std::min(iterations, 5000);
+      const auto f = bf::bench::measure_uri(uri, bytes, n);
+      fmt::print("{{\"bench\":\"hop\",\"channel\":\"{}\",\"uri\":\"{}\",\"processes\":2,\"bytes\":{},\"iterations\":{},"
+                 "\"p50_us\":{:.3f},\"p99_us\":{:.3f},\"over_threads\":{:.2f},\"socketpair_p50_us\":{:.3f}}}\n",
+                 channel + "-uri", uri, bytes, n, f.p50_us, f.p99_us, f.p50_us / thread_p50_us.at({channel, bytes}),
+                 thread_p50_us.at({"socketpair", bytes}));
     }
   }
   if (const absl::Status cuda = bf::detail::cuda_ipc_usable(); cuda.ok()) {

@@ -20,9 +20,13 @@
 ///
 /// Contract (the TensorChannel one, per end):
 /// - the **receiver** binds at once (AlreadyExists when a live receiver holds the URI; a socket left
-///   by a dead one is replaced), queues up to `capacity` envelopes and applies `full_policy` to its
-///   queue; `receive()`, `drain()`, `close()` as for InProcessChannel; `send()` fails
-///   (FailedPrecondition). Several senders may feed one receiver.
+///   by a dead one is replaced); `send()` fails (FailedPrecondition). Several senders may feed one
+///   receiver. A shm:// receiver has no thread of its own: receive() reads the senders' links (one
+///   caller at a time), and what it has not read yet waits in the kernel's socket buffers, which
+///   push back on the senders; with kDropOldest, receive() returns the newest envelope there and
+///   drops the older ones (counted in `dropped`; their slots go back): a consumer that wants the
+///   latest frame. An ipc:// or tcp:// receiver queues up to `capacity` envelopes (ZeroMQ's
+///   high-water mark), then pushes back. drain() returns nothing: nothing is queued in this process.
 /// - the **sender** connects on its first send() and again after the receiver went away; with
 ///   kBlock, send() waits up to `send_timeout` for a receiver and (shm) for a free slot, then fails
 ///   with DeadlineExceeded; with kReject or kDropOldest it does not wait (Unavailable without a
@@ -52,11 +56,14 @@ enum class ChannelRole { kSender, kReceiver };
 
 /// @brief Settings of a ProcessChannel. Each end reads the fields for its role.
 struct ProcessChannelOptions {
-  /// Receiver: envelopes queued before `full_policy` applies (at least 1).
+  /// ipc:// and tcp://: envelopes queued on each side before the sender is pushed back (at least 1).
   std::size_t capacity = 16;
-  /// Receiver: what its full queue does (kBlock: stop reading, so senders wait). Sender: whether
-  /// send() waits (kBlock) or fails at once (kReject, kDropOldest) when it cannot hand over now.
+  /// Sender: whether send() waits (kBlock) or fails at once (kReject, kDropOldest) when it cannot
+  /// hand over now. shm:// receiver: kDropOldest makes receive() return the newest envelope.
   FullPolicy full_policy = FullPolicy::kBlock;
+  /// shm:// receiver: while envelopes stream (less than 4 of these apart on average), receive()
+  /// polls this long before it sleeps, so that the next one is taken without a wake-up. 0: never.
+  absl::Duration receive_spin = absl::Microseconds(50);
   /// Sender, kBlock: how long send() waits for a receiver and for a free slot.
   absl::Duration send_timeout = absl::Seconds(10);
   /// Sender, shm://: slots per pool (one pool per power-of-two size class) and the bound on all

@@ -11,7 +11,6 @@
 #include <blockflow/detail/packet_link.hpp>
 #include <blockflow/detail/tensor_codec.hpp>
 #include <blockflow/detail/zero_copy_ends.hpp>
-#include <blockflow/inproc_channel.hpp>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -21,7 +20,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <mutex>
 #include <thread>
 
 namespace blockflow::detail {
@@ -210,36 +212,71 @@ class ShmSender final : public ProcessChannel {
 };
 
 // ---------------------------------------------------------------------------------------------
+// The receiving end has no thread of its own: receive() reads the data links itself (one caller at
+// a time; others wait their turn until their deadline), so a hand-off costs one wake-up, and none
+// while packets stream (it polls up to `receive_spin` first, as a worker's link does). Packets not
+// yet read wait in the kernel's socket buffers, which push back on senders. Tensor deleters send
+// the releases straight on their link, from whatever thread they die on.
 class ShmReceiver final : public ProcessChannel {
  public:
   ShmReceiver(std::string uri, std::unique_ptr<PacketListener> listener, const ProcessChannelOptions& options)
-      : uri_(std::move(uri)),
-        listener_(std::move(listener)),
-        queue_(InProcessChannelOptions{options.capacity, options.full_policy, absl::ZeroDuration()}),
-        wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
-    reader_ = std::thread([this] { read_links(); });
-  }
+      : uri_(std::move(uri)), listener_(std::move(listener)), options_(options), wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
   ~ShmReceiver() override {
     close();
-    reader_.join();
     ::close(wake_);
   }
 
   SendOutcome send(Envelope&& envelope) override {
     return refused(std::move(envelope), absl::FailedPreconditionError(fmt::format("{}: this end receives", uri_)));
   }
-  std::optional<Envelope> receive(absl::Time deadline) override { return queue_.receive(deadline); }
-  std::vector<Envelope> drain() override { return queue_.drain(); }
+
+  std::optional<Envelope> receive(absl::Time deadline) override {
+    std::unique_lock turn(reading_, std::defer_lock);
+    const absl::Duration patience = std::min(deadline - absl::Now(), absl::Hours(24 * 365));
+    if (!turn.try_lock_for(absl::ToChronoNanoseconds(std::max(patience, absl::ZeroDuration())))) return std::nullopt;
+    const std::int64_t spin = absl::ToInt64Nanoseconds(options_.receive_spin);
+    const std::int64_t spin_until = mean_gap_ns_ < 4 * spin ? now_ns() + spin : 0;  // streaming: poll first
+    std::optional<Envelope> newest;
+    while (!closed_.load()) {
+      // Everything that is there now: the first envelope found, or with kDropOldest the newest.
+      for (std::size_t k = 0; k < senders_.size(); ++k) {
+        Sender& s = senders_[(next_ + k) % senders_.size()];
+        while (auto e = take_one(s)) {
+          if (newest) dropped_.fetch_add(1);  // dies here: its slots go back
+          newest = std::move(e);
+          if (options_.full_policy != FullPolicy::kDropOldest) break;
+        }
+        if (newest && options_.full_policy != FullPolicy::kDropOldest) break;
+      }
+      forget_gone_senders();
+      if (newest) {
+        next_ = senders_.empty() ? 0 : (next_ + 1) % senders_.size();
+        received_.fetch_add(1);
+        note_arrival();
+        return newest;
+      }
+      if (now_ns() < spin_until) continue;  // packets are streaming: one may follow at once
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) return std::nullopt;
+      std::vector<pollfd> fds = {{wake_, POLLIN, 0}, {listener_->fd(), POLLIN, 0}};
+      for (const auto& s : senders_) fds.push_back({s.link->fd(), POLLIN, 0});
+      (void)::poll(fds.data(), fds.size(), static_cast<int>(std::min<std::int64_t>(kPollMs, absl::ToInt64Milliseconds(left) + 1)));
+      if ((fds[1].revents & POLLIN) != 0) accept_senders();
+    }
+    return std::nullopt;
+  }
+  std::vector<Envelope> drain() override { return {}; }  // nothing is queued on this side
   void close() override {
     if (closed_.exchange(true)) return;
-    queue_.close();
     const std::uint64_t one = 1;
     (void)!::write(wake_, &one, sizeof(one));
   }
   bool closed() const override { return closed_.load(); }
   ChannelStats stats() const override {
-    ChannelStats s = queue_.stats();
+    ChannelStats s;
     s.kind = "shm";
+    s.received = received_.load();
+    s.dropped = dropped_.load();
     s.bytes_copied = misaligned_copies_.load();
     return s;
   }
@@ -249,7 +286,8 @@ class ShmReceiver final : public ProcessChannel {
   }
   const std::string& uri() const override { return uri_; }
   ChannelRole role() const override { return ChannelRole::kReceiver; }
-  bool connected() const override { return senders_.load() > 0; }
+  /// Senders seen by the last receive() (a new one is accepted when a receive() runs).
+  bool connected() const override { return sender_count_.load() > 0; }
 
  private:
   struct Sender {
@@ -257,78 +295,90 @@ class ShmReceiver final : public ProcessChannel {
     ShmResolver resolver;
   };
 
-  void read_links() {
-    std::vector<Sender> senders;
-    std::vector<pollfd> fds;
-    while (!closed_.load()) {
-      fds.assign({{wake_, POLLIN, 0}, {listener_->fd(), POLLIN, 0}});
-      for (const auto& s : senders) fds.push_back({s.link->fd(), POLLIN, 0});
-      if (::poll(fds.data(), fds.size(), kPollMs) <= 0) continue;
-      if ((fds[1].revents & POLLIN) != 0) {
-        while (auto accepted = listener_->accept()) {
-          if (accepted->peer_uid != ::geteuid()) {
-            noisy_.log(LogLevel::kWarning, fmt::format("{}: refused a sender of another user (uid {}, pid {})", uri_,
-                                                       accepted->peer_uid, accepted->peer_pid));
-            continue;  // the link closes as `accepted` goes
-          }
-          std::weak_ptr<PacketLink> weak = accepted->link;
-          senders.push_back({accepted->link, make_resolver(consumer_, [weak](const wire::ShmHandle& h) {
-                               if (auto link = weak.lock()) {
-                                 wire::Header r;
-                                 r.kind = wire::MessageKind::kRelease;
-                                 r.message = wire::encode_releases({h});
-                                 (void)send_packet(*link, std::move(r), {});
-                               }
-                             })});
-        }
+  void accept_senders() {
+    while (auto accepted = listener_->accept()) {
+      if (accepted->peer_uid != ::geteuid()) {
+        noisy_.log(LogLevel::kWarning, fmt::format("{}: refused a sender of another user (uid {}, pid {})", uri_,
+                                                   accepted->peer_uid, accepted->peer_pid));
+        continue;  // the link closes as `accepted` goes
       }
-      for (std::size_t i = 2; i < fds.size(); ++i) {
-        if (fds[i].revents == 0) continue;
-        Sender& s = senders[i - 2];
-        if (!take_one(s)) s.link.reset();  // gone: its releases have nowhere to go
-      }
-      senders.erase(std::remove_if(senders.begin(), senders.end(), [](const Sender& s) { return !s.link; }),
-                    senders.end());
-      senders_.store(senders.size());
+      std::weak_ptr<PacketLink> weak = accepted->link;
+      senders_.push_back({accepted->link, make_resolver(consumer_, [weak](const wire::ShmHandle& h) {
+                            if (auto link = weak.lock()) {
+                              wire::Header r;
+                              r.kind = wire::MessageKind::kRelease;
+                              r.message = wire::encode_releases({h});
+                              (void)send_packet(*link, std::move(r), {});
+                            }
+                          })});
     }
+    sender_count_.store(senders_.size());
   }
 
-  // One packet from a sender; false when the sender has gone.
-  bool take_one(Sender& s) {
-    auto received = s.link->receive(0);
-    if (!received) return true;
-    if (received->closed) return false;
-    if (!received->frames.ok()) {
-      noisy_.log(LogLevel::kWarning, fmt::format("{}: malformed packet dropped: {}", uri_, std::string(received->frames.status().message())));
-      return true;
+  void forget_gone_senders() {
+    senders_.erase(std::remove_if(senders_.begin(), senders_.end(), [](const Sender& s) { return !s.link; }), senders_.end());
+    sender_count_.store(senders_.size());
+  }
+
+  // The next envelope a sender has sent, if one is there now; a sender that has gone loses its link.
+  std::optional<Envelope> take_one(Sender& s) {
+    while (s.link) {
+      auto received = s.link->receive(0);
+      if (!received) return std::nullopt;
+      if (received->closed) {
+        s.link.reset();  // its releases have nowhere to go: the sender reclaimed its slots
+        return std::nullopt;
+      }
+      if (!received->frames.ok()) {
+        noisy_.log(LogLevel::kWarning,
+                   fmt::format("{}: malformed packet dropped: {}", uri_, std::string(received->frames.status().message())));
+        continue;
+      }
+      auto message = decode_message(std::move(*received->frames), &s.resolver);
+      if (!message.ok()) {
+        noisy_.log(LogLevel::kWarning, fmt::format("{}: malformed message dropped: {}", uri_, std::string(message.status().message())));
+        continue;
+      }
+      if (message->header.kind != wire::MessageKind::kData) continue;
+      misaligned_copies_.fetch_add(message->bytes_copied);
+      Envelope envelope;
+      envelope.request_id = message->header.request_id;
+      envelope.node = message->header.node;
+      envelope.tensors = std::move(message->tensors);
+      envelope.sent_ns = now_ns();
+      return envelope;
     }
-    auto message = decode_message(std::move(*received->frames), &s.resolver);
-    if (!message.ok()) {
-      noisy_.log(LogLevel::kWarning, fmt::format("{}: malformed message dropped: {}", uri_, std::string(message.status().message())));
-      return true;
+    return std::nullopt;
+  }
+
+  // Streams: while envelopes come less than 4 spins apart on average (exponential, weight 1/4),
+  // receive() polls up to one spin before it sleeps.
+  void note_arrival() {
+    const std::int64_t now = now_ns();
+    if (last_arrival_ns_ == 0) {
+      // The first: no gap yet.
+    } else if (mean_gap_ns_ == kNoStream) {
+      mean_gap_ns_ = now - last_arrival_ns_;
+    } else {
+      mean_gap_ns_ += (now - last_arrival_ns_ - mean_gap_ns_) / 4;
     }
-    if (message->header.kind != wire::MessageKind::kData) return true;
-    misaligned_copies_.fetch_add(message->bytes_copied);
-    Envelope envelope;
-    envelope.request_id = message->header.request_id;
-    envelope.node = message->header.node;
-    envelope.tensors = std::move(message->tensors);
-    // kBlock: waits for room (or close()), and this end stops reading meanwhile, so senders wait too.
-    // A refused or evicted envelope dies here, and its slots go back to their sender.
-    (void)queue_.send(std::move(envelope));
-    return true;
+    last_arrival_ns_ = now;
   }
 
   const std::string uri_;
   std::unique_ptr<PacketListener> listener_;
-  InProcessChannel queue_;
+  const ProcessChannelOptions options_;
   ShmConsumer consumer_;
   const int wake_;
+  std::timed_mutex reading_;  // the turn to read; guards the fields below it
+  std::vector<Sender> senders_;
+  std::size_t next_ = 0;
+  static constexpr std::int64_t kNoStream = std::int64_t{1} << 40;
+  std::int64_t last_arrival_ns_ = 0, mean_gap_ns_ = kNoStream;
   std::atomic<bool> closed_{false};
-  std::atomic<std::size_t> senders_{0};
-  std::atomic<std::uint64_t> misaligned_copies_{0};
+  std::atomic<std::size_t> sender_count_{0};
+  std::atomic<std::uint64_t> received_{0}, dropped_{0}, misaligned_copies_{0};
   RateLimitedLog noisy_;
-  std::thread reader_;
 };
 
 }  // namespace
