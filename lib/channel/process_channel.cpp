@@ -2,6 +2,7 @@
 // here, once for all backends.
 #include "process_channel_impl.hpp"
 
+#include <blockflow/detail/clock.hpp>
 #include <blockflow/names.hpp>
 
 #include <fmt/format.h>
@@ -22,6 +23,15 @@ SendOutcome refused(Envelope&& envelope, absl::Status status) {
   SendOutcome out{std::move(status), std::nullopt};
   out.displaced = std::move(envelope);
   return out;
+}
+
+Envelope envelope_of(DecodedMessage&& message) {
+  Envelope e;
+  e.request_id = message.header.request_id;
+  e.node = message.header.node;
+  e.tensors = std::move(message.tensors);
+  e.sent_ns = now_ns();
+  return e;
 }
 
 absl::Status check_private_directory(const std::string& dir, const std::string& uri) {

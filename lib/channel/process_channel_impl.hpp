@@ -2,6 +2,7 @@
 // Internal: the backends behind ProcessChannel::open() (process_channel.cpp parses the URI and
 // checks the directory; shm_channel.cpp and zmq_channel.cpp are the two kinds of ends).
 
+#include <blockflow/detail/tensor_codec.hpp>
 #include <blockflow/process_channel.hpp>
 
 #include <absl/status/statusor.h>
@@ -29,6 +30,9 @@ absl::StatusOr<std::unique_ptr<ProcessChannel>> open_shm_channel(const std::stri
 /// ipc:// and tcp://: `endpoint` as ZeroMQ spells it.
 absl::StatusOr<std::unique_ptr<ProcessChannel>> open_zmq_channel(const std::string& uri, const std::string& endpoint,
                                                                  ChannelRole role, const ProcessChannelOptions& options);
+
+/// The envelope a received kData message stands for (stamped now).
+Envelope envelope_of(DecodedMessage&& message);
 
 /// The outcome of a send that did not happen: the envelope goes back to the caller.
 SendOutcome refused(Envelope&& envelope, absl::Status status);

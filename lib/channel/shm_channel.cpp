@@ -234,8 +234,8 @@ class ShmReceiver final : public ProcessChannel {
     std::unique_lock turn(reading_, std::defer_lock);
     const absl::Duration patience = std::min(deadline - absl::Now(), absl::Hours(24 * 365));
     if (!turn.try_lock_for(absl::ToChronoNanoseconds(std::max(patience, absl::ZeroDuration())))) return std::nullopt;
-    const std::int64_t spin = absl::ToInt64Nanoseconds(options_.receive_spin);
-    const std::int64_t spin_until = mean_gap_ns_ < 4 * spin ? now_ns() + spin : 0;  // streaming: poll first
+    const std::int64_t spin_until =  // streaming: poll first
+        gaps_.streaming(options_.receive_spin) ? now_ns() + absl::ToInt64Nanoseconds(options_.receive_spin) : 0;
     std::optional<Envelope> newest;
     while (!closed_.load()) {
       // Everything that is there now: the first envelope found, or with kDropOldest the newest.
@@ -252,7 +252,7 @@ class ShmReceiver final : public ProcessChannel {
       if (newest) {
         next_ = senders_.empty() ? 0 : (next_ + 1) % senders_.size();
         received_.fetch_add(1);
-        note_arrival();
+        gaps_.note(now_ns());
         return newest;
       }
       if (now_ns() < spin_until) continue;  // packets are streaming: one may follow at once
@@ -341,28 +341,9 @@ class ShmReceiver final : public ProcessChannel {
       }
       if (message->header.kind != wire::MessageKind::kData) continue;
       misaligned_copies_.fetch_add(message->bytes_copied);
-      Envelope envelope;
-      envelope.request_id = message->header.request_id;
-      envelope.node = message->header.node;
-      envelope.tensors = std::move(message->tensors);
-      envelope.sent_ns = now_ns();
-      return envelope;
+      return envelope_of(std::move(*message));
     }
     return std::nullopt;
-  }
-
-  // Streams: while envelopes come less than 4 spins apart on average (exponential, weight 1/4),
-  // receive() polls up to one spin before it sleeps.
-  void note_arrival() {
-    const std::int64_t now = now_ns();
-    if (last_arrival_ns_ == 0) {
-      // The first: no gap yet.
-    } else if (mean_gap_ns_ == kNoStream) {
-      mean_gap_ns_ = now - last_arrival_ns_;
-    } else {
-      mean_gap_ns_ += (now - last_arrival_ns_ - mean_gap_ns_) / 4;
-    }
-    last_arrival_ns_ = now;
   }
 
   const std::string uri_;
@@ -373,8 +354,7 @@ class ShmReceiver final : public ProcessChannel {
   std::timed_mutex reading_;  // the turn to read; guards the fields below it
   std::vector<Sender> senders_;
   std::size_t next_ = 0;
-  static constexpr std::int64_t kNoStream = std::int64_t{1} << 40;
-  std::int64_t last_arrival_ns_ = 0, mean_gap_ns_ = kNoStream;
+  ArrivalGaps gaps_;
   std::atomic<bool> closed_{false};
   std::atomic<std::size_t> sender_count_{0};
   std::atomic<std::uint64_t> received_{0}, dropped_{0}, misaligned_copies_{0};

@@ -169,12 +169,7 @@ class ZmqReceiver final : public ZmqEnd {
       if (message->header.kind != wire::MessageKind::kData) continue;
       copies_.fetch_add(message->bytes_copied);
       received_.fetch_add(1);
-      Envelope e;
-      e.request_id = message->header.request_id;
-      e.node = message->header.node;
-      e.tensors = std::move(message->tensors);
-      e.sent_ns = now_ns();
-      return e;
+      return envelope_of(std::move(*message));
     }
   }
 

@@ -128,7 +128,7 @@ absl::Status PacketLink::send(const std::vector<std::string_view>& frames) {
 
 std::optional<PacketLink::Received> PacketLink::receive(int timeout_ms, absl::Duration spin) {
   if (buffer_.empty()) buffer_.resize(kMaxPacketBytes);
-  const bool stream = mean_gap_ns_ < kStreamGapFactor * absl::ToInt64Nanoseconds(spin);
+  const bool stream = gaps_.streaming(spin);
   const std::int64_t spin_end_ns = stream ? now_ns() + absl::ToInt64Nanoseconds(spin) : 0;
   bool waited = false;
   while (true) {
@@ -146,15 +146,7 @@ std::optional<PacketLink::Received> PacketLink::receive(int timeout_ms, absl::Du
       waited = true;
       continue;
     }
-    const std::int64_t arrived = now_ns();
-    if (last_arrival_ns_ == 0) {
-      // First packet: no gap yet.
-    } else if (mean_gap_ns_ == kNoStream) {
-      mean_gap_ns_ = arrived - last_arrival_ns_;
-    } else {
-      mean_gap_ns_ += (arrived - last_arrival_ns_ - mean_gap_ns_) / 4;
-    }
-    last_arrival_ns_ = arrived;
+    gaps_.note(now_ns());
     Received out;
     if (n <= 0) {  // 0: the peer closed its end; an error: the link is broken either way
       out.closed = true;

@@ -36,6 +36,31 @@ std::string encode_packet(const std::vector<std::string_view>& frames);
 /// the limit, sizes that do not add up to the packet's length).
 absl::StatusOr<std::vector<zmq::message_t>> decode_packet(const void* data, std::size_t size);
 
+/// The average gap between arrivals (exponential, weight 1/4), to tell a stream (spin before
+/// sleeping: the next one follows closely) from sparse traffic (sleep at once). Not thread-safe.
+class ArrivalGaps {
+ public:
+  void note(std::int64_t arrived_ns) {
+    if (last_ns_ == 0) {
+      // The first: no gap yet.
+    } else if (mean_ns_ == kNoStream) {
+      mean_ns_ = arrived_ns - last_ns_;
+    } else {
+      mean_ns_ += (arrived_ns - last_ns_ - mean_ns_) / 4;
+    }
+    last_ns_ = arrived_ns;
+  }
+  /// True while arrivals come less than kStreamGapFactor x `spin` apart on average.
+  [[nodiscard]] bool streaming(absl::Duration spin) const { return mean_ns_ < kStreamGapFactor * absl::ToInt64Nanoseconds(spin); }
+  [[nodiscard]] std::int64_t mean_ns() const { return mean_ns_; }
+  static constexpr int kStreamGapFactor = 4;
+
+ private:
+  static constexpr std::int64_t kNoStream = std::int64_t{1} << 40;  // ~18 min: fewer than 2 arrivals yet
+  std::int64_t last_ns_ = 0;
+  std::int64_t mean_ns_ = kNoStream;
+};
+
 class PacketLink {
  public:
   explicit PacketLink(int fd);  ///< takes ownership of a connected SOCK_SEQPACKET socket
@@ -64,18 +89,16 @@ class PacketLink {
   /// nothing came.
   std::optional<Received> receive(int timeout_ms, absl::Duration spin = absl::ZeroDuration());
   /// How far apart, in units of the spin, packets may come on average for the link to spin.
-  static constexpr int kStreamGapFactor = 4;
+  static constexpr int kStreamGapFactor = ArrivalGaps::kStreamGapFactor;
   /// The average gap between the last packets received (exponential, weight 1/4), in ns.
-  [[nodiscard]] std::int64_t mean_gap_ns() const { return mean_gap_ns_; }
+  [[nodiscard]] std::int64_t mean_gap_ns() const { return gaps_.mean_ns(); }
 
   [[nodiscard]] int fd() const { return fd_; }
 
  private:
   int fd_;
   std::vector<char> buffer_;  // the receiving thread's, as are the two below
-  std::int64_t last_arrival_ns_ = 0;
-  static constexpr std::int64_t kNoStream = std::int64_t{1} << 40;  // ~18 min: fewer than 2 packets yet
-  std::int64_t mean_gap_ns_ = kNoStream;
+  ArrivalGaps gaps_;
 };
 
 /// The listening end, bound at a path (in a private 0700 directory).
