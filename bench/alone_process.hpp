@@ -10,7 +10,7 @@
 // that noise of the shared machine falls on both alike.
 
 #include <blockflow/blockflow.hpp>
-#include <blockflow/detail/clock.hpp>
+#include <blockflow/core/detail/clock.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -1,7 +1,7 @@
 #pragma once
 // Shared helpers of the benchmark programs: percentiles and JSON-lines output.
 
-#include <blockflow/kpi.hpp>
+#include <blockflow/core/kpi.hpp>
 
 #include <netinet/in.h>
 #include <sys/socket.h>

@@ -33,13 +33,13 @@
 #include "bench_util.hpp"
 #include "uri_hop.hpp"
 
-#include <blockflow/inproc_channel.hpp>
-#include <blockflow/detail/clock.hpp>
-#include <blockflow/detail/packet_link.hpp>
-#include <blockflow/worker_site.hpp>
-#include <blockflow/detail/runtime_dir.hpp>
-#include <blockflow/detail/tensor_codec.hpp>
-#include <blockflow/detail/zero_copy_ends.hpp>
+#include <blockflow/channel/inproc_channel.hpp>
+#include <blockflow/core/detail/clock.hpp>
+#include <blockflow/channel/detail/packet_link.hpp>
+#include <blockflow/worker/worker_site.hpp>
+#include <blockflow/channel/detail/runtime_dir.hpp>
+#include <blockflow/channel/detail/tensor_codec.hpp>
+#include <blockflow/channel/detail/zero_copy_ends.hpp>
 
 #include <ATen/ops/empty.h>
 #include <fmt/format.h>

@@ -11,10 +11,10 @@
 // The cpp-httplib line is there when the build found Debian's libcpp-httplib-dev (it is not a
 // BlockFlow dependency; install it to compare: apt-get install libcpp-httplib-dev). It is why
 // BlockFlow keeps its own poll() server (docs/metrics.md, "The HTTP endpoint").
-#include <blockflow/block.hpp>
-#include <blockflow/metrics_http.hpp>
-#include <blockflow/path.hpp>
-#include <blockflow/session.hpp>
+#include <blockflow/core/block.hpp>
+#include <blockflow/observe/metrics_http.hpp>
+#include <blockflow/core/path.hpp>
+#include <blockflow/core/session.hpp>
 
 #include "bench_util.hpp"
 

@@ -50,8 +50,8 @@
 #include "bench_util.hpp"
 
 #include <blockflow/blockflow.hpp>
-#include <blockflow/worker_site.hpp>
-#include <blockflow/detail/clock.hpp>
+#include <blockflow/worker/worker_site.hpp>
+#include <blockflow/core/detail/clock.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

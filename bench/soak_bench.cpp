@@ -57,8 +57,8 @@
 #include "bench_util.hpp"
 
 #include <blockflow/blockflow.hpp>
-#include <blockflow/deployment.hpp>
-#include <blockflow/worker_site.hpp>
+#include <blockflow/deploy/deployment.hpp>
+#include <blockflow/worker/worker_site.hpp>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>

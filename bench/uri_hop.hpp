@@ -11,7 +11,7 @@
 #include "alone_process.hpp"
 #include "bench_util.hpp"
 
-#include <blockflow/process_channel.hpp>
+#include <blockflow/channel/process_channel.hpp>
 
 namespace blockflow::bench {
 

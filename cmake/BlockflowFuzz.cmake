@@ -106,14 +106,14 @@ _blockflow_fuzz_compile_flags(_bf_fuzz_cflags ${_bf_fuzz_deps})
 set(_bf_fuzz_dir ${PROJECT_BINARY_DIR}/fuzz)
 set(_bf_fuzz_exe ${_bf_fuzz_dir}/wire_format_fuzz)
 set(_bf_fuzz_corpus ${_bf_fuzz_dir}/wire_format_corpus)
-set(_bf_fuzz_sources ${PROJECT_SOURCE_DIR}/lib/wire_format.cpp ${PROJECT_SOURCE_DIR}/tests/fuzz/wire_format_fuzz.cpp)
+set(_bf_fuzz_sources ${PROJECT_SOURCE_DIR}/lib/channel/wire_format.cpp ${PROJECT_SOURCE_DIR}/tests/fuzz/wire_format_fuzz.cpp)
 
 add_custom_command(
   OUTPUT ${_bf_fuzz_exe}
   COMMAND ${CMAKE_COMMAND} -E make_directory ${_bf_fuzz_dir} ${_bf_fuzz_corpus}
   COMMAND ${BLOCKFLOW_CLANGXX} -std=c++17 -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer,address
           ${_bf_fuzz_cflags} -I${PROJECT_SOURCE_DIR}/include ${_bf_fuzz_sources} ${_bf_fuzz_libs} -o ${_bf_fuzz_exe}
-  DEPENDS ${_bf_fuzz_sources} ${PROJECT_SOURCE_DIR}/include/blockflow/wire_format.hpp
+  DEPENDS ${_bf_fuzz_sources} ${PROJECT_SOURCE_DIR}/include/blockflow/channel/wire_format.hpp
   COMMENT "Building libFuzzer target wire_format_fuzz with ${BLOCKFLOW_CLANGXX}"
   COMMAND_EXPAND_LISTS VERBATIM)
 add_custom_target(blockflow_wire_format_fuzz ALL DEPENDS ${_bf_fuzz_exe})

@@ -2,7 +2,7 @@
 // library in WorkerOptions::plugins and calls its blockflow_register_blocks(); a BlockDescription
 // with `factory = "scale"` placed in that worker is then built there. (TorchScript blocks need no
 // plugin: a description with `torchscript = "file.pt"` is loaded by the worker itself.)
-#include <blockflow/block_registry.hpp>
+#include <blockflow/core/block_registry.hpp>
 
 #include <ATen/ATen.h>
 

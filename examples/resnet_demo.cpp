@@ -14,7 +14,7 @@
 // comparison table. (--placement workers is --channel shm.)
 
 #include <blockflow/blockflow.hpp>
-#include <blockflow/worker_site.hpp>
+#include <blockflow/worker/worker_site.hpp>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>

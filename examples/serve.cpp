@@ -31,9 +31,9 @@
 //   python3 examples/python_client.py tcp://10.0.0.1:5555 --key keys/alice.key_secret --server-key keys/server.key
 
 #include <blockflow/blockflow.hpp>
-#include <blockflow/control_endpoint.hpp>
-#include <blockflow/metrics_http.hpp>
-#include <blockflow/client_endpoint.hpp>
+#include <blockflow/serve/control_endpoint.hpp>
+#include <blockflow/observe/metrics_http.hpp>
+#include <blockflow/serve/client_endpoint.hpp>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>

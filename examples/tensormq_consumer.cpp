@@ -4,7 +4,7 @@
 // stay in use until it lets go. Prints "consumer: received K" every 100 tensors, then a summary.
 //
 //   tensormq_consumer shm://frames 1000 [--last 999] [--hold 8]
-#include <blockflow/process_channel.hpp>
+#include <blockflow/channel/process_channel.hpp>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>

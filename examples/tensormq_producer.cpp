@@ -8,7 +8,7 @@
 //
 // With kBlock (the default) a send waits for a receiver, and for a free slot: if the receiver dies,
 // the producer takes its slots back and goes on with the next receiver that opens the URI.
-#include <blockflow/process_channel.hpp>
+#include <blockflow/channel/process_channel.hpp>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>

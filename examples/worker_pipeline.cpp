@@ -6,7 +6,7 @@
 //   worker_pipeline [PLUGIN.so]     (default: the plugin_blocks library built beside it)
 
 #include <blockflow/blockflow.hpp>
-#include <blockflow/worker_site.hpp>
+#include <blockflow/worker/worker_site.hpp>
 
 #include <ATen/ATen.h>
 

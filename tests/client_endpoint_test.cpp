@@ -4,10 +4,10 @@
 // destroyed.
 #include "test_util.hpp"
 
-#include <blockflow/client_endpoint.hpp>
-#include <blockflow/detail/packet_link.hpp>
-#include <blockflow/wire_format.hpp>
-#include <blockflow/worker_site.hpp>
+#include <blockflow/serve/client_endpoint.hpp>
+#include <blockflow/channel/detail/packet_link.hpp>
+#include <blockflow/channel/wire_format.hpp>
+#include <blockflow/worker/worker_site.hpp>
 
 #include <fmt/format.h>
 #include <zmq.hpp>

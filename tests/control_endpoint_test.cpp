@@ -3,7 +3,7 @@
 #include "gate_site.hpp"
 #include "test_util.hpp"
 
-#include <blockflow/control_endpoint.hpp>
+#include <blockflow/serve/control_endpoint.hpp>
 
 #include <nlohmann/json.hpp>
 #include <zmq.hpp>

@@ -4,9 +4,9 @@
 // used (CI), as part of [shm], and so does the export table's (plain host code).
 #include "worker_util.hpp"
 
-#include <blockflow/detail/cuda_ipc.hpp>
-#include <blockflow/kpi.hpp>
-#include <blockflow/worker_site.hpp>
+#include <blockflow/channel/detail/cuda_ipc.hpp>
+#include <blockflow/core/kpi.hpp>
+#include <blockflow/worker/worker_site.hpp>
 
 #include <csignal>
 #include <future>

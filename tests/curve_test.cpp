@@ -3,10 +3,10 @@
 // counted (per endpoint and in the session's metrics). The joined worker's keys: curve_worker_test.cpp.
 #include "curve_util.hpp"
 
-#include <blockflow/client_endpoint.hpp>
-#include <blockflow/control_endpoint.hpp>
-#include <blockflow/curve.hpp>
-#include <blockflow/detail/curve_keys.hpp>
+#include <blockflow/serve/client_endpoint.hpp>
+#include <blockflow/serve/control_endpoint.hpp>
+#include <blockflow/serve/curve.hpp>
+#include <blockflow/serve/detail/curve_keys.hpp>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>

@@ -4,7 +4,7 @@
 
 #include "test_util.hpp"
 
-#include <blockflow/curve.hpp>
+#include <blockflow/serve/curve.hpp>
 
 #include <fmt/format.h>
 

@@ -2,10 +2,10 @@
 // per-block objects, and rejection of every malformed document with a message naming the fault.
 #include "test_util.hpp"
 
-#include <blockflow/deployment.hpp>
-#include <blockflow/detail/deployment_json.hpp>
-#include <blockflow/names.hpp>
-#include <blockflow/worker_site.hpp>
+#include <blockflow/deploy/deployment.hpp>
+#include <blockflow/deploy/detail/deployment_json.hpp>
+#include <blockflow/core/names.hpp>
+#include <blockflow/worker/worker_site.hpp>
 
 #include <fmt/format.h>
 #include <unistd.h>

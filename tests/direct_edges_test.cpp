@@ -4,7 +4,7 @@
 // through one worker, and kill -9 of the worker that holds the outputs.
 #include "worker_util.hpp"
 
-#include <blockflow/deployment.hpp>
+#include <blockflow/deploy/deployment.hpp>
 
 #include <csignal>
 

@@ -3,7 +3,7 @@
 
 #include "test_util.hpp"
 
-#include <blockflow/remote_site.hpp>
+#include <blockflow/core/remote_site.hpp>
 
 #include <ATen/ATen.h>
 

@@ -4,8 +4,8 @@
 // with its documented labels.
 #include "worker_util.hpp"
 
-#include <blockflow/kpi.hpp>
-#include <blockflow/metrics_http.hpp>
+#include <blockflow/core/kpi.hpp>
+#include <blockflow/observe/metrics_http.hpp>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

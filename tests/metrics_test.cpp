@@ -1,7 +1,7 @@
 // Built-in measurement: per-request decomposition adds up; aggregates count; JSON round-trips.
 #include "test_util.hpp"
 
-#include <blockflow/detail/histogram.hpp>
+#include <blockflow/core/detail/histogram.hpp>
 
 #include <nlohmann/json.hpp>
 

@@ -1,8 +1,8 @@
 // The zero-copy channels' data link (detail/packet_link.hpp): packets cross whole whatever the
 // number of sending threads, malformed packets are rejected naming the problem, a closed peer is
 // seen, and the listener tells who connected.
-#include <blockflow/detail/packet_link.hpp>
-#include <blockflow/detail/runtime_dir.hpp>
+#include <blockflow/channel/detail/packet_link.hpp>
+#include <blockflow/channel/detail/runtime_dir.hpp>
 
 #include <catch2/catch.hpp>
 

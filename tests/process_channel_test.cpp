@@ -5,7 +5,7 @@
 // on both ends, URIs and directories checked, errors name the URI.
 #include "test_util.hpp"
 
-#include <blockflow/process_channel.hpp>
+#include <blockflow/channel/process_channel.hpp>
 
 #include <fmt/format.h>
 

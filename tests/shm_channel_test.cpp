@@ -4,9 +4,9 @@
 // out-of-range handles are rejected; reclaim after a consumer's death; pools bounded and unlinked.
 #include "worker_util.hpp"
 
-#include <blockflow/detail/shm_pool.hpp>
-#include <blockflow/detail/tensor_codec.hpp>
-#include <blockflow/worker_site.hpp>
+#include <blockflow/channel/detail/shm_pool.hpp>
+#include <blockflow/channel/detail/tensor_codec.hpp>
+#include <blockflow/worker/worker_site.hpp>
 
 #include <fmt/format.h>
 #include <zmq_addon.hpp>

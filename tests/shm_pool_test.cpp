@@ -1,6 +1,6 @@
 // ShmProducer's pools on their own (no channel, no codec): the sweep of abandoned pools judges them
 // by their producer's flock, never by the pid in their name; stage() copies without the pool's lock.
-#include <blockflow/detail/shm_pool.hpp>
+#include <blockflow/channel/detail/shm_pool.hpp>
 
 #include <catch2/catch.hpp>
 #include <fmt/format.h>

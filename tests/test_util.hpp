@@ -2,7 +2,7 @@
 // Helpers shared by the test files.
 
 #include <blockflow/blockflow.hpp>
-#include <blockflow/deployment.hpp>
+#include <blockflow/deploy/deployment.hpp>
 
 #include <ATen/ATen.h>
 #include <catch2/catch.hpp>

@@ -5,8 +5,8 @@
 #include "gate_site.hpp"
 #include "test_util.hpp"
 
-#include <blockflow/deployment.hpp>
-#include <blockflow/detail/log.hpp>
+#include <blockflow/deploy/deployment.hpp>
+#include <blockflow/core/detail/log.hpp>
 
 #include <fmt/format.h>
 

@@ -4,8 +4,8 @@
 // exactly once with the value of the path it took.
 #include "test_util.hpp"
 
-#include <blockflow/deployment.hpp>
-#include <blockflow/kpi.hpp>
+#include <blockflow/deploy/deployment.hpp>
+#include <blockflow/core/kpi.hpp>
 
 #include <nlohmann/json.hpp>
 

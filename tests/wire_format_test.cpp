@@ -1,6 +1,6 @@
 // Wire header codec: every field survives a round trip, and every malformed frame is rejected with
 // InvalidArgument naming the field and the problem (never a crash, never a read past the frame).
-#include <blockflow/wire_format.hpp>
+#include <blockflow/channel/wire_format.hpp>
 
 #include <catch2/catch.hpp>
 

@@ -3,7 +3,7 @@
 // thread sleeps instead of polling.
 #include "worker_util.hpp"
 
-#include <blockflow/detail/runtime_dir.hpp>
+#include <blockflow/channel/detail/runtime_dir.hpp>
 
 #include <dirent.h>
 

@@ -3,7 +3,7 @@
 // orphans; the configuration a worker gets (heartbeat interval, parked-output bound) and applies.
 #include "joined_util.hpp"
 
-#include <blockflow/detail/worker_protocol.hpp>
+#include <blockflow/worker/detail/worker_protocol.hpp>
 
 #include <nlohmann/json.hpp>
 #include <zmq.hpp>

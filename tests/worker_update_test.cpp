@@ -3,7 +3,7 @@
 // and an update a worker cannot carry out is rejected as a whole with the worker's reason.
 #include "worker_util.hpp"
 
-#include <blockflow/deployment.hpp>
+#include <blockflow/deploy/deployment.hpp>
 
 #include <atomic>
 #include <filesystem>

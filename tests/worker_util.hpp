@@ -3,7 +3,7 @@
 
 #include "test_util.hpp"
 
-#include <blockflow/worker_site.hpp>
+#include <blockflow/worker/worker_site.hpp>
 
 #include <atomic>
 #include <csignal>

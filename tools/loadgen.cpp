@@ -26,10 +26,10 @@
 #include "bench_util.hpp"  // bench/: percentiles shared with the benchmarks
 
 #include <blockflow/blockflow.hpp>
-#include <blockflow/client_endpoint.hpp>
-#include <blockflow/deployment.hpp>
-#include <blockflow/kpi.hpp>
-#include <blockflow/worker_site.hpp>
+#include <blockflow/serve/client_endpoint.hpp>
+#include <blockflow/deploy/deployment.hpp>
+#include <blockflow/core/kpi.hpp>
+#include <blockflow/worker/worker_site.hpp>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>

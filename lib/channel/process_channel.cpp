@@ -2,8 +2,8 @@
 // here, once for all backends.
 #include "process_channel_impl.hpp"
 
-#include <blockflow/detail/clock.hpp>
-#include <blockflow/names.hpp>
+#include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/names.hpp>
 
 #include <fmt/format.h>
 

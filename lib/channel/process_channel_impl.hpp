@@ -2,8 +2,8 @@
 // Internal: the backends behind ProcessChannel::open() (process_channel.cpp parses the URI and
 // checks the directory; shm_channel.cpp and zmq_channel.cpp are the two kinds of ends).
 
-#include <blockflow/detail/tensor_codec.hpp>
-#include <blockflow/process_channel.hpp>
+#include <blockflow/channel/detail/tensor_codec.hpp>
+#include <blockflow/channel/process_channel.hpp>
 
 #include <absl/status/statusor.h>
 

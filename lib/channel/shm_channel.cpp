@@ -5,12 +5,12 @@
 // slots, and each one's death sends its handle back.
 #include "process_channel_impl.hpp"
 
-#include <blockflow/detail/clock.hpp>
-#include <blockflow/detail/log.hpp>
-#include <blockflow/detail/mutex.hpp>
-#include <blockflow/detail/packet_link.hpp>
-#include <blockflow/detail/tensor_codec.hpp>
-#include <blockflow/detail/zero_copy_ends.hpp>
+#include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/log.hpp>
+#include <blockflow/core/detail/mutex.hpp>
+#include <blockflow/channel/detail/packet_link.hpp>
+#include <blockflow/channel/detail/tensor_codec.hpp>
+#include <blockflow/channel/detail/zero_copy_ends.hpp>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>

@@ -4,10 +4,10 @@
 // or absent.
 #include "process_channel_impl.hpp"
 
-#include <blockflow/detail/clock.hpp>
-#include <blockflow/detail/log.hpp>
-#include <blockflow/detail/mutex.hpp>
-#include <blockflow/detail/tensor_codec.hpp>
+#include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/log.hpp>
+#include <blockflow/core/detail/mutex.hpp>
+#include <blockflow/channel/detail/tensor_codec.hpp>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>

@@ -1,4 +1,4 @@
-#include <blockflow/detail/build_scope.hpp>
+#include <blockflow/core/detail/build_scope.hpp>
 
 #include <mutex>
 

@@ -1,6 +1,6 @@
-#include <blockflow/detail/compute_lanes.hpp>
-#include <blockflow/detail/log.hpp>
-#include <blockflow/detail/clock.hpp>
+#include <blockflow/core/detail/compute_lanes.hpp>
+#include <blockflow/core/detail/log.hpp>
+#include <blockflow/core/detail/clock.hpp>
 
 #include <ATen/Parallel.h>
 #include <fmt/format.h>

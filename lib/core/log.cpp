@@ -1,5 +1,5 @@
-#include <blockflow/detail/log.hpp>
-#include <blockflow/detail/mutex.hpp>
+#include <blockflow/core/detail/log.hpp>
+#include <blockflow/core/detail/mutex.hpp>
 
 #include <fmt/format.h>
 

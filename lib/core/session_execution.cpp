@@ -1,8 +1,8 @@
 // How a session runs requests: a block's unit of work on a lane (one request or a batch), the
 // hand-off to the next block (inline on the same lane, or queued), joins of DAG paths, full
 // queues, and the resolution of each request exactly once.
-#include <blockflow/detail/clock.hpp>
-#include <blockflow/detail/session_core.hpp>
+#include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/session_core.hpp>
 
 #include <ATen/ops/cat.h>
 #include <c10/core/InferenceMode.h>

@@ -1,8 +1,8 @@
 // Session::metrics(): the snapshot of the session's counters.
-#include <blockflow/detail/auth_failures.hpp>
-#include <blockflow/detail/mutex.hpp>
-#include <blockflow/detail/clock.hpp>
-#include <blockflow/detail/session_core.hpp>
+#include <blockflow/core/detail/auth_failures.hpp>
+#include <blockflow/core/detail/mutex.hpp>
+#include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/session_core.hpp>
 
 #include <fmt/format.h>
 

@@ -1,8 +1,8 @@
 // The session's remote sites: starting them, forwarding a block's queue to its site, and what
 // the site reports back.
-#include <blockflow/detail/clock.hpp>
-#include <blockflow/detail/mutex.hpp>
-#include <blockflow/detail/session_core.hpp>
+#include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/mutex.hpp>
+#include <blockflow/core/detail/session_core.hpp>
 
 #include <fmt/format.h>
 

@@ -1,11 +1,11 @@
 // Session::apply(): moving a running session to a wanted deployment while traffic flows, in steps
 // (what changes, load, route, start, publish, drain), each of which can be cancelled before the
 // publish; and freeing what earlier updates removed once no request can reach it any more.
-#include <blockflow/detail/clock.hpp>
-#include <blockflow/detail/mutex.hpp>
-#include <blockflow/detail/deployment_json.hpp>
-#include <blockflow/detail/log.hpp>
-#include <blockflow/detail/session_core.hpp>
+#include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/mutex.hpp>
+#include <blockflow/deploy/detail/deployment_json.hpp>
+#include <blockflow/core/detail/log.hpp>
+#include <blockflow/core/detail/session_core.hpp>
 
 #include <fmt/format.h>
 

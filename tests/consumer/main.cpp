@@ -3,9 +3,12 @@
 // A block in the host's threads and a TorchScript block in a worker process, which must be the
 // installed blockflow-worker (found beside the installed library, without configuration).
 #include <blockflow/blockflow.hpp>
-#include <blockflow/worker_site.hpp>
+#include <blockflow/channel/process_channel.hpp>
+#include <blockflow/worker/worker_site.hpp>
 
 #include <ATen/ATen.h>  // tensor operators: blockflow.hpp only declares the Tensor type
+
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -44,6 +47,22 @@ int main(int argc, char** argv) {
   const std::string exe = std::filesystem::read_symlink("/proc/" + std::to_string(site->pid()) + "/exe");
   if (std::filesystem::canonical(exe) != std::filesystem::canonical(argv[2])) {
     std::cerr << "worker runs " << exe << ", expected the installed " << argv[2] << "\n";
+    return 1;
+  }
+  // blockflow::channels: a tensor through a shm:// channel, both ends here.
+  const std::string uri = "shm://consumer-" + std::to_string(::getpid());
+  auto receiver = bf::open_channel(uri, bf::ChannelRole::kReceiver);
+  auto sender = bf::open_channel(uri, bf::ChannelRole::kSender);
+  if (!receiver.ok() || !sender.ok()) {
+    std::cerr << "channel: " << receiver.status() << " / " << sender.status() << "\n";
+    return 1;
+  }
+  bf::Envelope e;
+  e.tensors = {at::full({4}, 5.0f)};
+  if (!(*sender)->send(std::move(e)).status.ok()) return 1;
+  auto got = (*receiver)->receive(absl::Now() + absl::Seconds(10));
+  if (!got || got->tensors.at(0).sum().item<float>() != 20.0f) {
+    std::cerr << "channel: nothing or a wrong tensor on " << uri << "\n";
     return 1;
   }
   std::cout << "consumer: ok (blockflow " << bf::kVersionString << ", worker " << exe << ")\n";

@@ -5,7 +5,7 @@
 // Built with clang by cmake/BlockflowFuzz.cmake. If BLOCKFLOW_FUZZ_SEED_DIR names a directory, a few
 // valid frames are written there before fuzzing starts, so the ctest that passes that directory as
 // its corpus begins from real headers instead of searching for the magic.
-#include <blockflow/wire_format.hpp>
+#include <blockflow/channel/wire_format.hpp>
 
 #include <cstdint>
 #include <cstdio>

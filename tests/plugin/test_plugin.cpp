@@ -1,5 +1,5 @@
 // A worker plugin: registers C++ blocks that worker processes can build by factory name.
-#include <blockflow/block_registry.hpp>
+#include <blockflow/core/block_registry.hpp>
 
 #include <ATen/ATen.h>
 

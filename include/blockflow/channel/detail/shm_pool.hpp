@@ -1,0 +1,146 @@
+#pragma once
+// Internal: the shared-memory half of the zero-copy channel (TensorMQ's CPU twin).
+//
+// A producer owns pools of fixed-size slots in POSIX shared memory ("/blockflow-<pool id>", mode
+// 0600), created on demand per size class up to a byte bound. It copies a tensor's bytes into a free
+// slot once (stage), or lets the producer write its tensor in a slot it leased (lease, then share:
+// no copy at all), and sends a handle (pool, slot, generation, offset) instead of the bytes. The
+// consumer maps each pool once, checks the handle against the pool's header (the slot's current
+// generation lives in shared memory, so stale and forged handles are caught) and builds its tensor
+// over the slot: nothing is copied in the hand-off. When that tensor dies, the consumer sends the
+// handle back (a kRelease message) and the slot is free again: free slots are the producer's credits.
+// When the consumer dies, reclaim_all() frees every slot it held.
+//
+// Abandoned pools: a producer holds flock(LOCK_SH) on each of its pools from the moment it creates
+// the object (before it gives it a size) until the pool is gone, on a descriptor it keeps open. A
+// producer killed without unlinking its pools leaves them unlocked: every ShmProducer constructor
+// removes the /dev/shm/blockflow-* objects on which it can take LOCK_EX at once and whose size is not
+// zero (a size-0 object may be one being created right now). The pid in a pool's name is only a hint
+// for people: pids say nothing across PID namespaces (containers) or between unrelated programs.
+// Consumers hold no lock: a pool lives as long as its producer (or until the producer trims it,
+// idle: ShmPoolOptions::idle_trim), and a mapping stays valid after the object is unlinked. A
+// consumer drops its cached mapping of a pool that no longer exists (checked at most once a second,
+// when it resolves a handle); tensors still over it keep it mapped until they die.
+//
+// Segment layout: a 64-byte header {u32 magic "BFSP", u32 version, u64 pool_id, u64 slot_count,
+// u64 slot_bytes, u64 data_offset, 24 reserved}, then one atomic u64 generation per slot (0 while the
+// slot is free), then the slots from data_offset (page-aligned), slot_bytes each.
+
+#include <blockflow/core/remote_site.hpp>
+#include <blockflow/channel/wire_format.hpp>
+
+#include <absl/status/statusor.h>
+#include <absl/time/time.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+
+namespace blockflow::detail {
+
+struct ShmPoolOptions {
+  std::size_t slots_per_pool = 4;               ///< slots in each pool (one pool per size class)
+  std::size_t min_slot_bytes = std::size_t{1} << 20;  ///< smallest slot; slots are powers of two
+  std::size_t max_total_bytes = std::size_t{1} << 30;  ///< bound on all pools of one producer
+  std::size_t max_pools = 0;  ///< bound on the number of pools (0: only max_total_bytes bounds them)
+  /// A pool whose slots have all been free this long is unlinked and unmapped, unless it is the
+  /// last of its size class: a burst of traffic grows the pools, and they shrink back once it has
+  /// passed (checked when a slot is taken). Zero: pools stay until the producer goes.
+  absl::Duration idle_trim = absl::Seconds(30);
+};
+
+
+/// A slot leased to the producer itself (ShmProducer::lease()): it writes its tensor at `data`,
+/// then sending that tensor hands the slot over without a copy (ShmProducer::share()). Call `drop`
+/// once when the producer's tensor dies; `keep` keeps the pool mapped until then.
+struct ShmLease {
+  void* data = nullptr;
+  wire::ShmHandle handle;
+  std::shared_ptr<void> keep;
+  std::function<void()> drop;
+};
+
+/// Tests only: when set, ShmProducer::stage() calls it with the handle of the slot it reserved, after
+/// reserving it and before copying into it, without the pool's lock (so a test can hold a copy in
+/// progress and show that the pool stays usable meanwhile). Null by default.
+extern std::atomic<void (*)(const wire::ShmHandle&)> shm_stage_copy_hook;
+
+/// The producing side. Thread-safe.
+class ShmProducer {
+ public:
+  /// Sweeps abandoned pools first (see the top of this file).
+  explicit ShmProducer(ShmPoolOptions options = {});
+  ~ShmProducer();  // unmaps and unlinks its pools (mappings held by consumers stay valid)
+  ShmProducer(const ShmProducer&) = delete;
+  ShmProducer& operator=(const ShmProducer&) = delete;
+
+  /// Copies `bytes` bytes into a free slot that fits and returns its handle. Waits for a credit until
+  /// `deadline`: DeadlineExceeded then, naming the size and the slots in use; ResourceExhausted when
+  /// the tensor can never fit under max_total_bytes. The copy runs without the pool's lock: other
+  /// calls (release, share, stats, another stage) proceed meanwhile; the slot is reserved the way a
+  /// lease is, so nobody can take, free or reclaim it before its handle is returned.
+  absl::StatusOr<wire::ShmHandle> stage(const void* data, std::size_t bytes, absl::Time deadline);
+  /// Leases a free slot of at least `bytes` bytes to the producer (same credits and bound as
+  /// stage()). The slot is free again once the lease is dropped and every handle shared from it
+  /// has been released: the producer must not write it after sending.
+  absl::StatusOr<ShmLease> lease(std::size_t bytes, absl::Time deadline);
+  /// lease() when a slot is free now (or a pool can still be made for it); nullopt otherwise, at
+  /// once and without counting a credit wait.
+  std::optional<ShmLease> try_lease(std::size_t bytes);
+  /// When `bytes` bytes at `data` lie inside a slot leased by lease(), returns their handle (with
+  /// the offset) and counts one more consumer hold; nothing is copied. nullopt otherwise.
+  std::optional<wire::ShmHandle> share(const void* data, std::size_t bytes);
+  /// Frees the slot of a handle the consumer is done with. False (counted) when it matches no leased
+  /// slot: stale, unknown pool or forged.
+  bool release(const wire::ShmHandle& handle);
+  /// Drops every hold of the consumer (it died): slots nobody else holds are free again. Returns how
+  /// many slots the consumer held.
+  std::size_t reclaim_all();
+  /// The pool's figures, as metrics report them (SiteStats::shm_requests / shm_results).
+  ShmEdgeStats stats() const;
+  /// The address of a handle's bytes in this process (tests).
+  const void* address(const wire::ShmHandle& handle) const;
+
+ private:
+  struct Impl;
+  absl::StatusOr<ShmLease> lease_slot(std::size_t bytes, absl::Time deadline, bool wait);
+  std::shared_ptr<Impl> impl_;  // shared with the drop functions of leases
+};
+
+/// When `bytes` bytes at `data` lie in a slot of another process's pool that a ShmConsumer of this
+/// process has mapped (a tensor received over the shm channel), that slot's handle (with the
+/// offset), so the tensor can be handed on without a copy while this process keeps it alive.
+/// nullopt otherwise. Thread-safe.
+std::optional<wire::ShmHandle> shm_origin(const void* data, std::size_t bytes);
+
+/// The consuming side: maps each pool once. Thread-safe.
+class ShmConsumer {
+ public:
+  ShmConsumer();
+  ~ShmConsumer();
+  ShmConsumer(const ShmConsumer&) = delete;
+  ShmConsumer& operator=(const ShmConsumer&) = delete;
+
+  struct View {
+    void* data = nullptr;        ///< the handle's bytes inside the mapped pool
+    std::shared_ptr<void> keep;  ///< keeps the pool mapped
+    std::uint64_t pool_bytes = 0;
+    const void* pool_base = nullptr;
+  };
+  /// Checks `handle` for `bytes` bytes: the pool exists and is a BlockFlow pool with that id, the slot
+  /// is in range, offset + bytes fits in the slot, the generation is the slot's current one.
+  /// InvalidArgument naming the problem otherwise ("stale handle", "slot 9 out of range", ...).
+  absl::StatusOr<View> resolve(const wire::ShmHandle& handle, std::uint64_t bytes);
+  /// Drops the cached mappings (the producer restarted); tensors still over them keep them mapped.
+  void forget_all();
+  std::size_t pools_mapped() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace blockflow::detail

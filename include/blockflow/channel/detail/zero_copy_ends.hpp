@@ -1,0 +1,68 @@
+#pragma once
+// Internal: one process's ends of a zero-copy edge to another process of the same host (the session
+// host and one worker, either side). Its own pools, which the peer's messages release slots of, and
+// the peer's pools, mapped on demand. Channel "shm": host shared memory for CPU tensors. Channel
+// "cuda": the same for CPU tensors, plus CUDA IPC for CUDA tensors (cuda_ipc.hpp). Each handle says
+// which memory it names (wire::ShmHandle::memory), so one message may carry both kinds.
+
+#include <blockflow/channel/detail/cuda_ipc.hpp>
+#include <blockflow/channel/detail/shm_pool.hpp>
+#include <blockflow/channel/detail/tensor_codec.hpp>
+
+#include <absl/container/flat_hash_map.h>
+#include <absl/status/status.h>
+#include <blockflow/core/detail/mutex.hpp>
+
+#include <functional>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+namespace blockflow::detail {
+
+class ZeroCopyEnds {
+ public:
+  /// `cuda`: also carry CUDA tensors; the caller checked cuda_ipc_usable().
+  ZeroCopyEnds(const ShmPoolOptions& pools, bool cuda);
+
+  /// Turns each tensor into a handle: CUDA tensors (channel "cuda") are shared where they lie; CPU
+  /// tensors lying in a slot we leased are shared; CPU tensors lying in another process's slot (a
+  /// tensor received from one worker, relayed to the next) are passed on as that slot, kept alive
+  /// here until the peer releases it (no copy); others are copied into a slot. Waits up to `wait`
+  /// for a credit.
+  [[nodiscard]] ShmStager stager(absl::Duration wait);
+  /// Builds tensors over the peer's memory; `release` runs with each handle when its tensor dies.
+  [[nodiscard]] ShmResolver resolver(std::function<void(const wire::ShmHandle&)> release);
+  /// True when the stager hands `t` on without a copy or a credit: a contiguous CPU tensor lying in
+  /// another process's slot (a relay). No side effect.
+  [[nodiscard]] static bool relays_as_is(const at::Tensor& t);
+  /// The peer is done with one of our handles (false, counted, for a stale or forged one).
+  bool release(const wire::ShmHandle& handle);
+  /// The peer died: frees every slot it held. Returns how many.
+  std::size_t reclaim_all();
+  /// The peer restarted: its pools are new.
+  void forget_all();
+
+  [[nodiscard]] bool cuda() const { return cuda_out_ != nullptr; }
+  [[nodiscard]] ShmProducer& host_pool() { return *host_out_; }
+  [[nodiscard]] std::shared_ptr<ShmProducer> shared_host_pool() const { return host_out_; }
+  [[nodiscard]] ShmEdgeStats host_stats() const;
+  [[nodiscard]] ShmEdgeStats cuda_stats() const { return cuda_out_ ? cuda_out_->stats() : ShmEdgeStats{}; }
+
+ private:
+  // Tensors passed on as another process's slot, kept until the peer releases that handle.
+  struct Forwarded {
+    blockflow::detail::Mutex mu;
+    absl::flat_hash_map<std::tuple<std::uint64_t, std::uint32_t, std::uint64_t>, std::vector<at::Tensor>> held
+        ABSL_GUARDED_BY(mu);
+    std::uint64_t count ABSL_GUARDED_BY(mu) = 0;
+  };
+
+  std::shared_ptr<ShmProducer> host_out_;
+  ShmConsumer host_in_;
+  std::shared_ptr<Forwarded> forwarded_ = std::make_shared<Forwarded>();
+  std::unique_ptr<CudaProducer> cuda_out_;
+  std::unique_ptr<CudaConsumer> cuda_in_;
+};
+
+}  // namespace blockflow::detail

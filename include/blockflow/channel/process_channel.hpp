@@ -1,0 +1,116 @@
+#pragma once
+/// @file
+/// @brief TensorMQ for any two processes: cross-process TensorChannels opened by a URI, with no
+/// Session on either side.
+///
+/// One process opens the receiving end, another the sending end of the same URI:
+///
+/// | URI | what crosses | bytes copied |
+/// |---|---|---|
+/// | `shm://NAME` | a handle to a slot of the sender's shared-memory pools (POSIX shm, 0600); the receiver's tensor is a view of the slot, and the slot goes back to the sender when that tensor dies | 0 when the sender wrote its tensor in `empty()`; else one copy into a slot |
+/// | `ipc://NAME` or `ipc:///ABS/PATH` | the serialized wire format (docs/wire-format.md) over a ZeroMQ Unix socket | the socket's (kernel) copies only |
+/// | `tcp://HOST:PORT` | the same over TCP (the receiver binds HOST:PORT, the sender connects) | the socket's (kernel) copies only |
+///
+/// `shm://NAME` and `ipc://NAME` rendezvous in this user's channel directory
+/// (`$XDG_RUNTIME_DIR/blockflow-channels-UID`, else `/tmp/blockflow-channels-UID`, mode 0700, checked
+/// to be ours); NAME follows the name rule of names.hpp, so it is never a path. `ipc:///ABS/PATH`
+/// binds where it says, in a directory that must be ours and closed to others (mode 0700). On a
+/// `shm://` link the receiver accepts only senders of its own user id (SO_PEERCRED). `tcp://` is
+/// neither authenticated nor encrypted: keep it on trusted networks.
+///
+/// Contract (the TensorChannel one, per end):
+/// - the **receiver** binds at once (AlreadyExists when a live receiver holds the URI; a socket left
+///   by a dead one is replaced); `send()` fails (FailedPrecondition). Several senders may feed one
+///   receiver. A shm:// receiver has no thread of its own: receive() reads the senders' links (one
+///   caller at a time), and what it has not read yet waits in the kernel's socket buffers, which
+///   push back on the senders; with kDropOldest, receive() returns the newest envelope there and
+///   drops the older ones (counted in `dropped`; their slots go back): a consumer that wants the
+///   latest frame. An ipc:// or tcp:// receiver queues up to `capacity` envelopes (ZeroMQ's
+///   high-water mark), then pushes back. drain() returns nothing: nothing is queued in this process.
+/// - the **sender** connects on its first send() and again after the receiver went away; with
+///   kBlock, send() waits up to `send_timeout` for a receiver and (shm) for a free slot, then fails
+///   with DeadlineExceeded; with kReject or kDropOldest it does not wait (Unavailable without a
+///   receiver, ResourceExhausted without a slot). A failed send returns the envelope in `displaced`.
+///   `receive()` returns nullopt at once and `drain()` nothing.
+/// - an envelope carries `request_id`, `node` and up to 64 tensors (CPU; any layout: non-contiguous
+///   tensors are made contiguous first, a copy counted in `bytes_copied`); `local` stays behind.
+/// - a sender whose receiver dies (even by SIGKILL) takes back every slot the receiver held
+///   (ShmEdgeStats::reclaims) and goes on with the next receiver that opens the URI. Envelopes the
+///   dead receiver had not taken are lost with it: a channel is a hand-off, not a persistent queue.
+/// - errors name the URI.
+
+#include <blockflow/channel/channel.hpp>
+#include <blockflow/core/remote_site.hpp>
+
+#include <absl/status/statusor.h>
+#include <absl/time/time.h>
+
+#include <memory>
+#include <string>
+#include <string_view>
+
+namespace blockflow {
+
+/// @brief Which end of a cross-process channel this process holds.
+enum class ChannelRole { kSender, kReceiver };
+
+/// @brief Settings of a ProcessChannel. Each end reads the fields for its role.
+struct ProcessChannelOptions {
+  /// ipc:// and tcp://: envelopes queued on each side before the sender is pushed back (at least 1).
+  std::size_t capacity = 16;
+  /// Sender: whether send() waits (kBlock) or fails at once (kReject, kDropOldest) when it cannot
+  /// hand over now. shm:// receiver: kDropOldest makes receive() return the newest envelope.
+  FullPolicy full_policy = FullPolicy::kBlock;
+  /// shm:// receiver: while envelopes stream (less than 4 of these apart on average), receive()
+  /// polls this long before it sleeps, so that the next one is taken without a wake-up. 0: never.
+  absl::Duration receive_spin = absl::Microseconds(50);
+  /// Sender, kBlock: how long send() waits for a receiver and for a free slot.
+  absl::Duration send_timeout = absl::Seconds(10);
+  /// Sender, shm://: slots per pool (one pool per power-of-two size class) and the bound on all
+  /// pools. Free slots are the sender's credits: at most this many tensors are in flight.
+  std::size_t shm_slots_per_pool = 4;
+  std::size_t shm_max_bytes = std::size_t{256} << 20;
+};
+
+/// @brief One end of a cross-process channel. Thread-safe, like every TensorChannel.
+class ProcessChannel : public TensorChannel {
+ public:
+  /// @brief Opens the `role` end of `uri` (see the top of this file). InvalidArgument naming the URI
+  /// for an unknown scheme or a bad name; PermissionDenied for a directory that is not ours or is
+  /// open to others; AlreadyExists when a live receiver holds the URI; Unavailable when a socket
+  /// cannot be bound.
+  static absl::StatusOr<std::unique_ptr<ProcessChannel>> open(std::string_view uri, ChannelRole role,
+                                                             ProcessChannelOptions options = {});
+
+  /// @brief A contiguous CPU tensor to fill and send. On a shm:// sender its bytes lie in one of
+  /// the channel's slots, so sending it copies nothing; the slot is free again once this tensor and
+  /// the receiver's views of it are gone. Elsewhere a plain at::empty(). Waits for a slot as send()
+  /// does.
+  virtual absl::StatusOr<at::Tensor> empty(at::IntArrayRef sizes, at::ScalarType dtype = at::kFloat) = 0;
+
+  /// @brief The URI as opened.
+  [[nodiscard]] virtual const std::string& uri() const = 0;
+  [[nodiscard]] virtual ChannelRole role() const = 0;
+  /// @brief Sender: a receiver is attached now. Receiver: at least one sender is.
+  [[nodiscard]] virtual bool connected() const = 0;
+  /// @brief Sender: waits until what was sent no longer needs this process. shm://: until the
+  /// receivers have let go of every slot (a sender that exits unlinks its pools, and a receiver
+  /// that had not mapped a pool yet could not read what lies in it); DeadlineExceeded naming the
+  /// slots still held. ipc:// and tcp://: OK at once (ZeroMQ keeps sending what it queued for up to
+  /// `send_timeout` after the end is destroyed). Receiver: OK at once.
+  virtual absl::Status flush(absl::Time deadline) {
+    (void)deadline;
+    return absl::OkStatus();
+  }
+  /// @brief shm:// sender: its pools' figures (slots in use, releases, reclaims, bytes staged).
+  /// Zeros elsewhere.
+  [[nodiscard]] virtual ShmEdgeStats shm_stats() const { return {}; }
+};
+
+/// @brief ProcessChannel::open().
+inline absl::StatusOr<std::unique_ptr<ProcessChannel>> open_channel(std::string_view uri, ChannelRole role,
+                                                                    ProcessChannelOptions options = {}) {
+  return ProcessChannel::open(uri, role, options);
+}
+
+}  // namespace blockflow

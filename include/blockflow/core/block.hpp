@@ -1,0 +1,101 @@
+#pragma once
+/// @file
+/// @brief Block: a named unit of compute (a TorchScript module or a C++ callable).
+
+#include <blockflow/channel/channel.hpp>
+#include <blockflow/core/tensor.hpp>
+
+#include <absl/status/statusor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace blockflow {
+
+/// @brief How a block runs inside a session.
+struct BlockOptions {
+  /// "cpu", "cuda", "cuda:1", ... Inputs are moved to this device before forward().
+  std::string device = "cpu";
+  /// libtorch intra-op threads the block asks for; it runs with its session's lanes' setting
+  /// (SessionOptions::intra_op_threads, by default the largest of its blocks'). Debian's CPU
+  /// libtorch runs convolutions ~10x slower with 1 thread than with 2: set this deliberately.
+  int intra_op_threads = 0;
+  /// At most this many compute lanes run the block at once (above 1, forward() must be thread-safe;
+  /// a block in a worker process: lanes of that process).
+  int workers = 1;
+  /// Bound of the block's input queue, and what happens when it is full.
+  std::size_t queue_capacity = 64;
+  FullPolicy full_policy = FullPolicy::kBlock;
+  /// Expected input shapes, one per input; -1 matches any size. When set, inputs are checked
+  /// before forward() (a mismatch fails the request with a message naming the block) and each
+  /// worker warms the block up on zeros of this shape (-1 read as 1) before traffic arrives.
+  std::vector<std::vector<std::int64_t>> input_shapes;
+  /// Warm-up forward passes, on a compute lane, before start() or apply() returns (only with input_shapes).
+  int warmup_runs = 3;
+  /// Dynamic batching: with max_batch > 1, a lane that takes a request also takes what else is
+  /// waiting in the queue, from any task, up to max_batch requests or until max_batch_delay_ms has
+  /// passed since the first of them entered the queue. Requests whose inputs agree in count, dtype,
+  /// device and every dimension but the first are stacked along dimension 0 and run in one
+  /// forward(); each output is split back by the requests' row counts (the block must keep rows
+  /// apart: output rows = input rows). Others run alone. Time spent waiting for the batch counts as
+  /// the request's wait.
+  int max_batch = 1;
+  double max_batch_delay_ms = 2.0;
+};
+
+/// @brief Checks a block's options, the one rule for every way a block is made (Block's
+/// constructor, Deployment::parse(), worker configurations): a device libtorch parses and that is
+/// cpu or cuda[:N], workers >= 1, queue_capacity >= 1, intra_op_threads >= 0, max_batch >= 1,
+/// max_batch_delay_ms >= 0, warmup_runs >= 0. InvalidArgument naming the block and the field.
+absl::Status validate(const std::string& block, const BlockOptions& options);
+
+/// @brief A unit of compute with a name and a device.
+///
+/// Contract: forward() receives the request's tensors already on device(); it returns the output
+/// tensors or an error status; an exception escaping forward() is caught by the session and fails
+/// the request with a message naming the block. forward() must not modify its inputs in place:
+/// with fan-out, several blocks may hold the same tensor. With BlockOptions::workers > 1 it is
+/// called concurrently and must be thread-safe. Blocks are immutable once built, hence shareable by
+/// any number of paths and sessions.
+class Block {
+ public:
+  /// @brief The signature of a C++ callable block.
+  using Fn = std::function<absl::StatusOr<Tensors>(Tensors&&)>;
+
+  Block(std::string name, BlockOptions options);
+  virtual ~Block();
+  Block(const Block&) = delete;
+  Block& operator=(const Block&) = delete;
+
+  [[nodiscard]] const std::string& name() const { return name_; }
+  [[nodiscard]] const BlockOptions& options() const { return options_; }
+  [[nodiscard]] c10::Device device() const { return device_; }
+  /// @brief "callable" or "torchscript".
+  [[nodiscard]] virtual std::string_view kind() const = 0;
+
+  /// @brief Runs the block (see the class comment for the contract).
+  virtual absl::StatusOr<Tensors> forward(Tensors&& inputs) = 0;
+
+  /// @brief A block from a C++ callable.
+  /// @code
+  /// auto twice = blockflow::Block::callable("twice", [](blockflow::Tensors&& in)
+  ///     -> absl::StatusOr<blockflow::Tensors> { return blockflow::Tensors{in.at(0) * 2}; });
+  /// @endcode
+  /// Throws std::invalid_argument if the name is empty or the device string is malformed.
+  static std::shared_ptr<Block> callable(std::string name, Fn fn, BlockOptions options = {});
+
+ private:
+  std::string name_;
+  BlockOptions options_;
+  c10::Device device_;
+};
+
+/// @brief Checks `inputs` against `block.options().input_shapes` (if any). The message names the
+/// block, the input and both shapes.
+absl::Status check_inputs(const Block& block, const Tensors& inputs);
+
+}  // namespace blockflow

@@ -1,0 +1,214 @@
+#pragma once
+// Internal: the machinery behind blockflow::Session.
+
+#include <blockflow/core/block.hpp>
+#include <blockflow/core/block_registry.hpp>
+#include <blockflow/core/remote_site.hpp>
+#include <blockflow/core/kpi.hpp>
+#include <blockflow/core/metrics.hpp>
+#include <blockflow/core/path.hpp>
+#include <blockflow/core/session.hpp>
+#include <blockflow/channel/inproc_channel.hpp>
+#include <blockflow/core/detail/compute_lanes.hpp>
+#include <blockflow/core/detail/histogram.hpp>
+#include <blockflow/core/detail/request_state.hpp>
+#include <blockflow/core/detail/routing.hpp>
+
+#include <absl/container/flat_hash_map.h>
+#include <blockflow/core/detail/mutex.hpp>
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+namespace blockflow::detail {
+
+struct SiteRuntime;
+
+class SessionCore;
+
+/// A block placed on a GPU this process cannot see is a configuration error (InvalidArgument).
+absl::Status check_device(const Block& block);
+/// Names the calling thread after a block ("bf-<block>/<index>", cut to 15 characters).
+void name_thread(const std::string& block, int index);
+/// `status` with its message prefixed ("<prefix>: <message>"), same code.
+absl::Status with_prefix(const absl::Status& status, std::string_view prefix);
+/// Runs block.forward(), turning exceptions into statuses that name the block.
+absl::StatusOr<Tensors> guarded_forward(Block& block, Tensors&& inputs);
+
+/// A block as the session runs it: the block, its input queue, its counters. A block of this
+/// process runs on the session's compute lanes (LaneWork: at most BlockOptions::workers lanes at
+/// once); a block placed at a remote site has one thread that forwards its queue to the site.
+struct BlockRuntime final : LaneWork {
+  std::shared_ptr<Block> block;     ///< null for a block placed at a remote site
+  BlockDescription description;     ///< name, options and placement (set for every block)
+  SiteRuntime* site = nullptr;      ///< where it runs when not on this process's lanes
+  SessionCore* core = nullptr;
+  std::unique_ptr<InProcessChannel> inbox;
+  std::thread forwarder;            ///< site blocks only
+  Histogram wait, compute, overhead;
+  std::atomic<std::uint64_t> processed{0};
+  std::atomic<std::uint64_t> failed{0};
+  std::atomic<std::uint64_t> batches{0}, batched_requests{0};
+  /// Taken without queueing: by the site (try_run()), or run at once by the lane that ran the
+  /// request's previous block (an inline continuation).
+  std::atomic<std::uint64_t> handed_directly{0};
+  /// Why stop_runtime() closed the queue ("removed by update 3 ..."), for requests that find it closed.
+  std::string removed_reason;
+  std::atomic<const std::string*> removed_why{nullptr};
+
+  [[nodiscard]] const std::string& name() const { return description.name; }
+  [[nodiscard]] bool has_work() const override { return inbox->depth() > 0 && !inbox->closed(); }
+  void run_one() override;
+};
+
+/// A remote site and the requests the session has handed to it, keyed by (request id, node).
+struct SiteRuntime {
+  std::shared_ptr<RemoteSite> site;
+  bool stop_when_empty = false;  ///< apply() stops it once it holds no block (factory and deployment sites)
+  std::string peer_endpoint;     ///< RemoteSite::peer_endpoint() once started (direct edges)
+  std::vector<BlockRuntime*> blocks;
+  blockflow::detail::Mutex mu;
+  absl::flat_hash_map<std::pair<std::uint64_t, std::uint32_t>, std::pair<std::shared_ptr<RequestState>, BlockRuntime*>>
+      in_flight ABSL_GUARDED_BY(mu);
+};
+
+/// Per-task counters.
+struct PathRuntime {
+  std::string task;
+  std::atomic<std::uint64_t> submitted{0}, completed{0}, failed{0};
+  Histogram e2e, wait, compute, overhead;
+};
+
+class SessionCore {
+ public:
+  explicit SessionCore(SessionOptions options) : options_(options) {}
+  ~SessionCore();
+
+  void add_block(std::shared_ptr<Block> block);
+  void add_block(BlockDescription description);
+  void add_site(std::shared_ptr<RemoteSite> site, bool stop_when_empty);
+  void add_path(Path path);
+  absl::Status start();
+  void submit(const std::string& task, Tensors inputs, std::function<void(Result&&)> done);
+  MetricsSnapshot metrics() const;
+  void set_sampling(bool enabled, absl::Duration period);
+  absl::StatusOr<std::uint64_t> apply(const Deployment& wanted, absl::Duration drain);
+  void cancel_update();
+  void set_site_factory(Session::SiteFactory factory);
+  void shutdown(absl::Duration drain);
+  bool post_to_lane(std::function<void()> task);
+
+ private:
+  using StatePtr = std::shared_ptr<RequestState>;
+
+  absl::Status build();
+  absl::Status add_runtime(std::unique_ptr<BlockRuntime> runtime);
+  std::unique_ptr<BlockRuntime> make_runtime(std::shared_ptr<Block> block);
+  std::unique_ptr<InProcessChannel> make_inbox(const BlockOptions& options) const;
+  void on_lanes(std::vector<std::function<void()>>& tasks);
+  std::vector<absl::StatusOr<std::shared_ptr<Block>>> make_blocks(const std::vector<const BlockDescription*>& descriptions);
+  absl::Status warm_up(const std::vector<BlockRuntime*>& runtimes);
+  absl::Status warm_up_block(BlockRuntime& runtime);
+  ComputeLanes::Options lane_options() const;
+  void stop_runtime(BlockRuntime& runtime, const std::string& why);
+  // apply(), step by step (lib/core/session_update.cpp).
+  struct UpdateWork;
+  absl::Status update_diff(UpdateWork& u);
+  absl::Status update_load(UpdateWork& u);
+  absl::Status update_route(UpdateWork& u);
+  absl::Status update_start(UpdateWork& u);
+  void update_undo(UpdateWork& u);
+  void update_publish(UpdateWork& u);
+  void update_drain(UpdateWork& u, absl::Duration drain);
+  void collect_retired();
+  std::vector<std::shared_ptr<const PathPlan>> live_plans();
+  bool update_cancelled() const;
+  absl::Status at_site(SiteRuntime& site, bool is_new, const std::function<absl::Status()>& step);
+  SiteRuntime* site_named(const std::string& name) const;
+  absl::StatusOr<std::shared_ptr<RoutingTable>> compile_table(
+      const std::vector<Path>& paths, const std::function<BlockRuntime*(const std::string&)>& lookup,
+      std::vector<std::unique_ptr<PathRuntime>>* new_path_runtimes);
+  friend struct BlockRuntime;
+  // One unit of a block's work on a lane: `first` (an inline continuation) or the next queued
+  // request, with what else waits when the block batches.
+  void run_block(BlockRuntime& runtime, std::optional<Envelope> first);
+  void queue_on_lanes(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target);
+  void process(BlockRuntime& runtime, Envelope&& envelope);
+  void process_batch(BlockRuntime& runtime, std::vector<Envelope>&& batch);
+  void forward_to_site(BlockRuntime& runtime);
+  void on_site_completion(SiteRuntime& site, SiteCompletion&& completion);
+  absl::Status start_sites();
+  absl::Status start_site(SiteRuntime& site);
+  static std::vector<BlockDescription> descriptions_of(const SiteRuntime& site);
+  void forward_outputs(const StatePtr& state, int node, Tensors&& outputs, BlockRuntime* runtime);
+  void deliver(const StatePtr& state, int node, int slot, Tensors&& tensors, std::int64_t ready_ns);
+  void run_join(const StatePtr& state, int node, std::vector<Tensors>&& inputs, std::int64_t ready_ns);
+  void handle_displaced(SendOutcome&& outcome, const PlanNode& target);
+  // Queues `envelope` for the target node's block, or hands it to the block's site at once.
+  void hand_over(const PlanNode& target, Envelope&& envelope);
+  bool try_site_now(BlockRuntime& runtime, Envelope& envelope);
+  void fail(const StatePtr& state, absl::Status status);
+  void resolve(const StatePtr& state, absl::Status status, Tensors outputs);
+  void reject_now(const std::string& task, absl::Status status, const std::function<void(Result&&)>& done);
+  std::shared_ptr<const RoutingTable> routing() const;
+
+  const SessionOptions options_;
+  std::vector<std::shared_ptr<Block>> pending_blocks_;
+  std::vector<BlockDescription> pending_descriptions_;
+  KpiSampler sampler_;  // this process's figures, off until set_sampling()
+  std::unique_ptr<ComputeLanes> lanes_;  // made and started by start(), stopped by shutdown()
+  // Changed by start() and apply() under state_mu_ too; read by metrics() and set_sampling().
+  std::vector<std::unique_ptr<SiteRuntime>> sites_;
+  // Sites stopped by apply() once their last block went: kept for late references.
+  std::vector<std::unique_ptr<SiteRuntime>> retired_sites_;
+  blockflow::detail::Mutex factory_mu_;
+  Session::SiteFactory site_factory_ ABSL_GUARDED_BY(factory_mu_);
+  std::vector<Path> pending_paths_;
+
+  // Changed by start() and apply() (under shutdown_mu_ and state_mu_); read by metrics() under state_mu_.
+  mutable blockflow::detail::Mutex state_mu_;
+  std::vector<std::unique_ptr<BlockRuntime>> blocks_;
+  absl::flat_hash_map<std::string, BlockRuntime*> block_by_name_;
+  std::vector<std::unique_ptr<PathRuntime>> paths_;
+  // Blocks removed by apply(): stopped, their Block released, kept while a plan still held by a
+  // late request may point at them (collect_retired() frees the others).
+  std::vector<std::unique_ptr<BlockRuntime>> retired_;
+  std::atomic<std::uint64_t> version_{0};
+  UpdateStats last_update_;  // under state_mu_
+  // Every plan published and maybe still held by a request (apply() drains removed blocks by them,
+  // collect_retired() frees what none of them reaches). start() and apply() only.
+  std::vector<std::weak_ptr<const PathPlan>> published_plans_;
+
+  mutable blockflow::detail::Mutex routing_mu_;
+  std::shared_ptr<const RoutingTable> routing_ ABSL_GUARDED_BY(routing_mu_);
+
+  // Live requests, so shutdown can resolve anything no channel still holds.
+  mutable blockflow::detail::Mutex live_mu_;
+  absl::flat_hash_map<std::uint64_t, std::weak_ptr<RequestState>> live_ ABSL_GUARDED_BY(live_mu_);
+  std::atomic<std::int64_t> in_flight_{0};
+
+  std::atomic<std::uint64_t> next_id_{1};
+  std::atomic<bool> admitting_{false};
+  std::atomic<bool> started_{false};
+  std::atomic<bool> stopped_{false};
+  std::int64_t started_ns_ = 0;
+  // Lock order: shutdown_mu_ (shutdown() only), then update_mu_ (one apply() at a time, and
+  // shutdown() once it has cancelled it), then state_mu_ / busy_mu_ / routing_mu_ / live_mu_.
+  blockflow::detail::Mutex shutdown_mu_;
+  blockflow::detail::Mutex update_mu_;
+  // The apply() in progress, for cancel_update(): whether one runs, whether it was cancelled, and
+  // the site it waits on (a new one is stopped to cancel it, a running one asked to cancel).
+  mutable blockflow::detail::Mutex busy_mu_;
+  bool updating_ ABSL_GUARDED_BY(busy_mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(busy_mu_) = false;
+  std::shared_ptr<RemoteSite> busy_site_ ABSL_GUARDED_BY(busy_mu_);
+  bool busy_site_is_new_ ABSL_GUARDED_BY(busy_mu_) = false;
+};
+
+}  // namespace blockflow::detail

@@ -1,0 +1,101 @@
+#pragma once
+/// @file
+/// @brief Snapshot of a session's built-in measurements, serialisable to JSON.
+
+#include <blockflow/channel/channel.hpp>
+#include <blockflow/core/remote_site.hpp>
+
+#include <absl/status/statusor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace blockflow {
+
+/// @brief Distribution of a latency, in milliseconds (percentiles within ~1% relative error).
+struct LatencyStats {
+  std::uint64_t count = 0;
+  double mean_ms = 0, p50_ms = 0, p90_ms = 0, p99_ms = 0, max_ms = 0;
+};
+
+/// @brief Per-block aggregates since the session started.
+struct BlockMetrics {
+  std::string name;
+  std::string kind;    ///< "callable" or "torchscript"
+  std::string device;
+  std::string placement;  ///< "threads" or the name of the site (worker) running it
+  int workers = 0;           ///< at most this many lanes run the block at once
+  int intra_op_threads = 0;  ///< as asked for in its options (it runs with the lanes' setting)
+  std::uint64_t processed = 0;  ///< forward() calls that returned outputs
+  std::uint64_t failed = 0;     ///< requests that failed at this block
+  std::uint64_t batches = 0;          ///< forward() calls that ran more than one request (batching)
+  std::uint64_t batched_requests = 0; ///< requests that ran in those calls
+  LatencyStats wait, compute, overhead;
+  double throughput_per_s = 0;  ///< processed / uptime
+  ChannelStats queue;           ///< the block's input queue (depth = current depth)
+};
+
+/// @brief One compute lane of the session (docs/lanes.md), since it started.
+struct LaneMetrics {
+  int index = 0;
+  std::uint64_t runs = 0;                  ///< block work units run (a request, or a batch)
+  std::uint64_t tasks = 0;                 ///< warm-ups and Session::run_on_lane() tasks run
+  std::uint64_t inline_continuations = 0;  ///< next blocks run at once by the lane that ran the previous block
+  double busy_s = 0;                       ///< seconds spent running work
+  double utilisation = 0;                  ///< busy_s / the lane's lifetime
+};
+
+/// @brief Per-path (task) aggregates since the session started.
+struct PathMetrics {
+  std::string task;
+  bool active = true;  ///< false once an update removed the task (its counters stay)
+  std::uint64_t submitted = 0, completed = 0, failed = 0;
+  LatencyStats e2e, wait, compute, overhead;  ///< per request, summed over its critical path
+  double throughput_per_s = 0;                 ///< completed / uptime
+};
+
+/// @brief Where the last successful Session::apply() spent its time (version 0: none yet).
+struct UpdateStats {
+  std::uint64_t version = 0;
+  std::uint32_t blocks_added = 0, blocks_removed = 0;  ///< a replaced block counts in both
+  std::uint32_t sites_started = 0, sites_stopped = 0;  ///< worker processes started / stopped by it
+  double load_ms = 0;   ///< building, loading and warming the new blocks, here and at sites
+  double route_ms = 0;  ///< checking the paths and publishing the new routing table
+  double drain_ms = 0;  ///< draining, stopping and unloading the removed blocks
+  double total_ms = 0;  ///< the whole apply() call
+};
+
+/// @brief A consistent-enough copy of the counters (each counter is read atomically; the
+/// snapshot as a whole is not a transaction).
+struct MetricsSnapshot {
+  double uptime_s = 0;
+  std::uint64_t in_flight = 0;
+  std::uint64_t version = 0;      ///< deployment version: 0 at start(), +1 per successful Session::apply()
+  UpdateStats last_update;        ///< the timing of the apply() that made `version`
+  /// Blocks removed by updates and still kept because a request in flight may reach them (freed
+  /// by the next apply() once none can).
+  std::uint64_t retired_blocks = 0;
+  /// Peers this process refused on its CURVE endpoints since it started (unknown key, no key, a
+  /// worker's name with another key, a wrong server key): curve.hpp. Process-wide, like `host`.
+  std::uint64_t auth_failures = 0;
+  bool sampling = false;          ///< KPI sampling on (Session::set_sampling)
+  double sampling_period_s = 0;
+  KpiSample host;                 ///< this process's last KPI sample (time_s 0 while sampling is off)
+  std::vector<BlockMetrics> blocks;
+  std::vector<PathMetrics> paths;
+  std::vector<SiteStats> sites;  ///< worker processes and other remote sites
+  std::vector<LaneMetrics> lanes;  ///< this process's compute lanes
+  int lane_intra_op_threads = 0;   ///< each lane's OpenMP team (0: libtorch's default)
+
+  /// @brief JSON object; `indent` < 0 gives one line. Keys: docs/metrics.md.
+  [[nodiscard]] std::string to_json(int indent = -1) const;
+  /// @brief The inverse of to_json(): from_json(s.to_json()) equals s. InvalidArgument naming the
+  /// problem for text that is not such a snapshot.
+  [[nodiscard]] static absl::StatusOr<MetricsSnapshot> from_json(const std::string& json);
+  /// @brief Prometheus text exposition (format 0.0.4) of the snapshot; docs/metrics.md lists every
+  /// metric, its type, unit and labels.
+  [[nodiscard]] std::string to_prometheus() const;
+};
+
+}  // namespace blockflow

@@ -1,0 +1,133 @@
+#pragma once
+/// @file
+/// @brief RemoteSite: a place outside the session's threads where blocks run (a child worker
+/// process, a worker on another host). The session routes; the site executes and reports back.
+
+#include <blockflow/core/block_registry.hpp>
+#include <blockflow/channel/channel.hpp>
+#include <blockflow/core/kpi.hpp>
+
+#include <absl/status/status.h>
+#include <absl/status/statusor.h>
+#include <absl/time/time.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace blockflow {
+
+/// @brief What a site reports for each request it was given: outputs or an error, plus where the
+/// time went inside the site, as local steady-clock times (sites on other hosts convert their
+/// durations; 0 where unknown).
+struct SiteCompletion {
+  std::uint64_t request_id = 0;
+  std::uint32_t node = 0;
+  absl::StatusOr<Tensors> outputs;
+  std::int64_t arrived_ns = 0;        ///< the site received it
+  std::int64_t wait_ns = 0;           ///< time queued inside the site
+  std::int64_t compute_start_ns = 0;
+  std::int64_t compute_end_ns = 0;
+};
+
+/// @brief One direction of a zero-copy shared-memory edge: the producer's pool and what crossed it.
+struct ShmEdgeStats {
+  std::uint64_t handles = 0;         ///< tensors handed over as handles
+  std::uint64_t releases = 0;        ///< slots given back by the consumer
+  std::uint64_t leases = 0;          ///< slots the producer allocated its tensors in (no copy when sent)
+  std::uint64_t slots_in_use = 0;    ///< leased, not yet released by the consumer
+  std::uint64_t slots_total = 0;
+  std::uint64_t credit_waits = 0;    ///< times the producer found no free slot at first
+  std::uint64_t reclaims = 0;        ///< slots taken back from a consumer that died
+  std::uint64_t stale_releases = 0;  ///< releases that matched no lease (ignored)
+  std::uint64_t bytes_staged = 0;    ///< the producer's one copy into its slots
+  std::uint64_t bytes_mapped = 0;    ///< size of the producer's pools
+  std::uint64_t pools = 0;           ///< pools (one per slot size in use, more under bursts)
+  std::uint64_t pools_trimmed = 0;   ///< pools removed after idling (ShmPoolOptions::idle_trim)
+  std::uint64_t forwarded = 0;       ///< handles passed on unchanged: tensors that lie in a third process's slot (counted in handles too)
+};
+
+/// @brief Counters of a site, for metrics.
+struct SiteStats {
+  std::string name;
+  /// What the site is: "worker" (a WorkerSite's child process) or "joined-worker" (a WorkerSite
+  /// whose worker joined over TCP, WorkerOptions::listen). Another RemoteSite names its own kind.
+  std::string kind;
+  std::int64_t pid = 0;      ///< current process id (0 when down)
+  std::uint64_t restarts = 0;
+  std::uint64_t failed_requests = 0;  ///< requests failed because the site died or was stopped
+  std::uint64_t in_flight = 0;
+  std::uint64_t malformed_frames = 0;
+  /// Direct edges (WorkerOptions::direct_edges): results the worker kept for the next worker,
+  /// and kept outputs this site told its worker to send to another worker.
+  std::uint64_t parked_outputs = 0;
+  std::uint64_t direct_forwards = 0;
+  std::int64_t rss_idle_bytes = 0;  ///< resident memory of the process before it loaded any block
+  std::int64_t rss_bytes = 0;       ///< resident memory at the last heartbeat
+  ChannelStats data;          ///< the channel that carries requests to the site
+  /// With data.kind "shm": host -> site (the host's pool) and site -> host (the site's pool, as of
+  /// its last heartbeat). Bytes copied in the hand-off itself: data.bytes_copied (0).
+  ShmEdgeStats shm_requests, shm_results;
+  /// With data.kind "cuda": the same for CUDA tensors, whose slots hold CUDA IPC records (the CPU
+  /// tensors of that edge still cross in shm_requests / shm_results). bytes_staged stays 0.
+  ShmEdgeStats cuda_requests, cuda_results;
+  /// The site process's last KPI sample (empty, time_s 0, while sampling is off).
+  KpiSample kpi;
+};
+
+/// @brief Contract between a session and a place where blocks run.
+///
+/// start() builds the given blocks there and returns once they are warmed up (or an error naming
+/// the site and the block). run() hands over one request for one block; it may block for
+/// backpressure. Every request given to run() is reported exactly once through the completion
+/// callback: with outputs, or with an error naming the site and the cause (for instance
+/// "worker w2 killed by signal 9"). stop() fails whatever is still inside, then returns; after it
+/// returns the completion callback is never called again (the site drops it: the session that
+/// gave it may be gone), and run() drops what it is given.
+/// Implementations are thread-safe.
+class RemoteSite {
+ public:
+  using CompletionFn = std::function<void(SiteCompletion&&)>;
+  virtual ~RemoteSite() = default;
+
+  [[nodiscard]] virtual const std::string& name() const = 0;
+  virtual absl::Status start(const std::vector<BlockDescription>& blocks, CompletionFn done) = 0;
+  virtual void run(const std::string& block, Envelope&& envelope) = 0;
+  /// @brief run() without waiting, from whatever thread delivers a request (a completion callback
+  /// included): true when the site took the envelope (it then reports it like any run()), false,
+  /// with `envelope` untouched, when taking it now would mean waiting or queueing. The session then
+  /// queues it for run(). It spares the session's forwarding thread a wake-up per hop. The default
+  /// declines.
+  virtual bool try_run(const std::string& block, Envelope& envelope) {
+    (void)block;
+    (void)envelope;
+    return false;
+  }
+  virtual void stop() = 0;
+  [[nodiscard]] virtual SiteStats stats() const = 0;
+  /// @brief Makes the running site host exactly `blocks` from now on: it loads and warms up the
+  /// ones it lacks before returning and unloads the ones no longer listed (the session has drained
+  /// them), leaving the others untouched. On failure the site keeps the blocks it had, and the
+  /// error names the site and the block. The default refuses: a site that cannot change.
+  virtual absl::Status update(const std::vector<BlockDescription>& blocks) {
+    (void)blocks;
+    return absl::UnimplementedError("site '" + name() + "' cannot change its blocks while it runs");
+  }
+  /// @brief Makes an update() in progress on another thread return CancelledError now (the site
+  /// may still load the blocks it was given; the session never routes to them). Does nothing when
+  /// no update() runs. The default does nothing: that site's update() ends when it ends.
+  virtual void cancel_update() {}
+  /// @brief Where other sites of this host may send this site's requests directly (a site that
+  /// keeps a block's outputs when Envelope::outputs_may_stay is set). Empty: nowhere, the default.
+  /// The session asks once the site has started.
+  [[nodiscard]] virtual std::string peer_endpoint() const { return {}; }
+  /// @brief Switches the site's own KPI sampler (its process's figures, reported in stats().kpi).
+  /// The default does nothing: a site without a process of its own has nothing to sample.
+  virtual void set_sampling(bool enabled, absl::Duration period) {
+    (void)enabled;
+    (void)period;
+  }
+};
+
+}  // namespace blockflow

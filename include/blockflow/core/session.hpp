@@ -1,0 +1,193 @@
+#pragma once
+/// @file
+/// @brief Session: owns blocks and paths, runs blocks on compute lanes, routes requests.
+
+#include <blockflow/core/block.hpp>
+#include <blockflow/core/block_registry.hpp>
+#include <blockflow/core/remote_site.hpp>
+#include <blockflow/deploy/deployment.hpp>
+#include <blockflow/core/metrics.hpp>
+#include <blockflow/core/path.hpp>
+#include <blockflow/core/result.hpp>
+
+#include <absl/status/status.h>
+#include <absl/time/time.h>
+
+#include <exception>
+#include <functional>
+#include <future>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+namespace blockflow {
+
+/// @brief Session-wide settings.
+struct SessionOptions {
+  /// Compute lanes: the threads that run every block of this process (docs/lanes.md). 0: as many
+  /// as the cores hold teams of intra_op_threads (hardware threads / intra_op_threads, at least 1).
+  int lanes = 0;
+  /// libtorch intra-op threads of each lane (its one OpenMP team). 0: the largest
+  /// BlockOptions::intra_op_threads among the blocks this process runs at start(), or libtorch's
+  /// default when none sets one. Every block runs with the lanes' setting.
+  int intra_op_threads = 0;
+  /// How long an idle lane polls for work before it sleeps.
+  absl::Duration receive_spin = absl::Microseconds(50);
+};
+
+namespace detail {
+class SessionCore;
+}
+
+/// @brief Runs blocks on compute lanes and routes each task's requests along its path.
+///
+/// Lifecycle: add_block()/add_path() describe the session; start() validates everything (unknown
+/// blocks, cycles, empty paths, ... are reported with the path and the problem), starts one input
+/// queue per block and the compute lanes, and warms blocks up on the lanes; submit() may then be
+/// called from any number of threads; shutdown() (also run by the destructor) stops admissions,
+/// lets in-flight requests finish for up to `drain`, then fails whatever is left with Cancelled.
+///
+/// Guarantee: every submit() resolves exactly once, with outputs or with an error status naming the
+/// block or path and the cause. Thread-safety: submit(), metrics() and shutdown() are thread-safe;
+/// add_block(), add_path() and start() must not race with each other.
+///
+/// @code
+/// blockflow::Session session;
+/// session.add_block(blockflow::Block::callable("twice", twice_fn))
+///        .add_path(blockflow::Path::chain("task", {"twice"}));
+/// if (auto status = session.start(); !status.ok()) { /* names the problem */ }
+/// blockflow::Result r = session.submit("task", torch::ones({2})).get();
+/// @endcode
+class Session {
+ public:
+  explicit Session(SessionOptions options = {});
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  /// @brief Adds a block (before start()). Names must be unique; a duplicate fails start().
+  Session& add_block(std::shared_ptr<Block> block);
+  /// @brief Adds a block by description (before start()): built in this process at start() when
+  /// `placement` is empty, otherwise shipped to the site of that name (see add_site()).
+  Session& add_block(BlockDescription description);
+  /// @brief What apply() does with a site once an update has removed its last block.
+  enum class SiteLifetime {
+    kKeep,          ///< the site stays, idle, for later updates (what a site you add yourself does)
+    kStopWhenEmpty  ///< the site is stopped (a worker process exits): sites of deployments and factories
+  };
+  /// @brief Adds a site where blocks can be placed, e.g. a blockflow::WorkerSite (a child process).
+  Session& add_site(std::shared_ptr<RemoteSite> site, SiteLifetime lifetime = SiteLifetime::kKeep);
+  /// @brief Makes a site of the given name (for instance a blockflow::WorkerSite).
+  using SiteFactory = std::function<std::shared_ptr<RemoteSite>(const std::string& name)>;
+  /// @brief How apply() starts a site that a new block's placement names and the session does not
+  /// have yet (add_deployment() installs one that starts worker processes). Without a factory such
+  /// an update is rejected, naming the placement. Call before start() or between apply() calls.
+  Session& set_site_factory(SiteFactory factory);
+  /// @brief Adds a path for `path.task()` (before start()).
+  Session& add_path(Path path);
+
+  /// @brief Validates the blocks and paths and starts the workers. Returns InvalidArgument naming
+  /// the offending path/block, or the first warm-up failure. Call once.
+  [[nodiscard]] absl::Status start();
+
+  /// @brief Submits one request. The future always becomes ready: see the class comment.
+  [[nodiscard]] std::future<Result> submit(const std::string& task, Tensors inputs);
+  [[nodiscard]] std::future<Result> submit(const std::string& task, Tensor input);
+  /// @brief Callback flavour: `done` runs exactly once, on a compute lane or a site's
+  /// thread (or inline when the request is refused at once). It must not block for long: it holds a lane.
+  void submit(const std::string& task, Tensors inputs, std::function<void(Result&&)> done);
+
+  /// @brief A snapshot of the built-in measurements.
+  [[nodiscard]] MetricsSnapshot metrics() const;
+
+  /// @brief Moves a running session to the wanted state while traffic flows, and returns the new
+  /// version number (also in metrics().version; start() is version 0).
+  ///
+  /// Blocks in `wanted` that do not run yet are built, loaded and warmed up before any request is
+  /// routed to them; then every task is re-routed at once (new requests take the new paths, a
+  /// request in flight finishes on the path it started with); then blocks no longer wanted are
+  /// drained (up to `drain`: requests still holding them after that fail with an error naming the
+  /// removed block) and stopped. Blocks that stay the same (same file or factory, placement and
+  /// options; or listed by bare name) are left untouched: no reload, no restart. A block whose
+  /// description changed is replaced. Tasks not in `wanted` are removed.
+  ///
+  /// An invalid update (a model that does not load, an unknown block in a task, a cycle, a device
+  /// that is not present) is rejected as a whole with a message naming the problem, and the
+  /// running state stays as it was.
+  ///
+  /// Blocks placed at sites (worker processes) follow the same rules. A new block goes to the site
+  /// its placement names: a running site loads and warms it up next to its other blocks, which are
+  /// not touched; a site the session lacks is made by the site factory (set_site_factory()) and
+  /// started. A removed block is drained, then unloaded from its site; a site left without blocks
+  /// is stopped (its process exits) when it was made by the factory or added with
+  /// SiteLifetime::kStopWhenEmpty (as add_deployment() does), and otherwise stays, idle. Changing a block in place inside the same site is refused
+  /// (give the new version another name, or another placement). A site that fails to load a block
+  /// rejects the update as a whole: new sites are stopped, the others unload what they loaded.
+  ///
+  /// A deployment describes chains: an update that leaves out a task added with add_path() as a
+  /// DAG is refused, naming the task (it would be dropped without anyone asking); with
+  /// Deployment::keep_code_blocks (the control endpoint's deployments) so is an update that leaves
+  /// out a block added as a C++ object with add_block(), as no deployment could bring it back: list
+  /// it by name to keep it, or give a block of its name to replace it. Blocks and sites
+  /// an update removed are freed once no request in flight can reach them any more.
+  ///
+  /// apply() calls run one at a time. metrics(), submit(), set_site_factory() and set_sampling()
+  /// never wait for one. shutdown() and cancel_update() end one early: before the new routing is
+  /// published it returns Cancelled and nothing changed; while it drains, the drain ends at once.
+  absl::StatusOr<std::uint64_t> apply(const Deployment& wanted, absl::Duration drain = absl::Seconds(30));
+  /// @brief Cancels the apply() in progress, if any (see apply()); returns at once. A site busy
+  /// loading the update's blocks is asked to stop waiting (RemoteSite::cancel_update()); a site the
+  /// update was starting is stopped. Building a block in this process is not interrupted: the
+  /// update ends when that build returns.
+  void cancel_update();
+
+  /// @brief Switches KPI sampling (process figures from /proc, GPU figures through NVML where
+  /// present) on or off, in this process and in every site (worker), at any time, with the given
+  /// period. Off by default. The samples appear in metrics(): `host` and each site's `kpi`.
+  void set_sampling(bool enabled, absl::Duration period = absl::Milliseconds(100));
+
+  /// @brief Stops admissions, cancels an apply() in progress, waits up to `drain` for in-flight
+  /// requests, then cancels the rest (each fails with Cancelled naming the block it was at), stops
+  /// the lanes and the sites.
+  /// Idempotent. Must not be called from a submit() callback (it joins the lane running it).
+  void shutdown(absl::Duration drain = absl::Seconds(5));
+
+  /// @brief Runs `fn` on one of the session's compute lanes, taking turns with the blocks, and
+  /// returns its result (or exception) through the future. For the application's own libtorch
+  /// work: on a lane it uses the lane's OpenMP team instead of making one more, so the process
+  /// stays within its cores (docs/lanes.md). Before start() or after shutdown() the future holds a
+  /// std::logic_error. `fn` must not wait on the session's requests (it would hold a lane).
+  /// @code
+  /// double ms = session.run_on_lane([&] { return my_model.forward({x}).toTensor().sum().item<double>(); }).get();
+  /// @endcode
+  template <class F>
+  [[nodiscard]] auto run_on_lane(F&& fn) -> std::future<std::invoke_result_t<std::decay_t<F>&>> {
+    using R = std::invoke_result_t<std::decay_t<F>&>;
+    auto promise = std::make_shared<std::promise<R>>();
+    auto future = promise->get_future();
+    auto task = [promise, f = std::make_shared<std::decay_t<F>>(std::forward<F>(fn))] {
+      try {
+        if constexpr (std::is_void_v<R>) {
+          (*f)();
+          promise->set_value();
+        } else {
+          promise->set_value((*f)());
+        }
+      } catch (...) {
+        promise->set_exception(std::current_exception());
+      }
+    };
+    if (!post_to_lane(std::move(task))) {
+      promise->set_exception(std::make_exception_ptr(std::logic_error("Session::run_on_lane(): the session is not running")));
+    }
+    return future;
+  }
+
+ private:
+  bool post_to_lane(std::function<void()> task);
+
+  std::unique_ptr<detail::SessionCore> core_;
+};
+
+}  // namespace blockflow

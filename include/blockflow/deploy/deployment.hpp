@@ -1,0 +1,65 @@
+#pragma once
+/// @file
+/// @brief Deployment: the declarative description of what a session runs (its blocks, where each
+/// runs, and each task's path), parsed from JSON. It is the format an optimiser sends: the
+/// reference's `{"blocks": ["block1", ...], "tasks": {"task1": ["block1", ...]}}` is accepted as is
+/// (a block given by name is the TorchScript file `<models dir>/<name>.pt`, in the host's threads),
+/// and each block may instead be an object with the fields below.
+///
+/// @code
+/// {"blocks": ["block1",
+///             {"name": "block2", "torchscript": "b2.pt", "placement": "w1", "intra_op_threads": 2,
+///              "workers": 1, "queue_capacity": 64, "full_policy": "reject", "device": "cpu",
+///              "input_shapes": [[-1, 256, 56, 56]], "warmup_runs": 1},
+///             {"name": "scale", "factory": "scale", "placement": "w1"}],
+///  "tasks": {"task1": ["block1", "block2"], "task2": ["block1", "scale"]}}
+/// @endcode
+
+#include <blockflow/core/block_registry.hpp>
+#include <blockflow/core/path.hpp>
+
+#include <absl/status/statusor.h>
+
+#include <string>
+#include <vector>
+
+namespace blockflow {
+
+class Session;
+
+/// @brief A parsed, validated deployment.
+struct Deployment {
+  std::vector<BlockDescription> blocks;
+  std::vector<std::pair<std::string, std::vector<std::string>>> tasks;  ///< task -> chain of blocks, in file order
+  /// Blocks given by a bare name (the reference's form). Session::apply() keeps a running block of
+  /// that name as it is, whatever it is (a C++ callable included).
+  std::vector<std::string> bare_names;
+  /// When set, Session::apply() refuses, naming it, an update that leaves out a block added in code
+  /// as a C++ object (Session::add_block() with a Block): no deployment could bring it back. The
+  /// control endpoint sets it on every deployment it receives; in C++ leaving such a block out
+  /// removes it, as asked.
+  bool keep_code_blocks = false;
+
+  /// @brief Parses and validates `json`. Relative TorchScript paths (and bare block names) are
+  /// resolved against `models_dir`. Every error is InvalidArgument and names the field, block or
+  /// task at fault: not JSON, unknown key, wrong type, empty or duplicate name, a block that is
+  /// neither TorchScript nor factory, an unknown full_policy, a task naming an unknown block or
+  /// visiting a block twice, an empty task, a block, task or placement name that breaks the rule of
+  /// names.hpp. Files are not opened here (start() does).
+  ///
+  /// With `confine_to_models_dir` (what the control endpoint does with deployments from the wire),
+  /// every TorchScript path must lie inside `models_dir` once `..` and symbolic links are resolved;
+  /// one outside is refused with a message that does not say whether the file exists.
+  static absl::StatusOr<Deployment> parse(const std::string& json, const std::string& models_dir = ".",
+                                          bool confine_to_models_dir = false);
+
+  /// @brief The worker names the blocks are placed in, sorted, without duplicates.
+  [[nodiscard]] std::vector<std::string> workers() const;
+  /// @brief The tasks as paths (chains).
+  [[nodiscard]] std::vector<Path> paths() const;
+};
+
+/// @brief Reads a file and parses it (errors name the file).
+absl::StatusOr<Deployment> load_deployment(const std::string& file, const std::string& models_dir = "");
+
+}  // namespace blockflow

@@ -1,0 +1,29 @@
+#pragma once
+// Internal: one block description <-> JSON, the shape of docs in deployment.hpp (flat fields). The
+// worker control protocol ships blocks in the same shape, so one parser validates both.
+#include <blockflow/core/block_registry.hpp>
+
+#include <absl/status/statusor.h>
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <string_view>
+
+namespace blockflow::detail {
+
+/// A block as an object with every field. Paths are written as they are.
+nlohmann::json block_to_json(const BlockDescription& description);
+/// A block from a name (the TorchScript file <models_dir>/<name>.pt) or an object; relative
+/// TorchScript paths are resolved against `models_dir` when it is not empty. Errors name the block
+/// and the field.
+absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, const std::string& models_dir,
+                                                 bool confine = false);
+
+/// Deepest nesting of JSON accepted from outside (a deployment, a control request): nlohmann's
+/// parser recurses per level, so a 150 KB document of brackets would overflow the stack.
+inline constexpr int kMaxJsonDepth = 64;
+/// OK when no object or array in `text` nests deeper than `max_depth` (strings are skipped, so
+/// brackets inside them do not count); else InvalidArgument naming the limit. Checks the text only.
+absl::Status check_json_depth(std::string_view text, int max_depth = kMaxJsonDepth);
+
+}  // namespace blockflow::detail

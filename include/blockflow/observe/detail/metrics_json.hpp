@@ -1,0 +1,41 @@
+#pragma once
+// Internal: JSON conversions of the metrics types, both ways (MetricsSnapshot::to_json/from_json,
+// worker heartbeats). Keys are the member names; docs/metrics.md lists them.
+#include <blockflow/core/kpi.hpp>
+#include <blockflow/core/metrics.hpp>
+
+#include <nlohmann/json.hpp>
+
+namespace blockflow {
+
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(LatencyStats, count, mean_ms, p50_ms, p90_ms, p99_ms, max_ms)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(ChannelStats, kind, sent, received, rejected, dropped, bytes_copied,
+                                                depth, capacity, high_watermark)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(ShmEdgeStats, handles, releases, leases, slots_in_use, slots_total,
+                                                credit_waits, reclaims, stale_releases, bytes_staged, bytes_mapped,
+                                                pools, pools_trimmed, forwarded)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(ProcessSample, rss_bytes, cpu_seconds, cpu_utilisation, threads,
+                                                voluntary_context_switches, involuntary_context_switches)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(GpuSample, index, name, memory_used_bytes, memory_total_bytes,
+                                                utilisation, sm_clock_mhz, temperature_c, power_w,
+                                                process_memory_bytes)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(TorchCudaMemory, device, allocated_bytes, reserved_bytes,
+                                                peak_allocated_bytes)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(KpiSample, time_s, process, gpus, gpu_status, torch_cuda,
+                                                torch_cuda_status, energy_j)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteStats, name, kind, pid, restarts, failed_requests, in_flight,
+                                                malformed_frames, parked_outputs, direct_forwards, rss_idle_bytes, rss_bytes, data, shm_requests,
+                                                shm_results, cuda_requests, cuda_results, kpi)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(BlockMetrics, name, kind, device, placement, workers,
+                                                intra_op_threads, processed, failed, batches, batched_requests, wait,
+                                                compute, overhead,
+                                                throughput_per_s, queue)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(PathMetrics, task, active, submitted, completed, failed, e2e, wait, compute,
+                                                overhead, throughput_per_s)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(LaneMetrics, index, runs, tasks, inline_continuations, busy_s, utilisation)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(UpdateStats, version, blocks_added, blocks_removed, sites_started,
+                                                sites_stopped, load_ms, route_ms, drain_ms, total_ms)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(MetricsSnapshot, uptime_s, in_flight, version, last_update, retired_blocks, auth_failures, sampling, sampling_period_s,
+                                                host, blocks, paths, sites, lanes, lane_intra_op_threads)
+
+}  // namespace blockflow

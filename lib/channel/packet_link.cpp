@@ -1,0 +1,197 @@
+#include <blockflow/channel/detail/packet_link.hpp>
+#include <blockflow/core/detail/clock.hpp>
+#include <blockflow/channel/wire_format.hpp>
+
+#include <fmt/format.h>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace blockflow::detail {
+namespace {
+
+// Header frame + one handle per tensor.
+constexpr std::uint32_t kMaxFrames = static_cast<std::uint32_t>(wire::kMaxTensors) + 1;
+
+void put_u32(char* at, std::uint32_t v) {
+  for (int i = 0; i < 4; ++i) at[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+}
+std::uint32_t get_u32(const unsigned char* at) {
+  return static_cast<std::uint32_t>(at[0]) | static_cast<std::uint32_t>(at[1]) << 8 |
+         static_cast<std::uint32_t>(at[2]) << 16 | static_cast<std::uint32_t>(at[3]) << 24;
+}
+
+std::string table_of(const std::vector<std::string_view>& frames) {
+  std::string table(4 * (frames.size() + 1), '\0');
+  put_u32(table.data(), static_cast<std::uint32_t>(frames.size()));
+  for (std::size_t i = 0; i < frames.size(); ++i) put_u32(table.data() + 4 * (i + 1), static_cast<std::uint32_t>(frames[i].size()));
+  return table;
+}
+
+absl::StatusOr<sockaddr_un> address_of(const std::string& path) {
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(address.sun_path)) {
+    return absl::InvalidArgumentError(fmt::format("socket path '{}' is longer than {} bytes", path, sizeof(address.sun_path) - 1));
+  }
+  std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+  return address;
+}
+
+}  // namespace
+
+std::string encode_packet(const std::vector<std::string_view>& frames) {
+  std::string packet = table_of(frames);
+  for (const auto& f : frames) packet.append(f.data(), f.size());
+  return packet;
+}
+
+absl::StatusOr<std::vector<zmq::message_t>> decode_packet(const void* data, std::size_t size) {
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  if (size < 4) return absl::InvalidArgumentError(fmt::format("packet of {} bytes: shorter than its frame count", size));
+  const std::uint32_t count = get_u32(bytes);
+  if (count == 0 || count > kMaxFrames) {
+    return absl::InvalidArgumentError(fmt::format("packet with {} frames (1 to {} allowed)", count, kMaxFrames));
+  }
+  const std::size_t table = 4 * (static_cast<std::size_t>(count) + 1);
+  if (size < table) return absl::InvalidArgumentError(fmt::format("packet of {} bytes: truncated frame table", size));
+  std::size_t total = table;
+  for (std::uint32_t i = 0; i < count; ++i) total += get_u32(bytes + 4 * (i + 1));
+  if (total != size) {
+    return absl::InvalidArgumentError(fmt::format("packet of {} bytes, but its frame table adds up to {}", size, total));
+  }
+  std::vector<zmq::message_t> frames;
+  frames.reserve(count);
+  std::size_t at = table;
+  for (std::uint32_t i = 0; i < count; ++i) {
+    const std::size_t n = get_u32(bytes + 4 * (i + 1));
+    frames.emplace_back(bytes + at, n);
+    at += n;
+  }
+  return frames;
+}
+
+PacketLink::PacketLink(int fd) : fd_(fd) {}
+PacketLink::~PacketLink() { ::close(fd_); }
+
+absl::StatusOr<std::shared_ptr<PacketLink>> PacketLink::connect(const std::string& path) {
+  auto address = address_of(path);
+  if (!address.ok()) return address.status();
+  const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::UnavailableError(fmt::format("data link: socket: {}", std::strerror(errno)));
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&*address), sizeof(*address)) != 0) {
+    const int e = errno;
+    ::close(fd);
+    return absl::UnavailableError(fmt::format("data link: cannot connect to '{}': {}", path, std::strerror(e)));
+  }
+  return std::make_shared<PacketLink>(fd);
+}
+
+absl::StatusOr<std::pair<std::shared_ptr<PacketLink>, std::shared_ptr<PacketLink>>> PacketLink::pair() {
+  int fds[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, fds) != 0) {
+    return absl::UnavailableError(fmt::format("data link: socketpair: {}", std::strerror(errno)));
+  }
+  return std::pair{std::make_shared<PacketLink>(fds[0]), std::make_shared<PacketLink>(fds[1])};
+}
+
+absl::Status PacketLink::send(const std::vector<std::string_view>& frames) {
+  const std::string table = table_of(frames);
+  std::vector<iovec> parts;
+  parts.reserve(frames.size() + 1);
+  parts.push_back({const_cast<char*>(table.data()), table.size()});
+  std::size_t total = table.size();
+  for (const auto& f : frames) {
+    parts.push_back({const_cast<char*>(f.data()), f.size()});
+    total += f.size();
+  }
+  if (total > kMaxPacketBytes) {
+    return absl::InvalidArgumentError(fmt::format("data link: a packet of {} bytes exceeds {}", total, kMaxPacketBytes));
+  }
+  msghdr message{};
+  message.msg_iov = parts.data();
+  message.msg_iovlen = parts.size();
+  while (true) {
+    const ssize_t n = ::sendmsg(fd_, &message, MSG_NOSIGNAL);
+    if (n >= 0) return absl::OkStatus();
+    if (errno == EINTR) continue;
+    return absl::UnavailableError(fmt::format("data link: send: {}", std::strerror(errno)));
+  }
+}
+
+std::optional<PacketLink::Received> PacketLink::receive(int timeout_ms, absl::Duration spin) {
+  if (buffer_.empty()) buffer_.resize(kMaxPacketBytes);
+  const bool stream = gaps_.streaming(spin);
+  const std::int64_t spin_end_ns = stream ? now_ns() + absl::ToInt64Nanoseconds(spin) : 0;
+  bool waited = false;
+  while (true) {
+    iovec part{buffer_.data(), buffer_.size()};
+    msghdr message{};
+    message.msg_iov = &part;
+    message.msg_iovlen = 1;
+    const ssize_t n = ::recvmsg(fd_, &message, MSG_DONTWAIT);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (waited) return std::nullopt;
+      if (spin_end_ns != 0 && now_ns() < spin_end_ns) continue;
+      pollfd item{fd_, POLLIN, 0};
+      if (::poll(&item, 1, timeout_ms) <= 0) return std::nullopt;  // timeout (or EINTR: the caller loops)
+      waited = true;
+      continue;
+    }
+    gaps_.note(now_ns());
+    Received out;
+    if (n <= 0) {  // 0: the peer closed its end; an error: the link is broken either way
+      out.closed = true;
+      return out;
+    }
+    if ((message.msg_flags & MSG_TRUNC) != 0) {
+      out.frames = absl::InvalidArgumentError(fmt::format("packet larger than {} bytes", kMaxPacketBytes));
+      return out;
+    }
+    out.frames = decode_packet(buffer_.data(), static_cast<std::size_t>(n));
+    return out;
+  }
+}
+
+absl::StatusOr<std::unique_ptr<PacketListener>> PacketListener::bind(const std::string& path) {
+  auto address = address_of(path);
+  if (!address.ok()) return address.status();
+  const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return absl::UnavailableError(fmt::format("data link: socket: {}", std::strerror(errno)));
+  ::unlink(path.c_str());
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&*address), sizeof(*address)) != 0 || ::listen(fd, 8) != 0) {
+    const int e = errno;
+    ::close(fd);
+    return absl::UnavailableError(fmt::format("data link: cannot bind '{}': {}", path, std::strerror(e)));
+  }
+  return std::unique_ptr<PacketListener>(new PacketListener(fd, path));
+}
+
+PacketListener::~PacketListener() {
+  ::close(fd_);
+  ::unlink(path_.c_str());
+}
+
+std::optional<PacketListener::Accepted> PacketListener::accept() {
+  const int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  Accepted out;
+  ucred credentials{};
+  socklen_t length = sizeof(credentials);
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &length) == 0) {
+    out.peer_pid = credentials.pid;
+    out.peer_uid = credentials.uid;
+  }
+  out.link = std::make_shared<PacketLink>(fd);
+  return out;
+}
+
+}  // namespace blockflow::detail

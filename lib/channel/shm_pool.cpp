@@ -1,0 +1,602 @@
+#include <blockflow/channel/detail/shm_pool.hpp>
+
+#include <absl/container/flat_hash_map.h>
+#include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/mutex.hpp>
+#include <fmt/format.h>
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <dirent.h>
+#include <random>
+#include <vector>
+
+namespace blockflow::detail {
+namespace {
+
+constexpr std::uint32_t kSegmentMagic = 0x50534642;  // "BFSP"
+constexpr std::uint32_t kSegmentVersion = 1;
+constexpr std::size_t kHeaderBytes = 64;
+constexpr std::size_t kPage = 4096;
+
+struct SegmentHeader {
+  std::uint32_t magic;
+  std::uint32_t version;
+  std::uint64_t pool_id;
+  std::uint64_t slot_count;
+  std::uint64_t slot_bytes;
+  std::uint64_t data_offset;
+  std::uint64_t reserved[3];
+};
+static_assert(sizeof(SegmentHeader) == kHeaderBytes);
+static_assert(sizeof(std::atomic<std::uint64_t>) == 8 && std::atomic<std::uint64_t>::is_always_lock_free);
+
+std::string shm_name(std::uint64_t pool_id) { return fmt::format("/blockflow-{:016x}", pool_id); }
+
+std::atomic<std::uint64_t>* generations(void* base) {
+  return reinterpret_cast<std::atomic<std::uint64_t>*>(static_cast<char*>(base) + kHeaderBytes);
+}
+
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+std::size_t next_pow2(std::size_t n) {
+  std::size_t p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+// Pool ids carry the producer's pid in their high 32 bits: a hint for people reading /dev/shm, not
+// the test of abandonment (sweep_orphaned_pools()), as pids mean nothing across PID namespaces.
+std::uint64_t new_pool_id() {
+  static std::mt19937_64 random{std::random_device{}()};
+  static blockflow::detail::Mutex mu;
+  blockflow::detail::MutexLock lock(&mu);
+  return (static_cast<std::uint64_t>(::getpid()) << 32) | (random() & 0xFFFFFFFFull);
+}
+
+// flock(LOCK_SH), waiting out a sweeper that holds LOCK_EX for a moment.
+bool lock_shared(int fd) {
+  while (::flock(fd, LOCK_SH) != 0) {
+    if (errno != EINTR) return false;
+  }
+  return true;
+}
+
+// Unlinks the pool object `name` when it is abandoned. A producer holds LOCK_SH on each pool from
+// its creation to its end, so LOCK_EX at once means no producer holds it (it died, or it is between
+// the exclusive create and its flock); it takes the lock before it gives the object a size, so a
+// size-0 object may be one being created right now and is kept. Never judged by the pid in the name.
+void unlink_if_abandoned(const std::string& name) {
+  const int fd = ::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC, 0);
+  if (fd < 0) return;  // gone meanwhile, or another user's
+  struct stat st {};
+  if (::flock(fd, LOCK_EX | LOCK_NB) == 0 && ::fstat(fd, &st) == 0 && st.st_size > 0) ::shm_unlink(name.c_str());
+  ::close(fd);  // drops our LOCK_EX too
+}
+
+// Unlinks the /dev/shm/blockflow-* objects that no live producer holds (unlink_if_abandoned()).
+void sweep_orphaned_pools() {
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) return;
+  while (dirent* entry = ::readdir(dir)) {
+    unsigned long long id = 0;
+    if (std::sscanf(entry->d_name, "blockflow-%16llx", &id) != 1) continue;
+    const std::string name = shm_name(id);
+    if (name.compare(1, std::string::npos, entry->d_name) == 0) unlink_if_abandoned(name);
+  }
+  ::closedir(dir);
+}
+
+// A pool mapped here. A producer's mapping also keeps the descriptor that holds the pool's LOCK_SH
+// (closed, hence unlocked, with the mapping); a consumer's keeps none (fd -1).
+struct Mapping {
+  void* base = MAP_FAILED;
+  std::size_t size = 0;
+  int fd = -1;
+  // A consumer's copy of the pool's layout, taken (and checked against `size`) when it was mapped:
+  // the header lies in memory another process can rewrite, so it is never read again.
+  std::uint64_t slot_count = 0, slot_bytes = 0, data_offset = 0;
+  ~Mapping() {
+    if (base != MAP_FAILED) ::munmap(base, size);
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Every pool of another process mapped here (by any ShmConsumer), so that a tensor over one can be
+// handed on as the same slot (shm_origin()).
+struct MappedPools {
+  blockflow::detail::Mutex mu;
+  std::vector<std::pair<std::uint64_t, std::weak_ptr<Mapping>>> pools ABSL_GUARDED_BY(mu);
+  static MappedPools& get() {
+    static auto* all = new MappedPools;  // never destroyed: deleters may run during exit
+    return *all;
+  }
+  void add(std::uint64_t id, const std::shared_ptr<Mapping>& mapping) {
+    blockflow::detail::MutexLock lock(&mu);
+    pools.erase(std::remove_if(pools.begin(), pools.end(), [](const auto& p) { return p.second.expired(); }),
+                pools.end());
+    pools.emplace_back(id, mapping);
+  }
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+struct ShmProducer::Impl {
+  struct Slot {
+    bool leased = false;
+    std::uint64_t generation = 0;
+    bool producer_holds = false;     // lease(): the producer's own tensor is over it
+    std::uint32_t consumer_holds = 0;  // handles sent and not yet released
+  };
+  struct Pool {
+    std::uint64_t id = 0;
+    std::shared_ptr<Mapping> mapping;
+    std::size_t slot_bytes = 0;
+    std::size_t data_offset = 0;
+    std::vector<Slot> slots;
+    std::uint64_t next_generation = 1;
+    std::int64_t idle_since_ns = 0;  // when its last leased slot was freed; 0 while any is leased
+    char* slot_address(std::uint32_t slot) const {
+      return static_cast<char*>(mapping->base) + data_offset + slot * slot_bytes;
+    }
+  };
+
+  ShmPoolOptions options;
+  mutable blockflow::detail::Mutex mu;
+  std::vector<Pool> pools;  // by slot size, small first
+  ShmEdgeStats stats;
+  std::uint64_t frees = 0;  // slots freed so far: stage() waits for this to move
+
+  struct WaitArg {
+    Impl* impl;
+    std::uint64_t seen;
+  };
+  static bool freed_since(WaitArg* arg) { return arg->impl->frees != arg->seen; }
+
+  absl::StatusOr<Pool> create_pool(std::size_t slot_bytes) {
+    Pool pool;
+    pool.id = new_pool_id();
+    pool.slot_bytes = slot_bytes;
+    pool.data_offset = round_up(kHeaderBytes + 8 * options.slots_per_pool, kPage);
+    const std::size_t size = pool.data_offset + slot_bytes * options.slots_per_pool;
+    const std::string name = shm_name(pool.id);
+    const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    if (fd < 0) return absl::InternalError(fmt::format("shm_open {}: {}", name, std::strerror(errno)));
+    auto mapping = std::make_shared<Mapping>();
+    mapping->fd = fd;  // open for the pool's life: it holds the pool's flock (closed with the mapping)
+    auto fail = [&](const char* what) {
+      const int e = errno;
+      ::shm_unlink(name.c_str());
+      return absl::ResourceExhaustedError(fmt::format("{} {} ({} bytes): {}", what, name, size, std::strerror(e)));
+    };
+    // Locked before it has a size: a sweeper that gets here first sees size 0 and keeps it.
+    if (!lock_shared(fd)) return fail("flock");
+    if (::ftruncate(fd, static_cast<off_t>(size)) != 0) return fail("ftruncate");
+    mapping->size = size;
+    mapping->base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (mapping->base == MAP_FAILED) return fail("mmap");
+    auto* header = static_cast<SegmentHeader*>(mapping->base);
+    *header = SegmentHeader{kSegmentMagic, kSegmentVersion, pool.id, options.slots_per_pool, slot_bytes, pool.data_offset, {}};
+    for (std::size_t i = 0; i < options.slots_per_pool; ++i) generations(mapping->base)[i].store(0);
+    pool.mapping = std::move(mapping);
+    pool.slots.resize(options.slots_per_pool);
+    return pool;
+  }
+
+  std::uint64_t bytes_mapped() const {
+    std::uint64_t total = 0;
+    for (const auto& p : pools) total += p.mapping->size;
+    return total;
+  }
+
+  // Unlinks and unmaps the pools idle for options.idle_trim, newest first, keeping the oldest of
+  // each size class (the one every consumer has mapped). Before any Pool* is taken: it moves the
+  // others in `pools`.
+  void trim_idle_pools() {
+    if (options.idle_trim <= absl::ZeroDuration()) return;
+    const std::int64_t now = now_ns();
+    const std::int64_t idle_ns = absl::ToInt64Nanoseconds(options.idle_trim);
+    for (std::size_t i = pools.size(); i-- > 0;) {
+      const Pool& pool = pools[i];
+      const bool idle = pool.idle_since_ns != 0 && now - pool.idle_since_ns >= idle_ns;
+      const bool oldest_of_class = i == 0 || pools[i - 1].slot_bytes != pool.slot_bytes;  // sorted, stable
+      if (!idle || oldest_of_class) continue;
+      ::shm_unlink(shm_name(pool.id).c_str());  // then its mapping goes with the Pool (and the flock)
+      stats.slots_total -= pool.slots.size();
+      ++stats.pools_trimmed;
+      pools.erase(pools.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+  }
+
+  // A free slot of the smallest fitting class, creating a pool if none is free and the bound allows.
+  absl::StatusOr<std::pair<Pool*, std::uint32_t>> find_slot(std::size_t bytes, bool& can_ever_fit) {
+    trim_idle_pools();
+    can_ever_fit = false;
+    for (auto& pool : pools) {
+      if (pool.slot_bytes < bytes) continue;
+      can_ever_fit = true;
+      for (std::uint32_t i = 0; i < pool.slots.size(); ++i) {
+        if (!pool.slots[i].leased) return std::make_pair(&pool, i);
+      }
+    }
+    const std::size_t slot_bytes = std::max(options.min_slot_bytes, next_pow2(std::max<std::size_t>(bytes, 1)));
+    const std::size_t size = round_up(kHeaderBytes + 8 * options.slots_per_pool, kPage) + slot_bytes * options.slots_per_pool;
+    if (bytes_mapped() + size > options.max_total_bytes || (options.max_pools > 0 && pools.size() >= options.max_pools)) {
+      return std::make_pair(static_cast<Pool*>(nullptr), 0u);
+    }
+    auto pool = create_pool(slot_bytes);
+    if (!pool.ok()) return pool.status();
+    can_ever_fit = true;
+    stats.slots_total += options.slots_per_pool;
+    pools.push_back(*std::move(pool));
+    // By size class, oldest first within one (trim_idle_pools() keeps the oldest).
+    std::stable_sort(pools.begin(), pools.end(), [](const Pool& a, const Pool& b) { return a.slot_bytes < b.slot_bytes; });
+    for (auto& p : pools) {
+      if (p.slot_bytes == slot_bytes && !p.slots[0].leased) return std::make_pair(&p, 0u);
+    }
+    return absl::InternalError("new shm pool not found");
+  }
+
+  Pool* pool_of(std::uint64_t id) {
+    for (auto& p : pools) {
+      if (p.id == id) return &p;
+    }
+    return nullptr;
+  }
+
+  // Frees the slot once nobody holds it any more.
+  void maybe_free(Pool& pool, std::uint32_t slot) {
+    const Slot& x = pool.slots[slot];
+    if (x.leased && !x.producer_holds && x.consumer_holds == 0) free_slot(pool, slot);
+  }
+
+  // A free slot for `bytes`, leased with a fresh generation (published in shared memory), waiting
+  // for a credit until `deadline`.
+  // `wait` false: nullptr slot at once when none is free (no credit wait counted).
+  absl::StatusOr<std::pair<Pool*, std::uint32_t>> acquire(std::size_t bytes, absl::Time deadline, bool wait = true)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    bool waited = false;
+    while (true) {
+      bool can_ever_fit = false;
+      auto found = find_slot(bytes, can_ever_fit);
+      if (!found.ok()) return found.status();
+      if (auto [pool, slot] = *found; pool != nullptr) {
+        const std::uint64_t generation = pool->next_generation++;
+        pool->slots[slot] = {true, generation, false, 0};
+        pool->idle_since_ns = 0;
+        // Published before the handle can reach anyone (the send that follows is a barrier too).
+        generations(pool->mapping->base)[slot].store(generation, std::memory_order_release);
+        ++stats.slots_in_use;
+        return *found;
+      }
+      if (!wait) return std::pair<Pool*, std::uint32_t>{nullptr, 0};
+      if (!can_ever_fit) {
+        return absl::ResourceExhaustedError(fmt::format(
+            "a tensor of {} bytes does not fit in shared memory: pools use {} of max_total_bytes {}", bytes,
+            bytes_mapped(), options.max_total_bytes));
+      }
+      if (!waited) ++stats.credit_waits;
+      waited = true;
+      WaitArg arg{this, frees};
+      if (mu.AwaitWithDeadline(absl::Condition(&Impl::freed_since, &arg), deadline)) continue;
+      return absl::DeadlineExceededError(
+          fmt::format("no free shared-memory slot for {} bytes: {} slot(s) in use, none released in time", bytes,
+                      stats.slots_in_use));
+    }
+  }
+
+  // stage()'s first step: a slot for `bytes`, held by the producer as a lease is (producer_holds),
+  // so that while it is copied into, without the lock, nobody can take, free or reclaim it: find_slot
+  // skips it, and release(), reclaim_all() and maybe_free() see no consumer hold to drop.
+  absl::StatusOr<std::pair<wire::ShmHandle, char*>> reserve(std::size_t bytes, absl::Time deadline) {
+    blockflow::detail::MutexLock lock(&mu);
+    auto acquired = acquire(bytes, deadline);
+    if (!acquired.ok()) return acquired.status();
+    auto [pool, slot] = *acquired;
+    pool->slots[slot].producer_holds = true;
+    return std::make_pair(wire::ShmHandle{pool->id, slot, pool->slots[slot].generation, 0}, pool->slot_address(slot));
+  }
+
+  // stage()'s last step: the filled slot becomes the consumer's (its handle is about to be sent).
+  // Found again by id: another stage() may have added a pool (and moved `pools`) meanwhile.
+  void publish_staged(const wire::ShmHandle& handle, std::size_t bytes) {
+    blockflow::detail::MutexLock lock(&mu);
+    Slot& x = pool_of(handle.pool_id)->slots[handle.slot];
+    x.producer_holds = false;
+    x.consumer_holds = 1;
+    ++stats.handles;
+    stats.bytes_staged += bytes;
+  }
+
+  void free_slot(Pool& pool, std::uint32_t slot) {
+    pool.slots[slot] = {};
+    generations(pool.mapping->base)[slot].store(0, std::memory_order_release);
+    --stats.slots_in_use;
+    ++frees;
+    if (std::none_of(pool.slots.begin(), pool.slots.end(), [](const Slot& x) { return x.leased; })) {
+      pool.idle_since_ns = now_ns();
+    }
+  }
+};
+
+ShmProducer::ShmProducer(ShmPoolOptions options) : impl_(std::make_shared<Impl>()) {
+  if (options.slots_per_pool == 0) options.slots_per_pool = 1;
+  impl_->options = options;
+  sweep_orphaned_pools();
+}
+
+ShmProducer::~ShmProducer() {
+  for (const auto& pool : impl_->pools) ::shm_unlink(shm_name(pool.id).c_str());
+}
+
+std::atomic<void (*)(const wire::ShmHandle&)> shm_stage_copy_hook{nullptr};
+
+absl::StatusOr<wire::ShmHandle> ShmProducer::stage(const void* data, std::size_t bytes, absl::Time deadline) {
+  Impl& s = *impl_;
+  auto reserved = s.reserve(bytes, deadline);
+  if (!reserved.ok()) return reserved.status();
+  const auto [handle, slot_data] = *reserved;
+  if (auto hook = shm_stage_copy_hook.load(std::memory_order_acquire)) hook(handle);
+  // Without the lock: a 100 MB copy takes ~10 ms, and every release() and share() of these pools
+  // would wait that long. The handle is sent only after this returns (the send orders the bytes).
+  if (bytes > 0) std::memcpy(slot_data, data, bytes);
+  s.publish_staged(handle, bytes);
+  return handle;
+}
+
+absl::StatusOr<ShmLease> ShmProducer::lease(std::size_t bytes, absl::Time deadline) {
+  return lease_slot(bytes, deadline, true);
+}
+
+std::optional<ShmLease> ShmProducer::try_lease(std::size_t bytes) {
+  auto lease = lease_slot(bytes, absl::InfinitePast(), false);
+  if (!lease.ok() || lease->data == nullptr) return std::nullopt;
+  return *std::move(lease);
+}
+
+absl::StatusOr<ShmLease> ShmProducer::lease_slot(std::size_t bytes, absl::Time deadline, bool wait) {
+  Impl& s = *impl_;
+  blockflow::detail::MutexLock lock(&s.mu);
+  auto acquired = s.acquire(bytes, deadline, wait);
+  if (!acquired.ok()) return acquired.status();
+  auto [pool, slot] = *acquired;
+  if (pool == nullptr) return ShmLease{};  // none free (wait == false)
+  pool->slots[slot].producer_holds = true;
+  ++s.stats.leases;
+  ShmLease out;
+  out.data = pool->slot_address(slot);
+  out.handle = wire::ShmHandle{pool->id, slot, pool->slots[slot].generation, 0};
+  out.keep = pool->mapping;
+  std::weak_ptr<Impl> weak = impl_;
+  out.drop = [weak, handle = out.handle] {
+    auto impl = weak.lock();
+    if (!impl) return;  // the producer is gone; the mapping stayed alive for the tensor
+    blockflow::detail::MutexLock lock(&impl->mu);
+    Impl::Pool* p = impl->pool_of(handle.pool_id);
+    if (p == nullptr || handle.slot >= p->slots.size() || p->slots[handle.slot].generation != handle.generation) return;
+    p->slots[handle.slot].producer_holds = false;
+    impl->maybe_free(*p, handle.slot);
+  };
+  return out;
+}
+
+std::optional<wire::ShmHandle> ShmProducer::share(const void* data, std::size_t bytes) {
+  Impl& s = *impl_;
+  blockflow::detail::MutexLock lock(&s.mu);
+  const char* p = static_cast<const char*>(data);
+  for (auto& pool : s.pools) {
+    const char* first = pool.slot_address(0);
+    const char* end = first + pool.slot_bytes * pool.slots.size();
+    if (p < first || p >= end) continue;
+    const auto slot = static_cast<std::uint32_t>(static_cast<std::size_t>(p - first) / pool.slot_bytes);
+    const std::size_t offset = static_cast<std::size_t>(p - pool.slot_address(slot));
+    Impl::Slot& x = pool.slots[slot];
+    if (!x.leased || !x.producer_holds || offset + bytes > pool.slot_bytes) return std::nullopt;
+    ++x.consumer_holds;
+    ++s.stats.handles;
+    return wire::ShmHandle{pool.id, slot, x.generation, offset};
+  }
+  return std::nullopt;
+}
+
+bool ShmProducer::release(const wire::ShmHandle& handle) {
+  Impl& s = *impl_;
+  blockflow::detail::MutexLock lock(&s.mu);
+  Impl::Pool* pool = s.pool_of(handle.pool_id);
+  if (pool == nullptr || handle.slot >= pool->slots.size() || !pool->slots[handle.slot].leased ||
+      pool->slots[handle.slot].generation != handle.generation) {
+    ++s.stats.stale_releases;
+    return false;
+  }
+  Impl::Slot& x = pool->slots[handle.slot];
+  if (x.consumer_holds == 0) {  // a duplicate release while the producer still holds the slot
+    ++s.stats.stale_releases;
+    return false;
+  }
+  --x.consumer_holds;
+  s.maybe_free(*pool, handle.slot);
+  ++s.stats.releases;
+  return true;
+}
+
+std::size_t ShmProducer::reclaim_all() {
+  Impl& s = *impl_;
+  blockflow::detail::MutexLock lock(&s.mu);
+  std::size_t n = 0;
+  for (auto& pool : s.pools) {
+    for (std::uint32_t i = 0; i < pool.slots.size(); ++i) {
+      Impl::Slot& x = pool.slots[i];
+      if (!x.leased || x.consumer_holds == 0) continue;
+      x.consumer_holds = 0;  // the producer's own tensor, if any, keeps its slot
+      s.maybe_free(pool, i);
+      ++n;
+    }
+  }
+  s.stats.reclaims += n;
+  return n;
+}
+
+ShmEdgeStats ShmProducer::stats() const {
+  const Impl& s = *impl_;
+  blockflow::detail::MutexLock lock(&s.mu);
+  ShmEdgeStats out = s.stats;
+  out.pools = s.pools.size();
+  out.bytes_mapped = s.bytes_mapped();
+  return out;
+}
+
+const void* ShmProducer::address(const wire::ShmHandle& handle) const {
+  Impl& s = *impl_;
+  blockflow::detail::MutexLock lock(&s.mu);
+  Impl::Pool* pool = s.pool_of(handle.pool_id);
+  if (pool == nullptr || handle.slot >= pool->slots.size()) return nullptr;
+  return pool->slot_address(handle.slot) + handle.offset;
+}
+
+// ---------------------------------------------------------------------------------------------------
+struct ShmConsumer::Impl {
+  static constexpr std::int64_t kForgetCheckNs = 1'000'000'000;
+  mutable blockflow::detail::Mutex mu;
+  absl::flat_hash_map<std::uint64_t, std::shared_ptr<Mapping>> pools;
+  std::int64_t last_forget_check_ns = 0;
+
+  // At most once a second: drops the cached mappings of pools their producer has unlinked (trimmed,
+  // or the producer is gone), so this process stops holding their pages once no tensor does.
+  void forget_gone_pools() {
+    std::vector<std::uint64_t> ids;
+    {
+      blockflow::detail::MutexLock lock(&mu);
+      const std::int64_t now = now_ns();
+      if (now - last_forget_check_ns < kForgetCheckNs) return;
+      last_forget_check_ns = now;
+      for (const auto& [id, mapping] : pools) ids.push_back(id);
+    }
+    std::vector<std::uint64_t> gone;
+    for (const std::uint64_t id : ids) {
+      const int fd = ::shm_open(shm_name(id).c_str(), O_RDONLY | O_CLOEXEC, 0);
+      if (fd >= 0) {
+        ::close(fd);
+      } else if (errno == ENOENT) {
+        gone.push_back(id);
+      }
+    }
+    if (gone.empty()) return;
+    blockflow::detail::MutexLock lock(&mu);
+    for (const std::uint64_t id : gone) pools.erase(id);
+  }
+
+  absl::StatusOr<std::shared_ptr<Mapping>> map(std::uint64_t pool_id) {
+    const std::string name = shm_name(pool_id);
+    const int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+    if (fd < 0) {
+      return absl::InvalidArgumentError(fmt::format("shm handle: pool {:016x} cannot be opened: {}", pool_id, std::strerror(errno)));
+    }
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(kPage)) {
+      ::close(fd);
+      return absl::InvalidArgumentError(fmt::format("shm handle: pool {:016x} is not a BlockFlow pool (too small)", pool_id));
+    }
+    auto mapping = std::make_shared<Mapping>();
+    mapping->size = static_cast<std::size_t>(st.st_size);
+    mapping->base = ::mmap(nullptr, mapping->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ::close(fd);  // no lock kept: abandonment is the producer's lock alone (shm_pool.hpp)
+    if (mapping->base == MAP_FAILED) {
+      return absl::ResourceExhaustedError(fmt::format("shm pool {:016x}: mmap: {}", pool_id, std::strerror(errno)));
+    }
+    const auto* h = static_cast<const SegmentHeader*>(mapping->base);
+    const bool sane = h->magic == kSegmentMagic && h->version == kSegmentVersion && h->pool_id == pool_id &&
+                      h->slot_count > 0 && h->slot_count < (1u << 20) && h->data_offset >= kHeaderBytes + 8 * h->slot_count &&
+                      h->slot_bytes > 0 && h->slot_bytes <= mapping->size &&
+                      h->data_offset <= mapping->size && (mapping->size - h->data_offset) / h->slot_bytes >= h->slot_count;
+    if (!sane) return absl::InvalidArgumentError(fmt::format("shm handle: pool {:016x} has a malformed header", pool_id));
+    mapping->slot_count = h->slot_count;
+    mapping->slot_bytes = h->slot_bytes;
+    mapping->data_offset = h->data_offset;
+    // Checked above, on these very values; a header rewritten since changes nothing here.
+    if (mapping->data_offset + mapping->slot_count * mapping->slot_bytes > mapping->size) {
+      return absl::InvalidArgumentError(fmt::format("shm handle: pool {:016x} changed while it was mapped", pool_id));
+    }
+    return mapping;
+  }
+};
+
+ShmConsumer::ShmConsumer() : impl_(std::make_unique<Impl>()) {}
+ShmConsumer::~ShmConsumer() = default;
+
+absl::StatusOr<ShmConsumer::View> ShmConsumer::resolve(const wire::ShmHandle& handle, std::uint64_t bytes) {
+  Impl& s = *impl_;
+  s.forget_gone_pools();
+  std::shared_ptr<Mapping> mapping;
+  {
+    blockflow::detail::MutexLock lock(&s.mu);
+    if (auto it = s.pools.find(handle.pool_id); it != s.pools.end()) mapping = it->second;
+  }
+  if (!mapping) {
+    auto mapped = s.map(handle.pool_id);
+    if (!mapped.ok()) return mapped.status();
+    MappedPools::get().add(handle.pool_id, *mapped);
+    blockflow::detail::MutexLock lock(&s.mu);
+    mapping = s.pools.try_emplace(handle.pool_id, *mapped).first->second;
+  }
+  const Mapping& m = *mapping;  // the layout captured when mapped, never the shared header
+  if (handle.slot >= m.slot_count) {
+    return absl::InvalidArgumentError(
+        fmt::format("shm handle: slot {} out of range (pool {:016x} has {})", handle.slot, handle.pool_id, m.slot_count));
+  }
+  if (handle.offset > m.slot_bytes || bytes > m.slot_bytes - handle.offset) {
+    return absl::InvalidArgumentError(fmt::format("shm handle: offset {} + {} bytes exceeds the slot ({} bytes)",
+                                                  handle.offset, bytes, m.slot_bytes));
+  }
+  const std::uint64_t current = generations(mapping->base)[handle.slot].load(std::memory_order_acquire);
+  if (handle.generation == 0 || current != handle.generation) {
+    return absl::InvalidArgumentError(fmt::format("shm handle: stale or forged: generation {}, slot {} is at {}",
+                                                  handle.generation, handle.slot, current));
+  }
+  View view;
+  view.data = static_cast<char*>(mapping->base) + m.data_offset + handle.slot * m.slot_bytes + handle.offset;
+  view.pool_base = mapping->base;
+  view.pool_bytes = mapping->size;
+  view.keep = std::move(mapping);
+  return view;
+}
+
+void ShmConsumer::forget_all() {
+  blockflow::detail::MutexLock lock(&impl_->mu);
+  impl_->pools.clear();
+}
+
+std::size_t ShmConsumer::pools_mapped() const {
+  blockflow::detail::MutexLock lock(&impl_->mu);
+  return impl_->pools.size();
+}
+
+std::optional<wire::ShmHandle> shm_origin(const void* data, std::size_t bytes) {
+  const auto* p = static_cast<const char*>(data);
+  MappedPools& all = MappedPools::get();
+  blockflow::detail::MutexLock lock(&all.mu);
+  for (const auto& [id, weak] : all.pools) {
+    const auto mapping = weak.lock();
+    if (!mapping) continue;
+    const auto* base = static_cast<const char*>(mapping->base);
+    const char* first = base + mapping->data_offset;
+    if (p < first || p >= base + mapping->size) continue;
+    const auto slot = static_cast<std::uint32_t>(static_cast<std::size_t>(p - first) / mapping->slot_bytes);
+    const std::uint64_t offset = static_cast<std::uint64_t>(p - first) - std::uint64_t{slot} * mapping->slot_bytes;
+    if (slot >= mapping->slot_count || offset + bytes > mapping->slot_bytes) return std::nullopt;
+    const std::uint64_t generation = generations(mapping->base)[slot].load(std::memory_order_acquire);
+    if (generation == 0) return std::nullopt;
+    return wire::ShmHandle{id, slot, generation, offset};
+  }
+  return std::nullopt;
+}
+
+}  // namespace blockflow::detail

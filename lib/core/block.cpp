@@ -1,0 +1,91 @@
+#include <blockflow/core/block.hpp>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <stdexcept>
+
+namespace blockflow {
+namespace {
+
+// After validate(): the device string parses.
+c10::Device parse_device(const std::string& device) {
+  try {
+    return c10::Device(device);
+  } catch (const std::exception&) {
+    return c10::Device(c10::kCPU);  // unreachable after validate()
+  }
+}
+
+class CallableBlock final : public Block {
+ public:
+  CallableBlock(std::string name, Fn fn, BlockOptions options)
+      : Block(std::move(name), std::move(options)), fn_(std::move(fn)) {}
+  std::string_view kind() const override { return "callable"; }
+  absl::StatusOr<Tensors> forward(Tensors&& inputs) override { return fn_(std::move(inputs)); }
+
+ private:
+  Fn fn_;
+};
+
+}  // namespace
+
+absl::Status validate(const std::string& block, const BlockOptions& o) {
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(fmt::format("block '{}': {}", block, what));
+  };
+  if (block.empty()) return absl::InvalidArgumentError("a block needs a non-empty name");
+  try {
+    const c10::Device device(o.device);
+    if (!device.is_cpu() && !device.is_cuda()) return bad(fmt::format("device '{}' is not supported (use cpu or cuda:N)", o.device));
+  } catch (const std::exception&) {  // c10::Error for "cuda:x", "gpu", ""
+    return bad(fmt::format("invalid device '{}' (expected cpu, cuda or cuda:N)", o.device));
+  }
+  if (o.workers < 1) return bad("workers must be >= 1");
+  if (o.queue_capacity < 1) return bad("queue_capacity must be >= 1");
+  if (o.intra_op_threads < 0) return bad("intra_op_threads must be >= 0");
+  if (o.max_batch < 1) return bad("max_batch must be >= 1");
+  if (!(o.max_batch_delay_ms >= 0)) return bad("max_batch_delay_ms must be >= 0");
+  if (o.warmup_runs < 0) return bad("warmup_runs must be >= 0");
+  return absl::OkStatus();
+}
+
+namespace {
+// Throws std::invalid_argument for what validate() refuses: a constructor has no status to return.
+const std::string& checked(const std::string& name, const BlockOptions& options) {
+  if (auto status = validate(name, options); !status.ok()) throw std::invalid_argument(std::string(status.message()));
+  return name;
+}
+}  // namespace
+
+Block::Block(std::string name, BlockOptions options)
+    : name_(checked(name, options)), options_(std::move(options)), device_(parse_device(options_.device)) {}
+
+Block::~Block() = default;
+
+std::shared_ptr<Block> Block::callable(std::string name, Fn fn, BlockOptions options) {
+  if (!fn) throw std::invalid_argument(fmt::format("block '{}': the callable is empty", name));
+  return std::make_shared<CallableBlock>(std::move(name), std::move(fn), std::move(options));
+}
+
+absl::Status check_inputs(const Block& block, const Tensors& inputs) {
+  const auto& shapes = block.options().input_shapes;
+  if (shapes.empty()) return absl::OkStatus();
+  if (inputs.size() != shapes.size()) {
+    return absl::InvalidArgumentError(
+        fmt::format("block '{}' expects {} input(s), got {}", block.name(), shapes.size(), inputs.size()));
+  }
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const auto& want = shapes[i];
+    const auto got = inputs[i].sizes();
+    bool match = inputs[i].defined() && got.size() == want.size();
+    for (std::size_t d = 0; match && d < want.size(); ++d) match = want[d] < 0 || want[d] == got[d];
+    if (!match) {
+      return absl::InvalidArgumentError(fmt::format("block '{}': input {} has shape {}, expected [{}]", block.name(),
+                                                    i, describe(inputs[i]), fmt::join(want, ", ")));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace blockflow

@@ -1,0 +1,82 @@
+#include <blockflow/core/block_registry.hpp>
+#include <blockflow/core/detail/mutex.hpp>
+#include <blockflow/core/torchscript_block.hpp>
+
+#include <fmt/format.h>
+
+#include <dlfcn.h>
+#include <fmt/ranges.h>
+
+namespace blockflow {
+
+BlockRegistry& BlockRegistry::global() {
+  static BlockRegistry registry;
+  return registry;
+}
+
+void BlockRegistry::add(const std::string& factory, Factory fn) {
+  blockflow::detail::MutexLock lock(&mu_);
+  factories_[factory] = std::move(fn);
+}
+
+bool BlockRegistry::contains(const std::string& factory) const {
+  blockflow::detail::MutexLock lock(&mu_);
+  return factories_.count(factory) > 0;
+}
+
+std::vector<std::string> BlockRegistry::names() const {
+  blockflow::detail::MutexLock lock(&mu_);
+  std::vector<std::string> out;
+  for (const auto& [name, fn] : factories_) out.push_back(name);
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<Block>> BlockRegistry::create(const std::string& factory, const std::string& name,
+                                                             const BlockOptions& options) const {
+  Factory fn;
+  {
+    blockflow::detail::MutexLock lock(&mu_);
+    auto it = factories_.find(factory);
+    if (it != factories_.end()) fn = it->second;
+  }
+  if (!fn) {
+    return absl::NotFoundError(fmt::format("block '{}': no factory '{}' is registered (known: {})", name, factory,
+                                           fmt::join(names(), ", ")));
+  }
+  try {
+    auto block = fn(name, options);
+    if (!block) return absl::InternalError(fmt::format("block '{}': factory '{}' returned null", name, factory));
+    return block;
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(fmt::format("block '{}': factory '{}' failed: {}", name, factory, e.what()));
+  }
+}
+
+absl::StatusOr<std::shared_ptr<Block>> make_block(const BlockDescription& d) {
+  if (d.torchscript.empty() == d.factory.empty()) {
+    return absl::InvalidArgumentError(
+        fmt::format("block '{}': set exactly one of torchscript (a file) and factory (a registered name)", d.name));
+  }
+  if (auto status = validate(d.name, d.options); !status.ok()) return status;
+  // The boundary of the Status API: nothing libtorch or a factory throws gets past it.
+  try {
+    if (!d.torchscript.empty()) return load_torchscript_block(d.name, d.torchscript, d.options, d.torchscript_options);
+    return BlockRegistry::global().create(d.factory, d.name, d.options);
+  } catch (const c10::Error& e) {
+    return absl::InvalidArgumentError(fmt::format("block '{}': {}", d.name, e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(fmt::format("block '{}': {}", d.name, e.what()));
+  }
+}
+
+absl::Status load_plugin(const std::string& path) {
+  void* handle = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) return absl::NotFoundError(fmt::format("plugin '{}': {}", path, ::dlerror()));
+  using RegisterFn = void (*)(BlockRegistry&);
+  auto fn = reinterpret_cast<RegisterFn>(::dlsym(handle, "blockflow_register_blocks"));
+  if (fn == nullptr) return absl::NotFoundError(fmt::format("plugin '{}' does not export blockflow_register_blocks", path));
+  fn(BlockRegistry::global());
+  return absl::OkStatus();
+}
+
+}  // namespace blockflow

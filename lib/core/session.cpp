@@ -1,0 +1,486 @@
+#include <blockflow/core/session.hpp>
+#include <blockflow/core/detail/mutex.hpp>
+#include <blockflow/deploy/detail/deployment_json.hpp>
+#include <blockflow/channel/inproc_channel.hpp>
+#include <blockflow/core/detail/build_scope.hpp>
+#include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/session_core.hpp>
+
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/InferenceMode.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <pthread.h>
+
+#include <algorithm>
+#include <numeric>
+#include <set>
+#include <future>
+#include <map>
+
+namespace blockflow {
+namespace detail {
+absl::Status with_prefix(const absl::Status& status, std::string_view prefix) {
+  return absl::Status(status.code(), fmt::format("{}: {}", prefix, std::string(status.message())));
+}
+
+absl::StatusOr<Tensors> guarded_forward(Block& block, Tensors&& inputs) {
+  try {
+    auto out = block.forward(std::move(inputs));
+    if (!out.ok()) return with_prefix(out.status(), fmt::format("block '{}'", block.name()));
+    return out;
+  } catch (const c10::Error& e) {
+    return absl::InternalError(fmt::format("block '{}': forward raised: {}", block.name(), e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return absl::InternalError(fmt::format("block '{}': forward raised: {}", block.name(), e.what()));
+  } catch (...) {
+    return absl::InternalError(fmt::format("block '{}': forward raised a non-standard exception", block.name()));
+  }
+}
+
+// A block placed on a GPU this process cannot see is a configuration error, reported at start().
+absl::Status check_device(const Block& block) {
+  const c10::Device device = block.device();
+  if (device.is_cpu()) return absl::OkStatus();
+  if (device.is_cuda()) {
+    const int count = at::hasCUDA() ? at::detail::getCUDAHooks().getNumGPUs() : 0;
+    if (device.index() < count) return absl::OkStatus();
+    return absl::InvalidArgumentError(fmt::format("block '{}': device '{}' is not present ({} CUDA device(s) visible)",
+                                                  block.name(), device.str(), count));
+  }
+  return absl::InvalidArgumentError(
+      fmt::format("block '{}': device '{}' is not supported (use cpu or cuda:N)", block.name(), device.str()));
+}
+
+void name_thread(const std::string& block, int index) {
+  std::string name = fmt::format("bf-{}", block).substr(0, 12) + fmt::format("/{}", index % 100);
+  pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+}
+
+SessionCore::~SessionCore() { shutdown(absl::ZeroDuration()); }
+
+void SessionCore::add_block(std::shared_ptr<Block> block) {
+  if (started_) throw std::logic_error("Session::add_block() after start()");
+  if (!block) throw std::invalid_argument("Session::add_block(): null block");
+  pending_blocks_.push_back(std::move(block));
+}
+
+void SessionCore::add_block(BlockDescription description) {
+  if (started_) throw std::logic_error("Session::add_block() after start()");
+  pending_descriptions_.push_back(std::move(description));
+}
+
+void SessionCore::add_site(std::shared_ptr<RemoteSite> site, bool stop_when_empty) {
+  if (started_) throw std::logic_error("Session::add_site() after start()");
+  if (!site) throw std::invalid_argument("Session::add_site(): null site");
+  auto runtime = std::make_unique<SiteRuntime>();
+  runtime->site = std::move(site);
+  runtime->stop_when_empty = stop_when_empty;
+  sites_.push_back(std::move(runtime));
+}
+
+void SessionCore::add_path(Path path) {
+  if (started_) throw std::logic_error("Session::add_path() after start()");
+  pending_paths_.push_back(std::move(path));
+}
+
+// A block's input queue: its bound and full policy, the session's receive spin.
+std::unique_ptr<InProcessChannel> SessionCore::make_inbox(const BlockOptions& options) const {
+  InProcessChannelOptions channel_options;
+  channel_options.capacity = options.queue_capacity;
+  channel_options.full_policy = options.full_policy;
+  channel_options.receive_spin = options_.receive_spin;
+  return std::make_unique<InProcessChannel>(channel_options);
+}
+
+absl::Status SessionCore::add_runtime(std::unique_ptr<BlockRuntime> runtime) {
+  if (!runtime->inbox) runtime->inbox = make_inbox(runtime->description.options);
+  blockflow::detail::MutexLock lock(&state_mu_);
+  if (!block_by_name_.emplace(runtime->name(), runtime.get()).second) {
+    return absl::InvalidArgumentError(fmt::format("two blocks are named '{}'", runtime->name()));
+  }
+  blocks_.push_back(std::move(runtime));
+  return absl::OkStatus();
+}
+
+std::unique_ptr<BlockRuntime> SessionCore::make_runtime(std::shared_ptr<Block> block) {
+  auto runtime = std::make_unique<BlockRuntime>();
+  runtime->description.name = block->name();
+  runtime->description.options = block->options();
+  runtime->block = std::move(block);
+  runtime->inbox = make_inbox(runtime->description.options);
+  runtime->core = this;  // it runs on this session's lanes
+  runtime->max_lanes = std::max(1, runtime->description.options.workers);
+  return runtime;
+}
+
+absl::StatusOr<std::shared_ptr<RoutingTable>> SessionCore::compile_table(
+    const std::vector<Path>& paths, const std::function<BlockRuntime*(const std::string&)>& lookup,
+    std::vector<std::unique_ptr<PathRuntime>>* new_path_runtimes) {
+  auto table = std::make_shared<RoutingTable>();
+  const auto channel_of = [](BlockRuntime* runtime) { return runtime->inbox.get(); };
+  for (const auto& path : paths) {
+    auto plan = compile_path(path, lookup, channel_of);
+    if (!plan.ok()) return plan.status();
+    if (table->plans.contains(path.task())) {
+      return absl::InvalidArgumentError(fmt::format("path '{}': the task has two paths", path.task()));
+    }
+    // A task keeps its counters across updates.
+    PathRuntime* metrics = nullptr;
+    for (const auto& existing : paths_) {
+      if (existing->task == path.task()) metrics = existing.get();
+    }
+    for (const auto& fresh : *new_path_runtimes) {
+      if (fresh->task == path.task()) metrics = fresh.get();
+    }
+    if (metrics == nullptr) {
+      auto runtime = std::make_unique<PathRuntime>();
+      runtime->task = path.task();
+      metrics = runtime.get();
+      new_path_runtimes->push_back(std::move(runtime));
+    }
+    auto owned = std::const_pointer_cast<PathPlan>(*plan);
+    owned->metrics = metrics;
+    table->plans.emplace(path.task(), std::move(owned));
+  }
+  return table;
+}
+
+absl::Status SessionCore::build() {
+  for (auto& block : pending_blocks_) {
+    if (auto status = check_device(*block); !status.ok()) return status;
+    if (auto status = add_runtime(make_runtime(block)); !status.ok()) return status;
+  }
+  std::vector<const BlockDescription*> local;
+  for (const auto& description : pending_descriptions_) {
+    if (description.placement.empty()) local.push_back(&description);
+  }
+  auto built = make_blocks(local);
+  for (std::size_t i = 0; i < local.size(); ++i) {
+    const BlockDescription& description = *local[i];
+    auto& block = built[i];
+    if (!block.ok()) return block.status();
+    if (auto status = check_device(**block); !status.ok()) return status;
+    auto runtime = make_runtime(*std::move(block));
+    runtime->description = description;  // apply() compares descriptions
+    if (auto status = add_runtime(std::move(runtime)); !status.ok()) return status;
+  }
+  for (auto& description : pending_descriptions_) {
+    if (description.placement.empty()) continue;
+    auto site = std::find_if(sites_.begin(), sites_.end(),
+                             [&](const auto& s) { return s->site->name() == description.placement; });
+    if (site == sites_.end()) {
+      return absl::InvalidArgumentError(fmt::format("block '{}': placement '{}' names no site (add it with add_site())",
+                                                    description.name, description.placement));
+    }
+    auto runtime = std::make_unique<BlockRuntime>();
+    runtime->description = description;
+    runtime->site = site->get();
+    (*site)->blocks.push_back(runtime.get());
+    if (auto status = add_runtime(std::move(runtime)); !status.ok()) return status;
+  }
+  const BlockLookup lookup = [this](const std::string& name) -> BlockRuntime* {
+    auto it = block_by_name_.find(name);
+    return it == block_by_name_.end() ? nullptr : it->second;
+  };
+  std::vector<std::unique_ptr<PathRuntime>> path_runtimes;
+  auto table = compile_table(pending_paths_, lookup, &path_runtimes);
+  if (!table.ok()) return table.status();
+  {
+    blockflow::detail::MutexLock lock(&state_mu_);
+    for (auto& p : path_runtimes) paths_.push_back(std::move(p));
+  }
+  for (const auto& [task, plan] : (*table)->plans) published_plans_.push_back(plan);
+  blockflow::detail::MutexLock lock(&routing_mu_);
+  routing_ = *std::move(table);
+  return absl::OkStatus();
+}
+
+absl::Status SessionCore::start() {
+  if (started_.exchange(true)) return absl::FailedPreconditionError("Session::start() called twice");
+  lanes_ = std::make_unique<ComputeLanes>(lane_options());
+  lanes_->start();
+  if (auto status = build(); !status.ok()) {
+    stopped_ = true;
+    lanes_->stop();
+    return status;
+  }
+  started_ns_ = now_ns();
+  if (auto status = start_sites(); !status.ok()) {
+    shutdown(absl::ZeroDuration());
+    return status;
+  }
+  std::vector<BlockRuntime*> all;
+  for (auto& runtime : blocks_) all.push_back(runtime.get());
+  if (auto status = warm_up(all); !status.ok()) {
+    shutdown(absl::ZeroDuration());
+    return status;
+  }
+  admitting_ = true;
+  return absl::OkStatus();
+}
+
+// Lanes: one OpenMP team size for the session (SessionOptions::intra_op_threads, else the largest
+// of its in-process blocks', else libtorch's default), and as many lanes as the cores hold teams.
+ComputeLanes::Options SessionCore::lane_options() const {
+  ComputeLanes::Options o;
+  o.intra_op_threads = options_.intra_op_threads;
+  if (o.intra_op_threads <= 0) {
+    o.intra_op_threads = 0;
+    for (const auto& block : pending_blocks_) o.intra_op_threads = std::max(o.intra_op_threads, block->options().intra_op_threads);
+    for (const auto& d : pending_descriptions_) {
+      if (d.placement.empty()) o.intra_op_threads = std::max(o.intra_op_threads, d.options.intra_op_threads);
+    }
+  }
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  o.lanes = options_.lanes > 0 ? options_.lanes : std::max(1, cores / std::max(1, o.intra_op_threads > 0 ? o.intra_op_threads : cores));
+  o.spin = options_.receive_spin;
+  return o;
+}
+
+absl::Status SessionCore::warm_up_block(BlockRuntime& runtime) {
+  c10::InferenceMode inference_mode;
+  Block& block = *runtime.block;
+  const auto& options = block.options();
+  Tensors zeros;
+  for (auto shape : options.input_shapes) {
+    for (auto& d : shape) d = d < 0 ? 1 : d;
+    zeros.push_back(at::zeros(shape, at::TensorOptions().device(block.device())));
+  }
+  for (int run = 0; run < options.warmup_runs; ++run) {
+    auto out = guarded_forward(block, Tensors(zeros));
+    if (!out.ok()) return with_prefix(out.status(), "warm-up failed");
+  }
+  return absl::OkStatus();
+}
+
+// Runs the tasks on the lanes, in parallel across them, and waits for all. On a lane already
+// (apply() from a completion callback), or with the lanes stopped, they run here instead.
+void SessionCore::on_lanes(std::vector<std::function<void()>>& tasks) {
+  if (tasks.empty()) return;
+  blockflow::detail::BlockingCounter done(static_cast<int>(tasks.size()));
+  for (auto& task : tasks) {
+    auto counted = [&task, &done] {
+      task();
+      done.DecrementCount();
+    };
+    if (!lanes_ || lanes_->current_lane() >= 0 || !lanes_->post(counted)) counted();
+  }
+  done.Wait();
+}
+
+// Blocks of this process are built where they will run, on the lanes: libtorch's graph passes and
+// weight prepacking use the lane's OpenMP team, and the caller's thread makes none of its own.
+std::vector<absl::StatusOr<std::shared_ptr<Block>>> SessionCore::make_blocks(const std::vector<const BlockDescription*>& descriptions) {
+  std::vector<absl::StatusOr<std::shared_ptr<Block>>> out(descriptions.size(), absl::UnknownError("not built"));
+  std::vector<std::function<void()>> tasks;
+  for (std::size_t i = 0; i < descriptions.size(); ++i) {
+    tasks.emplace_back([&out, &descriptions, i] {
+      const auto scope = enter_build_scope();
+      out[i] = make_block(*descriptions[i]);
+    });
+  }
+  on_lanes(tasks);
+  return out;
+}
+
+// Each new in-process block with input shapes warms up on a lane, as its requests will run, the
+// blocks in parallel across lanes. Sites warm theirs up themselves.
+absl::Status SessionCore::warm_up(const std::vector<BlockRuntime*>& runtimes) {
+  std::vector<BlockRuntime*> todo;
+  for (auto* runtime : runtimes) {
+    if (runtime->block && !runtime->block->options().input_shapes.empty()) todo.push_back(runtime);
+  }
+  std::vector<absl::Status> statuses(todo.size());
+  std::vector<std::function<void()>> tasks;
+  for (std::size_t i = 0; i < todo.size(); ++i) {
+    tasks.emplace_back([this, &statuses, &todo, i] {
+      const auto scope = enter_build_scope();
+      statuses[i] = warm_up_block(*todo[i]);
+    });
+  }
+  on_lanes(tasks);
+  for (const auto& status : statuses) {
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+void SessionCore::reject_now(const std::string& task, absl::Status status, const std::function<void(Result&&)>& done) {
+  Result result;
+  result.status = std::move(status);
+  result.trace.task = task;
+  result.trace.submitted_ns = result.trace.resolved_ns = now_ns();
+  done(std::move(result));
+}
+
+std::shared_ptr<const RoutingTable> SessionCore::routing() const {
+  blockflow::detail::MutexLock lock(&routing_mu_);
+  return routing_;
+}
+
+void SessionCore::submit(const std::string& task, Tensors inputs, std::function<void(Result&&)> done) {
+  in_flight_.fetch_add(1, std::memory_order_acq_rel);  // before the check: shutdown waits on it
+  if (!admitting_.load(std::memory_order_acquire)) {
+    in_flight_.fetch_sub(1, std::memory_order_acq_rel);
+    return reject_now(task, absl::FailedPreconditionError(
+                                stopped_ ? "session is shut down" : "session is not started (call start() first)"),
+                      done);
+  }
+  auto table = routing();
+  auto it = table->plans.find(task);
+  if (it == table->plans.end()) {
+    in_flight_.fetch_sub(1, std::memory_order_acq_rel);
+    std::vector<std::string> known;
+    for (const auto& [name, plan] : table->plans) known.push_back(name);
+    std::sort(known.begin(), known.end());
+    return reject_now(task, absl::NotFoundError(fmt::format("unknown task '{}' (known: {})", task, fmt::join(known, ", "))),
+                      done);
+  }
+  auto state = std::make_shared<RequestState>();
+  state->id = next_id_.fetch_add(1, std::memory_order_relaxed);
+  state->plan = it->second;
+  const PathPlan& plan = *state->plan;
+  state->submitted_ns = now_ns();
+  state->hops.resize(plan.nodes.size());
+  state->critical_pred.assign(plan.nodes.size(), -1);
+  if (plan.num_joins > 0) {
+    state->joins = std::make_unique<JoinState[]>(static_cast<std::size_t>(plan.num_joins));
+    for (const auto& node : plan.nodes) {
+      if (node.join_index < 0) continue;
+      JoinState& join = state->joins[static_cast<std::size_t>(node.join_index)];
+      join.remaining.store(static_cast<int>(node.inputs.size()), std::memory_order_relaxed);
+      join.inputs.resize(node.inputs.size());
+      join.ready_ns.resize(node.inputs.size());
+    }
+  }
+  state->done = std::move(done);
+  plan.metrics->submitted.fetch_add(1, std::memory_order_relaxed);
+  {
+    blockflow::detail::MutexLock lock(&live_mu_);
+    live_.emplace(state->id, state);
+  }
+  for (std::size_t i = 0; i < plan.entries.size(); ++i) {
+    const bool last = i + 1 == plan.entries.size();
+    deliver(state, plan.entries[i], 0, last ? std::move(inputs) : Tensors(inputs), state->submitted_ns);
+  }
+}
+
+
+void SessionCore::shutdown(absl::Duration drain) {
+  blockflow::detail::MutexLock serial(&shutdown_mu_);
+  stopped_ = true;
+  admitting_ = false;
+  cancel_update();                      // an apply() in progress stops at its next step
+  blockflow::detail::MutexLock update(&update_mu_);  // and is over once this is held
+  const absl::Time deadline = absl::Now() + drain;
+  while (in_flight_.load(std::memory_order_acquire) > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  for (auto& runtime : blocks_) runtime->inbox->close();
+  for (auto& runtime : blocks_) {
+    if (runtime->forwarder.joinable()) runtime->forwarder.join();
+    if (runtime->site == nullptr && lanes_) lanes_->quiesce(*runtime);
+  }
+  if (lanes_) lanes_->stop();  // runs what run_on_lane() still had queued
+  for (auto& site : sites_) site->site->stop();  // fails, through completions, what is still inside
+  for (auto& runtime : blocks_) {
+    for (auto& envelope : runtime->inbox->drain()) {
+      runtime->failed.fetch_add(1, std::memory_order_relaxed);
+      fail(envelope.local, absl::CancelledError(fmt::format(
+                               "block '{}': session shut down while the request waited in its queue",
+                               runtime->name())));
+    }
+  }
+  std::vector<StatePtr> leftovers;
+  {
+    blockflow::detail::MutexLock lock(&live_mu_);
+    for (auto& [id, weak] : live_) {
+      if (auto state = weak.lock()) leftovers.push_back(std::move(state));
+    }
+  }
+  for (auto& state : leftovers) fail(state, absl::CancelledError("session shut down while the request was in flight"));
+}
+
+}  // namespace detail
+
+Session::Session(SessionOptions options) : core_(std::make_unique<detail::SessionCore>(options)) {}
+Session::~Session() = default;
+
+Session& Session::add_block(std::shared_ptr<Block> block) {
+  core_->add_block(std::move(block));
+  return *this;
+}
+
+Session& Session::add_block(BlockDescription description) {
+  core_->add_block(std::move(description));
+  return *this;
+}
+
+Session& Session::add_site(std::shared_ptr<RemoteSite> site, SiteLifetime lifetime) {
+  core_->add_site(std::move(site), lifetime == SiteLifetime::kStopWhenEmpty);
+  return *this;
+}
+
+Session& Session::set_site_factory(SiteFactory factory) {
+  core_->set_site_factory(std::move(factory));
+  return *this;
+}
+
+Session& Session::add_path(Path path) {
+  core_->add_path(std::move(path));
+  return *this;
+}
+
+absl::Status Session::start() { return core_->start(); }
+
+std::future<Result> Session::submit(const std::string& task, Tensors inputs) {
+  auto promise = std::make_shared<std::promise<Result>>();
+  auto future = promise->get_future();
+  core_->submit(task, std::move(inputs), [promise](Result&& result) { promise->set_value(std::move(result)); });
+  return future;
+}
+
+std::future<Result> Session::submit(const std::string& task, Tensor input) {
+  return submit(task, Tensors{std::move(input)});
+}
+
+void Session::submit(const std::string& task, Tensors inputs, std::function<void(Result&&)> done) {
+  if (!done) throw std::invalid_argument("Session::submit(): empty callback");
+  core_->submit(task, std::move(inputs), std::move(done));
+}
+
+MetricsSnapshot Session::metrics() const { return core_->metrics(); }
+
+absl::StatusOr<std::uint64_t> Session::apply(const Deployment& wanted, absl::Duration drain) {
+  return core_->apply(wanted, drain);
+}
+
+void Session::set_sampling(bool enabled, absl::Duration period) { core_->set_sampling(enabled, period); }
+
+namespace detail {
+void SessionCore::set_sampling(bool enabled, absl::Duration period) {
+  sampler_.set(enabled, period);
+  blockflow::detail::MutexLock lock(&state_mu_);
+  for (const auto& site : sites_) site->site->set_sampling(enabled, period);
+}
+
+bool SessionCore::post_to_lane(std::function<void()> task) {
+  return admitting_.load() && lanes_ && lanes_->post(std::move(task));
+}
+
+void SessionCore::set_site_factory(Session::SiteFactory factory) {
+  blockflow::detail::MutexLock lock(&factory_mu_);  // never waits behind an update: apply() copies it at its start
+  site_factory_ = std::move(factory);
+}
+}  // namespace detail
+
+void Session::shutdown(absl::Duration drain) { core_->shutdown(drain); }
+
+void Session::cancel_update() { core_->cancel_update(); }
+
+bool Session::post_to_lane(std::function<void()> task) { return core_->post_to_lane(std::move(task)); }
+
+}  // namespace blockflow

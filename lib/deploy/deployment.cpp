@@ -1,0 +1,245 @@
+#include <blockflow/deploy/deployment.hpp>
+#include <blockflow/deploy/detail/deployment_json.hpp>
+#include <blockflow/core/names.hpp>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+namespace blockflow {
+namespace detail {
+namespace {
+
+absl::StatusOr<FullPolicy> policy_from(const std::string& name) {
+  for (auto p : {FullPolicy::kBlock, FullPolicy::kReject, FullPolicy::kDropOldest}) {
+    if (to_string(p) == name) return p;
+  }
+  return absl::InvalidArgumentError(fmt::format("unknown full_policy '{}' (block, reject, drop-oldest)", name));
+}
+
+std::string resolve(const std::string& file, const std::string& models_dir) {
+  if (file.empty() || file.front() == '/' || models_dir.empty()) return file;
+  return models_dir + "/" + file;
+}
+
+// `file` (relative to `models_dir`, or absolute) as a path inside `models_dir` once `..` and
+// symbolic links are resolved; else an error that says nothing about the file (nor whether it exists).
+absl::StatusOr<std::string> resolve_inside(const std::string& block, const std::string& file, const std::string& models_dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path root = fs::weakly_canonical(fs::absolute(models_dir.empty() ? "." : models_dir, ec), ec);
+  const fs::path wanted = fs::path(file).is_absolute() ? fs::path(file) : root / file;
+  const fs::path resolved = fs::weakly_canonical(wanted, ec);
+  const fs::path inside = resolved.lexically_relative(root);
+  if (ec || inside.empty() || *inside.begin() == ".." || *inside.begin() == ".") {
+    return absl::InvalidArgumentError(fmt::format("block '{}': TorchScript path '{}' is not inside the models directory",
+                                                  block, file));
+  }
+  return resolved.string();
+}
+
+}  // namespace
+
+nlohmann::json block_to_json(const BlockDescription& d) {
+  const BlockOptions& o = d.options;
+  return {{"name", d.name},
+          {"torchscript", d.torchscript},
+          {"factory", d.factory},
+          {"placement", d.placement},
+          {"device", o.device},
+          {"intra_op_threads", o.intra_op_threads},
+          {"workers", o.workers},
+          {"queue_capacity", o.queue_capacity},
+          {"full_policy", std::string(to_string(o.full_policy))},
+          {"input_shapes", o.input_shapes},
+          {"warmup_runs", o.warmup_runs},
+          {"max_batch", o.max_batch},
+          {"max_batch_delay_ms", o.max_batch_delay_ms},
+          {"freeze", d.torchscript_options.freeze},
+          // Only a frozen module is optimized: an unfrozen one never claims it (block_from_json refuses that).
+          {"optimize_for_inference", d.torchscript_options.freeze && d.torchscript_options.optimize_for_inference}};
+}
+
+absl::Status check_json_depth(std::string_view text, int max_depth) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > max_depth) {
+        return absl::InvalidArgumentError(fmt::format("JSON nests deeper than {} levels", max_depth));
+      }
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, const std::string& models_dir, bool confine) {
+  BlockDescription d;
+  if (json.is_string()) {  // the reference's form: a name, its model file beside the others
+    d.name = json.get<std::string>();
+    if (auto status = check_name("block", d.name); !status.ok()) return status;
+    d.torchscript = resolve(d.name + ".pt", models_dir);
+    return d;
+  }
+  if (!json.is_object()) {
+    return absl::InvalidArgumentError(fmt::format("a block is a name or an object, not {}", json.dump()));
+  }
+  if (!json.contains("name") || !json["name"].is_string() || json["name"].get<std::string>().empty()) {
+    return absl::InvalidArgumentError(fmt::format("block {}: needs a non-empty string \"name\"", json.dump()));
+  }
+  d.name = json["name"].get<std::string>();
+  if (auto status = check_name("block", d.name); !status.ok()) return status;
+  static const std::set<std::string> known = {"name",         "torchscript", "factory",        "placement",
+                                              "device",       "intra_op_threads", "workers",   "queue_capacity",
+                                              "full_policy",  "input_shapes", "warmup_runs", "max_batch",
+                                              "max_batch_delay_ms", "freeze",      "optimize_for_inference"};
+  for (const auto& [key, value] : json.items()) {
+    if (known.count(key) == 0) return absl::InvalidArgumentError(fmt::format("block '{}': unknown field '{}'", d.name, key));
+  }
+  BlockOptions& o = d.options;
+  try {
+    auto get = [&](const char* key, auto& into) {
+      if (json.contains(key)) json.at(key).get_to(into);
+    };
+    get("torchscript", d.torchscript);
+    get("factory", d.factory);
+    get("placement", d.placement);
+    get("device", o.device);
+    get("intra_op_threads", o.intra_op_threads);
+    get("workers", o.workers);
+    get("queue_capacity", o.queue_capacity);
+    get("input_shapes", o.input_shapes);
+    get("warmup_runs", o.warmup_runs);
+    get("max_batch", o.max_batch);
+    get("max_batch_delay_ms", o.max_batch_delay_ms);
+    get("freeze", d.torchscript_options.freeze);
+    // Unfrozen means not optimized either, unless asked for (which is then refused below).
+    if (!d.torchscript_options.freeze) d.torchscript_options.optimize_for_inference = false;
+    get("optimize_for_inference", d.torchscript_options.optimize_for_inference);
+    if (json.contains("full_policy")) {
+      auto policy = policy_from(json.at("full_policy").get<std::string>());
+      if (!policy.ok()) return absl::InvalidArgumentError(fmt::format("block '{}': {}", d.name, std::string(policy.status().message())));
+      o.full_policy = *policy;
+    }
+  } catch (const nlohmann::json::exception& e) {
+    return absl::InvalidArgumentError(fmt::format("block '{}': wrong type: {}", d.name, e.what()));
+  }
+  if (d.torchscript.empty() == d.factory.empty()) {
+    return absl::InvalidArgumentError(
+        fmt::format("block '{}': give exactly one of \"torchscript\" (a file) and \"factory\" (a registered C++ block)", d.name));
+  }
+  if (d.torchscript_options.optimize_for_inference && !d.torchscript_options.freeze) {
+    return absl::InvalidArgumentError(
+        fmt::format("block '{}': optimize_for_inference needs \"freeze\": true (it works on the frozen module)", d.name));
+  }
+  if (auto status = validate(d.name, o); !status.ok()) return status;
+  if (!d.placement.empty()) {
+    if (auto status = check_name("placement", d.placement); !status.ok()) {
+      return absl::InvalidArgumentError(fmt::format("block '{}': {}", d.name, std::string(status.message())));
+    }
+  }
+  if (confine && !d.torchscript.empty()) {
+    auto inside = resolve_inside(d.name, d.torchscript, models_dir);
+    if (!inside.ok()) return inside.status();
+    d.torchscript = *std::move(inside);
+    return d;
+  }
+  d.torchscript = resolve(d.torchscript, models_dir);
+  return d;
+}
+
+}  // namespace detail
+
+absl::StatusOr<Deployment> Deployment::parse(const std::string& text, const std::string& models_dir, bool confine) {
+  if (auto status = detail::check_json_depth(text); !status.ok()) {
+    return absl::InvalidArgumentError(fmt::format("deployment: {}", std::string(status.message())));
+  }
+  const auto json = nlohmann::json::parse(text, nullptr, false);
+  if (json.is_discarded()) return absl::InvalidArgumentError("deployment: not valid JSON");
+  if (!json.is_object()) return absl::InvalidArgumentError("deployment: expected an object with \"blocks\" and \"tasks\"");
+  for (const auto& [key, value] : json.items()) {
+    if (key != "blocks" && key != "tasks") {
+      return absl::InvalidArgumentError(fmt::format("deployment: unknown field '{}' (blocks, tasks)", key));
+    }
+  }
+  if (!json.contains("blocks") || !json["blocks"].is_array()) {
+    return absl::InvalidArgumentError("deployment: \"blocks\" must be an array");
+  }
+  if (!json.contains("tasks") || !json["tasks"].is_object()) {
+    return absl::InvalidArgumentError("deployment: \"tasks\" must be an object (task -> list of blocks)");
+  }
+  Deployment out;
+  std::set<std::string> names;
+  for (const auto& b : json["blocks"]) {
+    auto block = detail::block_from_json(b, models_dir, confine);
+    if (!block.ok()) return absl::InvalidArgumentError(fmt::format("deployment: {}", std::string(block.status().message())));
+    if (!names.insert(block->name).second) {
+      return absl::InvalidArgumentError(fmt::format("deployment: block '{}' appears twice", block->name));
+    }
+    if (b.is_string()) out.bare_names.push_back(block->name);
+    out.blocks.push_back(*std::move(block));
+  }
+  for (const auto& [task, chain] : json["tasks"].items()) {
+    if (auto status = check_name("task", task); !status.ok()) return absl::InvalidArgumentError(fmt::format("deployment: {}", std::string(status.message())));
+    if (!chain.is_array() || chain.empty()) {
+      return absl::InvalidArgumentError(fmt::format("deployment: task '{}' must be a non-empty list of block names", task));
+    }
+    std::vector<std::string> blocks;
+    std::set<std::string> seen;
+    for (const auto& b : chain) {
+      if (!b.is_string()) return absl::InvalidArgumentError(fmt::format("deployment: task '{}': {} is not a block name", task, b.dump()));
+      const std::string name = b.get<std::string>();
+      if (names.count(name) == 0) {
+        return absl::InvalidArgumentError(fmt::format("deployment: task '{}': unknown block '{}'", task, name));
+      }
+      if (!seen.insert(name).second) {
+        return absl::InvalidArgumentError(fmt::format("deployment: task '{}': has a cycle: block '{}' appears twice", task, name));
+      }
+      blocks.push_back(name);
+    }
+    out.tasks.emplace_back(task, std::move(blocks));
+  }
+  return out;
+}
+
+std::vector<std::string> Deployment::workers() const {
+  std::set<std::string> w;
+  for (const auto& b : blocks) {
+    if (!b.placement.empty()) w.insert(b.placement);
+  }
+  return {w.begin(), w.end()};
+}
+
+std::vector<Path> Deployment::paths() const {
+  std::vector<Path> out;
+  for (const auto& [task, chain] : tasks) out.push_back(Path::chain(task, chain));
+  return out;
+}
+
+absl::StatusOr<Deployment> load_deployment(const std::string& file, const std::string& models_dir) {
+  std::ifstream in(file);
+  if (!in) return absl::NotFoundError(fmt::format("deployment file '{}' cannot be read", file));
+  std::stringstream text;
+  text << in.rdbuf();
+  const auto slash = file.find_last_of('/');
+  const std::string dir = !models_dir.empty() ? models_dir : slash == std::string::npos ? "." : file.substr(0, slash);
+  auto d = Deployment::parse(text.str(), dir);
+  if (!d.ok()) return absl::InvalidArgumentError(fmt::format("{}: {}", file, std::string(d.status().message())));
+  return d;
+}
+
+}  // namespace blockflow

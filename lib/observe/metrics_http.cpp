@@ -1,0 +1,197 @@
+#include <blockflow/observe/metrics_http.hpp>
+#include <blockflow/core/session.hpp>
+
+#include <fmt/format.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+namespace blockflow {
+
+namespace {
+
+constexpr std::size_t kMaxConnections = 64;         // more wait in the listen backlog
+constexpr std::size_t kMaxRequestHead = 8192;
+constexpr std::int64_t kDeadlineMs = 2000;          // per connection, whole request; then whole reply
+
+std::int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// One client: its request head as it arrives, then its reply as it leaves. Each phase has a
+// deadline for the whole of it, so a client trickling a byte at a time cannot hold the server.
+struct Connection {
+  int fd = -1;
+  std::string in, out;
+  std::size_t sent = 0;
+  std::int64_t deadline_ms = 0;
+  bool replying = false;
+};
+
+}  // namespace
+
+struct MetricsHttpServer::Impl {
+  const Session& session;
+  int fd = -1;
+  int port = 0;
+  std::atomic<bool> stopping{false};
+  std::atomic<std::uint64_t> served{0};
+  std::thread thread;
+
+  explicit Impl(const Session& s) : session(s) {}
+
+  // The reply to a complete request head.
+  std::string respond(const std::string& request) const {
+    std::string status = "200 OK", type, body;
+    const auto line_end = request.find("\r\n");
+    const std::string line = request.substr(0, line_end);
+    const auto sp1 = line.find(' '), sp2 = line.rfind(' ');
+    const std::string method = line.substr(0, sp1);
+    std::string target = sp1 != std::string::npos && sp2 > sp1 ? line.substr(sp1 + 1, sp2 - sp1 - 1) : "";
+    target = target.substr(0, target.find('?'));
+    if (method != "GET") {
+      status = "405 Method Not Allowed";
+      type = "text/plain";
+      body = "only GET\n";
+    } else if (target == "/metrics") {
+      type = "text/plain; version=0.0.4; charset=utf-8";
+      body = session.metrics().to_prometheus();
+    } else if (target == "/metrics.json") {
+      type = "application/json";
+      body = session.metrics().to_json(1) + "\n";
+    } else {
+      status = "404 Not Found";
+      type = "text/plain";
+      body = "BlockFlow metrics: GET /metrics (Prometheus) or /metrics.json\n";
+    }
+    return fmt::format("HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", status,
+                       type, body.size()) + body;
+  }
+
+  // Reads what `c` sent; once the head is whole, prepares the reply. False: close it.
+  bool on_readable(Connection& c) {
+    char buffer[1024];
+    const ssize_t n = ::recv(c.fd, buffer, sizeof buffer, MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) return false;
+    if (n > 0) c.in.append(buffer, static_cast<std::size_t>(n));
+    if (c.in.find("\r\n\r\n") == std::string::npos) return c.in.size() < kMaxRequestHead;
+    c.out = respond(c.in);
+    c.replying = true;
+    c.deadline_ms = now_ms() + kDeadlineMs;
+    return true;
+  }
+
+  // Sends what `c` can take now. False: close it (done, or gone).
+  bool on_writable(Connection& c) {
+    const ssize_t n = ::send(c.fd, c.out.data() + c.sent, c.out.size() - c.sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) return errno == EAGAIN || errno == EINTR;
+    c.sent += static_cast<std::size_t>(n);
+    if (c.sent < c.out.size()) return true;
+    ++served;
+    return false;
+  }
+
+  // One thread serves every connection at once (poll), each within its deadlines.
+  void main() {
+    std::vector<Connection> open;
+    std::vector<pollfd> polled;
+    while (!stopping) {
+      polled.clear();
+      polled.push_back({open.size() < kMaxConnections ? fd : -1, POLLIN, 0});
+      for (const auto& c : open) polled.push_back({c.fd, static_cast<short>(c.replying ? POLLOUT : POLLIN), 0});
+      (void)::poll(polled.data(), polled.size(), 100);
+      const std::int64_t now = now_ms();
+      std::vector<Connection> kept;
+      for (std::size_t i = 0; i < open.size(); ++i) {
+        Connection& c = open[i];
+        const short ready = polled[i + 1].revents;
+        bool keep = now < c.deadline_ms;
+        if (keep && (ready & (POLLERR | POLLHUP | POLLNVAL)) != 0 && (ready & POLLIN) == 0) keep = false;
+        if (keep && (ready & POLLIN) != 0 && !c.replying) keep = on_readable(c);
+        if (keep && (ready & POLLOUT) != 0 && c.replying) keep = on_writable(c);
+        if (keep) {
+          kept.push_back(std::move(c));
+        } else {
+          ::close(c.fd);
+        }
+      }
+      open.swap(kept);
+      if ((polled[0].revents & POLLIN) != 0) {
+        const int client = ::accept4(fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (client >= 0) open.push_back({client, {}, {}, 0, now + kDeadlineMs, false});
+      }
+    }
+    for (const auto& c : open) ::close(c.fd);
+  }
+};
+
+MetricsHttpServer::MetricsHttpServer(const Session& session, const std::string& address)
+    : impl_(std::make_unique<Impl>(session)) {
+  const auto colon = address.rfind(':');
+  if (colon == std::string::npos) throw std::runtime_error(fmt::format("metrics endpoint '{}': expected HOST:PORT", address));
+  const std::string host = address.substr(0, colon);
+  int port = 0;
+  try {
+    port = std::stoi(address.substr(colon + 1));
+  } catch (const std::exception&) {
+    throw std::runtime_error(fmt::format("metrics endpoint '{}': bad port", address));
+  }
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<std::uint16_t>(port));
+  if (::inet_pton(AF_INET, host.c_str(), &sa.sin_addr) != 1) {
+    throw std::runtime_error(fmt::format("metrics endpoint '{}': '{}' is not an IPv4 address", address, host));
+  }
+  Impl& s = *impl_;
+  s.fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int one = 1;
+  ::setsockopt(s.fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (s.fd < 0 || ::bind(s.fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 || ::listen(s.fd, 16) != 0) {
+    const std::string why = std::strerror(errno);
+    if (s.fd >= 0) ::close(s.fd);
+    throw std::runtime_error(fmt::format("metrics endpoint '{}': cannot bind: {}", address, why));
+  }
+  socklen_t length = sizeof sa;
+  ::getsockname(s.fd, reinterpret_cast<sockaddr*>(&sa), &length);
+  s.port = ntohs(sa.sin_port);
+  s.thread = std::thread([&s] { s.main(); });
+}
+
+MetricsHttpServer::~MetricsHttpServer() {
+  impl_->stopping = true;
+  impl_->thread.join();
+  ::close(impl_->fd);
+}
+
+int MetricsHttpServer::port() const { return impl_->port; }
+std::uint64_t MetricsHttpServer::requests_served() const { return impl_->served.load(); }
+
+absl::Status write_prometheus_file(const MetricsSnapshot& snapshot, const std::string& path) {
+  const std::string temporary = fmt::format("{}.tmp.{}", path, ::getpid());
+  {
+    std::ofstream out(temporary, std::ios::trunc);
+    out << snapshot.to_prometheus();
+    if (!out.flush()) return absl::UnavailableError(fmt::format("cannot write '{}'", temporary));
+  }
+  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+    const std::string why = std::strerror(errno);
+    std::remove(temporary.c_str());
+    return absl::UnavailableError(fmt::format("cannot rename '{}' to '{}': {}", temporary, path, why));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace blockflow

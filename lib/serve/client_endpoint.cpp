@@ -1,0 +1,354 @@
+#include <blockflow/serve/client_endpoint.hpp>
+#include <blockflow/core/detail/log.hpp>
+#include <blockflow/core/detail/clock.hpp>
+#include <blockflow/serve/detail/curve_auth.hpp>
+#include <blockflow/serve/detail/curve_keys.hpp>
+#include <blockflow/channel/detail/tensor_codec.hpp>
+
+#include <fmt/format.h>
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+
+namespace blockflow {
+namespace {
+
+wire::Header reply_header(std::uint64_t id, const absl::Status& status) {
+  wire::Header h;
+  h.kind = wire::MessageKind::kReply;
+  h.request_id = id;
+  h.status_code = static_cast<std::int32_t>(status.code());
+  h.message = std::string(status.message()).substr(0, wire::kMaxMessageBytes);
+  return h;
+}
+
+// One reply on its way to a client.
+struct Reply {
+  std::string peer;  // ROUTER routing id of the client
+  wire::Header header;
+  Tensors tensors;
+  bool from_session = false;  // the reply of a request the session ran (counted in flight)
+};
+
+// What the completion callbacks given to Session::submit() reach: the replies waiting for the socket
+// thread and the eventfd that wakes it. The endpoint and every callback still inside the session
+// share it, so it outlives whichever goes last: a completion that comes after stop() (or after the
+// endpoint is gone) finds it alive, sees `closed` and drops its reply instead of touching freed
+// memory. The fd is closed only when the last owner lets go. Thread-safe.
+struct Outbox {
+  std::mutex mu;
+  std::deque<Reply> replies;  // guarded by mu
+  bool closed = false;        // guarded by mu: set by stop(); nobody sends replies any more
+  int wake_fd = -1;           // the socket thread polls it; owned, closed by the destructor
+  std::atomic<std::uint64_t> dropped{0};
+
+  Outbox() : wake_fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+    if (wake_fd < 0) throw std::runtime_error("client endpoint: eventfd failed");
+  }
+  ~Outbox() { ::close(wake_fd); }
+  Outbox(const Outbox&) = delete;
+  Outbox& operator=(const Outbox&) = delete;
+
+  // Queues a reply and wakes the socket thread; once closed, counts it as dropped instead.
+  void post(Reply&& reply) {
+    {
+      std::lock_guard lock(mu);
+      if (closed) {
+        ++dropped;
+        return;
+      }
+      replies.push_back(std::move(reply));
+    }
+    const std::uint64_t one = 1;
+    (void)::write(wake_fd, &one, sizeof one);
+  }
+
+  // The replies queued so far (the socket thread sends them).
+  std::deque<Reply> take() {
+    std::uint64_t count = 0;
+    (void)::read(wake_fd, &count, sizeof count);
+    std::deque<Reply> batch;
+    std::lock_guard lock(mu);
+    batch.swap(replies);
+    return batch;
+  }
+
+  // From now on every reply is dropped; those still queued are dropped now.
+  void close() {
+    std::lock_guard lock(mu);
+    closed = true;
+    dropped += replies.size();
+    replies.clear();
+  }
+};
+
+}  // namespace
+
+struct ClientEndpoint::Impl {
+  Session& session;
+  const ClientEndpointOptions options;
+  zmq::context_t context{1};
+  std::unique_ptr<detail::CurveServer> curve;  // after the router's close, before the context's
+  zmq::socket_t router{context, zmq::socket_type::router};
+  std::string endpoint;
+  const std::shared_ptr<Outbox> outbox = std::make_shared<Outbox>();  // shared with the callbacks
+  std::atomic<bool> stopping{false};
+  std::atomic<std::uint64_t> malformed{0}, served{0};
+  detail::RateLimitedLog noisy;  // per-frame messages a client can trigger
+
+  // Socket thread only: per client, the replies ZeroMQ would not take yet, and requests in flight.
+  struct Backlog {
+    std::deque<Reply> replies;
+    std::size_t bytes = 0;
+  };
+  std::map<std::string, Backlog> backlogs;
+  std::size_t backlog_bytes_total = 0;
+  // Shared with the callbacks through the outbox's thread: counted here, decremented in flush().
+  std::map<std::string, std::size_t> in_flight;
+
+  std::mutex stop_mu;  // one stop() joins the thread
+  std::thread thread;
+
+  Impl(Session& s, ClientEndpointOptions o) : session(s), options(std::move(o)) {}
+
+  void post(Reply&& reply) { outbox->post(std::move(reply)); }
+
+  void refuse(std::string peer, std::uint64_t id, absl::Status status) {
+    post({std::move(peer), reply_header(id, status), {}, false});
+  }
+
+  void on_request(std::string peer, std::vector<zmq::message_t>&& frames) {
+    std::optional<std::uint64_t> id;
+    if (!frames.empty()) id = wire::peek_request_id(frames[0].data(), frames[0].size());
+    std::size_t bytes = 0;
+    for (const auto& f : frames) bytes += f.size();
+    absl::Status problem;
+    std::optional<detail::DecodedMessage> message;
+    if (bytes > options.max_request_bytes) {
+      problem = absl::InvalidArgumentError(fmt::format("request of {} bytes is above the endpoint's max_request_bytes ({})",
+                                                       bytes, options.max_request_bytes));
+    } else if (auto decoded = detail::decode_message(std::move(frames)); !decoded.ok()) {
+      problem = decoded.status();
+    } else if (decoded->header.kind != wire::MessageKind::kSubmit) {
+      problem = absl::InvalidArgumentError(
+          fmt::format("expected a submit message, got {}", std::string(wire::to_string(decoded->header.kind))));
+    } else {
+      message = std::move(*decoded);
+    }
+    if (!problem.ok()) {
+      ++malformed;
+      noisy.log(LogLevel::kWarning, fmt::format("client endpoint {}: malformed frame dropped: {}", endpoint,
+                                                 std::string(problem.message())));
+      if (id) refuse(std::move(peer), *id, absl::InvalidArgumentError(fmt::format("malformed request: {}", std::string(problem.message()))));
+      return;
+    }
+    const std::uint64_t request = message->header.request_id;
+    std::size_t& held = in_flight[peer];
+    if (held >= options.max_in_flight_per_client) {
+      return refuse(std::move(peer), request, absl::ResourceExhaustedError(fmt::format(
+                                                  "this client has {} requests in flight, the endpoint's "
+                                                  "max_in_flight_per_client",
+                                                  held)));
+    }
+    ++held;
+    // The callback may run after stop() or after this object is gone: it holds the outbox, not `this`.
+    session.submit(message->header.target, std::move(message->tensors),
+                   [outbox = outbox, peer = std::move(peer), request](Result&& r) mutable {
+                     outbox->post({std::move(peer), reply_header(request, r.status), std::move(r.outputs), true});
+                   });
+  }
+
+  void drop(const Reply& reply, std::string_view why) {
+    ++outbox->dropped;
+    noisy.log(LogLevel::kWarning, fmt::format("client endpoint {}: reply to request {} dropped: {}", endpoint,
+                                              reply.header.request_id, why));
+  }
+
+  // Sends one reply without waiting: false when the client's pipe is full (try again later).
+  bool try_send(const Reply& reply) {
+    try {
+      if (!router.send(zmq::buffer(reply.peer), zmq::send_flags::sndmore | zmq::send_flags::dontwait)) return false;
+      // Counted before the rest: the client may read the reply before this thread goes on.
+      ++served;
+      // The first frame passed the pipe's limit, so the rest of the message goes whole.
+      auto sent = detail::send_message(router, reply.header, reply.tensors);
+      if (!sent.ok()) {  // outputs the wire cannot carry: tell the client why
+        (void)router.send(zmq::buffer(reply.peer), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+        (void)detail::send_message(router, reply_header(reply.header.request_id, sent.status()), {});
+      }
+    } catch (const zmq::error_t& e) {  // EHOSTUNREACH: the client went away (ROUTER_MANDATORY)
+      drop(reply, fmt::format("client gone ({})", e.what()));
+    }
+    return true;
+  }
+
+  static std::size_t size_of(const Reply& reply) {
+    std::size_t bytes = 256;
+    for (const auto& t : reply.tensors) bytes += t.nbytes();
+    return bytes;
+  }
+
+  // Sends the backlogs first (in order, per client), then the new replies; what a full pipe refuses
+  // waits in its client's backlog, within the client's byte bound.
+  void flush() {
+    for (auto it = backlogs.begin(); it != backlogs.end();) {
+      Backlog& b = it->second;
+      while (!b.replies.empty() && try_send(b.replies.front())) {
+        b.bytes -= size_of(b.replies.front());
+        backlog_bytes_total -= size_of(b.replies.front());
+        b.replies.pop_front();
+      }
+      it = b.replies.empty() ? backlogs.erase(it) : std::next(it);
+    }
+    for (auto& reply : outbox->take()) {
+      if (reply.from_session) {
+        auto held = in_flight.find(reply.peer);
+        if (held != in_flight.end() && --held->second == 0) in_flight.erase(held);
+      }
+      auto queued = backlogs.find(reply.peer);
+      if (queued == backlogs.end() && try_send(reply)) continue;
+      Backlog& b = backlogs[reply.peer];
+      const std::size_t bytes = size_of(reply);
+      if (!b.replies.empty() && b.bytes + bytes > options.max_backlog_bytes_per_client) {
+        drop(reply, fmt::format("its client does not read its replies ({} bytes wait for it already)", b.bytes));
+        continue;
+      }
+      b.bytes += bytes;
+      backlog_bytes_total += bytes;
+      b.replies.push_back(std::move(reply));
+    }
+  }
+
+  void main() {
+    zmq::pollitem_t items[2] = {{router.handle(), 0, ZMQ_POLLIN, 0}, {nullptr, outbox->wake_fd, ZMQ_POLLIN, 0}};
+    while (!stopping) {
+      // With replies waiting for slow clients, look again soon: their pipes drain as they read.
+      zmq::poll(items, 2, std::chrono::milliseconds(backlogs.empty() ? 100 : 5));
+      if ((items[1].revents & ZMQ_POLLIN) != 0 || !backlogs.empty()) flush();
+      if ((items[0].revents & ZMQ_POLLIN) == 0) continue;
+      // A bounded batch per turn, so that replies keep flowing under a flood of requests.
+      for (int i = 0; i < 64; ++i) {
+        std::vector<zmq::message_t> parts;
+        if (!zmq::recv_multipart(router, std::back_inserter(parts), zmq::recv_flags::dontwait)) break;
+        if (parts.empty()) continue;
+        std::string peer = parts.front().to_string();
+        parts.erase(parts.begin());
+        on_request(std::move(peer), std::move(parts));
+      }
+    }
+    for (auto& [peer, b] : backlogs) outbox->dropped += b.replies.size();
+    backlogs.clear();
+  }
+};
+
+ClientEndpoint::ClientEndpoint(Session& session, const std::string& endpoint, ClientEndpointOptions options)
+    : impl_(std::make_unique<Impl>(session, std::move(options))) {
+  Impl& s = *impl_;
+  const std::string what = fmt::format("client endpoint '{}'", endpoint);
+  if (auto status = detail::check_tcp_bind(endpoint, s.options.security, "client endpoint"); !status.ok()) {
+    throw std::runtime_error(std::string(status.message()));
+  }
+  if (s.options.security.curve()) {
+    auto curve = detail::CurveServer::start(s.context, s.options.security, what);
+    if (!curve.ok()) throw std::runtime_error(std::string(curve.status().message()));
+    s.curve = *std::move(curve);
+    s.curve->secure(s.router);
+  }
+  s.router.set(zmq::sockopt::router_mandatory, 1);
+  s.router.set(zmq::sockopt::linger, 0);
+  s.router.set(zmq::sockopt::sndhwm, 16);  // per client; beyond, replies wait in the endpoint's backlog
+  s.router.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(std::max<std::size_t>(s.options.max_request_bytes, 4096)));
+  try {
+    s.router.bind(endpoint);
+  } catch (const zmq::error_t& e) {
+    throw std::runtime_error(fmt::format("client endpoint '{}': cannot bind: {}", endpoint, e.what()));
+  }
+  s.endpoint = s.router.get(zmq::sockopt::last_endpoint);
+  if (s.curve) s.curve->describe(fmt::format("client endpoint '{}'", s.endpoint));
+  s.thread = std::thread([&s] { s.main(); });
+}
+
+// Requests still in the session keep the outbox (and its fd) alive; their replies are dropped.
+ClientEndpoint::~ClientEndpoint() {
+  stop();
+  impl_->router.close();  // before the authenticator and the context
+  impl_->curve.reset();
+}
+
+const std::string& ClientEndpoint::endpoint() const { return impl_->endpoint; }
+std::uint64_t ClientEndpoint::malformed_frames() const { return impl_->malformed.load(); }
+std::uint64_t ClientEndpoint::served() const { return impl_->served.load(); }
+std::uint64_t ClientEndpoint::dropped_replies() const { return impl_->outbox->dropped.load(); }
+std::uint64_t ClientEndpoint::auth_failures() const { return impl_->curve ? impl_->curve->failures() : 0; }
+
+void ClientEndpoint::stop() {
+  std::lock_guard lock(impl_->stop_mu);
+  impl_->stopping = true;
+  if (impl_->thread.joinable()) impl_->thread.join();
+  impl_->outbox->close();  // after the join: the socket thread sends nothing any more
+}
+
+struct RemoteClient::Impl {
+  zmq::context_t context{1};
+  zmq::socket_t dealer{context, zmq::socket_type::dealer};
+  absl::Duration timeout;
+  std::uint64_t next_id = 1;
+};
+
+RemoteClient::RemoteClient(const std::string& endpoint, absl::Duration timeout, const ClientSecurity& security)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->timeout = timeout;
+  impl_->dealer.set(zmq::sockopt::linger, 0);
+  if (security.curve()) {
+    std::string error;
+    if (!detail::configure_curve_client(impl_->dealer, security.secret_key_file, security.server_key_file, error)) {
+      throw std::runtime_error(fmt::format("remote client of '{}': {}", endpoint, error));
+    }
+  }
+  impl_->dealer.connect(endpoint);
+}
+
+RemoteClient::~RemoteClient() = default;
+
+absl::StatusOr<Tensors> RemoteClient::submit(const std::string& task, const Tensors& inputs) {
+  Impl& c = *impl_;
+  wire::Header header;
+  header.kind = wire::MessageKind::kSubmit;
+  header.request_id = c.next_id++;
+  header.target = task;
+  header.times.submitted_ns = detail::now_ns();
+  auto sent = detail::send_message(c.dealer, header, inputs);
+  if (!sent.ok()) return sent.status();
+  const absl::Time deadline = absl::Now() + c.timeout;
+  while (true) {
+    const auto left = std::max<std::int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now()));
+    zmq::pollitem_t item{c.dealer.handle(), 0, ZMQ_POLLIN, 0};
+    zmq::poll(&item, 1, std::chrono::milliseconds(left));
+    if ((item.revents & ZMQ_POLLIN) == 0) {
+      return absl::DeadlineExceededError(fmt::format("no reply to request {} for task '{}' within {}",
+                                                     header.request_id, task, absl::FormatDuration(c.timeout)));
+    }
+    std::vector<zmq::message_t> frames;
+    (void)zmq::recv_multipart(c.dealer, std::back_inserter(frames));
+    auto reply = detail::decode_message(std::move(frames));
+    if (!reply.ok()) return absl::DataLossError(fmt::format("malformed reply: {}", std::string(reply.status().message())));
+    if (reply->header.request_id != header.request_id) continue;  // a late reply to an earlier, timed-out request
+    if (reply->header.status_code != 0) {
+      return absl::Status(static_cast<absl::StatusCode>(reply->header.status_code), reply->header.message);
+    }
+    return std::move(reply->tensors);
+  }
+}
+
+}  // namespace blockflow

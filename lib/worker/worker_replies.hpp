@@ -1,0 +1,139 @@
+#pragma once
+// Internal to the worker runtime (worker_runtime.cpp): replies on their way back to the host, the
+// queue that hands them to the sending thread, and the outputs parked for direct edges.
+
+#include <blockflow/core/tensor.hpp>
+#include <blockflow/channel/wire_format.hpp>
+#include <blockflow/core/detail/clock.hpp>
+
+#include <ATen/core/Tensor.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace blockflow::detail {
+
+// One reply on its way back to the host.
+struct Reply {
+  Reply(wire::Header h, Tensors t = {}, std::vector<std::string> refs = {})
+      : header(std::move(h)), tensors(std::move(t)), references(std::move(refs)) {}
+  wire::Header header;
+  Tensors tensors;
+  // Parked outputs (direct edges): one kParkedRefBytes id per tensor, sent instead of its bytes.
+  std::vector<std::string> references;
+};
+
+// Direct edges (channel "zmq"): outputs that the host asked us to keep, by id, until it says which
+// worker takes them (kForward) or that nobody will (kDrop). Bounded: beyond max_count entries or
+// max_bytes, outputs go back to the host as usual; an output nobody asked for within kExpiry (a
+// lost drop) is forgotten. Ids start at a random base, so that a message meant for an earlier
+// process of this worker matches nothing here.
+class ParkedOutputs {
+ public:
+  static constexpr std::int64_t kExpiryNs = 30'000'000'000;
+  ParkedOutputs() : next_id_((static_cast<std::uint64_t>(std::random_device{}()) << 32) | 1) {}
+  void set_limits(std::size_t max_count, std::uint64_t max_bytes) {
+    std::lock_guard lock(mu_);
+    max_count_ = max_count;
+    max_bytes_ = max_bytes;
+  }
+  // Keeps all of `outputs` (contiguous CPU tensors) and returns their ids, or nothing (no room).
+  std::optional<std::vector<std::uint64_t>> park(const Tensors& outputs) {
+    std::uint64_t bytes = 0;
+    for (const auto& t : outputs) {
+      if (!t.defined() || !t.device().is_cpu() || !t.is_contiguous()) return std::nullopt;
+      bytes += t.nbytes();
+    }
+    std::lock_guard lock(mu_);
+    const std::int64_t now = now_ns();
+    while (!by_id_.empty() && by_id_.begin()->second.parked_ns < now - kExpiryNs) {  // ids grow with time
+      bytes_ -= by_id_.begin()->second.tensor.nbytes();
+      by_id_.erase(by_id_.begin());
+    }
+    if (outputs.empty() || by_id_.size() + outputs.size() > max_count_ || bytes_ + bytes > max_bytes_) return std::nullopt;
+    std::vector<std::uint64_t> ids;
+    for (const auto& t : outputs) {
+      ids.push_back(next_id_++);
+      by_id_.emplace(ids.back(), Entry{t, now});
+    }
+    bytes_ += bytes;
+    return ids;
+  }
+  // The tensors of `ids`, taken out (release) or left in place; nothing if one is unknown.
+  std::optional<Tensors> get(const std::vector<std::uint64_t>& ids, bool release) {
+    std::lock_guard lock(mu_);
+    Tensors out;
+    for (const auto id : ids) {
+      auto it = by_id_.find(id);
+      if (it == by_id_.end()) return std::nullopt;
+      out.push_back(it->second.tensor);
+    }
+    if (release) drop_locked(ids);
+    return out;
+  }
+  void drop(const std::vector<std::uint64_t>& ids) {
+    std::lock_guard lock(mu_);
+    drop_locked(ids);
+  }
+
+ private:
+  void drop_locked(const std::vector<std::uint64_t>& ids) {
+    for (const auto id : ids) {
+      auto it = by_id_.find(id);
+      if (it == by_id_.end()) continue;
+      bytes_ -= it->second.tensor.nbytes();
+      by_id_.erase(it);
+    }
+  }
+  struct Entry {
+    at::Tensor tensor;
+    std::int64_t parked_ns = 0;
+  };
+  std::mutex mu_;
+  std::map<std::uint64_t, Entry> by_id_;
+  std::uint64_t next_id_ = 1, bytes_ = 0, max_bytes_ = 0;
+  std::size_t max_count_ = 0;
+};
+
+// A small blocking queue: worker threads produce replies, the one thread owning the PUSH socket
+// consumes them.
+class ReplyQueue {
+ public:
+  void push(Reply&& r) {
+    {
+      std::lock_guard lock(mu_);
+      queue_.push_back(std::move(r));
+    }
+    cv_.notify_one();
+  }
+  std::optional<Reply> pop() {  // nullopt once closed and empty
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return closed_ || !queue_.empty(); });
+    if (queue_.empty()) return std::nullopt;
+    Reply r = std::move(queue_.front());
+    queue_.pop_front();
+    return r;
+  }
+  void close() {
+    {
+      std::lock_guard lock(mu_);
+      closed_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Reply> queue_;
+  bool closed_ = false;
+};
+
+}  // namespace blockflow::detail
