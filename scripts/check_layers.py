@@ -20,6 +20,7 @@ RULES = {
     "channel": {"core"},
     "worker": {"core", "deploy", "observe", "channel", "serve"},
     "serve": {"core", "deploy", "observe", "channel"},
+    "plan": {"core", "deploy", "observe", "channel"},
 }
 # The folders built into blockflow::core may use only these headers of channel/.
 CORE_LIBRARY = {"core", "deploy", "observe"}

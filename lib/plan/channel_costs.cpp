@@ -1,0 +1,124 @@
+// profile_channels(): the hand-off cost of each channel kind on this machine, measured as the hop
+// bench does (bench/hop_bench.cpp): one-way latency from a sender thread to a receiver thread (the
+// send time rides in request_id; one steady clock), one hand-off at a time, at two sizes; the line
+// through the two medians gives fixed_us and us_per_mb.
+#include <blockflow/plan/profile.hpp>
+
+#include <blockflow/channel/inproc_channel.hpp>
+#include <blockflow/channel/process_channel.hpp>
+#include <blockflow/core/detail/clock.hpp>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <thread>
+
+namespace blockflow {
+namespace {
+
+constexpr std::size_t kSmall = std::size_t{64} << 10, kLarge = std::size_t{4} << 20;
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median one-way latency (us) of `n` hand-offs of `bytes` from `make` (the sender's tensor, made
+// outside the timed span) through send -> receive.
+template <typename Send, typename Receive, typename Make>
+absl::StatusOr<double> one_way_us(Send&& send, Receive&& receive, Make&& make, int n) {
+  InProcessChannel ack;
+  std::vector<double> us;
+  absl::Status failed;
+  std::thread receiver([&] {
+    for (int i = 0; i < n; ++i) {
+      auto e = receive();
+      if (!e) {
+        failed = absl::DeadlineExceededError("nothing arrived within 10 s");
+        (void)ack.send(Envelope{});
+        return;
+      }
+      us.push_back(static_cast<double>(detail::now_ns() - static_cast<std::int64_t>(e->request_id)) / 1e3);
+      e.reset();  // its tensor dies: a slot goes back
+      (void)ack.send(Envelope{});
+    }
+  });
+  for (int i = 0; i < n && failed.ok(); ++i) {
+    auto t = make();
+    if (!t.ok()) {
+      failed = t.status();
+      break;
+    }
+    Envelope e;
+    e.tensors = {*std::move(t)};
+    e.request_id = static_cast<std::uint64_t>(detail::now_ns());
+    if (auto out = send(std::move(e)); !out.ok()) {
+      failed = out;
+      break;
+    }
+    (void)ack.receive(absl::Now() + absl::Seconds(20));
+  }
+  receiver.join();
+  if (!failed.ok()) return failed;
+  us.erase(us.begin(), us.begin() + static_cast<std::ptrdiff_t>(us.size() / 5));  // warm-up
+  return median(us);
+}
+
+absl::StatusOr<ChannelCost> fit(const std::string& kind, absl::StatusOr<double> small_us, absl::StatusOr<double> large_us) {
+  if (!small_us.ok()) return absl::Status(small_us.status().code(), kind + ": " + std::string(small_us.status().message()));
+  if (!large_us.ok()) return absl::Status(large_us.status().code(), kind + ": " + std::string(large_us.status().message()));
+  ChannelCost c;
+  c.kind = kind;
+  const double mb_small = static_cast<double>(kSmall) / 1048576.0, mb_large = static_cast<double>(kLarge) / 1048576.0;
+  c.us_per_mb = std::max(0.0, (*large_us - *small_us) / (mb_large - mb_small));
+  c.fixed_us = std::max(0.0, *small_us - c.us_per_mb * mb_small);
+  return c;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<ChannelCost>> profile_channels(const ProfileOptions& options) {
+  const int n = options.quick ? 20 : 200;
+  std::vector<ChannelCost> out;
+  auto report = [&](const ChannelCost& c) {
+    out.push_back(c);
+    if (options.progress) {
+      options.progress(fmt::format("channel {}: {:.1f} us + {:.1f} us/MB", c.kind, c.fixed_us, c.us_per_mb));
+    }
+  };
+  {
+    InProcessChannel channel;
+    auto send = [&](Envelope&& e) { return channel.send(std::move(e)).status; };
+    auto receive = [&] { return channel.receive(absl::Now() + absl::Seconds(10)); };
+    auto make = [](std::size_t bytes) {
+      return [bytes]() -> absl::StatusOr<at::Tensor> { return at::empty({static_cast<std::int64_t>(bytes)}, at::kByte); };
+    };
+    auto c = fit("inproc", one_way_us(send, receive, make(kSmall), n), one_way_us(send, receive, make(kLarge), n));
+    if (!c.ok()) return c.status();
+    report(*c);
+  }
+  for (const auto& [kind, scheme] : {std::pair<std::string, std::string>{"shm", "shm"}, {"zmq-ipc", "ipc"}}) {
+    const std::string uri = fmt::format("{}://blockflow-profile-{}-{}", scheme, ::getpid(), kind);
+    auto receiver = open_channel(uri, ChannelRole::kReceiver);
+    if (!receiver.ok()) return receiver.status();
+    auto sender = open_channel(uri, ChannelRole::kSender);
+    if (!sender.ok()) return sender.status();
+    auto send = [&](Envelope&& e) { return (*sender)->send(std::move(e)).status; };
+    auto receive = [&] { return (*receiver)->receive(absl::Now() + absl::Seconds(10)); };
+    auto make = [&](std::size_t bytes) {
+      // The producer's tensor made where the channel wants it (a slot over shm): its writing is
+      // the producer's work, not the hand-off's.
+      return [&, bytes]() { return (*sender)->empty({static_cast<std::int64_t>(bytes)}, at::kByte); };
+    };
+    auto c = fit(kind, one_way_us(send, receive, make(kSmall), n), one_way_us(send, receive, make(kLarge), n));
+    if (!c.ok()) return c.status();
+    report(*c);
+  }
+  return out;
+}
+
+}  // namespace blockflow

@@ -1,0 +1,259 @@
+// profile_block() and profile_channels(): the measurements behind a profile (docs/profile.md).
+#include <blockflow/plan/profile.hpp>
+
+#include <blockflow/core/detail/clock.hpp>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <fmt/format.h>
+
+#include <malloc.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+namespace blockflow {
+namespace {
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5)];
+}
+
+double ms_since(std::int64_t t0) { return static_cast<double>(detail::now_ns() - t0) / 1e6; }
+
+std::int64_t resident_bytes() {
+  long pages = 0, resident = 0;
+  if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return static_cast<std::int64_t>(resident) * ::sysconf(_SC_PAGESIZE);
+}
+
+// Runs `fn` on a thread of its own with `threads` intra-op threads (its own OpenMP team, gone with
+// it) in inference mode, so that the profile does not depend on the caller's thread.
+template <typename Fn>
+auto on_profiling_thread(int threads, Fn&& fn) -> decltype(fn()) {
+  std::optional<decltype(fn())> out;
+  std::exception_ptr failure;
+  std::thread worker([&] {
+    try {
+      at::internal::lazy_init_num_threads();
+      if (threads > 0) at::set_num_threads(threads);
+      c10::InferenceMode inference;
+      out.emplace(fn());
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  });
+  worker.join();
+  if (failure) std::rethrow_exception(failure);
+  return *std::move(out);
+}
+
+Tensors batched(const Tensors& inputs, int batch) {
+  if (batch == 1) return inputs;
+  Tensors out;
+  for (const auto& t : inputs) out.push_back(at::cat(std::vector<at::Tensor>(static_cast<std::size_t>(batch), t), 0));
+  return out;
+}
+
+absl::StatusOr<std::vector<double>> time_forward(Block& block, const Tensors& inputs, int warmup, int iterations) {
+  std::vector<double> ms;
+  for (int i = -warmup; i < iterations; ++i) {
+    Tensors in = inputs;
+    const std::int64_t t0 = detail::now_ns();
+    auto out = block.forward(std::move(in));
+    const double elapsed = ms_since(t0);
+    if (!out.ok()) return out.status();
+    if (i >= 0) ms.push_back(elapsed);
+  }
+  return ms;
+}
+
+// One step of the rate sweep: `count` arrivals evenly spaced at `rate`, served in order by this
+// thread; true when the queue stayed bounded: the mean time in system of the last third of the
+// requests is within half a service time (p50) of the first third's.
+struct SweepStep {
+  bool stable = false;
+  double throughput_rps = 0;
+};
+absl::StatusOr<SweepStep> sweep_step(Block& block, const Tensors& inputs, double rate, int count, double p50_ms) {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::int64_t> arrivals;  // scheduled times, ns
+  const std::int64_t start = detail::now_ns() + 1'000'000;
+  const double gap_ns = 1e9 / rate;
+  std::thread generator([&] {
+    for (int i = 0; i < count; ++i) {
+      const auto at_ns = start + static_cast<std::int64_t>(gap_ns * i);
+      std::this_thread::sleep_for(std::chrono::nanoseconds(std::max<std::int64_t>(0, at_ns - detail::now_ns())));
+      std::lock_guard lock(mu);
+      arrivals.push_back(at_ns);
+      cv.notify_one();
+    }
+  });
+  std::vector<double> sojourn_ms;
+  absl::Status failed;
+  std::int64_t last_done = start;
+  for (int i = 0; i < count; ++i) {
+    std::int64_t arrived = 0;
+    {
+      std::unique_lock lock(mu);
+      cv.wait(lock, [&] { return !arrivals.empty(); });
+      arrived = arrivals.front();
+      arrivals.pop_front();
+    }
+    if (failed.ok()) {
+      Tensors in = inputs;
+      auto out = block.forward(std::move(in));
+      if (!out.ok()) failed = out.status();
+    }
+    last_done = detail::now_ns();
+    sojourn_ms.push_back(static_cast<double>(last_done - arrived) / 1e6);
+  }
+  generator.join();
+  if (!failed.ok()) return failed;
+  const std::size_t third = sojourn_ms.size() / 3;
+  double first = 0, last = 0;
+  for (std::size_t i = 0; i < third; ++i) {
+    first += sojourn_ms[i];
+    last += sojourn_ms[sojourn_ms.size() - 1 - i];
+  }
+  first /= static_cast<double>(std::max<std::size_t>(1, third));
+  last /= static_cast<double>(std::max<std::size_t>(1, third));
+  SweepStep step;
+  step.stable = last <= first + 0.5 * p50_ms;
+  step.throughput_rps = count / (static_cast<double>(last_done - start) / 1e9);
+  return step;
+}
+
+absl::StatusOr<double> max_rate(Block& block, const Tensors& inputs, double p50_ms, const ProfileOptions& o) {
+  const std::vector<double> factors =
+      o.quick ? std::vector<double>{0.7, 0.95, 1.1} : std::vector<double>{0.5, 0.7, 0.85, 0.95, 1.0, 1.05, 1.1, 1.2};
+  const double capacity = 1000.0 / std::max(p50_ms, 1e-3);
+  double best = 0;
+  for (const double f : factors) {
+    const double rate = f * capacity;
+    const int count = static_cast<int>(std::clamp(rate * (o.quick ? 0.3 : 1.0), o.quick ? 9.0 : 24.0, o.quick ? 45.0 : 240.0));
+    auto step = sweep_step(block, inputs, rate, count, p50_ms);
+    if (!step.ok()) return step.status();
+    if (o.progress) {
+      o.progress(fmt::format("{}: {:.1f} req/s offered: {} ({:.1f} served)", block.name(), rate,
+                             step->stable ? "bounded" : "grows", step->throughput_rps));
+    }
+    if (!step->stable) return best > 0 ? best : step->throughput_rps;
+    best = rate;
+  }
+  return best;
+}
+
+}  // namespace
+
+const BatchLatency* BlockProfile::at_batch(int batch) const {
+  for (const auto& l : latency) {
+    if (l.batch == batch) return &l;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<BlockProfile> profile_block(const std::shared_ptr<Block>& block, const Tensors& inputs,
+                                           const ProfileOptions& options) {
+  if (!block) return absl::InvalidArgumentError("profile_block: no block");
+  const int iterations = options.quick ? 8 : std::max(1, options.iterations);
+  const int warmup = options.quick ? 1 : std::max(0, options.warmup);
+  try {
+    return on_profiling_thread(block->options().intra_op_threads, [&]() -> absl::StatusOr<BlockProfile> {
+      BlockProfile p;
+      p.name = block->name();
+      p.device = block->device().str();
+      p.intra_op_threads = block->options().intra_op_threads;
+      for (const auto& t : inputs) p.input_shapes.push_back(t.sizes().vec());
+      for (const int batch : options.batch_sizes) {
+        if (batch < 1) return absl::InvalidArgumentError(fmt::format("block '{}': batch size {} < 1", p.name, batch));
+        auto ms = time_forward(*block, batched(inputs, batch), warmup, iterations);
+        if (!ms.ok()) {
+          return absl::Status(ms.status().code(), fmt::format("block '{}': batch {}: {}", p.name, batch,
+                                                              std::string(ms.status().message())));
+        }
+        p.latency.push_back({batch, percentile(*ms, 0.5), percentile(*ms, 0.99)});
+        if (options.progress) {
+          options.progress(fmt::format("{}: batch {}: p50 {:.2f} ms, p99 {:.2f} ms", p.name, batch, p.latency.back().p50_ms,
+                                       p.latency.back().p99_ms));
+        }
+      }
+      Tensors in = inputs;
+      auto out = block->forward(std::move(in));
+      if (!out.ok()) return out.status();
+      for (const auto& t : *out) {
+        p.output_bytes += t.defined() ? t.nbytes() : 0;
+        p.output_shapes.push_back(t.defined() ? t.sizes().vec() : std::vector<std::int64_t>{});
+      }
+      auto one = time_forward(*block, inputs, 0, options.quick ? 3 : 10);
+      if (!one.ok()) return one.status();
+      auto rate = max_rate(*block, inputs, percentile(*one, 0.5), options);
+      if (!rate.ok()) return rate.status();
+      p.max_rate_rps = *rate;
+      return p;
+    });
+  } catch (const std::exception& e) {
+    return absl::InternalError(fmt::format("block '{}': {}", block->name(), e.what()));
+  }
+}
+
+absl::StatusOr<BlockProfile> profile_block(const BlockDescription& d, const ProfileOptions& options) {
+  if (d.options.input_shapes.empty()) {
+    return absl::InvalidArgumentError(fmt::format("block '{}': profiling needs its input_shapes", d.name));
+  }
+  std::shared_ptr<Block> block;
+  Tensors inputs;
+  double load_ms = 0, warmup_ms = 0;
+  std::int64_t memory = 0;
+  try {
+    auto made = on_profiling_thread(d.options.intra_op_threads, [&]() -> absl::Status {
+      ::malloc_trim(0);
+      const std::int64_t before = resident_bytes();
+      const std::int64_t t0 = detail::now_ns();
+      auto b = make_block(d);
+      if (!b.ok()) return b.status();
+      load_ms = ms_since(t0);
+      block = *std::move(b);
+      for (auto shape : d.options.input_shapes) {
+        for (auto& dim : shape) dim = dim < 0 ? 1 : dim;
+        inputs.push_back(at::zeros(shape, at::TensorOptions().device(block->device())));
+      }
+      const std::int64_t t1 = detail::now_ns();
+      auto ms = time_forward(*block, inputs, 0, std::max(1, options.quick ? 1 : options.warmup));
+      if (!ms.ok()) return ms.status();
+      warmup_ms = ms_since(t1);
+      ::malloc_trim(0);
+      memory = std::max<std::int64_t>(0, resident_bytes() - before);
+      return absl::OkStatus();
+    });
+    if (!made.ok()) return absl::Status(made.code(), fmt::format("block '{}': {}", d.name, std::string(made.message())));
+  } catch (const std::exception& e) {
+    return absl::InternalError(fmt::format("block '{}': {}", d.name, e.what()));
+  }
+  if (options.progress) {
+    options.progress(fmt::format("{}: loaded in {:.0f} ms, warmed up in {:.0f} ms, {:.1f} MB resident", d.name, load_ms,
+                                 warmup_ms, static_cast<double>(memory) / 1048576.0));
+  }
+  auto p = profile_block(block, inputs, options);
+  if (!p.ok()) return p;
+  p->source = !d.torchscript.empty() ? d.torchscript : d.factory;
+  p->load_ms = load_ms;
+  p->warmup_ms = warmup_ms;
+  p->memory_bytes = memory;
+  return p;
+}
+
+}  // namespace blockflow

@@ -1,0 +1,177 @@
+// Block profiles (plan/profile.hpp): the figures of a TorchScript block and of C++ blocks whose
+// cost is known by construction, the JSON document and its errors, the blockflow-profile tool.
+#include "test_util.hpp"
+
+#include <blockflow/plan/profile.hpp>
+
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+using namespace blockflow;
+using Catch::Matchers::Contains;
+
+namespace {
+
+ProfileOptions quick() {
+  ProfileOptions o;
+  o.quick = true;
+  return o;
+}
+
+// A block that sleeps `ms` per request whatever the batch: a service time known from below.
+std::shared_ptr<Block> sleeper(const std::string& name, int ms) {
+  return Block::callable(name, [ms](Tensors&& in) -> absl::StatusOr<Tensors> {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    return Tensors{in.at(0) * 2};
+  });
+}
+
+}  // namespace
+
+TEST_CASE("profile_block measures a TorchScript block: latency per batch, outputs, load, memory, rate", "[profile]") {
+  BlockDescription d;
+  d.name = "cnn1";
+  d.torchscript = test::model_path("cnn_block1.pt");
+  d.options.intra_op_threads = 1;
+  d.options.input_shapes = {{1, 3, 16, 16}};
+  auto p = profile_block(d, quick());
+  INFO(p.status());
+  REQUIRE(p.ok());
+  CHECK(p->name == "cnn1");
+  CHECK(p->source == d.torchscript);
+  CHECK(p->device == "cpu");
+  CHECK(p->intra_op_threads == 1);
+  CHECK(p->input_shapes == std::vector<std::vector<std::int64_t>>{{1, 3, 16, 16}});
+  REQUIRE(p->latency.size() == 4);
+  for (std::size_t i = 0; i < p->latency.size(); ++i) {
+    CHECK(p->latency[i].batch == std::vector<int>{1, 2, 4, 8}[i]);
+    CHECK(p->latency[i].p50_ms > 0);
+    CHECK(p->latency[i].p99_ms >= p->latency[i].p50_ms);
+  }
+  CHECK(p->at_batch(4) == &p->latency[2]);
+  CHECK(p->at_batch(3) == nullptr);
+  CHECK(p->output_shapes == std::vector<std::vector<std::int64_t>>{{1, 8, 16, 16}});
+  CHECK(p->output_bytes == 8 * 16 * 16 * sizeof(float));
+  CHECK(p->load_ms > 0);
+  CHECK(p->warmup_ms > 0);
+  CHECK(p->memory_bytes >= 0);
+  CHECK(p->max_rate_rps > 0);
+}
+
+TEST_CASE("profile_block of a block whose service time is known: p50 and the sustainable rate follow it",
+          "[profile]") {
+  auto block = sleeper("sleepy", 10);
+  auto p = profile_block(block, {at::ones({1, 4})}, quick());
+  INFO(p.status());
+  REQUIRE(p.ok());
+  // Every forward sleeps at least 10 ms: the p50 cannot be lower, and no rate above 1/p50 x 1.1
+  // (the sweep's last step) can be reported.
+  CHECK(p->at_batch(1)->p50_ms >= 10.0);
+  CHECK(p->max_rate_rps > 0);
+  CHECK(p->max_rate_rps <= 1.1 * 1000.0 / p->at_batch(1)->p50_ms + 1e-9);
+  CHECK(p->output_bytes == 4 * sizeof(float));
+  CHECK(p->load_ms == 0);  // given made
+}
+
+TEST_CASE("profile_block errors name the block", "[profile]") {
+  BlockDescription d;
+  d.name = "noshape";
+  d.torchscript = test::model_path("cnn_block1.pt");
+  auto no_shape = profile_block(d, quick());
+  CHECK(no_shape.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(no_shape.status().message()), Contains("noshape"));
+  d.name = "missing";
+  d.torchscript = "/nonexistent/x.pt";
+  d.options.input_shapes = {{1, 3, 16, 16}};
+  auto missing = profile_block(d, quick());
+  CHECK_FALSE(missing.ok());
+  CHECK_THAT(std::string(missing.status().message()), Contains("missing"));
+  auto failing = Block::callable("fails", [](Tensors&&) -> absl::StatusOr<Tensors> { return absl::InternalError("boom"); });
+  auto f = profile_block(failing, {at::ones({1})}, quick());
+  CHECK_THAT(std::string(f.status().message()), Contains("fails"));
+  CHECK_THAT(std::string(f.status().message()), Contains("boom"));
+}
+
+TEST_CASE("a profile document round-trips through JSON, and malformed ones are refused naming the field",
+          "[profile]") {
+  Profile p;
+  p.cpu = "Test CPU";
+  p.hardware_threads = 2;
+  BlockProfile b;
+  b.name = "block1";
+  b.source = "block1.pt";
+  b.intra_op_threads = 2;
+  b.input_shapes = {{1, 3, 224, 224}};
+  b.output_shapes = {{1, 256, 56, 56}};
+  b.load_ms = 120.5;
+  b.warmup_ms = 40;
+  b.memory_bytes = 123456789;
+  b.latency = {{1, 6.5, 7.25}, {2, 12, 13}};
+  b.max_rate_rps = 140;
+  b.output_bytes = 3211264;
+  p.blocks.push_back(b);
+  p.channels.push_back({"shm", 4.5, 0.25});
+  auto back = Profile::parse(p.to_json(), "mem");
+  INFO(back.status());
+  REQUIRE(back.ok());
+  CHECK(back->to_json() == p.to_json());
+  REQUIRE(back->block("block1") != nullptr);
+  CHECK(back->block("block1")->latency[1].p99_ms == 13);
+  CHECK(back->block("block1")->memory_bytes == 123456789);
+  CHECK(back->channels.at(0).us_per_mb == 0.25);
+
+  auto refused = [](std::string text) { return std::string(Profile::parse(text, "p.json").status().message()); };
+  std::string good = p.to_json(-1);
+  auto replace = [&](const std::string& from, const std::string& to) {
+    std::string s = good;
+    const auto at = s.find(from);
+    REQUIRE(at != std::string::npos);
+    return s.replace(at, from.size(), to);
+  };
+  CHECK_THAT(refused("{"), Contains("p.json: not JSON"));
+  CHECK_THAT(refused(replace("\"version\":1", "\"version\":9")), Contains("version: 9 is not a version"));
+  CHECK_THAT(refused(replace("\"p50_ms\":12.0", "\"p50_ms\":-1")), Contains("blocks[0].latency[1].p50_ms"));
+  CHECK_THAT(refused(replace("\"batch\":2", "\"batch\":1")), Contains("batch sizes must increase"));
+  CHECK_THAT(refused(replace("\"name\":\"block1\"", "\"name\":7")), Contains("blocks[0].name: expected a string"));
+  CHECK_THAT(refused(replace(",\"output_bytes\":3211264", "")), Contains("blocks[0].output_bytes: missing"));
+  CHECK_THAT(refused(replace("\"fixed_us\":4.5", "\"fixed_us\":\"x\"")), Contains("channels[0].fixed_us"));
+  CHECK_THAT(refused(replace("blockflow-profile", "other")), Contains("schema"));
+  CHECK(load_profile("/nonexistent/p.json").status().code() == absl::StatusCode::kNotFound);
+}
+
+TEST_CASE("profile_channels measures each channel kind of this build", "[profile]") {
+  auto costs = profile_channels(quick());
+  INFO(costs.status());
+  REQUIRE(costs.ok());
+  std::vector<std::string> kinds;
+  for (const auto& c : *costs) {
+    kinds.push_back(c.kind);
+    CHECK(c.fixed_us >= 0);
+    CHECK(c.us_per_mb >= 0);
+  }
+  CHECK(kinds == std::vector<std::string>{"inproc", "shm", "zmq-ipc"});
+}
+
+TEST_CASE("blockflow-profile writes a profile of a chain of TorchScript files", "[profile]") {
+  const auto out = std::filesystem::temp_directory_path() / fmt::format("profile-test-{}.json", ::getpid());
+  const std::string command =
+      fmt::format("{} {} {} --input 1,3,16,16 --threads 1 --quick --batches 1,2 --out {} 2>/dev/null", BLOCKFLOW_TEST_PROFILE_TOOL,
+                  test::model_path("cnn_block1.pt"), test::model_path("cnn_block2.pt"), out.string());
+  REQUIRE(std::system(command.c_str()) == 0);
+  auto p = load_profile(out.string());
+  INFO(p.status());
+  REQUIRE(p.ok());
+  REQUIRE(p->blocks.size() == 2);
+  CHECK(p->blocks[0].name == "cnn_block1");
+  CHECK(p->blocks[1].input_shapes == std::vector<std::vector<std::int64_t>>{{1, 8, 16, 16}});  // chained
+  CHECK(p->blocks[1].output_shapes == std::vector<std::vector<std::int64_t>>{{1, 16, 8, 8}});
+  CHECK(p->blocks[1].latency.size() == 2);
+  CHECK(p->channels.size() == 3);
+  CHECK(p->hardware_threads > 0);
+  std::filesystem::remove(out);
+  const std::string bad = fmt::format("{} --bogus 2>/dev/null", BLOCKFLOW_TEST_PROFILE_TOOL);
+  CHECK(WEXITSTATUS(std::system(bad.c_str())) == 2);
+}

@@ -1,0 +1,152 @@
+// blockflow-profile: measures blocks on this machine and writes a profile document
+// (docs/profile.md) for the planner.
+//
+//   blockflow-profile MODEL.pt... --input 1,3,224,224 [--threads 2] [--out profile.json]
+//   blockflow-profile --deployment deploy.json [--models DIR] [--out profile.json]
+//
+// TorchScript files given in a row form a chain: the first takes --input, each next one the outputs
+// of the one before (--shape NAME=a,b,c,d sets a block's input shape instead). A deployment's
+// blocks take their "input_shapes" (or --shape). Options: --threads T (intra-op threads of blocks
+// that do not set theirs; default 2), --device cpu|cuda:N, --batches 1,2,4,8, --quick (a first look,
+// and for tests), --no-channels (skip the channel costs), --optimize 0|1 (TorchScript
+// optimize_for_inference, default 1). Progress on stderr; the document on stdout or --out.
+#include <blockflow/deploy/deployment.hpp>
+#include <blockflow/plan/profile.hpp>
+
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <thread>
+
+namespace bf = blockflow;
+
+namespace {
+
+std::vector<std::int64_t> dims(const std::string& text) {
+  std::vector<std::int64_t> out;
+  std::size_t from = 0;
+  while (from <= text.size()) {
+    const std::size_t comma = std::min(text.find(',', from), text.size());
+    out.push_back(std::stoll(text.substr(from, comma - from)));
+    from = comma + 1;
+  }
+  return out;
+}
+
+std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  }
+  return "unknown";
+}
+
+int usage(const std::string& problem) {
+  std::cerr << "blockflow-profile: " << problem
+            << "\nusage: blockflow-profile MODEL.pt... --input a,b,c,d | --deployment FILE [--models DIR]\n"
+               "       [--shape NAME=a,b,c,d]... [--threads T] [--device D] [--batches 1,2,4,8] [--quick]\n"
+               "       [--no-channels] [--optimize 0|1] [--out FILE]\n";
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  std::vector<std::string> files;
+  std::string deployment, models, input, out_file, device = "cpu";
+  std::map<std::string, std::vector<std::int64_t>> shapes;
+  int threads = 2;
+  bool channels = true, optimize = true;
+  bf::ProfileOptions options;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--deployment") deployment = value();
+    else if (a == "--models") models = value();
+    else if (a == "--input") input = value();
+    else if (a == "--shape") {
+      const std::string v = value();
+      const auto eq = v.find('=');
+      if (eq == std::string::npos) return usage("--shape wants NAME=a,b,c,d");
+      shapes[v.substr(0, eq)] = dims(v.substr(eq + 1));
+    } else if (a == "--threads") threads = std::stoi(value());
+    else if (a == "--device") device = value();
+    else if (a == "--batches") {
+      options.batch_sizes.clear();
+      for (auto b : dims(value())) options.batch_sizes.push_back(static_cast<int>(b));
+    } else if (a == "--quick") options.quick = true;
+    else if (a == "--no-channels") channels = false;
+    else if (a == "--optimize") optimize = value() != "0";
+    else if (a == "--out") out_file = value();
+    else if (!a.empty() && a[0] == '-') return usage("unknown option " + a);
+    else files.push_back(a);
+  }
+  if (deployment.empty() == files.empty()) return usage("give TorchScript files or --deployment, not both");
+  std::vector<bf::BlockDescription> blocks;
+  if (!deployment.empty()) {
+    auto d = bf::load_deployment(deployment, models);
+    if (!d.ok()) return usage(std::string(d.status().message()));
+    blocks = d->blocks;
+  } else {
+    for (const auto& f : files) {
+      bf::BlockDescription d;
+      d.name = std::filesystem::path(f).stem().string();
+      d.torchscript = f;
+      blocks.push_back(d);
+    }
+    if (input.empty() && !shapes.count(blocks.front().name)) return usage("--input: the first block's input shape");
+    if (!input.empty()) blocks.front().options.input_shapes = {dims(input)};
+  }
+  options.progress = [](std::string_view line) { std::cerr << "blockflow-profile: " << line << "\n"; };
+  bf::Profile profile;
+  profile.cpu = cpu_model();
+  profile.hardware_threads = static_cast<int>(std::thread::hardware_concurrency());
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    bf::BlockDescription& d = blocks[i];
+    if (d.options.intra_op_threads == 0) d.options.intra_op_threads = threads;
+    if (!d.torchscript.empty() && deployment.empty()) {
+      d.options.device = device;
+      d.torchscript_options.optimize_for_inference = optimize;
+    }
+    if (auto it = shapes.find(d.name); it != shapes.end()) d.options.input_shapes = {it->second};
+    if (d.options.input_shapes.empty() && deployment.empty() && i > 0) {
+      d.options.input_shapes = profile.blocks.back().output_shapes;  // a chain: the previous block's outputs
+    }
+    auto p = bf::profile_block(d, options);
+    if (!p.ok()) {
+      std::cerr << "blockflow-profile: " << p.status().message() << "\n";
+      return 1;
+    }
+    profile.blocks.push_back(*std::move(p));
+  }
+  if (channels) {
+    auto costs = bf::profile_channels(options);
+    if (!costs.ok()) {
+      std::cerr << "blockflow-profile: channels: " << costs.status().message() << "\n";
+      return 1;
+    }
+    profile.channels = *std::move(costs);
+  }
+  const std::string text = profile.to_json() + "\n";
+  if (out_file.empty()) {
+    std::cout << text;
+  } else {
+    std::ofstream out(out_file);
+    out << text;
+    if (!out) {
+      std::cerr << "blockflow-profile: cannot write " << out_file << "\n";
+      return 1;
+    }
+    std::cerr << "blockflow-profile: wrote " << out_file << "\n";
+  }
+  return 0;
+} catch (const std::exception& e) {
+  return usage(e.what());
+}
