@@ -3,7 +3,7 @@ include(CMakePackageConfigHelpers)
 
 set(_bf_installed blockflow_core)
 if(TARGET blockflow_zmq)
-  list(APPEND _bf_installed blockflow_channels blockflow_workers blockflow_plan blockflow_zmq blockflow-worker blockflow-profile blockflow-loadgen blockflowctl)  # executables go to bin/
+  list(APPEND _bf_installed blockflow_channels blockflow_workers blockflow_plan blockflow_zmq blockflow-worker blockflow-profile blockflow-plan blockflow-loadgen blockflowctl)  # executables go to bin/
 endif()
 install(TARGETS ${_bf_installed} EXPORT blockflowTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}

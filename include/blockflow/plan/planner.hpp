@@ -1,0 +1,109 @@
+#pragma once
+/// @file
+/// @brief The planner: places blocks on sites and admits tasks from block profiles, so that every
+/// admitted task gets its rate within its latency SLO and no site is over-committed
+/// (docs/planner.md). Deterministic: the same inputs give the same plan.
+///
+/// @code
+/// blockflow::PlanInput in;
+/// in.profile = *blockflow::load_profile("profile.json");
+/// in.tasks = {{"classify", {"block1", "block2", "block3", "block4"}, 20.0, 80.0}};
+/// in.sites = {{"threads", "threads", "cpu", 1}, {"w1", "worker", "cpu", 1}};
+/// auto plan = blockflow::plan(in);   // plan->deployment_json() is what Session::apply() takes
+/// @endcode
+
+#include <blockflow/plan/profile.hpp>
+
+#include <absl/status/statusor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace blockflow {
+
+/// @brief A task to admit: its path (a chain of blocks), the rate it must get and its latency SLO.
+struct PlanTask {
+  std::string name;
+  std::vector<std::string> path;
+  double rate_rps = 0;  ///< requests per second it must sustain (> 0)
+  double slo_ms = 0;    ///< the p50 end-to-end latency it must stay within (> 0)
+};
+
+/// @brief Where blocks can run: the session's own threads or a worker process.
+struct PlanSite {
+  std::string name;
+  std::string kind = "worker";  ///< "threads" (the session's lanes) or "worker" (a worker process)
+  std::string device = "cpu";   ///< blocks run where their profile was measured: cpu or cuda[:N]
+  int lanes = 1;                ///< compute lanes (a lane runs one block at a time)
+  std::int64_t memory_budget = 0;  ///< bytes of resident memory its blocks may take; 0: no bound
+  double reserve = 0;           ///< fraction of lanes and memory kept free (for failures), 0..0.9
+};
+
+struct PlanInput {
+  Profile profile;
+  std::vector<PlanTask> tasks;  ///< in order of priority: admitted first come first
+  std::vector<PlanSite> sites;
+};
+
+/// @brief The planner's answer for one task.
+struct TaskVerdict {
+  std::string task;
+  bool admitted = false;
+  std::string reason;  ///< why it was refused ("" when admitted)
+  double rate_rps = 0;
+  double slo_ms = 0;
+  double predicted_p50_ms = 0;  ///< with the plan that admits it (refused: with it forced in, when computable)
+};
+
+/// @brief Where a block runs and how.
+struct BlockPlacement {
+  std::string block;
+  std::string site;
+  int max_batch = 1;
+  int workers = 1;         ///< lanes that may run it at once
+  double rate_rps = 0;     ///< the admitted tasks' demand on it
+  double lanes_used = 0;   ///< its share of the site's lanes (rate / capacity per lane)
+};
+
+/// @brief A site's predicted load.
+struct SiteLoad {
+  std::string site;
+  int lanes = 0;
+  double lanes_used = 0;     ///< blocks' shares plus the hand-offs it receives
+  double utilisation = 0;    ///< lanes_used / (lanes x (1 - reserve))
+  std::int64_t memory_bytes = 0;
+  std::int64_t memory_budget = 0;
+  std::vector<std::string> blocks;
+};
+
+struct Plan {
+  std::vector<TaskVerdict> tasks;
+  std::vector<BlockPlacement> blocks;  ///< the admitted tasks' blocks, in profile order
+  std::vector<SiteLoad> sites;         ///< in input order
+  double bottleneck_utilisation = 0;   ///< the highest site utilisation
+
+  /// @brief A deployment JSON of the admitted tasks (Deployment::parse() and Session::apply()
+  /// take it): each block with its TorchScript source, placement (none for a "threads" site),
+  /// intra_op_threads, workers, max_batch and input_shapes.
+  [[nodiscard]] std::string deployment_json(const PlanInput& input) const;
+  /// @brief The report: tasks (admitted or the reason), predicted latency, sites' load and memory.
+  [[nodiscard]] std::string report_json() const;
+};
+
+/// @brief Plans `input` (docs/planner.md, "Algorithm"). InvalidArgument naming the task, block or
+/// site at fault for inputs that cannot be planned at all (a task over a block the profile lacks,
+/// no site, duplicate names, a rate, SLO or lane count out of range). A task that does not fit is
+/// not an error: it is refused in the plan, with the reason.
+absl::StatusOr<Plan> plan(const PlanInput& input);
+
+/// @brief Reads the planner's inputs: one or more profile files (their blocks merged; the first's
+/// channels and machine), a tasks file and a sites file (docs/planner.md, "Inputs"). Errors name
+/// the file and the field.
+absl::StatusOr<PlanInput> load_plan_input(const std::vector<std::string>& profile_files, const std::string& tasks_file,
+                                          const std::string& sites_file);
+/// @brief The same from JSON text (`source` names it in errors).
+absl::StatusOr<std::vector<PlanTask>> parse_plan_tasks(const std::string& json, const std::string& source = "tasks");
+absl::StatusOr<std::vector<PlanSite>> parse_plan_sites(const std::string& json, const std::string& source = "sites");
+
+}  // namespace blockflow

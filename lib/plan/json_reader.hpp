@@ -1,0 +1,105 @@
+#pragma once
+// Internal to lib/plan: reads the fields of a JSON object, naming the file and the place of the
+// field ("profile.json: blocks[1].latency[0].p50_ms: expected a number >= 0") in every error.
+
+#include <absl/status/status.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace blockflow::detail {
+
+// Reads fields of one JSON object, naming `where` ("blocks[1].latency[0]") in every error.
+class JsonReader {
+ public:
+  JsonReader(const nlohmann::json& object, std::string source, std::string where)
+      : object_(object), source_(std::move(source)), where_(std::move(where)) {}
+
+  absl::Status error(const std::string& field, const std::string& problem) const {
+    return absl::InvalidArgumentError(fmt::format("{}: {}{}{}: {}", source_, where_, where_.empty() ? "" : ".", field, problem));
+  }
+  const nlohmann::json* find(const std::string& field, nlohmann::json::value_t a, nlohmann::json::value_t b, const char* expected, absl::Status& status) const {
+    auto it = object_.find(field);
+    if (it == object_.end()) {
+      status = error(field, "missing");
+      return nullptr;
+    }
+    if (it->type() != a && it->type() != b) {
+      status = error(field, fmt::format("expected {}", expected));
+      return nullptr;
+    }
+    return &*it;
+  }
+  [[nodiscard]] bool has(const std::string& field) const { return object_.contains(field); }
+  absl::Status strings(const std::string& field, std::vector<std::string>& out) const {
+    const nlohmann::json* list = nullptr;
+    if (auto status = array(field, list); !status.ok()) return status;
+    for (const auto& v : *list) {
+      if (!v.is_string()) return error(field, "expected an array of strings");
+      out.push_back(v.get<std::string>());
+    }
+    return absl::OkStatus();
+  }
+  absl::Status number(const std::string& field, double& out) const {
+    auto it = object_.find(field);
+    if (it == object_.end()) return error(field, "missing");
+    if (!it->is_number()) return error(field, "expected a number >= 0");
+    out = it->get<double>();
+    if (!(out >= 0)) return error(field, "expected a number >= 0");
+    return absl::OkStatus();
+  }
+  template <typename Int>
+  absl::Status integer(const std::string& field, Int& out) const {
+    double d = 0;
+    if (auto status = number(field, d); !status.ok()) return status;
+    if (d != static_cast<double>(static_cast<std::int64_t>(d))) return error(field, "expected a whole number");
+    out = static_cast<Int>(d);
+    return absl::OkStatus();
+  }
+  absl::Status string(const std::string& field, std::string& out) const {
+    absl::Status status;
+    const nlohmann::json* v = find(field, nlohmann::json::value_t::string, nlohmann::json::value_t::string, "a string", status);
+    if (v == nullptr) return status;
+    out = v->get<std::string>();
+    return absl::OkStatus();
+  }
+  absl::Status array(const std::string& field, const nlohmann::json*& out) const {
+    absl::Status status;
+    out = find(field, nlohmann::json::value_t::array, nlohmann::json::value_t::array, "an array", status);
+    return status;
+  }
+  absl::Status shapes(const std::string& field, std::vector<std::vector<std::int64_t>>& out) const {
+    const nlohmann::json* list = nullptr;
+    if (auto status = array(field, list); !status.ok()) return status;
+    for (const auto& shape : *list) {
+      if (!shape.is_array()) return error(field, "expected arrays of whole numbers");
+      std::vector<std::int64_t> dims;
+      for (const auto& d : shape) {
+        if (!d.is_number_integer()) return error(field, "expected arrays of whole numbers");
+        dims.push_back(d.get<std::int64_t>());
+      }
+      out.push_back(std::move(dims));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status object(const std::string& field, const nlohmann::json*& out) const {
+    absl::Status status;
+    out = find(field, nlohmann::json::value_t::object, nlohmann::json::value_t::object, "an object", status);
+    return status;
+  }
+
+ private:
+  const nlohmann::json& object_;
+  std::string source_, where_;
+};
+
+#define BF_TRY(expr)                     \
+  do {                                   \
+    if (auto s_ = (expr); !s_.ok()) return s_; \
+  } while (false)
+
+
+}  // namespace blockflow::detail

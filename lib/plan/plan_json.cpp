@@ -1,0 +1,158 @@
+// The planner's files: tasks and sites in (docs/planner.md, "Inputs"), the deployment and the
+// report out.
+#include <blockflow/plan/planner.hpp>
+
+#include "json_reader.hpp"
+
+#include <fmt/format.h>
+
+#include <fstream>
+#include <sstream>
+
+namespace blockflow {
+namespace {
+
+using nlohmann::json;
+using detail::JsonReader;
+
+absl::StatusOr<std::string> read_file(const std::string& file) {
+  std::ifstream in(file);
+  if (!in) return absl::NotFoundError(fmt::format("{}: cannot open", file));
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The array under `key` of a JSON object document.
+absl::StatusOr<json> list_of(const std::string& text, const std::string& source, const std::string& key) {
+  json doc = json::parse(text, nullptr, false);
+  if (doc.is_discarded()) return absl::InvalidArgumentError(fmt::format("{}: not JSON", source));
+  if (!doc.is_object()) return absl::InvalidArgumentError(fmt::format("{}: expected a JSON object with \"{}\"", source, key));
+  const json* list = nullptr;
+  if (auto status = JsonReader(doc, source, "").array(key, list); !status.ok()) return status;
+  return *list;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<PlanTask>> parse_plan_tasks(const std::string& text, const std::string& source) {
+  auto list = list_of(text, source, "tasks");
+  if (!list.ok()) return list.status();
+  std::vector<PlanTask> out;
+  for (std::size_t i = 0; i < list->size(); ++i) {
+    const std::string where = fmt::format("tasks[{}]", i);
+    if (!(*list)[i].is_object()) return absl::InvalidArgumentError(fmt::format("{}: {}: expected an object", source, where));
+    const JsonReader r((*list)[i], source, where);
+    PlanTask t;
+    BF_TRY(r.string("name", t.name));
+    BF_TRY(r.strings("path", t.path));
+    BF_TRY(r.number("rate_rps", t.rate_rps));
+    BF_TRY(r.number("slo_ms", t.slo_ms));
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<PlanSite>> parse_plan_sites(const std::string& text, const std::string& source) {
+  auto list = list_of(text, source, "sites");
+  if (!list.ok()) return list.status();
+  std::vector<PlanSite> out;
+  for (std::size_t i = 0; i < list->size(); ++i) {
+    const std::string where = fmt::format("sites[{}]", i);
+    if (!(*list)[i].is_object()) return absl::InvalidArgumentError(fmt::format("{}: {}: expected an object", source, where));
+    const JsonReader r((*list)[i], source, where);
+    PlanSite s;
+    BF_TRY(r.string("name", s.name));
+    BF_TRY(r.string("kind", s.kind));
+    if (r.has("device")) BF_TRY(r.string("device", s.device));
+    BF_TRY(r.integer("lanes", s.lanes));
+    if (r.has("memory_budget")) BF_TRY(r.integer("memory_budget", s.memory_budget));
+    if (r.has("reserve")) BF_TRY(r.number("reserve", s.reserve));
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+absl::StatusOr<PlanInput> load_plan_input(const std::vector<std::string>& profile_files, const std::string& tasks_file,
+                                          const std::string& sites_file) {
+  PlanInput in;
+  for (std::size_t i = 0; i < profile_files.size(); ++i) {
+    auto p = load_profile(profile_files[i]);
+    if (!p.ok()) return p.status();
+    if (i == 0) {
+      in.profile = *std::move(p);
+      continue;
+    }
+    for (auto& b : p->blocks) {
+      if (in.profile.block(b.name) != nullptr) {
+        return absl::InvalidArgumentError(fmt::format("{}: block '{}' is already in {}", profile_files[i], b.name, profile_files[0]));
+      }
+      in.profile.blocks.push_back(std::move(b));
+    }
+  }
+  if (profile_files.empty()) return absl::InvalidArgumentError("plan: no profile files");
+  auto tasks_text = read_file(tasks_file);
+  if (!tasks_text.ok()) return tasks_text.status();
+  auto tasks = parse_plan_tasks(*tasks_text, tasks_file);
+  if (!tasks.ok()) return tasks.status();
+  in.tasks = *std::move(tasks);
+  auto sites_text = read_file(sites_file);
+  if (!sites_text.ok()) return sites_text.status();
+  auto sites = parse_plan_sites(*sites_text, sites_file);
+  if (!sites.ok()) return sites.status();
+  in.sites = *std::move(sites);
+  return in;
+}
+
+std::string Plan::deployment_json(const PlanInput& input) const {
+  json blocks_json = json::array();
+  for (const auto& b : blocks) {
+    const BlockProfile* p = input.profile.block(b.block);
+    json block = {{"name", b.block}, {"intra_op_threads", p->intra_op_threads}, {"workers", b.workers},
+                  {"max_batch", b.max_batch}, {"device", p->device}};
+    const bool torchscript = p->source.size() > 3 && p->source.compare(p->source.size() - 3, 3, ".pt") == 0;
+    block[torchscript ? "torchscript" : "factory"] = p->source;
+    for (const auto& s : input.sites) {
+      if (s.name == b.site && s.kind == "worker") block["placement"] = s.name;
+    }
+    auto shapes = p->input_shapes;
+    if (b.max_batch > 1) {
+      for (auto& shape : shapes) {
+        if (!shape.empty()) shape[0] = -1;  // batches stack along dimension 0
+      }
+    }
+    block["input_shapes"] = shapes;
+    blocks_json.push_back(std::move(block));
+  }
+  json tasks_json = json::object();
+  for (const auto& v : tasks) {
+    if (!v.admitted) continue;
+    for (const auto& t : input.tasks) {
+      if (t.name == v.task) tasks_json[t.name] = t.path;
+    }
+  }
+  return json{{"blocks", blocks_json}, {"tasks", tasks_json}}.dump(2);
+}
+
+std::string Plan::report_json() const {
+  json tasks_json = json::array();
+  for (const auto& v : tasks) {
+    tasks_json.push_back({{"task", v.task}, {"admitted", v.admitted}, {"reason", v.reason}, {"rate_rps", v.rate_rps},
+                          {"slo_ms", v.slo_ms}, {"predicted_p50_ms", v.predicted_p50_ms}});
+  }
+  json sites_json = json::array();
+  for (const auto& s : sites) {
+    sites_json.push_back({{"site", s.site}, {"lanes", s.lanes}, {"lanes_used", s.lanes_used}, {"utilisation", s.utilisation},
+                          {"memory_bytes", s.memory_bytes}, {"memory_budget", s.memory_budget}, {"blocks", s.blocks}});
+  }
+  json blocks_json = json::array();
+  for (const auto& b : blocks) {
+    blocks_json.push_back({{"block", b.block}, {"site", b.site}, {"max_batch", b.max_batch}, {"workers", b.workers},
+                           {"rate_rps", b.rate_rps}, {"lanes_used", b.lanes_used}});
+  }
+  return json{{"tasks", tasks_json}, {"sites", sites_json}, {"blocks", blocks_json},
+              {"bottleneck_utilisation", bottleneck_utilisation}}
+      .dump(2);
+}
+
+}  // namespace blockflow

@@ -1,0 +1,406 @@
+// plan(): admission, placement and batch sizes from block profiles (docs/planner.md, "Algorithm").
+#include <blockflow/plan/planner.hpp>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <set>
+#include <tuple>
+
+namespace blockflow {
+namespace {
+
+constexpr double kEps = 1e-9;
+
+// The blocks, edges and demands of one set of tasks, and a placement of its blocks being evaluated.
+class Model {
+ public:
+  Model(const PlanInput& in, const std::vector<const PlanTask*>& tasks) : in_(in), tasks_(tasks) {
+    for (const PlanTask* t : tasks) {
+      for (std::size_t i = 0; i < t->path.size(); ++i) {
+        const int b = block_index(t->path[i]);
+        demand_[static_cast<std::size_t>(b)] += t->rate_rps;
+        if (i > 0) edges_.push_back({block_index(t->path[i - 1]), b, t->rate_rps});
+      }
+    }
+    site_.assign(blocks_.size(), -1);
+    batch_.assign(blocks_.size(), 1);
+    for (const auto& c : in.profile.channels) channel_[c.kind] = &c;
+  }
+
+  std::size_t blocks() const { return blocks_.size(); }
+  const BlockProfile& profile(int b) const { return *blocks_[static_cast<std::size_t>(b)]; }
+  double demand(int b) const { return demand_[static_cast<std::size_t>(b)]; }
+  int& site(int b) { return site_[static_cast<std::size_t>(b)]; }
+  int site(int b) const { return site_[static_cast<std::size_t>(b)]; }
+  int& batch(int b) { return batch_[static_cast<std::size_t>(b)]; }
+  int batch(int b) const { return batch_[static_cast<std::size_t>(b)]; }
+  const std::vector<const PlanTask*>& tasks() const { return tasks_; }
+
+  // Service time (ms) of one forward at max_batch k (the profile's p50; the nearest measured
+  // batch size below k when k was not measured).
+  double service_ms(int b, int k) const {
+    const BlockProfile& p = profile(b);
+    const BatchLatency* best = nullptr;
+    for (const auto& l : p.latency) {
+      if (l.batch <= k && (best == nullptr || l.batch > best->batch)) best = &l;
+    }
+    return best != nullptr ? best->p50_ms : 0.0;
+  }
+  // Requests per second one lane serves at max_batch k: the profiled maximum rate (frame-rate
+  // proportionality), scaled by the batch's throughput gain.
+  double capacity(int b, int k) const {
+    const BlockProfile& p = profile(b);
+    const double one = service_ms(b, 1);
+    double f = p.max_rate_rps > 0 ? p.max_rate_rps : (one > 0 ? 1000.0 / one : 1e9);
+    if (k > 1 && service_ms(b, k) > 0 && one > 0) {
+      const BatchLatency* measured = p.at_batch(k);
+      if (measured != nullptr) f *= k * one / measured->p50_ms;
+    }
+    return f;
+  }
+  double lanes_used(int b) const { return demand(b) / capacity(b, batch(b)); }
+  int workers(int b) const { return std::max(1, static_cast<int>(std::ceil(lanes_used(b) - kEps))); }
+
+  // The hand-off of block a's outputs to b: shared memory between two processes (workers' default
+  // channel), a reference inside one.
+  double handoff_ms(int a, int b) const {
+    const auto it = channel_.find(site(a) == site(b) ? "inproc" : "shm");
+    if (it == channel_.end()) return 0;
+    const double mb = static_cast<double>(profile(a).output_bytes) / 1048576.0;
+    return (it->second->fixed_us + it->second->us_per_mb * mb) / 1000.0;
+  }
+
+  struct Score {
+    double overflow = 0;     // lanes and memory beyond what sites have (0 when feasible)
+    double bottleneck = 0;   // the highest site utilisation
+    double traffic_ms = 0;   // hand-off time per second across sites
+    bool operator<(const Score& o) const {
+      return std::tie(overflow, bottleneck, traffic_ms) < std::tie(o.overflow, o.bottleneck, o.traffic_ms);
+    }
+  };
+
+  std::vector<SiteLoad> loads() const {
+    std::vector<SiteLoad> out;
+    for (const auto& s : in_.sites) out.push_back({s.name, s.lanes, 0, 0, 0, s.memory_budget, {}});
+    for (std::size_t b = 0; b < blocks_.size(); ++b) {
+      const int s = site_[b];
+      if (s < 0) continue;
+      out[static_cast<std::size_t>(s)].lanes_used += lanes_used(static_cast<int>(b));
+      out[static_cast<std::size_t>(s)].memory_bytes += blocks_[b]->memory_bytes;
+      out[static_cast<std::size_t>(s)].blocks.push_back(blocks_[b]->name);
+    }
+    for (const auto& e : edges_) {  // the receiver decodes: its lanes pay the hand-off
+      if (site(e.from) >= 0 && site(e.to) >= 0 && site(e.from) != site(e.to)) {
+        out[static_cast<std::size_t>(site(e.to))].lanes_used += e.rate * handoff_ms(e.from, e.to) / 1000.0;
+      }
+    }
+    for (std::size_t s = 0; s < out.size(); ++s) out[s].utilisation = out[s].lanes_used / usable_lanes(static_cast<int>(s));
+    return out;
+  }
+
+  Score score() const {
+    Score sc;
+    const auto l = loads();
+    for (std::size_t s = 0; s < l.size(); ++s) {
+      sc.bottleneck = std::max(sc.bottleneck, l[s].utilisation);
+      sc.overflow += std::max(0.0, l[s].lanes_used - usable_lanes(static_cast<int>(s)));
+      const double budget = usable_memory(static_cast<int>(s));
+      if (budget > 0) sc.overflow += std::max(0.0, static_cast<double>(l[s].memory_bytes) - budget) / 1048576.0;
+    }
+    for (std::size_t b = 0; b < blocks_.size(); ++b) {
+      if (site_[b] >= 0 && workers(static_cast<int>(b)) > in_.sites[static_cast<std::size_t>(site_[b])].lanes) {
+        sc.overflow += workers(static_cast<int>(b));  // more replicas than the site has lanes
+      }
+    }
+    for (const auto& e : edges_) {
+      if (site(e.from) != site(e.to)) sc.traffic_ms += e.rate * handoff_ms(e.from, e.to);
+    }
+    return sc;
+  }
+
+  double usable_lanes(int s) const {
+    const auto& site = in_.sites[static_cast<std::size_t>(s)];
+    return site.lanes * (1.0 - site.reserve);
+  }
+  double usable_memory(int s) const {
+    const auto& site = in_.sites[static_cast<std::size_t>(s)];
+    return site.memory_budget > 0 ? static_cast<double>(site.memory_budget) * (1.0 - site.reserve) : 0.0;
+  }
+  bool device_fits(int b, int s) const { return profile(b).device == in_.sites[static_cast<std::size_t>(s)].device; }
+
+  // Predicted p50 of a task: per block its service time at its batch size, the wait for a lane
+  // (M/D/1 at the site's utilisation, over its lanes) and, with batching, the wait for the batch to
+  // fill; plus the hand-offs between blocks.
+  double predicted_ms(const PlanTask& t) const {
+    const auto l = loads();
+    double ms = 0;
+    for (std::size_t i = 0; i < t.path.size(); ++i) {
+      const int b = index_.at(t.path[i]);
+      const int s = site(b);
+      const double rho = std::min(0.95, l[static_cast<std::size_t>(s)].utilisation);
+      const double service = service_ms(b, batch(b));
+      ms += service + rho / (2.0 * (1.0 - rho)) * service / std::max(1, in_.sites[static_cast<std::size_t>(s)].lanes);
+      if (batch(b) > 1) ms += std::min(2.0, 1000.0 * (batch(b) - 1) / (2.0 * demand(b)));  // max_batch_delay_ms
+      if (i > 0) ms += handoff_ms(index_.at(t.path[i - 1]), b);
+    }
+    return ms;
+  }
+
+  int index_of(const std::string& name) const { return index_.at(name); }
+
+ private:
+  struct Edge {
+    int from, to;
+    double rate;
+  };
+  int block_index(const std::string& name) {
+    auto it = index_.find(name);
+    if (it != index_.end()) return it->second;
+    const int i = static_cast<int>(blocks_.size());
+    blocks_.push_back(in_.profile.block(name));
+    demand_.push_back(0);
+    index_[name] = i;
+    return i;
+  }
+
+  const PlanInput& in_;
+  std::vector<const PlanTask*> tasks_;
+  std::vector<const BlockProfile*> blocks_;
+  std::map<std::string, int> index_;
+  std::vector<double> demand_;
+  std::vector<Edge> edges_;
+  std::vector<int> site_, batch_;
+  std::map<std::string, const ChannelCost*> channel_;
+};
+
+// Worst-fit decreasing by memory, GPU sites first; then moves and swaps while the score improves;
+// then larger batches for the blocks of an over-committed site, and again.
+void place(Model& m, const std::vector<PlanSite>& sites) {
+  std::vector<int> order(m.blocks());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return m.profile(a).memory_bytes > m.profile(b).memory_bytes; });
+  std::vector<int> site_order(sites.size());
+  std::iota(site_order.begin(), site_order.end(), 0);
+  std::stable_sort(site_order.begin(), site_order.end(), [&](int a, int b) {
+    return (sites[static_cast<std::size_t>(a)].device != "cpu") > (sites[static_cast<std::size_t>(b)].device != "cpu");
+  });
+  for (const int b : order) {
+    int best = -1;
+    Model::Score best_score;
+    for (const int s : site_order) {
+      if (!m.device_fits(b, s)) continue;
+      m.site(b) = s;
+      const Model::Score sc = m.score();
+      if (best < 0 || sc < best_score) {
+        best = s;
+        best_score = sc;
+      }
+    }
+    m.site(b) = best;  // -1: no site of its device
+  }
+  auto improve = [&] {
+    Model::Score current = m.score();
+    for (int round = 0; round < 64; ++round) {
+      bool better = false;
+      for (int b = 0; b < static_cast<int>(m.blocks()); ++b) {
+        for (int s = 0; s < static_cast<int>(sites.size()); ++s) {
+          if (s == m.site(b) || !m.device_fits(b, s)) continue;
+          const int was = m.site(b);
+          m.site(b) = s;
+          const Model::Score sc = m.score();
+          if (sc < current) {
+            current = sc;
+            better = true;
+          } else {
+            m.site(b) = was;
+          }
+        }
+        for (int c = b + 1; c < static_cast<int>(m.blocks()); ++c) {
+          if (m.site(b) == m.site(c) || !m.device_fits(b, m.site(c)) || !m.device_fits(c, m.site(b))) continue;
+          std::swap(m.site(b), m.site(c));
+          const Model::Score sc = m.score();
+          if (sc < current) {
+            current = sc;
+            better = true;
+          } else {
+            std::swap(m.site(b), m.site(c));
+          }
+        }
+      }
+      if (!better) break;
+    }
+    return current;
+  };
+  Model::Score sc = improve();
+  // Greedy max_batch: while a site is over-committed, the block there whose larger batch frees the
+  // most lanes takes it.
+  while (sc.overflow > kEps) {
+    int pick = -1, to = 1;
+    double freed = 0;
+    for (int b = 0; b < static_cast<int>(m.blocks()); ++b) {
+      for (const auto& l : m.profile(b).latency) {
+        if (l.batch <= m.batch(b)) continue;
+        const double before = m.lanes_used(b);
+        const int was = m.batch(b);
+        m.batch(b) = l.batch;
+        const double gain = before - m.lanes_used(b);
+        m.batch(b) = was;
+        if (gain > freed + kEps) {
+          pick = b;
+          to = l.batch;
+          freed = gain;
+        }
+        break;  // one step at a time: the next larger batch size
+      }
+    }
+    if (pick < 0) break;
+    m.batch(pick) = to;
+    sc = improve();
+  }
+}
+
+absl::Status check(const PlanInput& in) {
+  if (in.sites.empty()) return absl::InvalidArgumentError("plan: no sites");
+  std::set<std::string> names;
+  for (const auto& s : in.sites) {
+    if (!names.insert(s.name).second) return absl::InvalidArgumentError(fmt::format("site '{}': named twice", s.name));
+    if (s.kind != "threads" && s.kind != "worker") {
+      return absl::InvalidArgumentError(fmt::format("site '{}': kind '{}' is neither \"threads\" nor \"worker\"", s.name, s.kind));
+    }
+    if (s.lanes < 1) return absl::InvalidArgumentError(fmt::format("site '{}': lanes must be at least 1", s.name));
+    if (s.memory_budget < 0) return absl::InvalidArgumentError(fmt::format("site '{}': memory_budget < 0", s.name));
+    if (s.reserve < 0 || s.reserve > 0.9) return absl::InvalidArgumentError(fmt::format("site '{}': reserve must be in 0..0.9", s.name));
+  }
+  names.clear();
+  for (const auto& t : in.tasks) {
+    if (!names.insert(t.name).second) return absl::InvalidArgumentError(fmt::format("task '{}': named twice", t.name));
+    if (t.path.empty()) return absl::InvalidArgumentError(fmt::format("task '{}': empty path", t.name));
+    if (!(t.rate_rps > 0)) return absl::InvalidArgumentError(fmt::format("task '{}': rate_rps must be > 0", t.name));
+    if (!(t.slo_ms > 0)) return absl::InvalidArgumentError(fmt::format("task '{}': slo_ms must be > 0", t.name));
+    std::set<std::string> seen;
+    for (const auto& b : t.path) {
+      const BlockProfile* p = in.profile.block(b);
+      if (p == nullptr) return absl::InvalidArgumentError(fmt::format("task '{}': block '{}' is not in the profile", t.name, b));
+      if (p->at_batch(1) == nullptr) return absl::InvalidArgumentError(fmt::format("block '{}': the profile has no batch-1 latency", b));
+      if (!seen.insert(b).second) return absl::InvalidArgumentError(fmt::format("task '{}': visits block '{}' twice", t.name, b));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Why `task` does not fit next to `admitted` (whose placement is `before`).
+std::string refusal(const PlanInput& in, const PlanTask& task, const Model& with, const Model* before) {
+  const Model::Score sc = with.score();
+  for (std::size_t i = 0; i < task.path.size(); ++i) {
+    const int b = with.index_of(task.path[i]);
+    if (with.site(b) < 0) return fmt::format("block '{}' runs on {}, and no site has that device", task.path[i], with.profile(b).device);
+  }
+  if (sc.overflow > kEps) {
+    // Memory first: the block of the task that needs most against the most any site has left.
+    for (std::size_t s = 0; s < in.sites.size(); ++s) {
+      const double budget = with.usable_memory(static_cast<int>(s));
+      const auto l = with.loads();
+      if (budget > 0 && static_cast<double>(l[s].memory_bytes) > budget) {
+        double most_left = 0;
+        const auto base = before != nullptr ? before->loads() : std::vector<SiteLoad>{};
+        for (std::size_t r = 0; r < in.sites.size(); ++r) {
+          const double used = r < base.size() ? static_cast<double>(base[r].memory_bytes) : 0.0;
+          if (with.usable_memory(static_cast<int>(r)) > 0) most_left = std::max(most_left, with.usable_memory(static_cast<int>(r)) - used);
+        }
+        std::string heaviest;
+        std::int64_t need = -1;
+        for (const auto& name : task.path) {
+          const auto* p = in.profile.block(name);
+          if (p->memory_bytes > need) {
+            need = p->memory_bytes;
+            heaviest = name;
+          }
+        }
+        return fmt::format("needs {:.1f} MB for block '{}'; the most any site has left is {:.1f} MB",
+                           static_cast<double>(need) / 1048576.0, heaviest, most_left / 1048576.0);
+      }
+    }
+    std::string worst;
+    double need = -1, per_lane = 0;
+    for (const auto& name : task.path) {
+      const int b = with.index_of(name);
+      const double lanes = task.rate_rps / with.capacity(b, with.batch(b));
+      if (lanes > need) {
+        need = lanes;
+        worst = name;
+        per_lane = with.capacity(b, with.batch(b));
+      }
+    }
+    double left = 0;
+    const auto base = before != nullptr ? before->loads() : std::vector<SiteLoad>{};
+    for (std::size_t s = 0; s < in.sites.size(); ++s) {
+      left += with.usable_lanes(static_cast<int>(s)) - (s < base.size() ? base[s].lanes_used : 0.0);
+    }
+    return fmt::format("needs {:.1f} req/s of block '{}' ({:.2f} lanes at {:.1f} req/s per lane); the sites have {:.2f} lanes left",
+                       task.rate_rps, worst, need, per_lane, std::max(0.0, left));
+  }
+  for (const PlanTask* t : with.tasks()) {
+    const double p = with.predicted_ms(*t);
+    if (p > t->slo_ms) {
+      return t == &task ? fmt::format("predicted p50 {:.1f} ms exceeds its SLO of {:.1f} ms", p, t->slo_ms)
+                        : fmt::format("it would push task '{}' to a predicted p50 of {:.1f} ms, over its SLO of {:.1f} ms",
+                                      t->name, p, t->slo_ms);
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+absl::StatusOr<Plan> plan(const PlanInput& in) {
+  if (auto status = check(in); !status.ok()) return status;
+  Plan out;
+  std::vector<const PlanTask*> admitted;
+  std::unique_ptr<Model> current;
+  for (const PlanTask& t : in.tasks) {
+    std::vector<const PlanTask*> candidate = admitted;
+    candidate.push_back(&t);
+    auto trial = std::make_unique<Model>(in, candidate);
+    place(*trial, in.sites);
+    TaskVerdict v{t.name, false, "", t.rate_rps, t.slo_ms, 0};
+    v.reason = refusal(in, t, *trial, current.get());
+    bool placed = true;
+    for (int b = 0; b < static_cast<int>(trial->blocks()); ++b) placed = placed && trial->site(b) >= 0;
+    if (placed) v.predicted_p50_ms = trial->predicted_ms(t);
+    if (v.reason.empty()) {
+      v.admitted = true;
+      admitted = std::move(candidate);
+      current = std::move(trial);
+    } else {
+      v.reason = fmt::format("task '{}': {}", t.name, v.reason);
+    }
+    out.tasks.push_back(std::move(v));
+  }
+  if (!current) {
+    for (const auto& site : in.sites) out.sites.push_back({site.name, site.lanes, 0, 0, 0, site.memory_budget, {}});
+    return out;
+  }
+  for (auto& v : out.tasks) {  // the admitted tasks' predictions with the final placement
+    for (const PlanTask* t : admitted) {
+      if (v.admitted && t->name == v.task) v.predicted_p50_ms = current->predicted_ms(*t);
+    }
+  }
+  for (const auto& p : in.profile.blocks) {  // profile order
+    bool used = false;
+    for (const PlanTask* t : admitted) used = used || std::count(t->path.begin(), t->path.end(), p.name) > 0;
+    if (!used) continue;
+    const int b = current->index_of(p.name);
+    out.blocks.push_back({p.name, in.sites[static_cast<std::size_t>(current->site(b))].name, current->batch(b),
+                          current->workers(b), current->demand(b), current->lanes_used(b)});
+  }
+  out.sites = current->loads();
+  for (const auto& l : out.sites) out.bottleneck_utilisation = std::max(out.bottleneck_utilisation, l.utilisation);
+  return out;
+}
+
+}  // namespace blockflow
