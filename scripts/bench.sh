@@ -20,7 +20,9 @@
 #   RSS, shm slots in use, descriptors), then a "final" line with the RSS slopes and one boolean per target;
 #   metrics_http: the metrics HTTP endpoint's scrape latency while 16 clients trickle request bytes,
 #   and the threads it adds, next to cpp-httplib's in the same run where libcpp-httplib-dev is installed
-#   (not a dependency: the line is there only if the build found it).
+#   (not a dependency: the line is there only if the build found it); plan_quality: the planner's
+#   heuristic against the exhaustive optimum on 50 random instances, and its time for 20 blocks over 4
+#   sites; profile: blockflow-profile's wall time on the four ResNet50 blocks at batch 1-8.
 # Environment: BENCH_REQUESTS (pipeline requests, default 300), BENCH_THREADS (intra-op threads per
 # block and for the monolithic model, default 2), BENCH_HOP_ITERATIONS (default 20000),
 # BENCH_SAMPLER_REQUESTS (sampler_cost requests, default 1000), BENCH_ROUND (pipeline: requests per
@@ -39,7 +41,7 @@ for arg in "$@"; do
 done
 set -- ${names[@]+"${names[@]}"}
 if [ $# -eq 0 ]; then
-  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http)" >&2
+  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality profile)" >&2
   exit 2
 fi
 if [ "$plot" = 1 ]; then
@@ -110,12 +112,33 @@ for name in "$@"; do
         --seconds "${BENCH_SOAK_S:-600}" ;;
     metrics_http)
       "$BUILD_DIR/bench/metrics_http_bench" --tricklers 16 --scrapes 10 ;;
+    plan_quality)
+      "$BUILD_DIR/bench/plan_quality_bench" ;;
+    profile)
+      # Wall time of blockflow-profile on the four blocks at batch 1, 2, 4, 8 (and the channels).
+      "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
+      out="$(mktemp)"
+      start=$(date +%s.%N)
+      "$BUILD_DIR/tools/blockflow-profile" "$BUILD_DIR"/models/block{1,2,3,4}.pt --input 1,3,224,224 \
+        --threads "${BENCH_THREADS:-2}" --out "$out" 2>/dev/null
+      end=$(date +%s.%N)
+      "$PYTHON" - "$out" "$start" "$end" <<'PY'
+import json, os, sys
+p = json.load(open(sys.argv[1]))
+print(json.dumps({"bench": "profile", "blocks": len(p["blocks"]), "batches": [l["batch"] for l in p["blocks"][0]["latency"]],
+                  "wall_s": round(float(sys.argv[3]) - float(sys.argv[2]), 1),
+                  "p50_ms_batch1": {b["name"]: round(b["latency"][0]["p50_ms"], 2) for b in p["blocks"]},
+                  "max_rate_rps": {b["name"]: round(b["max_rate_rps"], 1) for b in p["blocks"]},
+                  "memory_mb": {b["name"]: round(b["memory_bytes"] / 1048576, 1) for b in p["blocks"]},
+                  "channels": p["channels"], "cpu": p["machine"]["cpu"], "hardware_threads": p["machine"]["hardware_threads"]}))
+PY
+      rm -f "$out" ;;
     batching)
       "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
       "$PYTHON" "$ROOT/scripts/batching_bench.py" "$BUILD_DIR/tools/blockflow-loadgen" "$BUILD_DIR/models" \
         --threads "${BENCH_THREADS:-2}" ${BENCH_RATES:+--rates "$BENCH_RATES"} ;;
     *)
-      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http)" >&2
+      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality profile)" >&2
       exit 2 ;;
   esac
 done

@@ -178,9 +178,38 @@ class Model {
   std::map<std::string, const ChannelCost*> channel_;
 };
 
+// Every placement (sites^blocks): the optimum of the score.
+Model::Score search_all(Model& m, const std::vector<PlanSite>& sites) {
+  const int n = static_cast<int>(m.blocks()), k = static_cast<int>(sites.size());
+  std::vector<int> best(static_cast<std::size_t>(n), -1), at(static_cast<std::size_t>(n), 0);
+  Model::Score best_score;
+  bool found = false;
+  while (true) {
+    bool fits = true;
+    for (int b = 0; b < n; ++b) {
+      m.site(b) = at[static_cast<std::size_t>(b)];
+      fits = fits && m.device_fits(b, m.site(b));
+    }
+    if (fits) {
+      const Model::Score sc = m.score();
+      if (!found || sc < best_score) {
+        best_score = sc;
+        for (int b = 0; b < n; ++b) best[static_cast<std::size_t>(b)] = m.site(b);
+        found = true;
+      }
+    }
+    int i = 0;
+    while (i < n && ++at[static_cast<std::size_t>(i)] == k) at[static_cast<std::size_t>(i++)] = 0;
+    if (i == n) break;
+  }
+  for (int b = 0; b < n; ++b) m.site(b) = best[static_cast<std::size_t>(b)];
+  return found ? best_score : m.score();
+}
+
 // Worst-fit decreasing by memory, GPU sites first; then moves and swaps while the score improves;
-// then larger batches for the blocks of an over-committed site, and again.
-void place(Model& m, const std::vector<PlanSite>& sites) {
+// then larger batches for the blocks of an over-committed site, and again. Exhaustive: every
+// placement instead of the first two steps.
+void place(Model& m, const std::vector<PlanSite>& sites, bool exhaustive) {
   std::vector<int> order(m.blocks());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return m.profile(a).memory_bytes > m.profile(b).memory_bytes; });
@@ -189,7 +218,7 @@ void place(Model& m, const std::vector<PlanSite>& sites) {
   std::stable_sort(site_order.begin(), site_order.end(), [&](int a, int b) {
     return (sites[static_cast<std::size_t>(a)].device != "cpu") > (sites[static_cast<std::size_t>(b)].device != "cpu");
   });
-  for (const int b : order) {
+  for (const int b : exhaustive ? std::vector<int>{} : order) {
     int best = -1;
     Model::Score best_score;
     for (const int s : site_order) {
@@ -204,6 +233,7 @@ void place(Model& m, const std::vector<PlanSite>& sites) {
     m.site(b) = best;  // -1: no site of its device
   }
   auto improve = [&] {
+    if (exhaustive) return search_all(m, sites);
     Model::Score current = m.score();
     for (int round = 0; round < 64; ++round) {
       bool better = false;
@@ -357,8 +387,15 @@ std::string refusal(const PlanInput& in, const PlanTask& task, const Model& with
 
 }  // namespace
 
-absl::StatusOr<Plan> plan(const PlanInput& in) {
+absl::StatusOr<Plan> plan(const PlanInput& in, const PlanOptions& options) {
   if (auto status = check(in); !status.ok()) return status;
+  if (options.exhaustive) {
+    std::set<std::string> blocks;
+    for (const auto& t : in.tasks) blocks.insert(t.path.begin(), t.path.end());
+    if (blocks.size() > 12) {
+      return absl::InvalidArgumentError(fmt::format("plan: an exhaustive search over {} blocks is too long (12 at most)", blocks.size()));
+    }
+  }
   Plan out;
   std::vector<const PlanTask*> admitted;
   std::unique_ptr<Model> current;
@@ -366,7 +403,7 @@ absl::StatusOr<Plan> plan(const PlanInput& in) {
     std::vector<const PlanTask*> candidate = admitted;
     candidate.push_back(&t);
     auto trial = std::make_unique<Model>(in, candidate);
-    place(*trial, in.sites);
+    place(*trial, in.sites, options.exhaustive);
     TaskVerdict v{t.name, false, "", t.rate_rps, t.slo_ms, 0};
     v.reason = refusal(in, t, *trial, current.get());
     bool placed = true;

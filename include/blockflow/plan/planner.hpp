@@ -91,11 +91,18 @@ struct Plan {
   [[nodiscard]] std::string report_json() const;
 };
 
+/// @brief How to search for placements.
+struct PlanOptions {
+  /// Try every placement of the blocks (sites^blocks, at most 12 blocks) instead of the heuristic:
+  /// the optimum of the same objective, for small deployments and to measure the heuristic against.
+  bool exhaustive = false;
+};
+
 /// @brief Plans `input` (docs/planner.md, "Algorithm"). InvalidArgument naming the task, block or
 /// site at fault for inputs that cannot be planned at all (a task over a block the profile lacks,
 /// no site, duplicate names, a rate, SLO or lane count out of range). A task that does not fit is
 /// not an error: it is refused in the plan, with the reason.
-absl::StatusOr<Plan> plan(const PlanInput& input);
+absl::StatusOr<Plan> plan(const PlanInput& input, const PlanOptions& options = {});
 
 /// @brief Reads the planner's inputs: one or more profile files (their blocks merged; the first's
 /// channels and machine), a tasks file and a sites file (docs/planner.md, "Inputs"). Errors name
