@@ -102,8 +102,10 @@ std::map<std::string, Family> parse_prometheus(const std::string& text) {
 
 // A session with a block in threads and one in a worker over shared memory, traffic done.
 void busy_session(Session& session) {
+  auto affine = test::plugin_block("affine", "affine", "w1");
+  affine.options.memory_bytes = 1 << 20;  // a profiled block: the site's memory figures are exported
   session.add_site(make_worker(test::test_worker("w1", "shm")))
-      .add_block(test::plugin_block("affine", "affine", "w1"))
+      .add_block(affine)
       .add_block(test::unary("double", [](const Tensor& x) { return x * 2; }))
       .add_path(Path::chain("t", {"affine", "double"}));
   test::require_started(session);

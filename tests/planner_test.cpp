@@ -172,6 +172,7 @@ TEST_CASE("plans are deterministic, and the deployment they write is one Session
     CHECK(b.torchscript == "/models/" + b.name + ".pt");
     CHECK(b.placement == (site_of(first, b.name) == "host" ? "" : "w1"));
     CHECK(b.options.intra_op_threads == 2);
+    CHECK(b.options.memory_bytes == std::int64_t{10} << 20);  // the profile's, for admission
   }
 }
 

@@ -1,6 +1,6 @@
 // blockflow-plan: admits tasks and places blocks from profiles (docs/planner.md).
 //
-//   blockflow-plan profile.json [more.json...] --tasks tasks.json --sites sites.json \
+//   blockflow-plan profile.json [more.json...] --tasks tasks.json --sites sites.json
 //                  [--out deployment.json] [--report report.json]
 //
 // Writes the deployment of the admitted tasks (what `blockflowctl apply` and Session::apply()

@@ -47,6 +47,7 @@ absl::Status validate(const std::string& block, const BlockOptions& o) {
   if (o.max_batch < 1) return bad("max_batch must be >= 1");
   if (!(o.max_batch_delay_ms >= 0)) return bad("max_batch_delay_ms must be >= 0");
   if (o.warmup_runs < 0) return bad("warmup_runs must be >= 0");
+  if (o.memory_bytes < 0) return bad("memory_bytes must be >= 0");
   return absl::OkStatus();
 }
 

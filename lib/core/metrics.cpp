@@ -192,6 +192,15 @@ std::string MetricsSnapshot::to_prometheus() const {
     e.add("blockflow_block_queue_dropped_total", "counter", "Requests evicted from a full queue (policy drop-oldest).", l,
           static_cast<double>(b.queue.dropped));
   }
+  for (const auto& m : memory) {
+    const Exposition::Labels l = {{"site", m.site}};
+    e.add("blockflow_site_memory_budget_bytes", "gauge", "Memory a site's blocks may take by their profiles (0: no budget).", l,
+          static_cast<double>(m.budget_bytes));
+    e.add("blockflow_site_memory_profiled_bytes", "gauge", "The sum of a site's blocks' profiled memory.", l,
+          static_cast<double>(m.profiled_bytes));
+    e.add("blockflow_site_memory_measured_bytes", "gauge", "What a site's resident memory grew by with its blocks.", l,
+          static_cast<double>(m.measured_bytes));
+  }
   for (const auto& lane : lanes) {
     const Exposition::Labels l = {{"lane", std::to_string(lane.index)}};
     e.add("blockflow_lane_runs_total", "counter", "Block work units (requests or batches) a compute lane ran.", l,

@@ -155,6 +155,12 @@ absl::Status SessionCore::build() {
     if (auto status = check_device(*block); !status.ok()) return status;
     if (auto status = add_runtime(make_runtime(block)); !status.ok()) return status;
   }
+  std::vector<MemoryClaim> claims;
+  for (const auto& block : pending_blocks_) claims.push_back({"", block->name(), block->options().memory_bytes});
+  for (const auto& d : pending_descriptions_) claims.push_back({d.placement, d.name, d.options.memory_bytes});
+  if (auto status = check_memory(claims, [this](const std::string& site) { return memory_budget_of(site); }); !status.ok()) {
+    return status;
+  }
   std::vector<const BlockDescription*> local;
   for (const auto& description : pending_descriptions_) {
     if (description.placement.empty()) local.push_back(&description);
@@ -204,6 +210,7 @@ absl::Status SessionCore::start() {
   if (started_.exchange(true)) return absl::FailedPreconditionError("Session::start() called twice");
   lanes_ = std::make_unique<ComputeLanes>(lane_options());
   lanes_->start();
+  note_memory_baseline();
   if (auto status = build(); !status.ok()) {
     stopped_ = true;
     lanes_->stop();
@@ -220,6 +227,7 @@ absl::Status SessionCore::start() {
     shutdown(absl::ZeroDuration());
     return status;
   }
+  note_memory();
   admitting_ = true;
   return absl::OkStatus();
 }

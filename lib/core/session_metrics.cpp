@@ -61,6 +61,7 @@ MetricsSnapshot SessionCore::metrics() const {
       snapshot.lanes.push_back(lane);
     }
   }
+  snapshot.memory = memory_;
   snapshot.sampling = sampler_.enabled();
   snapshot.sampling_period_s = absl::ToDoubleSeconds(sampler_.period());
   if (snapshot.sampling) snapshot.host = sampler_.latest();

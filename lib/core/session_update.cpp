@@ -49,6 +49,10 @@ struct SessionCore::UpdateWork {
   [[nodiscard]] absl::Status invalid(const std::string& what) const {
     return absl::InvalidArgumentError(fmt::format("update {} rejected, nothing changed: {}", version, what));
   }
+  /// The same, keeping the status's code (ResourceExhausted for a memory budget).
+  [[nodiscard]] absl::Status refused(const absl::Status& why) const {
+    return absl::Status(why.code(), fmt::format("update {} rejected, nothing changed: {}", version, std::string(why.message())));
+  }
   [[nodiscard]] absl::Status cancelled() const {
     return absl::CancelledError(fmt::format("update {} cancelled, nothing changed", version));
   }
@@ -105,6 +109,7 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
   update_publish(u);
   update_drain(u, drain);
   collect_retired();
+  note_memory();
   return u.version;
 }
 
@@ -201,7 +206,25 @@ absl::Status SessionCore::update_diff(UpdateWork& u) {
                                    "start one (add_deployment() installs one for worker processes)", d.name, d.placement));
     }
   }
+  // Memory budgets of the sites there are (new ones are checked once made, in update_load()).
+  if (auto status = check_memory(memory_claims(u), [this](const std::string& site) { return memory_budget_of(site); });
+      !status.ok()) {
+    return u.refused(status);
+  }
   return absl::OkStatus();
+}
+
+// The blocks the update leaves on each site: those that stay, and the added ones.
+std::vector<SessionCore::MemoryClaim> SessionCore::memory_claims(const UpdateWork& u) const {
+  std::vector<MemoryClaim> claims;
+  for (const auto& runtime : blocks_) {
+    if (std::find(u.removed.begin(), u.removed.end(), runtime.get()) != u.removed.end()) continue;
+    claims.push_back({runtime->site ? runtime->site->site->name() : "",
+                      runtime->name(),
+                      runtime->block ? runtime->block->options().memory_bytes : runtime->description.options.memory_bytes});
+  }
+  for (const auto& d : u.added) claims.push_back({d.placement, d.name, d.options.memory_bytes});
+  return claims;
 }
 
 SiteRuntime* SessionCore::site_named(const std::string& name) const {
@@ -251,6 +274,15 @@ absl::Status SessionCore::update_load(UpdateWork& u) {
     if (auto status = check_device(**block); !status.ok()) return u.invalid(std::string(status.message()));
     u.fresh.push_back(make_runtime(*std::move(block)));
     u.fresh.back()->description = d;
+  }
+  if (!u.new_sites.empty()) {  // the sites the factory just made have their budgets now
+    auto status = check_memory(memory_claims(u), [&](const std::string& site) -> std::int64_t {
+      for (const auto& made : u.new_sites) {
+        if (made->site->name() == site) return made->site->memory_budget();
+      }
+      return 0;  // checked in update_diff()
+    });
+    if (!status.ok()) return u.refused(status);
   }
   u.timing.load_ms = ms_since(t_load);  // this process's blocks built; sites and warm-up follow in 4
   return absl::OkStatus();

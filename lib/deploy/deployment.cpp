@@ -59,6 +59,7 @@ nlohmann::json block_to_json(const BlockDescription& d) {
           {"warmup_runs", o.warmup_runs},
           {"max_batch", o.max_batch},
           {"max_batch_delay_ms", o.max_batch_delay_ms},
+          {"memory_bytes", o.memory_bytes},
           {"freeze", d.torchscript_options.freeze},
           // Only a frozen module is optimized: an unfrozen one never claims it (block_from_json refuses that).
           {"optimize_for_inference", d.torchscript_options.freeze && d.torchscript_options.optimize_for_inference}};
@@ -106,7 +107,7 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
   static const std::set<std::string> known = {"name",         "torchscript", "factory",        "placement",
                                               "device",       "intra_op_threads", "workers",   "queue_capacity",
                                               "full_policy",  "input_shapes", "warmup_runs", "max_batch",
-                                              "max_batch_delay_ms", "freeze",      "optimize_for_inference"};
+                                              "max_batch_delay_ms", "freeze",      "optimize_for_inference", "memory_bytes"};
   for (const auto& [key, value] : json.items()) {
     if (known.count(key) == 0) return absl::InvalidArgumentError(fmt::format("block '{}': unknown field '{}'", d.name, key));
   }
@@ -126,6 +127,7 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
     get("warmup_runs", o.warmup_runs);
     get("max_batch", o.max_batch);
     get("max_batch_delay_ms", o.max_batch_delay_ms);
+    get("memory_bytes", o.memory_bytes);
     get("freeze", d.torchscript_options.freeze);
     // Unfrozen means not optimized either, unless asked for (which is then refused below).
     if (!d.torchscript_options.freeze) d.torchscript_options.optimize_for_inference = false;

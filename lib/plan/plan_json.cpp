@@ -109,7 +109,7 @@ std::string Plan::deployment_json(const PlanInput& input) const {
   for (const auto& b : blocks) {
     const BlockProfile* p = input.profile.block(b.block);
     json block = {{"name", b.block}, {"intra_op_threads", p->intra_op_threads}, {"workers", b.workers},
-                  {"max_batch", b.max_batch}, {"device", p->device}};
+                  {"max_batch", b.max_batch}, {"device", p->device}, {"memory_bytes", p->memory_bytes}};
     const bool torchscript = p->source.size() > 3 && p->source.compare(p->source.size() - 3, 3, ".pt") == 0;
     block[torchscript ? "torchscript" : "factory"] = p->source;
     for (const auto& s : input.sites) {

@@ -327,6 +327,8 @@ std::string WorkerSite::result_endpoint() const { return impl_->result_endpoint;
 std::string WorkerSite::request_endpoint() const { return impl_->request_endpoint; }
 std::string WorkerSite::peer_endpoint() const { return impl_->peer; }
 
+std::int64_t WorkerSite::memory_budget() const { return impl_->options.memory_budget; }
+
 std::string WorkerSite::join_endpoint() const { return impl_->joined() ? impl_->control_endpoint : std::string(); }
 }  // namespace blockflow
 

@@ -45,12 +45,18 @@ struct BlockOptions {
   /// the request's wait.
   int max_batch = 1;
   double max_batch_delay_ms = 2.0;
+  /// Resident memory the block adds where it runs, as profiled (BlockProfile::memory_bytes; the
+  /// planner writes it into deployments); 0: unknown. A site with a memory budget
+  /// (SessionOptions::memory_budget, WorkerOptions::memory_budget) refuses, at start() and
+  /// apply(), blocks whose profiled memory exceeds it; after loading, the session compares what
+  /// the site's memory grew by with the profile (docs/planner.md, "Admission").
+  std::int64_t memory_bytes = 0;
 };
 
 /// @brief Checks a block's options, the one rule for every way a block is made (Block's
 /// constructor, Deployment::parse(), worker configurations): a device libtorch parses and that is
 /// cpu or cuda[:N], workers >= 1, queue_capacity >= 1, intra_op_threads >= 0, max_batch >= 1,
-/// max_batch_delay_ms >= 0, warmup_runs >= 0. InvalidArgument naming the block and the field.
+/// max_batch_delay_ms >= 0, warmup_runs >= 0, memory_bytes >= 0. InvalidArgument naming the block and the field.
 absl::Status validate(const std::string& block, const BlockOptions& options);
 
 /// @brief A unit of compute with a name and a device.

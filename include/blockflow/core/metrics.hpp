@@ -46,6 +46,18 @@ struct LaneMetrics {
   double utilisation = 0;                  ///< busy_s / the lane's lifetime
 };
 
+/// @brief A site's memory against its blocks' profiles (BlockOptions::memory_bytes), as of the
+/// last start() or apply(). "threads" is the session's own process.
+struct SiteMemory {
+  std::string site;
+  std::int64_t budget_bytes = 0;    ///< 0: no budget
+  std::int64_t profiled_bytes = 0;  ///< the sum of its blocks' profiled memory (0: none profiled)
+  /// What its resident memory grew by with its blocks: a worker's RSS over its RSS before it loaded
+  /// any; the session's RSS over its RSS before start() built its blocks (0 also when a worker did
+  /// not report its RSS).
+  std::int64_t measured_bytes = 0;
+};
+
 /// @brief Per-path (task) aggregates since the session started.
 struct PathMetrics {
   std::string task;
@@ -87,6 +99,7 @@ struct MetricsSnapshot {
   std::vector<SiteStats> sites;  ///< worker processes and other remote sites
   std::vector<LaneMetrics> lanes;  ///< this process's compute lanes
   int lane_intra_op_threads = 0;   ///< each lane's OpenMP team (0: libtorch's default)
+  std::vector<SiteMemory> memory;  ///< sites whose blocks carry a profiled memory_bytes, or with a budget
 
   /// @brief JSON object; `indent` < 0 gives one line. Keys: docs/metrics.md.
   [[nodiscard]] std::string to_json(int indent = -1) const;

@@ -122,6 +122,9 @@ class RemoteSite {
   /// keeps a block's outputs when Envelope::outputs_may_stay is set). Empty: nowhere, the default.
   /// The session asks once the site has started.
   [[nodiscard]] virtual std::string peer_endpoint() const { return {}; }
+  /// @brief Bytes of resident memory the site's blocks may take, by their profiled
+  /// BlockOptions::memory_bytes (the session refuses more at start() and apply()); 0: no budget.
+  [[nodiscard]] virtual std::int64_t memory_budget() const { return 0; }
   /// @brief Switches the site's own KPI sampler (its process's figures, reported in stats().kpi).
   /// The default does nothing: a site without a process of its own has nothing to sample.
   virtual void set_sampling(bool enabled, absl::Duration period) {

@@ -34,6 +34,9 @@ struct SessionOptions {
   int intra_op_threads = 0;
   /// How long an idle lane polls for work before it sleeps.
   absl::Duration receive_spin = absl::Microseconds(50);
+  /// Bytes of resident memory the blocks of this process (the "threads" site) may take, by their
+  /// profiled BlockOptions::memory_bytes; start() and apply() refuse more. 0: no budget.
+  std::int64_t memory_budget = 0;
 };
 
 namespace detail {

@@ -10,7 +10,7 @@
 /// {"blocks": ["block1",
 ///             {"name": "block2", "torchscript": "b2.pt", "placement": "w1", "intra_op_threads": 2,
 ///              "workers": 1, "queue_capacity": 64, "full_policy": "reject", "device": "cpu",
-///              "input_shapes": [[-1, 256, 56, 56]], "warmup_runs": 1},
+///              "input_shapes": [[-1, 256, 56, 56]], "warmup_runs": 1, "memory_bytes": 104857600},
 ///             {"name": "scale", "factory": "scale", "placement": "w1"}],
 ///  "tasks": {"task1": ["block1", "block2"], "task2": ["block1", "scale"]}}
 /// @endcode

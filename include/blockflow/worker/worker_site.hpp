@@ -97,6 +97,9 @@ struct WorkerOptions {
   /// Direct edges: bound on the bytes of outputs the worker keeps for other workers at a time (it
   /// also keeps at most 2 x max_in_flight of them); beyond it, outputs come back to the session.
   std::uint64_t max_parked_bytes = std::uint64_t{1} << 30;
+  /// Bytes of resident memory this worker's blocks may take, by their profiled
+  /// BlockOptions::memory_bytes; the session refuses more at start() and apply(). 0: no budget.
+  std::int64_t memory_budget = 0;
   /// Compute lanes of the worker process (SessionOptions::lanes): 0, as many as its cores hold
   /// OpenMP teams of its blocks' intra-op threads.
   int lanes = 0;
@@ -154,6 +157,7 @@ class WorkerSite final : public RemoteSite {
   /// directory) where other workers of the session send this worker its requests' parked inputs.
   /// Empty otherwise.
   [[nodiscard]] std::string peer_endpoint() const override;
+  [[nodiscard]] std::int64_t memory_budget() const override;
 
  private:
   struct Impl;

@@ -153,6 +153,22 @@ class SessionCore {
   // Queues `envelope` for the target node's block, or hands it to the block's site at once.
   void hand_over(const PlanNode& target, Envelope&& envelope);
   bool try_site_now(BlockRuntime& runtime, Envelope& envelope);
+  // Memory admission (lib/core/session_memory.cpp). A block's claim on a site: its profiled
+  // BlockOptions::memory_bytes; "threads" is this process.
+  struct MemoryClaim {
+    std::string site;
+    std::string block;
+    std::int64_t bytes = 0;
+  };
+  // ResourceExhausted naming the first site whose claims exceed its budget (budget_of: 0, none).
+  static absl::Status check_memory(const std::vector<MemoryClaim>& claims,
+                                   const std::function<std::int64_t(const std::string& site)>& budget_of);
+  std::int64_t memory_budget_of(const std::string& site) const;
+  std::vector<MemoryClaim> memory_claims(const UpdateWork& u) const;
+  // After start() and apply(): each site's growth against its blocks' profiles, logged when off by
+  // more than 20%, kept for metrics().
+  void note_memory();
+  void note_memory_baseline();  // start(), before its blocks are built
   void fail(const StatePtr& state, absl::Status status);
   void resolve(const StatePtr& state, absl::Status status, Tensors outputs);
   void reject_now(const std::string& task, absl::Status status, const std::function<void(Result&&)>& done);
@@ -198,6 +214,8 @@ class SessionCore {
   std::atomic<bool> started_{false};
   std::atomic<bool> stopped_{false};
   std::int64_t started_ns_ = 0;
+  std::int64_t rss_baseline_ = 0;         // this process's RSS before start() built its blocks
+  std::vector<SiteMemory> memory_;        // under state_mu_: note_memory()'s last figures
   // Lock order: shutdown_mu_ (shutdown() only), then update_mu_ (one apply() at a time, and
   // shutdown() once it has cancelled it), then state_mu_ / busy_mu_ / routing_mu_ / live_mu_.
   blockflow::detail::Mutex shutdown_mu_;

@@ -33,9 +33,10 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(BlockMetrics, name, kind, device
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(PathMetrics, task, active, submitted, completed, failed, e2e, wait, compute,
                                                 overhead, throughput_per_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(LaneMetrics, index, runs, tasks, inline_continuations, busy_s, utilisation)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteMemory, site, budget_bytes, profiled_bytes, measured_bytes)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(UpdateStats, version, blocks_added, blocks_removed, sites_started,
                                                 sites_stopped, load_ms, route_ms, drain_ms, total_ms)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(MetricsSnapshot, uptime_s, in_flight, version, last_update, retired_blocks, auth_failures, sampling, sampling_period_s,
-                                                host, blocks, paths, sites, lanes, lane_intra_op_threads)
+                                                host, blocks, paths, sites, lanes, lane_intra_op_threads, memory)
 
 }  // namespace blockflow

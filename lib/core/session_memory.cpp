@@ -1,0 +1,113 @@
+// Memory admission: a site's memory budget against the profiled memory of the blocks placed on it
+// (BlockOptions::memory_bytes, from blockflow-profile through the planner), checked by start() and
+// apply() before anything is loaded; and after loading, what each site's memory grew by against
+// the same profiles (docs/planner.md, "Admission").
+#include <blockflow/core/detail/log.hpp>
+#include <blockflow/core/detail/mutex.hpp>
+#include <blockflow/core/detail/session_core.hpp>
+
+#include <fmt/format.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <map>
+
+namespace blockflow::detail {
+namespace {
+
+constexpr const char* kThreads = "threads";
+constexpr double kMisprofiled = 0.20;  // measured growth this far from the profile is reported
+
+double mb(std::int64_t bytes) { return static_cast<double>(bytes) / 1048576.0; }
+
+std::string site_label(const std::string& site) {
+  return site == kThreads ? std::string("the session's threads") : fmt::format("site '{}'", site);
+}
+
+std::int64_t process_rss_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  std::int64_t size = 0, resident = 0;
+  return statm >> size >> resident ? resident * ::sysconf(_SC_PAGESIZE) : 0;
+}
+
+}  // namespace
+
+absl::Status SessionCore::check_memory(const std::vector<MemoryClaim>& claims,
+                                       const std::function<std::int64_t(const std::string&)>& budget_of) {
+  std::map<std::string, std::vector<const MemoryClaim*>> by_site;
+  for (const auto& c : claims) by_site[c.site.empty() ? kThreads : c.site].push_back(&c);
+  for (auto& [site, list] : by_site) {
+    const std::int64_t budget = budget_of(site);
+    if (budget <= 0) continue;
+    std::int64_t need = 0;
+    for (const auto* c : list) need += c->bytes;
+    if (need <= budget) continue;
+    std::stable_sort(list.begin(), list.end(), [](const MemoryClaim* a, const MemoryClaim* b) { return a->bytes > b->bytes; });
+    std::string largest;
+    for (std::size_t i = 0; i < list.size() && i < 3; ++i) {
+      largest += fmt::format("{}'{}' {:.1f} MB", i ? ", " : "", list[i]->block, mb(list[i]->bytes));
+    }
+    return absl::ResourceExhaustedError(fmt::format(
+        "{}: its blocks' profiled memory is {:.1f} MB ({}{}), over its memory budget of {:.1f} MB", site_label(site), mb(need),
+        largest, list.size() > 3 ? ", ..." : "", mb(budget)));
+  }
+  return absl::OkStatus();
+}
+
+std::int64_t SessionCore::memory_budget_of(const std::string& site) const {
+  if (site.empty() || site == kThreads) return options_.memory_budget;
+  const SiteRuntime* s = site_named(site);
+  return s != nullptr ? s->site->memory_budget() : 0;
+}
+
+void SessionCore::note_memory_baseline() { rss_baseline_ = process_rss_bytes(); }
+
+void SessionCore::note_memory() {
+  std::map<std::string, SiteMemory> sites;
+  {
+    blockflow::detail::MutexLock lock(&state_mu_);
+    for (const auto& runtime : blocks_) {
+      const std::string site = runtime->site ? runtime->site->site->name() : kThreads;
+      const std::int64_t bytes =
+          runtime->block ? runtime->block->options().memory_bytes : runtime->description.options.memory_bytes;
+      SiteMemory& m = sites[site];
+      m.site = site;
+      m.profiled_bytes += bytes;
+    }
+  }
+  if (options_.memory_budget > 0) sites[kThreads].site = kThreads;
+  for (const auto& s : sites_) {
+    if (s->site->memory_budget() > 0) sites[s->site->name()].site = s->site->name();
+  }
+  std::vector<SiteMemory> out;
+  for (auto& [name, m] : sites) {
+    m.budget_bytes = memory_budget_of(name);
+    if (m.profiled_bytes == 0 && m.budget_bytes == 0) continue;  // nothing to say about it
+    bool measured = false;
+    if (name == kThreads) {
+      m.measured_bytes = std::max<std::int64_t>(0, process_rss_bytes() - rss_baseline_);
+      measured = true;
+    } else if (const SiteRuntime* site = site_named(name)) {
+      const SiteStats st = site->site->stats();
+      measured = st.rss_idle_bytes > 0;  // a worker that reported its RSS before loading
+      if (measured) m.measured_bytes = std::max<std::int64_t>(0, st.rss_bytes - st.rss_idle_bytes);
+    }
+    if (m.profiled_bytes > 0 && measured) {
+      const double off = static_cast<double>(m.measured_bytes - m.profiled_bytes) / static_cast<double>(m.profiled_bytes);
+      if (std::abs(off) > kMisprofiled) {
+        log(LogLevel::kWarning,
+            fmt::format("{}: its memory grew by {:.1f} MB with its blocks, their profiles say {:.1f} MB ({:+.0f}%): "
+                        "the profiles do not describe these blocks on this machine; run blockflow-profile here",
+                        site_label(name), mb(m.measured_bytes), mb(m.profiled_bytes), 100 * off));
+      }
+    }
+    out.push_back(m);
+  }
+  blockflow::detail::MutexLock lock(&state_mu_);
+  memory_ = std::move(out);
+}
+
+}  // namespace blockflow::detail
