@@ -1,7 +1,8 @@
 // A small BlockFlow server for remote clients in any language (see examples/python_client.py and
 // docs/wire-format.md).
 //
-//   serve [--endpoint EP] [--metrics HOST:PORT] [--sampling MS] [--control EP] [--no-stdin]
+//   serve [--endpoint EP] [--metrics HOST:PORT] [--sampling MS] [--control EP] [--models DIR] [--empty]
+//         [--no-stdin]
 //         [--key SERVER.key_secret --authorized-keys DIR | --insecure]
 //
 // EP defaults to tcp://127.0.0.1:5555; "tcp://127.0.0.1:*" picks a free port. The server prints
@@ -12,7 +13,11 @@
 //
 // --metrics serves the session's metrics over HTTP (GET /metrics: Prometheus text, /metrics.json),
 // on loopback unless HOST says otherwise; --sampling MS switches KPI sampling on at that period;
-// --control EP serves the control endpoint that blockflowctl talks to (apply, status, metrics).
+// --control EP serves the control endpoint that blockflowctl talks to (apply, status, metrics);
+// the deployments it applies take their TorchScript files from --models DIR (default: the current
+// directory; files outside it are refused), and a placement they name starts a worker process.
+// --empty starts without the tasks below: a session for `blockflowctl apply` to fill (a deployment
+// replaces every block, and these C++ ones could not be described in it).
 // --key and --authorized-keys put both endpoints behind CURVE (keys from `blockflowctl keygen`; a
 // client is admitted when its public key is in DIR); without them a TCP address other than the
 // loopback is refused, unless --insecure (docs/security.md).
@@ -34,6 +39,7 @@
 #include <blockflow/serve/control_endpoint.hpp>
 #include <blockflow/observe/metrics_http.hpp>
 #include <blockflow/serve/client_endpoint.hpp>
+#include <blockflow/worker/worker_site.hpp>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -119,7 +125,8 @@ std::string wait_for_stop(int signal_fd, bool watch_stdin) {
 int main(int argc, char** argv) {
   std::string endpoint = "tcp://127.0.0.1:5555";
   bool watch_stdin = true;
-  std::string metrics_address, control_address;
+  std::string metrics_address, control_address, models_dir = ".";
+  bool examples = true;
   int sampling_ms = 0;
   bf::ServerSecurity security;
   for (int i = 1; i < argc; ++i) {
@@ -130,6 +137,10 @@ int main(int argc, char** argv) {
       metrics_address = argv[++i];
     } else if (arg == "--control" && i + 1 < argc) {
       control_address = argv[++i];
+    } else if (arg == "--empty") {
+      examples = false;
+    } else if (arg == "--models" && i + 1 < argc) {
+      models_dir = argv[++i];
     } else if (arg == "--sampling" && i + 1 < argc) {
       sampling_ms = std::atoi(argv[++i]);
     } else if (arg == "--no-stdin") {
@@ -142,7 +153,7 @@ int main(int argc, char** argv) {
       security.insecure = true;
     } else {
       std::cerr << "usage: serve [--endpoint tcp://127.0.0.1:5555] [--metrics 127.0.0.1:9464] [--sampling MS] "
-                   "[--control tcp://127.0.0.1:5560] [--no-stdin] [--key SERVER.key_secret --authorized-keys DIR | --insecure]\n";
+                   "[--control tcp://127.0.0.1:5560] [--models DIR] [--empty] [--no-stdin] [--key SERVER.key_secret --authorized-keys DIR | --insecure]\n";
       return arg == "--help" || arg == "-h" ? 0 : 2;
     }
   }
@@ -164,7 +175,14 @@ int main(int argc, char** argv) {
   }
 
   bf::Session session;
-  add_blocks(session);
+  if (examples) add_blocks(session);
+  // Deployments applied through the control endpoint may place blocks in worker processes: each
+  // placement they name starts one (and one left without blocks stops).
+  session.set_site_factory([](const std::string& name) {
+    bf::WorkerOptions o;
+    o.name = name;
+    return bf::make_worker(o);
+  });
   if (auto status = session.start(); !status.ok()) {
     std::cerr << "serve: " << status << "\n";
     return 1;
@@ -181,6 +199,7 @@ int main(int argc, char** argv) {
     if (!control_address.empty()) {
       bf::ControlOptions control_options;
       control_options.security = security;
+      control_options.models_dir = models_dir;
       control.emplace(session, control_address, control_options);
       std::cerr << "serve: control endpoint on " << control->endpoint() << "\n";
     }

@@ -81,7 +81,7 @@ TEST_CASE("admission by rate proportionality: a task is refused once its block's
   const auto p = planned(input({block("A", 100)}, {{"t1", {"A"}, 60, 100}, {"t2", {"A"}, 60, 100}}, {site("w1")}));
   CHECK(verdict(p, "t1").admitted);
   CHECK_FALSE(verdict(p, "t2").admitted);
-  CHECK_THAT(verdict(p, "t2").reason, Contains("task 't2': needs 60.0 req/s of block 'A' (0.60 lanes at 100.0 req/s per lane)"));
+  CHECK_THAT(verdict(p, "t2").reason, Contains("task 't2': needs 0.60 lanes for 60.0 req/s (block 'A' at 100.0 req/s per lane)"));
   CHECK_THAT(verdict(p, "t2").reason, Contains("0.40 lanes left"));
   REQUIRE(p.sites.size() == 1);
   CHECK(p.sites[0].utilisation == Approx(0.6));  // never over-committed: only t1's load
@@ -219,7 +219,7 @@ TEST_CASE("blockflow-plan reads the three files and writes the deployment and th
   const std::string d_text((std::istreambuf_iterator<char>(d)), {}), r_text((std::istreambuf_iterator<char>(r)), {});
   CHECK(Deployment::parse(d_text).ok());
   CHECK_THAT(r_text, Contains("\"admitted\": true"));
-  CHECK_THAT(r_text, Contains("task 'big': needs 500.0 req/s of block 'A'"));
+  CHECK_THAT(r_text, Contains("task 'big': needs 5.00 lanes for 500.0 req/s (block 'A'"));
   const std::string broken = fmt::format("{} {} --tasks {} --sites {} 2>/dev/null", BLOCKFLOW_TEST_PLAN_TOOL, profile, profile, sites);
   CHECK(WEXITSTATUS(std::system(broken.c_str())) == 1);
   std::filesystem::remove_all(dir);

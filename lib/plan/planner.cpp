@@ -355,13 +355,15 @@ std::string refusal(const PlanInput& in, const PlanTask& task, const Model& with
                            static_cast<double>(need) / 1048576.0, heaviest, most_left / 1048576.0);
       }
     }
+    // The task's lanes: each block of its path at the task's rate, the largest share named.
     std::string worst;
-    double need = -1, per_lane = 0;
+    double need = 0, largest = -1, per_lane = 0;
     for (const auto& name : task.path) {
       const int b = with.index_of(name);
       const double lanes = task.rate_rps / with.capacity(b, with.batch(b));
-      if (lanes > need) {
-        need = lanes;
+      need += lanes;
+      if (lanes > largest) {
+        largest = lanes;
         worst = name;
         per_lane = with.capacity(b, with.batch(b));
       }
@@ -371,8 +373,10 @@ std::string refusal(const PlanInput& in, const PlanTask& task, const Model& with
     for (std::size_t s = 0; s < in.sites.size(); ++s) {
       left += with.usable_lanes(static_cast<int>(s)) - (s < base.size() ? base[s].lanes_used : 0.0);
     }
-    return fmt::format("needs {:.1f} req/s of block '{}' ({:.2f} lanes at {:.1f} req/s per lane); the sites have {:.2f} lanes left",
-                       task.rate_rps, worst, need, per_lane, std::max(0.0, left));
+    const std::string blocks =
+        task.path.size() == 1 ? std::string() : fmt::format(" over {} blocks, {:.2f} of them for", task.path.size(), largest);
+    return fmt::format("needs {:.2f} lanes for {:.1f} req/s ({}block '{}' at {:.1f} req/s per lane); the sites have {:.2f} lanes left",
+                       need, task.rate_rps, blocks.empty() ? "" : blocks.substr(1) + " ", worst, per_lane, std::max(0.0, left));
   }
   for (const PlanTask* t : with.tasks()) {
     const double p = with.predicted_ms(*t);
