@@ -31,6 +31,8 @@
 // the same alternating rounds (bench/process_chain.hpp: the four blocks in four clean processes, one
 // after the other, nothing moved): "split_processes_p50_ms", "split_processes_over_monolithic_alone"
 // and "ratio_split_processes" = e2e p50 / that floor.
+// CPU lines also give "session_start_ms": Session::start() (sites started at once, blocks loaded and
+// warmed up).
 // Every pipeline line ends with "hops_us": per block, the p50 in microseconds of [hand-off in,
 // queue, to the block (for a worker: the relay into its process), compute, hand-off out].
 //
@@ -218,7 +220,10 @@ int main(int argc, char** argv) try {
   }
   session.add_path(bf::Path::chain("split", {"block1", "block2", "block3", "block4"}));
   if (!memory) session.add_path(bf::Path::chain("whole", {"monolithic"}));
+  const std::int64_t start_t0 = bf::detail::now_ns();
   if (auto status = session.start(); !status.ok()) throw std::runtime_error(status.ToString());
+  // start(): every site started (at once) and every block loaded and warmed up.
+  const double start_ms = static_cast<double>(bf::detail::now_ns() - start_t0) / 1e6;
   if (memory) {
     const auto site = session.metrics().sites.at(0);
     fmt::print("{{\"bench\":\"worker_memory\",\"rss_idle_mb\":{:.1f},\"rss_loaded_mb\":{:.1f},\"blocks\":4,"
@@ -393,13 +398,13 @@ int main(int argc, char** argv) try {
       "\"split_alone_p50_ms\":{:.3f},\"split_alone_over_monolithic_alone\":{:.4f},\"ratio_split_alone\":{:.4f},{}"
       "\"monolithic_in_session_p50_ms\":{:.3f},\"ratio_in_session\":{:.4f},\"overhead_p50_ms\":{:.4f},\"round\":{},"
       "\"worker_env\":\"{}\",\"outputs_in_slots\":{},\"direct_edges\":{},\"optimize_for_inference\":{},\"hardware_threads\":{},"
-      "\"lanes\":{},\"lane_intra_op_threads\":{},\"cpu\":\"{}\",\"hops_us\":[{}]}}\n",
+      "\"lanes\":{},\"lane_intra_op_threads\":{},\"session_start_ms\":{:.0f},\"cpu\":\"{}\",\"hops_us\":[{}]}}\n",
       mode, channel_label, threads, requests, sum.e2e, mono_alone, sum.e2e / mono_alone, sum.e2e / mono_alone, split_floor,
       split_floor / mono_alone, sum.e2e / split_floor, processes_json, sum.mono,
       sum.e2e / sum.mono, sum.overhead, round,
       workers ? worker_env.value_or(fmt::format("{}", fmt::join(bf::WorkerOptions{}.environment, " "))) : "",
       workers && channel != "zmq" && outputs_in_slots, workers && channel == "zmq" && direct_edges, optimize, std::thread::hardware_concurrency(),
-      m.lanes.size(), m.lane_intra_op_threads, bf::bench::cpu_model(), hops_json());
+      m.lanes.size(), m.lane_intra_op_threads, start_ms, bf::bench::cpu_model(), hops_json());
   return 0;
 } catch (const std::exception& e) {
   std::cerr << "pipeline_bench: " << e.what() << "\n";

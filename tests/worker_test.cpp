@@ -157,6 +157,23 @@ TEST_CASE("a worker that cannot load its blocks fails start(), naming worker and
   CHECK_THAT(std::string(unknown_site.start().message()), Contains("block 'a'") && Contains("'nowhere'"));
 }
 
+TEST_CASE("start() starts every worker at once; one that cannot load fails it, and the others are stopped",
+          "[worker]") {
+  Session session;
+  auto w1 = make_worker(test::test_worker("w1"));
+  auto w2 = make_worker(test::test_worker("w2"));
+  auto w3 = make_worker(test::test_worker("w3"));
+  session.add_site(w1).add_site(w2).add_site(w3)
+      .add_block(test::plugin_block("a", "affine", "w1"))
+      .add_block(test::model_block("ghost", "no_such_file.pt", "w2", {1}))
+      .add_block(test::plugin_block("c", "affine", "w3"))
+      .add_path(Path::chain("t", {"a", "ghost", "c"}));
+  const auto status = session.start();
+  CHECK_FALSE(status.ok());
+  CHECK_THAT(std::string(status.message()), Contains("worker w2") && Contains("block 'ghost'"));
+  for (const auto& w : {w1, w2, w3}) CHECK(w->pid() == 0);  // rolled back: none left running
+}
+
 TEST_CASE("kill -9 of a worker under load: every request resolves, the worker restarts, traffic flows", "[worker]") {
   auto site = make_worker(test::test_worker("w2"));
   Session session;

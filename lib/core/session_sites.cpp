@@ -1,10 +1,13 @@
 // The session's remote sites: starting them, forwarding a block's queue to its site, and what
 // the site reports back.
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/mutex.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 
 #include <fmt/format.h>
+
+#include <thread>
 
 namespace blockflow::detail {
 
@@ -43,10 +46,27 @@ bool outputs_may_stay(const PathPlan& plan, std::uint32_t node) {
 
 }  // namespace
 
+// Every site at once (a worker's start is mostly waiting: process start, runtime and model load),
+// each on a thread of its own. The first failure in site order is returned, the others logged; the
+// caller stops everything started.
 absl::Status SessionCore::start_sites() {
-  for (auto& site : sites_) {
-    if (auto status = start_site(*site); !status.ok()) return status;
+  std::vector<absl::Status> results(sites_.size());
+  if (sites_.size() == 1) {
+    results[0] = start_site(*sites_[0]);
+  } else {
+    std::vector<std::thread> starting;
+    for (std::size_t i = 0; i < sites_.size(); ++i) {
+      starting.emplace_back([this, &results, i] { results[i] = start_site(*sites_[i]); });
+    }
+    for (auto& t : starting) t.join();
   }
+  absl::Status first;
+  for (const auto& status : results) {
+    if (status.ok()) continue;
+    if (first.ok()) first = status;
+    else log(LogLevel::kWarning, fmt::format("start(): also failed: {}", std::string(status.message())));
+  }
+  if (!first.ok()) return first;
   for (auto& runtime : blocks_) {
     if (runtime->site != nullptr) runtime->forwarder = std::thread([this, rt = runtime.get()] { forward_to_site(*rt); });
   }
