@@ -120,7 +120,7 @@ std::unique_ptr<BlockRuntime> SessionCore::make_runtime(std::shared_ptr<Block> b
 
 absl::StatusOr<std::shared_ptr<RoutingTable>> SessionCore::compile_table(
     const std::vector<Path>& paths, const std::function<BlockRuntime*(const std::string&)>& lookup,
-    std::vector<std::unique_ptr<PathRuntime>>* new_path_runtimes) {
+    std::vector<std::shared_ptr<PathRuntime>>* new_path_runtimes) {
   auto table = std::make_shared<RoutingTable>();
   const auto channel_of = [](BlockRuntime* runtime) { return runtime->inbox.get(); };
   for (const auto& path : paths) {
@@ -130,18 +130,17 @@ absl::StatusOr<std::shared_ptr<RoutingTable>> SessionCore::compile_table(
       return absl::InvalidArgumentError(fmt::format("path '{}': the task has two paths", path.task()));
     }
     // A task keeps its counters across updates.
-    PathRuntime* metrics = nullptr;
+    std::shared_ptr<PathRuntime> metrics;
     for (const auto& existing : paths_) {
-      if (existing->task == path.task()) metrics = existing.get();
+      if (existing->task == path.task()) metrics = existing;
     }
     for (const auto& fresh : *new_path_runtimes) {
-      if (fresh->task == path.task()) metrics = fresh.get();
+      if (fresh->task == path.task()) metrics = fresh;
     }
     if (metrics == nullptr) {
-      auto runtime = std::make_unique<PathRuntime>();
-      runtime->task = path.task();
-      metrics = runtime.get();
-      new_path_runtimes->push_back(std::move(runtime));
+      metrics = std::make_shared<PathRuntime>();
+      metrics->task = path.task();
+      new_path_runtimes->push_back(metrics);
     }
     auto owned = std::const_pointer_cast<PathPlan>(*plan);
     owned->metrics = metrics;
@@ -193,7 +192,7 @@ absl::Status SessionCore::build() {
     auto it = block_by_name_.find(name);
     return it == block_by_name_.end() ? nullptr : it->second;
   };
-  std::vector<std::unique_ptr<PathRuntime>> path_runtimes;
+  std::vector<std::shared_ptr<PathRuntime>> path_runtimes;
   auto table = compile_table(pending_paths_, lookup, &path_runtimes);
   if (!table.ok()) return table.status();
   {

@@ -42,7 +42,7 @@ struct SessionCore::UpdateWork {
   std::vector<BlockRuntime*> starting;      // fresh blocks of this process, started in step 4
   std::vector<std::pair<SiteRuntime*, std::vector<BlockDescription>>> grown;  // running sites, their blocks before
   absl::flat_hash_map<std::string, BlockRuntime*> next_by_name;
-  std::vector<std::unique_ptr<PathRuntime>> new_paths;
+  std::vector<std::shared_ptr<PathRuntime>> new_paths;
   std::shared_ptr<RoutingTable> table;
   std::weak_ptr<const RoutingTable> old_table;  // the one update_publish() replaced
 
@@ -498,12 +498,12 @@ void SessionCore::collect_retired() {
   std::set<const BlockRuntime*> held_blocks;
   std::set<const PathRuntime*> held_paths;
   for (const auto& plan : live_plans()) {
-    held_paths.insert(plan->metrics);
+    held_paths.insert(plan->metrics.get());
     for (const auto& node : plan->nodes) held_blocks.insert(node.block);
   }
   std::vector<std::unique_ptr<BlockRuntime>> freed;
   std::vector<std::unique_ptr<SiteRuntime>> freed_sites;
-  std::vector<std::unique_ptr<PathRuntime>> freed_paths;
+  std::vector<std::shared_ptr<PathRuntime>> freed_paths;  // the session's references only
   blockflow::detail::MutexLock lock(&state_mu_);
   auto keep_block = [&](const auto& runtime) { return held_blocks.count(runtime.get()) != 0; };
   auto split = std::stable_partition(retired_.begin(), retired_.end(), keep_block);

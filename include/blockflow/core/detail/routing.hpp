@@ -42,7 +42,9 @@ struct PathPlan {
   std::vector<int> entries;  ///< nodes fed by the request input
   int sink = -1;             ///< the node whose output is the result
   int num_joins = 0;
-  PathRuntime* metrics = nullptr;
+  /// The task's counters. Shared: whoever drops the last plan of a removed task frees them, after
+  /// its last use of them (collect_retired() only lets go of the session's reference).
+  std::shared_ptr<PathRuntime> metrics;
 };
 
 /// Resolves a block name to the runtime that executes it (null: unknown block).

@@ -133,7 +133,7 @@ class SessionCore {
   SiteRuntime* site_named(const std::string& name) const;
   absl::StatusOr<std::shared_ptr<RoutingTable>> compile_table(
       const std::vector<Path>& paths, const std::function<BlockRuntime*(const std::string&)>& lookup,
-      std::vector<std::unique_ptr<PathRuntime>>* new_path_runtimes);
+      std::vector<std::shared_ptr<PathRuntime>>* new_path_runtimes);
   friend struct BlockRuntime;
   // One unit of a block's work on a lane: `first` (an inline continuation) or the next queued
   // request, with what else waits when the block batches.
@@ -191,7 +191,7 @@ class SessionCore {
   mutable blockflow::detail::Mutex state_mu_;
   std::vector<std::unique_ptr<BlockRuntime>> blocks_;
   absl::flat_hash_map<std::string, BlockRuntime*> block_by_name_;
-  std::vector<std::unique_ptr<PathRuntime>> paths_;
+  std::vector<std::shared_ptr<PathRuntime>> paths_;  // shared with the plans (PathPlan::metrics)
   // Blocks removed by apply(): stopped, their Block released, kept while a plan still held by a
   // late request may point at them (collect_retired() frees the others).
   std::vector<std::unique_ptr<BlockRuntime>> retired_;
