@@ -2,6 +2,7 @@
 // here, once for all backends.
 #include "process_channel_impl.hpp"
 
+#include <blockflow/channel/detail/runtime_dir.hpp>
 #include <blockflow/core/detail/clock.hpp>
 #include <blockflow/core/names.hpp>
 
@@ -23,6 +24,15 @@ SendOutcome refused(Envelope&& envelope, absl::Status status) {
   SendOutcome out{std::move(status), std::nullopt};
   out.displaced = std::move(envelope);
   return out;
+}
+
+wire::Header data_header(const Envelope& envelope) {
+  wire::Header h;
+  h.kind = wire::MessageKind::kData;
+  h.request_id = envelope.request_id;
+  h.node = envelope.node;
+  h.times.sent_ns = now_ns();
+  return h;
 }
 
 Envelope envelope_of(DecodedMessage&& message) {
@@ -51,9 +61,7 @@ absl::Status check_private_directory(const std::string& dir, const std::string& 
 }
 
 absl::StatusOr<std::string> channel_directory(const std::string& uri) {
-  const char* base = std::getenv("XDG_RUNTIME_DIR");
-  const std::string root = (base != nullptr && *base == '/') ? base : "/tmp";
-  const std::string dir = fmt::format("{}/blockflow-channels-{}", root, ::geteuid());
+  const std::string dir = fmt::format("{}/blockflow-channels-{}", runtime_root(), ::geteuid());
   if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
     return absl::UnavailableError(fmt::format("{}: cannot create '{}': {}", uri, dir, std::strerror(errno)));
   }

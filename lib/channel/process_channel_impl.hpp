@@ -31,6 +31,8 @@ absl::StatusOr<std::unique_ptr<ProcessChannel>> open_shm_channel(const std::stri
 absl::StatusOr<std::unique_ptr<ProcessChannel>> open_zmq_channel(const std::string& uri, const std::string& endpoint,
                                                                  ChannelRole role, const ProcessChannelOptions& options);
 
+/// The kData header of an envelope to send (stamped now).
+wire::Header data_header(const Envelope& envelope);
 /// The envelope a received kData message stands for (stamped now).
 Envelope envelope_of(DecodedMessage&& message);
 

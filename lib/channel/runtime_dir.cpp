@@ -21,10 +21,14 @@ namespace {
 
 constexpr const char* kOwnerLock = "owner.lock";
 
+}  // namespace
+
 std::string runtime_root() {
   const char* base = std::getenv("XDG_RUNTIME_DIR");
   return (base != nullptr && *base != '\0') ? base : "/tmp";
 }
+
+namespace {
 
 // The owner locks this process holds, by directory: the lock lives as long as the process or
 // until remove_private_dir(), so a directory whose lock anyone can take is abandoned.

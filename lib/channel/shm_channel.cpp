@@ -31,15 +31,6 @@ namespace {
 
 constexpr int kPollMs = 100;
 
-wire::Header data_header(const Envelope& envelope) {
-  wire::Header h;
-  h.kind = wire::MessageKind::kData;
-  h.request_id = envelope.request_id;
-  h.node = envelope.node;
-  h.times.sent_ns = now_ns();
-  return h;
-}
-
 // ---------------------------------------------------------------------------------------------
 class ShmSender final : public ProcessChannel {
  public:

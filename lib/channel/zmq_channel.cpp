@@ -76,11 +76,7 @@ class ZmqSender final : public ZmqEnd {
 
   SendOutcome send(Envelope&& envelope) override {
     if (closed_.load()) return refused(std::move(envelope), absl::CancelledError(fmt::format("{}: closed", uri_)));
-    wire::Header h;
-    h.kind = wire::MessageKind::kData;
-    h.request_id = envelope.request_id;
-    h.node = envelope.node;
-    h.times.sent_ns = now_ns();
+    wire::Header h = data_header(envelope);
     std::uint64_t copied = 0;
     absl::StatusOr<bool> sent = false;
     {

@@ -5,6 +5,7 @@
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/mutex.hpp>
 #include <blockflow/core/detail/session_core.hpp>
+#include <blockflow/core/kpi.hpp>
 
 #include <fmt/format.h>
 
@@ -27,11 +28,7 @@ std::string site_label(const std::string& site) {
   return site == kThreads ? std::string("the session's threads") : fmt::format("site '{}'", site);
 }
 
-std::int64_t process_rss_bytes() {
-  std::ifstream statm("/proc/self/statm");
-  std::int64_t size = 0, resident = 0;
-  return statm >> size >> resident ? resident * ::sysconf(_SC_PAGESIZE) : 0;
-}
+std::int64_t process_rss_bytes() { return sample_process().rss_bytes; }
 
 }  // namespace
 

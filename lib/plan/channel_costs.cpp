@@ -4,6 +4,8 @@
 // through the two medians gives fixed_us and us_per_mb.
 #include <blockflow/plan/profile.hpp>
 
+#include "percentile.hpp"
+
 #include <blockflow/channel/inproc_channel.hpp>
 #include <blockflow/channel/process_channel.hpp>
 #include <blockflow/core/detail/clock.hpp>
@@ -20,12 +22,6 @@ namespace blockflow {
 namespace {
 
 constexpr std::size_t kSmall = std::size_t{64} << 10, kLarge = std::size_t{4} << 20;
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Median one-way latency (us) of `n` hand-offs of `bytes` from `make` (the sender's tensor, made
 // outside the timed span) through send -> receive.
@@ -65,7 +61,7 @@ absl::StatusOr<double> one_way_us(Send&& send, Receive&& receive, Make&& make, i
   receiver.join();
   if (!failed.ok()) return failed;
   us.erase(us.begin(), us.begin() + static_cast<std::ptrdiff_t>(us.size() / 5));  // warm-up
-  return median(us);
+  return detail::percentile(us, 0.5);
 }
 
 absl::StatusOr<ChannelCost> fit(const std::string& kind, absl::StatusOr<double> small_us, absl::StatusOr<double> large_us) {

@@ -331,13 +331,13 @@ std::string refusal(const PlanInput& in, const PlanTask& task, const Model& with
     if (with.site(b) < 0) return fmt::format("block '{}' runs on {}, and no site has that device", task.path[i], with.profile(b).device);
   }
   if (sc.overflow > kEps) {
+    const auto l = with.loads();
+    const auto base = before != nullptr ? before->loads() : std::vector<SiteLoad>{};
     // Memory first: the block of the task that needs most against the most any site has left.
     for (std::size_t s = 0; s < in.sites.size(); ++s) {
       const double budget = with.usable_memory(static_cast<int>(s));
-      const auto l = with.loads();
       if (budget > 0 && static_cast<double>(l[s].memory_bytes) > budget) {
         double most_left = 0;
-        const auto base = before != nullptr ? before->loads() : std::vector<SiteLoad>{};
         for (std::size_t r = 0; r < in.sites.size(); ++r) {
           const double used = r < base.size() ? static_cast<double>(base[r].memory_bytes) : 0.0;
           if (with.usable_memory(static_cast<int>(r)) > 0) most_left = std::max(most_left, with.usable_memory(static_cast<int>(r)) - used);
@@ -369,7 +369,6 @@ std::string refusal(const PlanInput& in, const PlanTask& task, const Model& with
       }
     }
     double left = 0;
-    const auto base = before != nullptr ? before->loads() : std::vector<SiteLoad>{};
     for (std::size_t s = 0; s < in.sites.size(); ++s) {
       left += with.usable_lanes(static_cast<int>(s)) - (s < base.size() ? base[s].lanes_used : 0.0);
     }

@@ -1,7 +1,10 @@
 // profile_block() and profile_channels(): the measurements behind a profile (docs/profile.md).
 #include <blockflow/plan/profile.hpp>
 
+#include "percentile.hpp"
+
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/kpi.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,22 +25,11 @@
 namespace blockflow {
 namespace {
 
-double percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5)];
-}
+using detail::percentile;
 
 double ms_since(std::int64_t t0) { return static_cast<double>(detail::now_ns() - t0) / 1e6; }
 
-std::int64_t resident_bytes() {
-  long pages = 0, resident = 0;
-  if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
-    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
-    std::fclose(f);
-  }
-  return static_cast<std::int64_t>(resident) * ::sysconf(_SC_PAGESIZE);
-}
+std::int64_t resident_bytes() { return sample_process().rss_bytes; }
 
 // Runs `fn` on a thread of its own with `threads` intra-op threads (its own OpenMP team, gone with
 // it) in inference mode, so that the profile does not depend on the caller's thread.

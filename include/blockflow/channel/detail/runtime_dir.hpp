@@ -7,6 +7,9 @@
 
 namespace blockflow::detail {
 
+/// Where BlockFlow keeps its sockets: $XDG_RUNTIME_DIR when set, else /tmp.
+std::string runtime_root();
+
 /// Creates a fresh 0700 directory under $XDG_RUNTIME_DIR (or /tmp) named blockflow-<tag>-XXXXXX,
 /// holding a shared flock on its `owner.lock` until remove_private_dir() or the process's end; first
 /// removes the directories of this user that a killed process left (sweep_abandoned_private_dirs()).
