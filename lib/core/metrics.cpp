@@ -180,6 +180,9 @@ std::string MetricsSnapshot::to_prometheus() const {
           static_cast<double>(b.batches));
     e.add("blockflow_block_batched_requests_total", "counter", "Requests that ran in a batch of several.", l,
           static_cast<double>(b.batched_requests));
+    e.add("blockflow_block_layout_kept_total", "counter",
+          "Outputs a block handed to the next one in oneDNN's layout (no reorder pair).", l,
+          static_cast<double>(b.layout_kept));
     e.summary("blockflow_block_wait_seconds", "Time requests waited in a block's queue.", l, b.wait);
     e.summary("blockflow_block_compute_seconds", "Time of a block's forward().", l, b.compute);
     e.summary("blockflow_block_overhead_seconds", "Hand-off, dispatch and routing time attributed to a block.", l, b.overhead);

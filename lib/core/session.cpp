@@ -28,9 +28,10 @@ absl::Status with_prefix(const absl::Status& status, std::string_view prefix) {
   return absl::Status(status.code(), fmt::format("{}: {}", prefix, std::string(status.message())));
 }
 
-absl::StatusOr<Tensors> guarded_forward(Block& block, Tensors&& inputs) {
+absl::StatusOr<Tensors> guarded_forward(Block& block, Tensors&& inputs, OpaqueLayout* layout, bool opaque_output) {
   try {
-    auto out = block.forward(std::move(inputs));
+    if (layout == nullptr && is_opaque(inputs)) inputs.front() = inputs.front().to_dense();  // never expected
+    auto out = layout != nullptr ? layout->forward_layout(std::move(inputs), opaque_output) : block.forward(std::move(inputs));
     if (!out.ok()) return with_prefix(out.status(), fmt::format("block '{}'", block.name()));
     return out;
   } catch (const c10::Error& e) {
@@ -111,11 +112,32 @@ std::unique_ptr<BlockRuntime> SessionCore::make_runtime(std::shared_ptr<Block> b
   auto runtime = std::make_unique<BlockRuntime>();
   runtime->description.name = block->name();
   runtime->description.options = block->options();
+  runtime->layout = dynamic_cast<OpaqueLayout*>(block.get());
   runtime->block = std::move(block);
   runtime->inbox = make_inbox(runtime->description.options);
   runtime->core = this;  // it runs on this session's lanes
   runtime->max_lanes = std::max(1, runtime->description.options.workers);
   return runtime;
+}
+
+namespace {
+// A block on this process's lanes that runs requests one at a time through forward_layout().
+bool keeps_layout(const BlockRuntime* runtime) {
+  return runtime != nullptr && runtime->block != nullptr && runtime->layout != nullptr &&
+         runtime->block->device().is_cpu() && runtime->description.options.max_batch == 1;
+}
+}  // namespace
+
+// Marks the edges whose tensor may stay in oneDNN's layout (PlanNode::keep_layout): one successor,
+// no join, both ends on the lanes, the producer able to give and the consumer to take it.
+void mark_kept_layouts(PathPlan& plan) {
+  for (std::size_t i = 0; i < plan.nodes.size(); ++i) {
+    PlanNode& node = plan.nodes[i];
+    if (static_cast<int>(i) == plan.sink || node.successors.size() != 1 || !keeps_layout(node.block)) continue;
+    const PlanNode& next = plan.nodes[static_cast<std::size_t>(node.successors.front().node)];
+    node.keep_layout = next.join_index < 0 && keeps_layout(next.block) && node.block->layout->gives_opaque() &&
+                       next.block->layout->takes_opaque();
+  }
 }
 
 absl::StatusOr<std::shared_ptr<RoutingTable>> SessionCore::compile_table(
@@ -144,6 +166,7 @@ absl::StatusOr<std::shared_ptr<RoutingTable>> SessionCore::compile_table(
     }
     auto owned = std::const_pointer_cast<PathPlan>(*plan);
     owned->metrics = metrics;
+    mark_kept_layouts(*owned);
     table->plans.emplace(path.task(), std::move(owned));
   }
   return table;
@@ -199,7 +222,7 @@ absl::Status SessionCore::build() {
     blockflow::detail::MutexLock lock(&state_mu_);
     for (auto& p : path_runtimes) paths_.push_back(std::move(p));
   }
-  for (const auto& [task, plan] : (*table)->plans) published_plans_.push_back(plan);
+  publish(**table);
   blockflow::detail::MutexLock lock(&routing_mu_);
   routing_ = *std::move(table);
   return absl::OkStatus();
@@ -222,7 +245,7 @@ absl::Status SessionCore::start() {
   }
   std::vector<BlockRuntime*> all;
   for (auto& runtime : blocks_) all.push_back(runtime.get());
-  if (auto status = warm_up(all); !status.ok()) {
+  if (auto status = warm_up(all, *routing()); !status.ok()) {
     shutdown(absl::ZeroDuration());
     return status;
   }
@@ -249,7 +272,25 @@ ComputeLanes::Options SessionCore::lane_options() const {
   return o;
 }
 
-absl::Status SessionCore::warm_up_block(BlockRuntime& runtime) {
+namespace {
+// The forward variants the table's plans run `runtime` with, one bit each: bit (2 * opaque input
+// + opaque output) (detail::OpaqueLayout); a block no plan uses yet: its plain forward().
+unsigned layouts_used(const RoutingTable& table, const BlockRuntime& runtime) {
+  unsigned used = 0;
+  for (const auto& [task, plan] : table.plans) {
+    for (const auto& node : plan->nodes) {
+      if (node.block != &runtime) continue;
+      const bool in = node.inputs.size() == 1 && plan->nodes[static_cast<std::size_t>(node.inputs.front())].keep_layout;
+      used |= 1U << ((in ? 2U : 0U) + (node.keep_layout ? 1U : 0U));
+    }
+  }
+  return used == 0 ? 1U : used;
+}
+}  // namespace
+
+// Warms up every variant of forward() the plans will run, so that no request pays TorchScript's
+// first-run optimisation.
+absl::Status SessionCore::warm_up_block(BlockRuntime& runtime, unsigned layouts) {
   c10::InferenceMode inference_mode;
   Block& block = *runtime.block;
   const auto& options = block.options();
@@ -258,9 +299,15 @@ absl::Status SessionCore::warm_up_block(BlockRuntime& runtime) {
     for (auto& d : shape) d = d < 0 ? 1 : d;
     zeros.push_back(at::zeros(shape, at::TensorOptions().device(block.device())));
   }
-  for (int run = 0; run < options.warmup_runs; ++run) {
-    auto out = guarded_forward(block, Tensors(zeros));
-    if (!out.ok()) return with_prefix(out.status(), "warm-up failed");
+  for (unsigned v = 0; v < 4; ++v) {
+    if ((layouts & (1U << v)) == 0) continue;
+    Tensors inputs = zeros;
+    if ((v & 2U) != 0 && inputs.size() == 1) inputs.front() = inputs.front().to_mkldnn();
+    for (int run = 0; run < options.warmup_runs; ++run) {
+      auto out = v == 0 ? guarded_forward(block, Tensors(inputs))
+                        : guarded_forward(block, Tensors(inputs), runtime.layout, (v & 1U) != 0);
+      if (!out.ok()) return with_prefix(out.status(), "warm-up failed");
+    }
   }
   return absl::OkStatus();
 }
@@ -297,7 +344,7 @@ std::vector<absl::StatusOr<std::shared_ptr<Block>>> SessionCore::make_blocks(con
 
 // Each new in-process block with input shapes warms up on a lane, as its requests will run, the
 // blocks in parallel across lanes. Sites warm theirs up themselves.
-absl::Status SessionCore::warm_up(const std::vector<BlockRuntime*>& runtimes) {
+absl::Status SessionCore::warm_up(const std::vector<BlockRuntime*>& runtimes, const RoutingTable& table) {
   std::vector<BlockRuntime*> todo;
   for (auto* runtime : runtimes) {
     if (runtime->block && !runtime->block->options().input_shapes.empty()) todo.push_back(runtime);
@@ -305,9 +352,9 @@ absl::Status SessionCore::warm_up(const std::vector<BlockRuntime*>& runtimes) {
   std::vector<absl::Status> statuses(todo.size());
   std::vector<std::function<void()>> tasks;
   for (std::size_t i = 0; i < todo.size(); ++i) {
-    tasks.emplace_back([this, &statuses, &todo, i] {
+    tasks.emplace_back([this, &statuses, &todo, &table, i] {
       const auto scope = enter_build_scope();
-      statuses[i] = warm_up_block(*todo[i]);
+      statuses[i] = warm_up_block(*todo[i], layouts_used(table, *todo[i]));
     });
   }
   on_lanes(tasks);

@@ -163,7 +163,9 @@ void SessionCore::process(BlockRuntime& runtime, Envelope&& envelope) {
     }
   }
   hop.compute_start_ns = now_ns();
-  absl::StatusOr<Tensors> outputs = status.ok() ? guarded_forward(block, std::move(inputs)) : status;
+  const bool keep_layout = state->plan->nodes[static_cast<std::size_t>(node)].keep_layout;
+  OpaqueLayout* layout = keep_layout || is_opaque(inputs) ? runtime.layout : nullptr;
+  absl::StatusOr<Tensors> outputs = status.ok() ? guarded_forward(block, std::move(inputs), layout, keep_layout) : status;
   hop.compute_end_ns = now_ns();
   if (!outputs.ok()) {
     runtime.failed.fetch_add(1, std::memory_order_relaxed);
@@ -171,6 +173,7 @@ void SessionCore::process(BlockRuntime& runtime, Envelope&& envelope) {
     return;
   }
   runtime.processed.fetch_add(1, std::memory_order_relaxed);
+  if (keep_layout && is_opaque(*outputs)) runtime.layout_kept.fetch_add(1, std::memory_order_relaxed);
   forward_outputs(state, node, std::move(*outputs), &runtime);
 }
 

@@ -34,6 +34,7 @@ MetricsSnapshot SessionCore::metrics() const {
     b.failed = runtime->failed.load();
     b.batches = runtime->batches.load();
     b.batched_requests = runtime->batched_requests.load();
+    b.layout_kept = runtime->layout_kept.load();
     b.wait = runtime->wait.stats();
     b.compute = runtime->compute.stats();
     b.overhead = runtime->overhead.stats();

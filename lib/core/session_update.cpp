@@ -314,7 +314,7 @@ absl::Status SessionCore::update_start(UpdateWork& u) {
   for (auto& runtime : u.fresh) {
     if (runtime->site == nullptr) u.starting.push_back(runtime.get());
   }
-  if (auto status = warm_up(u.starting); !status.ok()) {
+  if (auto status = warm_up(u.starting, *u.table); !status.ok()) {
     for (auto* runtime : u.starting) stop_runtime(*runtime, "update rejected");
     return u.invalid(std::string(status.message()));
   }
@@ -392,7 +392,7 @@ void SessionCore::update_publish(UpdateWork& u) {
     u.timing.total_ms = ms_since(u.t_begin);
     last_update_ = u.timing;  // drain figures follow once it is done
   }
-  for (const auto& [task, plan] : u.table->plans) published_plans_.push_back(plan);
+  publish(*u.table);
   std::shared_ptr<const RoutingTable> old;
   {
     blockflow::detail::MutexLock lock(&routing_mu_);
@@ -477,30 +477,39 @@ void SessionCore::update_drain(UpdateWork& u, absl::Duration drain) {
   }
 }
 
-// The published plans some request or the routing table still holds (the others are forgotten).
+void SessionCore::publish(const RoutingTable& table) {
+  for (const auto& [task, plan] : table.plans) {
+    PublishedPlan published{plan, plan->gone, {}};
+    for (const auto& node : plan->nodes) published.blocks.push_back(node.block);
+    published_plans_.push_back(std::move(published));
+  }
+}
+
+// The published plans some request or the routing table still holds. A plan is forgotten once its
+// destructor has run (PathPlan::gone), not merely once it has expired.
 std::vector<std::shared_ptr<const PathPlan>> SessionCore::live_plans() {
   std::vector<std::shared_ptr<const PathPlan>> live;
   for (auto it = published_plans_.begin(); it != published_plans_.end();) {
-    if (auto plan = it->lock()) {
-      live.push_back(std::move(plan));
-      ++it;
-    } else {
+    if (it->gone->load(std::memory_order_acquire)) {
       it = published_plans_.erase(it);
+      continue;
     }
+    if (auto plan = it->plan.lock()) live.push_back(std::move(plan));
+    ++it;
   }
   return live;
 }
 
 // Frees the removed blocks (and emptied sites, and counters of removed tasks) that no live plan
 // refers to any more: no request can reach them. A plan lives as long as a request or the routing
-// table holds it, and every plan ever published is in published_plans_ until it dies.
+// table holds it, and every plan ever published stays in published_plans_ until its destructor has run
+// (its release store of PathPlan::gone orders every access made through it before the free).
 void SessionCore::collect_retired() {
   std::set<const BlockRuntime*> held_blocks;
   std::set<const PathRuntime*> held_paths;
-  for (const auto& plan : live_plans()) {
-    held_paths.insert(plan->metrics.get());
-    for (const auto& node : plan->nodes) held_blocks.insert(node.block);
-  }
+  for (const auto& plan : live_plans()) held_paths.insert(plan->metrics.get());
+  // Every plan not yet destroyed, expired or not, keeps what it reaches.
+  for (const auto& published : published_plans_) held_blocks.insert(published.blocks.begin(), published.blocks.end());
   std::vector<std::unique_ptr<BlockRuntime>> freed;
   std::vector<std::unique_ptr<SiteRuntime>> freed_sites;
   std::vector<std::shared_ptr<PathRuntime>> freed_paths;  // the session's references only

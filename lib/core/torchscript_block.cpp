@@ -1,8 +1,11 @@
 #include <blockflow/core/torchscript_block.hpp>
+#include <blockflow/core/detail/opaque_layout.hpp>
 
 #include <fmt/format.h>
+#include <torch/csrc/jit/api/function_impl.h>
 #include <torch/script.h>
 
+#include <array>
 #include <filesystem>
 
 namespace blockflow {
@@ -30,17 +33,95 @@ absl::Status flatten(const c10::IValue& value, Tensors& out) {
   return absl::OkStatus();
 }
 
-class TorchScriptBlock final : public Block {
+// The forward graph's input, when the graph has exactly one and its only use is an
+// aten::to_mkldnn without a dtype; else null.
+torch::jit::Node* entry_reorder(torch::jit::Graph& graph) {
+  if (graph.inputs().size() != 2) return nullptr;  // self and one tensor
+  torch::jit::Value* input = graph.inputs()[1];
+  if (input->uses().size() != 1) return nullptr;
+  torch::jit::Node* node = input->uses()[0].user;
+  if (node->kind() != c10::Symbol::fromQualString("aten::to_mkldnn")) return nullptr;
+  if (node->inputs().size() > 1 && !node->input(1)->mustBeNone()) return nullptr;
+  return node;
+}
+
+// The node producing the graph's one output, when it is an aten::to_dense without a dtype used
+// by nothing else; else null.
+torch::jit::Node* exit_reorder(torch::jit::Graph& graph) {
+  if (graph.outputs().size() != 1) return nullptr;
+  torch::jit::Value* output = graph.outputs()[0];
+  torch::jit::Node* node = output->node();
+  if (node->kind() != c10::Symbol::fromQualString("aten::to_dense") || output->uses().size() != 1) return nullptr;
+  if (node->inputs().size() > 1 && !node->input(1)->mustBeNone()) return nullptr;
+  return node;
+}
+
+// A copy of `graph` without its entry reorder (opaque_in) and/or its exit reorder (opaque_out).
+std::shared_ptr<torch::jit::Graph> without_reorders(torch::jit::Graph& graph, bool opaque_in, bool opaque_out) {
+  auto copy = graph.copy();
+  if (opaque_in) {
+    torch::jit::Node* node = entry_reorder(*copy);
+    node->output()->replaceAllUsesWith(copy->inputs()[1]);
+    node->destroy();
+  }
+  if (opaque_out) {
+    torch::jit::Node* node = exit_reorder(*copy);
+    torch::jit::Value* kept = node->input(0);
+    copy->eraseOutput(0);
+    copy->registerOutput(kept);
+    node->destroy();
+  }
+  return copy;
+}
+
+class TorchScriptBlock final : public Block, public detail::OpaqueLayout {
  public:
   TorchScriptBlock(std::string name, BlockOptions options, torch::jit::Module module)
       : Block(std::move(name), std::move(options)), module_(std::move(module)) {}
 
   std::string_view kind() const override { return "torchscript"; }
 
-  absl::StatusOr<Tensors> forward(Tensors&& inputs) override {
-    std::vector<c10::IValue> args(inputs.begin(), inputs.end());
-    inputs.clear();  // the module holds the only references now
-    c10::IValue value = module_.forward(std::move(args));
+  absl::StatusOr<Tensors> forward(Tensors&& inputs) override { return forward_layout(std::move(inputs), false); }
+
+  // Prepares the variants of the forward graph without reorders, when the optimized graph has them.
+  void find_reorders() {
+    const auto graph = module_.get_method("forward").graph();
+    const bool in = entry_reorder(*graph) != nullptr;
+    const bool out = exit_reorder(*graph) != nullptr;
+    for (int v = 1; v < 4; ++v) {
+      const bool opaque_in = (v & 2) != 0;
+      const bool opaque_out = (v & 1) != 0;
+      if ((opaque_in && !in) || (opaque_out && !out)) continue;
+      variants_[static_cast<std::size_t>(v)] = std::make_unique<torch::jit::GraphFunction>(
+          fmt::format("blockflow.{}.forward_{}{}", name(), opaque_in ? "opaque" : "dense", opaque_out ? "_opaque" : ""),
+          without_reorders(*graph, opaque_in, opaque_out), nullptr);
+    }
+  }
+
+  bool takes_opaque() const override { return variants_[2] != nullptr; }
+  bool gives_opaque() const override { return variants_[1] != nullptr; }
+
+  absl::StatusOr<Tensors> forward_layout(Tensors&& inputs, bool opaque_output) override {
+    bool opaque_in = detail::is_opaque(inputs);
+    if (opaque_in && !takes_opaque()) {
+      inputs.front() = inputs.front().to_dense();
+      opaque_in = false;
+    }
+    auto& variant = variants_[static_cast<std::size_t>((opaque_in ? 2 : 0) + (opaque_output && gives_opaque() ? 1 : 0))];
+    c10::IValue value;
+    if (variant == nullptr) {
+      std::vector<c10::IValue> args(inputs.begin(), inputs.end());
+      inputs.clear();  // the module holds the only references now
+      value = module_.forward(std::move(args));
+    } else {
+      torch::jit::Stack stack;
+      stack.reserve(2);
+      stack.emplace_back(module_._ivalue());
+      stack.emplace_back(std::move(inputs.front()));
+      inputs.clear();
+      variant->run(stack);
+      value = torch::jit::pop(stack);
+    }
     Tensors out;
     if (auto status = flatten(value, out); !status.ok()) return status;
     return out;
@@ -48,6 +129,8 @@ class TorchScriptBlock final : public Block {
 
  private:
   torch::jit::Module module_;
+  // Indexed by (opaque input ? 2 : 0) + (opaque output ? 1 : 0); [0] is the module's forward().
+  std::array<std::unique_ptr<torch::jit::GraphFunction>, 4> variants_;
 };
 
 }  // namespace
@@ -68,15 +151,21 @@ absl::StatusOr<std::shared_ptr<Block>> load_torchscript_block(std::string name, 
                                                   file, e.what_without_backtrace()));
   }
   module.eval();
+  bool optimized = false;
   if (ts_options.freeze) {
     try {
       module = torch::jit::freeze(module);
-      if (ts_options.optimize_for_inference && device.is_cpu()) module = torch::jit::optimize_for_inference(module);
+      if (ts_options.optimize_for_inference && device.is_cpu()) {
+        module = torch::jit::optimize_for_inference(module);
+        optimized = true;
+      }
     } catch (const c10::Error&) {
       // Some modules (e.g. with attributes mutated in forward) cannot be frozen: run them as loaded.
     }
   }
-  return std::shared_ptr<Block>(std::make_shared<TorchScriptBlock>(std::move(name), std::move(options), std::move(module)));
+  auto block = std::make_shared<TorchScriptBlock>(std::move(name), std::move(options), std::move(module));
+  if (optimized) block->find_reorders();
+  return std::shared_ptr<Block>(std::move(block));
 }
 
 }  // namespace blockflow

@@ -31,6 +31,9 @@ struct BlockMetrics {
   std::uint64_t failed = 0;     ///< requests that failed at this block
   std::uint64_t batches = 0;          ///< forward() calls that ran more than one request (batching)
   std::uint64_t batched_requests = 0; ///< requests that ran in those calls
+  /// Outputs handed to the next block in oneDNN's layout, sparing a to_dense/to_mkldnn pair
+  /// (docs/lanes.md, "Layouts between blocks").
+  std::uint64_t layout_kept = 0;
   LatencyStats wait, compute, overhead;
   double throughput_per_s = 0;  ///< processed / uptime
   ChannelStats queue;           ///< the block's input queue (depth = current depth)

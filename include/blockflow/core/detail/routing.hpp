@@ -10,6 +10,7 @@
 #include <absl/container/flat_hash_map.h>
 #include <absl/status/statusor.h>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -34,6 +35,9 @@ struct PlanNode {
   std::vector<PlanEdge> successors;
   int join_index = -1;               ///< index into RequestState::joins when inputs.size() > 1
   Combine combine = Combine::pack();
+  /// The block hands its output to its one successor in oneDNN's layout (detail::OpaqueLayout):
+  /// both run on this process's lanes, neither batches, the successor is no join.
+  bool keep_layout = false;
 };
 
 struct PathPlan {
@@ -45,6 +49,15 @@ struct PathPlan {
   /// The task's counters. Shared: whoever drops the last plan of a removed task frees them, after
   /// its last use of them (collect_retired() only lets go of the session's reference).
   std::shared_ptr<PathRuntime> metrics;
+  /// Set by the destructor, with release ordering, on the thread that dropped the plan last: a
+  /// session that reads it true (acquire) may free the removed blocks and sites the plan reached,
+  /// every access made through the plan being ordered before (a weak_ptr's expiry is not).
+  std::shared_ptr<std::atomic<bool>> gone = std::make_shared<std::atomic<bool>>(false);
+
+  PathPlan() = default;
+  PathPlan(const PathPlan&) = delete;
+  PathPlan& operator=(const PathPlan&) = delete;
+  ~PathPlan() { gone->store(true, std::memory_order_release); }
 };
 
 /// Resolves a block name to the runtime that executes it (null: unknown block).

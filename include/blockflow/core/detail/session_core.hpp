@@ -11,6 +11,7 @@
 #include <blockflow/channel/inproc_channel.hpp>
 #include <blockflow/core/detail/compute_lanes.hpp>
 #include <blockflow/core/detail/histogram.hpp>
+#include <blockflow/core/detail/opaque_layout.hpp>
 #include <blockflow/core/detail/request_state.hpp>
 #include <blockflow/core/detail/routing.hpp>
 
@@ -38,14 +39,22 @@ absl::Status check_device(const Block& block);
 void name_thread(const std::string& block, int index);
 /// `status` with its message prefixed ("<prefix>: <message>"), same code.
 absl::Status with_prefix(const absl::Status& status, std::string_view prefix);
-/// Runs block.forward(), turning exceptions into statuses that name the block.
-absl::StatusOr<Tensors> guarded_forward(Block& block, Tensors&& inputs);
+/// Runs block.forward(), turning exceptions into statuses that name the block. With `layout` (the
+/// block's OpaqueLayout side), through forward_layout(): an opaque input is taken as it is, and the
+/// output is opaque when `opaque_output`.
+absl::StatusOr<Tensors> guarded_forward(Block& block, Tensors&& inputs, OpaqueLayout* layout = nullptr,
+                                        bool opaque_output = false);
+
+struct PathPlan;
+/// Sets PlanNode::keep_layout on the plan's edges that qualify (see there).
+void mark_kept_layouts(PathPlan& plan);
 
 /// A block as the session runs it: the block, its input queue, its counters. A block of this
 /// process runs on the session's compute lanes (LaneWork: at most BlockOptions::workers lanes at
 /// once); a block placed at a remote site has one thread that forwards its queue to the site.
 struct BlockRuntime final : LaneWork {
   std::shared_ptr<Block> block;     ///< null for a block placed at a remote site
+  OpaqueLayout* layout = nullptr;   ///< the block's, when it can keep oneDNN's layout across an edge
   BlockDescription description;     ///< name, options and placement (set for every block)
   SiteRuntime* site = nullptr;      ///< where it runs when not on this process's lanes
   SessionCore* core = nullptr;
@@ -55,6 +64,7 @@ struct BlockRuntime final : LaneWork {
   std::atomic<std::uint64_t> processed{0};
   std::atomic<std::uint64_t> failed{0};
   std::atomic<std::uint64_t> batches{0}, batched_requests{0};
+  std::atomic<std::uint64_t> layout_kept{0};  ///< outputs handed on in oneDNN's layout
   /// Taken without queueing: by the site (try_run()), or run at once by the lane that ran the
   /// request's previous block (an inline continuation).
   std::atomic<std::uint64_t> handed_directly{0};
@@ -113,8 +123,8 @@ class SessionCore {
   std::unique_ptr<InProcessChannel> make_inbox(const BlockOptions& options) const;
   void on_lanes(std::vector<std::function<void()>>& tasks);
   std::vector<absl::StatusOr<std::shared_ptr<Block>>> make_blocks(const std::vector<const BlockDescription*>& descriptions);
-  absl::Status warm_up(const std::vector<BlockRuntime*>& runtimes);
-  absl::Status warm_up_block(BlockRuntime& runtime);
+  absl::Status warm_up(const std::vector<BlockRuntime*>& runtimes, const RoutingTable& table);
+  absl::Status warm_up_block(BlockRuntime& runtime, unsigned layouts);
   ComputeLanes::Options lane_options() const;
   void stop_runtime(BlockRuntime& runtime, const std::string& why);
   // apply(), step by step (lib/core/session_update.cpp).
@@ -199,7 +209,13 @@ class SessionCore {
   UpdateStats last_update_;  // under state_mu_
   // Every plan published and maybe still held by a request (apply() drains removed blocks by them,
   // collect_retired() frees what none of them reaches). start() and apply() only.
-  std::vector<std::weak_ptr<const PathPlan>> published_plans_;
+  struct PublishedPlan {
+    std::weak_ptr<const PathPlan> plan;
+    std::shared_ptr<const std::atomic<bool>> gone;  // PathPlan::gone
+    std::vector<const BlockRuntime*> blocks;        // what it reaches, readable once it is gone
+  };
+  std::vector<PublishedPlan> published_plans_;
+  void publish(const RoutingTable& table);  // records its plans in published_plans_
 
   mutable blockflow::detail::Mutex routing_mu_;
   std::shared_ptr<const RoutingTable> routing_ ABSL_GUARDED_BY(routing_mu_);

@@ -27,7 +27,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteStats, name, kind, pid, rest
                                                 malformed_frames, parked_outputs, direct_forwards, rss_idle_bytes, rss_bytes, data, shm_requests,
                                                 shm_results, cuda_requests, cuda_results, kpi)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(BlockMetrics, name, kind, device, placement, workers,
-                                                intra_op_threads, processed, failed, batches, batched_requests, wait,
+                                                intra_op_threads, processed, failed, batches, batched_requests, layout_kept, wait,
                                                 compute, overhead,
                                                 throughput_per_s, queue)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(PathMetrics, task, active, submitted, completed, failed, e2e, wait, compute,
