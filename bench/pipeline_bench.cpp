@@ -50,6 +50,7 @@
 #include "alone_process.hpp"
 #include "process_chain.hpp"
 #include "bench_util.hpp"
+#include "resnet_split.hpp"
 
 #include <blockflow/blockflow.hpp>
 #include <blockflow/worker/worker_site.hpp>
@@ -81,16 +82,8 @@ namespace bf = blockflow;
 int host_app(const std::string& models, int requests, int threads, int round, bool optimize, const std::string& app_on) {
   if (app_on != "lane" && app_on != "thread") throw std::invalid_argument("--app-on lane|thread");
   bf::Session session;
-  const std::vector<std::pair<std::string, std::vector<std::int64_t>>> blocks = {
-      {"block1", {1, 3, 224, 224}}, {"block2", {1, 256, 56, 56}}, {"block3", {1, 512, 28, 28}}, {"block4", {1, 1024, 14, 14}}};
-  for (const auto& [name, shape] : blocks) {
-    bf::BlockDescription d;
-    d.name = name;
-    d.torchscript = models + "/" + name + ".pt";
-    d.options.intra_op_threads = threads;
-    d.torchscript_options.optimize_for_inference = optimize;
-    d.options.input_shapes = {shape};
-    session.add_block(d);
+  for (const auto& [name, shape] : bf::bench::resnet_split_stages()) {
+    session.add_block(bf::bench::model_block(models, name, shape, threads, optimize));
   }
   session.add_path(bf::Path::chain("split", {"block1", "block2", "block3", "block4"}));
   if (auto status = session.start(); !status.ok()) throw std::runtime_error(status.ToString());
@@ -182,9 +175,8 @@ int main(int argc, char** argv) try {
   if (models.empty()) throw std::invalid_argument("usage: pipeline_bench --models DIR [--requests N] [--threads T]");
   if (mode == "host_app") return host_app(models, requests, threads, round, optimize, app_on);
 
-  const std::vector<std::pair<std::string, std::vector<std::int64_t>>> blocks = {
-      {"block1", {1, 3, 224, 224}}, {"block2", {1, 256, 56, 56}}, {"block3", {1, 512, 28, 28}},
-      {"block4", {1, 1024, 14, 14}}, {"monolithic", {1, 3, 224, 224}}};
+  auto blocks = bf::bench::resnet_split_stages();
+  blocks.emplace_back("monolithic", std::vector<std::int64_t>{1, 3, 224, 224});
   const bool sampler_cost = mode == "sampler_cost";
   const bool workers = mode == "workers" || sampler_cost;
   const bool memory = mode == "worker_memory";
@@ -195,12 +187,7 @@ int main(int argc, char** argv) try {
       worker_env ? std::vector<std::string>(absl::StrSplit(*worker_env, ' ', absl::SkipEmpty())) : bf::WorkerOptions{}.environment;
   bf::Session session;
   for (std::size_t i = 0; i < blocks.size(); ++i) {
-    bf::BlockDescription d;
-    d.name = blocks[i].first;
-    d.torchscript = models + "/" + d.name + ".pt";
-    d.options.intra_op_threads = threads;
-    d.torchscript_options.optimize_for_inference = optimize;
-    d.options.input_shapes = {blocks[i].second};
+    bf::BlockDescription d = bf::bench::model_block(models, blocks[i].first, blocks[i].second, threads, optimize);
     if (device == "cuda") d.options.device = "cuda:0";
     if (d.name != "monolithic" && (workers || memory)) {
       d.placement = memory ? "w1" : fmt::format("w{}", i + 1);

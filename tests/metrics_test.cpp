@@ -93,6 +93,42 @@ TEST_CASE("the metrics snapshot serialises to JSON with every field", "[metrics]
   CHECK(path["e2e"]["p99_ms"].get<double>() >= path["e2e"]["p50_ms"].get<double>());
 }
 
+TEST_CASE("cold start and update figures: process start, start(), the first result", "[metrics]") {
+  Session session;
+  session.add_block(test::slow_plus_one("sleepy", 5ms)).add_path(Path::chain("t", {"sleepy"}));
+  const auto before_start = std::chrono::steady_clock::now();
+  test::require_started(session);
+  const double start_call_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - before_start).count();
+  auto m = session.metrics();
+  CHECK(m.start.process_to_start_ms > 0);  // this test binary started before
+  CHECK(m.start.start_ms > 0);
+  CHECK(m.start.start_ms <= start_call_ms);
+  CHECK(m.start.time_to_first_result_ms == 0);  // no request yet
+  REQUIRE(session.submit("t", at::ones({1})).get().ok());
+  REQUIRE(session.submit("t", at::ones({1})).get().ok());
+  m = session.metrics();
+  // Process start <= start() called <= start() returned <= the first result (>= 5 ms of compute later).
+  CHECK(m.start.time_to_first_result_ms >= m.start.process_to_start_ms + m.start.start_ms + 5.0);
+  const double first = m.start.time_to_first_result_ms;
+  CHECK(session.metrics().start.time_to_first_result_ms == first);  // the first, not the latest
+  CHECK(m.last_update.time_to_first_result_ms == 0);  // no update yet
+
+  auto d = Deployment::parse(R"({"blocks": ["sleepy"], "tasks": {"t": ["sleepy"], "u": ["sleepy"]}})");
+  INFO(d.status().ToString());
+  REQUIRE(d.ok());
+  auto v = session.apply(*d);
+  REQUIRE(v.ok());
+  CHECK(session.metrics().last_update.time_to_first_result_ms == 0);
+  REQUIRE(session.submit("u", at::ones({1})).get().ok());
+  m = session.metrics();
+  CHECK(m.last_update.time_to_first_result_ms >= m.last_update.total_ms + 5.0);  // after apply() returned
+  CHECK(m.start.time_to_first_result_ms == first);
+  const std::string prometheus = m.to_prometheus();
+  CHECK(prometheus.find("blockflow_start_seconds{phase=\"first_result\"}") != std::string::npos);
+  CHECK(prometheus.find("blockflow_last_update_seconds{phase=\"first_result\"}") != std::string::npos);
+}
+
 TEST_CASE("histogram percentiles are within 2% of the exact values", "[metrics]") {
   blockflow::detail::Histogram h;
   for (int i = 1; i <= 1000; ++i) h.record(std::int64_t{i} * 1000);  // 1 us .. 1 ms

@@ -206,6 +206,35 @@ TEST_CASE("an update a worker cannot carry out is rejected whole, naming the wor
   CHECK(session.metrics().sites.at(0).pid == w1);
 }
 
+TEST_CASE("apply() starts two new workers at once; when one cannot load, both are stopped and it is named",
+          "[worker_update]") {
+  Session session;
+  start_a_in_w1(session);
+  const std::int64_t w1 = session.metrics().sites.at(0).pid;
+  auto v = session.apply(parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"},
+                                              {"name": "c", "factory": "affine", "placement": "w2"},
+                                              {"name": "m", "torchscript": "/nowhere/missing.pt", "placement": "w3"}],
+                                   "tasks": {"t1": ["a"], "t2": ["a", "c"], "t3": ["m"]}})"));
+  REQUIRE_FALSE(v.ok());
+  CHECK(absl::IsInvalidArgument(v.status()));
+  CHECK_THAT(std::string(v.status().message()), Contains("update 1 rejected, nothing changed") && Contains("worker w3"));
+  CHECK(test::eventually([&] { return children() == std::set<std::int64_t>{w1}; }));
+  CHECK(session.metrics().sites.size() == 1);
+
+  v = session.apply(parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1"},
+                                         {"name": "c", "factory": "affine", "placement": "w2"},
+                                         {"name": "d", "factory": "affine", "placement": "w3"}],
+                              "tasks": {"t1": ["a"], "t2": ["a", "c"], "t3": ["d"]}})"));
+  INFO(v.status().ToString());
+  REQUIRE(v.ok());
+  CHECK(value_of(session, "t2", 1) == 13);
+  CHECK(value_of(session, "t3", 1) == 4);
+  const auto m = session.metrics();
+  CHECK(m.sites.size() == 3);
+  CHECK(m.last_update.sites_started == 2);
+  CHECK(children() == std::set<std::int64_t>{w1, site(m, "w2")->pid, site(m, "w3")->pid});
+}
+
 TEST_CASE("a worker that dies while loading an update: rejected as Unavailable, restarted with its old blocks",
           "[worker_update]") {
   Session session;

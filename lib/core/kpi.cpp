@@ -9,7 +9,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
+#include <ctime>
 #include <fstream>
 #include <mutex>
 #include <sstream>
@@ -17,6 +19,29 @@
 #include <thread>
 
 namespace blockflow {
+
+namespace {
+// The fields of /proc/self/stat after the command name; [0] is field 3 (state).
+std::vector<std::string> self_stat_fields() {
+  std::ifstream stat("/proc/self/stat");
+  std::string line;
+  std::getline(stat, line);
+  std::vector<std::string> f;
+  const auto close = line.rfind(')');  // the command name may hold spaces and parentheses
+  if (close == std::string::npos) return f;
+  std::istringstream fields(line.substr(close + 2));
+  for (std::string x; fields >> x;) f.push_back(x);
+  return f;
+}
+}  // namespace
+
+double process_age_seconds() {
+  const auto f = self_stat_fields();
+  timespec now{};
+  if (f.size() <= 19 || ::clock_gettime(CLOCK_BOOTTIME, &now) != 0) return 0;
+  const double started = std::stod(f[19]) / static_cast<double>(::sysconf(_SC_CLK_TCK));  // field 22
+  return std::max(0.0, static_cast<double>(now.tv_sec) + static_cast<double>(now.tv_nsec) / 1e9 - started);
+}
 
 ProcessSample sample_process() {
   ProcessSample s;
@@ -26,20 +51,12 @@ ProcessSample sample_process() {
     if (statm >> size >> resident) s.rss_bytes = resident * ::sysconf(_SC_PAGESIZE);
   }
   {
-    std::ifstream stat("/proc/self/stat");
-    std::string line;
-    std::getline(stat, line);
-    const auto close = line.rfind(')');  // the command name may hold spaces and parentheses
-    if (close != std::string::npos) {
-      std::istringstream fields(line.substr(close + 2));
-      std::vector<std::string> f;
-      for (std::string x; fields >> x;) f.push_back(x);
-      // After the name: state(3) ... utime(14) stime(15) ... num_threads(20); f[0] is field 3.
-      if (f.size() > 17) {
-        const double tick = static_cast<double>(::sysconf(_SC_CLK_TCK));
-        s.cpu_seconds = (std::stod(f[11]) + std::stod(f[12])) / tick;
-        s.threads = std::stoll(f[17]);
-      }
+    // After the name: state(3) ... utime(14) stime(15) ... num_threads(20); f[0] is field 3.
+    const auto f = self_stat_fields();
+    if (f.size() > 17) {
+      const double tick = static_cast<double>(::sysconf(_SC_CLK_TCK));
+      s.cpu_seconds = (std::stod(f[11]) + std::stod(f[12])) / tick;
+      s.threads = std::stoll(f[17]);
     }
   }
   {

@@ -166,9 +166,15 @@ std::string MetricsSnapshot::to_prometheus() const {
   e.add("blockflow_auth_failures_total", "counter", "Peers refused by this process's CURVE endpoints.", {},
         static_cast<double>(auth_failures));
   for (const auto& [phase, ms] : {std::pair{"load", last_update.load_ms}, std::pair{"route", last_update.route_ms},
-                                  std::pair{"drain", last_update.drain_ms}, std::pair{"total", last_update.total_ms}}) {
+                                  std::pair{"drain", last_update.drain_ms}, std::pair{"total", last_update.total_ms},
+                                  std::pair{"first_result", last_update.time_to_first_result_ms}}) {
     e.add("blockflow_last_update_seconds", "gauge", "Time the last applied update spent, by phase.", {{"phase", phase}},
           ms / 1e3);
+  }
+  for (const auto& [phase, ms] : {std::pair{"process_to_start", start.process_to_start_ms}, std::pair{"start", start.start_ms},
+                                  std::pair{"first_result", start.time_to_first_result_ms}}) {
+    e.add("blockflow_start_seconds", "gauge", "The session's cold start, by phase (first_result: from the process start).",
+          {{"phase", phase}}, ms / 1e3);
   }
   e.add("blockflow_sampling_enabled", "gauge", "1 while KPI sampling is on.", {}, sampling ? 1 : 0);
   e.add("blockflow_sampling_period_seconds", "gauge", "KPI sampling period.", {}, sampling_period_s);

@@ -230,6 +230,8 @@ absl::Status SessionCore::build() {
 
 absl::Status SessionCore::start() {
   if (started_.exchange(true)) return absl::FailedPreconditionError("Session::start() called twice");
+  start_called_ns_ = now_ns();
+  process_start_ns_ = start_called_ns_ - static_cast<std::int64_t>(process_age_seconds() * 1e9);
   lanes_ = std::make_unique<ComputeLanes>(lane_options());
   lanes_->start();
   note_memory_baseline();
@@ -250,6 +252,7 @@ absl::Status SessionCore::start() {
     return status;
   }
   note_memory();
+  start_done_ns_ = now_ns();
   admitting_ = true;
   return absl::OkStatus();
 }

@@ -319,6 +319,10 @@ void SessionCore::resolve(const StatePtr& state, absl::Status status, Tensors ou
       result.trace.hops.push_back(std::move(hop));
     }
     std::reverse(result.trace.hops.begin(), result.trace.hops.end());
+    for (auto* first : {&first_result_ns_, &update_first_result_ns_}) {
+      std::int64_t none = 0;
+      if (first->load(std::memory_order_relaxed) == 0) first->compare_exchange_strong(none, result.trace.resolved_ns, std::memory_order_relaxed);
+    }
     // The last hop ends when the request resolves: its resolution cost is overhead too.
     result.trace.hops.back().done_ns = result.trace.resolved_ns;
     result.outputs = std::move(outputs);

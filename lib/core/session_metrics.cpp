@@ -15,6 +15,12 @@ MetricsSnapshot SessionCore::metrics() const {
   MetricsSnapshot snapshot;
   snapshot.version = version_.load();
   snapshot.last_update = last_update_;
+  const auto ms_between = [](std::int64_t from, std::int64_t to) { return from > 0 && to > from ? ns_to_ms(to - from) : 0.0; };
+  snapshot.last_update.time_to_first_result_ms =
+      last_update_.version == 0 ? 0.0 : ms_between(update_called_ns_, update_first_result_ns_.load(std::memory_order_relaxed));
+  snapshot.start.process_to_start_ms = ms_between(process_start_ns_, start_called_ns_);
+  snapshot.start.start_ms = ms_between(start_called_ns_, start_done_ns_);
+  snapshot.start.time_to_first_result_ms = ms_between(process_start_ns_, first_result_ns_.load(std::memory_order_relaxed));
   snapshot.retired_blocks = retired_.size();
   snapshot.auth_failures = auth_failure_counter().load(std::memory_order_relaxed);
   snapshot.uptime_s = started_ns_ == 0 ? 0.0 : static_cast<double>(now_ns() - started_ns_) / 1e9;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <thread>
 
 namespace blockflow::detail {
 namespace {
@@ -119,19 +120,18 @@ bool SessionCore::update_cancelled() const {
 }
 
 void SessionCore::cancel_update() {
-  std::shared_ptr<RemoteSite> site;
-  bool stop_it = false;
+  std::vector<std::pair<std::shared_ptr<RemoteSite>, bool>> sites;
   {
     blockflow::detail::MutexLock lock(&busy_mu_);
     if (!updating_) return;
     cancelled_ = true;
-    site = busy_site_;
-    stop_it = busy_site_is_new_;
+    sites = busy_sites_;
   }
-  if (!site) return;
-  // A site this update was starting serves nothing yet: stopping it is how its start() ends.
-  if (stop_it) site->stop();
-  else site->cancel_update();
+  for (const auto& [site, is_new] : sites) {
+    // A site this update was starting serves nothing yet: stopping it is how its start() ends.
+    if (is_new) site->stop();
+    else site->cancel_update();
+  }
 }
 
 // Runs `step` against `site` so that cancel_update() can interrupt it; not at all once cancelled.
@@ -139,12 +139,11 @@ absl::Status SessionCore::at_site(SiteRuntime& site, bool is_new, const std::fun
   {
     blockflow::detail::MutexLock lock(&busy_mu_);
     if (cancelled_) return absl::CancelledError("cancelled");
-    busy_site_ = site.site;
-    busy_site_is_new_ = is_new;
+    busy_sites_.emplace_back(site.site, is_new);
   }
   absl::Status status = step();
   blockflow::detail::MutexLock lock(&busy_mu_);
-  busy_site_.reset();
+  busy_sites_.erase(std::find_if(busy_sites_.begin(), busy_sites_.end(), [&](const auto& s) { return s.first == site.site; }));
   if (cancelled_ && !status.ok()) return absl::CancelledError("cancelled");
   return status;
 }
@@ -322,27 +321,53 @@ absl::Status SessionCore::update_start(UpdateWork& u) {
   for (auto& runtime : u.fresh) {
     if (runtime->site != nullptr) incoming[runtime->site].push_back(runtime.get());
   }
+  // Every site at once, each on a thread of its own (a new worker's start and a running one's
+  // load are mostly waiting); then the outcomes in site order.
+  struct SiteStep {
+    SiteRuntime* site;
+    bool is_new;
+    std::vector<BlockDescription> before;
+    absl::Status status;
+  };
+  std::vector<SiteStep> steps;
   for (auto& [site, runtimes] : incoming) {
     const bool is_new = u.is_new(site);
-    const auto before = descriptions_of(*site);
-    auto after = before;
-    for (const auto* runtime : runtimes) after.push_back(runtime->description);
     if (is_new) site->blocks = runtimes;
-    const absl::Status status =
-        at_site(*site, is_new, [&] { return is_new ? start_site(*site) : site->site->update(after); });
-    if (!status.ok()) {
-      if (is_new) site->blocks.clear();
-      // A worker that did not answer may load them yet; one that died restarts with its old list.
-      else if (absl::IsDeadlineExceeded(status) || absl::IsCancelled(status)) u.grown.emplace_back(site, before);
-      update_undo(u);
-      if (absl::IsCancelled(status)) return u.cancelled();
-      // InvalidArgument for what could not be loaded (a new site that fails to start included);
-      // a running worker that died or did not answer keeps its code (Unavailable, DeadlineExceeded).
-      const bool invalid_update = is_new || absl::IsInvalidArgument(status);
-      return absl::Status(invalid_update ? absl::StatusCode::kInvalidArgument : status.code(),
-                          fmt::format("update {} rejected, nothing changed: {}", u.version, std::string(status.message())));
+    steps.push_back({site, is_new, descriptions_of(*site), absl::OkStatus()});
+  }
+  auto run_step = [this, &incoming](SiteStep& step) {
+    auto after = step.before;
+    for (const auto* runtime : incoming.at(step.site)) after.push_back(runtime->description);
+    step.status = at_site(*step.site, step.is_new,
+                          [&] { return step.is_new ? start_site(*step.site) : step.site->site->update(after); });
+  };
+  if (steps.size() == 1) {
+    run_step(steps.front());
+  } else {
+    std::vector<std::thread> threads;
+    for (auto& step : steps) threads.emplace_back([&run_step, &step] { run_step(step); });
+    for (auto& t : threads) t.join();
+  }
+  const SiteStep* failed = nullptr;
+  for (const auto& step : steps) {
+    // What a running site may have loaded is unloaded if the update is undone: it loaded it, or it
+    // did not answer and may load it yet (one that died restarts with its old list).
+    if (!step.is_new && (step.status.ok() || absl::IsDeadlineExceeded(step.status) || absl::IsCancelled(step.status))) {
+      u.grown.emplace_back(step.site, step.before);
     }
-    if (!is_new) u.grown.emplace_back(site, before);
+    if (step.status.ok()) continue;
+    if (step.is_new) step.site->blocks.clear();
+    if (failed == nullptr) failed = &step;
+    else detail::log(LogLevel::kWarning, fmt::format("update {}: also failed: {}", u.version, std::string(step.status.message())));
+  }
+  if (failed != nullptr) {
+    update_undo(u);
+    if (absl::IsCancelled(failed->status)) return u.cancelled();
+    // InvalidArgument for what could not be loaded (a new site that fails to start included);
+    // a running worker that died or did not answer keeps its code (Unavailable, DeadlineExceeded).
+    const bool invalid_update = failed->is_new || absl::IsInvalidArgument(failed->status);
+    return absl::Status(invalid_update ? absl::StatusCode::kInvalidArgument : failed->status.code(),
+                        fmt::format("update {} rejected, nothing changed: {}", u.version, std::string(failed->status.message())));
   }
   if (update_cancelled()) {
     update_undo(u);
@@ -391,6 +416,8 @@ void SessionCore::update_publish(UpdateWork& u) {
     version_.store(u.version);
     u.timing.total_ms = ms_since(u.t_begin);
     last_update_ = u.timing;  // drain figures follow once it is done
+    update_called_ns_ = u.t_begin;
+    update_first_result_ns_.store(0, std::memory_order_relaxed);  // before the new table is published
   }
   publish(*u.table);
   std::shared_ptr<const RoutingTable> old;

@@ -63,6 +63,9 @@ struct KpiSample {
 
 /// @brief Reads /proc/self now (cpu_utilisation is left 0: it needs two samples).
 ProcessSample sample_process();
+/// @brief Seconds since this process started (/proc/self/stat; the kernel's clock-tick resolution,
+/// 10 ms on Debian).
+double process_age_seconds();
 
 /// @brief libtorch's CUDA allocator figures for this process. Fills `out` and returns "ok", or
 /// returns why there are none ("libtorch built without CUDA", "CUDA not initialised in this

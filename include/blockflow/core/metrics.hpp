@@ -79,6 +79,16 @@ struct UpdateStats {
   double route_ms = 0;  ///< checking the paths and publishing the new routing table
   double drain_ms = 0;  ///< draining, stopping and unloading the removed blocks
   double total_ms = 0;  ///< the whole apply() call
+  /// apply() called to the first request resolved with a result after it published (0: none yet).
+  double time_to_first_result_ms = 0;
+};
+
+/// @brief How the session came up (its cold start), in milliseconds.
+struct StartStats {
+  double process_to_start_ms = 0;  ///< the process started (10 ms resolution) to Session::start() called
+  double start_ms = 0;             ///< Session::start() itself: sites, blocks, warm-up
+  /// The process started to the first request resolved with a result, any task (0: none yet).
+  double time_to_first_result_ms = 0;
 };
 
 /// @brief A consistent-enough copy of the counters (each counter is read atomically; the
@@ -88,6 +98,7 @@ struct MetricsSnapshot {
   std::uint64_t in_flight = 0;
   std::uint64_t version = 0;      ///< deployment version: 0 at start(), +1 per successful Session::apply()
   UpdateStats last_update;        ///< the timing of the apply() that made `version`
+  StartStats start;               ///< the session's cold start
   /// Blocks removed by updates and still kept because a request in flight may reach them (freed
   /// by the next apply() once none can).
   std::uint64_t retired_blocks = 0;

@@ -230,6 +230,11 @@ class SessionCore {
   std::atomic<bool> started_{false};
   std::atomic<bool> stopped_{false};
   std::int64_t started_ns_ = 0;
+  // Cold start (StartStats): when the process started, start() was called and returned, in now_ns().
+  std::atomic<std::int64_t> process_start_ns_{0}, start_called_ns_{0}, start_done_ns_{0};
+  // The first request resolved with a result: since start(), and since the last apply() published.
+  std::atomic<std::int64_t> first_result_ns_{0}, update_first_result_ns_{0};
+  std::int64_t update_called_ns_ = 0;  // under state_mu_: the apply() that made last_update_
   std::int64_t rss_baseline_ = 0;         // this process's RSS before start() built its blocks
   std::vector<SiteMemory> memory_;        // under state_mu_: note_memory()'s last figures
   // Lock order: shutdown_mu_ (shutdown() only), then update_mu_ (one apply() at a time, and
@@ -237,12 +242,11 @@ class SessionCore {
   blockflow::detail::Mutex shutdown_mu_;
   blockflow::detail::Mutex update_mu_;
   // The apply() in progress, for cancel_update(): whether one runs, whether it was cancelled, and
-  // the site it waits on (a new one is stopped to cancel it, a running one asked to cancel).
+  // the sites it waits on (a new one is stopped to cancel it, a running one asked to cancel).
   mutable blockflow::detail::Mutex busy_mu_;
   bool updating_ ABSL_GUARDED_BY(busy_mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(busy_mu_) = false;
-  std::shared_ptr<RemoteSite> busy_site_ ABSL_GUARDED_BY(busy_mu_);
-  bool busy_site_is_new_ ABSL_GUARDED_BY(busy_mu_) = false;
+  std::vector<std::pair<std::shared_ptr<RemoteSite>, bool>> busy_sites_ ABSL_GUARDED_BY(busy_mu_);  // (site, is new)
 };
 
 }  // namespace blockflow::detail
