@@ -2,13 +2,18 @@
 //   monolithic  the whole ResNet50 in a process of its own, loaded as a block is (freeze,
 //               optimize_for_inference) and run once: what a user runs instead;
 //   threads     the split in a session, its four blocks on the lanes;
-//   workers     the split in a session of four worker processes over shm.
+//   workers     the split in a session of four worker processes over shm;
+// and, to show what is physically possible on the machine, two floors with no session at all:
+//   threads_floor  the four blocks loaded at once, one thread per core, and chained once with no
+//                  warm-up (the first forward pays TorchScript's profiling run, as the monolithic's does);
+//   workers_floor  a process that starts four processes of this program at once, each bringing
+//                  libtorch up and loading nothing, and reports when the last is up.
 // Each measurement is a fresh process (posix_spawn of this program, `--child MODE`), the modes
 // alternating round by round after one unmeasured round (page cache). The time runs from just before
 // posix_spawn to the child's line saying that its first request resolved; the child also reports
 // its session's StartStats (metrics().start). One line per mode, then the ratios to the monolithic.
 //
-// usage: cold_start_bench --models DIR [--rounds N] [--threads T]
+// usage: cold_start_bench --models DIR [--rounds N] [--threads T] [--warmup-runs N]
 #include "alone_process.hpp"
 #include "bench_util.hpp"
 #include "resnet_split.hpp"
@@ -29,17 +34,68 @@ namespace bf = blockflow;
 
 namespace {
 
-// The child: brings the mode up, resolves one request, prints "first_result START_MS PROCESS_TO_FIRST_MS".
-int child(const std::string& mode, const std::string& models, int threads) {
+struct Sample {
+  double first_result_ms = 0;  // posix_spawn -> the child's line
+  double start_ms = 0;         // the child's Session::start()
+  double internal_ms = 0;      // the child's own process start -> first result
+  double request_ms = 0;       // the first request itself (its e2e; the first forward with no session)
+};
+
+Sample measure(const std::string& mode, const std::string& models, int threads, int warmup_runs);
+
+// The child: brings the mode up, resolves one request, prints
+// "first_result START_MS PROCESS_TO_FIRST_MS FIRST_REQUEST_MS".
+int child(const std::string& mode, const std::string& models, int threads, int warmup_runs) {
   const at::Tensor x = at::randn({1, 3, 224, 224});
+  if (mode == "libtorch") {  // a workers_floor process: libtorch up, nothing loaded
+    at::set_num_threads(threads);
+    (void)(x + 1);
+    fmt::print("first_result 0 {:.1f} 0\n", bf::process_age_seconds() * 1e3);
+    return 0;
+  }
+  if (mode == "workers_floor") {
+    std::vector<std::thread> starting;
+    for (int i = 0; i < 4; ++i) starting.emplace_back([&] { (void)measure("libtorch", models, threads, warmup_runs); });
+    for (auto& t : starting) t.join();
+    fmt::print("first_result 0 {:.1f} 0\n", bf::process_age_seconds() * 1e3);
+    return 0;
+  }
+  if (mode == "threads_floor") {
+    const auto& stages = bf::bench::resnet_split_stages();
+    std::vector<std::shared_ptr<bf::Block>> blocks(stages.size());
+    std::atomic<std::size_t> next{0};
+    std::vector<std::thread> builders;
+    for (unsigned b = 0; b < std::max(1U, std::thread::hardware_concurrency()); ++b) {
+      builders.emplace_back([&] {
+        for (std::size_t i = next++; i < stages.size(); i = next++) {
+          auto made = bf::make_block(bf::bench::model_block(models, stages[i].first, stages[i].second, threads, true));
+          if (made.ok()) blocks[i] = *made;
+        }
+      });
+    }
+    for (auto& t : builders) t.join();
+    at::set_num_threads(threads);
+    c10::InferenceMode inference_mode;
+    const std::int64_t t0 = bf::detail::now_ns();
+    bf::Tensors values{x};
+    for (auto& block : blocks) {
+      if (!block) throw std::runtime_error("threads_floor: a block did not load");
+      auto out = block->forward(std::move(values));
+      if (!out.ok()) throw std::runtime_error(out.status().ToString());
+      values = *std::move(out);
+    }
+    fmt::print("first_result 0 {:.1f} {:.1f}\n", bf::process_age_seconds() * 1e3, (bf::detail::now_ns() - t0) / 1e6);
+    return 0;
+  }
   if (mode == "monolithic") {
     at::set_num_threads(threads);
     auto block = bf::make_block(bf::bench::model_block(models, "monolithic", {1, 3, 224, 224}, threads, true));
     if (!block.ok()) throw std::runtime_error(block.status().ToString());
     c10::InferenceMode inference_mode;
+    const std::int64_t t0 = bf::detail::now_ns();
     auto out = (*block)->forward({x});
     if (!out.ok()) throw std::runtime_error(out.status().ToString());
-    fmt::print("first_result 0 {:.1f}\n", bf::process_age_seconds() * 1e3);
+    fmt::print("first_result 0 {:.1f} {:.1f}\n", bf::process_age_seconds() * 1e3, (bf::detail::now_ns() - t0) / 1e6);
     return 0;
   }
   bf::Session session;
@@ -47,6 +103,7 @@ int child(const std::string& mode, const std::string& models, int threads) {
   int w = 0;
   for (const auto& [name, shape] : bf::bench::resnet_split_stages()) {
     auto d = bf::bench::model_block(models, name, shape, threads, true);
+    if (warmup_runs >= 0) d.options.warmup_runs = warmup_runs;
     if (workers) {
       bf::WorkerOptions o;
       o.name = fmt::format("w{}", ++w);
@@ -61,23 +118,18 @@ int child(const std::string& mode, const std::string& models, int threads) {
   bf::Result r = session.submit("split", x).get();
   if (!r.ok()) throw std::runtime_error(r.status.ToString());
   const auto start = session.metrics().start;
-  fmt::print("first_result {:.1f} {:.1f}\n", start.start_ms, start.time_to_first_result_ms);
+  fmt::print("first_result {:.1f} {:.1f} {:.1f}\n", start.start_ms, start.time_to_first_result_ms, r.trace.e2e_ms());
   std::fflush(stdout);
   return 0;
 }
 
-struct Sample {
-  double first_result_ms = 0;  // posix_spawn -> the child's line
-  double start_ms = 0;         // the child's Session::start()
-  double internal_ms = 0;      // the child's own process start -> first result
-};
-
-Sample measure(const std::string& mode, const std::string& models, int threads) {
+Sample measure(const std::string& mode, const std::string& models, int threads, int warmup_runs) {
   int from_child[2];
   int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   if (devnull < 0 || ::pipe2(from_child, O_CLOEXEC) != 0) throw std::runtime_error("cold_start: pipe");
   const std::int64_t t0 = bf::detail::now_ns();
-  const pid_t pid = bf::bench::spawn_self({"--child", mode, "--models", models, "--threads", std::to_string(threads)},
+  const pid_t pid = bf::bench::spawn_self({"--child", mode, "--models", models, "--threads", std::to_string(threads),
+                                           "--warmup-runs", std::to_string(warmup_runs)},
                                           devnull, from_child[1], {});
   ::close(from_child[1]);
   ::close(devnull);
@@ -86,7 +138,7 @@ Sample measure(const std::string& mode, const std::string& models, int threads) 
   Sample s;
   bool got = false;
   while (std::fgets(line, sizeof line, out) != nullptr) {
-    if (std::sscanf(line, "first_result %lf %lf", &s.start_ms, &s.internal_ms) == 2) {
+    if (std::sscanf(line, "first_result %lf %lf %lf", &s.start_ms, &s.internal_ms, &s.request_ms) == 3) {
       s.first_result_ms = static_cast<double>(bf::detail::now_ns() - t0) / 1e6;
       got = true;
       break;
@@ -103,22 +155,23 @@ Sample measure(const std::string& mode, const std::string& models, int threads) 
 
 int main(int argc, char** argv) try {
   std::string models, child_mode;
-  int rounds = 5, threads = 2;
+  int rounds = 5, threads = 2, warmup_runs = -1;  // -1: BlockOptions' default
   bf::bench::parse_options(argc, argv, [&](const std::string& a, const std::string& v) {
     if (a == "--models") models = v;
     else if (a == "--rounds") rounds = std::max(1, std::stoi(v));
     else if (a == "--threads") threads = std::stoi(v);
     else if (a == "--child") child_mode = v;
+    else if (a == "--warmup-runs") warmup_runs = std::stoi(v);
     else return false;
     return true;
   });
   if (models.empty()) throw std::invalid_argument("usage: cold_start_bench --models DIR [--rounds N] [--threads T]");
-  if (!child_mode.empty()) return child(child_mode, models, threads);
-  const std::vector<std::string> modes = {"monolithic", "threads", "workers"};
-  for (const auto& mode : modes) (void)measure(mode, models, threads);  // page cache, unmeasured
+  if (!child_mode.empty()) return child(child_mode, models, threads, warmup_runs);
+  const std::vector<std::string> modes = {"monolithic", "threads", "workers", "threads_floor", "workers_floor"};
+  for (const auto& mode : modes) (void)measure(mode, models, threads, warmup_runs);  // page cache, unmeasured
   std::map<std::string, std::vector<Sample>> samples;
   for (int r = 0; r < rounds; ++r) {
-    for (const auto& mode : modes) samples[mode].push_back(measure(mode, models, threads));
+    for (const auto& mode : modes) samples[mode].push_back(measure(mode, models, threads, warmup_runs));
   }
   auto median = [](const std::vector<Sample>& v, double Sample::*field) {
     std::vector<double> x;
@@ -132,10 +185,12 @@ int main(int argc, char** argv) try {
     for (const auto& s : v) runs.push_back(s.first_result_ms);
     const double first = median(v, &Sample::first_result_ms);
     fmt::print("{{\"bench\":\"cold_start\",\"mode\":\"{}\",\"first_result_ms\":{:.1f},\"over_monolithic\":{:.3f},"
-               "\"start_ms\":{:.1f},\"process_to_first_result_ms\":{:.1f},\"runs_ms\":[{:.1f}],\"rounds\":{},"
-               "\"threads\":{},\"hardware_threads\":{},\"cpu\":\"{}\"}}\n",
+               "\"start_ms\":{:.1f},\"process_to_first_result_ms\":{:.1f},\"first_request_ms\":{:.1f},\"runs_ms\":[{:.1f}],"
+               "\"rounds\":{},\"warmup_runs\":{},\"threads\":{},\"hardware_threads\":{},\"cpu\":\"{}\"}}\n",
                mode, first, first / monolithic, median(v, &Sample::start_ms), median(v, &Sample::internal_ms),
-               fmt::join(runs, ","), rounds, threads, std::thread::hardware_concurrency(), bf::bench::cpu_model());
+               median(v, &Sample::request_ms), fmt::join(runs, ","), rounds,
+               warmup_runs >= 0 ? warmup_runs : bf::BlockOptions{}.warmup_runs, threads, std::thread::hardware_concurrency(),
+               bf::bench::cpu_model());
   }
   return 0;
 } catch (const std::exception& e) {

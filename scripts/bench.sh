@@ -22,7 +22,11 @@
 #   and the threads it adds, next to cpp-httplib's in the same run where libcpp-httplib-dev is installed
 #   (not a dependency: the line is there only if the build found it); plan_quality: the planner's
 #   heuristic against the exhaustive optimum on 50 random instances, and its time for 20 blocks over 4
-#   sites; profile: blockflow-profile's wall time on the four ResNet50 blocks at batch 1-8.
+#   sites; profile: blockflow-profile's wall time on the four ResNet50 blocks at batch 1-8;
+#   cold_start: process start to the first resolved request, a fresh process each time, alternating:
+#   the monolithic model, the split in threads, in 4 workers over shm, and two floors (the blocks
+#   loaded at once with no session and no warm-up; 4 processes bringing libtorch up at once);
+#   BENCH_COLD_ROUNDS rounds (default 5).
 # Environment: BENCH_REQUESTS (pipeline requests, default 300), BENCH_THREADS (intra-op threads per
 # block and for the monolithic model, default 2), BENCH_HOP_ITERATIONS (default 20000),
 # BENCH_SAMPLER_REQUESTS (sampler_cost requests, default 1000), BENCH_ROUND (pipeline: requests per
@@ -41,7 +45,7 @@ for arg in "$@"; do
 done
 set -- ${names[@]+"${names[@]}"}
 if [ $# -eq 0 ]; then
-  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality profile)" >&2
+  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality profile cold_start)" >&2
   exit 2
 fi
 if [ "$plot" = 1 ]; then
@@ -114,6 +118,10 @@ for name in "$@"; do
       "$BUILD_DIR/bench/metrics_http_bench" --tricklers 16 --scrapes 10 ;;
     plan_quality)
       "$BUILD_DIR/bench/plan_quality_bench" ;;
+    cold_start)
+      "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
+      "$BUILD_DIR/bench/cold_start_bench" --models "$BUILD_DIR/models" --threads "${BENCH_THREADS:-2}" \
+        --rounds "${BENCH_COLD_ROUNDS:-5}" ;;
     profile)
       # Wall time of blockflow-profile on the four blocks at batch 1, 2, 4, 8 (and the channels).
       "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
@@ -138,7 +146,7 @@ PY
       "$PYTHON" "$ROOT/scripts/batching_bench.py" "$BUILD_DIR/tools/blockflow-loadgen" "$BUILD_DIR/models" \
         --threads "${BENCH_THREADS:-2}" ${BENCH_RATES:+--rates "$BENCH_RATES"} ;;
     *)
-      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality profile)" >&2
+      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality profile cold_start)" >&2
       exit 2 ;;
   esac
 done

@@ -1,6 +1,10 @@
 // TorchScript blocks: split small CNN == monolithic, tuple/list/multi-input modules, load errors.
 #include "test_util.hpp"
 
+#include <blockflow/core/detail/build_scope.hpp>
+
+#include <thread>
+
 using namespace blockflow;
 using Catch::Matchers::Contains;
 
@@ -92,4 +96,43 @@ TEST_CASE("loading a missing or invalid file names the block and the file", "[to
   auto not_ts = load_torchscript_block("json", test::model_path("manifest.json"));
   CHECK(absl::IsInvalidArgument(not_ts.status()));
   CHECK_THAT(std::string(not_ts.status().message()), Contains("block 'json'") && Contains("manifest.json"));
+}
+
+TEST_CASE("blocks described by files build at once, one thread per core, when lanes are fewer than cores",
+          "[torchscript]") {
+  if (std::thread::hardware_concurrency() < 2) {
+    SUCCEED("one core: blocks build one after another");
+    return;
+  }
+  // The first two builds wait (up to 20 s) for each other: built one after another, each would
+  // wait alone and `most` would stay 1.
+  std::atomic<int> entered{0}, inside{0}, most{0};
+  blockflow::detail::set_build_scope([&]() -> std::shared_ptr<void> {
+    const int n = ++entered;
+    const int now = ++inside;
+    for (int seen = most.load(); now > seen && !most.compare_exchange_weak(seen, now);) {
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (n <= 2 && most.load() < 2 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return std::shared_ptr<void>(nullptr, [&inside](void*) { --inside; });
+  });
+  SessionOptions options;
+  options.lanes = 1;
+  Session session(options);
+  for (const auto& [name, file] : {std::pair{"b1", "cnn_block1.pt"}, std::pair{"b2", "cnn_block2.pt"}}) {
+    BlockDescription d;
+    d.name = name;
+    d.torchscript = test::model_path(file);
+    d.options.intra_op_threads = 2;
+    session.add_block(d);
+  }
+  session.add_path(Path::chain("t", {"b1", "b2"}));
+  const auto status = session.start();
+  blockflow::detail::set_build_scope(nullptr);
+  REQUIRE(status.ok());
+  CHECK(most.load() == 2);
+  CHECK(session.metrics().lanes.size() == 1);
+  CHECK(session.submit("t", at::randn({1, 3, 16, 16})).get().ok());
 }

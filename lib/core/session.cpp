@@ -341,6 +341,21 @@ std::vector<absl::StatusOr<std::shared_ptr<Block>>> SessionCore::make_blocks(con
       out[i] = make_block(*descriptions[i]);
     });
   }
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int builders = std::min(static_cast<int>(tasks.size()), cores);
+  if (builders > (lanes_ ? lanes_->size() : 0) && builders > 1) {
+    // Fewer lanes than cores (each lane's team spans several): loading is mostly one thread's work
+    // (deserialising, graph passes), so the blocks build on a thread per core instead, then exit.
+    std::atomic<std::size_t> next{0};
+    std::vector<std::thread> threads;
+    for (int b = 0; b < builders; ++b) {
+      threads.emplace_back([&] {
+        for (std::size_t i = next++; i < tasks.size(); i = next++) tasks[i]();
+      });
+    }
+    for (auto& t : threads) t.join();
+    return out;
+  }
   on_lanes(tasks);
   return out;
 }
