@@ -29,7 +29,7 @@ SUPP="$ROOT/scripts/sanitizers"
 
 # Areas for TSan (one ctest per area, see tests/CMakeLists.txt), and why each is in: C++ blocks,
 # in-process and worker channels, lanes, updates, with small tensors only.
-AREAS_THREAD=(channel path session lanes update update_lifecycle wire link shm deployment process_channel admission planner)
+AREAS_THREAD=(channel path session lanes layout update update_lifecycle worker_update wire link shm deployment process_channel admission planner)
 
 kinds=()
 ctest_args=()
