@@ -311,6 +311,10 @@ void log_crash(int sig) {
 }
 
 int main(int argc, char** argv) try {
+  // backtrace() loads libgcc_s on its first call (malloc, dlopen): make that call here, so that the
+  // handler's call stays async-signal-safe (a crash inside malloc would otherwise deadlock in it).
+  void* first[1];
+  (void)::backtrace(first, 1);
   for (int sig : {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT}) std::signal(sig, log_crash);
   Args args = parse(argc, argv);
   if (!args.join) {
