@@ -56,6 +56,39 @@ TEST_CASE("an ensemble (fan-out to two heads, mean fan-in) equals the sequential
   }
 }
 
+TEST_CASE("a graph task from a deployment: apply() adds it, it equals the reference, and replaces it", "[dag]") {
+  Reference ref;
+  Session session;
+  session.add_block(ref.b1).add_block(ref.b2).add_block(ref.ha).add_block(ref.hb);
+  session.add_path(Path::chain("trunk", {"b1", "b2"}));
+  test::require_started(session);
+  auto d = Deployment::parse(R"({"blocks": ["b1", "b2", "head_a", "head_b"],
+      "tasks": {"trunk": ["b1", "b2"],
+                "ensemble": {"nodes": [{"block": "b1"}, {"block": "b2", "inputs": ["b1"]},
+                                       {"block": "head_a", "inputs": ["b2"]}, {"block": "head_b", "inputs": ["b2"]},
+                                       {"join": "avg", "inputs": ["head_a", "head_b"], "combine": "mean"}]}}})");
+  INFO(d.status().ToString());
+  REQUIRE(d.ok());
+  auto v = session.apply(*d);
+  INFO(v.status().ToString());
+  REQUIRE(v.ok());
+  c10::InferenceMode guard;
+  at::manual_seed(5);
+  const Tensor x = at::randn({1, 3, 16, 16});
+  const Tensor t = ref.trunk(x);
+  Result mean = session.submit("ensemble", x).get();
+  REQUIRE(mean.ok());
+  CHECK((mean.output() - (ref.run(*ref.ha, t) + ref.run(*ref.hb, t)) / 2).abs().max().item<double>() <= 1e-6);
+  // An update that leaves the graph task out removes it, as for a chain (a deployment can bring it back).
+  auto chain_only = Deployment::parse(R"({"blocks": ["b1", "b2"], "tasks": {"trunk": ["b1", "b2"]}})");
+  REQUIRE(chain_only.ok());
+  auto v2 = session.apply(*chain_only);
+  INFO(v2.status().ToString());
+  REQUIRE(v2.ok());
+  CHECK_FALSE(session.submit("ensemble", x).get().ok());
+  CHECK(session.submit("trunk", x).get().ok());
+}
+
 TEST_CASE("a custom combine rule and a block with two inputs (pack)", "[dag]") {
   Session session;
   session.add_block(test::unary("x2", [](const Tensor& x) { return x * 2; }))

@@ -124,6 +124,55 @@ TEST_CASE("malformed deployments are rejected whole, naming the fault", "[deploy
   CHECK(absl::IsNotFound(load_deployment("/nonexistent/deploy.json").status()));
 }
 
+TEST_CASE("a task given as a graph: nodes, inputs, joins and combine rules; its faults named", "[deployment]") {
+  auto d = Deployment::parse(R"({"blocks": ["trunk", "ha", "hb"],
+      "tasks": {"chain": ["trunk", "ha"],
+                "ensemble": {"nodes": [{"join": "avg", "inputs": ["ha", "hb"], "combine": "mean"},
+                                       {"block": "trunk"},
+                                       {"block": "ha", "inputs": ["trunk"]},
+                                       {"block": "hb", "inputs": ["trunk"], "combine": "pack"}]}}})", "/m");
+  INFO(d.status().ToString());
+  REQUIRE(d.ok());
+  REQUIRE(d->tasks.size() == 1);
+  REQUIRE(d->graphs.size() == 1);
+  const auto paths = d->paths();
+  REQUIRE(paths.size() == 2);
+  CHECK(paths[0].task() == "chain");
+  const Path& e = paths[1];
+  CHECK(e.task() == "ensemble");
+  REQUIRE(e.nodes().size() == 4);
+  CHECK(e.nodes()[0].name == "avg");
+  CHECK(e.nodes()[0].block.empty());
+  CHECK(e.nodes()[0].combine.name() == "mean");
+  CHECK(e.nodes()[0].inputs == std::vector<std::string>{"ha", "hb"});
+  CHECK(e.nodes()[1].block == "trunk");
+  CHECK(e.nodes()[1].inputs.empty());
+  CHECK(e.nodes()[3].combine.name() == "pack");
+  auto concat = Deployment::parse(R"({"blocks": ["a", "b"], "tasks": {"t": {"nodes": [{"block": "a"}, {"block": "b"},
+      {"join": "j", "inputs": ["a", "b"], "combine": "concat:0"}]}}})");
+  REQUIRE(concat.ok());
+  CHECK(concat->graphs.at(0).nodes().at(2).combine.name() == "concat(dim=0)");
+
+  const std::string blocks = R"({"blocks": ["a", "b"], "tasks": {"t": )";
+  auto graph_error = [&](const std::string& task) { return error_of(blocks + task + "}}"); };
+  CHECK_THAT(graph_error(R"({"nodes": []})"), Contains("task 't': \"nodes\" must be a non-empty array"));
+  CHECK_THAT(graph_error(R"({"nodes": [{"block": "a"}], "colour": 1})"), Contains("task 't': unknown field 'colour'"));
+  CHECK_THAT(graph_error(R"({"nodes": [{"block": "nope"}]})"), Contains("task 't': unknown block 'nope'"));
+  CHECK_THAT(graph_error(R"({"nodes": [{"inputs": []}]})"), Contains("needs \"block\" or \"join\""));
+  CHECK_THAT(graph_error(R"({"nodes": [{"block": "a", "join": "j"}]})"), Contains("needs \"block\" or \"join\""));
+  CHECK_THAT(graph_error(R"({"nodes": [{"block": "a"}, {"block": "a"}]})"), Contains("task 't': node 'a' appears twice"));
+  CHECK_THAT(graph_error(R"({"nodes": [{"block": "a"}, {"block": "b", "inputs": ["c"]}]})"),
+             Contains("task 't': node 'b': unknown input 'c'"));
+  CHECK_THAT(graph_error(R"({"nodes": [{"block": "a"}, {"block": "b"}, {"join": "j", "inputs": ["a", "b"]}]})"),
+             Contains("join 'j' needs \"combine\""));
+  CHECK_THAT(graph_error(R"({"nodes": [{"block": "a"}, {"join": "j", "inputs": ["a"], "combine": "mean"}]})"),
+             Contains("join 'j' needs at least two inputs"));
+  CHECK_THAT(graph_error(R"({"nodes": [{"block": "a"}, {"block": "b"}, {"join": "j", "inputs": ["a", "b"], "combine": "max"}]})"),
+             Contains("node 'j': unknown combine rule 'max' (pack, mean, concat, concat:DIM)"));
+  CHECK_THAT(graph_error(R"({"nodes": [{"block": "a", "weight": 2}]})"), Contains("unknown node field 'weight'"));
+  CHECK_THAT(graph_error(R"("a")"), Contains("task 't' must be a non-empty list of block names, or a graph"));
+}
+
 TEST_CASE("names of blocks, tasks and placements follow one rule: never a path, never an option", "[deployment]") {
   CHECK_THAT(error_of(R"({"blocks": [{"name": "a/b", "factory": "f"}], "tasks": {"t": ["a/b"]}})"),
              Contains("block name 'a/b' holds a character outside the set"));

@@ -169,27 +169,35 @@ TEST_CASE("1,000 updates: removed blocks and tasks are freed, memory stays flat"
 #endif
 }
 
-TEST_CASE("an update that would drop a DAG task is refused, naming the task", "[update_lifecycle]") {
+TEST_CASE("an update that would drop a DAG task with a C++ combine rule is refused, naming the task", "[update_lifecycle]") {
   test::register_update_factories();
   Session session;
   session.add_block(test::unary("trunk", [](const Tensor& x) { return x + 1; }));
   session.add_block(test::unary("left", [](const Tensor& x) { return x * 2; }));
   session.add_block(test::unary("right", [](const Tensor& x) { return x * 3; }));
   Path dag("ensemble");
-  dag.then("trunk").node("left", {"trunk"}).node("right", {"trunk"}).join("sum", {"left", "right"}, Combine::mean());
+  const auto sum = Combine::custom("sum", [](std::vector<Tensors>&& in) -> absl::StatusOr<Tensors> {
+    return Tensors{in.at(0).at(0) + in.at(1).at(0)};
+  });
+  dag.then("trunk").node("left", {"trunk"}).node("right", {"trunk"}).join("sum", {"left", "right"}, sum);
   session.add_path(std::move(dag));
+  Path mean("averaged");  // a graph a deployment can describe: leaving it out removes it
+  mean.then("trunk").node("left", {"trunk"}).node("right", {"trunk"}).join("avg", {"left", "right"}, Combine::mean());
+  session.add_path(std::move(mean));
   session.add_path(Path::chain("t", {"trunk"}));
   test::require_started(session);
   auto refused = session.apply(parse(R"({"blocks": ["trunk", "left", "right"], "tasks": {"t": ["trunk", "left"]}})"));
   REQUIRE_FALSE(refused.ok());
   CHECK(absl::IsInvalidArgument(refused.status()));
-  CHECK_THAT(std::string(refused.status().message()), Contains("task 'ensemble' is a DAG path"));
-  CHECK(session.submit("ensemble", at::ones({1})).get().output().item<double>() == 5);  // mean of (1+1)*2 and (1+1)*3
+  CHECK_THAT(std::string(refused.status().message()), Contains("task 'ensemble' merges with a C++ combine rule"));
+  CHECK(session.submit("ensemble", at::ones({1})).get().output().item<double>() == 10);  // (1+1)*2 + (1+1)*3
+  CHECK(session.submit("averaged", at::ones({1})).get().output().item<double>() == 5);
   // Naming the task replaces it (as a chain): that is asked for.
   auto replaced = session.apply(parse(R"({"blocks": ["trunk", "left"], "tasks": {"ensemble": ["trunk", "left"]}})"));
   INFO(replaced.status().ToString());
   REQUIRE(replaced.ok());
   CHECK(session.submit("ensemble", at::ones({1})).get().output().item<double>() == 4);
+  CHECK_FALSE(session.submit("averaged", at::ones({1})).get().ok());  // left out: removed
 }
 
 TEST_CASE("with keep_code_blocks (the control endpoint's), leaving out a C++ object block is refused, naming it",

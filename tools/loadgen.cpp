@@ -398,14 +398,18 @@ int main(int argc, char** argv) try {
     auto in_process = std::make_unique<InProcess>(args);
     const bf::Deployment& d = in_process->deployment();
     if (tasks.empty()) {
-      for (const auto& [task, chain] : d.tasks) tasks.push_back(task);
+      for (const auto& path : d.paths()) tasks.push_back(path.task());
     }
     for (const auto& task : tasks) {
-      auto it = std::find_if(d.tasks.begin(), d.tasks.end(), [&](const auto& t) { return t.first == task; });
-      if (it == d.tasks.end()) throw std::invalid_argument("unknown task '" + task + "' in " + args.deployment);
+      const auto paths = d.paths();
+      auto it = std::find_if(paths.begin(), paths.end(), [&](const auto& p) { return p.task() == task; });
+      if (it == paths.end()) throw std::invalid_argument("unknown task '" + task + "' in " + args.deployment);
       std::vector<std::int64_t> shape = args.shape;
-      if (shape.empty()) {  // the first block's declared input shape, -1 as 1
-        const auto& first = *std::find_if(d.blocks.begin(), d.blocks.end(), [&](const auto& b) { return b.name == it->second.front(); });
+      if (shape.empty()) {  // the first entry block's declared input shape, -1 as 1
+        const auto entry = std::find_if(it->nodes().begin(), it->nodes().end(),
+                                        [](const auto& n) { return n.inputs.empty() && !n.block.empty(); });
+        const std::string entry_block = entry == it->nodes().end() ? std::string() : entry->block;
+        const auto& first = *std::find_if(d.blocks.begin(), d.blocks.end(), [&](const auto& b) { return b.name == entry_block; });
         if (first.options.input_shapes.empty()) {
           throw std::invalid_argument("task '" + task + "': its first block declares no input_shapes; give --shape");
         }

@@ -19,11 +19,13 @@ namespace {
 
 double ms_since(std::int64_t t) { return static_cast<double>(now_ns() - t) / 1e6; }
 
-// A plan a Deployment can describe: one entry, and every node feeds at most one other.
-bool is_chain(const PathPlan& plan) {
-  if (plan.entries.size() != 1 || plan.num_joins != 0) return false;
-  return std::all_of(plan.nodes.begin(), plan.nodes.end(),
-                     [](const PlanNode& n) { return n.successors.size() <= 1 && n.inputs.size() <= 1; });
+// A plan a Deployment can describe: a chain, or a graph whose merges are the deployment format's
+// combine rules (pack, mean, concat); a C++ combine rule (Combine::custom()) has no JSON form.
+bool describable(const PathPlan& plan) {
+  return std::all_of(plan.nodes.begin(), plan.nodes.end(), [](const PlanNode& n) {
+    const std::string& rule = n.combine.name();
+    return n.inputs.size() <= 1 || rule == "pack" || rule == "mean" || rule.rfind("concat(dim=", 0) == 0;
+  });
 }
 
 }  // namespace
@@ -178,16 +180,16 @@ absl::Status SessionCore::update_diff(UpdateWork& u) {
     }
     u.removed.push_back(runtime.get());
   }
-  // A deployment describes chains only: a DAG task (Session::add_path()) it leaves out would be
-  // dropped without anyone having asked for it.
+  // A task that a deployment leaves out is removed, as asked; but one merging with a C++ combine
+  // rule (Session::add_path() with Combine::custom()) could never be brought back by a deployment.
   if (const auto table = routing()) {
     std::set<std::string> wanted_tasks;
-    for (const auto& [task, chain] : wanted.tasks) wanted_tasks.insert(task);
+    for (const auto& path : wanted.paths()) wanted_tasks.insert(path.task());
     for (const auto& [task, plan] : table->plans) {
-      if (wanted_tasks.count(task) == 0 && !is_chain(*plan)) {
-        return u.invalid(fmt::format("task '{}' is a DAG path (added with Session::add_path()) that a deployment "
-                                     "cannot describe; the update would drop it. List the task in the deployment "
-                                     "(as a chain) to replace it", task));
+      if (wanted_tasks.count(task) == 0 && !describable(*plan)) {
+        return u.invalid(fmt::format("task '{}' merges with a C++ combine rule (Combine::custom()) that a deployment "
+                                     "cannot describe; the update would drop it for good. List the task in the "
+                                     "deployment (a chain, or a graph {{\"nodes\": [...]}}) to replace it", task));
       }
     }
   }

@@ -164,6 +164,76 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
   return d;
 }
 
+// "pack", "mean", "concat", "concat:DIM".
+absl::StatusOr<Combine> combine_from_name(const std::string& name) {
+  if (name == "pack") return Combine::pack();
+  if (name == "mean") return Combine::mean();
+  if (name == "concat") return Combine::concat();
+  if (name.rfind("concat:", 0) == 0) {
+    const std::string dim = name.substr(7);
+    if (!dim.empty() && dim.find_first_not_of("-0123456789") == std::string::npos && dim.size() < 4) {
+      return Combine::concat(std::stoll(dim));
+    }
+  }
+  return absl::InvalidArgumentError(fmt::format("unknown combine rule '{}' (pack, mean, concat, concat:DIM)", name));
+}
+
+absl::StatusOr<Path> graph_from_json(const std::string& task, const nlohmann::json& graph, const std::set<std::string>& blocks) {
+  auto bad = [&](const std::string& what) { return absl::InvalidArgumentError(fmt::format("task '{}': {}", task, what)); };
+  for (const auto& [key, value] : graph.items()) {
+    if (key != "nodes") return bad(fmt::format("unknown field '{}' (nodes)", key));
+  }
+  if (!graph.contains("nodes") || !graph["nodes"].is_array() || graph["nodes"].empty()) {
+    return bad("\"nodes\" must be a non-empty array");
+  }
+  Path path(task);
+  std::set<std::string> nodes;
+  for (const auto& n : graph["nodes"]) {
+    if (!n.is_object()) return bad(fmt::format("node {} is not an object", n.dump()));
+    for (const auto& [key, value] : n.items()) {
+      if (key != "block" && key != "join" && key != "inputs" && key != "combine") {
+        return bad(fmt::format("unknown node field '{}' (block, join, inputs, combine)", key));
+      }
+    }
+    if (n.contains("block") == n.contains("join")) return bad(fmt::format("node {} needs \"block\" or \"join\"", n.dump()));
+    const bool is_join = n.contains("join");
+    const auto& name_json = is_join ? n["join"] : n["block"];
+    if (!name_json.is_string()) return bad(fmt::format("node {}: the name must be a string", n.dump()));
+    const std::string name = name_json.get<std::string>();
+    if (!is_join && blocks.count(name) == 0) return bad(fmt::format("unknown block '{}'", name));
+    if (is_join) {
+      if (auto status = check_name("join", name); !status.ok()) return bad(std::string(status.message()));
+    }
+    if (!nodes.insert(name).second) return bad(fmt::format("node '{}' appears twice", name));
+    std::vector<std::string> inputs;
+    if (n.contains("inputs")) {
+      if (!n["inputs"].is_array()) return bad(fmt::format("node '{}': \"inputs\" must be a list of node names", name));
+      for (const auto& i : n["inputs"]) {
+        if (!i.is_string()) return bad(fmt::format("node '{}': input {} is not a node name", name, i.dump()));
+        inputs.push_back(i.get<std::string>());
+      }
+    }
+    if (is_join && inputs.size() < 2) return bad(fmt::format("join '{}' needs at least two inputs", name));
+    Combine combine = Combine::pack();
+    if (n.contains("combine")) {
+      if (!n["combine"].is_string()) return bad(fmt::format("node '{}': \"combine\" must be a string", name));
+      auto rule = combine_from_name(n["combine"].get<std::string>());
+      if (!rule.ok()) return bad(fmt::format("node '{}': {}", name, std::string(rule.status().message())));
+      combine = *std::move(rule);
+    } else if (is_join) {
+      return bad(fmt::format("join '{}' needs \"combine\"", name));
+    }
+    if (is_join) path.join(name, std::move(inputs), std::move(combine));
+    else path.node(name, std::move(inputs), std::move(combine));
+  }
+  for (const auto& node : path.nodes()) {
+    for (const auto& input : node.inputs) {
+      if (nodes.count(input) == 0) return bad(fmt::format("node '{}': unknown input '{}'", node.name, input));
+    }
+  }
+  return path;
+}
+
 }  // namespace detail
 
 absl::StatusOr<Deployment> Deployment::parse(const std::string& text, const std::string& models_dir, bool confine) {
@@ -197,8 +267,15 @@ absl::StatusOr<Deployment> Deployment::parse(const std::string& text, const std:
   }
   for (const auto& [task, chain] : json["tasks"].items()) {
     if (auto status = check_name("task", task); !status.ok()) return absl::InvalidArgumentError(fmt::format("deployment: {}", std::string(status.message())));
+    if (chain.is_object()) {
+      auto graph = detail::graph_from_json(task, chain, names);
+      if (!graph.ok()) return absl::InvalidArgumentError(fmt::format("deployment: {}", std::string(graph.status().message())));
+      out.graphs.push_back(*std::move(graph));
+      continue;
+    }
     if (!chain.is_array() || chain.empty()) {
-      return absl::InvalidArgumentError(fmt::format("deployment: task '{}' must be a non-empty list of block names", task));
+      return absl::InvalidArgumentError(fmt::format(
+          "deployment: task '{}' must be a non-empty list of block names, or a graph {{\"nodes\": [...]}}", task));
     }
     std::vector<std::string> blocks;
     std::set<std::string> seen;
@@ -229,6 +306,7 @@ std::vector<std::string> Deployment::workers() const {
 std::vector<Path> Deployment::paths() const {
   std::vector<Path> out;
   for (const auto& [task, chain] : tasks) out.push_back(Path::chain(task, chain));
+  out.insert(out.end(), graphs.begin(), graphs.end());
   return out;
 }
 

@@ -14,6 +14,20 @@
 ///             {"name": "scale", "factory": "scale", "placement": "w1"}],
 ///  "tasks": {"task1": ["block1", "block2"], "task2": ["block1", "scale"]}}
 /// @endcode
+///
+/// A task is a chain (a list of block names) or a graph with fan-out and fan-in, as
+/// blockflow::Path builds it: its nodes in any order, each a block (`"block"`, the node's name
+/// too) or a block-less join (`"join"`: its name), fed by `"inputs"` (node names; none: the
+/// request), merging several inputs with `"combine"`: "pack" (the default: positional inputs),
+/// "mean", "concat" (along dimension 1) or "concat:DIM". Exactly one node feeds no other: its
+/// output is the result.
+///
+/// @code
+/// "tasks": {"ensemble": {"nodes": [{"block": "trunk"},
+///                                  {"block": "head_a", "inputs": ["trunk"]},
+///                                  {"block": "head_b", "inputs": ["trunk"]},
+///                                  {"join": "avg", "inputs": ["head_a", "head_b"], "combine": "mean"}]}}
+/// @endcode
 
 #include <blockflow/core/block_registry.hpp>
 #include <blockflow/core/path.hpp>
@@ -31,6 +45,7 @@ class Session;
 struct Deployment {
   std::vector<BlockDescription> blocks;
   std::vector<std::pair<std::string, std::vector<std::string>>> tasks;  ///< task -> chain of blocks, in file order
+  std::vector<Path> graphs;  ///< the tasks given as graphs ({"nodes": [...]}), in file order
   /// Blocks given by a bare name (the reference's form). Session::apply() keeps a running block of
   /// that name as it is, whatever it is (a C++ callable included).
   std::vector<std::string> bare_names;
@@ -55,7 +70,7 @@ struct Deployment {
 
   /// @brief The worker names the blocks are placed in, sorted, without duplicates.
   [[nodiscard]] std::vector<std::string> workers() const;
-  /// @brief The tasks as paths (chains).
+  /// @brief The tasks as paths: the chains, then the graphs.
   [[nodiscard]] std::vector<Path> paths() const;
 };
 
