@@ -26,7 +26,9 @@
 #   cold_start: process start to the first resolved request, a fresh process each time, alternating:
 #   the monolithic model, the split in threads, in 4 workers over shm, and two floors (the blocks
 #   loaded at once with no session and no warm-up; 4 processes bringing libtorch up at once);
-#   BENCH_COLD_ROUNDS rounds (default 5).
+#   BENCH_COLD_ROUNDS rounds (default 5); split: blockflow-split's automatic cuts (N = 2, 3, 4 parts) of
+#   ResNet50, MobileNetV3-Large and ViT-B/16 (random weights): the cuts, the slowest part's latency over
+#   the whole model's, the chained parts' max abs difference from it (bench/split_bench.py).
 # Environment: BENCH_REQUESTS (pipeline requests, default 300), BENCH_THREADS (intra-op threads per
 # block and for the monolithic model, default 2), BENCH_HOP_ITERATIONS (default 20000),
 # BENCH_SAMPLER_REQUESTS (sampler_cost requests, default 1000), BENCH_ROUND (pipeline: requests per
@@ -45,7 +47,7 @@ for arg in "$@"; do
 done
 set -- ${names[@]+"${names[@]}"}
 if [ $# -eq 0 ]; then
-  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality profile cold_start)" >&2
+  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality profile cold_start split)" >&2
   exit 2
 fi
 if [ "$plot" = 1 ]; then
@@ -141,12 +143,14 @@ print(json.dumps({"bench": "profile", "blocks": len(p["blocks"]), "batches": [l[
                   "channels": p["channels"], "cpu": p["machine"]["cpu"], "hardware_threads": p["machine"]["hardware_threads"]}))
 PY
       rm -f "$out" ;;
+    split)
+      "$PYTHON" "$ROOT/bench/split_bench.py" --threads "${BENCH_THREADS:-2}" ;;
     batching)
       "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
       "$PYTHON" "$ROOT/scripts/batching_bench.py" "$BUILD_DIR/tools/blockflow-loadgen" "$BUILD_DIR/models" \
         --threads "${BENCH_THREADS:-2}" ${BENCH_RATES:+--rates "$BENCH_RATES"} ;;
     *)
-      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality profile cold_start)" >&2
+      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality profile cold_start split)" >&2
       exit 2 ;;
   esac
 done
