@@ -338,7 +338,11 @@ std::vector<absl::StatusOr<std::shared_ptr<Block>>> SessionCore::make_blocks(con
   for (std::size_t i = 0; i < descriptions.size(); ++i) {
     tasks.emplace_back([&out, &descriptions, i] {
       const auto scope = enter_build_scope();
-      out[i] = make_block(*descriptions[i]);
+      try {
+        out[i] = make_block(*descriptions[i]);
+      } catch (const std::exception& e) {  // nothing may escape a builder thread or a lane
+        out[i] = absl::InternalError(fmt::format("block '{}': {}", descriptions[i]->name, e.what()));
+      }
     });
   }
   const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));

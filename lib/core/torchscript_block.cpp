@@ -115,9 +115,9 @@ class TorchScriptBlock final : public Block, public detail::OpaqueLayout {
       value = module_.forward(std::move(args));
     } else {
       torch::jit::Stack stack;
-      stack.reserve(2);
+      stack.reserve(inputs.size() + 1);
       stack.emplace_back(module_._ivalue());
-      stack.emplace_back(std::move(inputs.front()));
+      for (auto& t : inputs) stack.emplace_back(std::move(t));
       inputs.clear();
       variant->run(stack);
       value = torch::jit::pop(stack);
