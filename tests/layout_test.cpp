@@ -7,14 +7,6 @@ using namespace blockflow;
 
 namespace {
 
-BlockOptions shaped(std::vector<std::int64_t> shape, int max_batch = 1) {
-  BlockOptions options;
-  options.intra_op_threads = 2;
-  options.input_shapes = {std::move(shape)};
-  options.max_batch = max_batch;
-  return options;
-}
-
 const BlockMetrics& block_named(const MetricsSnapshot& m, const std::string& name) {
   for (const auto& b : m.blocks) {
     if (b.name == name) return b;
@@ -34,10 +26,10 @@ Tensor dense_chain(const std::vector<std::shared_ptr<Block>>& blocks, const Tens
 }  // namespace
 
 TEST_CASE("two optimized blocks keep oneDNN's layout between them; clients get dense, equal results", "[layout]") {
-  auto b1 = test::load_block("b1", "cnn_block1.pt", shaped({-1, 3, 16, 16}));
-  auto b2 = test::load_block("b2", "cnn_block2.pt", shaped({-1, 8, 16, 16}));
-  auto b3 = test::load_block("b3", "cnn_block3.pt", shaped({-1, 16, 8, 8}));
-  auto mono = test::load_block("mono", "cnn_monolithic.pt", shaped({-1, 3, 16, 16}));
+  auto b1 = test::load_block("b1", "cnn_block1.pt", test::shaped({-1, 3, 16, 16}));
+  auto b2 = test::load_block("b2", "cnn_block2.pt", test::shaped({-1, 8, 16, 16}));
+  auto b3 = test::load_block("b3", "cnn_block3.pt", test::shaped({-1, 16, 8, 8}));
+  auto mono = test::load_block("mono", "cnn_monolithic.pt", test::shaped({-1, 3, 16, 16}));
   auto twice = Block::callable("twice", [](Tensors&& in) -> absl::StatusOr<Tensors> {
     if (in.at(0).is_mkldnn()) return absl::InvalidArgumentError("an opaque tensor reached a C++ block");
     return Tensors{in.at(0) * 2};
@@ -77,10 +69,10 @@ TEST_CASE("two optimized blocks keep oneDNN's layout between them; clients get d
 
 TEST_CASE("a batching successor gets dense tensors", "[layout]") {
   Session session;
-  session.add_block(test::load_block("b1", "cnn_block1.pt", shaped({-1, 3, 16, 16})))
-      .add_block(test::load_block("b2", "cnn_block2.pt", shaped({-1, 8, 16, 16}, 4)))
-      .add_block(test::load_block("mono", "cnn_monolithic.pt", shaped({-1, 3, 16, 16})))
-      .add_block(test::load_block("b3", "cnn_block3.pt", shaped({-1, 16, 8, 8})))
+  session.add_block(test::load_block("b1", "cnn_block1.pt", test::shaped({-1, 3, 16, 16})))
+      .add_block(test::load_block("b2", "cnn_block2.pt", test::shaped({-1, 8, 16, 16}, 4)))
+      .add_block(test::load_block("mono", "cnn_monolithic.pt", test::shaped({-1, 3, 16, 16})))
+      .add_block(test::load_block("b3", "cnn_block3.pt", test::shaped({-1, 16, 8, 8})))
       .add_path(Path::chain("split", {"b1", "b2", "b3"}))
       .add_path(Path::chain("whole", {"mono"}));
   test::require_started(session);

@@ -18,6 +18,15 @@ namespace blockflow::test {
 
 inline std::string model_path(const std::string& file) { return std::string(BLOCKFLOW_TEST_MODELS_DIR) + "/" + file; }
 
+/// Options of a test model's block: 2 intra-op threads, one input of `shape` (warm-up on it).
+inline BlockOptions shaped(std::vector<std::int64_t> shape, int max_batch = 1) {
+  BlockOptions options;
+  options.intra_op_threads = 2;
+  options.input_shapes = {std::move(shape)};
+  options.max_batch = max_batch;
+  return options;
+}
+
 /// Loads a test model as a block; fails the test with the status message otherwise.
 inline std::shared_ptr<Block> load_block(const std::string& name, const std::string& file, BlockOptions options = {}) {
   auto block = load_torchscript_block(name, model_path(file), std::move(options));

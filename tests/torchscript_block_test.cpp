@@ -8,23 +8,12 @@
 using namespace blockflow;
 using Catch::Matchers::Contains;
 
-namespace {
-
-BlockOptions two_threads(std::vector<std::int64_t> shape) {
-  BlockOptions options;
-  options.intra_op_threads = 2;
-  options.input_shapes = {std::move(shape)};
-  return options;
-}
-
-}  // namespace
-
 TEST_CASE("a split small CNN gives the monolithic model's output", "[torchscript]") {
   Session session;
-  session.add_block(test::load_block("b1", "cnn_block1.pt", two_threads({-1, 3, 16, 16})))
-      .add_block(test::load_block("b2", "cnn_block2.pt", two_threads({-1, 8, 16, 16})))
-      .add_block(test::load_block("b3", "cnn_block3.pt", two_threads({-1, 16, 8, 8})))
-      .add_block(test::load_block("mono", "cnn_monolithic.pt", two_threads({-1, 3, 16, 16})))
+  session.add_block(test::load_block("b1", "cnn_block1.pt", test::shaped({-1, 3, 16, 16})))
+      .add_block(test::load_block("b2", "cnn_block2.pt", test::shaped({-1, 8, 16, 16})))
+      .add_block(test::load_block("b3", "cnn_block3.pt", test::shaped({-1, 16, 8, 8})))
+      .add_block(test::load_block("mono", "cnn_monolithic.pt", test::shaped({-1, 3, 16, 16})))
       .add_path(Path::chain("split", {"b1", "b2", "b3"}))
       .add_path(Path::chain("whole", {"mono"}));
   test::require_started(session);

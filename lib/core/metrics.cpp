@@ -165,17 +165,15 @@ std::string MetricsSnapshot::to_prometheus() const {
         {}, static_cast<double>(retired_blocks));
   e.add("blockflow_auth_failures_total", "counter", "Peers refused by this process's CURVE endpoints.", {},
         static_cast<double>(auth_failures));
-  for (const auto& [phase, ms] : {std::pair{"load", last_update.load_ms}, std::pair{"route", last_update.route_ms},
-                                  std::pair{"drain", last_update.drain_ms}, std::pair{"total", last_update.total_ms},
-                                  std::pair{"first_result", last_update.time_to_first_result_ms}}) {
-    e.add("blockflow_last_update_seconds", "gauge", "Time the last applied update spent, by phase.", {{"phase", phase}},
-          ms / 1e3);
-  }
-  for (const auto& [phase, ms] : {std::pair{"process_to_start", start.process_to_start_ms}, std::pair{"start", start.start_ms},
-                                  std::pair{"first_result", start.time_to_first_result_ms}}) {
-    e.add("blockflow_start_seconds", "gauge", "The session's cold start, by phase (first_result: from the process start).",
-          {{"phase", phase}}, ms / 1e3);
-  }
+  const auto phases = [&e](const char* name, const char* help, std::initializer_list<std::pair<const char*, double>> ms) {
+    for (const auto& [phase, value] : ms) e.add(name, "gauge", help, {{"phase", phase}}, value / 1e3);
+  };
+  phases("blockflow_last_update_seconds", "Time the last applied update spent, by phase.",
+         {{"load", last_update.load_ms}, {"route", last_update.route_ms}, {"drain", last_update.drain_ms},
+          {"total", last_update.total_ms}, {"first_result", last_update.time_to_first_result_ms}});
+  phases("blockflow_start_seconds", "The session's cold start, by phase (first_result: from the process start).",
+         {{"process_to_start", start.process_to_start_ms}, {"start", start.start_ms},
+          {"first_result", start.time_to_first_result_ms}});
   e.add("blockflow_sampling_enabled", "gauge", "1 while KPI sampling is on.", {}, sampling ? 1 : 0);
   e.add("blockflow_sampling_period_seconds", "gauge", "KPI sampling period.", {}, sampling_period_s);
   for (const auto& b : blocks) {

@@ -20,12 +20,10 @@ namespace {
 double ms_since(std::int64_t t) { return static_cast<double>(now_ns() - t) / 1e6; }
 
 // A plan a Deployment can describe: a chain, or a graph whose merges are the deployment format's
-// combine rules (pack, mean, concat); a C++ combine rule (Combine::custom()) has no JSON form.
+// combine rules; a C++ combine rule (Combine::custom()) has no JSON form.
 bool describable(const PathPlan& plan) {
-  return std::all_of(plan.nodes.begin(), plan.nodes.end(), [](const PlanNode& n) {
-    const std::string& rule = n.combine.name();
-    return n.inputs.size() <= 1 || rule == "pack" || rule == "mean" || rule.rfind("concat(dim=", 0) == 0;
-  });
+  return std::all_of(plan.nodes.begin(), plan.nodes.end(),
+                     [](const PlanNode& n) { return n.inputs.size() <= 1 || has_deployment_form(n.combine); });
 }
 
 }  // namespace

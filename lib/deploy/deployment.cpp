@@ -178,6 +178,11 @@ absl::StatusOr<Combine> combine_from_name(const std::string& name) {
   return absl::InvalidArgumentError(fmt::format("unknown combine rule '{}' (pack, mean, concat, concat:DIM)", name));
 }
 
+bool has_deployment_form(const Combine& combine) {
+  const std::string& rule = combine.name();  // Combine::concat(dim) is named "concat(dim=DIM)"
+  return rule == "pack" || rule == "mean" || rule.rfind("concat(dim=", 0) == 0;
+}
+
 absl::StatusOr<Path> graph_from_json(const std::string& task, const nlohmann::json& graph, const std::set<std::string>& blocks) {
   auto bad = [&](const std::string& what) { return absl::InvalidArgumentError(fmt::format("task '{}': {}", task, what)); };
   for (const auto& [key, value] : graph.items()) {

@@ -2,6 +2,7 @@
 // Internal: one block description <-> JSON, the shape of docs in deployment.hpp (flat fields). The
 // worker control protocol ships blocks in the same shape, so one parser validates both.
 #include <blockflow/core/block_registry.hpp>
+#include <blockflow/core/path.hpp>
 
 #include <absl/status/statusor.h>
 #include <nlohmann/json.hpp>
@@ -18,6 +19,11 @@ nlohmann::json block_to_json(const BlockDescription& description);
 /// and the field.
 absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, const std::string& models_dir,
                                                  bool confine = false);
+
+/// A graph task's combine rule from its deployment name: "pack", "mean", "concat", "concat:DIM".
+absl::StatusOr<Combine> combine_from_name(const std::string& name);
+/// Whether a deployment can name `combine` (a built-in rule, not Combine::custom()).
+bool has_deployment_form(const Combine& combine);
 
 /// Deepest nesting of JSON accepted from outside (a deployment, a control request): nlohmann's
 /// parser recurses per level, so a 150 KB document of brackets would overflow the stack.
