@@ -36,6 +36,8 @@
 //                 so this may grow with the traffic); shm_orphans: those of the workers killed, which
 //                 stay until a new producer's sweep removes them (shm_pool.hpp).
 //   fds           entries of /proc/self/fd (the host); worker_fds: of /proc/<pid>/fd.
+//   shm_pools_created, shm_pools_trimmed  in the final line: pools made and removed after idling, summed
+//                 over the host's pools and each worker's current incarnation (ShmPoolOptions::idle_trim_max).
 //   rss_slope_mb_per_min, private_slope_mb_per_min  per name: least squares over the samples
 //                 (every 5 s) taken once the soak has run 60 s and the process has lived 60 s, with one intercept per process
 //                 (a restarted worker starts again from its idle size; its growth is what counts).
@@ -484,10 +486,12 @@ int main(int argc, char** argv) try {
     private_slopes += fmt::format("{}\"{}\":{}", comma, key, json_or_null(private_slope, "{:.3f}"));
     points += fmt::format("{}\"{}\":{}", comma, key, rss[key].size());
   }
-  std::uint64_t restarts = 0, site_failed = 0;
+  std::uint64_t restarts = 0, site_failed = 0, pools_created = 0, pools_trimmed = 0;
   for (const auto& s : m.sites) {
     restarts += s.restarts;
     site_failed += s.failed_requests;
+    pools_created += s.shm_requests.pools_created + s.shm_results.pools_created;
+    pools_trimmed += s.shm_requests.pools_trimmed + s.shm_results.pools_trimmed;
   }
   const long lost = c.sent - c.completed - c.failed;
   fmt::print(
@@ -495,14 +499,14 @@ int main(int argc, char** argv) try {
       "\"sent\":{},\"completed\":{},\"failed\":{},\"lost\":{},\"unexplained_failures\":{},\"errors\":{},"
       "\"kills\":{},\"kills_skipped\":{},\"restarts\":{},\"site_failed_requests\":{},\"applies\":{},\"apply_errors\":{},"
       "\"apply_ms_max\":{:.1f},\"rss_slope_mb_per_min\":{{{}}},\"private_slope_mb_per_min\":{{{}}},"
-      "\"rss_slope_points\":{{{}}},"
+      "\"rss_slope_points\":{{{}}},\"shm_pools_created\":{},\"shm_pools_trimmed\":{},"
       "\"start\":{{\"shm_slots_in_use\":{},\"fds\":{},\"shm_objects\":{},\"shm_orphans\":{}}},"
       "\"end\":{{\"shm_slots_in_use\":{},\"fds\":{},\"shm_objects\":{},\"shm_orphans\":{}}},\"checks_after_kills\":{},\"lines_without_idle_moment\":{},"
       "\"targets\":{{\"lost_zero\":{},\"failures_name_killed_worker\":{},\"rss_slopes_under_1_mb_per_min\":{},"
       "\"private_slopes_under_1_mb_per_min\":{},"
       "\"slots_back\":{},\"fds_back\":{},\"shm_orphans_back\":{}}}}}\n",
       traffic_s, rate, sat, c.sent, c.completed, c.failed, lost, c.unexplained, ledger.errors_json(), kills,
-      kills_skipped, restarts, site_failed, applies, apply_errors, apply_ms_max, slopes, private_slopes, points, start.slots, start.fds,
+      kills_skipped, restarts, site_failed, applies, apply_errors, apply_ms_max, slopes, private_slopes, points, pools_created, pools_trimmed, start.slots, start.fds,
       start.objects.live, start.objects.orphaned, end.slots, end.fds, end.objects.live, end.objects.orphaned, checks, checks_without_idle, lost == 0, c.unexplained == 0, slopes_ok, private_slopes_ok,
       slots_back && end.slots <= start.slots, fds_back && end.fds <= start.fds,
       orphans_back && end.objects.orphaned <= start.objects.orphaned);

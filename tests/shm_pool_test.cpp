@@ -313,3 +313,42 @@ TEST_CASE("shm pools: a burst's extra pool is removed once idle, the last of its
   CHECK(consumer.pools_mapped() == 1);  // it dropped the gone pool; `held` alone keeps its pages
   CHECK(producer.release(*third));
 }
+
+TEST_CASE("shm pools: a class that needs a pool again soon after losing one keeps its next one twice as long", "[shm]") {
+  ShmPoolOptions options;
+  options.slots_per_pool = 1;
+  options.idle_trim = absl::Milliseconds(200);
+  options.idle_trim_max = absl::Milliseconds(400);
+  ShmProducer producer(options);
+  std::vector<float> bytes(256, 1.0f);
+  // Two slots of one class at once: the second one is a burst's extra pool.
+  auto burst = [&] {
+    auto a = producer.stage(bytes.data(), 1024, absl::Now());
+    auto b = producer.stage(bytes.data(), 1024, absl::Now());
+    REQUIRE(a.ok());
+    REQUIRE(b.ok());
+    CHECK(producer.release(*a));
+    CHECK(producer.release(*b));
+  };
+  auto take_one = [&] {  // taking a slot trims what has idled long enough
+    auto c = producer.stage(bytes.data(), 1024, absl::Now());
+    REQUIRE(c.ok());
+    CHECK(producer.release(*c));
+    return producer.stats();
+  };
+  burst();
+  CHECK(producer.stats().pools_created == 2);
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));  // past 200 ms: the extra pool goes
+  CHECK(take_one().pools_trimmed == 1);
+  burst();  // needed again at once: the class's delay doubles to 400 ms
+  CHECK(producer.stats().pools_created == 3);
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));  // past the first delay, not the new one
+  ShmEdgeStats stats = take_one();
+  CHECK(stats.pools_trimmed == 1);
+  CHECK(stats.pools == 2);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // 550 ms idle: past 400 ms
+  stats = take_one();
+  CHECK(stats.pools_trimmed == 2);
+  CHECK(stats.pools == 1);
+  CHECK(stats.pools_created == 3);
+}

@@ -26,6 +26,11 @@ constexpr std::uint32_t kSegmentMagic = 0x50534642;  // "BFSP"
 constexpr std::uint32_t kSegmentVersion = 1;
 constexpr std::size_t kHeaderBytes = 64;
 constexpr std::size_t kPage = 4096;
+#ifdef MADV_POPULATE_READ
+constexpr int kMadvPopulateRead = MADV_POPULATE_READ;
+#else
+constexpr int kMadvPopulateRead = 22;  // Linux 5.14; EINVAL (ignored) on older kernels
+#endif
 
 struct SegmentHeader {
   std::uint32_t magic;
@@ -150,9 +155,17 @@ struct ShmProducer::Impl {
     }
   };
 
+  // The trim delay of one size class (ShmPoolOptions::idle_trim_max).
+  struct ClassTrim {
+    std::size_t slot_bytes = 0;
+    std::int64_t delay_ns = 0;
+    std::int64_t last_trim_ns = 0;  // 0: none of this class trimmed yet
+  };
+
   ShmPoolOptions options;
   mutable blockflow::detail::Mutex mu;
   std::vector<Pool> pools;  // by slot size, small first
+  std::vector<ClassTrim> class_trims;
   ShmEdgeStats stats;
   std::uint64_t frees = 0;  // slots freed so far: stage() waits for this to move
 
@@ -182,7 +195,9 @@ struct ShmProducer::Impl {
     if (!lock_shared(fd)) return fail("flock");
     if (::ftruncate(fd, static_cast<off_t>(size)) != 0) return fail("ftruncate");
     mapping->size = size;
-    mapping->base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    // MAP_POPULATE: the pool's pages are made now, once, rather than by faults on the requests that
+    // first use each slot; a process's resident memory then moves only when a pool comes or goes.
+    mapping->base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     if (mapping->base == MAP_FAILED) return fail("mmap");
     auto* header = static_cast<SegmentHeader*>(mapping->base);
     *header = SegmentHeader{kSegmentMagic, kSegmentVersion, pool.id, options.slots_per_pool, slot_bytes, pool.data_offset, {}};
@@ -198,23 +213,41 @@ struct ShmProducer::Impl {
     return total;
   }
 
-  // Unlinks and unmaps the pools idle for options.idle_trim, newest first, keeping the oldest of
-  // each size class (the one every consumer has mapped). Before any Pool* is taken: it moves the
-  // others in `pools`.
+  ClassTrim& class_trim(std::size_t slot_bytes) {
+    for (auto& c : class_trims) {
+      if (c.slot_bytes == slot_bytes) return c;
+    }
+    class_trims.push_back({slot_bytes, absl::ToInt64Nanoseconds(options.idle_trim), 0});
+    return class_trims.back();
+  }
+
+  // Unlinks and unmaps the pools idle for their class's trim delay, newest first, keeping the
+  // oldest of each size class (the one every consumer has mapped). Before any Pool* is taken: it
+  // moves the others in `pools`.
   void trim_idle_pools() {
     if (options.idle_trim <= absl::ZeroDuration()) return;
     const std::int64_t now = now_ns();
-    const std::int64_t idle_ns = absl::ToInt64Nanoseconds(options.idle_trim);
     for (std::size_t i = pools.size(); i-- > 0;) {
       const Pool& pool = pools[i];
-      const bool idle = pool.idle_since_ns != 0 && now - pool.idle_since_ns >= idle_ns;
       const bool oldest_of_class = i == 0 || pools[i - 1].slot_bytes != pool.slot_bytes;  // sorted, stable
-      if (!idle || oldest_of_class) continue;
+      if (pool.idle_since_ns == 0 || oldest_of_class) continue;
+      ClassTrim& trim = class_trim(pool.slot_bytes);
+      if (now - pool.idle_since_ns < trim.delay_ns) continue;
+      trim.last_trim_ns = now;
       ::shm_unlink(shm_name(pool.id).c_str());  // then its mapping goes with the Pool (and the flock)
       stats.slots_total -= pool.slots.size();
       ++stats.pools_trimmed;
       pools.erase(pools.begin() + static_cast<std::ptrdiff_t>(i));
     }
+  }
+
+  // A pool of this class is about to be made: if the class lost one lately, the last trim came too
+  // soon, so its delay doubles (up to idle_trim_max).
+  void note_pool_needed(std::size_t slot_bytes) {
+    ClassTrim& trim = class_trim(slot_bytes);
+    if (trim.last_trim_ns == 0 || now_ns() - trim.last_trim_ns >= 4 * trim.delay_ns) return;
+    trim.delay_ns = std::min(2 * trim.delay_ns, std::max(absl::ToInt64Nanoseconds(options.idle_trim_max), trim.delay_ns));
+    trim.last_trim_ns = 0;  // one doubling per trim
   }
 
   // A free slot of the smallest fitting class, creating a pool if none is free and the bound allows.
@@ -233,8 +266,10 @@ struct ShmProducer::Impl {
     if (bytes_mapped() + size > options.max_total_bytes || (options.max_pools > 0 && pools.size() >= options.max_pools)) {
       return std::make_pair(static_cast<Pool*>(nullptr), 0u);
     }
+    note_pool_needed(slot_bytes);
     auto pool = create_pool(slot_bytes);
     if (!pool.ok()) return pool.status();
+    ++stats.pools_created;
     can_ever_fit = true;
     stats.slots_total += options.slots_per_pool;
     pools.push_back(*std::move(pool));
@@ -525,6 +560,10 @@ struct ShmConsumer::Impl {
     if (mapping->data_offset + mapping->slot_count * mapping->slot_bytes > mapping->size) {
       return absl::InvalidArgumentError(fmt::format("shm handle: pool {:016x} changed while it was mapped", pool_id));
     }
+    // The slots' pages are mapped now, as the producer made them (MAP_POPULATE there), so that this
+    // process's resident memory moves when a pool comes or goes, not with each slot a burst first
+    // reaches. Only the extent the checked header covers; an older kernel without it maps lazily.
+    ::madvise(mapping->base, mapping->data_offset + mapping->slot_count * mapping->slot_bytes, kMadvPopulateRead);
     return mapping;
   }
 };

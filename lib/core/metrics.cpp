@@ -151,6 +151,8 @@ void add_shm(Exposition& e, const std::string& worker, const char* direction, co
         static_cast<double>(s.bytes_mapped));
   e.add("blockflow_shm_pools_trimmed_total", "counter", "Shared-memory pools removed after idling.", l,
         static_cast<double>(s.pools_trimmed));
+  e.add("blockflow_shm_pools_created_total", "counter", "Shared-memory pools made (the first of each size class included).", l,
+        static_cast<double>(s.pools_created));
 }
 
 }  // namespace

@@ -45,6 +45,7 @@ struct ShmEdgeStats {
   std::uint64_t bytes_mapped = 0;    ///< size of the producer's pools
   std::uint64_t pools = 0;           ///< pools (one per slot size in use, more under bursts)
   std::uint64_t pools_trimmed = 0;   ///< pools removed after idling (ShmPoolOptions::idle_trim)
+  std::uint64_t pools_created = 0;   ///< pools made so far (the first of each size class included)
   std::uint64_t forwarded = 0;       ///< handles passed on unchanged: tensors that lie in a third process's slot (counted in handles too)
 };
 

@@ -50,6 +50,11 @@ struct ShmPoolOptions {
   /// last of its size class: a burst of traffic grows the pools, and they shrink back once it has
   /// passed (checked when a slot is taken). Zero: pools stay until the producer goes.
   absl::Duration idle_trim = absl::Seconds(30);
+  /// Hysteresis against pools that come and go with every burst: when a size class needs a new
+  /// pool within 4 x its trim delay of having lost one, its delay doubles, up to this bound. Bursty
+  /// traffic then keeps the pools its bursts need (memory stays at their high-water mark and no
+  /// request pays for making a pool again); a lasting drop in traffic still gives them back.
+  absl::Duration idle_trim_max = absl::Minutes(8);
 };
 
 

@@ -13,7 +13,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(ChannelStats, kind, sent, receiv
                                                 depth, capacity, high_watermark)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(ShmEdgeStats, handles, releases, leases, slots_in_use, slots_total,
                                                 credit_waits, reclaims, stale_releases, bytes_staged, bytes_mapped,
-                                                pools, pools_trimmed, forwarded)
+                                                pools, pools_trimmed, pools_created, forwarded)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(ProcessSample, rss_bytes, cpu_seconds, cpu_utilisation, threads,
                                                 voluntary_context_switches, involuntary_context_switches)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(GpuSample, index, name, memory_used_bytes, memory_total_bytes,
