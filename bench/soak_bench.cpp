@@ -25,7 +25,10 @@
 //                 (statm's third field), i.e. without the mapped shm pools and library pages: the
 //                 pools grow in steps under bursts of traffic, up to 1 GiB per producer
 //                 (ShmPoolOptions::max_total_bytes), which the total follows; a leak shows in the
-//                 private figure.
+//                 private figure. owned_mb: rss_mb minus the pages of other processes' pools this one
+//                 has mapped (its smaps), so that every pool page counts once, in the process that
+//                 made it: a consumer's total also follows its peers' pools (a killed peer's go, its
+//                 restart's come), which the producer already counts.
 //   shm_slots_in_use  sum over the workers of SiteStats::shm_requests.slots_in_use (the host's
 //                 pools) and shm_results.slots_in_use (the worker's, as of its last heartbeat), now.
 //                 Under traffic it follows the requests in flight, so the target compares
@@ -38,7 +41,7 @@
 //   fds           entries of /proc/self/fd (the host); worker_fds: of /proc/<pid>/fd.
 //   shm_pools_created, shm_pools_trimmed  in the final line: pools made and removed after idling, summed
 //                 over the host's pools and each worker's current incarnation (ShmPoolOptions::idle_trim_max).
-//   rss_slope_mb_per_min, private_slope_mb_per_min  per name: least squares over the samples
+//   rss_slope_mb_per_min, owned_slope_mb_per_min, private_slope_mb_per_min  per name: least squares over the samples
 //                 (every 5 s) taken once the soak has run 60 s and the process has lived 60 s, with one intercept per process
 //                 (a restarted worker starts again from its idle size; its growth is what counts).
 //                 null: no such samples (a short run, or a worker killed every 120 s never lives 60 s
@@ -65,7 +68,9 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <cctype>
 #include <csignal>
+#include <cstdlib>
 #include <unistd.h>
 
 #include <atomic>
@@ -93,15 +98,48 @@ constexpr double kSettledS = 60;  // RSS slopes: samples once the soak and the p
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// Resident memory of a process in MB (statm's second field); nullopt when it is gone. `private_only`:
-// resident minus shared (statm's third field: file-backed and shared-memory pages, so the pages of
-// mapped shm pools and libraries are left out); what a leak grows.
-std::optional<double> rss_mb(const std::string& pid, bool private_only = false) {
-  std::ifstream in("/proc/" + pid + "/statm");
+// Resident pages of the shm pools of other processes that `pid` has mapped, in MB (its smaps: a
+// mapping of /dev/shm/blockflow-<16 hex> whose producer pid, the id's high 32 bits, is not `pid`).
+std::optional<double> foreign_pools_mb(const std::string& proc, std::int64_t pid) {
+  std::ifstream in("/proc/" + proc + "/smaps");
+  if (!in) return std::nullopt;
+  std::string line;
+  bool foreign = false;
+  long kb = 0;
+  while (std::getline(in, line)) {
+    const auto at = line.find("/dev/shm/blockflow-");
+    if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) && line.find('-') < line.find(' ')) {
+      unsigned long long id = 0;  // a mapping's header line
+      foreign = at != std::string::npos && std::sscanf(line.c_str() + at, "/dev/shm/blockflow-%16llx", &id) == 1 &&
+                static_cast<std::int64_t>(id >> 32) != pid;
+    } else if (foreign && line.rfind("Rss:", 0) == 0) {
+      kb += std::strtol(line.c_str() + 4, nullptr, 10);
+    }
+  }
+  return static_cast<double>(kb) / 1024.0;
+}
+
+// How a process's resident memory is counted.
+enum class Rss {
+  total,     // statm's resident pages, as `ps` shows them: the peers' pools it has mapped included
+  owned,     // total minus the pages of other processes' pools it has mapped: every page counted once,
+             // in the process that made it (its own pools stay in)
+  private_,  // resident minus shared (statm's third field: file-backed and shared-memory pages, so
+             // every pool and the libraries are left out); what a leak grows
+};
+
+// Resident memory of a process in MB; nullopt when it is gone.
+std::optional<double> rss_mb(const std::string& proc, Rss kind = Rss::total) {
+  std::ifstream in("/proc/" + proc + "/statm");
   long size = 0, resident = 0, shared = 0;
   if (!(in >> size >> resident >> shared)) return std::nullopt;
-  const long pages = private_only ? resident - shared : resident;
-  return static_cast<double>(pages) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / 1048576.0;
+  const long pages = kind == Rss::private_ ? resident - shared : resident;
+  const double mb = static_cast<double>(pages) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / 1048576.0;
+  if (kind != Rss::owned) return mb;
+  const std::int64_t pid = proc == "self" ? static_cast<std::int64_t>(::getpid()) : std::stoll(proc);
+  const auto foreign = foreign_pools_mb(proc, pid);
+  if (!foreign) return std::nullopt;
+  return mb - *foreign;
 }
 
 // Open descriptors of a process; -1 when it is gone.
@@ -360,7 +398,7 @@ int main(int argc, char** argv) try {
 
   const auto soak0 = Clock::now();
   const double soak_origin_s = seconds_since(origin);
-  std::map<std::string, std::vector<RssSample>> rss, private_rss;  // "host", "w1".. -> samples for the slopes
+  std::map<std::string, std::vector<RssSample>> rss, owned_rss, private_rss;  // "host", "w1".. -> samples for the slopes
   std::optional<std::uint64_t> idle_min;              // least slots in use with nothing in flight
   int idle_fds_min = INT_MAX;                         // least host descriptors then
   bool slots_back = true, fds_back = true, orphans_back = true;
@@ -371,7 +409,8 @@ int main(int argc, char** argv) try {
     auto keep = [&](const std::string& key, std::int64_t pid, const std::string& proc) {
       if (t - soak_origin_s < kSettledS || t - first_seen[pid] < kSettledS) return;
       if (auto mb = rss_mb(proc)) rss[key].push_back({t, pid, *mb});
-      if (auto mb = rss_mb(proc, /*private_only=*/true)) private_rss[key].push_back({t, pid, *mb});
+      if (auto mb = rss_mb(proc, Rss::owned)) owned_rss[key].push_back({t, pid, *mb});
+      if (auto mb = rss_mb(proc, Rss::private_)) private_rss[key].push_back({t, pid, *mb});
     };
     keep("host", ::getpid(), "self");
     for (std::size_t i = 0; i < workers.size(); ++i) {
@@ -382,14 +421,16 @@ int main(int argc, char** argv) try {
   auto print_line = [&](double t, const bf::MetricsSnapshot& m, const Levels& now, bool first_line) {
     const Ledger::Counts c = ledger.counts();
     std::string rss_json = fmt::format("\"host\":{:.1f}", rss_mb("self").value_or(0));
-    std::string private_json = fmt::format("\"host\":{:.1f}", rss_mb("self", true).value_or(0));
+    std::string private_json = fmt::format("\"host\":{:.1f}", rss_mb("self", Rss::private_).value_or(0));
+    std::string owned_json = fmt::format("\"host\":{:.1f}", rss_mb("self", Rss::owned).value_or(0));
     std::string fds_json;
     std::uint64_t restarts = 0;
     for (std::size_t i = 0; i < workers.size(); ++i) {
       const std::int64_t pid = workers[i]->pid();
       const std::string p = std::to_string(pid);
       rss_json += fmt::format(",\"{}\":{}", names[i], pid > 0 ? json_or_null(rss_mb(p), "{:.1f}") : "null");
-      private_json += fmt::format(",\"{}\":{}", names[i], pid > 0 ? json_or_null(rss_mb(p, true), "{:.1f}") : "null");
+      private_json += fmt::format(",\"{}\":{}", names[i], pid > 0 ? json_or_null(rss_mb(p, Rss::private_), "{:.1f}") : "null");
+      owned_json += fmt::format(",\"{}\":{}", names[i], pid > 0 ? json_or_null(rss_mb(p, Rss::owned), "{:.1f}") : "null");
       const int fds = pid > 0 ? fd_count(p) : -1;
       fds_json += fmt::format("{}\"{}\":{}", i ? "," : "", names[i], fds >= 0 ? std::to_string(fds) : "null");
     }
@@ -401,9 +442,9 @@ int main(int argc, char** argv) try {
                                  kWorkers, sat, rate, seconds, kill_every_s)
                    : "";
     fmt::print("{{\"bench\":\"soak\",{}\"t_s\":{:.0f},\"sent\":{},\"completed\":{},\"failed\":{},\"lost\":{},"
-               "\"outstanding\":{},\"rss_mb\":{{{}}},\"private_mb\":{{{}}},\"shm_slots_in_use\":{},\"shm_slots_idle_min\":{},"
+               "\"outstanding\":{},\"rss_mb\":{{{}}},\"owned_mb\":{{{}}},\"private_mb\":{{{}}},\"shm_slots_in_use\":{},\"shm_slots_idle_min\":{},"
                "\"shm_objects\":{},\"shm_orphans\":{},\"fds\":{},\"worker_fds\":{{{}}},\"restarts\":{},\"version\":{}}}\n",
-               head, t, c.sent, c.completed, c.failed, c.overdue, c.outstanding, rss_json, private_json, slots_in_use(m),
+               head, t, c.sent, c.completed, c.failed, c.overdue, c.outstanding, rss_json, owned_json, private_json, slots_in_use(m),
                first_line ? std::to_string(start.slots) : json_or_null(idle_min), now.objects.live, now.objects.orphaned,
                now.fds, fds_json,
                restarts, m.version);
@@ -474,12 +515,15 @@ int main(int argc, char** argv) try {
   const Levels end = levels_at_rest();
   const bf::MetricsSnapshot m = session.metrics();
 
-  std::string slopes, private_slopes, points;
-  bool slopes_ok = true, private_slopes_ok = true;
+  std::string slopes, owned_slopes, private_slopes, points;
+  bool slopes_ok = true, owned_slopes_ok = true, private_slopes_ok = true;
   for (const std::string key : {"host", "w1", "w2", "w3", "w4"}) {
     const char* comma = key == "host" ? "" : ",";
     const auto slope = rss_slope(rss[key]);
     const auto private_slope = rss_slope(private_rss[key]);
+    const auto owned_slope = rss_slope(owned_rss[key]);
+    owned_slopes_ok = owned_slopes_ok && (!owned_slope || *owned_slope < 1.0);
+    owned_slopes += fmt::format("{}\"{}\":{}", comma, key, json_or_null(owned_slope, "{:.3f}"));
     slopes_ok = slopes_ok && (!slope || *slope < 1.0);
     private_slopes_ok = private_slopes_ok && (!private_slope || *private_slope < 1.0);
     slopes += fmt::format("{}\"{}\":{}", comma, key, json_or_null(slope, "{:.3f}"));
@@ -498,16 +542,16 @@ int main(int argc, char** argv) try {
       "{{\"bench\":\"soak\",\"final\":true,\"duration_s\":{:.0f},\"rate_rps\":{:.2f},\"saturation_rps\":{:.2f},"
       "\"sent\":{},\"completed\":{},\"failed\":{},\"lost\":{},\"unexplained_failures\":{},\"errors\":{},"
       "\"kills\":{},\"kills_skipped\":{},\"restarts\":{},\"site_failed_requests\":{},\"applies\":{},\"apply_errors\":{},"
-      "\"apply_ms_max\":{:.1f},\"rss_slope_mb_per_min\":{{{}}},\"private_slope_mb_per_min\":{{{}}},"
+      "\"apply_ms_max\":{:.1f},\"rss_slope_mb_per_min\":{{{}}},\"owned_slope_mb_per_min\":{{{}}},\"private_slope_mb_per_min\":{{{}}},"
       "\"rss_slope_points\":{{{}}},\"shm_pools_created\":{},\"shm_pools_trimmed\":{},"
       "\"start\":{{\"shm_slots_in_use\":{},\"fds\":{},\"shm_objects\":{},\"shm_orphans\":{}}},"
       "\"end\":{{\"shm_slots_in_use\":{},\"fds\":{},\"shm_objects\":{},\"shm_orphans\":{}}},\"checks_after_kills\":{},\"lines_without_idle_moment\":{},"
       "\"targets\":{{\"lost_zero\":{},\"failures_name_killed_worker\":{},\"rss_slopes_under_1_mb_per_min\":{},"
-      "\"private_slopes_under_1_mb_per_min\":{},"
+      "\"owned_slopes_under_1_mb_per_min\":{},\"private_slopes_under_1_mb_per_min\":{},"
       "\"slots_back\":{},\"fds_back\":{},\"shm_orphans_back\":{}}}}}\n",
       traffic_s, rate, sat, c.sent, c.completed, c.failed, lost, c.unexplained, ledger.errors_json(), kills,
-      kills_skipped, restarts, site_failed, applies, apply_errors, apply_ms_max, slopes, private_slopes, points, pools_created, pools_trimmed, start.slots, start.fds,
-      start.objects.live, start.objects.orphaned, end.slots, end.fds, end.objects.live, end.objects.orphaned, checks, checks_without_idle, lost == 0, c.unexplained == 0, slopes_ok, private_slopes_ok,
+      kills_skipped, restarts, site_failed, applies, apply_errors, apply_ms_max, slopes, owned_slopes, private_slopes, points, pools_created, pools_trimmed, start.slots, start.fds,
+      start.objects.live, start.objects.orphaned, end.slots, end.fds, end.objects.live, end.objects.orphaned, checks, checks_without_idle, lost == 0, c.unexplained == 0, slopes_ok, owned_slopes_ok, private_slopes_ok,
       slots_back && end.slots <= start.slots, fds_back && end.fds <= start.fds,
       orphans_back && end.objects.orphaned <= start.objects.orphaned);
   std::fflush(stdout);

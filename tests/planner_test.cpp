@@ -224,3 +224,106 @@ TEST_CASE("blockflow-plan reads the three files and writes the deployment and th
   CHECK(WEXITSTATUS(std::system(broken.c_str())) == 1);
   std::filesystem::remove_all(dir);
 }
+
+namespace {
+
+// trunk -> head_a, head_b -> mean: the ensemble of the deployment docs.
+PlanTask ensemble(double rate, double slo) {
+  Path p("ensemble");
+  p.then("trunk").node("head_a", {"trunk"}).node("head_b", {"trunk"}).join("avg", {"head_a", "head_b"}, Combine::mean());
+  return PlanTask::graph(p, rate, slo);
+}
+
+}  // namespace
+
+TEST_CASE("graph tasks: every branch's block serves the task's rate, latency follows the slowest branch", "[planner]") {
+  // One site of 4 lanes, no hand-off costs: the prediction is trunk + the slower head, each with
+  // the M/D/1 wait at the site's utilisation.
+  auto in = input({block("trunk", 200), block("head_a", 100), block("head_b", 50)}, {ensemble(20, 100)}, {site("w1", 4)});
+  in.profile.channels.clear();
+  const auto p = planned(in);
+  REQUIRE(verdict(p, "ensemble").admitted);
+  for (const auto& b : p.blocks) CHECK(b.rate_rps == Approx(20));  // both heads serve every request
+  REQUIRE(p.sites.size() == 1);
+  CHECK(p.sites[0].lanes_used == Approx(20.0 / 200 + 20.0 / 100 + 20.0 / 50));
+  const double rho = p.sites[0].utilisation;
+  const double wait = rho / (2 * (1 - rho)) / 4;
+  CHECK(verdict(p, "ensemble").predicted_p50_ms == Approx((5.0 + 20.0) * (1 + wait)));  // trunk 5 ms, head_b 20 ms
+
+  // Too fast for head_b's lanes: refused, naming it as the largest share.
+  auto busy = input({block("trunk", 200), block("head_a", 100), block("head_b", 50)}, {ensemble(60, 1000)}, {site("w1", 1)});
+  const auto refused = planned(busy);
+  CHECK_FALSE(verdict(refused, "ensemble").admitted);
+  CHECK_THAT(verdict(refused, "ensemble").reason, Contains("over 3 blocks") && Contains("block 'head_b'"));
+}
+
+TEST_CASE("graph tasks: a heavy fan-out keeps its blocks together, and the deployment written is a graph apply() takes",
+          "[planner]") {
+  // Each block takes 0.3 lanes at 10 req/s; the trunk's 80 MB output crossing sites costs the
+  // receiver 10 x 80 ms = 0.8 lanes per head: together one site is at 0.9 / 2 lanes, while any split
+  // puts a head and its hop at (0.3 + 0.8) / 2 or more.
+  auto in = input({block("trunk", 33.3333, 10, 80u << 20), block("head_a", 33.3333), block("head_b", 33.3333)},
+                  {ensemble(10, 1000)}, {site("w1", 2), site("w2", 2)});
+  in.profile.channels = {{"inproc", 1, 0}, {"shm", 5, 1000}};
+  auto p = planned(in);
+  REQUIRE(verdict(p, "ensemble").admitted);
+  CHECK(site_of(p, "head_a") == site_of(p, "trunk"));
+  CHECK(site_of(p, "head_b") == site_of(p, "trunk"));
+  in.profile.channels = {{"inproc", 1, 0}, {"shm", 5, 1}};  // a cheap fan-out: the heads spread
+  const auto cheap = planned(in);
+  CHECK((site_of(cheap, "head_a") != site_of(cheap, "trunk") || site_of(cheap, "head_b") != site_of(cheap, "trunk")));
+
+  auto d = Deployment::parse(p.deployment_json(in), "/models");
+  INFO(d.status());
+  REQUIRE(d.ok());
+  CHECK(d->tasks.empty());
+  REQUIRE(d->graphs.size() == 1);
+  const auto& nodes = d->graphs[0].nodes();
+  REQUIRE(nodes.size() == 4);
+  CHECK(nodes[3].name == "avg");
+  CHECK(nodes[3].block.empty());
+  CHECK(nodes[3].inputs == std::vector<std::string>{"head_a", "head_b"});
+  CHECK(nodes[3].combine.name() == "mean");
+  CHECK(nodes[1].inputs == std::vector<std::string>{"trunk"});
+}
+
+TEST_CASE("graph tasks: the tasks file takes the deployment's graph form; bad graphs name the task and the node", "[planner]") {
+  auto tasks = parse_plan_tasks(R"({"tasks": [{"name": "e", "rate_rps": 5, "slo_ms": 50, "nodes": [
+      {"block": "trunk"}, {"block": "head_a", "inputs": ["trunk"]}, {"block": "head_b", "inputs": ["trunk"]},
+      {"join": "cat", "inputs": ["head_a", "head_b"], "combine": "concat:0"}]}]})",
+                                "tasks.json");
+  INFO(tasks.status());
+  REQUIRE(tasks.ok());
+  REQUIRE(tasks->size() == 1);
+  CHECK((*tasks)[0].path.empty());
+  REQUIRE((*tasks)[0].nodes.size() == 4);
+  CHECK((*tasks)[0].nodes[3].combine.name() == "concat(dim=0)");
+  auto in = input({block("trunk", 200), block("head_a", 100), block("head_b", 50)}, *tasks, {site("w1", 2)});
+  const auto p = planned(in);
+  CHECK(verdict(p, "e").admitted);
+  CHECK_THAT(p.deployment_json(in), Contains("\"combine\": \"concat:0\""));
+
+  auto parse_error = [](const std::string& text) { return std::string(parse_plan_tasks(text, "tasks.json").status().message()); };
+  CHECK_THAT(parse_error(R"({"tasks": [{"name": "e", "rate_rps": 5, "slo_ms": 50, "path": ["a"], "nodes": [{"block": "a"}]}]})"),
+             Contains("tasks.json: tasks[0]: give \"path\" (a chain) or \"nodes\" (a graph)"));
+  CHECK_THAT(parse_error(R"({"tasks": [{"name": "e", "rate_rps": 5, "slo_ms": 50, "nodes": [{"block": "a"}, {"join": "j", "inputs": ["a", "b"], "combine": "mean"}]}]})"),
+             Contains("tasks[0].nodes: task 'e': node 'j': unknown input 'b'"));
+
+  auto bad = [](PlanTask t) {
+    return std::string(plan(input({block("a", 10), block("b", 10)}, {std::move(t)}, {site("w1")})).status().message());
+  };
+  Path cycle("c");
+  cycle.node("a", {"b"}).node("b", {"a"});
+  CHECK_THAT(bad(PlanTask::graph(cycle, 1, 10)), Contains("task 'c': has a cycle"));
+  Path two_ends("t");
+  two_ends.node("a", {}).node("b", {});
+  CHECK_THAT(bad(PlanTask::graph(two_ends, 1, 10)), Contains("task 't': must end in exactly one node; it ends in a, b"));
+  Path custom("x");
+  custom.node("a", {}).node("b", {}).join("j", {"a", "b"}, Combine::custom("sum", [](std::vector<Tensors>&& in) {
+    return absl::StatusOr<Tensors>(std::move(in[0]));
+  }));
+  CHECK_THAT(bad(PlanTask::graph(custom, 1, 10)), Contains("task 'x': node 'j': combine rule 'sum' has no deployment form"));
+  PlanTask both("both", {"a"}, 1, 10);
+  both.nodes = two_ends.nodes();
+  CHECK_THAT(bad(both), Contains("task 'both': give a path (a chain) or nodes (a graph), not both"));
+}

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -181,6 +182,24 @@ absl::StatusOr<Combine> combine_from_name(const std::string& name) {
 bool has_deployment_form(const Combine& combine) {
   const std::string& rule = combine.name();  // Combine::concat(dim) is named "concat(dim=DIM)"
   return rule == "pack" || rule == "mean" || rule.rfind("concat(dim=", 0) == 0;
+}
+
+nlohmann::json graph_to_json(const std::vector<PathNode>& nodes) {
+  auto out = nlohmann::json::array();
+  for (const auto& n : nodes) {
+    nlohmann::json node;
+    if (n.block.empty()) node["join"] = n.name;
+    else node["block"] = n.block;
+    if (!n.inputs.empty()) node["inputs"] = n.inputs;
+    if (n.inputs.size() > 1 || n.block.empty()) {
+      std::string rule = n.combine.name();  // Combine::concat(dim) is named "concat(dim=DIM)"
+      long long dim = 0;
+      if (std::sscanf(rule.c_str(), "concat(dim=%lld)", &dim) == 1) rule = dim == 1 ? "concat" : fmt::format("concat:{}", dim);
+      node["combine"] = rule;
+    }
+    out.push_back(std::move(node));
+  }
+  return {{"nodes", std::move(out)}};
 }
 
 absl::StatusOr<Path> graph_from_json(const std::string& task, const nlohmann::json& graph, const std::set<std::string>& blocks) {

@@ -4,9 +4,12 @@
 
 #include "json_reader.hpp"
 
+#include <blockflow/deploy/detail/deployment_json.hpp>
+
 #include <fmt/format.h>
 
 #include <fstream>
+#include <set>
 #include <sstream>
 
 namespace blockflow {
@@ -45,7 +48,24 @@ absl::StatusOr<std::vector<PlanTask>> parse_plan_tasks(const std::string& text, 
     const JsonReader r((*list)[i], source, where);
     PlanTask t;
     BF_TRY(r.string("name", t.name));
-    BF_TRY(r.strings("path", t.path));
+    if (r.has("nodes") == r.has("path")) {
+      return absl::InvalidArgumentError(fmt::format("{}: {}: give \"path\" (a chain) or \"nodes\" (a graph)", source, where));
+    }
+    if (r.has("path")) {
+      BF_TRY(r.strings("path", t.path));
+    } else {
+      // The deployment's graph form; the profile, not this file, says which blocks exist.
+      const json& nodes = (*list)[i]["nodes"];
+      std::set<std::string> blocks;
+      if (nodes.is_array()) {
+        for (const auto& n : nodes) {
+          if (n.is_object() && n.contains("block") && n["block"].is_string()) blocks.insert(n["block"].get<std::string>());
+        }
+      }
+      auto graph = detail::graph_from_json(t.name, json{{"nodes", nodes}}, blocks);
+      if (!graph.ok()) return absl::InvalidArgumentError(fmt::format("{}: {}.nodes: {}", source, where, std::string(graph.status().message())));
+      t.nodes = graph->nodes();
+    }
     BF_TRY(r.number("rate_rps", t.rate_rps));
     BF_TRY(r.number("slo_ms", t.slo_ms));
     out.push_back(std::move(t));
@@ -128,7 +148,7 @@ std::string Plan::deployment_json(const PlanInput& input) const {
   for (const auto& v : tasks) {
     if (!v.admitted) continue;
     for (const auto& t : input.tasks) {
-      if (t.name == v.task) tasks_json[t.name] = t.path;
+      if (t.name == v.task) tasks_json[t.name] = t.nodes.empty() ? json(t.path) : detail::graph_to_json(t.nodes);
     }
   }
   return json{{"blocks", blocks_json}, {"tasks", tasks_json}}.dump(2);

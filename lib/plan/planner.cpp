@@ -1,7 +1,10 @@
 // plan(): admission, placement and batch sizes from block profiles (docs/planner.md, "Algorithm").
 #include <blockflow/plan/planner.hpp>
 
+#include <blockflow/deploy/detail/deployment_json.hpp>
+
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,15 +19,112 @@ namespace {
 
 constexpr double kEps = 1e-9;
 
+// A task's route, chain or graph, as one shape: its nodes in an order where every node comes after
+// its inputs, the block of each (empty for a join), its inputs (indices into `nodes`) and, per node,
+// the blocks whose outputs reach it through it (itself, or a join's inputs' blocks).
+struct TaskGraph {
+  struct Node {
+    std::string name, block;
+    std::vector<int> inputs;
+    std::vector<std::string> sources;  // blocks that hand their outputs on through this node
+  };
+  std::vector<Node> nodes;
+  int sink = -1;
+
+  std::vector<std::string> blocks() const {
+    std::vector<std::string> out;
+    for (const auto& n : nodes) {
+      if (!n.block.empty()) out.push_back(n.block);
+    }
+    return out;
+  }
+};
+
+absl::StatusOr<TaskGraph> task_graph(const PlanTask& t) {
+  auto bad = [&](const std::string& what) { return absl::InvalidArgumentError(fmt::format("task '{}': {}", t.name, what)); };
+  std::vector<PathNode> nodes = t.nodes;
+  if (!t.path.empty() && !nodes.empty()) return bad("give a path (a chain) or nodes (a graph), not both");
+  if (nodes.empty()) nodes = Path::chain(t.name, t.path).nodes();
+  if (nodes.empty()) return bad("empty path");
+  std::map<std::string, int> index;
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    const auto& n = nodes[i];
+    if (!index.emplace(n.name, static_cast<int>(i)).second) {
+      return bad(n.block.empty() ? fmt::format("two nodes are named '{}'", n.name) : fmt::format("visits block '{}' twice", n.name));
+    }
+    if (n.block.empty() && n.inputs.size() < 2) return bad(fmt::format("join '{}' needs at least two inputs", n.name));
+    if (n.inputs.size() > 1 && !detail::has_deployment_form(n.combine)) {
+      return bad(fmt::format("node '{}': combine rule '{}' has no deployment form (pack, mean, concat)", n.name, n.combine.name()));
+    }
+    for (const auto& input : n.inputs) {
+      if (std::none_of(nodes.begin(), nodes.end(), [&](const PathNode& m) { return m.name == input; })) {
+        return bad(fmt::format("node '{}': unknown input '{}'", n.name, input));
+      }
+    }
+  }
+  // Kahn's order; what cannot be ordered lies on a cycle.
+  std::vector<int> pending(nodes.size());
+  std::vector<std::vector<int>> successors(nodes.size());
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    for (const auto& input : nodes[i].inputs) {
+      successors[static_cast<std::size_t>(index.at(input))].push_back(static_cast<int>(i));
+      ++pending[i];
+    }
+  }
+  std::vector<int> order, ready;
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    if (pending[i] == 0) ready.push_back(static_cast<int>(i));
+  }
+  while (!ready.empty()) {
+    const int i = ready.front();
+    ready.erase(ready.begin());
+    order.push_back(i);
+    for (const int s : successors[static_cast<std::size_t>(i)]) {
+      if (--pending[static_cast<std::size_t>(s)] == 0) ready.push_back(s);
+    }
+  }
+  if (order.size() != nodes.size()) return bad("has a cycle");
+  TaskGraph g;
+  std::vector<int> position(nodes.size());
+  for (std::size_t k = 0; k < order.size(); ++k) position[static_cast<std::size_t>(order[k])] = static_cast<int>(k);
+  for (const int i : order) {
+    const auto& n = nodes[static_cast<std::size_t>(i)];
+    TaskGraph::Node out{n.name, n.block, {}, {}};
+    for (const auto& input : n.inputs) {
+      const int from = position[static_cast<std::size_t>(index.at(input))];
+      out.inputs.push_back(from);
+      if (n.block.empty()) {
+        const auto& through = g.nodes[static_cast<std::size_t>(from)].sources;
+        out.sources.insert(out.sources.end(), through.begin(), through.end());
+      }
+    }
+    if (!n.block.empty()) out.sources = {n.block};
+    g.nodes.push_back(std::move(out));
+  }
+  std::vector<std::string> sinks;
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    if (successors[i].empty()) {
+      sinks.push_back(nodes[i].name);
+      g.sink = position[i];
+    }
+  }
+  if (sinks.size() != 1) return bad(fmt::format("must end in exactly one node; it ends in {}", fmt::join(sinks, ", ")));
+  return g;
+}
+
 // The blocks, edges and demands of one set of tasks, and a placement of its blocks being evaluated.
 class Model {
  public:
   Model(const PlanInput& in, const std::vector<const PlanTask*>& tasks) : in_(in), tasks_(tasks) {
     for (const PlanTask* t : tasks) {
-      for (std::size_t i = 0; i < t->path.size(); ++i) {
-        const int b = block_index(t->path[i]);
+      const TaskGraph& g = graphs_.emplace(t, *task_graph(*t)).first->second;  // check() has validated it
+      for (const auto& node : g.nodes) {
+        if (node.block.empty()) continue;
+        const int b = block_index(node.block);
         demand_[static_cast<std::size_t>(b)] += t->rate_rps;
-        if (i > 0) edges_.push_back({block_index(t->path[i - 1]), b, t->rate_rps});
+        for (const int input : node.inputs) {
+          for (const auto& from : g.nodes[static_cast<std::size_t>(input)].sources) edges_.push_back({block_index(from), b, t->rate_rps});
+        }
       }
     }
     site_.assign(blocks_.size(), -1);
@@ -135,21 +235,40 @@ class Model {
 
   // Predicted p50 of a task: per block its service time at its batch size, the wait for a lane
   // (M/D/1 at the site's utilisation, over its lanes) and, with batching, the wait for the batch to
-  // fill; plus the hand-offs between blocks.
+  // fill; plus the hand-offs between blocks. A graph's time is its slowest way to the output: a
+  // node starts when its last input has arrived, a join ends when its last input does.
   double predicted_ms(const PlanTask& t) const {
     const auto l = loads();
-    double ms = 0;
-    for (std::size_t i = 0; i < t.path.size(); ++i) {
-      const int b = index_.at(t.path[i]);
+    const TaskGraph& g = graphs_.at(&t);
+    std::vector<double> done(g.nodes.size(), 0.0);
+    for (std::size_t i = 0; i < g.nodes.size(); ++i) {
+      const auto& node = g.nodes[i];
+      double start = 0;
+      for (const int input : node.inputs) {
+        double arrive = done[static_cast<std::size_t>(input)];
+        if (!node.block.empty()) {
+          double handoff = 0;
+          for (const auto& from : g.nodes[static_cast<std::size_t>(input)].sources) {
+            handoff = std::max(handoff, handoff_ms(index_.at(from), index_.at(node.block)));
+          }
+          arrive += handoff;
+        }
+        start = std::max(start, arrive);
+      }
+      done[i] = start;
+      if (node.block.empty()) continue;
+      const int b = index_.at(node.block);
       const int s = site(b);
       const double rho = std::min(0.95, l[static_cast<std::size_t>(s)].utilisation);
       const double service = service_ms(b, batch(b));
-      ms += service + rho / (2.0 * (1.0 - rho)) * service / std::max(1, in_.sites[static_cast<std::size_t>(s)].lanes);
-      if (batch(b) > 1) ms += std::min(2.0, 1000.0 * (batch(b) - 1) / (2.0 * demand(b)));  // max_batch_delay_ms
-      if (i > 0) ms += handoff_ms(index_.at(t.path[i - 1]), b);
+      done[i] += service + rho / (2.0 * (1.0 - rho)) * service / std::max(1, in_.sites[static_cast<std::size_t>(s)].lanes);
+      if (batch(b) > 1) done[i] += std::min(2.0, 1000.0 * (batch(b) - 1) / (2.0 * demand(b)));  // max_batch_delay_ms
     }
-    return ms;
+    return done[static_cast<std::size_t>(g.sink)];
   }
+
+  // The blocks of a task, in an order where each comes after its inputs.
+  std::vector<std::string> blocks_of(const PlanTask& t) const { return graphs_.at(&t).blocks(); }
 
   int index_of(const std::string& name) const { return index_.at(name); }
 
@@ -170,6 +289,7 @@ class Model {
 
   const PlanInput& in_;
   std::vector<const PlanTask*> tasks_;
+  std::map<const PlanTask*, TaskGraph> graphs_;
   std::vector<const BlockProfile*> blocks_;
   std::map<std::string, int> index_;
   std::vector<double> demand_;
@@ -309,15 +429,14 @@ absl::Status check(const PlanInput& in) {
   names.clear();
   for (const auto& t : in.tasks) {
     if (!names.insert(t.name).second) return absl::InvalidArgumentError(fmt::format("task '{}': named twice", t.name));
-    if (t.path.empty()) return absl::InvalidArgumentError(fmt::format("task '{}': empty path", t.name));
     if (!(t.rate_rps > 0)) return absl::InvalidArgumentError(fmt::format("task '{}': rate_rps must be > 0", t.name));
     if (!(t.slo_ms > 0)) return absl::InvalidArgumentError(fmt::format("task '{}': slo_ms must be > 0", t.name));
-    std::set<std::string> seen;
-    for (const auto& b : t.path) {
+    auto graph = task_graph(t);
+    if (!graph.ok()) return graph.status();
+    for (const auto& b : graph->blocks()) {
       const BlockProfile* p = in.profile.block(b);
       if (p == nullptr) return absl::InvalidArgumentError(fmt::format("task '{}': block '{}' is not in the profile", t.name, b));
       if (p->at_batch(1) == nullptr) return absl::InvalidArgumentError(fmt::format("block '{}': the profile has no batch-1 latency", b));
-      if (!seen.insert(b).second) return absl::InvalidArgumentError(fmt::format("task '{}': visits block '{}' twice", t.name, b));
     }
   }
   return absl::OkStatus();
@@ -326,9 +445,10 @@ absl::Status check(const PlanInput& in) {
 // Why `task` does not fit next to `admitted` (whose placement is `before`).
 std::string refusal(const PlanInput& in, const PlanTask& task, const Model& with, const Model* before) {
   const Model::Score sc = with.score();
-  for (std::size_t i = 0; i < task.path.size(); ++i) {
-    const int b = with.index_of(task.path[i]);
-    if (with.site(b) < 0) return fmt::format("block '{}' runs on {}, and no site has that device", task.path[i], with.profile(b).device);
+  const std::vector<std::string> task_blocks = with.blocks_of(task);
+  for (const auto& name : task_blocks) {
+    const int b = with.index_of(name);
+    if (with.site(b) < 0) return fmt::format("block '{}' runs on {}, and no site has that device", name, with.profile(b).device);
   }
   if (sc.overflow > kEps) {
     const auto l = with.loads();
@@ -344,7 +464,7 @@ std::string refusal(const PlanInput& in, const PlanTask& task, const Model& with
         }
         std::string heaviest;
         std::int64_t need = -1;
-        for (const auto& name : task.path) {
+        for (const auto& name : task_blocks) {
           const auto* p = in.profile.block(name);
           if (p->memory_bytes > need) {
             need = p->memory_bytes;
@@ -358,7 +478,7 @@ std::string refusal(const PlanInput& in, const PlanTask& task, const Model& with
     // The task's lanes: each block of its path at the task's rate, the largest share named.
     std::string worst;
     double need = 0, largest = -1, per_lane = 0;
-    for (const auto& name : task.path) {
+    for (const auto& name : task_blocks) {
       const int b = with.index_of(name);
       const double lanes = task.rate_rps / with.capacity(b, with.batch(b));
       need += lanes;
@@ -373,7 +493,7 @@ std::string refusal(const PlanInput& in, const PlanTask& task, const Model& with
       left += with.usable_lanes(static_cast<int>(s)) - (s < base.size() ? base[s].lanes_used : 0.0);
     }
     const std::string blocks =
-        task.path.size() == 1 ? std::string() : fmt::format(" over {} blocks, {:.2f} of them for", task.path.size(), largest);
+        task_blocks.size() == 1 ? std::string() : fmt::format(" over {} blocks, {:.2f} of them for", task_blocks.size(), largest);
     return fmt::format("needs {:.2f} lanes for {:.1f} req/s ({}block '{}' at {:.1f} req/s per lane); the sites have {:.2f} lanes left",
                        need, task.rate_rps, blocks.empty() ? "" : blocks.substr(1) + " ", worst, per_lane, std::max(0.0, left));
   }
@@ -394,7 +514,10 @@ absl::StatusOr<Plan> plan(const PlanInput& in, const PlanOptions& options) {
   if (auto status = check(in); !status.ok()) return status;
   if (options.exhaustive) {
     std::set<std::string> blocks;
-    for (const auto& t : in.tasks) blocks.insert(t.path.begin(), t.path.end());
+    for (const auto& t : in.tasks) {
+      const auto names = task_graph(t)->blocks();
+      blocks.insert(names.begin(), names.end());
+    }
     if (blocks.size() > 12) {
       return absl::InvalidArgumentError(fmt::format("plan: an exhaustive search over {} blocks is too long (12 at most)", blocks.size()));
     }
@@ -432,7 +555,10 @@ absl::StatusOr<Plan> plan(const PlanInput& in, const PlanOptions& options) {
   }
   for (const auto& p : in.profile.blocks) {  // profile order
     bool used = false;
-    for (const PlanTask* t : admitted) used = used || std::count(t->path.begin(), t->path.end(), p.name) > 0;
+    for (const PlanTask* t : admitted) {
+      const auto names = current->blocks_of(*t);
+      used = used || std::count(names.begin(), names.end(), p.name) > 0;
+    }
     if (!used) continue;
     const int b = current->index_of(p.name);
     out.blocks.push_back({p.name, in.sites[static_cast<std::size_t>(current->site(b))].name, current->batch(b),

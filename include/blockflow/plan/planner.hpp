@@ -12,22 +12,41 @@
 /// auto plan = blockflow::plan(in);   // plan->deployment_json() is what Session::apply() takes
 /// @endcode
 
+#include <blockflow/core/path.hpp>
 #include <blockflow/plan/profile.hpp>
 
 #include <absl/status/statusor.h>
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace blockflow {
 
-/// @brief A task to admit: its path (a chain of blocks), the rate it must get and its latency SLO.
+/// @brief A task to admit: its route (a chain of blocks, or a graph), the rate it must get and its
+/// latency SLO.
 struct PlanTask {
   std::string name;
-  std::vector<std::string> path;
+  std::vector<std::string> path;  ///< a chain of blocks; empty for a graph task
   double rate_rps = 0;  ///< requests per second it must sustain (> 0)
   double slo_ms = 0;    ///< the p50 end-to-end latency it must stay within (> 0)
+  /// A graph task (fan-out and fan-in), its nodes as blockflow::Path holds them: block nodes and
+  /// joins with a combine rule a deployment can name (pack, mean, concat). Every block of it serves
+  /// the task's rate; its predicted latency is that of its slowest way from the request to the
+  /// output, and a join costs nothing but the hand-offs into the block after it.
+  std::vector<PathNode> nodes;
+
+  PlanTask() = default;
+  /// A chain task.
+  PlanTask(std::string task_name, std::vector<std::string> blocks, double rate, double slo)
+      : name(std::move(task_name)), path(std::move(blocks)), rate_rps(rate), slo_ms(slo) {}
+  /// A graph task named after `graph`'s task.
+  static PlanTask graph(const Path& graph, double rate, double slo) {
+    PlanTask t(graph.task(), {}, rate, slo);
+    t.nodes = graph.nodes();
+    return t;
+  }
 };
 
 /// @brief Where blocks can run: the session's own threads or a worker process.

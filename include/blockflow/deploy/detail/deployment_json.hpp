@@ -7,8 +7,10 @@
 #include <absl/status/statusor.h>
 #include <nlohmann/json.hpp>
 
+#include <set>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace blockflow::detail {
 
@@ -24,6 +26,12 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
 absl::StatusOr<Combine> combine_from_name(const std::string& name);
 /// Whether a deployment can name `combine` (a built-in rule, not Combine::custom()).
 bool has_deployment_form(const Combine& combine);
+
+/// A graph task from its deployment form `{"nodes": [...]}` (deployment.hpp); block nodes must name
+/// one of `blocks`. Errors name the task and the node.
+absl::StatusOr<Path> graph_from_json(const std::string& task, const nlohmann::json& graph, const std::set<std::string>& blocks);
+/// The deployment form of a graph's nodes; their combine rules must have one (has_deployment_form()).
+nlohmann::json graph_to_json(const std::vector<PathNode>& nodes);
 
 /// Deepest nesting of JSON accepted from outside (a deployment, a control request): nlohmann's
 /// parser recurses per level, so a 150 KB document of brackets would overflow the stack.
