@@ -9,8 +9,6 @@
 
 #include <fmt/format.h>
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -18,6 +16,7 @@
 
 using namespace blockflow;
 using Catch::Matchers::Contains;
+using Catch::Matchers::StartsWith;
 
 namespace {
 
@@ -39,18 +38,6 @@ Envelope envelope_of(std::uint64_t id, Tensors tensors) {
   e.node = static_cast<std::uint32_t>(id % 7);
   e.tensors = std::move(tensors);
   return e;
-}
-
-int free_tcp_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(a);
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
-  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &length) == 0);
-  ::close(fd);
-  return ntohs(a.sin_port);
 }
 
 // Sends `count` envelopes of one float tensor [2, 3] holding id*10 + 0..5, receives them, checks.
@@ -242,11 +229,15 @@ TEST_CASE("several senders feed one shm:// receiver, and several threads may rec
 
 TEST_CASE("ipc:// and tcp:// carry the serialized wire format", "[process_channel]") {
   const std::string ipc = "ipc://" + unique_name("ipc");
-  const std::string tcp = fmt::format("tcp://127.0.0.1:{}", free_tcp_port());
-  for (const std::string& uri : {ipc, tcp}) {
+  for (const std::string& uri : {ipc, std::string("tcp://127.0.0.1:*")}) {
     auto receiver = open_or_fail(uri, ChannelRole::kReceiver);
-    auto sender = open_or_fail(uri, ChannelRole::kSender);
-    CHECK(receiver->kind() == (uri == tcp ? "zmq-tcp" : "zmq-ipc"));
+    const bool tcp = uri != ipc;
+    if (tcp) {  // a free port, named by the receiver's uri() for its senders
+      CHECK_THAT(receiver->uri(), StartsWith("tcp://127.0.0.1:"));
+      CHECK(receiver->uri().find('*') == std::string::npos);
+    }
+    auto sender = open_or_fail(receiver->uri(), ChannelRole::kSender);
+    CHECK(receiver->kind() == (tcp ? "zmq-tcp" : "zmq-ipc"));
     round_trip(*sender, *receiver, 5);
     const at::Tensor bytes = at::arange(256, at::kInt).to(at::kByte);
     REQUIRE(sender->send(envelope_of(42, {bytes, at::ones({3, 3}, at::kDouble)})).status.ok());
@@ -278,6 +269,8 @@ TEST_CASE("URIs are checked: names, schemes, directories and a URI held by a liv
     CHECK_THAT(std::string(ch.status().message()), Contains(bad));
   }
   CHECK(open_channel("cuda://x", ChannelRole::kSender).status().code() == absl::StatusCode::kUnimplemented);
+  CHECK_THAT(std::string(open_channel("tcp://127.0.0.1:*", ChannelRole::kSender).status().message()),
+             Contains("tcp://HOST:*: receivers only"));
 
   // ipc:///ABS/PATH: only in a directory of ours closed to others.
   const auto dir = std::filesystem::temp_directory_path() / unique_name("dir");

@@ -127,9 +127,13 @@ absl::StatusOr<std::unique_ptr<ProcessChannel>> ProcessChannel::open(std::string
   }
   if (scheme == "tcp") {
     const auto colon = rest.rfind(':');
+    const bool any_port = colon != std::string::npos && rest.compare(colon + 1, std::string::npos, "*") == 0;
     if (rest.empty() || colon == std::string::npos || colon == 0 || colon + 1 == rest.size() ||
-        rest.find_first_not_of("0123456789", colon + 1) != std::string::npos) {
+        (!any_port && rest.find_first_not_of("0123456789", colon + 1) != std::string::npos)) {
       return absl::InvalidArgumentError(fmt::format("{}: expected tcp://HOST:PORT", uri));
+    }
+    if (any_port && role == ChannelRole::kSender) {
+      return absl::InvalidArgumentError(fmt::format("{}: a sender needs the receiver's port (tcp://HOST:*: receivers only)", uri));
     }
     return detail::open_zmq_channel(uri, uri, role, options);
   }

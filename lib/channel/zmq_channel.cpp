@@ -50,7 +50,7 @@ class ZmqEnd : public ProcessChannel {
   bool connected() const override { return !closed_.load(); }
 
  protected:
-  const std::string uri_;
+  std::string uri_;  // a tcp://HOST:* receiver's names its port once bound (set before any other thread sees it)
   const ChannelRole role_;
   const ProcessChannelOptions options_;
   std::atomic<std::uint64_t> sent_{0}, received_{0}, copies_{0};
@@ -118,6 +118,9 @@ class ZmqReceiver final : public ZmqEnd {
   absl::Status bind(const std::string& endpoint) {
     try {
       socket_.bind(endpoint);
+      if (uri_.rfind("tcp://", 0) == 0 && uri_.size() > 2 && uri_.compare(uri_.size() - 2, 2, ":*") == 0) {
+        uri_ = socket_.get(zmq::sockopt::last_endpoint);  // tcp://HOST:PORT, the port the system chose
+      }
     } catch (const zmq::error_t& e) {
       return e.num() == EADDRINUSE ? absl::AlreadyExistsError(fmt::format("{}: another receiver holds it", uri_))
                                    : absl::UnavailableError(fmt::format("{}: cannot bind: {}", uri_, e.what()));

@@ -88,7 +88,8 @@ class ProcessChannel : public TensorChannel {
   /// does.
   virtual absl::StatusOr<at::Tensor> empty(at::IntArrayRef sizes, at::ScalarType dtype = at::kFloat) = 0;
 
-  /// @brief The URI as opened.
+  /// @brief The URI as opened; for a receiver opened as `tcp://HOST:*` (a free port chosen by the
+  /// system), `tcp://HOST:PORT` with the port it got, for its senders.
   [[nodiscard]] virtual const std::string& uri() const = 0;
   [[nodiscard]] virtual ChannelRole role() const = 0;
   /// @brief Sender: a receiver is attached now. Receiver: at least one sender is.
