@@ -26,6 +26,9 @@ constexpr std::uint32_t kSegmentMagic = 0x50534642;  // "BFSP"
 constexpr std::uint32_t kSegmentVersion = 1;
 constexpr std::size_t kHeaderBytes = 64;
 constexpr std::size_t kPage = 4096;
+// Pools up to this size have their pages made (producer) and mapped (consumer) at once; larger ones
+// fault page by page as slots are used, so that one big tensor does not commit all its pool's slots.
+constexpr std::size_t kPopulateMaxBytes = std::size_t{64} << 20;
 #ifdef MADV_POPULATE_READ
 constexpr int kMadvPopulateRead = MADV_POPULATE_READ;
 #else
@@ -195,9 +198,11 @@ struct ShmProducer::Impl {
     if (!lock_shared(fd)) return fail("flock");
     if (::ftruncate(fd, static_cast<off_t>(size)) != 0) return fail("ftruncate");
     mapping->size = size;
-    // MAP_POPULATE: the pool's pages are made now, once, rather than by faults on the requests that
-    // first use each slot; a process's resident memory then moves only when a pool comes or goes.
-    mapping->base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    // MAP_POPULATE (pools up to kPopulateMaxBytes): the pool's pages are made now, once, rather than
+    // by faults on the requests that first use each slot; a process's resident memory then moves
+    // when a pool comes or goes.
+    const int populate = size <= kPopulateMaxBytes ? MAP_POPULATE : 0;
+    mapping->base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | populate, fd, 0);
     if (mapping->base == MAP_FAILED) return fail("mmap");
     auto* header = static_cast<SegmentHeader*>(mapping->base);
     *header = SegmentHeader{kSegmentMagic, kSegmentVersion, pool.id, options.slots_per_pool, slot_bytes, pool.data_offset, {}};
@@ -563,7 +568,8 @@ struct ShmConsumer::Impl {
     // The slots' pages are mapped now, as the producer made them (MAP_POPULATE there), so that this
     // process's resident memory moves when a pool comes or goes, not with each slot a burst first
     // reaches. Only the extent the checked header covers; an older kernel without it maps lazily.
-    ::madvise(mapping->base, mapping->data_offset + mapping->slot_count * mapping->slot_bytes, kMadvPopulateRead);
+    const std::size_t extent = mapping->data_offset + mapping->slot_count * mapping->slot_bytes;
+    if (extent <= kPopulateMaxBytes) ::madvise(mapping->base, extent, kMadvPopulateRead);
     return mapping;
   }
 };
