@@ -46,9 +46,10 @@ struct ShmPoolOptions {
   std::size_t min_slot_bytes = std::size_t{1} << 20;  ///< smallest slot; slots are powers of two
   std::size_t max_total_bytes = std::size_t{1} << 30;  ///< bound on all pools of one producer
   std::size_t max_pools = 0;  ///< bound on the number of pools (0: only max_total_bytes bounds them)
-  /// A pool whose slots have all been free this long is unlinked and unmapped, unless it is the
-  /// last of its size class: a burst of traffic grows the pools, and they shrink back once it has
-  /// passed (checked when a slot is taken). Zero: pools stay until the producer goes.
+  /// A pool whose slots have all been free this long (its size class's trim delay, which starts
+  /// here and may grow up to idle_trim_max) is unlinked and unmapped, unless it is the last of its
+  /// size class: a burst of traffic grows the pools, and they shrink back once it has passed
+  /// (checked when a slot is taken). Zero: pools stay until the producer goes.
   absl::Duration idle_trim = absl::Seconds(30);
   /// Hysteresis against pools that come and go with every burst: when a size class needs a new
   /// pool within 4 x its trim delay of having lost one, its delay doubles, up to this bound. Bursty
