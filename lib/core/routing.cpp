@@ -1,4 +1,5 @@
 #include <blockflow/core/detail/routing.hpp>
+#include <blockflow/core/detail/topological_order.hpp>
 
 #include <absl/container/flat_hash_map.h>
 #include <fmt/format.h>
@@ -13,32 +14,15 @@ absl::Status path_error(const Path& path, const std::string& problem) {
   return absl::InvalidArgumentError(fmt::format("path '{}': {}", path.task(), problem));
 }
 
-// Kahn's algorithm; on a cycle, names the nodes that could not be ordered.
+// On a cycle, names the nodes that could not be ordered.
 absl::Status check_acyclic(const Path& path, const std::vector<std::vector<int>>& inputs) {
-  const int n = static_cast<int>(inputs.size());
-  std::vector<int> pending(static_cast<std::size_t>(n));
-  std::vector<std::vector<int>> successors(static_cast<std::size_t>(n));
-  for (int i = 0; i < n; ++i) {
-    pending[static_cast<std::size_t>(i)] = static_cast<int>(inputs[static_cast<std::size_t>(i)].size());
-    for (int p : inputs[static_cast<std::size_t>(i)]) successors[static_cast<std::size_t>(p)].push_back(i);
-  }
-  std::vector<int> ready;
-  for (int i = 0; i < n; ++i) {
-    if (pending[static_cast<std::size_t>(i)] == 0) ready.push_back(i);
-  }
-  int ordered = 0;
-  while (!ready.empty()) {
-    const int i = ready.back();
-    ready.pop_back();
-    ++ordered;
-    for (int s : successors[static_cast<std::size_t>(i)]) {
-      if (--pending[static_cast<std::size_t>(s)] == 0) ready.push_back(s);
-    }
-  }
-  if (ordered == n) return absl::OkStatus();
+  const std::vector<int> order = topological_order(inputs);
+  if (order.size() == inputs.size()) return absl::OkStatus();
+  std::vector<bool> ordered(inputs.size(), false);
+  for (const int i : order) ordered[static_cast<std::size_t>(i)] = true;
   std::vector<std::string> stuck;
-  for (int i = 0; i < n; ++i) {
-    if (pending[static_cast<std::size_t>(i)] > 0) stuck.push_back(path.nodes()[static_cast<std::size_t>(i)].name);
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (!ordered[i]) stuck.push_back(path.nodes()[i].name);
   }
   return path_error(path, fmt::format("has a cycle through nodes {}", fmt::join(stuck, ", ")));
 }

@@ -1,6 +1,7 @@
 // plan(): admission, placement and batch sizes from block profiles (docs/planner.md, "Algorithm").
 #include <blockflow/plan/planner.hpp>
 
+#include <blockflow/core/detail/topological_order.hpp>
 #include <blockflow/deploy/detail/deployment_json.hpp>
 
 #include <fmt/format.h>
@@ -62,27 +63,15 @@ absl::StatusOr<TaskGraph> task_graph(const PlanTask& t) {
       }
     }
   }
-  // Kahn's order; what cannot be ordered lies on a cycle.
-  std::vector<int> pending(nodes.size());
-  std::vector<std::vector<int>> successors(nodes.size());
+  std::vector<std::vector<int>> inputs(nodes.size());
+  std::vector<bool> feeds(nodes.size(), false);
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     for (const auto& input : nodes[i].inputs) {
-      successors[static_cast<std::size_t>(index.at(input))].push_back(static_cast<int>(i));
-      ++pending[i];
+      inputs[i].push_back(index.at(input));
+      feeds[static_cast<std::size_t>(index.at(input))] = true;
     }
   }
-  std::vector<int> order, ready;
-  for (std::size_t i = 0; i < nodes.size(); ++i) {
-    if (pending[i] == 0) ready.push_back(static_cast<int>(i));
-  }
-  while (!ready.empty()) {
-    const int i = ready.front();
-    ready.erase(ready.begin());
-    order.push_back(i);
-    for (const int s : successors[static_cast<std::size_t>(i)]) {
-      if (--pending[static_cast<std::size_t>(s)] == 0) ready.push_back(s);
-    }
-  }
+  const std::vector<int> order = detail::topological_order(inputs);
   if (order.size() != nodes.size()) return bad("has a cycle");
   TaskGraph g;
   std::vector<int> position(nodes.size());
@@ -103,7 +92,7 @@ absl::StatusOr<TaskGraph> task_graph(const PlanTask& t) {
   }
   std::vector<std::string> sinks;
   for (std::size_t i = 0; i < nodes.size(); ++i) {
-    if (successors[i].empty()) {
+    if (!feeds[i]) {
       sinks.push_back(nodes[i].name);
       g.sink = position[i];
     }
