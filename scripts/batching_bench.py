@@ -2,19 +2,30 @@
 """The batching benchmark: the 4-block split ResNet50 (threads, 2 intra-op threads per block) under
 open-loop Poisson load from blockflow-loadgen, batching off and on at every block for max_batch B in
 2, 4, 8; for each, a rate sweep finds the saturation throughput (the most requests/s completed at
-any offered rate). Prints, per B:
-  {"bench":"batching","block":"block1-4","max_batch":B,"saturation_rps_off":..,"saturation_rps_on":..,
-   "ratio":..,"p99_ms_on":..,"max_batch_delay_ms":..,"threads_per_block":2}
-p99_ms_on is the p99 latency at the rate where the batched pipeline peaked.
+any offered rate). The session's lanes are the default (elastic: docs/lanes.md); batching off is
+also swept with one team lane (--lanes 1, the lanes without elasticity) for comparison.
 
-Then, per batch size (1 and each B), the CPU-bound ceiling measured in this process with
-Debian's python3-torch on the same block files, prepared as the library prepares them (frozen,
+Next to each sweep, the CPU-bound ceiling at that batch size, measured just before and just after
+the sweep (the machine is shared and its speed drifts; the mean of the two is used) with Debian's
+python3-torch on the same block files, prepared as the library prepares them (frozen,
 optimize_for_inference) and run alone with ONE intra-op thread, so that the time is CPU time:
-  {"bench":"batching_ceiling","max_batch":B,"cpu_ms_per_image":..,"cores":C,"ceiling_rps":..}
-ceiling_rps = cores * 1000 / cpu_ms_per_image estimates what C cores complete per second at that
-batch size if they never idle, however the four blocks overlap. It is an estimate, not a strict
-bound: the measured saturation may pass it by a few percent (timing noise; a block's CPU time also
+cpu_ms_per_image is the mean time per image of the four blocks run back to back (each block run for
+about 0.4 s), and ceiling_rps = cores * 1000 / cpu_ms_per_image estimates what C cores complete per
+second at that batch size if they never idle, however the four blocks overlap. It is an estimate, not
+a strict bound: the saturation may pass it by a few percent (timing noise; a block's CPU time also
 moves with what runs beside it). It tells whether batching has anything left to win on this CPU.
+
+Prints, per B:
+  {"bench":"batching","block":"block1-4","max_batch":B,"saturation_rps_off":..,"saturation_rps_on":..,
+   "ratio":..,"p99_ms_on":..,"max_batch_delay_ms":..,"threads_per_block":2,"ceiling_rps_off":..,
+   "ceiling_rps_on":..,"of_ceiling_off":..,"of_ceiling_on":..}
+p99_ms_on is the p99 latency at the rate where the batched pipeline peaked; of_ceiling_* are the
+saturations over the ceiling measured beside them (the issue's targets: >= 0.97). Then
+  {"bench":"batching_ceiling","max_batch":B,"cpu_ms_per_image":..,"cores":C,"ceiling_rps":..}
+per batch size (1 and each B), and
+  {"bench":"batching_lanes","saturation_rps_elastic":..,"saturation_rps_team_lanes":..,"ratio":..}
+for batching off with the default lanes against one team lane. Per-rate runs (with each run's lane
+figures) go to stderr as "batching_run" lines.
 
 usage: batching_bench.py LOADGEN MODELS_DIR [--rates 10,20,...] [--duration S]
 """
@@ -38,75 +49,98 @@ def deployment(models, max_batch, delay_ms, threads):
     return {"blocks": blocks, "tasks": {"split": [n for n, _ in BLOCKS]}}
 
 
-def sweep(loadgen, models, max_batch, rates, duration, delay_ms, threads):
+def sweep(loadgen, models, max_batch, rates, duration, delay_ms, threads, lanes=0):
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(deployment(models, max_batch, delay_ms, threads), f)
         path = f.name
     try:
         out = subprocess.run([loadgen, "--deployment", path, "--sweep", ",".join(str(r) for r in rates),
-                              "--duration", str(duration), "--quiet"], capture_output=True, text=True, check=True)
+                              "--duration", str(duration), "--lanes", str(lanes), "--quiet"],
+                             capture_output=True, text=True, check=True)
     finally:
         os.unlink(path)
     runs = [json.loads(l) for l in out.stdout.splitlines() if l.startswith('{"bench":"loadgen"') or '"loadgen"' in l]
     runs = [r for r in runs if r.get("bench") == "loadgen"]
     best = max(runs, key=lambda r: r["throughput_per_s"])
     for r in runs:
-        print(json.dumps({"bench": "batching_run", "max_batch": max_batch, "rate_per_s": r["rate_per_s"],
-                          "throughput_per_s": round(r["throughput_per_s"], 2), "p50_ms": round(r["p50_ms"], 1),
-                          "p99_ms": round(r["p99_ms"], 1)}), file=sys.stderr)
+        print(json.dumps({"bench": "batching_run", "max_batch": max_batch, "lanes": lanes or "auto",
+                          "rate_per_s": r["rate_per_s"], "throughput_per_s": round(r["throughput_per_s"], 2),
+                          "p50_ms": round(r["p50_ms"], 1), "p99_ms": round(r["p99_ms"], 1),
+                          "lanes_run": r.get("lanes", [])}), file=sys.stderr)
     return best
 
 
-def ceiling(models, batches, repeats=3):
+class Ceiling:
     """CPU ms per image of the four blocks, one intra-op thread, per batch size (see the docstring)."""
-    import torch  # Debian's python3-torch, only for this measurement
-    torch.set_num_threads(1)
-    modules = {}
-    for name, _ in BLOCKS:
-        m = torch.jit.freeze(torch.jit.load(os.path.join(models, name + ".pt")).eval())
-        modules[name] = torch.jit.optimize_for_inference(m)
-    out = {}
-    with torch.no_grad():
-        for b in batches:
-            total = 0.0
+
+    def __init__(self, models):
+        import torch  # Debian's python3-torch, only for this measurement
+        torch.set_num_threads(1)
+        self.torch = torch
+        self.modules = {}
+        for name, _ in BLOCKS:
+            m = torch.jit.freeze(torch.jit.load(os.path.join(models, name + ".pt")).eval())
+            self.modules[name] = torch.jit.optimize_for_inference(m)
+
+    def ms_per_image(self, b, seconds=0.4):
+        total = 0.0
+        with self.torch.no_grad():
             for name, shape in BLOCKS:
-                x = torch.randn([b] + shape[1:])
-                modules[name](x)  # warm-up
-                best = float("inf")
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    modules[name](x)
-                    best = min(best, time.perf_counter() - t0)
-                total += best * 1e3 / b
-            out[b] = total
-    return out
+                x = self.torch.randn([b] + shape[1:])
+                self.modules[name](x)  # warm-up
+                runs, t0 = 0, time.perf_counter()
+                while runs < 3 or time.perf_counter() - t0 < seconds:
+                    self.modules[name](x)
+                    runs += 1
+                total += (time.perf_counter() - t0) * 1e3 / (runs * b)
+        return total
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("loadgen")
     ap.add_argument("models")
-    ap.add_argument("--rates", default="10,14,18,22,26,30,36")
+    ap.add_argument("--rates", default="14,22,30,34,38,42,46")
     ap.add_argument("--duration", type=float, default=6)
     ap.add_argument("--delay-ms", type=float, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", default="2,4,8")
     a = ap.parse_args()
     rates = [float(r) for r in a.rates.split(",")]
-    off = sweep(a.loadgen, a.models, 1, rates, a.duration, a.delay_ms, a.threads)
+    cores = os.cpu_count() or 1
+    ceiling = Ceiling(a.models)
+    ceilings = {}
+
+    def beside(b, run):
+        """Runs the sweep `run` between two ceiling measurements at batch size b."""
+        before = ceiling.ms_per_image(b)
+        result = run()
+        after = ceiling.ms_per_image(b)
+        ceilings.setdefault(b, []).extend([before, after])
+        return result, cores * 1000.0 / ((before + after) / 2)
+
+    off, ceiling_off = beside(1, lambda: sweep(a.loadgen, a.models, 1, rates, a.duration, a.delay_ms, a.threads))
     for b in [int(x) for x in a.batches.split(",")]:
-        on = sweep(a.loadgen, a.models, b, rates, a.duration, a.delay_ms, a.threads)
+        on, ceiling_on = beside(b, lambda: sweep(a.loadgen, a.models, b, rates, a.duration, a.delay_ms, a.threads))
         print(json.dumps({"bench": "batching", "block": "block1-4", "max_batch": b,
                           "saturation_rps_off": round(off["throughput_per_s"], 2),
                           "saturation_rps_on": round(on["throughput_per_s"], 2),
                           "ratio": round(on["throughput_per_s"] / off["throughput_per_s"], 3),
                           "p99_ms_on": round(on["p99_ms"], 1), "max_batch_delay_ms": a.delay_ms,
-                          "threads_per_block": a.threads}), flush=True)
-    cores = os.cpu_count() or 1
-    batches = [1] + [int(x) for x in a.batches.split(",")]
-    for b, ms in ceiling(a.models, batches).items():
-        print(json.dumps({"bench": "batching_ceiling", "max_batch": b, "cpu_ms_per_image": round(ms, 1),
-                          "cores": cores, "ceiling_rps": round(cores * 1000.0 / ms, 2)}), flush=True)
+                          "threads_per_block": a.threads, "ceiling_rps_off": round(ceiling_off, 2),
+                          "ceiling_rps_on": round(ceiling_on, 2),
+                          "of_ceiling_off": round(off["throughput_per_s"] / ceiling_off, 3),
+                          "of_ceiling_on": round(on["throughput_per_s"] / ceiling_on, 3)}), flush=True)
+    for b, ms in sorted(ceilings.items()):
+        mean = sum(ms) / len(ms)
+        print(json.dumps({"bench": "batching_ceiling", "max_batch": b, "cpu_ms_per_image": round(mean, 1),
+                          "cores": cores, "ceiling_rps": round(cores * 1000.0 / mean, 2)}), flush=True)
+    team = sweep(a.loadgen, a.models, 1, rates, a.duration, a.delay_ms, a.threads, lanes=1)
+    print(json.dumps({"bench": "batching_lanes", "max_batch": 1,
+                      "saturation_rps_elastic": round(off["throughput_per_s"], 2),
+                      "saturation_rps_team_lanes": round(team["throughput_per_s"], 2),
+                      "ratio": round(off["throughput_per_s"] / team["throughput_per_s"], 3),
+                      "threads_per_block": a.threads}), flush=True)
 
 
 if __name__ == "__main__":

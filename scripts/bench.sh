@@ -12,8 +12,10 @@
 #   pipeline's e2e p50 with KPI sampling on (10 Hz, every process) over off, interleaved; update:
 #   apply() under Poisson traffic (re-route, add, remove a block), its duration and lost requests;
 #   batching: saturation throughput of the split ResNet50 with batching off and on (B = 2, 4, 8),
-#   through blockflow-loadgen rate sweeps (BENCH_RATES=10,14,... to change the sweep), then the CPU-bound
-#   ceiling per batch size ("batching_ceiling": the blocks' one-thread CPU ms per image, cores x 1000 / it);
+#   through blockflow-loadgen rate sweeps (BENCH_RATES=14,22,... to change the sweep), each between two
+#   measurements of the CPU-bound ceiling at its batch size (the blocks' one-thread CPU ms per image,
+#   cores x 1000 / it; "of_ceiling_*" in the line, "batching_ceiling" lines after), then batching off
+#   with one team lane against the default elastic lanes ("batching_lanes");
 #   soak: the split ResNet50 in 4 workers over shm under Poisson traffic at 90% of its measured
 #   saturation for BENCH_SOAK_S seconds (default 600), a worker SIGKILLed every 30 s and task_a
 #   re-routed with apply() every 45 s; a line every 30 s (sent, completed, failed, lost, per-process

@@ -2,6 +2,7 @@
 // full queue, run_on_lane().
 #include "test_util.hpp"
 
+#include <ATen/Parallel.h>
 #include <absl/synchronization/notification.h>
 #include <pthread.h>
 
@@ -199,4 +200,133 @@ TEST_CASE("run_on_lane runs the application's work on a lane and returns its val
   CHECK(session.metrics().lanes.at(0).tasks >= 4);
   session.shutdown();
   CHECK_THROWS_AS(session.run_on_lane([] { return 1; }).get(), std::logic_error);
+}
+
+namespace {
+
+// Records the thread count (at::get_num_threads(): this thread's OpenMP setting) each run of a block
+// saw. Once armed, "b1" waits (10 s at most) until "other" has run.
+struct WidthLog {
+  std::mutex mu;
+  std::vector<std::pair<std::string, int>> seen;  // block, threads
+  std::atomic<bool> armed{false}, gate_timed_out{false}, other_notified{false};
+  absl::Notification other_ran;
+  void add(const std::string& block, int n) {
+    std::lock_guard lock(mu);
+    seen.emplace_back(block, n);
+  }
+  std::vector<std::pair<std::string, int>> take() {
+    std::lock_guard lock(mu);
+    return std::exchange(seen, {});
+  }
+  // How many runs saw `threads` threads.
+  static long count(const std::vector<std::pair<std::string, int>>& runs, int threads) {
+    return std::count_if(runs.begin(), runs.end(), [threads](const auto& r) { return r.second == threads; });
+  }
+};
+
+std::shared_ptr<Block> width_logging(const std::string& name, WidthLog& log, int intra_op_threads) {
+  BlockOptions options;
+  options.intra_op_threads = intra_op_threads;
+  options.input_shapes = {{4}};
+  return test::unary(name, [&log, name](const Tensor& x) {
+    log.add(name, at::get_num_threads());
+    if (log.armed.load() && name == "b1" && !log.other_ran.WaitForNotificationWithTimeout(absl::Seconds(10))) {
+      log.gate_timed_out = true;
+    }
+    if (log.armed.load() && name == "other" && !log.other_notified.exchange(true)) log.other_ran.Notify();
+    return x + 1;
+  }, options);
+}
+
+}  // namespace
+
+TEST_CASE("elastic lanes: a request alone runs on the team, work beside other work runs with one thread", "[lanes]") {
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  if (cores < 2) {
+    WARN("one hardware thread: no core is left for a one-thread lane");
+    return;
+  }
+  // A team of every core: one team lane and cores - 1 one-thread lanes, whatever the machine.
+  const int team = cores;
+  WidthLog log;
+  const int threads_before = process_threads();
+  Session session;  // default SessionOptions: lanes 0, elastic
+  for (const char* name : {"b1", "b2", "b3", "other"}) session.add_block(width_logging(name, log, team));
+  session.add_path(Path::chain("chain", {"b1", "b2", "b3"})).add_path(Path::chain("other", {"other"}));
+  test::require_started(session);
+  const auto m = session.metrics();
+  REQUIRE(static_cast<int>(m.lanes.size()) == cores);
+  CHECK(m.lane_intra_op_threads == team);
+  CHECK(m.lanes[0].threads == team);
+  for (std::size_t i = 1; i < m.lanes.size(); ++i) CHECK(m.lanes[i].threads == 1);
+  // Warm-up (warmup_runs 2) ran each block three times: once at whatever width the lane booked,
+  // then once with the team's threads and once with one.
+  const auto warm = log.take();
+  CHECK(warm.size() == 12);
+  for (const char* name : {"b1", "b2", "b3", "other"}) {
+    INFO("block " << name);
+    const auto runs_of = [&](int threads) {
+      return std::count(warm.begin(), warm.end(), std::pair<std::string, int>(name, threads));
+    };
+    CHECK(runs_of(team) >= 1);
+    CHECK(runs_of(1) >= 1);
+    CHECK(runs_of(team) + runs_of(1) == 3);
+  }
+#if !defined(__SANITIZE_THREAD__)
+  // One-thread lanes make no OpenMP team: the team lane's threads, one per other lane, 2 to spare.
+  CHECK(process_threads() - threads_before <= team + (cores - 1) + 2);
+#endif
+
+  SECTION("requests one at a time run on the team lane with the team's threads") {
+    const auto before = session.metrics().lanes;
+    for (int i = 0; i < 10; ++i) {
+      const Result r = session.submit("chain", at::zeros({4})).get();
+      REQUIRE(r.ok());
+      CHECK(at::equal(r.output(), at::full({4}, 3.0)));
+    }
+    const auto seen = log.take();
+    CHECK(seen.size() == 30);
+    CHECK(WidthLog::count(seen, team) == 30);
+    const auto after = session.metrics().lanes;
+    CHECK(after[0].runs - before[0].runs == 30);
+    CHECK(after[0].one_thread_runs == before[0].one_thread_runs);
+    for (std::size_t i = 1; i < after.size(); ++i) CHECK(after[i].runs == before[i].runs);
+  }
+
+  SECTION("three requests ready at once: two run at the same time, each with one thread") {
+    // The team lane is held by an application task (alone, so with every core booked) while a
+    // request of "chain" and two of "other" are queued. Once it is free three units wait (a unit
+    // with two beside it runs narrow): whichever lane takes the first runs it with one thread, and
+    // another lane takes the next, with one thread too. b1 waits until "other" has run: they ran at
+    // the same time, on two lanes.
+    const auto before = session.metrics().lanes;
+    log.armed = true;
+    absl::Notification hold, held;
+    auto holder = session.run_on_lane([&] {
+      held.Notify();
+      hold.WaitForNotification();
+    });
+    held.WaitForNotification();
+    auto chain = session.submit("chain", at::zeros({4}));
+    auto other1 = session.submit("other", at::zeros({4}));
+    auto other2 = session.submit("other", at::zeros({4}));
+    hold.Notify();
+    holder.get();
+    const Result c = chain.get();
+    REQUIRE(c.ok());
+    REQUIRE(other1.get().ok());
+    REQUIRE(other2.get().ok());
+    CHECK(at::equal(c.output(), at::full({4}, 3.0)));
+    CHECK_FALSE(log.gate_timed_out.load());
+    const auto seen = log.take();
+    REQUIRE(seen.size() == 5);
+    CHECK(std::count(seen.begin(), seen.end(), std::pair<std::string, int>("b1", 1)) == 1);
+    CHECK(std::count(seen.begin(), seen.end(), std::pair<std::string, int>("other", 1)) >= 1);
+    const auto after = session.metrics().lanes;
+    CHECK(after[0].one_thread_runs > before[0].one_thread_runs);
+    std::uint64_t one_thread_lanes_ran = 0;
+    for (std::size_t i = 1; i < after.size(); ++i) one_thread_lanes_ran += after[i].runs - before[i].runs;
+    CHECK(one_thread_lanes_ran >= 1);
+  }
 }

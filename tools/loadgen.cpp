@@ -3,11 +3,12 @@
 //   blockflow-loadgen (--deployment FILE [--models DIR] [--plugin LIB.so]... | --endpoint EP)
 //                     [--tasks T1,T2] [--shape 1x3x224x224]
 //                     (--clients N | --rate R | --sweep R1,R2,...)
-//                     [--duration SECONDS | --requests N] [--warmup N] [--json FILE] [--quiet]
+//                     [--duration SECONDS | --requests N] [--warmup N] [--lanes N] [--json FILE] [--quiet]
 //
 // Target: a session built here from a deployment file (the JSON an optimiser sends; blocks placed
 // in workers get child worker processes), or a running session's client endpoint
-// (ClientEndpoint, e.g. the serve example).
+// (ClientEndpoint, e.g. the serve example). --lanes N: the session's compute lanes
+// (SessionOptions::lanes; 0, the default: as many as the cores hold, elastic: docs/lanes.md).
 // Load: N synchronous clients (closed loop), or open-loop Poisson arrivals at R requests/s spread
 // evenly over the tasks; --sweep runs one Poisson run per rate and then reports the saturation
 // point, the first rate whose throughput falls below 95% of the offered rate. Latency counts from
@@ -17,9 +18,11 @@
 //   {"bench":"loadgen","mode":"poisson","rate_per_s":..,"clients":..,"sent":..,"completed":..,
 //    "failed":..,"duration_s":..,"throughput_per_s":..,"p50_ms":..,"p90_ms":..,"p99_ms":..,
 //    "rss_mb":..,"blocks":[{"name":..,"wait_p50_ms":..,"compute_p50_ms":..,"overhead_p50_ms":..}],
+//    "lanes":[{"lane":..,"threads":..,"runs":..,"one_thread_runs":..,"busy":..}],
 //    "first_error":".."}
 // then, after a sweep, {"bench":"saturation","rate_per_s":..,"throughput_per_s":..}. rss_mb (this
-// process and its workers) and blocks (from each request's trace) exist for in-process runs only;
+// process and its workers), blocks (from each request's trace) and lanes (the session's compute
+// lanes over the run; busy: busy time over the run's duration) exist for in-process runs only;
 // energy_j_per_inference too, and only where NVML reports power (the run then samples every process).
 // Progress goes to stderr once a second unless --quiet.
 
@@ -63,13 +66,14 @@ struct Args {
   double duration_s = 10;
   long requests = 0;  // 0: run for duration_s
   int warmup = 3;
+  int lanes = 0;  // SessionOptions::lanes
   bool quiet = false;
 };
 
 constexpr const char* kUsage =
     "usage: blockflow-loadgen (--deployment FILE [--models DIR] [--plugin LIB.so]... | --endpoint EP) [--tasks T1,T2] [--shape 1x3x224x224]\n"
     "                         (--clients N | --rate R | --sweep R1,R2,...) [--duration S | --requests N] [--warmup N]\n"
-    "                         [--json FILE] [--quiet]";
+    "                         [--lanes N] [--json FILE] [--quiet]";
 
 std::vector<std::string> split(const std::string& s, char by) {
   std::vector<std::string> out;
@@ -103,6 +107,7 @@ Args parse(int argc, char** argv) {
     } else if (k == "--duration") a.duration_s = std::stod(value());
     else if (k == "--requests") a.requests = std::stol(value());
     else if (k == "--warmup") a.warmup = std::stoi(value());
+    else if (k == "--lanes") a.lanes = std::stoi(value());
     else if (k == "--json") a.json_file = value();
     else if (k == "--quiet") a.quiet = true;
     else if (k == "--help" || k == "-h") {
@@ -118,6 +123,7 @@ Args parse(int argc, char** argv) {
     if (r <= 0) throw std::invalid_argument("rates must be > 0");
   }
   if (!a.endpoint.empty() && a.tasks.empty()) throw std::invalid_argument("--endpoint needs --tasks");
+  if (a.lanes < 0) throw std::invalid_argument("--lanes must be >= 0");
   if (!a.endpoint.empty() && a.shape.empty()) throw std::invalid_argument("--endpoint needs --shape");
   return a;
 }
@@ -180,11 +186,13 @@ class Target {
   virtual std::optional<double> rss_mb() { return std::nullopt; }
   /// GPU energy integrated so far (joules), where power readings exist.
   virtual std::optional<double> energy_j() { return std::nullopt; }
+  /// The in-process session's compute lanes (cumulative counters), where there is one.
+  virtual std::vector<bf::LaneMetrics> lanes() { return {}; }
 };
 
 class InProcess final : public Target {
  public:
-  explicit InProcess(const Args& args) {
+  explicit InProcess(const Args& args) : session_(session_options(args)) {
     auto d = bf::load_deployment(args.deployment, args.models);
     if (!d.ok()) throw std::runtime_error(d.status().ToString());
     deployment_ = *d;
@@ -216,9 +224,16 @@ class InProcess final : public Target {
     if (!m.sampling || m.host.gpus.empty()) return std::nullopt;
     return m.host.energy_j;  // NVML's power is per device: the host's reading covers every process on it
   }
+  std::vector<bf::LaneMetrics> lanes() override { return session_.metrics().lanes; }
   const bf::Deployment& deployment() const { return deployment_; }
 
  private:
+  static bf::SessionOptions session_options(const Args& args) {
+    bf::SessionOptions options;
+    options.lanes = args.lanes;
+    return options;
+  }
+
   bf::Deployment deployment_;
   bf::Session session_;
 };
@@ -286,6 +301,7 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
                        const std::map<std::string, bf::Tensors>& inputs, const Run& run) {
   Tally tally;
   const std::optional<double> energy_before = target.energy_j();
+  const std::vector<bf::LaneMetrics> lanes_before = target.lanes();
   const auto start = Clock::now();
   const auto end = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(args.duration_s));
   std::atomic<long> issued{0};
@@ -381,6 +397,19 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
                         {"overhead_p50_ms", percentile(tally.overhead[name], 0.5)}});
     }
     line["blocks"] = blocks;
+  }
+  // The lanes over this run: units run, how many with one thread, busy time over the run.
+  const std::vector<bf::LaneMetrics> lanes_after = target.lanes();
+  if (!lanes_after.empty() && lanes_after.size() == lanes_before.size()) {
+    nlohmann::json lanes = nlohmann::json::array();
+    for (std::size_t i = 0; i < lanes_after.size(); ++i) {
+      const auto& a = lanes_after[i];
+      const auto& b = lanes_before[i];
+      lanes.push_back({{"lane", a.index}, {"threads", a.threads}, {"runs", a.runs - b.runs},
+                       {"one_thread_runs", a.one_thread_runs - b.one_thread_runs},
+                       {"busy", (a.busy_s - b.busy_s) / elapsed}});
+    }
+    line["lanes"] = lanes;
   }
   if (!tally.first_error.empty()) line["first_error"] = tally.first_error;
   return line;

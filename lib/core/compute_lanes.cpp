@@ -4,6 +4,7 @@
 
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
+#include <omp.h>
 #include <pthread.h>
 
 #include <stdexcept>
@@ -20,16 +21,21 @@ thread_local ThisLane this_lane;
 
 }  // namespace
 
-ComputeLanes::ComputeLanes(Options options) : options_(options) {
+ComputeLanes::ComputeLanes(Options options)
+    : options_(options), elastic_(options.one_thread_lanes > 0 && options.intra_op_threads > 1) {
   if (options_.lanes < 1) throw std::invalid_argument("compute lanes: at least one lane");
-  for (int i = 0; i < options_.lanes; ++i) lanes_.push_back(std::make_unique<Lane>());
+  const int total = options_.lanes + (elastic_ ? options_.one_thread_lanes : 0);
+  for (int i = 0; i < total; ++i) {
+    lanes_.push_back(std::make_unique<Lane>());
+    lanes_.back()->team = i < options_.lanes;
+  }
 }
 
 ComputeLanes::~ComputeLanes() { stop(); }
 
 void ComputeLanes::start() {
   if (started_.exchange(true)) return;
-  for (int i = 0; i < options_.lanes; ++i) {
+  for (int i = 0; i < size(); ++i) {
     lanes_[static_cast<std::size_t>(i)]->started_ns = now_ns();
     lanes_[static_cast<std::size_t>(i)]->thread = std::thread([this, i] { lane_main(i); });
   }
@@ -42,6 +48,7 @@ void ComputeLanes::stop() {
     stopped_ns_.store(now_ns());
   }
   work_cv_.notify_all();
+  one_cv_.notify_all();
   for (auto& lane : lanes_) {
     if (lane->thread.joinable()) lane->thread.join();
   }
@@ -56,28 +63,81 @@ void ComputeLanes::enqueue_locked(LaneWork& work) {
   pending_.store(ready_.size(), std::memory_order_release);
 }
 
+ComputeLanes::Wakes ComputeLanes::wakes_locked() const {
+  if (ready_.empty()) return {};
+  if (sleeping_ > 0) return {true, false};  // a team lane first: a unit alone runs on its team
+  if (!elastic_ || sleeping_one_ == 0 || cores_used_ >= size()) return {};
+  // A one-thread lane only for what the idle team lanes leave.
+  const int idle_team = options_.lanes - busy_team_;
+  if (static_cast<int>(ready_.size()) <= idle_team) return {};
+  for (const auto& e : ready_) {
+    if (!e.team_lane) return {false, true};
+  }
+  return {};
+}
+
+void ComputeLanes::wake(bool team, bool one_thread) {
+  if (team) work_cv_.notify_one();
+  if (one_thread) one_cv_.notify_one();
+}
+
 void ComputeLanes::notify(LaneWork& work) {
-  bool wake = false;
+  Wakes w;
   {
     std::lock_guard lock(mu_);
     const std::size_t before = ready_.size();
     enqueue_locked(work);
-    wake = ready_.size() > before && sleeping_ > 0;
+    if (ready_.size() > before) w = wakes_locked();
   }
-  if (wake) work_cv_.notify_one();
+  wake(w.team, w.one_thread);
 }
 
-bool ComputeLanes::post(std::function<void()> task) {
-  bool wake = false;
+bool ComputeLanes::post(std::function<void()> task, bool team_lane) {
+  Wakes w;
   {
     std::lock_guard lock(mu_);
     if (stopping_.load() || !started_.load()) return false;
-    ready_.push_back(Entry{nullptr, std::move(task)});
+    ready_.push_back(Entry{nullptr, std::move(task), team_lane});
     pending_.store(ready_.size(), std::memory_order_release);
-    wake = sleeping_ > 0;
+    w = wakes_locked();
   }
-  if (wake) work_cv_.notify_one();
+  wake(w.team, w.one_thread);
   return true;
+}
+
+void ComputeLanes::set_threads(Lane& lane, int threads) {
+  if (lane.threads == threads) return;
+  omp_set_num_threads(threads);  // this thread's setting only (at::set_num_threads is process-wide)
+  lane.threads = threads;
+}
+
+std::size_t ComputeLanes::backlog_locked() const {
+  std::size_t n = 0;
+  for (const auto& e : ready_) n += e.work != nullptr ? std::max<std::size_t>(1, e.work->backlog()) : 1;
+  return n;
+}
+
+void ComputeLanes::book_width_locked(Lane& lane) {
+  cores_used_ -= lane.width;
+  const int team = options_.intra_op_threads;
+  const auto threshold = static_cast<std::size_t>(options_.one_thread_backlog);
+  lane.width = lane.team && backlog_locked() < threshold && cores_used_ + team <= size() ? team : 1;
+  cores_used_ += lane.width;
+}
+
+void ComputeLanes::for_each_width(const std::function<void()>& fn) {
+  const int index = current_lane();
+  if (!elastic_ || index < 0 || !lanes_[static_cast<std::size_t>(index)]->team) {
+    fn();
+    return;
+  }
+  Lane& lane = *lanes_[static_cast<std::size_t>(index)];
+  const int before = lane.threads;
+  set_threads(lane, options_.intra_op_threads);
+  fn();
+  set_threads(lane, 1);
+  fn();
+  set_threads(lane, before);
 }
 
 bool ComputeLanes::claim_next(LaneWork& work) {
@@ -109,16 +169,17 @@ bool ComputeLanes::help(LaneWork& work) {
 }
 
 void ComputeLanes::release(LaneWork& work) {
-  bool wake = false, idle = false;
+  Wakes w;
+  bool idle = false;
   {
     std::lock_guard lock(mu_);
     --work.running_;
     const std::size_t before = ready_.size();
     enqueue_locked(work);
-    wake = ready_.size() > before && sleeping_ > 0;
+    if (ready_.size() > before) w = wakes_locked();
     idle = work.running_ == 0;
   }
-  if (wake) work_cv_.notify_one();
+  wake(w.team, w.one_thread);
   if (idle) idle_cv_.notify_all();
 }
 
@@ -135,6 +196,7 @@ void ComputeLanes::quiesce(LaneWork& work) {
 
 void ComputeLanes::run_entry(Lane& lane, Entry&& entry) {
   const std::int64_t t0 = now_ns();
+  if (elastic_ && lane.threads == 1) lane.one_thread_runs.fetch_add(1, std::memory_order_relaxed);
   if (entry.work != nullptr) {
     lane.runs.fetch_add(1, std::memory_order_relaxed);
     entry.work->run_one();
@@ -152,6 +214,18 @@ void ComputeLanes::run_entry(Lane& lane, Entry&& entry) {
     auto run = std::move(lane.continuation);
     LaneWork* work = std::exchange(lane.continuation_work, nullptr);
     lane.continuation = nullptr;
+    if (elastic_ && lane.team) {
+      // The next unit's width: its team only if nothing else waits for a core.
+      Wakes w;
+      {
+        std::lock_guard lock(mu_);
+        book_width_locked(lane);
+        w = wakes_locked();
+      }
+      wake(w.team, w.one_thread);
+      set_threads(lane, lane.width == 1 ? 1 : options_.intra_op_threads);
+    }
+    if (elastic_ && lane.threads == 1) lane.one_thread_runs.fetch_add(1, std::memory_order_relaxed);
     lane.inline_continuations.fetch_add(1, std::memory_order_relaxed);
     lane.runs.fetch_add(1, std::memory_order_relaxed);
     run();
@@ -160,15 +234,36 @@ void ComputeLanes::run_entry(Lane& lane, Entry&& entry) {
   lane.busy_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
 }
 
+std::deque<ComputeLanes::Entry>::iterator ComputeLanes::takeable_locked(const Lane& lane) {
+  const bool stopping = stopping_.load();
+  if (elastic_) {
+    if (cores_used_ >= size()) return ready_.end();
+    // A one-thread lane takes only what the idle team lanes leave (a unit alone runs on a team).
+    if (!lane.team && !stopping && static_cast<int>(ready_.size()) <= options_.lanes - busy_team_) return ready_.end();
+  }
+  for (auto it = ready_.begin(); it != ready_.end(); ++it) {
+    // Stopping: posted tasks still run (their futures must resolve); block work stays queued.
+    if (stopping && it->work != nullptr) continue;
+    if (!lane.team && it->team_lane) continue;
+    return it;
+  }
+  return ready_.end();
+}
+
 void ComputeLanes::lane_main(int index) {
   this_lane = ThisLane{this, index};
+  Lane& lane = *lanes_[static_cast<std::size_t>(index)];
   pthread_setname_np(pthread_self(), fmt::format("bf-lane/{}", index % 1000).c_str());
   if (options_.intra_op_threads > 0) {
     // After the lazy initialisation, so that this thread's OpenMP team keeps this size.
     at::internal::lazy_init_num_threads();
-    at::set_num_threads(options_.intra_op_threads);
+    if (lane.team) {
+      at::set_num_threads(options_.intra_op_threads);
+      lane.threads = options_.intra_op_threads;
+    } else {
+      set_threads(lane, 1);  // never makes a team
+    }
   }
-  Lane& lane = *lanes_[static_cast<std::size_t>(index)];
   for (;;) {
     if (options_.spin > absl::ZeroDuration() && pending_.load(std::memory_order_acquire) == 0) {
       // Poll briefly: a hand-off to an awake lane costs well under a microsecond, a wake-up tens.
@@ -181,25 +276,17 @@ void ComputeLanes::lane_main(int index) {
       }
     }
     Entry entry;
+    Wakes w;
     {
       std::unique_lock lock(mu_);
-      // Stopping: posted tasks still run (their futures must resolve); block work stays queued.
-      auto has_entry = [&] {
-        if (!stopping_.load()) return !ready_.empty();
-        for (const auto& e : ready_) {
-          if (e.work == nullptr) return true;
-        }
-        return false;
-      };
-      while (!has_entry()) {
+      auto it = takeable_locked(lane);
+      while (it == ready_.end()) {
         if (stopping_.load()) return;
-        ++sleeping_;
-        work_cv_.wait(lock);
-        --sleeping_;
-      }
-      auto it = ready_.begin();
-      if (stopping_.load()) {
-        while (it->work != nullptr) ++it;
+        int& sleeping = lane.team ? sleeping_ : sleeping_one_;
+        ++sleeping;
+        (lane.team ? work_cv_ : one_cv_).wait(lock);
+        --sleeping;
+        it = takeable_locked(lane);
       }
       entry = std::move(*it);
       ready_.erase(it);
@@ -210,8 +297,21 @@ void ComputeLanes::lane_main(int index) {
         enqueue_locked(*entry.work);
       }
       pending_.store(ready_.size(), std::memory_order_release);
+      if (lane.team) ++busy_team_;
+      if (elastic_) book_width_locked(lane);
+      w = wakes_locked();  // more is ready: another lane may take it
     }
+    wake(w.team, w.one_thread);
+    if (elastic_ && lane.team) set_threads(lane, lane.width == 1 ? 1 : options_.intra_op_threads);
     run_entry(lane, std::move(entry));
+    {
+      std::lock_guard lock(mu_);
+      if (lane.team) --busy_team_;
+      cores_used_ -= lane.width;
+      lane.width = 0;
+      w = wakes_locked();
+    }
+    wake(w.team, w.one_thread);
   }
 }
 
@@ -224,6 +324,8 @@ std::vector<LaneCounters> ComputeLanes::counters() const {
     c.runs = lane->runs.load(std::memory_order_relaxed);
     c.tasks = lane->tasks.load(std::memory_order_relaxed);
     c.inline_continuations = lane->inline_continuations.load(std::memory_order_relaxed);
+    c.one_thread_runs = lane->one_thread_runs.load(std::memory_order_relaxed);
+    c.threads = lane->team ? options_.intra_op_threads : 1;
     c.busy_ns = lane->busy_ns.load(std::memory_order_relaxed);
     c.alive_ns = lane->started_ns == 0 ? 0 : now - lane->started_ns;
     out.push_back(c);

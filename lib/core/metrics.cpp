@@ -219,6 +219,11 @@ std::string MetricsSnapshot::to_prometheus() const {
     e.add("blockflow_lane_inline_continuations_total", "counter",
           "Next blocks a compute lane ran at once after the previous block of the request.", l,
           static_cast<double>(lane.inline_continuations));
+    e.add("blockflow_lane_one_thread_runs_total", "counter",
+          "Units a compute lane ran with one thread (a one-thread lane, or a team lane under load).", l,
+          static_cast<double>(lane.one_thread_runs));
+    e.add("blockflow_lane_threads", "gauge", "OpenMP threads of a compute lane's team (1: a one-thread lane).", l,
+          static_cast<double>(lane.threads));
     e.add("blockflow_lane_busy_seconds_total", "counter", "Time a compute lane spent running work.", l, lane.busy_s);
     e.add("blockflow_lane_utilisation", "gauge", "Busy time of a compute lane over its lifetime.", l, lane.utilisation);
   }

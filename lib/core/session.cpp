@@ -271,6 +271,9 @@ ComputeLanes::Options SessionCore::lane_options() const {
   }
   const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   o.lanes = options_.lanes > 0 ? options_.lanes : std::max(1, cores / std::max(1, o.intra_op_threads > 0 ? o.intra_op_threads : cores));
+  // Elastic (docs/lanes.md): a one-thread lane for each core the team lanes leave, so that under
+  // load every core runs a unit of its own.
+  if (options_.lanes == 0 && options_.elastic_lanes && o.intra_op_threads > 1) o.one_thread_lanes = std::max(0, cores - o.lanes);
   o.spin = options_.receive_spin;
   return o;
 }
@@ -306,18 +309,25 @@ absl::Status SessionCore::warm_up_block(BlockRuntime& runtime, unsigned layouts)
     if ((layouts & (1U << v)) == 0) continue;
     Tensors inputs = zeros;
     if ((v & 2U) != 0 && inputs.size() == 1) inputs.front() = inputs.front().to_mkldnn();
-    for (int run = 0; run < options.warmup_runs; ++run) {
+    absl::Status status;
+    auto run_once = [&] {
+      if (!status.ok()) return;
       auto out = v == 0 ? guarded_forward(block, Tensors(inputs))
                         : guarded_forward(block, Tensors(inputs), runtime.layout, (v & 1U) != 0);
-      if (!out.ok()) return with_prefix(out.status(), "warm-up failed");
-    }
+      if (!out.ok()) status = out.status();
+    };
+    for (int run = 0; run + 1 < options.warmup_runs; ++run) run_once();
+    // The last run once with each thread count the lane runs units with (elastic lanes: the team's
+    // and one), so that oneDNN's kernels for both exist before the first request.
+    if (options.warmup_runs > 0 && lanes_) lanes_->for_each_width(run_once);
+    if (!status.ok()) return with_prefix(status, "warm-up failed");
   }
   return absl::OkStatus();
 }
 
 // Runs the tasks on the lanes, in parallel across them, and waits for all. On a lane already
 // (apply() from a completion callback), or with the lanes stopped, they run here instead.
-void SessionCore::on_lanes(std::vector<std::function<void()>>& tasks) {
+void SessionCore::on_lanes(std::vector<std::function<void()>>& tasks, bool team_lanes) {
   if (tasks.empty()) return;
   blockflow::detail::BlockingCounter done(static_cast<int>(tasks.size()));
   for (auto& task : tasks) {
@@ -325,7 +335,7 @@ void SessionCore::on_lanes(std::vector<std::function<void()>>& tasks) {
       task();
       done.DecrementCount();
     };
-    if (!lanes_ || lanes_->current_lane() >= 0 || !lanes_->post(counted)) counted();
+    if (!lanes_ || lanes_->current_lane() >= 0 || !lanes_->post(counted, team_lanes)) counted();
   }
   done.Wait();
 }
@@ -379,7 +389,7 @@ absl::Status SessionCore::warm_up(const std::vector<BlockRuntime*>& runtimes, co
       statuses[i] = warm_up_block(*todo[i], layouts_used(table, *todo[i]));
     });
   }
-  on_lanes(tasks);
+  on_lanes(tasks, /*team_lanes=*/true);  // each width a lane runs with is warmed up there
   for (const auto& status : statuses) {
     if (!status.ok()) return status;
   }

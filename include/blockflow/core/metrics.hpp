@@ -45,6 +45,10 @@ struct LaneMetrics {
   std::uint64_t runs = 0;                  ///< block work units run (a request, or a batch)
   std::uint64_t tasks = 0;                 ///< warm-ups and Session::run_on_lane() tasks run
   std::uint64_t inline_continuations = 0;  ///< next blocks run at once by the lane that ran the previous block
+  /// Units and tasks run with one thread: every one of a one-thread lane's, and a team lane's while
+  /// more work waited than the teams could take (SessionOptions::elastic_lanes).
+  std::uint64_t one_thread_runs = 0;
+  int threads = 0;                         ///< its OpenMP team (1: a one-thread lane; 0: libtorch's default)
   double busy_s = 0;                       ///< seconds spent running work
   double utilisation = 0;                  ///< busy_s / the lane's lifetime
 };

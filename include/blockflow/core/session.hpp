@@ -26,8 +26,15 @@ namespace blockflow {
 /// @brief Session-wide settings.
 struct SessionOptions {
   /// Compute lanes: the threads that run every block of this process (docs/lanes.md). 0: as many
-  /// as the cores hold teams of intra_op_threads (hardware threads / intra_op_threads, at least 1).
+  /// as the cores hold teams of intra_op_threads (hardware threads / intra_op_threads, at least 1),
+  /// plus, with elastic_lanes, a lane of one thread for each core they leave. Above 0: that many
+  /// lanes, each with a team.
   int lanes = 0;
+  /// With lanes 0 and intra_op_threads above 1: a unit of work runs with its lane's whole team only
+  /// when nothing else waits for a core, and with one thread otherwise, so that under load every
+  /// core runs a unit of its own (throughput of one thread per core; latency of a team for a
+  /// request alone). The process holds at most lanes x intra-op + one-thread lanes OpenMP threads.
+  bool elastic_lanes = true;
   /// libtorch intra-op threads of each lane (its one OpenMP team). 0: the largest
   /// BlockOptions::intra_op_threads among the blocks this process runs at start(), or libtorch's
   /// default when none sets one. Every block runs with the lanes' setting.

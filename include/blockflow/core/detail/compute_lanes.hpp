@@ -8,6 +8,13 @@
 // back at the tail if more waits, so blocks take turns and no queue starves. When a unit's output
 // goes to a block that has nothing queued and a free claim, the lane runs that next block itself
 // at once (an inline continuation: no queue, no wake-up, warm caches), like Taskflow's executor.
+//
+// Elastic lanes (one_thread_lanes > 0): the executor's lanes are its cores. Beside the team lanes it
+// has lanes of one thread that make no team, and it runs at most size() threads of work at once. A
+// team lane runs a unit with its whole team when nothing else is ready and the cores are free
+// (latency of a team for a request alone), and with one thread otherwise, so that under load every
+// core runs a unit of its own (libtorch's kernels run closer to one core's full rate on one thread
+// than on a team: throughput). One-thread lanes take work only beyond what idle team lanes take.
 
 #include <absl/time/time.h>
 
@@ -35,6 +42,8 @@ class LaneWork {
 
   /// True when a unit waits. Called under the executor's lock: must neither block nor call it.
   [[nodiscard]] virtual bool has_work() const = 0;
+  /// Units waiting (requests queued), as has_work(): elastic lanes weigh the load by it.
+  [[nodiscard]] virtual std::size_t backlog() const { return has_work() ? 1 : 0; }
   /// Runs one unit if one is there. Called on a lane that holds a claim on this work.
   virtual void run_one() = 0;
 
@@ -52,6 +61,8 @@ struct LaneCounters {
   std::uint64_t runs = 0;                  ///< units of block work run (requests or batches)
   std::uint64_t tasks = 0;                 ///< posted tasks run (warm-ups, run_on_lane())
   std::uint64_t inline_continuations = 0;  ///< next blocks run at once by the lane that ran the previous one
+  std::uint64_t one_thread_runs = 0;       ///< units and tasks run with one thread (elastic lanes)
+  int threads = 0;                         ///< the lane's OpenMP team (1: a one-thread lane; 0: libtorch's default)
   std::int64_t busy_ns = 0;                ///< time spent running work
   std::int64_t alive_ns = 0;               ///< time since the lane started
 };
@@ -61,8 +72,16 @@ struct LaneCounters {
 class ComputeLanes {
  public:
   struct Options {
-    int lanes = 1;             ///< at least 1
-    int intra_op_threads = 0;  ///< each lane's OpenMP team; 0 keeps libtorch's default
+    int lanes = 1;             ///< lanes with a team of intra_op_threads; at least 1
+    int intra_op_threads = 0;  ///< each team lane's OpenMP team; 0 keeps libtorch's default
+    /// Lanes of one thread beside the team lanes; above 0 (with intra_op_threads > 1) the executor
+    /// is elastic: at most lanes + one_thread_lanes threads of work at once (see above).
+    int one_thread_lanes = 0;
+    /// Elastic: a team lane runs a unit with one thread when at least this many units wait beside
+    /// it. 2 (measured, docs/lanes.md): one unit waiting is often gone before a one-thread lane has
+    /// finished, so running the team's unit narrow for it costs latency at moderate load and wins no
+    /// throughput; from two, every core has work of its own.
+    int one_thread_backlog = 2;
     absl::Duration spin = absl::Microseconds(50);  ///< an idle lane polls this long before sleeping
   };
 
@@ -76,14 +95,21 @@ class ComputeLanes {
   /// Runs the tasks still posted, lets each lane finish its unit, joins the lanes. Queued block
   /// work stays queued (its owner fails it). Idempotent. Must not be called on a lane.
   void stop();
-  [[nodiscard]] int size() const { return options_.lanes; }
+  /// Every lane, team and one-thread lanes.
+  [[nodiscard]] int size() const { return static_cast<int>(lanes_.size()); }
   [[nodiscard]] int intra_op_threads() const { return options_.intra_op_threads; }
+  [[nodiscard]] bool elastic() const { return elastic_; }
   [[nodiscard]] bool running() const { return started_.load() && !stopping_.load(); }
 
   /// `work` has a new unit queued: it joins the ready queue unless it is there or fully claimed.
   void notify(LaneWork& work);
   /// Runs `task` on a lane (fairly among ready blocks). False once stopped (the task is not run).
-  bool post(std::function<void()> task);
+  /// `team_lane`: only a team lane may run it (work that must also run with the team's threads).
+  bool post(std::function<void()> task, bool team_lane = false);
+  /// On a team lane of an elastic executor: runs `fn` with the team's threads, then with one (a
+  /// warm-up, so that neither width's first run falls on a request), and restores the lane's
+  /// width. Elsewhere: runs `fn` once.
+  void for_each_width(const std::function<void()>& fn);
   /// Run-to-completion, step 1: on a lane of this executor with no continuation pending, claims
   /// `work` for the calling lane (the caller has checked that nothing is queued for it). False,
   /// nothing claimed, otherwise (not a lane, a continuation pending, fully claimed, quiesced).
@@ -107,12 +133,16 @@ class ComputeLanes {
   struct Entry {
     LaneWork* work = nullptr;     // block work, or
     std::function<void()> task;   // a posted task
+    bool team_lane = false;       // the task runs on a team lane only
   };
   struct Lane {
+    bool team = true;  // a team lane (else a one-thread lane)
+    int width = 0;     // cores its current unit holds (elastic), under mu_
+    int threads = 0;   // the OpenMP threads it runs with now (elastic; this lane only)
     std::thread thread;
     LaneWork* continuation_work = nullptr;  // this lane only
     std::function<void()> continuation;
-    std::atomic<std::uint64_t> runs{0}, tasks{0}, inline_continuations{0};
+    std::atomic<std::uint64_t> runs{0}, tasks{0}, inline_continuations{0}, one_thread_runs{0};
     std::atomic<std::int64_t> busy_ns{0};
     std::int64_t started_ns = 0;
   };
@@ -121,14 +151,30 @@ class ComputeLanes {
   void run_entry(Lane& lane, Entry&& entry);
   void enqueue_locked(LaneWork& work);
   void release(LaneWork& work);
+  // Elastic: the entry of ready_ this lane may take now, or ready_.end().
+  std::deque<Entry>::iterator takeable_locked(const Lane& lane);
+  // Elastic: the cores `lane` takes for its next unit (its team, or one), booked under mu_.
+  void book_width_locked(Lane& lane);
+  void set_threads(Lane& lane, int threads);
+  std::size_t backlog_locked() const;  // units waiting in ready_
+  // Wakes the lane that should take what is ready (a team lane first); call without mu_.
+  void wake(bool team, bool one_thread);
+  struct Wakes {
+    bool team = false, one_thread = false;
+  };
+  Wakes wakes_locked() const;
 
   const Options options_;
+  const bool elastic_;
   std::vector<std::unique_ptr<Lane>> lanes_;
   std::mutex mu_;
-  std::condition_variable work_cv_;   // lanes wait for entries
+  std::condition_variable work_cv_;   // team lanes wait for entries
+  std::condition_variable one_cv_;    // one-thread lanes wait for entries and a free core
   std::condition_variable idle_cv_;   // quiesce() waits for a work's last claim to go
   std::deque<Entry> ready_;           // under mu_
-  int sleeping_ = 0;                  // under mu_
+  int sleeping_ = 0, sleeping_one_ = 0;  // team and one-thread lanes asleep (under mu_)
+  int busy_team_ = 0;                 // team lanes running an entry (under mu_)
+  int cores_used_ = 0;                // elastic: cores booked by running units (under mu_)
   std::atomic<std::size_t> pending_{0};  // ready_.size(), for the lock-free spin
   std::atomic<bool> started_{false}, stopping_{false};
   std::atomic<std::int64_t> stopped_ns_{0};

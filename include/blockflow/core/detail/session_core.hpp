@@ -74,6 +74,7 @@ struct BlockRuntime final : LaneWork {
 
   [[nodiscard]] const std::string& name() const { return description.name; }
   [[nodiscard]] bool has_work() const override { return inbox->depth() > 0 && !inbox->closed(); }
+  [[nodiscard]] std::size_t backlog() const override { return inbox->closed() ? 0 : inbox->depth(); }
   void run_one() override;
 };
 
@@ -121,7 +122,7 @@ class SessionCore {
   absl::Status add_runtime(std::unique_ptr<BlockRuntime> runtime);
   std::unique_ptr<BlockRuntime> make_runtime(std::shared_ptr<Block> block);
   std::unique_ptr<InProcessChannel> make_inbox(const BlockOptions& options) const;
-  void on_lanes(std::vector<std::function<void()>>& tasks);
+  void on_lanes(std::vector<std::function<void()>>& tasks, bool team_lanes = false);
   std::vector<absl::StatusOr<std::shared_ptr<Block>>> make_blocks(const std::vector<const BlockDescription*>& descriptions);
   absl::Status warm_up(const std::vector<BlockRuntime*>& runtimes, const RoutingTable& table);
   absl::Status warm_up_block(BlockRuntime& runtime, unsigned layouts);

@@ -32,7 +32,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(BlockMetrics, name, kind, device
                                                 throughput_per_s, queue)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(PathMetrics, task, active, submitted, completed, failed, e2e, wait, compute,
                                                 overhead, throughput_per_s)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(LaneMetrics, index, runs, tasks, inline_continuations, busy_s, utilisation)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(LaneMetrics, index, runs, tasks, inline_continuations, one_thread_runs, threads, busy_s, utilisation)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteMemory, site, budget_bytes, profiled_bytes, measured_bytes)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(UpdateStats, version, blocks_added, blocks_removed, sites_started,
                                                 sites_stopped, load_ms, route_ms, drain_ms, total_ms,
