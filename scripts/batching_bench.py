@@ -15,13 +15,23 @@ second at that batch size if they never idle, however the four blocks overlap. I
 a strict bound: the saturation may pass it by a few percent (timing noise; a block's CPU time also
 moves with what runs beside it). It tells whether batching has anything left to win on this CPU.
 
+Beside it, the parallel floor: C processes of python3-torch, one intra-op thread each, started
+together, each running the four blocks back to back for 3 s at that batch size (also before and after
+the sweep): parallel_rps is the images per second they complete together. It is what the cores give
+when every one of them runs a block of its own with nothing else to do; where cores slow each other
+down (shared caches and memory bandwidth, a hypervisor's neighbours) it falls below ceiling_rps, and
+no scheduler of the same blocks can pass it by more than noise.
+
 Prints, per B:
   {"bench":"batching","block":"block1-4","max_batch":B,"saturation_rps_off":..,"saturation_rps_on":..,
    "ratio":..,"p99_ms_on":..,"max_batch_delay_ms":..,"threads_per_block":2,"ceiling_rps_off":..,
-   "ceiling_rps_on":..,"of_ceiling_off":..,"of_ceiling_on":..}
+   "ceiling_rps_on":..,"of_ceiling_off":..,"of_ceiling_on":..,"parallel_rps_off":..,"parallel_rps_on":..,
+   "of_parallel_off":..,"of_parallel_on":..}
 p99_ms_on is the p99 latency at the rate where the batched pipeline peaked; of_ceiling_* are the
-saturations over the ceiling measured beside them (the issue's targets: >= 0.97). Then
-  {"bench":"batching_ceiling","max_batch":B,"cpu_ms_per_image":..,"cores":C,"ceiling_rps":..}
+saturations over the ceiling measured beside them (the issue's targets: >= 0.97), of_parallel_* over
+the parallel floor. Then
+  {"bench":"batching_ceiling","max_batch":B,"cpu_ms_per_image":..,"cores":C,"ceiling_rps":..,
+   "parallel_rps":..}
 per batch size (1 and each B), and
   {"bench":"batching_lanes","saturation_rps_elastic":..,"saturation_rps_team_lanes":..,"ratio":..}
 for batching off with the default lanes against one team lane. Per-rate runs (with each run's lane
@@ -77,10 +87,7 @@ class Ceiling:
         import torch  # Debian's python3-torch, only for this measurement
         torch.set_num_threads(1)
         self.torch = torch
-        self.modules = {}
-        for name, _ in BLOCKS:
-            m = torch.jit.freeze(torch.jit.load(os.path.join(models, name + ".pt")).eval())
-            self.modules[name] = torch.jit.optimize_for_inference(m)
+        self.modules = load_blocks(torch, models)
 
     def ms_per_image(self, b, seconds=0.4):
         total = 0.0
@@ -96,7 +103,55 @@ class Ceiling:
         return total
 
 
+def load_blocks(torch, models):
+    """The four blocks as the library prepares them (frozen, optimize_for_inference)."""
+    modules = {}
+    for name, _ in BLOCKS:
+        m = torch.jit.freeze(torch.jit.load(os.path.join(models, name + ".pt")).eval())
+        modules[name] = torch.jit.optimize_for_inference(m)
+    return modules
+
+
+def parallel_worker(models, b, seconds):
+    """One process of the parallel floor: loads, says "ready", waits for "go", prints images/s."""
+    import torch
+    torch.set_num_threads(1)
+    modules = load_blocks(torch, models)
+    inputs = {name: torch.randn([b] + shape[1:]) for name, shape in BLOCKS}
+    with torch.no_grad():
+        for name, _ in BLOCKS:
+            modules[name](inputs[name])  # warm-up
+        print("ready", flush=True)
+        sys.stdin.readline()
+        images, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for name, _ in BLOCKS:
+                modules[name](inputs[name])
+            images += b
+        print(images / (time.perf_counter() - t0), flush=True)
+
+
+def parallel_rps(models, b, cores, seconds=3.0):
+    """The parallel floor at batch size b (see the docstring)."""
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--parallel-worker", models, str(b),
+                               str(seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for _ in range(cores)]
+    for p in procs:
+        if p.stdout.readline().strip() != "ready":
+            raise RuntimeError("a parallel-floor process failed to start")
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    total = sum(float(p.stdout.readline()) for p in procs)
+    for p in procs:
+        p.wait()
+    return total
+
+
 def main():
+    if len(sys.argv) == 5 and sys.argv[1] == "--parallel-worker":
+        parallel_worker(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("loadgen")
     ap.add_argument("models")
@@ -109,19 +164,22 @@ def main():
     rates = [float(r) for r in a.rates.split(",")]
     cores = os.cpu_count() or 1
     ceiling = Ceiling(a.models)
-    ceilings = {}
+    ceilings, parallels = {}, {}
 
     def beside(b, run):
-        """Runs the sweep `run` between two ceiling measurements at batch size b."""
-        before = ceiling.ms_per_image(b)
+        """Runs the sweep `run` between two ceiling and parallel-floor measurements at batch size b."""
+        before, par_before = ceiling.ms_per_image(b), parallel_rps(a.models, b, cores)
         result = run()
-        after = ceiling.ms_per_image(b)
+        after, par_after = ceiling.ms_per_image(b), parallel_rps(a.models, b, cores)
         ceilings.setdefault(b, []).extend([before, after])
-        return result, cores * 1000.0 / ((before + after) / 2)
+        parallels.setdefault(b, []).extend([par_before, par_after])
+        return result, cores * 1000.0 / ((before + after) / 2), (par_before + par_after) / 2
 
-    off, ceiling_off = beside(1, lambda: sweep(a.loadgen, a.models, 1, rates, a.duration, a.delay_ms, a.threads))
+    off, ceiling_off, parallel_off = beside(
+        1, lambda: sweep(a.loadgen, a.models, 1, rates, a.duration, a.delay_ms, a.threads))
     for b in [int(x) for x in a.batches.split(",")]:
-        on, ceiling_on = beside(b, lambda: sweep(a.loadgen, a.models, b, rates, a.duration, a.delay_ms, a.threads))
+        on, ceiling_on, parallel_on = beside(
+            b, lambda: sweep(a.loadgen, a.models, b, rates, a.duration, a.delay_ms, a.threads))
         print(json.dumps({"bench": "batching", "block": "block1-4", "max_batch": b,
                           "saturation_rps_off": round(off["throughput_per_s"], 2),
                           "saturation_rps_on": round(on["throughput_per_s"], 2),
@@ -130,11 +188,15 @@ def main():
                           "threads_per_block": a.threads, "ceiling_rps_off": round(ceiling_off, 2),
                           "ceiling_rps_on": round(ceiling_on, 2),
                           "of_ceiling_off": round(off["throughput_per_s"] / ceiling_off, 3),
-                          "of_ceiling_on": round(on["throughput_per_s"] / ceiling_on, 3)}), flush=True)
+                          "of_ceiling_on": round(on["throughput_per_s"] / ceiling_on, 3),
+                          "parallel_rps_off": round(parallel_off, 2), "parallel_rps_on": round(parallel_on, 2),
+                          "of_parallel_off": round(off["throughput_per_s"] / parallel_off, 3),
+                          "of_parallel_on": round(on["throughput_per_s"] / parallel_on, 3)}), flush=True)
     for b, ms in sorted(ceilings.items()):
         mean = sum(ms) / len(ms)
         print(json.dumps({"bench": "batching_ceiling", "max_batch": b, "cpu_ms_per_image": round(mean, 1),
-                          "cores": cores, "ceiling_rps": round(cores * 1000.0 / mean, 2)}), flush=True)
+                          "cores": cores, "ceiling_rps": round(cores * 1000.0 / mean, 2),
+                          "parallel_rps": round(sum(parallels[b]) / len(parallels[b]), 2)}), flush=True)
     team = sweep(a.loadgen, a.models, 1, rates, a.duration, a.delay_ms, a.threads, lanes=1)
     print(json.dumps({"bench": "batching_lanes", "max_batch": 1,
                       "saturation_rps_elastic": round(off["throughput_per_s"], 2),
