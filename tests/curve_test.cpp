@@ -5,8 +5,8 @@
 
 #include <blockflow/serve/client_endpoint.hpp>
 #include <blockflow/serve/control_endpoint.hpp>
-#include <blockflow/serve/curve.hpp>
-#include <blockflow/serve/detail/curve_keys.hpp>
+#include <blockflow/channel/curve.hpp>
+#include <blockflow/channel/detail/curve_keys.hpp>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>

@@ -4,7 +4,7 @@
 
 #include "test_util.hpp"
 
-#include <blockflow/serve/curve.hpp>
+#include <blockflow/channel/curve.hpp>
 
 #include <fmt/format.h>
 

@@ -6,7 +6,7 @@
 #include "curve_util.hpp"
 #include "joined_util.hpp"
 
-#include <blockflow/serve/detail/curve_keys.hpp>
+#include <blockflow/channel/detail/curve_keys.hpp>
 
 #include <fmt/format.h>
 #include <zmq.hpp>

@@ -11,7 +11,7 @@
 // $BLOCKFLOW_KEY and $BLOCKFLOW_SERVER_KEY) before the command. Exit status: 0 when the session
 // says ok, 1 when it refuses (its error is printed), 2 for usage errors or no answer.
 
-#include <blockflow/serve/detail/curve_keys.hpp>
+#include <blockflow/channel/detail/curve_keys.hpp>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>

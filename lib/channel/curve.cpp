@@ -1,7 +1,7 @@
 // CURVE key pairs and key files: the public side of blockflow/curve.hpp.
 
-#include <blockflow/serve/curve.hpp>
-#include <blockflow/serve/detail/curve_keys.hpp>
+#include <blockflow/channel/curve.hpp>
+#include <blockflow/channel/detail/curve_keys.hpp>
 #include <blockflow/core/names.hpp>
 
 #include <fmt/format.h>

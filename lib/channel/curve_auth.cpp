@@ -2,8 +2,8 @@
 // before ZAP is asked, and the rule for plain-TCP binds (blockflow/curve.hpp, docs/security.md).
 
 #include <blockflow/core/detail/auth_failures.hpp>
-#include <blockflow/serve/detail/curve_auth.hpp>
-#include <blockflow/serve/detail/curve_keys.hpp>
+#include <blockflow/channel/detail/curve_auth.hpp>
+#include <blockflow/channel/detail/curve_keys.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/names.hpp>
 

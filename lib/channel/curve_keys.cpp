@@ -1,7 +1,7 @@
 // CURVE key files (format in blockflow/curve.hpp) and the client side of CURVE. Plain C++ and
 // libzmq: compiled into the library and into blockflow-worker.
 
-#include <blockflow/serve/detail/curve_keys.hpp>
+#include <blockflow/channel/detail/curve_keys.hpp>
 #include <blockflow/core/detail/name_rule.hpp>
 
 #include <fcntl.h>

@@ -102,6 +102,12 @@ absl::StatusOr<std::unique_ptr<ProcessChannel>> ProcessChannel::open(std::string
   const auto scheme_end = uri.find("://");
   const std::string scheme = scheme_end == std::string::npos ? "" : uri.substr(0, scheme_end);
   const std::string rest = scheme_end == std::string::npos ? "" : uri.substr(scheme_end + 3);
+  if (scheme != "tcp" && (options.receiver_security.curve() || options.sender_security.curve())) {
+    return absl::InvalidArgumentError(fmt::format(
+        "{}: CURVE keys (receiver_security, sender_security) are for tcp:// channels; shm:// and ipc:// are "
+        "guarded by the channel directory's mode",
+        uri));
+  }
   if (scheme == "shm") {
     auto path = detail::named_socket(uri, rest, ".shm");
     if (!path.ok()) return path.status();

@@ -1,12 +1,14 @@
 // ipc:// and tcp:// ends: envelopes cross in the serialized wire format (docs/wire-format.md) over
 // a ZeroMQ PUSH (sender, connects) / PULL (receiver, binds) pair. ZeroMQ reconnects by itself, and
 // its high-water marks (the capacity, on both sides) push back on a sender whose receiver is slow
-// or absent.
+// or absent. On tcp:// with keys, CURVE authenticates both ends and encrypts (curve.hpp).
 #include "process_channel_impl.hpp"
 
 #include <blockflow/core/detail/clock.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/mutex.hpp>
+#include <blockflow/channel/detail/curve_auth.hpp>
+#include <blockflow/channel/detail/curve_keys.hpp>
 #include <blockflow/channel/detail/tensor_codec.hpp>
 
 #include <ATen/ATen.h>
@@ -62,8 +64,10 @@ class ZmqEnd : public ProcessChannel {
 
 class ZmqSender final : public ZmqEnd {
  public:
-  ZmqSender(std::string uri, const std::string& endpoint, const ProcessChannelOptions& options)
+  ZmqSender(std::string uri, const std::string& endpoint, const ProcessChannelOptions& options,
+            const CurveClientKeys* keys)
       : ZmqEnd(std::move(uri), ChannelRole::kSender, options), socket_(context_, zmq::socket_type::push) {
+    if (keys != nullptr) apply_curve_client(socket_, *keys);
     socket_.set(zmq::sockopt::sndhwm, static_cast<int>(options.capacity));
     // What was accepted still leaves after close, for up to send_timeout.
     socket_.set(zmq::sockopt::linger, static_cast<int>(absl::ToInt64Milliseconds(options.send_timeout)));
@@ -94,8 +98,9 @@ class ZmqSender final : public ZmqEnd {
     if (!*sent) {
       const bool wait = options_.full_policy == FullPolicy::kBlock;
       return refused(std::move(envelope),
-                     wait ? absl::DeadlineExceededError(fmt::format("{}: no receiver took it within {}", uri_,
-                                                                    absl::FormatDuration(options_.send_timeout)))
+                     wait ? absl::DeadlineExceededError(fmt::format("{}: no receiver took it within {}{}", uri_,
+                                                                    absl::FormatDuration(options_.send_timeout),
+                                                                    kind_ == "zmq-tcp" ? no_receiver_hint() : ""))
                           : absl::UnavailableError(fmt::format("{}: no receiver ready", uri_)));
     }
     sent_.fetch_add(1);
@@ -105,6 +110,14 @@ class ZmqSender final : public ZmqEnd {
   std::vector<Envelope> drain() override { return {}; }
 
  private:
+  // A CURVE handshake that fails looks, from here, like no receiver at all.
+  std::string no_receiver_hint() const {
+    return options_.sender_security.curve()
+               ? " (none reachable, or it refused this sender's key: see the receiver's auth failures)"
+               : " (none reachable, or it refused this sender: a receiver with CURVE keys takes only senders "
+                 "with keys, ProcessChannelOptions::sender_security)";
+  }
+
   zmq::socket_t socket_;
 };
 
@@ -116,10 +129,21 @@ class ZmqReceiver final : public ZmqEnd {
     socket_.set(zmq::sockopt::linger, 0);
   }
   absl::Status bind(const std::string& endpoint) {
+    const std::string what = fmt::format("channel receiver '{}'", uri_);
+    if (auto status = check_tcp_bind(endpoint, options_.receiver_security, "channel receiver"); !status.ok()) {
+      return status;
+    }
+    if (options_.receiver_security.curve()) {
+      auto curve = CurveServer::start(context_, options_.receiver_security, what);
+      if (!curve.ok()) return curve.status();
+      curve_ = *std::move(curve);
+      curve_->secure(socket_);
+    }
     try {
       socket_.bind(endpoint);
       if (uri_.rfind("tcp://", 0) == 0 && uri_.size() > 2 && uri_.compare(uri_.size() - 2, 2, ":*") == 0) {
         uri_ = socket_.get(zmq::sockopt::last_endpoint);  // tcp://HOST:PORT, the port the system chose
+        if (curve_) curve_->describe(fmt::format("channel receiver '{}'", uri_));
       }
     } catch (const zmq::error_t& e) {
       return e.num() == EADDRINUSE ? absl::AlreadyExistsError(fmt::format("{}: another receiver holds it", uri_))
@@ -172,6 +196,7 @@ class ZmqReceiver final : public ZmqEnd {
     }
   }
 
+  std::unique_ptr<CurveServer> curve_;  // destroyed after the socket, before the context
   zmq::socket_t socket_;
   RateLimitedLog noisy_;
 };
@@ -181,7 +206,18 @@ class ZmqReceiver final : public ZmqEnd {
 absl::StatusOr<std::unique_ptr<ProcessChannel>> open_zmq_channel(const std::string& uri, const std::string& endpoint,
                                                                  ChannelRole role, const ProcessChannelOptions& options) {
   try {
-    if (role == ChannelRole::kSender) return std::unique_ptr<ProcessChannel>(new ZmqSender(uri, endpoint, options));
+    if (role == ChannelRole::kSender) {
+      CurveClientKeys keys;
+      if (options.sender_security.curve()) {
+        std::string error;
+        if (!read_curve_client_keys(options.sender_security.secret_key_file, options.sender_security.server_key_file,
+                                    keys, error)) {
+          return absl::InvalidArgumentError(fmt::format("{}: sender_security: {}", uri, error));
+        }
+      }
+      return std::unique_ptr<ProcessChannel>(
+          new ZmqSender(uri, endpoint, options, options.sender_security.curve() ? &keys : nullptr));
+    }
     if (endpoint.rfind("ipc://", 0) == 0 && unix_socket_live(endpoint.substr(6), SOCK_STREAM)) {
       return absl::AlreadyExistsError(fmt::format("{}: another receiver holds it", uri));
     }

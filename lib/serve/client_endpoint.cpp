@@ -1,8 +1,8 @@
 #include <blockflow/serve/client_endpoint.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/clock.hpp>
-#include <blockflow/serve/detail/curve_auth.hpp>
-#include <blockflow/serve/detail/curve_keys.hpp>
+#include <blockflow/channel/detail/curve_auth.hpp>
+#include <blockflow/channel/detail/curve_keys.hpp>
 #include <blockflow/channel/detail/tensor_codec.hpp>
 
 #include <fmt/format.h>

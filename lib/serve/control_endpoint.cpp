@@ -1,5 +1,5 @@
 #include <blockflow/serve/control_endpoint.hpp>
-#include <blockflow/serve/detail/curve_auth.hpp>
+#include <blockflow/channel/detail/curve_auth.hpp>
 #include <blockflow/deploy/detail/deployment_json.hpp>
 #include <blockflow/observe/detail/metrics_json.hpp>
 

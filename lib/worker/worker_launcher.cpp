@@ -20,7 +20,7 @@
 // With --key and --session-key every socket to the session talks CURVE (blockflow/curve.hpp): the
 // session admits only the key it holds as NAME.key, and the worker only the session's key.
 
-#include <blockflow/serve/detail/curve_keys.hpp>
+#include <blockflow/channel/detail/curve_keys.hpp>
 #include <blockflow/worker/detail/worker_launch.hpp>
 
 #include <fmt/format.h>

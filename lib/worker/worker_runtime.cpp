@@ -5,7 +5,7 @@
 #include <blockflow/blockflow.hpp>
 #include <blockflow/core/detail/build_scope.hpp>
 #include <blockflow/core/detail/clock.hpp>
-#include <blockflow/serve/detail/curve_keys.hpp>
+#include <blockflow/channel/detail/curve_keys.hpp>
 #include <blockflow/channel/detail/slot_allocator.hpp>
 #include <blockflow/worker/worker_site.hpp>
 #include <blockflow/channel/detail/zero_copy_ends.hpp>

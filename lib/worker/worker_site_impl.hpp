@@ -11,7 +11,7 @@
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/names.hpp>
 #include <blockflow/core/detail/clock.hpp>
-#include <blockflow/serve/detail/curve_auth.hpp>
+#include <blockflow/channel/detail/curve_auth.hpp>
 #include <blockflow/channel/detail/runtime_dir.hpp>
 #include <blockflow/channel/detail/zero_copy_ends.hpp>
 #include <blockflow/channel/detail/tensor_codec.hpp>

@@ -1,8 +1,8 @@
 #pragma once
 /// @file
 /// @brief Authenticated, encrypted TCP: ZeroMQ CURVE keys and the security settings of every TCP
-/// endpoint (client endpoint, control endpoint, worker join). Part of the optional `blockflow::zmq`
-/// target. docs/security.md has the threat model.
+/// endpoint (client endpoint, control endpoint, worker join, tcp:// channels). Part of the optional
+/// `blockflow::channels` target. docs/security.md has the threat model.
 ///
 /// Keys live in files (`blockflowctl keygen NAME` writes a pair):
 /// - `NAME.key`: the public key, to be copied to whoever must accept this peer;

@@ -16,7 +16,11 @@
 /// to be ours); NAME follows the name rule of names.hpp, so it is never a path. `ipc:///ABS/PATH`
 /// binds where it says, in a directory that must be ours and closed to others (mode 0700). On a
 /// `shm://` link the receiver accepts only senders of its own user id (SO_PEERCRED). `tcp://` is
-/// neither authenticated nor encrypted: keep it on trusted networks.
+/// authenticated and encrypted with ZeroMQ CURVE when the receiver has keys
+/// (ProcessChannelOptions::receiver_security: its pair and the directory of the senders' public
+/// keys it admits) and the sender holds its own pair and the receiver's public key
+/// (sender_security); keys are made with `blockflowctl keygen` (curve.hpp). A tcp:// receiver
+/// without keys binds only the loopback, unless receiver_security.insecure says otherwise.
 ///
 /// Contract (the TensorChannel one, per end):
 /// - the **receiver** binds at once (AlreadyExists when a live receiver holds the URI; a socket left
@@ -40,6 +44,7 @@
 /// - errors name the URI.
 
 #include <blockflow/channel/channel.hpp>
+#include <blockflow/channel/curve.hpp>
 #include <blockflow/core/remote_site.hpp>
 
 #include <absl/status/statusor.h>
@@ -70,6 +75,14 @@ struct ProcessChannelOptions {
   /// pools. Free slots are the sender's credits: at most this many tensors are in flight.
   std::size_t shm_slots_per_pool = 4;
   std::size_t shm_max_bytes = std::size_t{256} << 20;
+  /// tcp:// receiver: CURVE keys and the senders admitted (curve.hpp). A sender with another key,
+  /// or none, is refused at its handshake (counted in `blockflow_auth_failures_total`, logged with
+  /// the URI and the key's fingerprint) and nothing it sends arrives. Without keys, a bind beyond
+  /// the loopback is refused (FailedPrecondition) unless `insecure`.
+  ServerSecurity receiver_security;
+  /// tcp:// sender: its key pair and the receiver's public key (a receiver with keys accepts only
+  /// CURVE senders). Without keys, plain TCP.
+  ClientSecurity sender_security;
 };
 
 /// @brief One end of a cross-process channel. Thread-safe, like every TensorChannel.

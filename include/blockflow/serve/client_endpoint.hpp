@@ -4,7 +4,7 @@
 /// ZeroMQ in the wire format (docs/wire-format.md), and a small C++ client for it. Part of the
 /// optional `blockflow::zmq` target.
 
-#include <blockflow/serve/curve.hpp>
+#include <blockflow/channel/curve.hpp>
 #include <blockflow/core/session.hpp>
 
 #include <absl/status/statusor.h>

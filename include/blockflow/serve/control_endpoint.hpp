@@ -19,7 +19,7 @@
 /// - `{"cmd": "metrics"}` -> `{"ok": true, "metrics": {...snapshot...}, "prometheus": "..."}`
 /// - `{"cmd": "sampling", "enabled": true, "period_ms": 100}` -> `{"ok": true}`
 
-#include <blockflow/serve/curve.hpp>
+#include <blockflow/channel/curve.hpp>
 #include <blockflow/core/session.hpp>
 
 #include <cstddef>

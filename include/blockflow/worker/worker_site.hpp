@@ -3,7 +3,7 @@
 /// @brief WorkerSite: blocks in a child worker process, reached over serialized ZeroMQ (`ipc://`).
 /// Part of the optional `blockflow::zmq` target.
 
-#include <blockflow/serve/curve.hpp>
+#include <blockflow/channel/curve.hpp>
 #include <blockflow/deploy/deployment.hpp>
 #include <blockflow/core/remote_site.hpp>
 #include <blockflow/core/session.hpp>

@@ -2,7 +2,7 @@
 // Internal: the server side of CURVE (blockflow/curve.hpp) for the sockets of one ZeroMQ context,
 // and the rule for plain-TCP binds.
 
-#include <blockflow/serve/curve.hpp>
+#include <blockflow/channel/curve.hpp>
 
 #include <absl/status/status.h>
 #include <absl/status/statusor.h>
