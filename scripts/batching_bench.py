@@ -18,9 +18,11 @@ moves with what runs beside it). It tells whether batching has anything left to 
 Beside it, the parallel floor: C processes of python3-torch, one intra-op thread each, started
 together, each running the four blocks back to back for 3 s at that batch size (also before and after
 the sweep): parallel_rps is the images per second they complete together. It is what the cores give
-when every one of them runs a block of its own with nothing else to do; where cores slow each other
-down (shared caches and memory bandwidth, a hypervisor's neighbours) it falls below ceiling_rps, and
-no scheduler of the same blocks can pass it by more than noise.
+when every one of them runs a block of its own with one thread and nothing else to do; where cores
+slow each other down (shared caches and memory bandwidth, a hypervisor's neighbours) it falls below
+ceiling_rps. It is the fair measure of a one-thread-per-core schedule, not a bound: the session's
+elastic lanes also run units with a team of threads, which passes it where two units side by side
+slow each other more than one unit on two threads does (batches, on some CPUs).
 
 Prints, per B:
   {"bench":"batching","block":"block1-4","max_batch":B,"saturation_rps_off":..,"saturation_rps_on":..,

@@ -25,6 +25,10 @@
 #   (not a dependency: the line is there only if the build found it); plan_quality: the planner's
 #   heuristic against the exhaustive optimum on 50 random instances, and its time for 20 blocks over 4
 #   sites; profile: blockflow-profile's wall time on the four ResNet50 blocks at batch 1-8;
+#   plan_accuracy: profile -> plan -> run (scripts/plan_accuracy_bench.py): four tasks over the split
+#   ResNet50 and head_b planned on the session's threads and two workers, the admitted ones driven at
+#   their rates for BENCH_PLAN_S seconds (default 20), predicted against measured p50 per task, then
+#   the refused task forced in beside them;
 #   cold_start: process start to the first resolved request, a fresh process each time, alternating:
 #   the monolithic model, the split in threads, in 4 workers over shm, and two floors (the blocks
 #   loaded at once with no session and no warm-up; 4 processes bringing libtorch up at once);
@@ -49,7 +53,7 @@ for arg in "$@"; do
 done
 set -- ${names[@]+"${names[@]}"}
 if [ $# -eq 0 ]; then
-  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality profile cold_start split)" >&2
+  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality plan_accuracy profile cold_start split)" >&2
   exit 2
 fi
 if [ "$plot" = 1 ]; then
@@ -145,6 +149,9 @@ print(json.dumps({"bench": "profile", "blocks": len(p["blocks"]), "batches": [l[
                   "channels": p["channels"], "cpu": p["machine"]["cpu"], "hardware_threads": p["machine"]["hardware_threads"]}))
 PY
       rm -f "$out" ;;
+    plan_accuracy)
+      "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
+      "$PYTHON" "$ROOT/scripts/plan_accuracy_bench.py" "$BUILD_DIR" "$BUILD_DIR/models" --duration "${BENCH_PLAN_S:-20}" ;;
     split)
       "$PYTHON" "$ROOT/bench/split_bench.py" --threads "${BENCH_THREADS:-2}" ;;
     batching)
@@ -152,7 +159,7 @@ PY
       "$PYTHON" "$ROOT/scripts/batching_bench.py" "$BUILD_DIR/tools/blockflow-loadgen" "$BUILD_DIR/models" \
         --threads "${BENCH_THREADS:-2}" ${BENCH_RATES:+--rates "$BENCH_RATES"} ;;
     *)
-      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality profile cold_start split)" >&2
+      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality plan_accuracy profile cold_start split)" >&2
       exit 2 ;;
   esac
 done

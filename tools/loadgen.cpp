@@ -2,7 +2,7 @@
 //
 //   blockflow-loadgen (--deployment FILE [--models DIR] [--plugin LIB.so]... | --endpoint EP)
 //                     [--tasks T1,T2] [--shape 1x3x224x224]
-//                     (--clients N | --rate R | --sweep R1,R2,...)
+//                     (--clients N | --rate R | --sweep R1,R2,... | --task-rates T1=R1,T2=R2)
 //                     [--duration SECONDS | --requests N] [--warmup N] [--lanes N] [--json FILE] [--quiet]
 //
 // Target: a session built here from a deployment file (the JSON an optimiser sends; blocks placed
@@ -11,14 +11,18 @@
 // (SessionOptions::lanes; 0, the default: as many as the cores hold, elastic: docs/lanes.md).
 // Load: N synchronous clients (closed loop), or open-loop Poisson arrivals at R requests/s spread
 // evenly over the tasks; --sweep runs one Poisson run per rate and then reports the saturation
-// point, the first rate whose throughput falls below 95% of the offered rate. Latency counts from
-// the scheduled arrival, so a generator or a session that falls behind shows up as latency.
+// point, the first rate whose throughput falls below 95% of the offered rate; --task-rates gives
+// each task a Poisson stream of its own at its own rate, all at once (what a planner admitted), and
+// the line then holds each task's figures. Latency counts from the scheduled arrival, so a
+// generator or a session that falls behind shows up as latency.
 //
 // One JSON line per run on stdout (and in --json FILE):
 //   {"bench":"loadgen","mode":"poisson","rate_per_s":..,"clients":..,"sent":..,"completed":..,
 //    "failed":..,"duration_s":..,"throughput_per_s":..,"p50_ms":..,"p90_ms":..,"p99_ms":..,
 //    "rss_mb":..,"blocks":[{"name":..,"wait_p50_ms":..,"compute_p50_ms":..,"overhead_p50_ms":..}],
 //    "lanes":[{"lane":..,"threads":..,"runs":..,"one_thread_runs":..,"busy":..}],
+//    "per_task":[{"task":..,"rate_per_s":..,"sent":..,"completed":..,"failed":..,"throughput_per_s":..,
+//                 "p50_ms":..,"p90_ms":..,"p99_ms":..}],  (with --task-rates)
 //    "first_error":".."}
 // then, after a sweep, {"bench":"saturation","rate_per_s":..,"throughput_per_s":..}. rss_mb (this
 // process and its workers), blocks (from each request's trace) and lanes (the session's compute
@@ -62,6 +66,7 @@ struct Args {
   std::vector<std::int64_t> shape;
   int clients = 0;
   std::vector<double> rates;
+  std::vector<std::pair<std::string, double>> task_rates;  // --task-rates: a stream per task
   bool sweep = false;
   double duration_s = 10;
   long requests = 0;  // 0: run for duration_s
@@ -72,7 +77,8 @@ struct Args {
 
 constexpr const char* kUsage =
     "usage: blockflow-loadgen (--deployment FILE [--models DIR] [--plugin LIB.so]... | --endpoint EP) [--tasks T1,T2] [--shape 1x3x224x224]\n"
-    "                         (--clients N | --rate R | --sweep R1,R2,...) [--duration S | --requests N] [--warmup N]\n"
+    "                         (--clients N | --rate R | --sweep R1,R2,... | --task-rates T1=R1,T2=R2)\n"
+    "                         [--duration S | --requests N] [--warmup N]\n"
     "                         [--lanes N] [--json FILE] [--quiet]";
 
 std::vector<std::string> split(const std::string& s, char by) {
@@ -104,6 +110,12 @@ Args parse(int argc, char** argv) {
     else if (k == "--sweep") {
       for (const auto& r : split(value(), ',')) a.rates.push_back(std::stod(r));
       a.sweep = true;
+    } else if (k == "--task-rates") {
+      for (const auto& part : split(value(), ',')) {
+        const auto eq = part.find('=');
+        if (eq == std::string::npos || eq == 0) throw std::invalid_argument("--task-rates: expected TASK=RATE, got '" + part + "'");
+        a.task_rates.emplace_back(part.substr(0, eq), std::stod(part.substr(eq + 1)));
+      }
     } else if (k == "--duration") a.duration_s = std::stod(value());
     else if (k == "--requests") a.requests = std::stol(value());
     else if (k == "--warmup") a.warmup = std::stoi(value());
@@ -118,7 +130,19 @@ Args parse(int argc, char** argv) {
     }
   }
   if (a.deployment.empty() == a.endpoint.empty()) throw std::invalid_argument(std::string("give --deployment or --endpoint\n") + kUsage);
-  if ((a.clients > 0) == !a.rates.empty()) throw std::invalid_argument(std::string("give --clients, --rate or --sweep\n") + kUsage);
+  if (!a.task_rates.empty()) {
+    if (!a.rates.empty() || a.clients > 0 || !a.tasks.empty() || a.requests > 0) {
+      throw std::invalid_argument("--task-rates names the tasks and their rates: not with --tasks, --clients, --rate, --sweep or --requests");
+    }
+    double total = 0;
+    for (const auto& [task, rate] : a.task_rates) {
+      if (rate <= 0) throw std::invalid_argument("--task-rates: the rate of '" + task + "' must be > 0");
+      a.tasks.push_back(task);
+      total += rate;
+    }
+    a.rates = {total};
+  }
+  if ((a.clients > 0) == !a.rates.empty()) throw std::invalid_argument(std::string("give --clients, --rate, --sweep or --task-rates\n") + kUsage);
   for (double r : a.rates) {
     if (r <= 0) throw std::invalid_argument("rates must be > 0");
   }
@@ -164,8 +188,10 @@ struct Tally {
     std::lock_guard lock(mu);
     return completed + failed == 0;
   }
-  void merge(Tally& other) {
+  // Adds `other`'s answers; `with_sent`: its requests sent too (a tally of its own stream).
+  void merge(Tally& other, bool with_sent = false) {
     std::scoped_lock lock(mu, other.mu);
+    if (with_sent) sent += other.sent;
     completed += other.completed;
     failed += other.failed;
     latency_ms.insert(latency_ms.end(), other.latency_ms.begin(), other.latency_ms.end());
@@ -331,7 +357,29 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
                                tally.failed, percentile(tally.latency_ms, 0.5));
     }
   });
-  if (run.mode == "poisson") {
+  // --task-rates: a Poisson stream per task, each with its own tally.
+  std::map<std::string, Tally> by_task;
+  if (run.mode == "poisson" && !args.task_rates.empty()) {
+    std::vector<std::thread> streams;
+    std::uint64_t seed = 42;
+    for (const auto& [task_name, rate] : args.task_rates) {
+      Tally& own = by_task[task_name];
+      streams.emplace_back([&, task = task_name, rate = rate, seed = seed++] {
+        std::mt19937_64 random(seed);
+        std::exponential_distribution<double> gap(rate);
+        for (auto next = start; Clock::now() < end;
+             next += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap(random)))) {
+          std::this_thread::sleep_until(next);
+          {
+            std::lock_guard lock(own.mu);
+            ++own.sent;
+          }
+          target.submit(task, inputs.at(task), next, own);
+        }
+      });
+    }
+    for (auto& t : streams) t.join();
+  } else if (run.mode == "poisson") {
     std::mt19937_64 random(42);
     std::exponential_distribution<double> gap(run.rate);
     auto next = start;
@@ -363,10 +411,29 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
   }
   // Wait for what is still outstanding (60 s at most).
   const auto give_up = Clock::now() + std::chrono::seconds(60);
-  while (tally.outstanding() > 0 && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  auto outstanding = [&] {
+    long n = tally.outstanding();
+    for (auto& [task, own] : by_task) n += own.outstanding();
+    return n;
+  };
+  while (outstanding() > 0 && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   running = false;
   progress.join();
+  nlohmann::json per_task = nlohmann::json::array();
+  for (const auto& [task, rate] : args.task_rates) {
+    auto it = by_task.find(task);
+    if (it == by_task.end()) continue;
+    Tally& own = it->second;
+    {
+      std::lock_guard lock(own.mu);
+      per_task.push_back({{"task", task}, {"rate_per_s", rate}, {"sent", own.sent}, {"completed", own.completed},
+                          {"failed", own.failed}, {"throughput_per_s", static_cast<double>(own.completed) / elapsed},
+                          {"p50_ms", percentile(own.latency_ms, 0.5)}, {"p90_ms", percentile(own.latency_ms, 0.9)},
+                          {"p99_ms", percentile(own.latency_ms, 0.99)}});
+    }
+    tally.merge(own, /*with_sent=*/true);
+  }
 
   std::lock_guard lock(tally.mu);
   nlohmann::json line = {{"bench", "loadgen"},
@@ -411,6 +478,7 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
     }
     line["lanes"] = lanes;
   }
+  if (!per_task.empty()) line["per_task"] = per_task;
   if (!tally.first_error.empty()) line["first_error"] = tally.first_error;
   return line;
 }

@@ -38,7 +38,8 @@ inline constexpr int kProfileVersion = 1;
 struct ProfileOptions {
   /// Batch sizes to time (dimension 0 of every input scaled by it).
   std::vector<int> batch_sizes = {1, 2, 4, 8};
-  /// Timed forward passes per batch size, after `warmup` untimed ones.
+  /// Timed forward passes per batch size, after `warmup` untimed ones, in two rounds over the batch
+  /// sizes (half each; the round with the lower p50 is kept; one round with `quick`).
   int iterations = 30;
   int warmup = 3;
   /// Fewer iterations (8), 1 warm-up and a 3-step rate sweep: for tests and a first look.

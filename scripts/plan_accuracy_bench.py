@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""The plan_accuracy benchmark: the README's three steps (profile, plan, run), then what the plan
+predicted against what the deployment does under the planned load.
+
+1. blockflow-profile: the split ResNet50's blocks (block1-4) and the second task's head (head_b), one
+   intra-op thread each, batch 1, 2, 4 (and the channels' hand-off costs).
+2. blockflow-plan: four tasks, in order of priority,
+     classify  block1 > block2 > block3 > block4          at 0.30 of what one lane serves of it
+     task_b    block1 > block2 > block3 > head_b          at 0.20 of its one-lane rate
+     features  block1 > block2                            at 0.30 of its one-lane rate
+     burst     block1 > block2 > block3 > block4          at 2.5 of its one-lane rate: more than is left
+   each with an SLO of 3x its blocks' profiled p50 (at most what the planner must guarantee), over
+   three sites: the session's threads (one lane) and two worker processes (one lane each; hand-offs
+   between them over shared memory). One lane per site and one thread per lane, on a machine of C
+   cores (C = 2 here: three sites share two cores; the rates keep the machine under half busy).
+3. blockflow-loadgen runs the plan's deployment (--deployment, the session in its process, the
+   workers as child processes) with a Poisson stream per admitted task at its rate, all at once, for
+   --duration seconds (default 20), after a warm-up.
+Then, forced: the refused task added to the same deployment (its path over the blocks where the plan
+put them) and driven with the others: the SLO misses that its refusal avoided.
+
+Prints one line per task:
+  {"bench":"plan_accuracy","task":..,"admitted":true|false,"reason":..,"target_rps":..,"offered_rps":..,
+   "achieved_rps":..,"predicted_p50_ms":..,"measured_p50_ms":..,"p50_over_predicted":..,"slo_ms":..,
+   "rate_ok":..,"p50_ok":..}
+(targets: every admitted task achieves >= 98% of its rate, rate_ok, and its measured p50 is within
+15% of the predicted one, p50_ok). offered_rps is what the Poisson stream sent over the run, which
+differs from target_rps by chance (about 1/sqrt(requests): +-5% for 400 requests); achieved_rps is
+what completed over the same time, and rate_ok compares it with what was offered (and asks for no
+failure). Then the forced run:
+  {"bench":"plan_accuracy_forced","task":..,"target_rps":..,"achieved_rps":..,"measured_p50_ms":..,
+   "slo_ms":..,"slo_met":..}
+and {"bench":"plan_accuracy_machine","cpu":..,"cores":..,"intra_op_threads":1,"duration_s":..}.
+
+usage: plan_accuracy_bench.py BUILD_DIR MODELS_DIR [--duration S]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CHAIN = ["block1", "block2", "block3", "block4"]
+TASKS = [  # name, path, share of one lane (rate = share x the lane's rate for the path)
+    ("classify", CHAIN, 0.30),
+    ("task_b", ["block1", "block2", "block3", "head_b"], 0.20),
+    ("features", ["block1", "block2"], 0.30),
+    ("burst", CHAIN, 6.0),
+]
+SLO_FACTOR = 3.0
+
+
+def run(cmd, **kw):
+    out = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if out.returncode != 0:
+        sys.stderr.write(out.stderr)
+        raise SystemExit(f"plan_accuracy: {' '.join(cmd[:2])} failed ({out.returncode})")
+    return out.stdout
+
+
+def cpu_model():
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def drive(loadgen, deployment, rates, duration):
+    """Runs loadgen on `deployment` with a stream per task; returns {task: per_task figures}."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(deployment, f)
+        path = f.name
+    try:
+        out = run([loadgen, "--deployment", path, "--lanes", "1", "--warmup", "3", "--duration", str(duration),
+                   "--task-rates", ",".join(f"{t}={r:.3f}" for t, r in rates.items()), "--quiet"])
+    finally:
+        os.unlink(path)
+    line = next(json.loads(l) for l in out.splitlines() if '"loadgen"' in l)
+    if line.get("first_error"):
+        print(f"plan_accuracy: first error: {line['first_error']}", file=sys.stderr)
+    return {t["task"]: t for t in line["per_task"]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("build")
+    ap.add_argument("models")
+    ap.add_argument("--duration", type=float, default=20)
+    a = ap.parse_args()
+    tools = os.path.join(os.path.abspath(a.build), "tools")
+    models = os.path.abspath(a.models)
+    work = tempfile.mkdtemp(prefix="bf-plan-accuracy-")
+    profile = os.path.join(work, "profile.json")
+
+    # 1. Profile.
+    run([os.path.join(tools, "blockflow-profile")] + [os.path.join(models, b + ".pt") for b in CHAIN + ["head_b"]] +
+        ["--input", "1,3,224,224", "--shape", "head_b=1,1024,14,14", "--threads", "1", "--batches", "1,2,4",
+         "--out", profile])
+    with open(profile) as f:
+        blocks = {b["name"]: b for b in json.load(f)["blocks"]}
+
+    def p50(block):
+        return next(l["p50_ms"] for l in blocks[block]["latency"] if l["batch"] == 1)
+
+    # 2. Plan.
+    tasks, specs = [], {}
+    for name, path, share in TASKS:
+        service = sum(p50(b) for b in path)
+        rate = share * 1000.0 / service
+        specs[name] = {"path": path, "rate": rate, "slo": SLO_FACTOR * service}
+        tasks.append({"name": name, "path": path, "rate_rps": round(rate, 3), "slo_ms": round(SLO_FACTOR * service, 1)})
+    # Three sites of one lane on C cores: each keeps 1 - C/3 of its lane in reserve, so that the plan
+    # never counts on more lanes than the machine has cores.
+    cores = os.cpu_count() or 1
+    reserve = round(max(0.0, 1 - cores / 3), 3)
+    sites = [{"name": "main", "kind": "threads", "lanes": 1, "reserve": reserve},
+             {"name": "w1", "kind": "worker", "lanes": 1, "reserve": reserve},
+             {"name": "w2", "kind": "worker", "lanes": 1, "reserve": reserve}]
+    for file, value in (("tasks.json", {"tasks": tasks}), ("sites.json", {"sites": sites})):
+        with open(os.path.join(work, file), "w") as f:
+            json.dump(value, f)
+    deployment_file, report_file = os.path.join(work, "deployment.json"), os.path.join(work, "report.json")
+    run([os.path.join(tools, "blockflow-plan"), profile, "--tasks", os.path.join(work, "tasks.json"), "--sites",
+         os.path.join(work, "sites.json"), "--out", deployment_file, "--report", report_file])
+    with open(deployment_file) as f:
+        deployment = json.load(f)
+    with open(report_file) as f:
+        report = json.load(f)
+    verdicts = {t["task"]: t for t in report["tasks"]}
+    print(f"plan_accuracy: plan: {json.dumps(report['sites'])}", file=sys.stderr)
+
+    # 3. Run what was admitted, at the planned rates.
+    admitted = {t: specs[t]["rate"] for t in specs if verdicts[t]["admitted"]}
+    measured = drive(os.path.join(tools, "blockflow-loadgen"), deployment, admitted, a.duration) if admitted else {}
+    for name, _, _ in TASKS:
+        v, spec = verdicts[name], specs[name]
+        line = {"bench": "plan_accuracy", "task": name, "admitted": v["admitted"], "reason": v.get("reason", ""),
+                "target_rps": round(spec["rate"], 2), "slo_ms": round(spec["slo"], 1),
+                "predicted_p50_ms": round(v["predicted_p50_ms"], 1)}
+        if name in measured:
+            m = measured[name]
+            offered, achieved = m["sent"] / a.duration, m["completed"] / a.duration
+            line.update({"offered_rps": round(offered, 2), "achieved_rps": round(achieved, 2),
+                         "measured_p50_ms": round(m["p50_ms"], 1),
+                         "p50_over_predicted": round(m["p50_ms"] / v["predicted_p50_ms"], 3),
+                         "rate_ok": achieved >= 0.98 * offered and m["failed"] == 0,
+                         "p50_ok": abs(m["p50_ms"] / v["predicted_p50_ms"] - 1) <= 0.15})
+        print(json.dumps(line), flush=True)
+
+    # 4. Forced: each refused task's path over the blocks where the plan put them, driven with the rest.
+    refused = [t for t in specs if not verdicts[t]["admitted"]]
+    if refused:
+        forced = json.loads(json.dumps(deployment))
+        for t in refused:
+            forced["tasks"][t] = specs[t]["path"]
+        rates = dict(admitted, **{t: specs[t]["rate"] for t in refused})
+        got = drive(os.path.join(tools, "blockflow-loadgen"), forced, rates, a.duration)
+        for t, m in got.items():
+            print(json.dumps({"bench": "plan_accuracy_forced", "task": t, "admitted": t in admitted,
+                              "target_rps": round(rates[t], 2), "achieved_rps": round(m["throughput_per_s"], 2),
+                              "measured_p50_ms": round(m["p50_ms"], 1), "slo_ms": round(specs[t]["slo"], 1),
+                              "slo_met": m["p50_ms"] <= specs[t]["slo"]}), flush=True)
+    print(json.dumps({"bench": "plan_accuracy_machine", "cpu": cpu_model(), "cores": os.cpu_count(),
+                      "intra_op_threads": 1, "duration_s": a.duration}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
