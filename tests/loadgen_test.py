@@ -64,6 +64,22 @@ def main():
         with open(out) as f:
             check([json.loads(l) for l in f] == lines, "--json wrote the same lines")
 
+        # A Poisson stream per task (--task-rates): figures per task, adding up to the line's.
+        (line,) = run([loadgen, "--deployment", deployment, "--plugin", plugin, "--task-rates", "both=30,quick=60",
+                       "--duration", "1.5", "--quiet"])
+        per = {t["task"]: t for t in line["per_task"]}
+        check(set(per) == {"both", "quick"} and per["both"]["rate_per_s"] == 30 and per["quick"]["rate_per_s"] == 60,
+              "a per_task entry for each stream, with its rate")
+        check(all(t["sent"] > 0 and t["sent"] == t["completed"] and t["failed"] == 0 for t in per.values()),
+              "every request of each stream completed")
+        check(line["sent"] == per["both"]["sent"] + per["quick"]["sent"] and line["completed"] == line["sent"],
+              "the line's counts are the streams' sums")
+        check(line["rate_per_s"] == 90, "the line's rate is the streams' sum")
+        check({b["name"] for b in line["blocks"]} == {"affine", "slow"}, "both tasks' blocks in the breakdown")
+        bad = subprocess.run([loadgen, "--deployment", deployment, "--plugin", plugin, "--task-rates", "both=30",
+                              "--rate", "5"], capture_output=True, text=True, timeout=60)
+        check(bad.returncode == 2 and "--task-rates" in bad.stderr, "--task-rates with --rate is refused")
+
         # Through a client endpoint.
         srv = subprocess.Popen([serve, "--endpoint", "tcp://127.0.0.1:*"], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True)
