@@ -11,8 +11,8 @@ predicted against what the deployment does under the planned load.
      burst     block1 > block2 > block3 > block4          at 2.5 of its one-lane rate: more than is left
    each with an SLO of 3x its blocks' profiled p50 (at most what the planner must guarantee), over
    three sites: the session's threads (one lane) and two worker processes (one lane each; hand-offs
-   between them over shared memory). One lane per site and one thread per lane, on a machine of C
-   cores (C = 2 here: three sites share two cores; the rates keep the machine under half busy).
+   between them over shared memory), one thread per lane, on one host of C cores that the sites
+   share ("hosts" in the sites file; C = 2 here: three sites, two cores).
 3. blockflow-loadgen runs the plan's deployment (--deployment, the session in its process, the
    workers as child processes) with a Poisson stream per admitted task at its rate, all at once, for
    --duration seconds (default 20), after a warm-up.
@@ -111,14 +111,12 @@ def main():
         rate = share * 1000.0 / service
         specs[name] = {"path": path, "rate": rate, "slo": SLO_FACTOR * service}
         tasks.append({"name": name, "path": path, "rate_rps": round(rate, 3), "slo_ms": round(SLO_FACTOR * service, 1)})
-    # Three sites of one lane on C cores: each keeps 1 - C/3 of its lane in reserve, so that the plan
-    # never counts on more lanes than the machine has cores.
-    cores = os.cpu_count() or 1
-    reserve = round(max(0.0, 1 - cores / 3), 3)
-    sites = [{"name": "main", "kind": "threads", "lanes": 1, "reserve": reserve},
-             {"name": "w1", "kind": "worker", "lanes": 1, "reserve": reserve},
-             {"name": "w2", "kind": "worker", "lanes": 1, "reserve": reserve}]
-    for file, value in (("tasks.json", {"tasks": tasks}), ("sites.json", {"sites": sites})):
+    # Three sites of one lane on one host of C cores, which they share: the plan never counts on
+    # more cores than the machine has.
+    sites = [{"name": "main", "kind": "threads", "lanes": 1}, {"name": "w1", "kind": "worker", "lanes": 1},
+             {"name": "w2", "kind": "worker", "lanes": 1}]
+    hosts = [{"name": "local", "cores": os.cpu_count() or 1}]
+    for file, value in (("tasks.json", {"tasks": tasks}), ("sites.json", {"sites": sites, "hosts": hosts})):
         with open(os.path.join(work, file), "w") as f:
             json.dump(value, f)
     deployment_file, report_file = os.path.join(work, "deployment.json"), os.path.join(work, "report.json")
@@ -129,7 +127,7 @@ def main():
     with open(report_file) as f:
         report = json.load(f)
     verdicts = {t["task"]: t for t in report["tasks"]}
-    print(f"plan_accuracy: plan: {json.dumps(report['sites'])}", file=sys.stderr)
+    print(f"plan_accuracy: plan: {json.dumps(report['sites'])} {json.dumps(report['hosts'])}", file=sys.stderr)
 
     # 3. Run what was admitted, at the planned rates.
     admitted = {t: specs[t]["rate"] for t in specs if verdicts[t]["admitted"]}

@@ -327,3 +327,70 @@ TEST_CASE("graph tasks: the tasks file takes the deployment's graph form; bad gr
   both.nodes = two_ends.nodes();
   CHECK_THAT(bad(both), Contains("task 'both': give a path (a chain) or nodes (a graph), not both"));
 }
+
+TEST_CASE("sites of one host share its cores: a task the sites' lanes would hold is refused when the cores are spoken for",
+          "[planner]") {
+  auto one_thread = [](BlockProfile b) {
+    b.intra_op_threads = 1;
+    return b;
+  };
+  PlanInput in = input({one_thread(block("a", 100)), one_thread(block("b", 100)), one_thread(block("c", 100))},
+                       {{"t1", {"a"}, 80, 1000}, {"t2", {"b"}, 80, 1000}, {"t3", {"c"}, 60, 1000}},
+                       {site("w1"), site("w2"), site("w3")});
+  in.hosts = {{"local", 2}};
+  const Plan p = planned(in);
+  CHECK(verdict(p, "t1").admitted);
+  CHECK(verdict(p, "t2").admitted);
+  CHECK_FALSE(verdict(p, "t3").admitted);  // w3's lane is free, but the host's 2 cores hold 1.6 already
+  CHECK_THAT(verdict(p, "t3").reason, Contains("task 't3': needs 0.60 cores for 60.0 req/s; host 'local' has 2 cores, "
+                                               "0.40 of them left"));
+  REQUIRE(p.hosts.size() == 1);
+  CHECK(p.hosts[0].host == "local");
+  CHECK(p.hosts[0].cores_used == Approx(1.6));
+  CHECK(p.hosts[0].utilisation == Approx(0.8));
+  CHECK_THAT(p.report_json(), Contains("\"hosts\"") && Contains("\"cores_used\""));
+
+  // Without the host's bound the three sites hold all three tasks.
+  in.hosts.clear();
+  CHECK(verdict(planned(in), "t3").admitted);
+
+  // A block of 2 intra-op threads keeps 2 cores busy while its lane does.
+  PlanInput wide = input({block("a", 100)}, {{"t1", {"a"}, 40, 1000}}, {site("w1")});
+  wide.hosts = {{"local", 4}};
+  const Plan w = planned(wide);
+  REQUIRE(w.hosts.size() == 1);
+  CHECK(w.hosts[0].cores_used == Approx(0.8));  // 0.4 of a lane x 2 threads
+
+  // A site's wait for a lane sees its host's load when that is higher than its own.
+  PlanInput shared = input({one_thread(block("a", 100)), one_thread(block("b", 100)), one_thread(block("c", 100))},
+                           {{"t1", {"a"}, 50, 1000}, {"t2", {"b"}, 50, 1000}, {"t3", {"c"}, 50, 1000}},
+                           {site("w1"), site("w2"), site("w3")});
+  const double alone = verdict(planned(shared), "t1").predicted_p50_ms;
+  shared.hosts = {{"local", 2}};  // 1.5 of 2 cores busy: 0.75 against each site's 0.5
+  const double beside = verdict(planned(shared), "t1").predicted_p50_ms;
+  CHECK(alone == Approx(10 + 0.5 / (2 * 0.5) * 10));
+  CHECK(beside == Approx(10 + 0.75 / (2 * 0.25) * 10));
+
+  shared.hosts = {{"local", 0}};
+  CHECK_THAT(std::string(plan(shared).status().message()), Contains("host 'local': cores must be at least 1"));
+  shared.hosts = {{"local", 2}, {"local", 2}};
+  CHECK_THAT(std::string(plan(shared).status().message()), Contains("host 'local': named twice"));
+}
+
+TEST_CASE("a sites file's hosts: read with the sites, errors naming the file and the field", "[planner]") {
+  auto hosts = parse_plan_hosts(R"({"sites": [], "hosts": [{"name": "local", "cores": 2}, {"name": "edge", "cores": 8}]})",
+                                "sites.json");
+  REQUIRE(hosts.ok());
+  REQUIRE(hosts->size() == 2);
+  CHECK((*hosts)[1].name == "edge");
+  CHECK((*hosts)[1].cores == 8);
+  CHECK(parse_plan_hosts(R"({"sites": []})", "sites.json")->empty());
+  CHECK_THAT(std::string(parse_plan_hosts(R"({"hosts": [{"name": "local"}]})", "sites.json").status().message()),
+             Contains("sites.json: hosts[0].cores"));
+  auto sites = parse_plan_sites(R"({"sites": [{"name": "w", "kind": "worker", "lanes": 1, "host": "edge"},
+                                              {"name": "m", "kind": "threads", "lanes": 1}]})",
+                                "sites.json");
+  REQUIRE(sites.ok());
+  CHECK((*sites)[0].host == "edge");
+  CHECK((*sites)[1].host == "local");
+}

@@ -88,7 +88,26 @@ absl::StatusOr<std::vector<PlanSite>> parse_plan_sites(const std::string& text, 
     BF_TRY(r.integer("lanes", s.lanes));
     if (r.has("memory_budget")) BF_TRY(r.integer("memory_budget", s.memory_budget));
     if (r.has("reserve")) BF_TRY(r.number("reserve", s.reserve));
+    if (r.has("host")) BF_TRY(r.string("host", s.host));
     out.push_back(std::move(s));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<PlanHost>> parse_plan_hosts(const std::string& text, const std::string& source) {
+  const json doc = json::parse(text, nullptr, false);
+  if (!doc.is_object() || !doc.contains("hosts")) return std::vector<PlanHost>{};  // parse_plan_sites() reports the rest
+  auto list = list_of(text, source, "hosts");
+  if (!list.ok()) return list.status();
+  std::vector<PlanHost> out;
+  for (std::size_t i = 0; i < list->size(); ++i) {
+    const std::string where = fmt::format("hosts[{}]", i);
+    if (!(*list)[i].is_object()) return absl::InvalidArgumentError(fmt::format("{}: {}: expected an object", source, where));
+    const JsonReader r((*list)[i], source, where);
+    PlanHost h;
+    BF_TRY(r.string("name", h.name));
+    BF_TRY(r.integer("cores", h.cores));
+    out.push_back(std::move(h));
   }
   return out;
 }
@@ -121,6 +140,9 @@ absl::StatusOr<PlanInput> load_plan_input(const std::vector<std::string>& profil
   auto sites = parse_plan_sites(*sites_text, sites_file);
   if (!sites.ok()) return sites.status();
   in.sites = *std::move(sites);
+  auto hosts = parse_plan_hosts(*sites_text, sites_file);
+  if (!hosts.ok()) return hosts.status();
+  in.hosts = *std::move(hosts);
   return in;
 }
 
@@ -170,7 +192,11 @@ std::string Plan::report_json() const {
     blocks_json.push_back({{"block", b.block}, {"site", b.site}, {"max_batch", b.max_batch}, {"workers", b.workers},
                            {"rate_rps", b.rate_rps}, {"lanes_used", b.lanes_used}});
   }
-  return json{{"tasks", tasks_json}, {"sites", sites_json}, {"blocks", blocks_json},
+  json hosts_json = json::array();
+  for (const auto& h : hosts) {
+    hosts_json.push_back({{"host", h.host}, {"cores", h.cores}, {"cores_used", h.cores_used}, {"utilisation", h.utilisation}});
+  }
+  return json{{"tasks", tasks_json}, {"sites", sites_json}, {"hosts", hosts_json}, {"blocks", blocks_json},
               {"bottleneck_utilisation", bottleneck_utilisation}}
       .dump(2);
 }

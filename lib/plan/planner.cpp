@@ -119,6 +119,13 @@ class Model {
     site_.assign(blocks_.size(), -1);
     batch_.assign(blocks_.size(), 1);
     for (const auto& c : in.profile.channels) channel_[c.kind] = &c;
+    for (const auto& site : in.sites) {
+      int h = -1;
+      for (std::size_t i = 0; i < in.hosts.size(); ++i) {
+        if (in.hosts[i].name == site.host) h = static_cast<int>(i);
+      }
+      host_of_site_.push_back(h);
+    }
   }
 
   std::size_t blocks() const { return blocks_.size(); }
@@ -192,9 +199,41 @@ class Model {
     return out;
   }
 
+  // Per host of PlanInput::hosts: the cores its sites keep busy (a block's lane share times its
+  // intra-op threads, plus the hand-offs its sites receive).
+  std::vector<HostLoad> host_loads() const {
+    std::vector<HostLoad> out;
+    for (const auto& h : in_.hosts) out.push_back({h.name, h.cores, 0, 0});
+    for (std::size_t b = 0; b < blocks_.size(); ++b) {
+      const int h = site_[b] < 0 ? -1 : host_of_site_[static_cast<std::size_t>(site_[b])];
+      if (h >= 0) out[static_cast<std::size_t>(h)].cores_used += lanes_used(static_cast<int>(b)) * std::max(1, blocks_[b]->intra_op_threads);
+    }
+    for (const auto& e : edges_) {
+      if (site(e.from) >= 0 && site(e.to) >= 0 && site(e.from) != site(e.to)) {
+        const int h = host_of_site_[static_cast<std::size_t>(site(e.to))];
+        if (h >= 0) out[static_cast<std::size_t>(h)].cores_used += e.rate * handoff_ms(e.from, e.to) / 1000.0;
+      }
+    }
+    for (auto& h : out) h.utilisation = h.cores > 0 ? h.cores_used / h.cores : 0.0;
+    return out;
+  }
+  // How far the hosts' cores are over-committed (0 when they hold what their sites run).
+  double host_overflow() const {
+    double over = 0;
+    for (const auto& h : host_loads()) over += std::max(0.0, h.cores_used - h.cores);
+    return over;
+  }
+  // The utilisation a block's wait for a lane sees: its site's, or its host's when that is higher.
+  double contention(int s, const std::vector<SiteLoad>& l, const std::vector<HostLoad>& hosts) const {
+    const int h = host_of_site_[static_cast<std::size_t>(s)];
+    const double site = l[static_cast<std::size_t>(s)].utilisation;
+    return h < 0 ? site : std::max(site, hosts[static_cast<std::size_t>(h)].utilisation);
+  }
+
   Score score() const {
     Score sc;
     const auto l = loads();
+    sc.overflow += host_overflow();
     for (std::size_t s = 0; s < l.size(); ++s) {
       sc.bottleneck = std::max(sc.bottleneck, l[s].utilisation);
       sc.overflow += std::max(0.0, l[s].lanes_used - usable_lanes(static_cast<int>(s)));
@@ -228,6 +267,7 @@ class Model {
   // node starts when its last input has arrived, a join ends when its last input does.
   double predicted_ms(const PlanTask& t) const {
     const auto l = loads();
+    const auto hosts = host_loads();
     const TaskGraph& g = graphs_.at(&t);
     std::vector<double> done(g.nodes.size(), 0.0);
     for (std::size_t i = 0; i < g.nodes.size(); ++i) {
@@ -248,7 +288,7 @@ class Model {
       if (node.block.empty()) continue;
       const int b = index_.at(node.block);
       const int s = site(b);
-      const double rho = std::min(0.95, l[static_cast<std::size_t>(s)].utilisation);
+      const double rho = std::min(0.95, contention(s, l, hosts));
       const double service = service_ms(b, batch(b));
       done[i] += service + rho / (2.0 * (1.0 - rho)) * service / std::max(1, in_.sites[static_cast<std::size_t>(s)].lanes);
       if (batch(b) > 1) done[i] += std::min(2.0, 1000.0 * (batch(b) - 1) / (2.0 * demand(b)));  // max_batch_delay_ms
@@ -284,6 +324,7 @@ class Model {
   std::vector<double> demand_;
   std::vector<Edge> edges_;
   std::vector<int> site_, batch_;
+  std::vector<int> host_of_site_;  // index into PlanInput::hosts, -1 for a host not listed
   std::map<std::string, const ChannelCost*> channel_;
 };
 
@@ -416,6 +457,11 @@ absl::Status check(const PlanInput& in) {
     if (s.reserve < 0 || s.reserve > 0.9) return absl::InvalidArgumentError(fmt::format("site '{}': reserve must be in 0..0.9", s.name));
   }
   names.clear();
+  for (const auto& h : in.hosts) {
+    if (!names.insert(h.name).second) return absl::InvalidArgumentError(fmt::format("host '{}': named twice", h.name));
+    if (h.cores < 1) return absl::InvalidArgumentError(fmt::format("host '{}': cores must be at least 1", h.name));
+  }
+  names.clear();
   for (const auto& t : in.tasks) {
     if (!names.insert(t.name).second) return absl::InvalidArgumentError(fmt::format("task '{}': named twice", t.name));
     if (!(t.rate_rps > 0)) return absl::InvalidArgumentError(fmt::format("task '{}': rate_rps must be > 0", t.name));
@@ -463,6 +509,25 @@ std::string refusal(const PlanInput& in, const PlanTask& task, const Model& with
         return fmt::format("needs {:.1f} MB for block '{}'; the most any site has left is {:.1f} MB",
                            static_cast<double>(need) / 1048576.0, heaviest, most_left / 1048576.0);
       }
+    }
+    // The hosts' cores, when they are what is short (the sites' lanes would hold the task).
+    double lanes_over = 0;
+    for (std::size_t s = 0; s < in.sites.size(); ++s) lanes_over += std::max(0.0, l[s].lanes_used - with.usable_lanes(static_cast<int>(s)));
+    if (lanes_over <= kEps && with.host_overflow() > kEps) {
+      const auto hosts = with.host_loads();
+      const auto base_hosts = before != nullptr ? before->host_loads() : std::vector<HostLoad>{};
+      std::size_t h = 0;
+      for (std::size_t i = 1; i < hosts.size(); ++i) {
+        if (hosts[i].cores_used - hosts[i].cores > hosts[h].cores_used - hosts[h].cores) h = i;
+      }
+      double cores = 0;
+      for (const auto& name : task_blocks) {
+        const int b = with.index_of(name);
+        cores += task.rate_rps / with.capacity(b, with.batch(b)) * std::max(1, with.profile(b).intra_op_threads);
+      }
+      const double used = h < base_hosts.size() ? base_hosts[h].cores_used : 0.0;
+      return fmt::format("needs {:.2f} cores for {:.1f} req/s; host '{}' has {} cores, {:.2f} of them left",
+                         cores, task.rate_rps, hosts[h].host, hosts[h].cores, std::max(0.0, hosts[h].cores - used));
     }
     // The task's lanes: each block of its path at the task's rate, the largest share named.
     std::string worst;
@@ -535,6 +600,7 @@ absl::StatusOr<Plan> plan(const PlanInput& in, const PlanOptions& options) {
   }
   if (!current) {
     for (const auto& site : in.sites) out.sites.push_back({site.name, site.lanes, 0, 0, 0, site.memory_budget, {}});
+    for (const auto& host : in.hosts) out.hosts.push_back({host.name, host.cores, 0, 0});
     return out;
   }
   for (auto& v : out.tasks) {  // the admitted tasks' predictions with the final placement
@@ -554,6 +620,7 @@ absl::StatusOr<Plan> plan(const PlanInput& in, const PlanOptions& options) {
                           current->workers(b), current->demand(b), current->lanes_used(b)});
   }
   out.sites = current->loads();
+  out.hosts = current->host_loads();
   for (const auto& l : out.sites) out.bottleneck_utilisation = std::max(out.bottleneck_utilisation, l.utilisation);
   return out;
 }

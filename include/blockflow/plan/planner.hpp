@@ -57,12 +57,23 @@ struct PlanSite {
   int lanes = 1;                ///< compute lanes (a lane runs one block at a time)
   std::int64_t memory_budget = 0;  ///< bytes of resident memory its blocks may take; 0: no bound
   double reserve = 0;           ///< fraction of lanes and memory kept free (for failures), 0..0.9
+  /// The machine it runs on: the sites of one host share its cores (PlanInput::hosts).
+  std::string host = "local";
+};
+
+/// @brief A machine whose cores its sites share: a lane running a block of intra_op_threads T
+/// keeps T cores busy, whichever site it belongs to.
+struct PlanHost {
+  std::string name;
+  int cores = 0;  ///< at least 1
 };
 
 struct PlanInput {
   Profile profile;
   std::vector<PlanTask> tasks;  ///< in order of priority: admitted first come first
   std::vector<PlanSite> sites;
+  /// Hosts and their cores. A site whose host is not listed is bounded by its own lanes only.
+  std::vector<PlanHost> hosts;
 };
 
 /// @brief The planner's answer for one task.
@@ -96,10 +107,19 @@ struct SiteLoad {
   std::vector<std::string> blocks;
 };
 
+/// @brief A host's predicted load: its sites' busy lanes times their blocks' intra-op threads.
+struct HostLoad {
+  std::string host;
+  int cores = 0;
+  double cores_used = 0;
+  double utilisation = 0;  ///< cores_used / cores
+};
+
 struct Plan {
   std::vector<TaskVerdict> tasks;
   std::vector<BlockPlacement> blocks;  ///< the admitted tasks' blocks, in profile order
   std::vector<SiteLoad> sites;         ///< in input order
+  std::vector<HostLoad> hosts;         ///< PlanInput::hosts, in input order
   double bottleneck_utilisation = 0;   ///< the highest site utilisation
 
   /// @brief A deployment JSON of the admitted tasks (Deployment::parse() and Session::apply()
@@ -131,5 +151,7 @@ absl::StatusOr<PlanInput> load_plan_input(const std::vector<std::string>& profil
 /// @brief The same from JSON text (`source` names it in errors).
 absl::StatusOr<std::vector<PlanTask>> parse_plan_tasks(const std::string& json, const std::string& source = "tasks");
 absl::StatusOr<std::vector<PlanSite>> parse_plan_sites(const std::string& json, const std::string& source = "sites");
+/// @brief The optional "hosts" array of a sites file: [{"name": "local", "cores": 2}, ...].
+absl::StatusOr<std::vector<PlanHost>> parse_plan_hosts(const std::string& json, const std::string& source = "sites");
 
 }  // namespace blockflow
