@@ -3,6 +3,7 @@
 // field ("profile.json: blocks[1].latency[0].p50_ms: expected a number >= 0") in every error.
 
 #include <absl/status/status.h>
+#include <absl/status/statusor.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -18,6 +19,10 @@ class JsonReader {
   JsonReader(const nlohmann::json& object, std::string source, std::string where)
       : object_(object), source_(std::move(source)), where_(std::move(where)) {}
 
+  // A problem of the object itself, not of one field.
+  absl::Status error(const std::string& problem) const {
+    return absl::InvalidArgumentError(fmt::format("{}: {}: {}", source_, where_, problem));
+  }
   absl::Status error(const std::string& field, const std::string& problem) const {
     return absl::InvalidArgumentError(fmt::format("{}: {}{}{}: {}", source_, where_, where_.empty() ? "" : ".", field, problem));
   }
@@ -95,6 +100,22 @@ class JsonReader {
   const nlohmann::json& object_;
   std::string source_, where_;
 };
+
+// Reads the elements of `list` (the array `key` of `source`), each an object, with
+// `read(reader, element, item)`; errors name the file and "key[i]".
+template <typename T, typename Read>
+absl::StatusOr<std::vector<T>> read_objects(const nlohmann::json& list, const std::string& source, const std::string& key,
+                                           Read read) {
+  std::vector<T> out;
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    const std::string where = fmt::format("{}[{}]", key, i);
+    if (!list[i].is_object()) return absl::InvalidArgumentError(fmt::format("{}: {}: expected an object", source, where));
+    T item;
+    if (auto status = read(JsonReader(list[i], source, where), list[i], item); !status.ok()) return status;
+    out.push_back(std::move(item));
+  }
+  return out;
+}
 
 #define BF_TRY(expr)                     \
   do {                                   \

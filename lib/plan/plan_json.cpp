@@ -41,21 +41,14 @@ absl::StatusOr<json> list_of(const std::string& text, const std::string& source,
 absl::StatusOr<std::vector<PlanTask>> parse_plan_tasks(const std::string& text, const std::string& source) {
   auto list = list_of(text, source, "tasks");
   if (!list.ok()) return list.status();
-  std::vector<PlanTask> out;
-  for (std::size_t i = 0; i < list->size(); ++i) {
-    const std::string where = fmt::format("tasks[{}]", i);
-    if (!(*list)[i].is_object()) return absl::InvalidArgumentError(fmt::format("{}: {}: expected an object", source, where));
-    const JsonReader r((*list)[i], source, where);
-    PlanTask t;
+  return detail::read_objects<PlanTask>(*list, source, "tasks", [](const JsonReader& r, const json& item, PlanTask& t) {
     BF_TRY(r.string("name", t.name));
-    if (r.has("nodes") == r.has("path")) {
-      return absl::InvalidArgumentError(fmt::format("{}: {}: give \"path\" (a chain) or \"nodes\" (a graph)", source, where));
-    }
+    if (r.has("nodes") == r.has("path")) return r.error("give \"path\" (a chain) or \"nodes\" (a graph)");
     if (r.has("path")) {
       BF_TRY(r.strings("path", t.path));
     } else {
       // The deployment's graph form; the profile, not this file, says which blocks exist.
-      const json& nodes = (*list)[i]["nodes"];
+      const json& nodes = item["nodes"];
       std::set<std::string> blocks;
       if (nodes.is_array()) {
         for (const auto& n : nodes) {
@@ -63,25 +56,18 @@ absl::StatusOr<std::vector<PlanTask>> parse_plan_tasks(const std::string& text, 
         }
       }
       auto graph = detail::graph_from_json(t.name, json{{"nodes", nodes}}, blocks);
-      if (!graph.ok()) return absl::InvalidArgumentError(fmt::format("{}: {}.nodes: {}", source, where, std::string(graph.status().message())));
+      if (!graph.ok()) return r.error("nodes", std::string(graph.status().message()));
       t.nodes = graph->nodes();
     }
     BF_TRY(r.number("rate_rps", t.rate_rps));
-    BF_TRY(r.number("slo_ms", t.slo_ms));
-    out.push_back(std::move(t));
-  }
-  return out;
+    return r.number("slo_ms", t.slo_ms);
+  });
 }
 
 absl::StatusOr<std::vector<PlanSite>> parse_plan_sites(const std::string& text, const std::string& source) {
   auto list = list_of(text, source, "sites");
   if (!list.ok()) return list.status();
-  std::vector<PlanSite> out;
-  for (std::size_t i = 0; i < list->size(); ++i) {
-    const std::string where = fmt::format("sites[{}]", i);
-    if (!(*list)[i].is_object()) return absl::InvalidArgumentError(fmt::format("{}: {}: expected an object", source, where));
-    const JsonReader r((*list)[i], source, where);
-    PlanSite s;
+  return detail::read_objects<PlanSite>(*list, source, "sites", [](const JsonReader& r, const json&, PlanSite& s) {
     BF_TRY(r.string("name", s.name));
     BF_TRY(r.string("kind", s.kind));
     if (r.has("device")) BF_TRY(r.string("device", s.device));
@@ -89,9 +75,8 @@ absl::StatusOr<std::vector<PlanSite>> parse_plan_sites(const std::string& text, 
     if (r.has("memory_budget")) BF_TRY(r.integer("memory_budget", s.memory_budget));
     if (r.has("reserve")) BF_TRY(r.number("reserve", s.reserve));
     if (r.has("host")) BF_TRY(r.string("host", s.host));
-    out.push_back(std::move(s));
-  }
-  return out;
+    return absl::OkStatus();
+  });
 }
 
 absl::StatusOr<std::vector<PlanHost>> parse_plan_hosts(const std::string& text, const std::string& source) {
@@ -99,17 +84,10 @@ absl::StatusOr<std::vector<PlanHost>> parse_plan_hosts(const std::string& text, 
   if (!doc.is_object() || !doc.contains("hosts")) return std::vector<PlanHost>{};  // parse_plan_sites() reports the rest
   auto list = list_of(text, source, "hosts");
   if (!list.ok()) return list.status();
-  std::vector<PlanHost> out;
-  for (std::size_t i = 0; i < list->size(); ++i) {
-    const std::string where = fmt::format("hosts[{}]", i);
-    if (!(*list)[i].is_object()) return absl::InvalidArgumentError(fmt::format("{}: {}: expected an object", source, where));
-    const JsonReader r((*list)[i], source, where);
-    PlanHost h;
+  return detail::read_objects<PlanHost>(*list, source, "hosts", [](const JsonReader& r, const json&, PlanHost& h) {
     BF_TRY(r.string("name", h.name));
-    BF_TRY(r.integer("cores", h.cores));
-    out.push_back(std::move(h));
-  }
-  return out;
+    return r.integer("cores", h.cores);
+  });
 }
 
 absl::StatusOr<PlanInput> load_plan_input(const std::vector<std::string>& profile_files, const std::string& tasks_file,

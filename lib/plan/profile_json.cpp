@@ -105,16 +105,13 @@ absl::StatusOr<Profile> Profile::parse(const std::string& text, const std::strin
   }
   const json* channels = nullptr;
   BF_TRY(r.array("channels", channels));
-  for (std::size_t i = 0; i < channels->size(); ++i) {
-    const std::string at = fmt::format("channels[{}]", i);
-    if (!(*channels)[i].is_object()) return absl::InvalidArgumentError(fmt::format("{}: {}: expected an object", source, at));
-    const JsonReader c((*channels)[i], source, at);
-    ChannelCost cost;
+  auto costs = detail::read_objects<ChannelCost>(*channels, source, "channels", [](const JsonReader& c, const json&, ChannelCost& cost) {
     BF_TRY(c.string("kind", cost.kind));
     BF_TRY(c.number("fixed_us", cost.fixed_us));
-    BF_TRY(c.number("us_per_mb", cost.us_per_mb));
-    p.channels.push_back(std::move(cost));
-  }
+    return c.number("us_per_mb", cost.us_per_mb);
+  });
+  if (!costs.ok()) return costs.status();
+  p.channels = *std::move(costs);
   return p;
 }
 
