@@ -171,6 +171,7 @@ struct ShmProducer::Impl {
   std::vector<ClassTrim> class_trims;
   ShmEdgeStats stats;
   std::uint64_t frees = 0;  // slots freed so far: stage() waits for this to move
+  std::size_t creating_bytes = 0, creating_pools = 0;  // pools being made without the lock (find_slot())
 
   struct WaitArg {
     Impl* impl;
@@ -268,11 +269,21 @@ struct ShmProducer::Impl {
     }
     const std::size_t slot_bytes = std::max(options.min_slot_bytes, next_pow2(std::max<std::size_t>(bytes, 1)));
     const std::size_t size = round_up(kHeaderBytes + 8 * options.slots_per_pool, kPage) + slot_bytes * options.slots_per_pool;
-    if (bytes_mapped() + size > options.max_total_bytes || (options.max_pools > 0 && pools.size() >= options.max_pools)) {
+    if (bytes_mapped() + creating_bytes + size > options.max_total_bytes ||
+        (options.max_pools > 0 && pools.size() + creating_pools >= options.max_pools)) {
       return std::make_pair(static_cast<Pool*>(nullptr), 0u);
     }
     note_pool_needed(slot_bytes);
+    // Made without the lock: populating a pool of up to 64 MB takes milliseconds, which every
+    // release, lease and share of the other pools would otherwise wait. No Pool* is held across it
+    // (`pools` may move meanwhile); creating_bytes keeps max_total_bytes while it runs.
+    creating_bytes += size;
+    ++creating_pools;
+    mu.Unlock();
     auto pool = create_pool(slot_bytes);
+    mu.Lock();
+    creating_bytes -= size;
+    --creating_pools;
     if (!pool.ok()) return pool.status();
     ++stats.pools_created;
     can_ever_fit = true;
