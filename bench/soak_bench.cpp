@@ -64,6 +64,7 @@
 #include <blockflow/blockflow.hpp>
 #include <blockflow/deploy/deployment.hpp>
 #include <blockflow/worker/worker_site.hpp>
+#include <blockflow/channel/detail/shm_pool.hpp>  // pool ids in /dev/shm names
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -107,11 +108,12 @@ std::optional<double> foreign_pools_mb(const std::string& proc, std::int64_t pid
   bool foreign = false;
   long kb = 0;
   while (std::getline(in, line)) {
-    const auto at = line.find("/dev/shm/blockflow-");
+    const auto at = line.find("/dev/shm/");
     if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) && line.find('-') < line.find(' ')) {
-      unsigned long long id = 0;  // a mapping's header line
-      foreign = at != std::string::npos && std::sscanf(line.c_str() + at, "/dev/shm/blockflow-%16llx", &id) == 1 &&
-                static_cast<std::int64_t>(id >> 32) != pid;
+      // a mapping's header line: its path is the last field (" (deleted)" may follow)
+      const auto id = at == std::string::npos ? std::nullopt
+                                              : bf::detail::shm_pool_id(std::string_view(line).substr(at, line.find(' ', at) - at));
+      foreign = id && bf::detail::shm_pool_producer(*id) != pid;
     } else if (foreign && line.rfind("Rss:", 0) == 0) {
       kb += std::strtol(line.c_str() + 4, nullptr, 10);
     }
@@ -159,11 +161,9 @@ ShmObjects shm_objects(const std::set<std::int64_t>& pids) {
   std::error_code ec;
   ShmObjects n;
   for (std::filesystem::directory_iterator it("/dev/shm", ec), end; !ec && it != end; it.increment(ec)) {
-    unsigned long long id = 0;
-    const std::string name = it->path().filename().string();
-    if (name.size() != 26 || std::sscanf(name.c_str(), "blockflow-%16llx", &id) != 1) continue;
-    if (pids.count(static_cast<std::int64_t>(id >> 32)) == 0) continue;
-    ++(::kill(static_cast<pid_t>(id >> 32), 0) == 0 ? n.live : n.orphaned);
+    const auto id = bf::detail::shm_pool_id(it->path().filename().string());
+    if (!id || pids.count(bf::detail::shm_pool_producer(*id)) == 0) continue;
+    ++(::kill(static_cast<pid_t>(bf::detail::shm_pool_producer(*id)), 0) == 0 ? n.live : n.orphaned);
   }
   return n;
 }

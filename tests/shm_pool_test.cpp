@@ -352,3 +352,21 @@ TEST_CASE("shm pools: a class that needs a pool again soon after losing one keep
   CHECK(stats.pools == 1);
   CHECK(stats.pools_created == 3);
 }
+
+TEST_CASE("shm pool names: the id and its producer's pid read back from the object's name, other names refused",
+          "[shm]") {
+  using blockflow::detail::shm_pool_id;
+  using blockflow::detail::shm_pool_producer;
+  for (const char* name : {"blockflow-00003039deadbeef", "/blockflow-00003039deadbeef", "/dev/shm/blockflow-00003039deadbeef"}) {
+    INFO(name);
+    const auto id = shm_pool_id(name);
+    REQUIRE(id.has_value());
+    CHECK(*id == 0x00003039deadbeefULL);
+    CHECK(shm_pool_producer(*id) == 12345);
+  }
+  for (const char* name : {"blockflow-00003039deadbee", "blockflow-00003039deadbeef0", "blockflow-00003039DEADBEEF",
+                           "blockflow-0000303xdeadbeef", "other-00003039deadbeef", "/tmp/blockflow-00003039deadbeef", ""}) {
+    INFO(name);
+    CHECK_FALSE(shm_pool_id(name).has_value());
+  }
+}

@@ -1,5 +1,7 @@
 #include <blockflow/channel/detail/shm_pool.hpp>
 
+#include "shm_pool_names.hpp"
+
 #include <absl/container/flat_hash_map.h>
 #include <blockflow/core/detail/clock.hpp>
 #include <blockflow/core/detail/mutex.hpp>
@@ -15,8 +17,6 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <dirent.h>
-#include <random>
 #include <vector>
 
 namespace blockflow::detail {
@@ -47,8 +47,6 @@ struct SegmentHeader {
 static_assert(sizeof(SegmentHeader) == kHeaderBytes);
 static_assert(sizeof(std::atomic<std::uint64_t>) == 8 && std::atomic<std::uint64_t>::is_always_lock_free);
 
-std::string shm_name(std::uint64_t pool_id) { return fmt::format("/blockflow-{:016x}", pool_id); }
-
 std::atomic<std::uint64_t>* generations(void* base) {
   return reinterpret_cast<std::atomic<std::uint64_t>*>(static_cast<char*>(base) + kHeaderBytes);
 }
@@ -59,48 +57,6 @@ std::size_t next_pow2(std::size_t n) {
   std::size_t p = 1;
   while (p < n) p <<= 1;
   return p;
-}
-
-// Pool ids carry the producer's pid in their high 32 bits: a hint for people reading /dev/shm, not
-// the test of abandonment (sweep_orphaned_pools()), as pids mean nothing across PID namespaces.
-std::uint64_t new_pool_id() {
-  static std::mt19937_64 random{std::random_device{}()};
-  static blockflow::detail::Mutex mu;
-  blockflow::detail::MutexLock lock(&mu);
-  return (static_cast<std::uint64_t>(::getpid()) << 32) | (random() & 0xFFFFFFFFull);
-}
-
-// flock(LOCK_SH), waiting out a sweeper that holds LOCK_EX for a moment.
-bool lock_shared(int fd) {
-  while (::flock(fd, LOCK_SH) != 0) {
-    if (errno != EINTR) return false;
-  }
-  return true;
-}
-
-// Unlinks the pool object `name` when it is abandoned. A producer holds LOCK_SH on each pool from
-// its creation to its end, so LOCK_EX at once means no producer holds it (it died, or it is between
-// the exclusive create and its flock); it takes the lock before it gives the object a size, so a
-// size-0 object may be one being created right now and is kept. Never judged by the pid in the name.
-void unlink_if_abandoned(const std::string& name) {
-  const int fd = ::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC, 0);
-  if (fd < 0) return;  // gone meanwhile, or another user's
-  struct stat st {};
-  if (::flock(fd, LOCK_EX | LOCK_NB) == 0 && ::fstat(fd, &st) == 0 && st.st_size > 0) ::shm_unlink(name.c_str());
-  ::close(fd);  // drops our LOCK_EX too
-}
-
-// Unlinks the /dev/shm/blockflow-* objects that no live producer holds (unlink_if_abandoned()).
-void sweep_orphaned_pools() {
-  DIR* dir = ::opendir("/dev/shm");
-  if (dir == nullptr) return;
-  while (dirent* entry = ::readdir(dir)) {
-    unsigned long long id = 0;
-    if (std::sscanf(entry->d_name, "blockflow-%16llx", &id) != 1) continue;
-    const std::string name = shm_name(id);
-    if (name.compare(1, std::string::npos, entry->d_name) == 0) unlink_if_abandoned(name);
-  }
-  ::closedir(dir);
 }
 
 // A pool mapped here. A producer's mapping also keeps the descriptor that holds the pool's LOCK_SH

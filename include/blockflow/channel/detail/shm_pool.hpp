@@ -38,6 +38,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string_view>
 
 namespace blockflow::detail {
 
@@ -121,6 +122,12 @@ class ShmProducer {
 /// offset), so the tensor can be handed on without a copy while this process keeps it alive.
 /// nullopt otherwise. Thread-safe.
 std::optional<wire::ShmHandle> shm_origin(const void* data, std::size_t bytes);
+
+/// The id of a pool from the name of its shared-memory object: "blockflow-" and 16 hex digits,
+/// alone or after "/" or "/dev/shm/". nullopt for any other name.
+std::optional<std::uint64_t> shm_pool_id(std::string_view name);
+/// The pid of the process that made pool `id` (the id's high 32 bits).
+inline std::int64_t shm_pool_producer(std::uint64_t id) { return static_cast<std::int64_t>(id >> 32); }
 
 /// The consuming side: maps each pool once. Thread-safe.
 class ShmConsumer {
