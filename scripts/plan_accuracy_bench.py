@@ -59,14 +59,6 @@ def run(cmd, **kw):
     return out.stdout
 
 
-def cpu_model():
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def drive(loadgen, deployment, rates, duration):
     """Runs loadgen on `deployment` with a stream per task; returns {task: per_task figures}."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -99,7 +91,8 @@ def main():
         ["--input", "1,3,224,224", "--shape", "head_b=1,1024,14,14", "--threads", "1", "--batches", "1,2,4",
          "--out", profile])
     with open(profile) as f:
-        blocks = {b["name"]: b for b in json.load(f)["blocks"]}
+        profiled = json.load(f)
+    blocks = {b["name"]: b for b in profiled["blocks"]}
 
     def p50(block):
         return next(l["p50_ms"] for l in blocks[block]["latency"] if l["batch"] == 1)
@@ -160,7 +153,7 @@ def main():
                               "target_rps": round(rates[t], 2), "achieved_rps": round(m["throughput_per_s"], 2),
                               "measured_p50_ms": round(m["p50_ms"], 1), "slo_ms": round(specs[t]["slo"], 1),
                               "slo_met": m["p50_ms"] <= specs[t]["slo"]}), flush=True)
-    print(json.dumps({"bench": "plan_accuracy_machine", "cpu": cpu_model(), "cores": os.cpu_count(),
+    print(json.dumps({"bench": "plan_accuracy_machine", "cpu": profiled["machine"]["cpu"], "cores": os.cpu_count(),
                       "intra_op_threads": 1, "duration_s": a.duration}), flush=True)
 
 
