@@ -1,0 +1,108 @@
+#pragma once
+// Internal: which of a site's blocks are loaded, under a memory budget (SessionOptions::memory_policy
+// kOnDemand, docs/memory.md). A block is loaded when a request needs it; to make room, idle blocks
+// are unloaded, least recently used first. A block that is running (held) is never unloaded; one with
+// requests queued only when no idle block is left to unload (the site could not go on otherwise).
+
+#include <blockflow/core/block.hpp>
+#include <blockflow/core/detail/mutex.hpp>
+
+#include <absl/status/statusor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace blockflow::detail {
+
+class ResidentSet {
+ public:
+  /// Builds the block (and warms it up): what a load is.
+  using Loader = std::function<absl::StatusOr<std::shared_ptr<Block>>()>;
+  /// The resident memory of this process, in bytes: a block of unknown footprint is measured by it
+  /// across its first load.
+  using MemoryProbe = std::function<std::int64_t()>;
+
+  /// A loaded block, kept loaded while the Hold lives. Move-only.
+  class Hold {
+   public:
+    Hold() = default;
+    Hold(Hold&& other) noexcept;
+    Hold& operator=(Hold&& other) noexcept;
+    Hold(const Hold&) = delete;
+    Hold& operator=(const Hold&) = delete;
+    ~Hold();
+    [[nodiscard]] Block* block() const { return block_.get(); }
+    [[nodiscard]] bool loaded_now() const { return loaded_now_; }  ///< this hold paid for a load
+    void reset();
+
+   private:
+    friend class ResidentSet;
+    ResidentSet* set_ = nullptr;
+    int id_ = -1;
+    std::shared_ptr<Block> block_;
+    bool loaded_now_ = false;
+  };
+
+  /// One block's residency, as metrics report it.
+  struct BlockState {
+    std::string name;
+    bool resident = false;
+    std::int64_t footprint_bytes = 0;  ///< profiled, or measured at its first load (0: not yet known)
+    std::uint64_t loads = 0, evictions = 0;
+    std::int64_t last_use_ns = 0;       ///< steady clock; 0: never used
+  };
+  struct Totals {
+    std::int64_t budget_bytes = 0;
+    std::int64_t resident_bytes = 0;  ///< the footprints of the blocks loaded now
+    std::uint64_t loads = 0, evictions = 0;
+    std::int64_t bytes_loaded = 0;
+    double load_s = 0;                ///< time spent loading
+  };
+
+  ResidentSet(std::int64_t budget_bytes, MemoryProbe probe);
+  ~ResidentSet();
+  ResidentSet(const ResidentSet&) = delete;
+  ResidentSet& operator=(const ResidentSet&) = delete;
+
+  /// Registers a block, not loaded; returns its id. `footprint` 0: measured at its first load.
+  /// `queued`: whether requests wait for it.
+  int add(std::string name, std::int64_t footprint, Loader loader, std::function<bool()> queued);
+  /// Loads the block if it is not (making room first), and keeps it loaded until the Hold goes.
+  /// Waits while the loaded blocks that are running leave too little room. The error of a failed
+  /// load names the block; ResourceExhausted for a block whose footprint exceeds the whole budget.
+  absl::StatusOr<Hold> hold(int id);
+  /// Unloads every block not held (Session shutdown, a block removed by apply()).
+  void unload(int id);
+
+  [[nodiscard]] std::int64_t budget() const { return budget_; }
+  [[nodiscard]] BlockState state(int id) const;
+  [[nodiscard]] Totals totals() const;
+
+ private:
+  struct Entry;
+  void release(int id);
+  // Picks blocks to unload so that `need` more bytes fit (idle ones first, least recently used
+  // first; then ones with queued requests); false when the running ones leave too little room.
+  bool make_room_locked(std::int64_t need, int except, std::vector<std::shared_ptr<Block>>& unloaded)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::int64_t budget_;
+  const MemoryProbe probe_;
+  mutable Mutex mu_;
+  std::uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // +1 whenever a block is released, loaded or unloaded
+  std::vector<std::unique_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+  std::int64_t resident_ ABSL_GUARDED_BY(mu_) = 0;  // footprints of loaded blocks and of loads under way
+  std::uint64_t loads_ ABSL_GUARDED_BY(mu_) = 0, evictions_ ABSL_GUARDED_BY(mu_) = 0;
+  std::int64_t bytes_loaded_ ABSL_GUARDED_BY(mu_) = 0;
+  std::int64_t load_ns_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+/// The Block a session keeps for a block of `set` (its name, options, device and `kind`): forward()
+/// holds the block loaded for the call. The session's lanes call ResidentSet::hold() themselves, to
+/// time the load apart from the compute.
+std::shared_ptr<Block> on_demand_block(ResidentSet& set, int id, std::string name, BlockOptions options, std::string kind);
+
+}  // namespace blockflow::detail

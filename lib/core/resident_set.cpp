@@ -1,0 +1,272 @@
+// On-demand residency under a memory budget (include/blockflow/core/detail/resident_set.hpp).
+#include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/resident_set.hpp>
+
+#include <fmt/format.h>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+#include <algorithm>
+#include <utility>
+
+namespace blockflow::detail {
+namespace {
+
+double mb(std::int64_t bytes) { return static_cast<double>(bytes) / 1048576.0; }
+
+struct ChangeSince {
+  const std::uint64_t* generation;
+  std::uint64_t seen;
+};
+bool changed(ChangeSince* c) { return *c->generation != c->seen; }
+
+// Frees unloaded blocks (their last references) and hands the memory back to the system: a
+// module's smaller tensors come from malloc's heap, which keeps freed memory unless trimmed, and
+// the budget is about resident memory.
+void free_blocks(std::vector<std::shared_ptr<Block>>& blocks) {
+  if (blocks.empty()) return;
+  blocks.clear();
+#if defined(__GLIBC__)
+  ::malloc_trim(0);
+#endif
+}
+
+}  // namespace
+
+struct ResidentSet::Entry {
+  std::string name;
+  std::int64_t footprint = 0;
+  Loader loader;
+  std::function<bool()> queued;
+  std::shared_ptr<Block> block;  // null while not loaded
+  bool loading = false;
+  int holders = 0;
+  std::uint64_t loads = 0, evictions = 0;
+  std::int64_t last_use_ns = 0;
+};
+
+ResidentSet::Hold::Hold(Hold&& other) noexcept
+    : set_(std::exchange(other.set_, nullptr)), id_(other.id_), block_(std::move(other.block_)), loaded_now_(other.loaded_now_) {}
+
+ResidentSet::Hold& ResidentSet::Hold::operator=(Hold&& other) noexcept {
+  if (this != &other) {
+    reset();
+    set_ = std::exchange(other.set_, nullptr);
+    id_ = other.id_;
+    block_ = std::move(other.block_);
+    loaded_now_ = other.loaded_now_;
+  }
+  return *this;
+}
+
+ResidentSet::Hold::~Hold() { reset(); }
+
+void ResidentSet::Hold::reset() {
+  if (set_ != nullptr) std::exchange(set_, nullptr)->release(id_);
+  block_.reset();  // after the release: an eviction may follow, and frees the model when this goes
+}
+
+ResidentSet::ResidentSet(std::int64_t budget_bytes, MemoryProbe probe) : budget_(budget_bytes), probe_(std::move(probe)) {}
+
+ResidentSet::~ResidentSet() = default;
+
+int ResidentSet::add(std::string name, std::int64_t footprint, Loader loader, std::function<bool()> queued) {
+  auto entry = std::make_unique<Entry>();
+  entry->name = std::move(name);
+  entry->footprint = std::max<std::int64_t>(0, footprint);
+  entry->loader = std::move(loader);
+  entry->queued = std::move(queued);
+  MutexLock lock(&mu_);
+  entries_.push_back(std::move(entry));
+  return static_cast<int>(entries_.size()) - 1;
+}
+
+bool ResidentSet::make_room_locked(std::int64_t need, int except, std::vector<std::shared_ptr<Block>>& unloaded) {
+  std::int64_t free = budget_ - resident_;
+  if (need <= free) return true;
+  struct Candidate {
+    Entry* entry;
+    bool queued;
+  };
+  std::vector<Candidate> candidates;
+  for (std::size_t i = 0; i < entries_.size(); ++i) {
+    Entry& e = *entries_[i];
+    if (static_cast<int>(i) == except || !e.block || e.holders > 0 || e.loading) continue;
+    candidates.push_back({&e, e.queued && e.queued()});
+  }
+  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    if (a.queued != b.queued) return !a.queued;  // idle blocks go first
+    return a.entry->last_use_ns < b.entry->last_use_ns;
+  });
+  std::size_t taken = 0;
+  while (free < need && taken < candidates.size()) free += candidates[taken++].entry->footprint;
+  if (free < need) return false;  // running blocks hold the rest: wait for one to finish
+  for (std::size_t i = 0; i < taken; ++i) {
+    Entry& e = *candidates[i].entry;
+    unloaded.push_back(std::move(e.block));
+    e.block = nullptr;
+    resident_ -= e.footprint;
+    ++e.evictions;
+    ++evictions_;
+  }
+  ++generation_;
+  return true;
+}
+
+absl::StatusOr<ResidentSet::Hold> ResidentSet::hold(int id) {
+  std::vector<std::shared_ptr<Block>> unloaded;  // freed once the lock is let go
+  Entry* entry = nullptr;
+  std::int64_t reserved = 0;
+  {
+    MutexLock lock(&mu_);
+    entry = entries_.at(static_cast<std::size_t>(id)).get();
+    for (;;) {
+      if (entry->block) {
+        ++entry->holders;
+        entry->last_use_ns = now_ns();
+        Hold h;
+        h.set_ = this;
+        h.id_ = id;
+        h.block_ = entry->block;
+        return h;
+      }
+      if (entry->footprint > budget_) {
+        return absl::ResourceExhaustedError(fmt::format("block '{}': it takes {:.1f} MB, over the memory budget of {:.1f} MB",
+                                                        entry->name, mb(entry->footprint), mb(budget_)));
+      }
+      if (!entry->loading && make_room_locked(entry->footprint, id, unloaded)) break;
+      ChangeSince since{&generation_, generation_};
+      (void)mu_.AwaitWithDeadline(absl::Condition(&changed, &since), absl::Now() + absl::Milliseconds(100));
+    }
+    entry->loading = true;
+    reserved = entry->footprint;  // 0 for a block not measured yet: measured below
+    resident_ += reserved;
+  }
+  free_blocks(unloaded);
+
+  const std::int64_t before = reserved == 0 && probe_ ? probe_() : 0;
+  const std::int64_t start = now_ns();
+  absl::StatusOr<std::shared_ptr<Block>> made = absl::InternalError("not loaded");
+  try {
+    made = entry->loader();
+  } catch (const std::exception& e) {
+    made = absl::InternalError(fmt::format("block '{}': loading failed: {}", entry->name, e.what()));
+  }
+  const std::int64_t end = now_ns();
+  const std::int64_t measured = reserved == 0 && probe_ && made.ok() ? std::max<std::int64_t>(0, probe_() - before) : 0;
+
+  absl::StatusOr<Hold> result = absl::InternalError("not loaded");
+  {
+    MutexLock lock(&mu_);
+    entry->loading = false;
+    ++generation_;
+    if (!made.ok()) {
+      resident_ -= reserved;
+      result = made.status();
+    } else if (reserved == 0 && measured > budget_) {
+      entry->footprint = measured;  // from now on refused at once
+      unloaded.push_back(std::move(*made));
+      result = absl::ResourceExhaustedError(
+          fmt::format("block '{}': loading it took {:.1f} MB of resident memory, over the memory budget of {:.1f} MB",
+                      entry->name, mb(measured), mb(budget_)));
+    } else {
+      if (reserved == 0) {
+        // Measured only now: the others make room after the fact, as far as they can.
+        entry->footprint = measured;
+        resident_ += measured;
+        (void)make_room_locked(0, id, unloaded);
+      }
+      entry->block = std::move(*made);
+      ++entry->holders;
+      ++entry->loads;
+      entry->last_use_ns = end;
+      ++loads_;
+      bytes_loaded_ += entry->footprint;
+      load_ns_ += end - start;
+      Hold h;
+      h.set_ = this;
+      h.id_ = id;
+      h.block_ = entry->block;
+      h.loaded_now_ = true;
+      result = std::move(h);
+    }
+  }
+  free_blocks(unloaded);
+  return result;
+}
+
+void ResidentSet::release(int id) {
+  MutexLock lock(&mu_);
+  Entry& e = *entries_.at(static_cast<std::size_t>(id));
+  --e.holders;
+  e.last_use_ns = now_ns();
+  ++generation_;
+}
+
+void ResidentSet::unload(int id) {
+  std::vector<std::shared_ptr<Block>> gone;
+  {
+    MutexLock lock(&mu_);
+    Entry& e = *entries_.at(static_cast<std::size_t>(id));
+    if (!e.block || e.holders > 0) return;
+    gone.push_back(std::move(e.block));
+    e.block = nullptr;
+    resident_ -= e.footprint;
+    ++generation_;
+  }
+  free_blocks(gone);
+}
+
+ResidentSet::BlockState ResidentSet::state(int id) const {
+  MutexLock lock(&mu_);
+  const Entry& e = *entries_.at(static_cast<std::size_t>(id));
+  BlockState s;
+  s.name = e.name;
+  s.resident = e.block != nullptr;
+  s.footprint_bytes = e.footprint;
+  s.loads = e.loads;
+  s.evictions = e.evictions;
+  s.last_use_ns = e.last_use_ns;
+  return s;
+}
+
+ResidentSet::Totals ResidentSet::totals() const {
+  MutexLock lock(&mu_);
+  Totals t;
+  t.budget_bytes = budget_;
+  t.resident_bytes = resident_;
+  t.loads = loads_;
+  t.evictions = evictions_;
+  t.bytes_loaded = bytes_loaded_;
+  t.load_s = static_cast<double>(load_ns_) * 1e-9;
+  return t;
+}
+
+namespace {
+
+class OnDemandBlock final : public Block {
+ public:
+  OnDemandBlock(ResidentSet& set, int id, std::string name, BlockOptions options, std::string kind)
+      : Block(std::move(name), std::move(options)), set_(set), id_(id), kind_(std::move(kind)) {}
+  std::string_view kind() const override { return kind_; }
+  absl::StatusOr<Tensors> forward(Tensors&& inputs) override {
+    auto hold = set_.hold(id_);
+    if (!hold.ok()) return hold.status();
+    return hold->block()->forward(std::move(inputs));
+  }
+
+ private:
+  ResidentSet& set_;
+  const int id_;
+  const std::string kind_;
+};
+
+}  // namespace
+
+std::shared_ptr<Block> on_demand_block(ResidentSet& set, int id, std::string name, BlockOptions options, std::string kind) {
+  return std::make_shared<OnDemandBlock>(set, id, std::move(name), std::move(options), std::move(kind));
+}
+
+}  // namespace blockflow::detail

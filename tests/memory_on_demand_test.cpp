@@ -1,0 +1,271 @@
+// Blocks loaded on demand under a memory budget (SessionOptions::MemoryPolicy::kOnDemand): least
+// recently used blocks make room, a running block is never unloaded, a block larger than the whole
+// budget is refused naming it, and a request's trace shows its load apart from its compute.
+#include "test_util.hpp"
+
+#include <atomic>
+#include <condition_variable>
+#include <future>
+#include <map>
+#include <mutex>
+#include <thread>
+
+using namespace blockflow;
+using Catch::Matchers::Contains;
+
+namespace {
+
+constexpr std::int64_t kMB = 1 << 20;
+
+// How many times each block was built (loaded), by name.
+std::mutex built_mu;
+std::map<std::string, int> built;
+
+int times_built(const std::string& name) {
+  std::lock_guard<std::mutex> lock(built_mu);
+  return built[name];
+}
+
+// A gate a block's forward() waits at, and whether one has arrived there.
+struct Gate {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = true;
+  bool arrived = false;
+};
+Gate gate;
+
+void register_factories() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // Adds the position of the last letter of its name ('a' adds 1, 'b' 2, ...).
+    BlockRegistry::global().add("od_add", [](const std::string& name, const BlockOptions& options) {
+      {
+        std::lock_guard<std::mutex> lock(built_mu);
+        ++built[name];
+      }
+      const float add = static_cast<float>(name.back() - 'a' + 1);
+      return Block::callable(name, [add](Tensors&& in) -> absl::StatusOr<Tensors> { return Tensors{in.at(0) + add}; },
+                             options);
+    });
+    // Doubles, after waiting at the gate.
+    BlockRegistry::global().add("od_gate", [](const std::string& name, const BlockOptions& options) {
+      {
+        std::lock_guard<std::mutex> lock(built_mu);
+        ++built[name];
+      }
+      return Block::callable(name, [](Tensors&& in) -> absl::StatusOr<Tensors> {
+        std::unique_lock<std::mutex> lock(gate.mu);
+        gate.arrived = true;
+        gate.cv.notify_all();
+        gate.cv.wait(lock, [] { return gate.open; });
+        return Tensors{in.at(0) * 2};
+      }, options);
+    });
+    // Holds 40 MB of weights of its own.
+    BlockRegistry::global().add("od_heavy", [](const std::string& name, const BlockOptions& options) {
+      auto weights = at::ones({10 * 1024 * 1024});
+      return Block::callable(name, [weights](Tensors&& in) -> absl::StatusOr<Tensors> { return Tensors{in.at(0) + weights[0]}; },
+                             options);
+    });
+  });
+}
+
+BlockDescription described(const std::string& name, const std::string& factory, std::int64_t memory_mb) {
+  BlockDescription d;
+  d.name = name;
+  d.factory = factory;
+  d.options.memory_bytes = memory_mb * kMB;
+  return d;
+}
+
+SessionOptions on_demand(std::int64_t budget_mb, int lanes) {
+  SessionOptions o;
+  o.memory_budget = budget_mb * kMB;
+  o.memory_policy = SessionOptions::MemoryPolicy::kOnDemand;
+  o.lanes = lanes;
+  return o;
+}
+
+const BlockMetrics& block_in(const MetricsSnapshot& m, const std::string& name) {
+  for (const auto& b : m.blocks) {
+    if (b.name == name) return b;
+  }
+  FAIL("no block " << name);
+  throw std::logic_error("unreachable");
+}
+
+const SiteMemory& threads_memory(const MetricsSnapshot& m) {
+  for (const auto& s : m.memory) {
+    if (s.site == "threads") return s;
+  }
+  FAIL("no memory figures for the threads");
+  throw std::logic_error("unreachable");
+}
+
+std::vector<bool> resident(const MetricsSnapshot& m, const std::vector<std::string>& names) {
+  std::vector<bool> out;
+  for (const auto& n : names) out.push_back(block_in(m, n).resident);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("on demand: a budget for two of four blocks loads them as requests need them, least recently used out", "[memory]") {
+  register_factories();
+  Session session(on_demand(25, 1));
+  for (const std::string name : {"a", "b", "c", "d"}) {
+    session.add_block(described("lru_" + name, "od_add", 10)).add_path(Path::chain("t" + name, {"lru_" + name}));
+  }
+  REQUIRE(session.start().ok());
+  const std::vector<std::string> names = {"lru_a", "lru_b", "lru_c", "lru_d"};
+  // start() loads each once, in order: the last two stay.
+  auto m = session.metrics();
+  CHECK(resident(m, names) == std::vector<bool>{false, false, true, true});
+  CHECK(threads_memory(m).policy == "on_demand");
+  CHECK(threads_memory(m).budget_bytes == 25 * kMB);
+  CHECK(threads_memory(m).resident_bytes == 20 * kMB);
+  CHECK(threads_memory(m).loads == 4);
+  CHECK(threads_memory(m).evictions == 2);
+
+  // a is loaded for its request; c, the least recently used, makes room.
+  Result r = session.submit("ta", at::zeros({2})).get();
+  REQUIRE(r.ok());
+  CHECK(r.output()[0].item<float>() == 1.0f);
+  REQUIRE(r.trace.hops.size() == 1);
+  const HopTiming& hop = r.trace.hops[0];
+  CHECK(hop.load_start_ns >= hop.dequeued_ns);
+  CHECK(hop.load_end_ns > hop.load_start_ns);
+  CHECK(hop.compute_start_ns >= hop.load_end_ns);
+  CHECK(r.trace.load_ms() > 0);
+  CHECK(r.trace.wait_ms() + r.trace.load_ms() + r.trace.compute_ms() + r.trace.overhead_ms() ==
+        Approx(r.trace.e2e_ms()).epsilon(1e-9));
+  CHECK(resident(session.metrics(), names) == std::vector<bool>{true, false, false, true});
+
+  // b next: d is now the least recently used.
+  REQUIRE(session.submit("tb", at::zeros({2})).get().output()[0].item<float>() == 2.0f);
+  CHECK(resident(session.metrics(), names) == std::vector<bool>{true, true, false, false});
+  // a again: loaded already, nothing moves.
+  REQUIRE(session.submit("ta", at::zeros({2})).get().output()[0].item<float>() == 1.0f);
+  m = session.metrics();
+  CHECK(resident(m, names) == std::vector<bool>{true, true, false, false});
+  CHECK(threads_memory(m).loads == 6);
+  CHECK(threads_memory(m).evictions == 4);
+  CHECK(threads_memory(m).bytes_loaded == 60 * kMB);
+  CHECK(block_in(m, "lru_a").loads == 2);
+  CHECK(block_in(m, "lru_c").evictions == 1);
+  CHECK(block_in(m, "lru_a").on_demand);
+  CHECK(block_in(m, "lru_a").footprint_bytes == 10 * kMB);
+  CHECK(block_in(m, "lru_a").last_use_s > block_in(m, "lru_d").last_use_s);
+  CHECK(times_built("lru_a") == 2);
+  CHECK(times_built("lru_c") == 1);
+  const std::string prom = m.to_prometheus();
+  CHECK_THAT(prom, Contains("blockflow_site_block_evictions_total{site=\"threads\"} 4"));
+  CHECK_THAT(prom, Contains("blockflow_block_resident{block=\"lru_c\",placement=\"threads\",device=\"cpu\"} 0"));
+  auto back = MetricsSnapshot::from_json(m.to_json());
+  REQUIRE(back.ok());
+  CHECK(back->to_json() == m.to_json());
+}
+
+TEST_CASE("on demand: a running block is never unloaded; the load that needs its room waits for it", "[memory]") {
+  register_factories();
+  Session session(on_demand(15, 2));  // room for one block at a time, two lanes
+  session.add_block(described("held", "od_gate", 10)).add_block(described("other", "od_add", 10));
+  session.add_path(Path::chain("held_task", {"held"})).add_path(Path::chain("other_task", {"other"}));
+  REQUIRE(session.start().ok());
+  CHECK(resident(session.metrics(), {"held", "other"}) == std::vector<bool>{false, true});
+  {
+    std::lock_guard<std::mutex> lock(gate.mu);
+    gate.open = false;
+    gate.arrived = false;
+  }
+  auto running = session.submit("held_task", at::ones({1}));
+  {
+    std::unique_lock<std::mutex> lock(gate.mu);
+    gate.cv.wait(lock, [] { return gate.arrived; });
+  }
+  auto waiting = session.submit("other_task", at::ones({1}));
+  // The second lane takes it, and cannot load 'other' while 'held' computes.
+  CHECK(waiting.wait_for(std::chrono::milliseconds(300)) == std::future_status::timeout);
+  CHECK(resident(session.metrics(), {"held", "other"}) == std::vector<bool>{true, false});
+  {
+    std::lock_guard<std::mutex> lock(gate.mu);
+    gate.open = true;
+  }
+  gate.cv.notify_all();
+  CHECK(running.get().output()[0].item<float>() == 2.0f);
+  Result r = waiting.get();
+  REQUIRE(r.ok());
+  CHECK(r.output()[0].item<float>() == 19.0f);  // 'other' ends in 'r': adds 18
+  CHECK(resident(session.metrics(), {"held", "other"}) == std::vector<bool>{false, true});
+  CHECK(block_in(session.metrics(), "held").evictions == 2);
+}
+
+TEST_CASE("on demand: every request resolves while four blocks share room for two, from several threads", "[memory]") {
+  register_factories();
+  Session session(on_demand(25, 2));
+  const std::vector<std::string> letters = {"a", "b", "c", "d"};
+  for (const auto& l : letters) {
+    session.add_block(described("many_" + l, "od_add", 10));
+    session.add_block(described("next_" + l, "od_add", 1));  // 'next_x' adds x's position too
+    session.add_path(Path::chain("task_" + l, {"many_" + l, "next_" + l}));
+  }
+  REQUIRE(session.start().ok());
+  constexpr int kPerThread = 40;
+  std::vector<std::thread> clients;
+  std::atomic<int> wrong{0}, failed{0};
+  for (int c = 0; c < 4; ++c) {
+    clients.emplace_back([&, c] {
+      for (int i = 0; i < kPerThread; ++i) {
+        const std::size_t k = static_cast<std::size_t>((i + c) % 4);
+        Result r = session.submit("task_" + letters[k], at::zeros({1})).get();
+        if (!r.ok()) {
+          ++failed;
+          continue;
+        }
+        if (r.output()[0].item<float>() != 2.0f * static_cast<float>(k + 1)) ++wrong;
+      }
+    });
+  }
+  for (auto& t : clients) t.join();
+  CHECK(failed.load() == 0);
+  CHECK(wrong.load() == 0);
+  const auto m = session.metrics();
+  CHECK(threads_memory(m).resident_bytes <= 25 * kMB);
+  CHECK(threads_memory(m).evictions > 0);
+  CHECK(threads_memory(m).loads == threads_memory(m).evictions + [&] {
+          std::uint64_t loaded = 0;
+          for (const auto& b : m.blocks) loaded += b.resident ? 1 : 0;
+          return loaded;
+        }());
+  for (const auto& p : m.paths) CHECK(p.completed == 40);
+}
+
+TEST_CASE("on demand: a block larger than the whole budget is refused at start(), named", "[memory]") {
+  register_factories();
+  SECTION("by its profile, before anything loads") {
+    Session session(on_demand(20, 1));
+    session.add_block(described("small", "od_add", 5)).add_block(described("big_profiled", "od_add", 30));
+    session.add_path(Path::chain("t", {"small", "big_profiled"}));
+    const auto status = session.start();
+    CHECK(status.code() == absl::StatusCode::kResourceExhausted);
+    CHECK_THAT(std::string(status.message()), Contains("block 'big_profiled': its profiled memory is 30.0 MB"));
+    CHECK_THAT(std::string(status.message()), Contains("memory budget of 20.0 MB"));
+    CHECK(times_built("big_profiled") == 0);
+  }
+  SECTION("by what its first load took, when it has no profile") {
+    Session session(on_demand(20, 1));
+    session.add_block(described("big_measured", "od_heavy", 0)).add_path(Path::chain("t", {"big_measured"}));
+    const auto status = session.start();
+    CHECK(status.code() == absl::StatusCode::kResourceExhausted);
+    CHECK_THAT(std::string(status.message()), Contains("block 'big_measured': loading it took"));
+    CHECK_THAT(std::string(status.message()), Contains("over the memory budget of 20.0 MB"));
+  }
+  SECTION("without a budget, the policy is refused") {
+    Session session(on_demand(0, 1));
+    session.add_block(described("x", "od_add", 5)).add_path(Path::chain("t", {"x"}));
+    const auto status = session.start();
+    CHECK(status.code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(status.message()), Contains("memory_policy kOnDemand needs a memory_budget"));
+  }
+}
