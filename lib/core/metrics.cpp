@@ -189,6 +189,12 @@ std::string MetricsSnapshot::to_prometheus() const {
     e.add("blockflow_block_layout_kept_total", "counter",
           "Outputs a block handed to the next one in oneDNN's layout (no reorder pair).", l,
           static_cast<double>(b.layout_kept));
+    if (b.on_demand) {
+      e.add("blockflow_block_resident", "gauge", "On demand: 1 while the block is loaded.", l, b.resident ? 1 : 0);
+      e.add("blockflow_block_loads_total", "counter", "On demand: times the block was loaded.", l, static_cast<double>(b.loads));
+      e.add("blockflow_block_evictions_total", "counter", "On demand: times the block was unloaded to make room.", l,
+            static_cast<double>(b.evictions));
+    }
     e.summary("blockflow_block_wait_seconds", "Time requests waited in a block's queue.", l, b.wait);
     e.summary("blockflow_block_compute_seconds", "Time of a block's forward().", l, b.compute);
     e.summary("blockflow_block_overhead_seconds", "Hand-off, dispatch and routing time attributed to a block.", l, b.overhead);
@@ -209,6 +215,15 @@ std::string MetricsSnapshot::to_prometheus() const {
           static_cast<double>(m.profiled_bytes));
     e.add("blockflow_site_memory_measured_bytes", "gauge", "What a site's resident memory grew by with its blocks.", l,
           static_cast<double>(m.measured_bytes));
+    if (m.policy != "on_demand") continue;
+    e.add("blockflow_site_memory_resident_bytes", "gauge", "On demand: the footprints of the blocks loaded now.", l,
+          static_cast<double>(m.resident_bytes));
+    e.add("blockflow_site_block_loads_total", "counter", "On demand: blocks loaded (and warmed up).", l, static_cast<double>(m.loads));
+    e.add("blockflow_site_block_evictions_total", "counter", "On demand: blocks unloaded to make room.", l,
+          static_cast<double>(m.evictions));
+    e.add("blockflow_site_loaded_bytes_total", "counter", "On demand: the footprints of every load.", l,
+          static_cast<double>(m.bytes_loaded));
+    e.add("blockflow_site_load_seconds_total", "counter", "On demand: time spent loading blocks.", l, m.load_s);
   }
   for (const auto& lane : lanes) {
     const Exposition::Labels l = {{"lane", std::to_string(lane.index)}};

@@ -8,9 +8,11 @@ namespace blockflow {
 using detail::ns_to_ms;
 
 double HopTiming::wait_ms() const { return ns_to_ms(dequeued_ns - arrived_ns); }
+double HopTiming::load_ms() const { return ns_to_ms(load_end_ns - load_start_ns); }
 double HopTiming::compute_ms() const { return ns_to_ms(compute_end_ns - compute_start_ns); }
 double HopTiming::overhead_ms() const {
-  return ns_to_ms((arrived_ns - input_ready_ns) + (compute_start_ns - dequeued_ns) + (done_ns - compute_end_ns));
+  return ns_to_ms((arrived_ns - input_ready_ns) + (compute_start_ns - dequeued_ns) - (load_end_ns - load_start_ns) +
+                  (done_ns - compute_end_ns));
 }
 
 double RequestTrace::e2e_ms() const { return ns_to_ms(resolved_ns - submitted_ns); }
@@ -18,6 +20,12 @@ double RequestTrace::e2e_ms() const { return ns_to_ms(resolved_ns - submitted_ns
 double RequestTrace::wait_ms() const {
   double sum = 0;
   for (const auto& hop : hops) sum += hop.wait_ms();
+  return sum;
+}
+
+double RequestTrace::load_ms() const {
+  double sum = 0;
+  for (const auto& hop : hops) sum += hop.load_ms();
   return sum;
 }
 

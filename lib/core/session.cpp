@@ -173,6 +173,10 @@ absl::StatusOr<std::shared_ptr<RoutingTable>> SessionCore::compile_table(
 }
 
 absl::Status SessionCore::build() {
+  const bool on_demand = options_.memory_policy == SessionOptions::MemoryPolicy::kOnDemand;
+  if (on_demand && options_.memory_budget <= 0) {
+    return absl::InvalidArgumentError("SessionOptions: memory_policy kOnDemand needs a memory_budget above 0 (bytes)");
+  }
   for (auto& block : pending_blocks_) {
     if (auto status = check_device(*block); !status.ok()) return status;
     if (auto status = add_runtime(make_runtime(block)); !status.ok()) return status;
@@ -185,7 +189,14 @@ absl::Status SessionCore::build() {
   }
   std::vector<const BlockDescription*> local;
   for (const auto& description : pending_descriptions_) {
-    if (description.placement.empty()) local.push_back(&description);
+    if (!description.placement.empty()) continue;
+    if (!on_demand) {
+      local.push_back(&description);
+      continue;
+    }
+    auto runtime = make_on_demand_runtime(description);  // loaded by start(), after warm_up()
+    if (!runtime.ok()) return runtime.status();
+    if (auto status = add_runtime(*std::move(runtime)); !status.ok()) return status;
   }
   auto built = make_blocks(local);
   for (std::size_t i = 0; i < local.size(); ++i) {
@@ -251,6 +262,10 @@ absl::Status SessionCore::start() {
     shutdown(absl::ZeroDuration());
     return status;
   }
+  if (auto status = load_on_demand(all); !status.ok()) {
+    shutdown(absl::ZeroDuration());
+    return status;
+  }
   note_memory();
   start_done_ns_ = now_ns();
   admitting_ = true;
@@ -294,17 +309,22 @@ unsigned layouts_used(const RoutingTable& table, const BlockRuntime& runtime) {
 }
 }  // namespace
 
+Tensors warm_up_inputs(const Block& block) {
+  Tensors zeros;
+  for (auto shape : block.options().input_shapes) {
+    for (auto& d : shape) d = d < 0 ? 1 : d;
+    zeros.push_back(at::zeros(shape, at::TensorOptions().device(block.device())));
+  }
+  return zeros;
+}
+
 // Warms up every variant of forward() the plans will run, so that no request pays TorchScript's
 // first-run optimisation.
 absl::Status SessionCore::warm_up_block(BlockRuntime& runtime, unsigned layouts) {
   c10::InferenceMode inference_mode;
   Block& block = *runtime.block;
   const auto& options = block.options();
-  Tensors zeros;
-  for (auto shape : options.input_shapes) {
-    for (auto& d : shape) d = d < 0 ? 1 : d;
-    zeros.push_back(at::zeros(shape, at::TensorOptions().device(block.device())));
-  }
+  const Tensors zeros = warm_up_inputs(block);
   for (unsigned v = 0; v < 4; ++v) {
     if ((layouts & (1U << v)) == 0) continue;
     Tensors inputs = zeros;
@@ -379,7 +399,7 @@ std::vector<absl::StatusOr<std::shared_ptr<Block>>> SessionCore::make_blocks(con
 absl::Status SessionCore::warm_up(const std::vector<BlockRuntime*>& runtimes, const RoutingTable& table) {
   std::vector<BlockRuntime*> todo;
   for (auto* runtime : runtimes) {
-    if (runtime->block && !runtime->block->options().input_shapes.empty()) todo.push_back(runtime);
+    if (runtime->block && runtime->resident_id < 0 && !runtime->block->options().input_shapes.empty()) todo.push_back(runtime);
   }
   std::vector<absl::Status> statuses(todo.size());
   std::vector<std::function<void()>> tasks;

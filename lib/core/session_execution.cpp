@@ -106,9 +106,15 @@ void SessionCore::process_batch(BlockRuntime& runtime, std::vector<Envelope>&& b
     }
     for (const auto& envelope : group) rows.push_back(envelope.tensors.front().size(0));
     const std::int64_t total = std::accumulate(rows.begin(), rows.end(), std::int64_t{0});
+    Block* compute = &block;
+    ResidentSet::Hold hold;
+    const std::int64_t load_start = now_ns();
+    absl::Status held = runtime.resident_id >= 0 ? hold_resident(runtime, hold, compute) : absl::OkStatus();
+    const std::int64_t load_end = runtime.resident_id >= 0 ? now_ns() : load_start;
     const std::int64_t start = now_ns();
-    absl::StatusOr<Tensors> outputs = guarded_forward(block, std::move(stacked));
+    absl::StatusOr<Tensors> outputs = held.ok() ? guarded_forward(*compute, std::move(stacked)) : held;
     const std::int64_t end = now_ns();
+    hold.reset();
     if (outputs.ok()) {
       for (const auto& t : *outputs) {
         if (!t.defined() || t.dim() == 0 || t.size(0) != total) {
@@ -129,6 +135,10 @@ void SessionCore::process_batch(BlockRuntime& runtime, std::vector<Envelope>&& b
       HopTiming& hop = state->hops[static_cast<std::size_t>(node)];
       hop.arrived_ns = envelope.sent_ns;
       hop.dequeued_ns = std::max(dequeued, envelope.sent_ns);  // waiting for the batch is waiting
+      if (runtime.resident_id >= 0) {
+        hop.load_start_ns = load_start;
+        hop.load_end_ns = load_end;
+      }
       hop.compute_start_ns = start;
       hop.compute_end_ns = end;
       if (!outputs.ok()) {
@@ -143,6 +153,14 @@ void SessionCore::process_batch(BlockRuntime& runtime, std::vector<Envelope>&& b
       forward_outputs(state, node, std::move(mine), &runtime);
     }
   }
+}
+
+absl::Status SessionCore::hold_resident(BlockRuntime& runtime, ResidentSet::Hold& hold, Block*& compute) {
+  auto held = resident_->hold(runtime.resident_id);
+  if (!held.ok()) return held.status();
+  hold = *std::move(held);
+  compute = hold.block();
+  return absl::OkStatus();
 }
 
 void SessionCore::process(BlockRuntime& runtime, Envelope&& envelope) {
@@ -162,11 +180,19 @@ void SessionCore::process(BlockRuntime& runtime, Envelope&& envelope) {
       if (t.defined() && t.device() != block.device()) t = t.to(block.device());
     }
   }
+  Block* compute = &block;
+  ResidentSet::Hold hold;  // an on-demand block stays loaded while it computes
+  if (status.ok() && runtime.resident_id >= 0) {
+    hop.load_start_ns = now_ns();
+    status = hold_resident(runtime, hold, compute);
+    hop.load_end_ns = now_ns();
+  }
   hop.compute_start_ns = now_ns();
   const bool keep_layout = state->plan->nodes[static_cast<std::size_t>(node)].keep_layout;
   OpaqueLayout* layout = keep_layout || is_opaque(inputs) ? runtime.layout : nullptr;
-  absl::StatusOr<Tensors> outputs = status.ok() ? guarded_forward(block, std::move(inputs), layout, keep_layout) : status;
+  absl::StatusOr<Tensors> outputs = status.ok() ? guarded_forward(*compute, std::move(inputs), layout, keep_layout) : status;
   hop.compute_end_ns = now_ns();
+  hold.reset();  // before the hand-off: the next block may need the room
   if (!outputs.ok()) {
     runtime.failed.fetch_add(1, std::memory_order_relaxed);
     fail(state, outputs.status());
@@ -185,8 +211,8 @@ void SessionCore::forward_outputs(const StatePtr& state, int node, Tensors&& out
     // Recorded before the hand-off, so a caller woken by the result sees this hop counted.
     runtime->wait.record(hop.dequeued_ns - hop.arrived_ns);
     runtime->compute.record(hop.compute_end_ns - hop.compute_start_ns);
-    runtime->overhead.record((hop.arrived_ns - hop.input_ready_ns) + (hop.compute_start_ns - hop.dequeued_ns) +
-                             (hop.done_ns - hop.compute_end_ns));
+    runtime->overhead.record((hop.arrived_ns - hop.input_ready_ns) + (hop.compute_start_ns - hop.dequeued_ns) -
+                             (hop.load_end_ns - hop.load_start_ns) + (hop.done_ns - hop.compute_end_ns));
   }
   if (node == plan.sink) return resolve(state, absl::OkStatus(), std::move(outputs));
   const auto& successors = plan.nodes[static_cast<std::size_t>(node)].successors;

@@ -2,11 +2,13 @@
 // (BlockOptions::memory_bytes, from blockflow-profile through the planner), checked by start() and
 // apply() before anything is loaded; and after loading, what each site's memory grew by against
 // the same profiles (docs/planner.md, "Admission").
+#include <blockflow/core/detail/build_scope.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/mutex.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 #include <blockflow/core/kpi.hpp>
 
+#include <c10/core/InferenceMode.h>
 #include <fmt/format.h>
 
 #include <unistd.h>
@@ -30,7 +32,68 @@ std::string site_label(const std::string& site) {
 
 std::int64_t process_rss_bytes() { return sample_process().rss_bytes; }
 
+// What a block's load ends with: its warm-up runs on zeros of its input shapes, on this thread.
+absl::Status warm_up_loaded(Block& block) {
+  const auto& options = block.options();
+  if (options.input_shapes.empty()) return absl::OkStatus();
+  c10::InferenceMode inference_mode;
+  const Tensors zeros = warm_up_inputs(block);
+  for (int run = 0; run < options.warmup_runs; ++run) {
+    auto out = guarded_forward(block, Tensors(zeros));
+    if (!out.ok()) return with_prefix(out.status(), "warm-up failed");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<BlockRuntime>> SessionCore::make_on_demand_runtime(const BlockDescription& description) {
+  if (auto status = validate(description.name, description.options); !status.ok()) return status;
+  if (!resident_) {
+    resident_ = std::make_unique<ResidentSet>(options_.memory_budget, [] { return process_rss_bytes(); });
+  }
+  // The block's queue, for the eviction order: set once the runtime exists.
+  auto inbox = std::make_shared<std::atomic<const InProcessChannel*>>(nullptr);
+  auto loader = [description]() -> absl::StatusOr<std::shared_ptr<Block>> {
+    const auto scope = enter_build_scope();
+    auto block = make_block(description);
+    if (!block.ok()) return block.status();
+    if (auto status = check_device(**block); !status.ok()) return status;
+    if (auto status = warm_up_loaded(**block); !status.ok()) return status;
+    return block;
+  };
+  const int id = resident_->add(description.name, description.options.memory_bytes, std::move(loader), [inbox] {
+    const InProcessChannel* queue = inbox->load(std::memory_order_acquire);
+    return queue != nullptr && queue->depth() > 0;
+  });
+  auto runtime = make_runtime(on_demand_block(*resident_, id, description.name, description.options,
+                                              description.torchscript.empty() ? "callable" : "torchscript"));
+  runtime->description = description;
+  runtime->layout = nullptr;  // each load makes a new module: no layout kept across edges
+  runtime->resident_id = id;
+  inbox->store(runtime->inbox.get(), std::memory_order_release);
+  return runtime;
+}
+
+absl::Status SessionCore::load_on_demand(const std::vector<BlockRuntime*>& runtimes) {
+  std::vector<BlockRuntime*> todo;
+  for (auto* runtime : runtimes) {
+    if (runtime->resident_id >= 0) todo.push_back(runtime);
+  }
+  if (todo.empty()) return absl::OkStatus();
+  absl::Status status;
+  std::vector<std::function<void()>> tasks{[&] {
+    for (auto* runtime : todo) {
+      auto hold = resident_->hold(runtime->resident_id);
+      if (!hold.ok()) {
+        status = hold.status();
+        return;
+      }
+    }
+  }};
+  on_lanes(tasks, /*team_lanes=*/true);
+  return status;
+}
 
 absl::Status SessionCore::check_memory(const std::vector<MemoryClaim>& claims,
                                        const std::function<std::int64_t(const std::string&)>& budget_of) {
@@ -39,6 +102,15 @@ absl::Status SessionCore::check_memory(const std::vector<MemoryClaim>& claims,
   for (auto& [site, list] : by_site) {
     const std::int64_t budget = budget_of(site);
     if (budget <= 0) continue;
+    if (site == kThreads && options_.memory_policy == SessionOptions::MemoryPolicy::kOnDemand) {  // one at a time must fit
+      for (const auto* c : list) {
+        if (c->bytes <= budget) continue;
+        return absl::ResourceExhaustedError(fmt::format(
+            "block '{}': its profiled memory is {:.1f} MB, over the memory budget of {:.1f} MB of the session's threads "
+            "(on demand, every block must fit alone)", c->block, mb(c->bytes), mb(budget)));
+      }
+      continue;
+    }
     std::int64_t need = 0;
     for (const auto* c : list) need += c->bytes;
     if (need <= budget) continue;
@@ -92,7 +164,9 @@ void SessionCore::note_memory() {
       measured = st.rss_idle_bytes > 0;  // a worker that reported its RSS before loading
       if (measured) m.measured_bytes = std::max<std::int64_t>(0, st.rss_bytes - st.rss_idle_bytes);
     }
-    if (m.profiled_bytes > 0 && measured) {
+    // On demand, only some of the blocks are loaded at a time: the sum of profiles says nothing.
+    const bool all_loaded = !(name == kThreads && resident_);
+    if (m.profiled_bytes > 0 && measured && all_loaded) {
       const double off = static_cast<double>(m.measured_bytes - m.profiled_bytes) / static_cast<double>(m.profiled_bytes);
       if (std::abs(off) > kMisprofiled) {
         log(LogLevel::kWarning,

@@ -41,6 +41,15 @@ MetricsSnapshot SessionCore::metrics() const {
     b.batches = runtime->batches.load();
     b.batched_requests = runtime->batched_requests.load();
     b.layout_kept = runtime->layout_kept.load();
+    if (runtime->resident_id >= 0) {
+      const ResidentSet::BlockState r = resident_->state(runtime->resident_id);
+      b.on_demand = true;
+      b.resident = r.resident;
+      b.footprint_bytes = r.footprint_bytes;
+      b.loads = r.loads;
+      b.evictions = r.evictions;
+      b.last_use_s = r.last_use_ns > started_ns_ && started_ns_ > 0 ? static_cast<double>(r.last_use_ns - started_ns_) / 1e9 : 0.0;
+    }
     b.wait = runtime->wait.stats();
     b.compute = runtime->compute.stats();
     b.overhead = runtime->overhead.stats();
@@ -71,6 +80,22 @@ MetricsSnapshot SessionCore::metrics() const {
     }
   }
   snapshot.memory = memory_;
+  if (resident_) {
+    const ResidentSet::Totals t = resident_->totals();
+    auto threads = std::find_if(snapshot.memory.begin(), snapshot.memory.end(), [](const SiteMemory& m) { return m.site == "threads"; });
+    if (threads == snapshot.memory.end()) {
+      snapshot.memory.emplace_back();
+      threads = std::prev(snapshot.memory.end());
+      threads->site = "threads";
+      threads->budget_bytes = t.budget_bytes;
+    }
+    threads->policy = "on_demand";
+    threads->resident_bytes = t.resident_bytes;
+    threads->loads = t.loads;
+    threads->evictions = t.evictions;
+    threads->bytes_loaded = t.bytes_loaded;
+    threads->load_s = t.load_s;
+  }
   snapshot.sampling = sampler_.enabled();
   snapshot.sampling_period_s = absl::ToDoubleSeconds(sampler_.period());
   if (snapshot.sampling) snapshot.host = sampler_.latest();

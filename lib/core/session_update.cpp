@@ -74,6 +74,7 @@ void SessionCore::stop_runtime(BlockRuntime& runtime, const std::string& why) {
     fail(envelope.local, absl::CancelledError(fmt::format("block '{}': {}", runtime.name(), why)));
   }
   if (runtime.site == nullptr && lanes_) lanes_->quiesce(runtime);
+  if (runtime.resident_id >= 0) resident_->unload(runtime.resident_id);  // an on-demand block's memory goes now
 }
 
 absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl::Duration drain) {
@@ -241,7 +242,7 @@ absl::Status SessionCore::update_load(UpdateWork& u) {
   {
     std::vector<const BlockDescription*> local;
     for (const auto& d : u.added) {
-      if (d.placement.empty()) local.push_back(&d);
+      if (d.placement.empty() && options_.memory_policy != SessionOptions::MemoryPolicy::kOnDemand) local.push_back(&d);
     }
     auto blocks = make_blocks(local);  // in parallel, on the lanes
     for (std::size_t i = 0; i < local.size(); ++i) built.emplace(local[i], std::move(blocks[i]));
@@ -266,6 +267,12 @@ absl::Status SessionCore::update_load(UpdateWork& u) {
       runtime->site = site;
       runtime->inbox = make_inbox(d.options);
       u.fresh.push_back(std::move(runtime));
+      continue;
+    }
+    if (options_.memory_policy == SessionOptions::MemoryPolicy::kOnDemand) {  // loaded in update_start()
+      auto runtime = make_on_demand_runtime(d);
+      if (!runtime.ok()) return u.invalid(std::string(runtime.status().message()));
+      u.fresh.push_back(*std::move(runtime));
       continue;
     }
     auto& block = built.at(&d);
@@ -316,6 +323,10 @@ absl::Status SessionCore::update_start(UpdateWork& u) {
   if (auto status = warm_up(u.starting, *u.table); !status.ok()) {
     for (auto* runtime : u.starting) stop_runtime(*runtime, "update rejected");
     return u.invalid(std::string(status.message()));
+  }
+  if (auto status = load_on_demand(u.starting); !status.ok()) {
+    for (auto* runtime : u.starting) stop_runtime(*runtime, "update rejected");
+    return absl::IsResourceExhausted(status) ? u.refused(status) : u.invalid(std::string(status.message()));
   }
   std::map<SiteRuntime*, std::vector<BlockRuntime*>> incoming;
   for (auto& runtime : u.fresh) {

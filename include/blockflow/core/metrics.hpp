@@ -34,6 +34,14 @@ struct BlockMetrics {
   /// Outputs handed to the next block in oneDNN's layout, sparing a to_dense/to_mkldnn pair
   /// (docs/lanes.md, "Layouts between blocks").
   std::uint64_t layout_kept = 0;
+  /// Loading on demand (SessionOptions::MemoryPolicy::kOnDemand, docs/memory.md): whether this block
+  /// does, whether it is loaded now, its footprint (profiled, or measured at its first load), its
+  /// loads and evictions, and the session's uptime at its last use (0: never used).
+  bool on_demand = false;
+  bool resident = true;
+  std::int64_t footprint_bytes = 0;
+  std::uint64_t loads = 0, evictions = 0;
+  double last_use_s = 0;
   LatencyStats wait, compute, overhead;
   double throughput_per_s = 0;  ///< processed / uptime
   ChannelStats queue;           ///< the block's input queue (depth = current depth)
@@ -63,6 +71,13 @@ struct SiteMemory {
   /// any; the session's RSS over its RSS before start() built its blocks (0 also when a worker did
   /// not report its RSS).
   std::int64_t measured_bytes = 0;
+  /// "admit" (start() and apply() refuse blocks over the budget) or "on_demand" (blocks load when a
+  /// request needs them; the figures below are live).
+  std::string policy = "admit";
+  std::int64_t resident_bytes = 0;  ///< on demand: the footprints of the blocks loaded now
+  std::uint64_t loads = 0, evictions = 0;
+  std::int64_t bytes_loaded = 0;    ///< on demand: the footprints of every load
+  double load_s = 0;                ///< on demand: time spent loading (and warming up) blocks
 };
 
 /// @brief Per-path (task) aggregates since the session started.

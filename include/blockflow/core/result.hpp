@@ -13,7 +13,8 @@
 namespace blockflow {
 
 /// @brief Timestamps (steady clock, ns) of one node visit. The reference's decomposition:
-/// wait = queued at the block; compute = forward(); overhead = everything else the hop costs
+/// wait = queued at the block; load = loading the block for it (SessionOptions::MemoryPolicy
+/// kOnDemand; 0 otherwise); compute = forward(); overhead = everything else the hop costs
 /// (hand-off into the queue, dispatch, device move, routing to the next block).
 struct HopTiming {
   std::string node;               ///< node name (the block's name for block nodes)
@@ -24,14 +25,18 @@ struct HopTiming {
   std::int64_t compute_start_ns = 0;
   std::int64_t compute_end_ns = 0;
   std::int64_t done_ns = 0;         ///< output handed to the next node (or the request resolved)
+  /// Loading the block for this request, between dequeued_ns and compute_start_ns (both 0: no load).
+  std::int64_t load_start_ns = 0;
+  std::int64_t load_end_ns = 0;
 
   [[nodiscard]] double wait_ms() const;
+  [[nodiscard]] double load_ms() const;
   [[nodiscard]] double compute_ms() const;
   [[nodiscard]] double overhead_ms() const;
 };
 
 /// @brief Where one request's time went, along its critical path (for a chain: every hop).
-/// For a resolved request, wait + compute + overhead summed over `hops` equals e2e_ms().
+/// For a resolved request, wait + load + compute + overhead summed over `hops` equals e2e_ms().
 struct RequestTrace {
   std::uint64_t request_id = 0;
   std::string task;
@@ -41,6 +46,7 @@ struct RequestTrace {
 
   [[nodiscard]] double e2e_ms() const;
   [[nodiscard]] double wait_ms() const;
+  [[nodiscard]] double load_ms() const;
   [[nodiscard]] double compute_ms() const;
   [[nodiscard]] double overhead_ms() const;
 };

@@ -41,9 +41,21 @@ struct SessionOptions {
   int intra_op_threads = 0;
   /// How long an idle lane polls for work before it sleeps.
   absl::Duration receive_spin = absl::Microseconds(50);
-  /// Bytes of resident memory the blocks of this process (the "threads" site) may take, by their
-  /// profiled BlockOptions::memory_bytes; start() and apply() refuse more. 0: no budget.
+  /// Bytes of resident memory the blocks of this process (the "threads" site) may take. 0: no budget.
   std::int64_t memory_budget = 0;
+  /// What the budget does (docs/memory.md).
+  enum class MemoryPolicy {
+    /// start() and apply() refuse blocks whose profiled BlockOptions::memory_bytes add up to more.
+    kAdmit,
+    /// Blocks built from descriptions load when a request needs them: to make room, idle blocks are
+    /// unloaded, least recently used first (a running block never; one with queued requests only
+    /// when no idle block is left). Requests wait for the load (a `load` span in their trace); a
+    /// block larger than the whole budget is refused, naming it. A block of unknown footprint
+    /// (memory_bytes 0) is measured by its first load, at start() or apply(). Blocks added as objects
+    /// (add_block(std::shared_ptr<Block>)) stay loaded and are not counted.
+    kOnDemand,
+  };
+  MemoryPolicy memory_policy = MemoryPolicy::kAdmit;
 };
 
 namespace detail {

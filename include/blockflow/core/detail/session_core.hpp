@@ -13,6 +13,7 @@
 #include <blockflow/core/detail/histogram.hpp>
 #include <blockflow/core/detail/opaque_layout.hpp>
 #include <blockflow/core/detail/request_state.hpp>
+#include <blockflow/core/detail/resident_set.hpp>
 #include <blockflow/core/detail/routing.hpp>
 
 #include <absl/container/flat_hash_map.h>
@@ -45,6 +46,9 @@ absl::Status with_prefix(const absl::Status& status, std::string_view prefix);
 absl::StatusOr<Tensors> guarded_forward(Block& block, Tensors&& inputs, OpaqueLayout* layout = nullptr,
                                         bool opaque_output = false);
 
+/// Zeros of the block's input_shapes (-1 read as 1), on its device: what warm-up runs it on.
+Tensors warm_up_inputs(const Block& block);
+
 struct PathPlan;
 /// Sets PlanNode::keep_layout on the plan's edges that qualify (see there).
 void mark_kept_layouts(PathPlan& plan);
@@ -57,6 +61,7 @@ struct BlockRuntime final : LaneWork {
   OpaqueLayout* layout = nullptr;   ///< the block's, when it can keep oneDNN's layout across an edge
   BlockDescription description;     ///< name, options and placement (set for every block)
   SiteRuntime* site = nullptr;      ///< where it runs when not on this process's lanes
+  int resident_id = -1;             ///< its id in the session's ResidentSet when it loads on demand
   SessionCore* core = nullptr;
   std::unique_ptr<InProcessChannel> inbox;
   std::thread forwarder;            ///< site blocks only
@@ -121,6 +126,11 @@ class SessionCore {
   absl::Status build();
   absl::Status add_runtime(std::unique_ptr<BlockRuntime> runtime);
   std::unique_ptr<BlockRuntime> make_runtime(std::shared_ptr<Block> block);
+  // A block of this process that loads on demand (SessionOptions::MemoryPolicy::kOnDemand).
+  absl::StatusOr<std::unique_ptr<BlockRuntime>> make_on_demand_runtime(const BlockDescription& description);
+  // The first load of each on-demand block, one at a time on a lane (so that a block of unknown
+  // footprint is measured alone); the last ones loaded stay.
+  absl::Status load_on_demand(const std::vector<BlockRuntime*>& runtimes);
   std::unique_ptr<InProcessChannel> make_inbox(const BlockOptions& options) const;
   void on_lanes(std::vector<std::function<void()>>& tasks, bool team_lanes = false);
   std::vector<absl::StatusOr<std::shared_ptr<Block>>> make_blocks(const std::vector<const BlockDescription*>& descriptions);
@@ -151,6 +161,8 @@ class SessionCore {
   void run_block(BlockRuntime& runtime, std::optional<Envelope> first);
   void queue_on_lanes(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target);
   void process(BlockRuntime& runtime, Envelope&& envelope);
+  // Loads an on-demand block if it is not, and holds it: `compute` is then the loaded block.
+  absl::Status hold_resident(BlockRuntime& runtime, ResidentSet::Hold& hold, Block*& compute);
   void process_batch(BlockRuntime& runtime, std::vector<Envelope>&& batch);
   void forward_to_site(BlockRuntime& runtime);
   void on_site_completion(SiteRuntime& site, SiteCompletion&& completion);
@@ -171,8 +183,9 @@ class SessionCore {
     std::string block;
     std::int64_t bytes = 0;
   };
-  // ResourceExhausted naming the first site whose claims exceed its budget (budget_of: 0, none).
-  static absl::Status check_memory(const std::vector<MemoryClaim>& claims,
+  // ResourceExhausted naming the first site whose claims exceed its budget (budget_of: 0, none);
+  // on a site that loads on demand, the first claim larger than the whole budget.
+  absl::Status check_memory(const std::vector<MemoryClaim>& claims,
                                    const std::function<std::int64_t(const std::string& site)>& budget_of);
   std::int64_t memory_budget_of(const std::string& site) const;
   std::vector<MemoryClaim> memory_claims(const UpdateWork& u) const;
@@ -206,6 +219,9 @@ class SessionCore {
   // Blocks removed by apply(): stopped, their Block released, kept while a plan still held by a
   // late request may point at them (collect_retired() frees the others).
   std::vector<std::unique_ptr<BlockRuntime>> retired_;
+  // The on-demand blocks of this process (MemoryPolicy::kOnDemand with a budget), made by start().
+  // Declared after the runtimes, so destroyed before them.
+  std::unique_ptr<ResidentSet> resident_;
   std::atomic<std::uint64_t> version_{0};
   UpdateStats last_update_;  // under state_mu_
   // Every plan published and maybe still held by a request (apply() drains removed blocks by them,

@@ -27,13 +27,15 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteStats, name, kind, pid, rest
                                                 malformed_frames, parked_outputs, direct_forwards, rss_idle_bytes, rss_bytes, data, shm_requests,
                                                 shm_results, cuda_requests, cuda_results, kpi)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(BlockMetrics, name, kind, device, placement, workers,
-                                                intra_op_threads, processed, failed, batches, batched_requests, layout_kept, wait,
+                                                intra_op_threads, processed, failed, batches, batched_requests, layout_kept,
+                                                on_demand, resident, footprint_bytes, loads, evictions, last_use_s, wait,
                                                 compute, overhead,
                                                 throughput_per_s, queue)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(PathMetrics, task, active, submitted, completed, failed, e2e, wait, compute,
                                                 overhead, throughput_per_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(LaneMetrics, index, runs, tasks, inline_continuations, one_thread_runs, threads, busy_s, utilisation)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteMemory, site, budget_bytes, profiled_bytes, measured_bytes)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteMemory, site, budget_bytes, profiled_bytes, measured_bytes, policy,
+                                                resident_bytes, loads, evictions, bytes_loaded, load_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(UpdateStats, version, blocks_added, blocks_removed, sites_started,
                                                 sites_stopped, load_ms, route_ms, drain_ms, total_ms,
                                                 time_to_first_result_ms)
