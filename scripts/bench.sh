@@ -34,7 +34,13 @@
 #   loaded at once with no session and no warm-up; 4 processes bringing libtorch up at once);
 #   BENCH_COLD_ROUNDS rounds (default 5); split: blockflow-split's automatic cuts (N = 2, 3, 4 parts) of
 #   ResNet50, MobileNetV3-Large and ViT-B/16 (random weights): the cuts, the slowest part's latency over
-#   the whole model's, the chained parts' max abs difference from it (bench/split_bench.py).
+#   the whole model's, the chained parts' max abs difference from it (bench/split_bench.py);
+#   memory_budget: six blocks (the split ResNet50, head_b, monolithic_b) for three tasks sent
+#   round-robin by one closed-loop client, loaded on demand on the session's threads: an unlimited
+#   run (each block loads once) measures the blocks' footprints, then runs with the budget at
+#   BENCH_MEMORY_FRACTION (default 0.5) of their total alternate with unlimited ones, a process each
+#   (bench/memory_budget_bench.cpp); a last line compares them (p50/p99 against unlimited, sampled
+#   RSS against the budget, and the floor: unlimited p50 plus the loads a request pays).
 # Environment: BENCH_REQUESTS (pipeline requests, default 300), BENCH_THREADS (intra-op threads per
 # block and for the monolithic model, default 2), BENCH_HOP_ITERATIONS (default 20000),
 # BENCH_SAMPLER_REQUESTS (sampler_cost requests, default 1000), BENCH_ROUND (pipeline: requests per
@@ -53,7 +59,7 @@ for arg in "$@"; do
 done
 set -- ${names[@]+"${names[@]}"}
 if [ $# -eq 0 ]; then
-  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality plan_accuracy profile cold_start split)" >&2
+  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality plan_accuracy profile cold_start split memory_budget)" >&2
   exit 2
 fi
 if [ "$plot" = 1 ]; then
@@ -154,12 +160,51 @@ PY
       "$PYTHON" "$ROOT/scripts/plan_accuracy_bench.py" "$BUILD_DIR" "$BUILD_DIR/models" --duration "${BENCH_PLAN_S:-20}" ;;
     split)
       "$PYTHON" "$ROOT/bench/split_bench.py" --threads "${BENCH_THREADS:-2}" ;;
+    memory_budget)
+      "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
+      "$PYTHON" - "$BUILD_DIR/bench/memory_budget_bench" "$BUILD_DIR/models" "${BENCH_THREADS:-2}" \
+        "${BENCH_MEMORY_REQUESTS:-60}" "${BENCH_MEMORY_FRACTION:-0.5}" <<'PY'
+import json, statistics, subprocess, sys
+bench, models, threads, requests, fraction = sys.argv[1:6]
+def run(budget_mb):
+    p = subprocess.run([bench, "--models", models, "--budget-mb", str(budget_mb), "--threads", threads,
+                        "--requests", requests], capture_output=True, text=True)
+    lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
+    if not lines:
+        sys.exit(f"memory_budget_bench failed ({p.returncode}): {p.stderr[-2000:]}")
+    line = json.loads(lines[-1])
+    print(json.dumps(line), flush=True)
+    return line
+unlimited = [run(0)]
+budget = round(unlimited[0]["blocks_total_mb"] * float(fraction), 1)
+budgeted = []
+for _ in range(2):
+    budgeted.append(run(budget))
+    unlimited.append(run(0))
+med = lambda runs, k: round(statistics.median(r[k] for r in runs), 1)
+p50_u, p99_u = med(unlimited, "p50_ms"), med(unlimited, "p99_ms")
+p50_b, p99_b = med(budgeted, "p50_ms"), med(budgeted, "p99_ms")
+max_blocks = max(r["max_blocks_rss_mb"] for r in budgeted)
+floor = round(p50_u + med(budgeted, "load_ms_per_request"), 1)
+print(json.dumps({"bench": "memory_budget_summary", "budget_mb": budget, "blocks_total_mb": unlimited[0]["blocks_total_mb"],
+                  "budget_fraction": float(fraction), "max_blocks_rss_mb": max_blocks,
+                  "max_rss_over_budget": round(max_blocks / budget, 3),
+                  "failed": sum(r["failed"] for r in budgeted + unlimited),
+                  "p50_ms": p50_b, "p50_ms_unlimited": p50_u, "p99_ms": p99_b, "p99_ms_unlimited": p99_u,
+                  "p99_over_unlimited": round(p99_b / p99_u, 2), "loads": med(budgeted, "loads"),
+                  "evictions": med(budgeted, "evictions"), "ms_per_load": med(budgeted, "ms_per_load"),
+                  "floor_p50_ms": floor, "p50_over_floor": round(p50_b / floor, 3), "prefetch": False,
+                  "targets": {"rss_within_budget_plus_10pct": max_blocks <= 1.1 * budget,
+                              "p99_within_1_5x_unlimited": p99_b <= 1.5 * p99_u},
+                  "cpu": unlimited[0]["cpu"], "threads": int(threads), "hardware_threads": unlimited[0]["hardware_threads"]}))
+PY
+      ;;
     batching)
       "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
       "$PYTHON" "$ROOT/scripts/batching_bench.py" "$BUILD_DIR/tools/blockflow-loadgen" "$BUILD_DIR/models" \
         --threads "${BENCH_THREADS:-2}" ${BENCH_RATES:+--rates "$BENCH_RATES"} ;;
     *)
-      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality plan_accuracy profile cold_start split)" >&2
+      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality plan_accuracy profile cold_start split memory_budget)" >&2
       exit 2 ;;
   esac
 done

@@ -269,3 +269,40 @@ TEST_CASE("on demand: a block larger than the whole budget is refused at start()
     CHECK_THAT(std::string(status.message()), Contains("memory_policy kOnDemand needs a memory_budget"));
   }
 }
+
+TEST_CASE("on demand: apply() loads an added block once (unloading others to fit) and unloads a removed one", "[memory]") {
+  register_factories();
+  Session session(on_demand(25, 1));
+  session.add_block(described("upd_a", "od_add", 10)).add_block(described("upd_b", "od_add", 10));
+  session.add_path(Path::chain("ta", {"upd_a"})).add_path(Path::chain("tb", {"upd_b"}));
+  REQUIRE(session.start().ok());
+  CHECK(resident(session.metrics(), {"upd_a", "upd_b"}) == std::vector<bool>{true, true});
+  auto parsed = Deployment::parse(R"({"blocks": [{"name": "upd_a", "factory": "od_add", "memory_bytes": 10485760},
+                                                {"name": "upd_c", "factory": "od_add", "memory_bytes": 10485760}],
+                                     "tasks": {"ta": ["upd_a"], "tc": ["upd_c"]}})", "/nowhere");
+  REQUIRE(parsed.ok());
+  auto v = session.apply(*parsed);
+  INFO(v.status().ToString());
+  REQUIRE(v.ok());
+  // upd_c loaded while upd_a and upd_b were still there: upd_a, the least recently used, made room;
+  // then upd_b went with the update, and its memory with it.
+  auto m = session.metrics();
+  CHECK(resident(m, {"upd_a", "upd_c"}) == std::vector<bool>{false, true});
+  CHECK(threads_memory(m).resident_bytes == 10 * kMB);
+  CHECK(times_built("upd_c") == 1);
+  CHECK(session.submit("tc", at::zeros({1})).get().output()[0].item<float>() == 3.0f);
+  CHECK(session.submit("ta", at::zeros({1})).get().output()[0].item<float>() == 1.0f);
+  m = session.metrics();
+  CHECK(resident(m, {"upd_a", "upd_c"}) == std::vector<bool>{true, true});
+  CHECK(threads_memory(m).resident_bytes == 20 * kMB);
+  CHECK(times_built("upd_c") == 1);  // no reload: both fit now
+
+  auto too_big = Deployment::parse(R"({"blocks": [{"name": "upd_a", "factory": "od_add", "memory_bytes": 10485760},
+                                                 {"name": "upd_huge", "factory": "od_add", "memory_bytes": 31457280}],
+                                      "tasks": {"ta": ["upd_a"], "th": ["upd_huge"]}})", "/nowhere");
+  REQUIRE(too_big.ok());
+  const auto refused = session.apply(*too_big);
+  CHECK(refused.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(refused.status().message()), Contains("block 'upd_huge': its profiled memory is 30.0 MB"));
+  CHECK(session.submit("tc", at::zeros({1})).get().ok());  // the session goes on as it was
+}

@@ -177,6 +177,9 @@ absl::Status SessionCore::build() {
   if (on_demand && options_.memory_budget <= 0) {
     return absl::InvalidArgumentError("SessionOptions: memory_policy kOnDemand needs a memory_budget above 0 (bytes)");
   }
+  if (on_demand) {  // made here, before any lane runs, even when no block loads on demand yet (apply() may add some)
+    resident_ = std::make_unique<ResidentSet>(options_.memory_budget, [] { return sample_process().rss_bytes; });
+  }
   for (auto& block : pending_blocks_) {
     if (auto status = check_device(*block); !status.ok()) return status;
     if (auto status = add_runtime(make_runtime(block)); !status.ok()) return status;

@@ -49,9 +49,7 @@ absl::Status warm_up_loaded(Block& block) {
 
 absl::StatusOr<std::unique_ptr<BlockRuntime>> SessionCore::make_on_demand_runtime(const BlockDescription& description) {
   if (auto status = validate(description.name, description.options); !status.ok()) return status;
-  if (!resident_) {
-    resident_ = std::make_unique<ResidentSet>(options_.memory_budget, [] { return process_rss_bytes(); });
-  }
+  if (!resident_) return absl::InternalError(fmt::format("block '{}': no resident set (start() makes it)", description.name));
   // The block's queue, for the eviction order: set once the runtime exists.
   auto inbox = std::make_shared<std::atomic<const InProcessChannel*>>(nullptr);
   auto loader = [description]() -> absl::StatusOr<std::shared_ptr<Block>> {

@@ -1,0 +1,149 @@
+// memory_budget (issue 19): six TorchScript blocks for three tasks, round-robin, on the session's
+// threads with blocks loaded on demand (SessionOptions::MemoryPolicy::kOnDemand):
+//   task_a  block1 -> block2 -> block3 -> block4   (the split ResNet50)
+//   task_b  block1 -> block2 -> block3 -> head_b   (its second head)
+//   task_c  monolithic_b                            (the whole second model)
+// One process per run (scripts/bench.sh memory_budget alternates them): `--budget-mb 0` is the
+// unlimited run (a budget far above every block: each loads once, none is unloaded); a budget below
+// the blocks' total makes them take turns. One closed-loop client sends task_a, task_b, task_c, ...
+// after a warm-up round; a thread samples the process's resident memory every 100 ms. Prints one
+// JSON line: the budget, the blocks' measured footprints, the largest resident memory the blocks
+// took (sampled RSS over the RSS before start()), failed requests, p50/p99 e2e, loads, evictions,
+// and the mean time of one load: the floor a request that loads pays on top of its compute.
+//
+// usage: memory_budget_bench --models DIR [--budget-mb MB] [--requests N] [--threads T]
+#include "bench_util.hpp"
+#include "resnet_split.hpp"
+
+#include <blockflow/blockflow.hpp>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <thread>
+
+namespace bf = blockflow;
+
+namespace {
+
+std::int64_t rss_bytes() { return bf::sample_process().rss_bytes; }
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  std::string models;
+  double budget_mb = 0;
+  int requests = 60;
+  int threads = 2;
+  bf::bench::parse_options(argc, argv, [&](const std::string& k, const std::string& v) {
+    if (k == "--models") models = v;
+    else if (k == "--budget-mb") budget_mb = std::stod(v);
+    else if (k == "--requests") requests = std::stoi(v);
+    else if (k == "--threads") threads = std::stoi(v);
+    else return false;
+    return true;
+  });
+  if (models.empty()) throw std::invalid_argument("usage: memory_budget_bench --models DIR [--budget-mb MB] [--requests N]");
+
+  bf::SessionOptions options;
+  options.intra_op_threads = threads;
+  options.memory_policy = bf::SessionOptions::MemoryPolicy::kOnDemand;
+  options.memory_budget = budget_mb > 0 ? static_cast<std::int64_t>(budget_mb * 1048576.0) : (std::int64_t{1} << 40);
+  const std::int64_t rss_before = rss_bytes();
+  bf::Session session(options);
+  for (const auto& [name, shape] : bf::bench::resnet_split_stages()) {
+    session.add_block(bf::bench::model_block(models, name, shape, threads, true));
+  }
+  session.add_block(bf::bench::model_block(models, "head_b", {1, 1024, 14, 14}, threads, true));
+  session.add_block(bf::bench::model_block(models, "monolithic_b", {1, 3, 224, 224}, threads, true));
+  session.add_path(bf::Path::chain("task_a", {"block1", "block2", "block3", "block4"}));
+  session.add_path(bf::Path::chain("task_b", {"block1", "block2", "block3", "head_b"}));
+  session.add_path(bf::Path::chain("task_c", {"monolithic_b"}));
+
+  std::atomic<std::int64_t> max_rss{rss_bytes()};
+  std::atomic<bool> sampling{true};
+  std::thread sampler([&] {
+    while (sampling.load()) {
+      const std::int64_t now = rss_bytes();
+      std::int64_t seen = max_rss.load();
+      while (now > seen && !max_rss.compare_exchange_weak(seen, now)) {
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  });
+  auto stop_sampler = [&] {
+    sampling = false;
+    if (sampler.joinable()) sampler.join();
+  };
+  if (auto status = session.start(); !status.ok()) {
+    stop_sampler();
+    fmt::print(stderr, "memory_budget_bench: {}\n", status.ToString());
+    return 1;
+  }
+  const std::vector<std::string> tasks = {"task_a", "task_b", "task_c"};
+  const at::Tensor x = at::randn({1, 3, 224, 224});
+  for (const auto& task : tasks) (void)session.submit(task, x).get();  // warm-up round, not measured
+  const auto warm = session.metrics();
+  std::vector<double> e2e;
+  double load_ms = 0;
+  int failed = 0;
+  for (int i = 0; i < requests; ++i) {
+    bf::Result r = session.submit(tasks[static_cast<std::size_t>(i) % tasks.size()], x).get();
+    if (!r.ok()) {
+      ++failed;
+      fmt::print(stderr, "memory_budget_bench: {}\n", r.status.ToString());
+      continue;
+    }
+    e2e.push_back(r.trace.e2e_ms());
+    load_ms += r.trace.load_ms();
+  }
+  const auto m = session.metrics();
+  stop_sampler();
+  session.shutdown();
+
+  const bf::SiteMemory* site = nullptr;
+  for (const auto& s : m.memory) {
+    if (s.site == "threads") site = &s;
+  }
+  const bf::SiteMemory* warm_site = nullptr;
+  for (const auto& s : warm.memory) {
+    if (s.site == "threads") warm_site = &s;
+  }
+  if (site == nullptr || warm_site == nullptr) throw std::runtime_error("no memory figures for the threads");
+  nlohmann::json footprints = nlohmann::json::object();
+  double total_mb = 0;
+  for (const auto& b : m.blocks) {
+    footprints[b.name] = std::round(static_cast<double>(b.footprint_bytes) / 1048576.0 * 10) / 10;
+    total_mb += static_cast<double>(b.footprint_bytes) / 1048576.0;
+  }
+  const std::uint64_t loads = site->loads - warm_site->loads;
+  const double load_s = site->load_s - warm_site->load_s;
+  auto round1 = [](double v) { return std::round(v * 10) / 10; };
+  nlohmann::json line = {
+      {"bench", "memory_budget"},
+      {"budget_mb", budget_mb > 0 ? round1(budget_mb) : 0.0},
+      {"blocks_total_mb", round1(total_mb)},
+      {"footprint_mb", footprints},
+      {"rss_before_mb", round1(static_cast<double>(rss_before) / 1048576.0)},
+      {"max_rss_mb", round1(static_cast<double>(max_rss.load()) / 1048576.0)},
+      {"max_blocks_rss_mb", round1(static_cast<double>(max_rss.load() - rss_before) / 1048576.0)},
+      {"requests", requests},
+      {"failed", failed},
+      {"p50_ms", round1(bf::bench::percentile(e2e, 0.5))},
+      {"p99_ms", round1(bf::bench::percentile(e2e, 0.99))},
+      {"load_ms_per_request", round1(e2e.empty() ? 0.0 : load_ms / static_cast<double>(e2e.size()))},
+      {"loads", loads},
+      {"evictions", site->evictions - warm_site->evictions},
+      {"ms_per_load", round1(loads > 0 ? load_s * 1e3 / static_cast<double>(loads) : 0.0)},
+      {"prefetch", false},
+      {"threads", threads},
+      {"cpu", bf::bench::cpu_model()},
+      {"hardware_threads", std::thread::hardware_concurrency()}};
+  fmt::print("{}\n", line.dump());
+  return failed == 0 ? 0 : 1;
+} catch (const std::exception& e) {
+  fmt::print(stderr, "memory_budget_bench: {}\n", e.what());
+  return 2;
+}
