@@ -11,7 +11,10 @@
 // took (sampled RSS over the RSS before start()), failed requests, p50/p99 e2e, loads, evictions,
 // and the mean time of one load: the floor a request that loads pays on top of its compute.
 //
-// usage: memory_budget_bench --models DIR [--budget-mb MB] [--requests N] [--threads T]
+// With --footprints (what an unlimited run measured, as a profile would give them), the blocks carry
+// them as BlockOptions::memory_bytes and are not measured again.
+//
+// usage: memory_budget_bench --models DIR [--budget-mb MB] [--footprints NAME=MB,...] [--requests N] [--threads T]
 #include "bench_util.hpp"
 #include "resnet_split.hpp"
 
@@ -22,6 +25,8 @@
 #include <nlohmann/json.hpp>
 
 #include <atomic>
+#include <map>
+#include <sstream>
 #include <thread>
 
 namespace bf = blockflow;
@@ -37,8 +42,14 @@ int main(int argc, char** argv) try {
   double budget_mb = 0;
   int requests = 60;
   int threads = 2;
+  std::map<std::string, double> footprint_mb;  // --footprints name=MB,...: the blocks' profiles
   bf::bench::parse_options(argc, argv, [&](const std::string& k, const std::string& v) {
-    if (k == "--models") models = v;
+    if (k == "--footprints") {
+      std::stringstream list(v);
+      for (std::string item; std::getline(list, item, ',');) {
+        footprint_mb[item.substr(0, item.find('='))] = std::stod(item.substr(item.find('=') + 1));
+      }
+    } else if (k == "--models") models = v;
     else if (k == "--budget-mb") budget_mb = std::stod(v);
     else if (k == "--requests") requests = std::stoi(v);
     else if (k == "--threads") threads = std::stoi(v);
@@ -53,11 +64,14 @@ int main(int argc, char** argv) try {
   options.memory_budget = budget_mb > 0 ? static_cast<std::int64_t>(budget_mb * 1048576.0) : (std::int64_t{1} << 40);
   const std::int64_t rss_before = rss_bytes();
   bf::Session session(options);
-  for (const auto& [name, shape] : bf::bench::resnet_split_stages()) {
-    session.add_block(bf::bench::model_block(models, name, shape, threads, true));
-  }
-  session.add_block(bf::bench::model_block(models, "head_b", {1, 1024, 14, 14}, threads, true));
-  session.add_block(bf::bench::model_block(models, "monolithic_b", {1, 3, 224, 224}, threads, true));
+  auto block = [&](const std::string& name, std::vector<std::int64_t> shape) {
+    bf::BlockDescription d = bf::bench::model_block(models, name, std::move(shape), threads, true);
+    if (footprint_mb.count(name) != 0) d.options.memory_bytes = static_cast<std::int64_t>(footprint_mb[name] * 1048576.0);
+    session.add_block(d);
+  };
+  for (const auto& [name, shape] : bf::bench::resnet_split_stages()) block(name, shape);
+  block("head_b", {1, 1024, 14, 14});
+  block("monolithic_b", {1, 3, 224, 224});
   session.add_path(bf::Path::chain("task_a", {"block1", "block2", "block3", "block4"}));
   session.add_path(bf::Path::chain("task_b", {"block1", "block2", "block3", "head_b"}));
   session.add_path(bf::Path::chain("task_c", {"monolithic_b"}));

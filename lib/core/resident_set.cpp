@@ -25,12 +25,16 @@ bool changed(ChangeSince* c) { return *c->generation != c->seen; }
 // Frees unloaded blocks (their last references) and hands the memory back to the system: a
 // module's smaller tensors come from malloc's heap, which keeps freed memory unless trimmed, and
 // the budget is about resident memory.
-void free_blocks(std::vector<std::shared_ptr<Block>>& blocks) {
-  if (blocks.empty()) return;
-  blocks.clear();
+void trim_heap() {
 #if defined(__GLIBC__)
   ::malloc_trim(0);
 #endif
+}
+
+void free_blocks(std::vector<std::shared_ptr<Block>>& blocks) {
+  if (blocks.empty()) return;
+  blocks.clear();
+  trim_heap();
 }
 
 }  // namespace
@@ -146,7 +150,10 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::hold(int id) {
   }
   free_blocks(unloaded);
 
-  const std::int64_t before = reserved == 0 && probe_ ? probe_() : 0;
+  // A block measured by its load: what the load left resident, its transient copies handed back.
+  const bool measure = reserved == 0 && probe_;
+  if (measure) trim_heap();
+  const std::int64_t before = measure ? probe_() : 0;
   const std::int64_t start = now_ns();
   absl::StatusOr<std::shared_ptr<Block>> made = absl::InternalError("not loaded");
   try {
@@ -155,7 +162,8 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::hold(int id) {
     made = absl::InternalError(fmt::format("block '{}': loading failed: {}", entry->name, e.what()));
   }
   const std::int64_t end = now_ns();
-  const std::int64_t measured = reserved == 0 && probe_ && made.ok() ? std::max<std::int64_t>(0, probe_() - before) : 0;
+  if (measure) trim_heap();
+  const std::int64_t measured = measure && made.ok() ? std::max<std::int64_t>(0, probe_() - before) : 0;
 
   absl::StatusOr<Hold> result = absl::InternalError("not loaded");
   {
