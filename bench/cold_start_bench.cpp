@@ -3,6 +3,9 @@
 //               optimize_for_inference) and run once: what a user runs instead;
 //   threads     the split in a session, its four blocks on the lanes;
 //   workers     the split in a session of four worker processes over shm;
+//   two_tasks   the split and a second task (block1-3 and head_b) in threads: start() loads all five;
+//   two_tasks_warming  the same with SessionOptions::serve_while_warming: the split's first result
+//               once its four blocks have loaded, head_b loading after;
 // and, to show what is physically possible on the machine, two floors with no session at all:
 //   threads_floor  the four blocks loaded at once, one thread per core, and chained once with no
 //                  warm-up (the first forward pays TorchScript's profiling run, as the monolithic's does);
@@ -98,7 +101,13 @@ int child(const std::string& mode, const std::string& models, int threads, int w
     fmt::print("first_result 0 {:.1f} {:.1f}\n", bf::process_age_seconds() * 1e3, (bf::detail::now_ns() - t0) / 1e6);
     return 0;
   }
-  bf::Session session;
+  // two_tasks: the split and a second task over its first three blocks and head_b, in threads;
+  // two_tasks_warming: the same with SessionOptions::serve_while_warming (start() returns before the
+  // blocks load; the split's first result comes once its four blocks have, head_b loading after).
+  const bool two_tasks = mode == "two_tasks" || mode == "two_tasks_warming";
+  bf::SessionOptions session_options;
+  session_options.serve_while_warming = mode == "two_tasks_warming";
+  bf::Session session(session_options);
   const bool workers = mode == "workers";
   int w = 0;
   for (const auto& [name, shape] : bf::bench::resnet_split_stages()) {
@@ -114,6 +123,11 @@ int child(const std::string& mode, const std::string& models, int threads, int w
     session.add_block(d);
   }
   session.add_path(bf::Path::chain("split", {"block1", "block2", "block3", "block4"}));
+  if (two_tasks) {
+    auto d = bf::bench::model_block(models, "head_b", {1, 1024, 14, 14}, threads, true);
+    if (warmup_runs >= 0) d.options.warmup_runs = warmup_runs;
+    session.add_block(d).add_path(bf::Path::chain("split_b", {"block1", "block2", "block3", "head_b"}));
+  }
   if (auto status = session.start(); !status.ok()) throw std::runtime_error(status.ToString());
   bf::Result r = session.submit("split", x).get();
   if (!r.ok()) throw std::runtime_error(r.status.ToString());
@@ -167,7 +181,8 @@ int main(int argc, char** argv) try {
   });
   if (models.empty()) throw std::invalid_argument("usage: cold_start_bench --models DIR [--rounds N] [--threads T]");
   if (!child_mode.empty()) return child(child_mode, models, threads, warmup_runs);
-  const std::vector<std::string> modes = {"monolithic", "threads", "workers", "threads_floor", "workers_floor"};
+  const std::vector<std::string> modes = {"monolithic", "threads", "workers", "threads_floor", "workers_floor",
+                                         "two_tasks", "two_tasks_warming"};
   for (const auto& mode : modes) (void)measure(mode, models, threads, warmup_runs);  // page cache, unmeasured
   std::map<std::string, std::vector<Sample>> samples;
   for (int r = 0; r < rounds; ++r) {

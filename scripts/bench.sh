@@ -31,7 +31,8 @@
 #   the refused task forced in beside them;
 #   cold_start: process start to the first resolved request, a fresh process each time, alternating:
 #   the monolithic model, the split in threads, in 4 workers over shm, and two floors (the blocks
-#   loaded at once with no session and no warm-up; 4 processes bringing libtorch up at once);
+#   loaded at once with no session and no warm-up; 4 processes bringing libtorch up at once), and the
+#   split beside a second task (head_b) in threads, without and with serve_while_warming;
 #   BENCH_COLD_ROUNDS rounds (default 5); split: blockflow-split's automatic cuts (N = 2, 3, 4 parts) of
 #   ResNet50, MobileNetV3-Large and ViT-B/16 (random weights): the cuts, the slowest part's latency over
 #   the whole model's, the chained parts' max abs difference from it (bench/split_bench.py);

@@ -177,8 +177,13 @@ absl::Status SessionCore::build() {
   if (on_demand && options_.memory_budget <= 0) {
     return absl::InvalidArgumentError("SessionOptions: memory_policy kOnDemand needs a memory_budget above 0 (bytes)");
   }
-  if (on_demand) {  // made here, before any lane runs, even when no block loads on demand yet (apply() may add some)
-    resident_ = std::make_unique<ResidentSet>(options_.memory_budget, [] { return sample_process().rss_bytes; });
+  // Blocks that load later (on demand, or in the background while the session serves) go through a
+  // resident set: made here, before any lane runs, even when no block needs it yet (apply() may add
+  // some). Serving while warming without a budget: one nothing is ever unloaded from.
+  const bool lazy = on_demand || options_.serve_while_warming;
+  if (lazy) {
+    resident_ = std::make_unique<ResidentSet>(on_demand ? options_.memory_budget : std::numeric_limits<std::int64_t>::max() / 4,
+                                              [] { return sample_process().rss_bytes; });
   }
   for (auto& block : pending_blocks_) {
     if (auto status = check_device(*block); !status.ok()) return status;
@@ -193,7 +198,7 @@ absl::Status SessionCore::build() {
   std::vector<const BlockDescription*> local;
   for (const auto& description : pending_descriptions_) {
     if (!description.placement.empty()) continue;
-    if (!on_demand) {
+    if (!lazy) {
       local.push_back(&description);
       continue;
     }
@@ -265,11 +270,29 @@ absl::Status SessionCore::start() {
     shutdown(absl::ZeroDuration());
     return status;
   }
+  if (options_.serve_while_warming) {
+    // The blocks load on a lane after start() returns, task by task in the order of the paths.
+    auto order = std::make_shared<std::vector<BlockRuntime*>>();
+    for (const auto& path : pending_paths_) {
+      for (const auto& node : path.nodes()) {
+        auto it = block_by_name_.find(node.block);
+        if (it == block_by_name_.end() || it->second->resident_id < 0) continue;
+        if (std::find(order->begin(), order->end(), it->second) == order->end()) order->push_back(it->second);
+      }
+    }
+    note_memory();
+    note_active();  // the tasks with nothing to load
+    start_done_ns_ = now_ns();
+    admitting_ = true;
+    warm_in_background(std::move(order), 0);
+    return absl::OkStatus();
+  }
   if (auto status = load_on_demand(all); !status.ok()) {
     shutdown(absl::ZeroDuration());
     return status;
   }
   note_memory();
+  note_active();
   start_done_ns_ = now_ns();
   admitting_ = true;
   return absl::OkStatus();

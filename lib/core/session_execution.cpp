@@ -160,6 +160,7 @@ absl::Status SessionCore::hold_resident(BlockRuntime& runtime, ResidentSet::Hold
   if (!held.ok()) return held.status();
   hold = *std::move(held);
   compute = hold.block();
+  if (hold.loaded_now()) note_active();  // a request loaded it before the background warm-up did
   return absl::OkStatus();
 }
 

@@ -3,6 +3,7 @@
 // apply() before anything is loaded; and after loading, what each site's memory grew by against
 // the same profiles (docs/planner.md, "Admission").
 #include <blockflow/core/detail/build_scope.hpp>
+#include <blockflow/core/detail/clock.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/mutex.hpp>
 #include <blockflow/core/detail/session_core.hpp>
@@ -71,6 +72,39 @@ absl::StatusOr<std::unique_ptr<BlockRuntime>> SessionCore::make_on_demand_runtim
   runtime->resident_id = id;
   inbox->store(runtime->inbox.get(), std::memory_order_release);
   return runtime;
+}
+
+void SessionCore::warm_in_background(std::shared_ptr<const std::vector<BlockRuntime*>> order, std::size_t next) {
+  if (next >= order->size() || stopped_.load()) return;
+  auto step = [this, order, next] {
+    if (stopped_.load()) return;
+    BlockRuntime& runtime = *(*order)[next];
+    const auto scope = enter_build_scope();
+    auto hold = resident_->hold(runtime.resident_id);
+    if (!hold.ok()) {
+      log(LogLevel::kWarning, fmt::format("loading in the background: {} (its requests will try again)", hold.status().ToString()));
+    } else {
+      hold->reset();
+      note_active();
+    }
+    warm_in_background(order, next + 1);
+  };
+  if (!lanes_->post(std::move(step), /*team_lane=*/true)) return;  // stopping
+}
+
+void SessionCore::note_active() {
+  const auto table = routing();
+  if (!table) return;
+  for (const auto& [task, plan] : table->plans) {
+    PathRuntime* path = plan->metrics.get();
+    if (path == nullptr || path->active_ns.load(std::memory_order_acquire) != 0) continue;
+    const bool loaded = std::all_of(plan->nodes.begin(), plan->nodes.end(), [this](const PlanNode& node) {
+      return node.block == nullptr || node.block->resident_id < 0 || resident_->state(node.block->resident_id).loads > 0;
+    });
+    if (!loaded) continue;
+    std::int64_t expected = 0;
+    (void)path->active_ns.compare_exchange_strong(expected, now_ns(), std::memory_order_acq_rel);
+  }
 }
 
 absl::Status SessionCore::load_on_demand(const std::vector<BlockRuntime*>& runtimes) {

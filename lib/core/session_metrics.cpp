@@ -43,7 +43,7 @@ MetricsSnapshot SessionCore::metrics() const {
     b.layout_kept = runtime->layout_kept.load();
     if (runtime->resident_id >= 0) {
       const ResidentSet::BlockState r = resident_->state(runtime->resident_id);
-      b.on_demand = true;
+      b.on_demand = options_.memory_policy == SessionOptions::MemoryPolicy::kOnDemand;
       b.resident = r.resident;
       b.footprint_bytes = r.footprint_bytes;
       b.loads = r.loads;
@@ -80,7 +80,7 @@ MetricsSnapshot SessionCore::metrics() const {
     }
   }
   snapshot.memory = memory_;
-  if (resident_) {
+  if (resident_ && options_.memory_policy == SessionOptions::MemoryPolicy::kOnDemand) {
     const ResidentSet::Totals t = resident_->totals();
     auto threads = std::find_if(snapshot.memory.begin(), snapshot.memory.end(), [](const SiteMemory& m) { return m.site == "threads"; });
     if (threads == snapshot.memory.end()) {
@@ -112,6 +112,7 @@ MetricsSnapshot SessionCore::metrics() const {
     p.compute = runtime->compute.stats();
     p.overhead = runtime->overhead.stats();
     p.throughput_per_s = static_cast<double>(p.completed) / uptime;
+    p.active_ms = ms_between(start_called_ns_.load(std::memory_order_relaxed), runtime->active_ns.load(std::memory_order_acquire));
     snapshot.paths.push_back(std::move(p));
   }
   return snapshot;

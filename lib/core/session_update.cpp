@@ -437,6 +437,7 @@ void SessionCore::update_publish(UpdateWork& u) {
     old = std::exchange(routing_, std::move(u.table));
   }
   u.old_table = old;
+  note_active();  // the tasks it adds: their blocks have loaded
   u.timing.route_ms += ms_since(t_publish);
 }
 

@@ -267,7 +267,14 @@ void WorkerSite::Impl::supervise() {
       death_pending = false;
       death = kill_cause;
     } else if (state == State::kReady && now - last_heartbeat_ns > absl::ToInt64Nanoseconds(options.heartbeat_timeout)) {
-      declare(fmt::format("missed heartbeats for {} ms", (now - last_heartbeat_ns) / 1000000));
+      // A child that has died already (killed from outside while its heartbeats were late) is
+      // reported by how it died, not as silent.
+      int status = 0;
+      if (!joined() && child != 0 && ::waitpid(child, &status, WNOHANG) == child) {
+        death = describe_exit(status);
+      } else {
+        declare(fmt::format("missed heartbeats for {} ms", (now - last_heartbeat_ns) / 1000000));
+      }
     } else if (state == State::kReady && link_lost_ns != 0 && now - link_lost_ns > kLinkGraceNs) {
       // Its data link closed but the process lives on: it can take no request; start it anew.
       link_lost_ns = 0;

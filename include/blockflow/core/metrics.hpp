@@ -87,6 +87,10 @@ struct PathMetrics {
   std::uint64_t submitted = 0, completed = 0, failed = 0;
   LatencyStats e2e, wait, compute, overhead;  ///< per request, summed over its critical path
   double throughput_per_s = 0;                 ///< completed / uptime
+  /// Start() called to the moment every block on the task's path had loaded (0: not yet). Without
+  /// SessionOptions::serve_while_warming, start()'s duration; for a task added by apply(), when the
+  /// update published it.
+  double active_ms = 0;
 };
 
 /// @brief Where the last successful Session::apply() spent its time (version 0: none yet).

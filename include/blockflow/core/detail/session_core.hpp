@@ -99,6 +99,7 @@ struct PathRuntime {
   std::string task;
   std::atomic<std::uint64_t> submitted{0}, completed{0}, failed{0};
   Histogram e2e, wait, compute, overhead;
+  std::atomic<std::int64_t> active_ns{0};  ///< every block on its path loaded (0: not yet)
 };
 
 class SessionCore {
@@ -131,6 +132,11 @@ class SessionCore {
   // The first load of each on-demand block, one at a time on a lane (so that a block of unknown
   // footprint is measured alone); the last ones loaded stay.
   absl::Status load_on_demand(const std::vector<BlockRuntime*>& runtimes);
+  // SessionOptions::serve_while_warming: loads the blocks in `order` one after another, each in a
+  // task of its own on a lane, from `next` on; stops at shutdown.
+  void warm_in_background(std::shared_ptr<const std::vector<BlockRuntime*>> order, std::size_t next);
+  // Marks active (PathRuntime::active_ns) the tasks of the routing table whose every block has loaded.
+  void note_active();
   std::unique_ptr<InProcessChannel> make_inbox(const BlockOptions& options) const;
   void on_lanes(std::vector<std::function<void()>>& tasks, bool team_lanes = false);
   std::vector<absl::StatusOr<std::shared_ptr<Block>>> make_blocks(const std::vector<const BlockDescription*>& descriptions);
