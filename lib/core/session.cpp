@@ -272,19 +272,19 @@ absl::Status SessionCore::start() {
   }
   if (options_.serve_while_warming) {
     // The blocks load on a lane after start() returns, task by task in the order of the paths.
-    auto order = std::make_shared<std::vector<BlockRuntime*>>();
+    std::vector<BlockRuntime*> order;
     for (const auto& path : pending_paths_) {
       for (const auto& node : path.nodes()) {
         auto it = block_by_name_.find(node.block);
         if (it == block_by_name_.end() || it->second->resident_id < 0) continue;
-        if (std::find(order->begin(), order->end(), it->second) == order->end()) order->push_back(it->second);
+        if (std::find(order.begin(), order.end(), it->second) == order.end()) order.push_back(it->second);
       }
     }
     note_memory();
     note_active();  // the tasks with nothing to load
     start_done_ns_ = now_ns();
     admitting_ = true;
-    warm_in_background(std::move(order), 0);
+    warm_in_background(order);
     return absl::OkStatus();
   }
   if (auto status = load_on_demand(all); !status.ok()) {

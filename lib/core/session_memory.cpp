@@ -74,22 +74,23 @@ absl::StatusOr<std::unique_ptr<BlockRuntime>> SessionCore::make_on_demand_runtim
   return runtime;
 }
 
-void SessionCore::warm_in_background(std::shared_ptr<const std::vector<BlockRuntime*>> order, std::size_t next) {
-  if (next >= order->size() || stopped_.load()) return;
-  auto step = [this, order, next] {
-    if (stopped_.load()) return;
-    BlockRuntime& runtime = *(*order)[next];
-    const auto scope = enter_build_scope();
-    auto hold = resident_->hold(runtime.resident_id);
-    if (!hold.ok()) {
-      log(LogLevel::kWarning, fmt::format("loading in the background: {} (its requests will try again)", hold.status().ToString()));
-    } else {
+void SessionCore::warm_in_background(const std::vector<BlockRuntime*>& order) {
+  // A task per block, posted in order: the lanes take them first come, first served, as many at a
+  // time as there are lanes (a load is mostly one thread's work: deserialising, graph passes).
+  for (BlockRuntime* runtime : order) {
+    auto step = [this, runtime] {
+      if (stopped_.load()) return;
+      const auto scope = enter_build_scope();
+      auto hold = resident_->hold(runtime->resident_id);
+      if (!hold.ok()) {
+        log(LogLevel::kWarning, fmt::format("loading in the background: {} (its requests will try again)", hold.status().ToString()));
+        return;
+      }
       hold->reset();
       note_active();
-    }
-    warm_in_background(order, next + 1);
-  };
-  if (!lanes_->post(std::move(step), /*team_lane=*/true)) return;  // stopping
+    };
+    if (!lanes_->post(std::move(step))) return;  // stopping
+  }
 }
 
 void SessionCore::note_active() {

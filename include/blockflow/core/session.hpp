@@ -57,9 +57,9 @@ struct SessionOptions {
   };
   MemoryPolicy memory_policy = MemoryPolicy::kAdmit;
   /// start() returns once the sites are up and the paths are checked, before the blocks of this
-  /// process built from descriptions are loaded: they load and warm up in the background on a lane,
-  /// task by task in the order the paths were added, so the first task serves before the last is
-  /// loaded. A task is active (PathMetrics::active_ms) once every block on its path has loaded; a
+  /// process built from descriptions are loaded: they load and warm up in the background on the
+  /// lanes (as many at once as there are lanes), task by task in the order the paths were added, so
+  /// the first task serves before the last is loaded. A task is active (PathMetrics::active_ms) once every block on its path has loaded; a
   /// request for a task that is not active yet waits for the loads it needs (its trace shows them as
   /// `load`) rather than failing. A block that fails to load fails its requests, naming it.
   bool serve_while_warming = false;

@@ -132,9 +132,9 @@ class SessionCore {
   // The first load of each on-demand block, one at a time on a lane (so that a block of unknown
   // footprint is measured alone); the last ones loaded stay.
   absl::Status load_on_demand(const std::vector<BlockRuntime*>& runtimes);
-  // SessionOptions::serve_while_warming: loads the blocks in `order` one after another, each in a
-  // task of its own on a lane, from `next` on; stops at shutdown.
-  void warm_in_background(std::shared_ptr<const std::vector<BlockRuntime*>> order, std::size_t next);
+  // SessionOptions::serve_while_warming: loads the blocks in `order`, each in a task of its own on
+  // the lanes, posted in that order (as many at once as there are lanes); none after shutdown.
+  void warm_in_background(const std::vector<BlockRuntime*>& order);
   // Marks active (PathRuntime::active_ns) the tasks of the routing table whose every block has loaded.
   void note_active();
   std::unique_ptr<InProcessChannel> make_inbox(const BlockOptions& options) const;
