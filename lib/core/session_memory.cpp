@@ -1,7 +1,9 @@
 // Memory admission: a site's memory budget against the profiled memory of the blocks placed on it
 // (BlockOptions::memory_bytes, from blockflow-profile through the planner), checked by start() and
 // apply() before anything is loaded; and after loading, what each site's memory grew by against
-// the same profiles (docs/planner.md, "Admission").
+// the same profiles (docs/planner.md, "Admission"). And the blocks that load later, through the
+// session's ResidentSet: on demand under a budget (docs/memory.md) or in the background while the
+// session already serves (SessionOptions::serve_while_warming).
 #include <blockflow/core/detail/build_scope.hpp>
 #include <blockflow/core/detail/clock.hpp>
 #include <blockflow/core/detail/log.hpp>
