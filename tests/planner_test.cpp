@@ -1,6 +1,7 @@
 // The planner (plan/planner.hpp) on synthetic profiles whose right answers are known: admission by
 // rate proportionality, worst fit, memory, co-location of a heavy edge, greedy batch sizes, SLOs,
 // devices, refusal reasons, determinism, the deployment it writes, and its input errors.
+#include "plan_util.hpp"
 #include "test_util.hpp"
 
 #include <blockflow/plan/planner.hpp>
@@ -11,70 +12,8 @@
 #include <fstream>
 
 using namespace blockflow;
+using namespace blockflow::test;
 using Catch::Matchers::Contains;
-
-namespace {
-
-// A block served at `rate` req/s per lane at batch 1 (p50 = 1000 / rate ms); at batch 4 the
-// forward takes `batch4_factor` x the batch-1 time.
-BlockProfile block(const std::string& name, double rate, std::int64_t memory_mb = 10, std::uint64_t output_bytes = 1024,
-                   double batch4_factor = 4.0, const std::string& device = "cpu") {
-  BlockProfile b;
-  b.name = name;
-  b.source = name + ".pt";
-  b.device = device;
-  b.intra_op_threads = 2;
-  b.input_shapes = {{1, 8}};
-  b.output_shapes = {{1, 8}};
-  const double p50 = 1000.0 / rate;
-  b.latency = {{1, p50, p50 * 1.2}, {4, p50 * batch4_factor, p50 * batch4_factor * 1.2}};
-  b.max_rate_rps = rate;
-  b.memory_bytes = memory_mb << 20;
-  b.output_bytes = output_bytes;
-  return b;
-}
-
-PlanSite site(const std::string& name, int lanes = 1, std::int64_t memory_mb = 0, const std::string& kind = "worker") {
-  PlanSite s;
-  s.name = name;
-  s.kind = kind;
-  s.lanes = lanes;
-  s.memory_budget = memory_mb << 20;
-  return s;
-}
-
-PlanInput input(std::vector<BlockProfile> blocks, std::vector<PlanTask> tasks, std::vector<PlanSite> sites) {
-  PlanInput in;
-  in.profile.blocks = std::move(blocks);
-  in.profile.channels = {{"inproc", 1, 0}, {"shm", 5, 1}};
-  in.tasks = std::move(tasks);
-  in.sites = std::move(sites);
-  return in;
-}
-
-const TaskVerdict& verdict(const Plan& p, const std::string& task) {
-  for (const auto& v : p.tasks) {
-    if (v.task == task) return v;
-  }
-  FAIL("no verdict for " << task);
-  return p.tasks.front();
-}
-
-std::string site_of(const Plan& p, const std::string& block) {
-  for (const auto& b : p.blocks) {
-    if (b.block == block) return b.site;
-  }
-  return "";
-}
-
-Plan planned(const PlanInput& in) {
-  auto p = plan(in);
-  INFO(p.status());
-  REQUIRE(p.ok());
-  return *std::move(p);
-}
-
-}  // namespace
 
 TEST_CASE("admission by rate proportionality: a task is refused once its block's lanes are spoken for", "[planner]") {
   // A serves 100 req/s per lane; one site of one lane: 60 + 60 req/s do not fit.

@@ -165,6 +165,14 @@ std::string MetricsSnapshot::to_prometheus() const {
         static_cast<double>(version));
   e.add("blockflow_retired_blocks", "gauge", "Blocks removed by updates, kept while a request in flight may reach them.",
         {}, static_cast<double>(retired_blocks));
+  e.add("blockflow_sites_lost_total", "counter", "Sites lost for good (a worker that died after its last restart).", {},
+        static_cast<double>(replan.lost_sites.size()));
+  for (const auto& [result, n] : {std::pair{"applied", replan.applied}, std::pair{"failed", replan.failed}}) {
+    e.add("blockflow_replans_total", "counter", "Re-plans after a lost site, by result.", {{"result", result}},
+          static_cast<double>(n));
+  }
+  e.add("blockflow_last_replan_seconds", "gauge", "The last loss to its re-planned deployment applied.", {},
+        replan.last_ms / 1e3);
   e.add("blockflow_auth_failures_total", "counter", "Peers refused by this process's CURVE endpoints.", {},
         static_cast<double>(auth_failures));
   const auto phases = [&e](const char* name, const char* help, std::initializer_list<std::pair<const char*, double>> ms) {
@@ -259,6 +267,8 @@ std::string MetricsSnapshot::to_prometheus() const {
   for (const auto& s : sites) {
     const Exposition::Labels l = {{"worker", s.name}, {"kind", s.kind}};
     e.add("blockflow_worker_up", "gauge", "1 while a worker process is running.", l, s.pid > 0 || s.kind != "worker" ? 1 : 0);
+    e.add("blockflow_worker_lost", "gauge", "1 once a worker is gone for good (it died after its last restart).", l,
+          s.lost ? 1 : 0);
     e.add("blockflow_worker_restarts_total", "counter", "Restarts of a worker after it died.", l, static_cast<double>(s.restarts));
     e.add("blockflow_worker_failed_requests_total", "counter", "Requests failed because a worker died or stopped.", l,
           static_cast<double>(s.failed_requests));

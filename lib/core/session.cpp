@@ -62,6 +62,11 @@ void name_thread(const std::string& block, int index) {
   pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
 }
 
+SessionCore::SessionCore(SessionOptions options)
+    : options_(std::move(options)),
+      losses_(std::make_unique<LossResponder>(options_.on_site_lost,
+                                              [this](const Deployment& wanted) { return apply(wanted, absl::Seconds(30)); })) {}
+
 SessionCore::~SessionCore() { shutdown(absl::ZeroDuration()); }
 
 void SessionCore::add_block(std::shared_ptr<Block> block) {
@@ -508,6 +513,7 @@ void SessionCore::shutdown(absl::Duration drain) {
   stopped_ = true;
   admitting_ = false;
   cancel_update();                      // an apply() in progress stops at its next step
+  losses_->stop();                      // a re-plan's apply() included; none starts after this
   blockflow::detail::MutexLock update(&update_mu_);  // and is over once this is held
   const absl::Time deadline = absl::Now() + drain;
   while (in_flight_.load(std::memory_order_acquire) > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));

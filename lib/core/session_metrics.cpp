@@ -15,6 +15,7 @@ MetricsSnapshot SessionCore::metrics() const {
   MetricsSnapshot snapshot;
   snapshot.version = version_.load();
   snapshot.last_update = last_update_;
+  snapshot.replan = losses_->stats();
   const auto ms_between = [](std::int64_t from, std::int64_t to) { return from > 0 && to > from ? ns_to_ms(to - from) : 0.0; };
   snapshot.last_update.time_to_first_result_ms =
       last_update_.version == 0 ? 0.0 : ms_between(update_called_ns_, update_first_result_ns_.load(std::memory_order_relaxed));

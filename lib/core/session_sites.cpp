@@ -19,6 +19,7 @@ std::vector<BlockDescription> SessionCore::descriptions_of(const SiteRuntime& si
 
 absl::Status SessionCore::start_site(SiteRuntime& site) {
   SiteRuntime* raw = &site;
+  site.site->on_lost([this, name = site.site->name()](const std::string& cause) { losses_->report(name, cause); });
   auto status = site.site->start(descriptions_of(site),
                                  [this, raw](SiteCompletion&& c) { on_site_completion(*raw, std::move(c)); });
   if (status.ok()) site.peer_endpoint = site.site->peer_endpoint();

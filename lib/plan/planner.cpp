@@ -126,6 +126,12 @@ class Model {
       }
       host_of_site_.push_back(h);
     }
+    for (const auto& [block, at] : in.current) {  // a re-plan's starting point
+      const auto b = index_.find(block);
+      for (std::size_t s = 0; b != index_.end() && s < in.sites.size(); ++s) {
+        if (in.sites[s].name == at) was_.emplace(b->second, static_cast<int>(s));
+      }
+    }
   }
 
   std::size_t blocks() const { return blocks_.size(); }
@@ -173,10 +179,11 @@ class Model {
 
   struct Score {
     double overflow = 0;     // lanes and memory beyond what sites have (0 when feasible)
+    int moves = 0;           // blocks not on their PlanInput::current site
     double bottleneck = 0;   // the highest site utilisation
     double traffic_ms = 0;   // hand-off time per second across sites
     bool operator<(const Score& o) const {
-      return std::tie(overflow, bottleneck, traffic_ms) < std::tie(o.overflow, o.bottleneck, o.traffic_ms);
+      return std::tie(overflow, moves, bottleneck, traffic_ms) < std::tie(o.overflow, o.moves, o.bottleneck, o.traffic_ms);
     }
   };
 
@@ -248,6 +255,7 @@ class Model {
     for (const auto& e : edges_) {
       if (site(e.from) != site(e.to)) sc.traffic_ms += e.rate * handoff_ms(e.from, e.to);
     }
+    for (const auto& [b, s] : was_) sc.moves += site(b) != s ? 1 : 0;
     return sc;
   }
 
@@ -325,6 +333,7 @@ class Model {
   std::vector<Edge> edges_;
   std::vector<int> site_, batch_;
   std::vector<int> host_of_site_;  // index into PlanInput::hosts, -1 for a host not listed
+  std::map<int, int> was_;         // block -> the site PlanInput::current gives it
   std::map<std::string, const ChannelCost*> channel_;
 };
 

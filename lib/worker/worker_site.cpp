@@ -67,6 +67,11 @@ WorkerSite::~WorkerSite() { stop(); }
 
 const std::string& WorkerSite::name() const { return impl_->options.name; }
 
+void WorkerSite::on_lost(LostFn lost) {
+  std::lock_guard lock(impl_->mu);
+  impl_->lost_fn = std::move(lost);
+}
+
 absl::Status WorkerSite::start(const std::vector<BlockDescription>& blocks, CompletionFn done) {
   Impl& s = *impl_;
   if (auto status = s.resolve_channel(); !status.ok()) {
@@ -221,10 +226,13 @@ void WorkerSite::stop() {
   s.listener.reset();
   detail::remove_private_dir(s.dir);
   CompletionFn dropped;  // destroyed outside mu: it may hold the last reference to its owner
+  LostFn dropped_lost;
   {
     std::lock_guard lock(s.mu);
     dropped = std::move(s.done);
     s.done = nullptr;
+    dropped_lost = std::move(s.lost_fn);
+    s.lost_fn = nullptr;
   }
 }
 
@@ -236,6 +244,7 @@ SiteStats WorkerSite::stats() const {
   out.kind = s.joined() ? "joined-worker" : "worker";
   out.pid = s.pid;
   out.restarts = s.restarts;
+  out.lost = s.lost;
   out.failed_requests = s.failed_requests;
   out.in_flight = s.in_flight.size();
   out.malformed_frames = s.malformed;

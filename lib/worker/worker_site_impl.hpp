@@ -171,6 +171,8 @@ struct WorkerSite::Impl {
   WorkerOptions options;
   std::vector<BlockDescription> blocks;
   CompletionFn done;
+  LostFn lost_fn;                   // RemoteSite::on_lost(); dropped by stop() with `done`
+  bool lost = false;                // gone for good: died after its last restart
   std::string dir, control_endpoint, request_endpoint, result_endpoint;
   zmq::context_t context{1};
   std::unique_ptr<detail::CurveServer> curve;  // joined over CURVE; after the sockets, before the context
@@ -259,6 +261,8 @@ struct WorkerSite::Impl {
   void flush_releases();
 
   absl::Status spawn_locked();
+  // Marks the site lost for good and takes the session's callback (to call outside mu; once).
+  LostFn take_lost_locked();
 
   // Fails the given requests outside the lock.
   // Any thread: run() may fail a request while stop() drops `done` (then nobody is told).

@@ -118,6 +118,7 @@ void WorkerSite::Impl::on_death(std::string what) {
   std::vector<Outbound> queued;
   std::vector<std::pair<Key, std::weak_ptr<Impl>>> vias, forwarded;
   absl::Status why;
+  LostFn lost_now;
   {
     std::lock_guard lock(mu);
     pid = 0;
@@ -152,8 +153,10 @@ void WorkerSite::Impl::on_death(std::string what) {
       outbound.clear();
       failed_requests += queued.size();
       detail::log(LogLevel::kError, fmt::format("{} {}; not restarted ({} restarts used)", prefix(), cause, restarts));
+      if (!stopping) lost_now = take_lost_locked();
     }
   }
+  if (lost_now) lost_now(std::string(why.message()));
   wake();
   forget_vias(vias);
   fail_all(std::move(lost), why);
@@ -251,9 +254,15 @@ void WorkerSite::Impl::become_ready_locked() {
   ever_ready = true;
 }
 
+WorkerSite::LostFn WorkerSite::Impl::take_lost_locked() {
+  lost = true;
+  return std::exchange(lost_fn, nullptr);  // said once
+}
+
 void WorkerSite::Impl::supervise() {
   pid_t child = 0;
-  std::string death;
+  std::string death, lost_cause;
+  LostFn lost_now;
   {
     std::lock_guard lock(mu);
     child = pid;
@@ -287,10 +296,12 @@ void WorkerSite::Impl::supervise() {
       if (auto status = spawn_locked(); !status.ok()) {
         state = State::kFailed;
         cause = std::string(std::string(status.message()));
+        lost_cause = fmt::format("{} could not be restarted: {}", prefix(), cause);
+        lost_now = take_lost_locked();
       }
-      return;
     }
   }
+  if (lost_now) lost_now(lost_cause);
   if (!death.empty()) return on_death(death);
   if (child == 0) return;
   int status = 0;

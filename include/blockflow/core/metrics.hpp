@@ -114,6 +114,16 @@ struct StartStats {
   double time_to_first_result_ms = 0;
 };
 
+/// @brief Sites lost for good and the re-plans that followed (SessionOptions::on_site_lost).
+struct ReplanStats {
+  std::vector<std::string> lost_sites;  ///< in the order they were lost
+  std::uint64_t applied = 0;            ///< re-planned deployments applied
+  std::uint64_t failed = 0;             ///< re-plans that failed (the function's error or apply()'s)
+  double last_ms = 0;                   ///< the last loss to its re-planned deployment applied (0: none)
+  std::uint64_t last_version = 0;       ///< the deployment version the last re-plan made
+  std::string last_error;               ///< why the last failed re-plan failed
+};
+
 /// @brief A consistent-enough copy of the counters (each counter is read atomically; the
 /// snapshot as a whole is not a transaction).
 struct MetricsSnapshot {
@@ -137,6 +147,7 @@ struct MetricsSnapshot {
   std::vector<LaneMetrics> lanes;  ///< this process's compute lanes
   int lane_intra_op_threads = 0;   ///< each lane's OpenMP team (0: libtorch's default)
   std::vector<SiteMemory> memory;  ///< sites whose blocks carry a profiled memory_bytes, or with a budget
+  ReplanStats replan;              ///< sites lost for good, and what the session did about it
 
   /// @brief JSON object; `indent` < 0 gives one line. Keys: docs/metrics.md.
   [[nodiscard]] std::string to_json(int indent = -1) const;

@@ -57,6 +57,7 @@ struct SiteStats {
   std::string kind;
   std::int64_t pid = 0;      ///< current process id (0 when down)
   std::uint64_t restarts = 0;
+  bool lost = false;         ///< gone for good: it died after its last restart (RemoteSite::on_lost)
   std::uint64_t failed_requests = 0;  ///< requests failed because the site died or was stopped
   std::uint64_t in_flight = 0;
   std::uint64_t malformed_frames = 0;
@@ -107,6 +108,11 @@ class RemoteSite {
   }
   virtual void stop() = 0;
   [[nodiscard]] virtual SiteStats stats() const = 0;
+  /// @brief Called by the session before start(): the site calls `lost` once, from any thread of
+  /// its own, when it is gone for good (it will run nothing again: a worker that used up its
+  /// restarts), with the cause; never after stop() has returned. The default never calls it.
+  using LostFn = std::function<void(const std::string& cause)>;
+  virtual void on_lost(LostFn lost) { (void)lost; }
   /// @brief Makes the running site host exactly `blocks` from now on: it loads and warms up the
   /// ones it lacks before returning and unloads the ones no longer listed (the session has drained
   /// them), leaving the others untouched. On failure the site keeps the blocks it had, and the

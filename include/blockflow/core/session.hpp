@@ -9,6 +9,7 @@
 #include <blockflow/core/metrics.hpp>
 #include <blockflow/core/path.hpp>
 #include <blockflow/core/result.hpp>
+#include <blockflow/core/site_loss.hpp>
 
 #include <absl/status/status.h>
 #include <absl/time/time.h>
@@ -63,6 +64,11 @@ struct SessionOptions {
   /// request for a task that is not active yet waits for the loads it needs (its trace shows them as
   /// `load`) rather than failing. A block that fails to load fails its requests, naming it.
   bool serve_while_warming = false;
+  /// When a site is lost for good (a worker that used up its restarts), the session asks this
+  /// function for a deployment of the sites that remain and applies it (blockflow::replanner() makes
+  /// one from the planner's inputs: docs/replan.md). Unset: the loss shows in metrics()
+  /// (MetricsSnapshot::replan, SiteStats::lost) and the deployment stays as it is.
+  SiteLostFn on_site_lost;
 };
 
 namespace detail {

@@ -18,6 +18,7 @@
 #include <absl/status/statusor.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -74,6 +75,10 @@ struct PlanInput {
   std::vector<PlanSite> sites;
   /// Hosts and their cores. A site whose host is not listed is bounded by its own lanes only.
   std::vector<PlanHost> hosts;
+  /// Where blocks run now (block -> site name), for a re-plan (blockflow::replan()): among the
+  /// placements that fit, the planner keeps the most blocks where they are, before it balances the
+  /// sites. Blocks and sites not listed are placed freely. Empty: no preference.
+  std::map<std::string, std::string> current;
 };
 
 /// @brief The planner's answer for one task.

@@ -129,6 +129,7 @@ class WorkerSite final : public RemoteSite {
   bool try_run(const std::string& block, Envelope& envelope) override;
   void stop() override;
   SiteStats stats() const override;
+  void on_lost(LostFn lost) override;
   /// @brief Forwards the setting to the worker (now and after each restart); its samples come back
   /// with the heartbeats, in stats().kpi.
   void set_sampling(bool enabled, absl::Duration period) override;

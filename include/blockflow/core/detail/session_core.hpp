@@ -11,6 +11,7 @@
 #include <blockflow/channel/inproc_channel.hpp>
 #include <blockflow/core/detail/compute_lanes.hpp>
 #include <blockflow/core/detail/histogram.hpp>
+#include <blockflow/core/detail/loss_responder.hpp>
 #include <blockflow/core/detail/opaque_layout.hpp>
 #include <blockflow/core/detail/request_state.hpp>
 #include <blockflow/core/detail/resident_set.hpp>
@@ -104,7 +105,7 @@ struct PathRuntime {
 
 class SessionCore {
  public:
-  explicit SessionCore(SessionOptions options) : options_(options) {}
+  explicit SessionCore(SessionOptions options);
   ~SessionCore();
 
   void add_block(std::shared_ptr<Block> block);
@@ -260,6 +261,9 @@ class SessionCore {
   std::int64_t update_called_ns_ = 0;  // under state_mu_: the apply() that made last_update_
   std::int64_t rss_baseline_ = 0;         // this process's RSS before start() built its blocks
   std::vector<SiteMemory> memory_;        // under state_mu_: note_memory()'s last figures
+  // Sites lost for good, and SessionOptions::on_site_lost's re-plans (a thread of its own that
+  // calls apply()): stopped by shutdown() before it waits for update_mu_.
+  std::unique_ptr<LossResponder> losses_;
   // Lock order: shutdown_mu_ (shutdown() only), then update_mu_ (one apply() at a time, and
   // shutdown() once it has cancelled it), then state_mu_ / busy_mu_ / routing_mu_ / live_mu_.
   blockflow::detail::Mutex shutdown_mu_;

@@ -23,7 +23,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(TorchCudaMemory, device, allocat
                                                 peak_allocated_bytes)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(KpiSample, time_s, process, gpus, gpu_status, torch_cuda,
                                                 torch_cuda_status, energy_j)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteStats, name, kind, pid, restarts, failed_requests, in_flight,
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteStats, name, kind, pid, restarts, lost, failed_requests, in_flight,
                                                 malformed_frames, parked_outputs, direct_forwards, rss_idle_bytes, rss_bytes, data, shm_requests,
                                                 shm_results, cuda_requests, cuda_results, kpi)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(BlockMetrics, name, kind, device, placement, workers,
@@ -39,8 +39,9 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteMemory, site, budget_bytes, 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(UpdateStats, version, blocks_added, blocks_removed, sites_started,
                                                 sites_stopped, load_ms, route_ms, drain_ms, total_ms,
                                                 time_to_first_result_ms)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(ReplanStats, lost_sites, applied, failed, last_ms, last_version, last_error)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(StartStats, process_to_start_ms, start_ms, time_to_first_result_ms)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(MetricsSnapshot, uptime_s, in_flight, version, last_update, start, retired_blocks, auth_failures, sampling, sampling_period_s,
-                                                host, blocks, paths, sites, lanes, lane_intra_op_threads, memory)
+                                                host, blocks, paths, sites, lanes, lane_intra_op_threads, memory, replan)
 
 }  // namespace blockflow

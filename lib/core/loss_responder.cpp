@@ -1,0 +1,88 @@
+// Sites lost for good: logged, counted and, with SessionOptions::on_site_lost, re-planned on a
+// thread of the responder's own (never the reporting site's: apply() stops sites and waits on them).
+#include <blockflow/core/detail/loss_responder.hpp>
+
+#include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/log.hpp>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <exception>
+
+namespace blockflow::detail {
+
+LossResponder::LossResponder(SiteLostFn replan, ApplyFn apply) : replan_(std::move(replan)), apply_(std::move(apply)) {}
+
+LossResponder::~LossResponder() { stop(); }
+
+void LossResponder::report(const std::string& site, const std::string& cause) {
+  std::lock_guard lock(mu_);
+  auto& lost = stats_.lost_sites;
+  if (stopping_ || std::find(lost.begin(), lost.end(), site) != lost.end()) return;
+  lost.push_back(site);
+  if (!replan_) {
+    log(LogLevel::kError, fmt::format("site '{}' is lost ({}); no re-plan is configured (SessionOptions::on_site_lost): "
+                                      "its blocks stay unreachable until a new deployment is applied",
+                                      site, cause));
+    return;
+  }
+  log(LogLevel::kError, fmt::format("site '{}' is lost ({}); re-planning", site, cause));
+  pending_.push_back({SiteLoss{site, cause, lost}, now_ns()});
+  if (!thread_.joinable()) thread_ = std::thread([this] { main(); });
+  wake_.notify_one();
+}
+
+void LossResponder::stop() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+    pending_.clear();
+  }
+  wake_.notify_one();
+  if (thread_.joinable()) thread_.join();
+}
+
+ReplanStats LossResponder::stats() const {
+  std::lock_guard lock(mu_);
+  return stats_;
+}
+
+void LossResponder::main() {
+  std::unique_lock lock(mu_);
+  while (true) {
+    wake_.wait(lock, [this] { return stopping_ || !pending_.empty(); });
+    if (stopping_) return;
+    auto [loss, reported_ns] = std::move(pending_.front());
+    pending_.pop_front();
+    lock.unlock();
+    absl::StatusOr<std::uint64_t> version = absl::UnknownError("");
+    try {
+      if (auto wanted = replan_(loss); !wanted.ok()) {
+        version = wanted.status();
+      } else {
+        version = apply_(*wanted);
+      }
+    } catch (const std::exception& e) {
+      version = absl::InternalError(fmt::format("SessionOptions::on_site_lost threw: {}", e.what()));
+    }
+    const double ms = static_cast<double>(now_ns() - reported_ns) / 1e6;
+    if (version.ok()) {
+      log(LogLevel::kInfo, fmt::format("site '{}' lost: re-planned deployment applied as version {} in {:.1f} ms",
+                                       loss.site, *version, ms));
+    } else {
+      log(LogLevel::kError, fmt::format("site '{}' lost: re-plan failed: {}", loss.site, version.status().ToString()));
+    }
+    lock.lock();
+    if (version.ok()) {
+      ++stats_.applied;
+      stats_.last_ms = ms;
+      stats_.last_version = *version;
+    } else {
+      ++stats_.failed;
+      stats_.last_error = fmt::format("site '{}': {}", loss.site, version.status().ToString());
+    }
+  }
+}
+
+}  // namespace blockflow::detail

@@ -1,0 +1,181 @@
+// Re-planning after lost sites (docs/replan.md): the remaining sites, blocks kept where they are,
+// and tasks demoted, then refused, loosest SLO first, until every task left fits.
+#include <blockflow/plan/replan.hpp>
+
+#include <blockflow/core/detail/log.hpp>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+
+namespace blockflow {
+namespace {
+
+constexpr int kMaxDemotions = 3;  // a task keeps at least 1/8 of its rate before it is refused
+
+const TaskVerdict* first_refused(const Plan& p) {
+  for (const auto& v : p.tasks) {
+    if (!v.admitted) return &v;
+  }
+  return nullptr;
+}
+
+std::size_t index_of(const std::vector<PlanTask>& tasks, const std::string& name) {
+  return static_cast<std::size_t>(std::find_if(tasks.begin(), tasks.end(), [&](const PlanTask& t) { return t.name == name; }) -
+                                  tasks.begin());
+}
+
+// Whether the plan of `in` without task `skip` admits task `want`.
+absl::StatusOr<bool> admits_without(const PlanInput& in, std::size_t skip, const std::string& want, const PlanOptions& options) {
+  PlanInput trial = in;
+  trial.tasks.erase(trial.tasks.begin() + static_cast<std::ptrdiff_t>(skip));
+  auto p = plan(trial, options);
+  if (!p.ok()) return p.status();
+  return std::any_of(p->tasks.begin(), p->tasks.end(), [&](const TaskVerdict& v) { return v.task == want && v.admitted; });
+}
+
+// The task that makes room for `refused`, and why (docs/replan.md, "Algorithm").
+absl::StatusOr<std::pair<std::size_t, std::string>> pick_victim(const PlanInput& in, const TaskVerdict& refused,
+                                                                 const PlanOptions& options) {
+  const std::size_t r = index_of(in.tasks, refused.task);
+  PlanInput alone = in;
+  alone.tasks = {in.tasks[r]};
+  auto a = plan(alone, options);
+  if (!a.ok()) return a.status();
+  if (!a->tasks.front().admitted) {
+    return std::pair{r, fmt::format("it does not fit on the remaining sites even alone ({})", a->tasks.front().reason)};
+  }
+  // The loosest SLO first; of equal SLOs, the lower priority (later in the input) first.
+  std::vector<std::size_t> order(in.tasks.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return in.tasks[a].slo_ms > in.tasks[b].slo_ms; });
+  for (const std::size_t i : order) {
+    if (i == r) return std::pair{i, fmt::format("it has the loosest SLO ({:.1f} ms) of the tasks that can make room, and {}", in.tasks[i].slo_ms, refused.reason)};
+    auto helps = admits_without(in, i, refused.task, options);
+    if (!helps.ok()) return helps.status();
+    if (*helps) {
+      return std::pair{i, fmt::format("it has the loosest SLO ({:.1f} ms) of the tasks whose room lets in the others ({})",
+                                      in.tasks[i].slo_ms, refused.reason)};
+    }
+  }
+  return std::pair{order.front(), fmt::format("it has the loosest SLO ({:.1f} ms), and {}", in.tasks[order.front()].slo_ms, refused.reason)};
+}
+
+}  // namespace
+
+absl::StatusOr<Replan> replan(const PlanInput& input, const Plan& deployed, const std::vector<std::string>& lost,
+                              const PlanOptions& options) {
+  const std::set<std::string> gone(lost.begin(), lost.end());
+  for (const auto& name : gone) {
+    if (std::none_of(input.sites.begin(), input.sites.end(), [&](const PlanSite& s) { return s.name == name; })) {
+      return absl::InvalidArgumentError(fmt::format("replan: lost site '{}' is not one of the input's sites", name));
+    }
+  }
+  Replan out;
+  out.input = input;
+  auto& in = out.input;
+  in.sites.erase(std::remove_if(in.sites.begin(), in.sites.end(), [&](const PlanSite& s) { return gone.count(s.name) != 0; }),
+                 in.sites.end());
+  if (in.sites.empty()) return absl::InvalidArgumentError(fmt::format("replan: every site is lost ({})", fmt::join(lost, ", ")));
+  in.current.clear();
+  for (const auto& b : deployed.blocks) {
+    if (gone.count(b.site) == 0) in.current[b.block] = b.site;
+  }
+  const std::string after = fmt::format("after losing site{} '{}'", gone.size() == 1 ? "" : "s", fmt::join(lost, "', '"));
+  std::map<std::string, TaskChange> changes;
+  std::map<std::string, int> demotions;
+  while (true) {
+    auto p = plan(in, options);
+    if (!p.ok()) return p.status();
+    const TaskVerdict* refused = first_refused(*p);
+    if (refused == nullptr) {
+      out.plan = *std::move(p);
+      break;
+    }
+    auto victim = pick_victim(in, *refused, options);
+    if (!victim.ok()) return victim.status();
+    PlanTask& t = in.tasks[victim->first];
+    TaskChange& c = changes[t.name];
+    if (c.task.empty()) c = {t.name, false, t.rate_rps, t.rate_rps, ""};
+    if (demotions[t.name]++ < kMaxDemotions) {
+      t.rate_rps /= 2;
+      c.rate_after = t.rate_rps;
+      c.reason = fmt::format("task '{}': demoted {} from {:.1f} to {:.1f} req/s: {}", t.name, after, c.rate_before,
+                             c.rate_after, victim->second);
+    } else {
+      c.refused = true;
+      c.rate_after = 0;
+      c.reason = fmt::format("task '{}': refused {}: {}", t.name, after, victim->second);
+      in.tasks.erase(in.tasks.begin() + static_cast<std::ptrdiff_t>(victim->first));
+    }
+  }
+  // A block that stays on its site keeps its workers and max_batch: a site cannot change it in place.
+  for (auto& b : out.plan.blocks) {
+    for (const auto& d : deployed.blocks) {
+      if (d.block == b.block && d.site == b.site) {
+        b.workers = d.workers;
+        b.max_batch = d.max_batch;
+      }
+    }
+  }
+  for (const auto& t : input.tasks) {
+    if (auto it = changes.find(t.name); it != changes.end()) out.changes.push_back(it->second);
+  }
+  return out;
+}
+
+std::string Replan::report_json(const std::vector<std::string>& lost) const {
+  auto report = nlohmann::json::parse(plan.report_json());
+  report["lost"] = lost;
+  auto list = nlohmann::json::array();
+  for (const auto& c : changes) {
+    list.push_back({{"task", c.task}, {"refused", c.refused}, {"rate_before", c.rate_before}, {"rate_after", c.rate_after},
+                    {"reason", c.reason}});
+  }
+  report["changes"] = list;
+  return report.dump(2);
+}
+
+SiteLostFn replanner(PlanInput input, PlanOptions options, std::string models_dir) {
+  struct State {
+    std::mutex mu;
+    PlanInput input;
+    PlanOptions options;
+    std::string models_dir;
+    std::unique_ptr<Plan> deployed;  // the plan running now: plan(input) until the first re-plan
+    std::vector<std::string> lost;   // the sites the plans so far have dropped
+  };
+  auto state = std::make_shared<State>();
+  state->input = std::move(input);
+  state->options = options;
+  state->models_dir = std::move(models_dir);
+  return [state](const SiteLoss& loss) -> absl::StatusOr<Deployment> {
+    std::lock_guard lock(state->mu);
+    if (std::none_of(state->input.sites.begin(), state->input.sites.end(), [&](const PlanSite& s) { return s.name == loss.site; })) {
+      return absl::FailedPreconditionError(fmt::format("replan: site '{}' is not one of the planner's sites", loss.site));
+    }
+    if (!state->deployed) {
+      auto first = plan(state->input, state->options);
+      if (!first.ok()) return first.status();
+      state->deployed = std::make_unique<Plan>(*std::move(first));
+    }
+    auto r = replan(state->input, *state->deployed, {loss.site}, state->options);
+    if (!r.ok()) return r.status();
+    for (const auto& c : r->changes) detail::log(LogLevel::kWarning, c.reason);
+    auto wanted = Deployment::parse(r->deployment_json(), state->models_dir);
+    if (!wanted.ok()) return wanted.status();
+    state->lost.push_back(loss.site);
+    state->input = r->input;
+    state->deployed = std::make_unique<Plan>(r->plan);
+    detail::log(LogLevel::kInfo, fmt::format("replan {}: {}", fmt::join(state->lost, ", "), r->report_json(state->lost)));
+    return wanted;
+  };
+}
+
+}  // namespace blockflow
