@@ -42,6 +42,11 @@
 #   BENCH_MEMORY_FRACTION (default 0.5) of their total alternate with unlimited ones, a process each
 #   (bench/memory_budget_bench.cpp); a last line compares them (p50/p99 against unlimited, sampled
 #   RSS against the budget, and the floor: unlimited p50 plus the loads a request pays).
+#   replan: three tasks over three worker processes that are not restarted, profiled here; the
+#   worker running block3 is killed under traffic and the session re-plans (on_site_lost =
+#   replanner()): kill -> loss detected, loss -> re-planned deployment applied, kill -> each task's
+#   first result again, requests failed meanwhile (all must name the lost worker), the tasks demoted
+#   or refused with the reasons (bench/replan_bench.cpp).
 # Environment: BENCH_REQUESTS (pipeline requests, default 300), BENCH_THREADS (intra-op threads per
 # block and for the monolithic model, default 2), BENCH_HOP_ITERATIONS (default 20000),
 # BENCH_SAMPLER_REQUESTS (sampler_cost requests, default 1000), BENCH_ROUND (pipeline: requests per
@@ -60,7 +65,7 @@ for arg in "$@"; do
 done
 set -- ${names[@]+"${names[@]}"}
 if [ $# -eq 0 ]; then
-  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality plan_accuracy profile cold_start split memory_budget)" >&2
+  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality plan_accuracy profile cold_start split memory_budget replan)" >&2
   exit 2
 fi
 if [ "$plot" = 1 ]; then
@@ -161,6 +166,9 @@ PY
       "$PYTHON" "$ROOT/scripts/plan_accuracy_bench.py" "$BUILD_DIR" "$BUILD_DIR/models" --duration "${BENCH_PLAN_S:-20}" ;;
     split)
       "$PYTHON" "$ROOT/bench/split_bench.py" --threads "${BENCH_THREADS:-2}" ;;
+    replan)
+      "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
+      "$BUILD_DIR/bench/replan_bench" --models "$BUILD_DIR/models" ;;
     memory_budget)
       "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
       "$PYTHON" - "$BUILD_DIR/bench/memory_budget_bench" "$BUILD_DIR/models" "${BENCH_THREADS:-2}" \
