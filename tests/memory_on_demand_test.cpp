@@ -3,6 +3,8 @@
 // budget is refused naming it, and a request's trace shows its load apart from its compute.
 #include "test_util.hpp"
 
+#include <blockflow/core/detail/resident_set.hpp>
+
 #include <atomic>
 #include <condition_variable>
 #include <future>
@@ -305,4 +307,39 @@ TEST_CASE("on demand: apply() loads an added block once (unloading others to fit
   CHECK(refused.status().code() == absl::StatusCode::kResourceExhausted);
   CHECK_THAT(std::string(refused.status().message()), Contains("block 'upd_huge': its profiled memory is 30.0 MB"));
   CHECK(session.submit("tc", at::zeros({1})).get().ok());  // the session goes on as it was
+}
+
+TEST_CASE("on demand: the block a session keeps for an on-demand block loads it for forward() and lets it go", "[memory]") {
+  // The session's lanes hold blocks themselves; a caller of the kept Block (on_demand_block()) gets
+  // the same residency: a load when needed, eviction of the least recently used, errors named.
+  blockflow::detail::ResidentSet set(10 * kMB, [] { return std::int64_t{0}; });
+  const auto loader = [](float add) {
+    return [add]() -> absl::StatusOr<std::shared_ptr<Block>> {
+      return Block::callable("loaded", [add](Tensors&& in) -> absl::StatusOr<Tensors> { return Tensors{in.at(0) + add}; });
+    };
+  };
+  const auto idle = [] { return false; };
+  const int a = set.add("a", 6 * kMB, loader(1), idle);
+  const int b = set.add("b", 6 * kMB, loader(2), idle);
+  const int broken = set.add("broken", 1 * kMB, [] { return absl::StatusOr<std::shared_ptr<Block>>(absl::InternalError("block 'broken': no such file")); }, idle);
+  auto block_a = blockflow::detail::on_demand_block(set, a, "a", {}, "torchscript");
+  auto block_b = blockflow::detail::on_demand_block(set, b, "b", {}, "torchscript");
+  CHECK(block_a->name() == "a");
+  CHECK(block_a->kind() == "torchscript");
+  CHECK_FALSE(set.state(a).resident);
+  auto out = block_a->forward({at::zeros({1})});
+  REQUIRE(out.ok());
+  CHECK(out->at(0).item<float>() == 1.0f);
+  CHECK(set.state(a).resident);
+  out = block_b->forward({at::zeros({1})});  // 6 + 6 MB do not fit in 10: a, idle, goes
+  REQUIRE(out.ok());
+  CHECK(out->at(0).item<float>() == 2.0f);
+  CHECK_FALSE(set.state(a).resident);
+  CHECK(set.state(a).evictions == 1);
+  CHECK(set.state(b).resident);
+  CHECK(set.totals().loads == 2);
+  CHECK(set.totals().resident_bytes == 6 * kMB);
+  const auto failed = blockflow::detail::on_demand_block(set, broken, "broken", {}, "torchscript")->forward({at::zeros({1})});
+  REQUIRE_FALSE(failed.ok());
+  CHECK_THAT(std::string(failed.status().message()), Contains("block 'broken'"));
 }

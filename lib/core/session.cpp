@@ -182,14 +182,8 @@ absl::Status SessionCore::build() {
   if (on_demand && options_.memory_budget <= 0) {
     return absl::InvalidArgumentError("SessionOptions: memory_policy kOnDemand needs a memory_budget above 0 (bytes)");
   }
-  // Blocks that load later (on demand, or in the background while the session serves) go through a
-  // resident set: made here, before any lane runs, even when no block needs it yet (apply() may add
-  // some). Serving while warming without a budget: one nothing is ever unloaded from.
-  const bool lazy = on_demand || options_.serve_while_warming;
-  if (lazy) {
-    resident_ = std::make_unique<ResidentSet>(on_demand ? options_.memory_budget : std::numeric_limits<std::int64_t>::max() / 4,
-                                              [] { return sample_process().rss_bytes; });
-  }
+  make_resident_set();
+  const bool lazy = resident_ != nullptr;
   for (auto& block : pending_blocks_) {
     if (auto status = check_device(*block); !status.ok()) return status;
     if (auto status = add_runtime(make_runtime(block)); !status.ok()) return status;

@@ -108,9 +108,13 @@ void SessionCore::process_batch(BlockRuntime& runtime, std::vector<Envelope>&& b
     const std::int64_t total = std::accumulate(rows.begin(), rows.end(), std::int64_t{0});
     Block* compute = &block;
     ResidentSet::Hold hold;
-    const std::int64_t load_start = now_ns();
-    absl::Status held = runtime.resident_id >= 0 ? hold_resident(runtime, hold, compute) : absl::OkStatus();
-    const std::int64_t load_end = runtime.resident_id >= 0 ? now_ns() : load_start;
+    std::int64_t load_start = 0, load_end = 0;  // a load span only for a block that loads on demand
+    absl::Status held = absl::OkStatus();
+    if (runtime.resident_id >= 0) {
+      load_start = now_ns();
+      held = hold_resident(runtime, hold, compute);
+      load_end = now_ns();
+    }
     const std::int64_t start = now_ns();
     absl::StatusOr<Tensors> outputs = held.ok() ? guarded_forward(*compute, std::move(stacked)) : held;
     const std::int64_t end = now_ns();

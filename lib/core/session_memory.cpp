@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <map>
 
 namespace blockflow::detail {
@@ -49,6 +50,16 @@ absl::Status warm_up_loaded(Block& block) {
 }
 
 }  // namespace
+
+// Blocks that load later (on demand, or in the background while the session serves) go through a
+// resident set: made by build(), before any lane runs, even when no block needs it yet (apply() may
+// add some). Serving while warming without a budget: one nothing is ever unloaded from.
+void SessionCore::make_resident_set() {
+  const bool on_demand = options_.memory_policy == SessionOptions::MemoryPolicy::kOnDemand;
+  if (!on_demand && !options_.serve_while_warming) return;
+  resident_ = std::make_unique<ResidentSet>(on_demand ? options_.memory_budget : std::numeric_limits<std::int64_t>::max() / 4,
+                                            process_rss_bytes);
+}
 
 absl::StatusOr<std::unique_ptr<BlockRuntime>> SessionCore::make_on_demand_runtime(const BlockDescription& description) {
   if (auto status = validate(description.name, description.options); !status.ok()) return status;

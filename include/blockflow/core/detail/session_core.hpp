@@ -128,6 +128,8 @@ class SessionCore {
   absl::Status build();
   absl::Status add_runtime(std::unique_ptr<BlockRuntime> runtime);
   std::unique_ptr<BlockRuntime> make_runtime(std::shared_ptr<Block> block);
+  // resident_, when blocks of this process load later (on demand, or serving while warming).
+  void make_resident_set();
   // A block of this process that loads on demand (SessionOptions::MemoryPolicy::kOnDemand).
   absl::StatusOr<std::unique_ptr<BlockRuntime>> make_on_demand_runtime(const BlockDescription& description);
   // The first load of each on-demand block, one at a time on a lane (so that a block of unknown
