@@ -1,7 +1,9 @@
-// Blocks loaded on demand under a memory budget (SessionOptions::MemoryPolicy::kOnDemand): least
-// recently used blocks make room, a running block is never unloaded, a block larger than the whole
-// budget is refused naming it, and a request's trace shows its load apart from its compute.
+// Blocks loaded on demand under a memory budget (SessionOptions::MemoryPolicy::kOnDemand, and
+// WorkerOptions::memory_policy in a worker process): least recently used blocks make room, a running
+// block is never unloaded, a block larger than the whole budget is refused naming it, and a
+// request's trace shows its load apart from its compute.
 #include "test_util.hpp"
+#include "worker_util.hpp"
 
 #include <blockflow/core/detail/resident_set.hpp>
 
@@ -342,4 +344,66 @@ TEST_CASE("on demand: the block a session keeps for an on-demand block loads it 
   const auto failed = blockflow::detail::on_demand_block(set, broken, "broken", {}, "torchscript")->forward({at::zeros({1})});
   REQUIRE_FALSE(failed.ok());
   CHECK_THAT(std::string(failed.status().message()), Contains("block 'broken'"));
+}
+
+namespace {
+
+// Two plugin blocks of 6 MB (by their profiles) in worker w1, whose budget holds one of them.
+BlockDescription six_mb(const std::string& name) {
+  BlockDescription d = test::plugin_block(name, "affine", "w1");
+  d.options.memory_bytes = 6 * kMB;
+  return d;
+}
+
+WorkerOptions on_demand_worker(std::int64_t budget) {
+  WorkerOptions o = test::test_worker("w1");
+  o.memory_budget = budget;
+  o.memory_policy = SessionOptions::MemoryPolicy::kOnDemand;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("on demand in a worker process: its blocks take turns under its budget; the host sees its loads", "[memory]") {
+  Session session;
+  session.add_site(std::make_shared<WorkerSite>(on_demand_worker(10 * kMB)));
+  session.add_block(six_mb("a")).add_block(six_mb("b"));  // 12 MB: admitted, as each fits alone
+  session.add_path(Path::chain("ta", {"a"})).add_path(Path::chain("tb", {"b"}));
+  REQUIRE(session.start().ok());
+  for (int i = 0; i < 6; ++i) {
+    const Result r = session.submit(i % 2 == 0 ? "ta" : "tb", at::full({1, 4}, 2.0f)).get();
+    INFO(r.status);
+    REQUIRE(r.ok());
+    CHECK(r.output().eq(7.0f).all().item<bool>());
+  }
+  // Each request of the other task unloaded the block before it (the heartbeats bring the figures).
+  const auto site_memory = [&] {
+    const auto m = session.metrics();
+    for (const auto& s : m.memory) {
+      if (s.site == "w1") return s;
+    }
+    return SiteMemory{};
+  };
+  CHECK(test::eventually([&] { return site_memory().evictions >= 6; }));
+  const SiteMemory w1 = site_memory();
+  CHECK(w1.policy == "on_demand");
+  CHECK(w1.budget_bytes == 10 * kMB);
+  CHECK(w1.resident_bytes == 6 * kMB);
+  CHECK(w1.loads >= 7);
+  CHECK(w1.bytes_loaded == static_cast<std::int64_t>(w1.loads) * 6 * kMB);
+  CHECK_THAT(session.metrics().to_prometheus(), Contains("blockflow_site_block_evictions_total{site=\"w1\"}"));
+}
+
+TEST_CASE("on demand in a worker process: a block larger than its budget is refused, naming the block and the worker", "[memory]") {
+  Session session;
+  session.add_site(std::make_shared<WorkerSite>(on_demand_worker(5 * kMB)));
+  session.add_block(six_mb("a")).add_path(Path::chain("ta", {"a"}));
+  const absl::Status status = session.start();
+  CHECK(status.code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(status.message()), Contains("block 'a'"));
+  CHECK_THAT(std::string(status.message()), Contains("site 'w1' (on demand, every block must fit alone)"));
+  Session no_budget;
+  no_budget.add_site(std::make_shared<WorkerSite>(on_demand_worker(0)));
+  no_budget.add_block(six_mb("a")).add_path(Path::chain("ta", {"a"}));
+  CHECK_THAT(std::string(no_budget.start().message()), Contains("worker w1: WorkerOptions::memory_policy kOnDemand needs a memory_budget"));
 }

@@ -148,12 +148,12 @@ absl::Status SessionCore::check_memory(const std::vector<MemoryClaim>& claims,
   for (auto& [site, list] : by_site) {
     const std::int64_t budget = budget_of(site);
     if (budget <= 0) continue;
-    if (site == kThreads && options_.memory_policy == SessionOptions::MemoryPolicy::kOnDemand) {  // one at a time must fit
+    if (loads_on_demand(site)) {  // one at a time must fit
       for (const auto* c : list) {
         if (c->bytes <= budget) continue;
         return absl::ResourceExhaustedError(fmt::format(
-            "block '{}': its profiled memory is {:.1f} MB, over the memory budget of {:.1f} MB of the session's threads "
-            "(on demand, every block must fit alone)", c->block, mb(c->bytes), mb(budget)));
+            "block '{}': its profiled memory is {:.1f} MB, over the memory budget of {:.1f} MB of {} "
+            "(on demand, every block must fit alone)", c->block, mb(c->bytes), mb(budget), site_label(site)));
       }
       continue;
     }
@@ -170,6 +170,12 @@ absl::Status SessionCore::check_memory(const std::vector<MemoryClaim>& claims,
         largest, list.size() > 3 ? ", ..." : "", mb(budget)));
   }
   return absl::OkStatus();
+}
+
+bool SessionCore::loads_on_demand(const std::string& site) const {
+  if (site.empty() || site == kThreads) return options_.memory_policy == SessionOptions::MemoryPolicy::kOnDemand;
+  const SiteRuntime* s = site_named(site);
+  return s != nullptr && s->site->loads_on_demand();
 }
 
 std::int64_t SessionCore::memory_budget_of(const std::string& site) const {
@@ -211,7 +217,7 @@ void SessionCore::note_memory() {
       if (measured) m.measured_bytes = std::max<std::int64_t>(0, st.rss_bytes - st.rss_idle_bytes);
     }
     // On demand, only some of the blocks are loaded at a time: the sum of profiles says nothing.
-    const bool all_loaded = !(name == kThreads && resident_);
+    const bool all_loaded = name == kThreads ? resident_ == nullptr : !loads_on_demand(name);
     if (m.profiled_bytes > 0 && measured && all_loaded) {
       const double off = static_cast<double>(m.measured_bytes - m.profiled_bytes) / static_cast<double>(m.profiled_bytes);
       if (std::abs(off) > kMisprofiled) {

@@ -81,21 +81,35 @@ MetricsSnapshot SessionCore::metrics() const {
     }
   }
   snapshot.memory = memory_;
+  // The live figures of a site that loads on demand.
+  const auto on_demand = [&snapshot](const std::string& site, std::int64_t budget) -> SiteMemory& {
+    auto it = std::find_if(snapshot.memory.begin(), snapshot.memory.end(), [&](const SiteMemory& m) { return m.site == site; });
+    if (it == snapshot.memory.end()) {
+      it = snapshot.memory.emplace(snapshot.memory.end());
+      it->site = site;
+      it->budget_bytes = budget;
+    }
+    it->policy = "on_demand";
+    return *it;
+  };
   if (resident_ && options_.memory_policy == SessionOptions::MemoryPolicy::kOnDemand) {
     const ResidentSet::Totals t = resident_->totals();
-    auto threads = std::find_if(snapshot.memory.begin(), snapshot.memory.end(), [](const SiteMemory& m) { return m.site == "threads"; });
-    if (threads == snapshot.memory.end()) {
-      snapshot.memory.emplace_back();
-      threads = std::prev(snapshot.memory.end());
-      threads->site = "threads";
-      threads->budget_bytes = t.budget_bytes;
-    }
-    threads->policy = "on_demand";
-    threads->resident_bytes = t.resident_bytes;
-    threads->loads = t.loads;
-    threads->evictions = t.evictions;
-    threads->bytes_loaded = t.bytes_loaded;
-    threads->load_s = t.load_s;
+    SiteMemory& threads = on_demand("threads", t.budget_bytes);
+    threads.resident_bytes = t.resident_bytes;
+    threads.loads = t.loads;
+    threads.evictions = t.evictions;
+    threads.bytes_loaded = t.bytes_loaded;
+    threads.load_s = t.load_s;
+  }
+  for (std::size_t i = 0; i < sites_.size(); ++i) {
+    if (!sites_[i]->site->loads_on_demand()) continue;
+    const SiteStats& st = snapshot.sites[i];
+    SiteMemory& m = on_demand(st.name, sites_[i]->site->memory_budget());
+    m.resident_bytes = st.blocks_resident_bytes;
+    m.loads = st.block_loads;
+    m.evictions = st.block_evictions;
+    m.bytes_loaded = st.block_bytes_loaded;
+    m.load_s = st.block_load_s;
   }
   snapshot.sampling = sampler_.enabled();
   snapshot.sampling_period_s = absl::ToDoubleSeconds(sampler_.period());

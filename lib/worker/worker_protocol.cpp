@@ -20,7 +20,10 @@ nlohmann::json make_config(const std::vector<BlockDescription>& blocks, const Wo
           {"shm_outputs_in_slots", options.shm_outputs_in_slots},
           {"receive_spin_us", absl::ToInt64Microseconds(options.receive_spin)},
           {"max_parked_bytes", options.max_parked_bytes},
-          {"lanes", options.lanes}};
+          {"lanes", options.lanes},
+          // On demand the worker's own session keeps its blocks under the budget (kAdmit: the
+          // host's session admits by the profiles, and the worker needs no budget of its own).
+          {"on_demand_budget", options.memory_policy == SessionOptions::MemoryPolicy::kOnDemand ? options.memory_budget : 0}};
 }
 
 HeartbeatSettings heartbeat_settings(const nlohmann::json& config) {

@@ -61,6 +61,16 @@ struct Args {
 
 std::int64_t rss_bytes() { return bf::sample_process().rss_bytes; }
 
+// What a heartbeat tells the host of a session whose blocks load on demand (SiteStats' fields).
+nlohmann::json on_demand_totals(const bf::MetricsSnapshot& m) {
+  for (const auto& site : m.memory) {
+    if (site.site != "threads") continue;
+    return {{"blocks_resident_bytes", site.resident_bytes}, {"block_loads", site.loads}, {"block_evictions", site.evictions},
+            {"block_bytes_loaded", site.bytes_loaded}, {"block_load_s", site.load_s}};
+  }
+  return nlohmann::json::object();
+}
+
 bf::wire::Header error_header(std::uint64_t id, std::uint32_t node, const absl::Status& status) {
   bf::wire::Header h;
   h.kind = bf::wire::MessageKind::kError;
@@ -201,6 +211,11 @@ class Worker {
     if (!wanted.ok()) return wanted.status();
     bf::SessionOptions options;
     options.lanes = config.value("lanes", 0);
+    if (const std::int64_t budget = config.value("on_demand_budget", std::int64_t{0}); budget > 0) {
+      options.memory_budget = budget;
+      options.memory_policy = bf::SessionOptions::MemoryPolicy::kOnDemand;
+      on_demand_ = true;
+    }
     session_ = std::make_unique<bf::Session>(options);
     for (const auto& description : wanted->blocks) session_->add_block(description);
     for (auto& path : wanted->paths()) session_->add_path(std::move(path));
@@ -304,6 +319,7 @@ class Worker {
         if (ends_) beat["shm"] = ends_->host_stats();
         if (ends_ && ends_->cuda()) beat["cuda"] = ends_->cuda_stats();
         if (sampler_.enabled()) beat["kpi"] = sampler_.latest();
+        if (on_demand_ && session_) beat["on_demand"] = on_demand_totals(session_->metrics());
         send_control(beat);
       }
       if (type == bf::detail::kUpdate) start_update(json);
@@ -552,6 +568,7 @@ class Worker {
   zmq::socket_t pull_;  // channel "zmq": requests (receiver thread)
   std::string config_text_;
   std::unique_ptr<bf::Session> session_;  // made once the configuration has arrived
+  bool on_demand_ = false;                 // its blocks load on demand (heartbeats say what is loaded)
   std::mutex hosted_mu_;
   std::set<std::string> hosted_;   // read by the receiver thread, changed by updates
   std::set<std::string> plugins_;  // loaded already

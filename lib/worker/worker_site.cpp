@@ -74,6 +74,11 @@ void WorkerSite::on_lost(LostFn lost) {
 
 absl::Status WorkerSite::start(const std::vector<BlockDescription>& blocks, CompletionFn done) {
   Impl& s = *impl_;
+  if (s.options.memory_policy == SessionOptions::MemoryPolicy::kOnDemand && s.options.memory_budget <= 0) {
+    s.state = Impl::State::kStopped;
+    return absl::InvalidArgumentError(
+        fmt::format("{}: WorkerOptions::memory_policy kOnDemand needs a memory_budget above 0 (bytes)", s.prefix()));
+  }
   if (auto status = s.resolve_channel(); !status.ok()) {
     s.state = Impl::State::kStopped;
     return status;
@@ -245,6 +250,11 @@ SiteStats WorkerSite::stats() const {
   out.pid = s.pid;
   out.restarts = s.restarts;
   out.lost = s.lost;
+  out.blocks_resident_bytes = s.on_demand.blocks_resident_bytes;
+  out.block_loads = s.on_demand.block_loads;
+  out.block_evictions = s.on_demand.block_evictions;
+  out.block_bytes_loaded = s.on_demand.block_bytes_loaded;
+  out.block_load_s = s.on_demand.block_load_s;
   out.failed_requests = s.failed_requests;
   out.in_flight = s.in_flight.size();
   out.malformed_frames = s.malformed;
@@ -337,6 +347,10 @@ std::string WorkerSite::request_endpoint() const { return impl_->request_endpoin
 std::string WorkerSite::peer_endpoint() const { return impl_->peer; }
 
 std::int64_t WorkerSite::memory_budget() const { return impl_->options.memory_budget; }
+
+bool WorkerSite::loads_on_demand() const {
+  return impl_->options.memory_policy == SessionOptions::MemoryPolicy::kOnDemand && impl_->options.memory_budget > 0;
+}
 
 std::string WorkerSite::join_endpoint() const { return impl_->joined() ? impl_->control_endpoint : std::string(); }
 }  // namespace blockflow

@@ -173,6 +173,7 @@ struct WorkerSite::Impl {
   CompletionFn done;
   LostFn lost_fn;                   // RemoteSite::on_lost(); dropped by stop() with `done`
   bool lost = false;                // gone for good: died after its last restart
+  SiteStats on_demand;              // WorkerOptions::memory_policy kOnDemand: the block_* figures of the last heartbeat
   std::string dir, control_endpoint, request_endpoint, result_endpoint;
   zmq::context_t context{1};
   std::unique_ptr<detail::CurveServer> curve;  // joined over CURVE; after the sockets, before the context

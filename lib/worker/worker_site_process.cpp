@@ -245,6 +245,13 @@ void WorkerSite::Impl::handle_control(zmq::socket_t& router, const std::string& 
     if (message.contains("shm") && message["shm"].is_object()) shm_results = message["shm"].get<ShmEdgeStats>();
     if (message.contains("cuda") && message["cuda"].is_object()) cuda_results = message["cuda"].get<ShmEdgeStats>();
     kpi = message.contains("kpi") ? message["kpi"].get<KpiSample>() : KpiSample{};
+    if (const auto it = message.find("on_demand"); it != message.end() && it->is_object()) {
+      on_demand.blocks_resident_bytes = it->value("blocks_resident_bytes", std::int64_t{0});
+      on_demand.block_loads = it->value("block_loads", std::uint64_t{0});
+      on_demand.block_evictions = it->value("block_evictions", std::uint64_t{0});
+      on_demand.block_bytes_loaded = it->value("block_bytes_loaded", std::int64_t{0});
+      on_demand.block_load_s = it->value("block_load_s", 0.0);
+    }
   }
 }
 

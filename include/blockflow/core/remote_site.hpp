@@ -76,6 +76,13 @@ struct SiteStats {
   ShmEdgeStats cuda_requests, cuda_results;
   /// The site process's last KPI sample (empty, time_s 0, while sampling is off).
   KpiSample kpi;
+  /// A site that loads on demand (RemoteSite::loads_on_demand()), as of its last heartbeat: the
+  /// footprints of the blocks loaded now, loads, evictions, the footprints of every load, and the
+  /// time spent loading.
+  std::int64_t blocks_resident_bytes = 0;
+  std::uint64_t block_loads = 0, block_evictions = 0;
+  std::int64_t block_bytes_loaded = 0;
+  double block_load_s = 0;
 };
 
 /// @brief Contract between a session and a place where blocks run.
@@ -132,6 +139,9 @@ class RemoteSite {
   /// @brief Bytes of resident memory the site's blocks may take, by their profiled
   /// BlockOptions::memory_bytes (the session refuses more at start() and apply()); 0: no budget.
   [[nodiscard]] virtual std::int64_t memory_budget() const { return 0; }
+  /// @brief Whether the site loads its blocks on demand under memory_budget() (each block must then
+  /// fit the budget alone, and SiteStats says what is loaded). The default: no.
+  [[nodiscard]] virtual bool loads_on_demand() const { return false; }
   /// @brief Switches the site's own KPI sampler (its process's figures, reported in stats().kpi).
   /// The default does nothing: a site without a process of its own has nothing to sample.
   virtual void set_sampling(bool enabled, absl::Duration period) {

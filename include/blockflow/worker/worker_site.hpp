@@ -100,6 +100,11 @@ struct WorkerOptions {
   /// Bytes of resident memory this worker's blocks may take, by their profiled
   /// BlockOptions::memory_bytes; the session refuses more at start() and apply(). 0: no budget.
   std::int64_t memory_budget = 0;
+  /// What the budget does, as SessionOptions::memory_policy does for the session's threads
+  /// (docs/memory.md): kAdmit, the session refuses blocks whose profiles add up to more; kOnDemand
+  /// (with a budget), the worker loads its blocks when requests need them, unloading idle ones,
+  /// least recently used first, and each block must fit the budget alone.
+  SessionOptions::MemoryPolicy memory_policy = SessionOptions::MemoryPolicy::kAdmit;
   /// Compute lanes of the worker process (SessionOptions::lanes): 0, as many as its cores hold
   /// OpenMP teams of its blocks' intra-op threads.
   int lanes = 0;
@@ -159,6 +164,7 @@ class WorkerSite final : public RemoteSite {
   /// Empty otherwise.
   [[nodiscard]] std::string peer_endpoint() const override;
   [[nodiscard]] std::int64_t memory_budget() const override;
+  [[nodiscard]] bool loads_on_demand() const override;
 
  private:
   struct Impl;
