@@ -14,7 +14,9 @@
 // With --footprints (what an unlimited run measured, as a profile would give them), the blocks carry
 // them as BlockOptions::memory_bytes and are not measured again.
 //
-// usage: memory_budget_bench --models DIR [--budget-mb MB] [--footprints NAME=MB,...] [--requests N] [--threads T]
+// With --prefetch 1, SessionOptions::prefetch is on.
+//
+// usage: memory_budget_bench --models DIR [--budget-mb MB] [--footprints NAME=MB,...] [--requests N] [--threads T] [--prefetch 0|1]
 #include "bench_util.hpp"
 #include "resnet_split.hpp"
 
@@ -42,6 +44,7 @@ int main(int argc, char** argv) try {
   double budget_mb = 0;
   int requests = 60;
   int threads = 2;
+  bool prefetch = false;
   std::map<std::string, double> footprint_mb;  // --footprints name=MB,...: the blocks' profiles
   bf::bench::parse_options(argc, argv, [&](const std::string& k, const std::string& v) {
     if (k == "--footprints") {
@@ -53,6 +56,7 @@ int main(int argc, char** argv) try {
     else if (k == "--budget-mb") budget_mb = std::stod(v);
     else if (k == "--requests") requests = std::stoi(v);
     else if (k == "--threads") threads = std::stoi(v);
+    else if (k == "--prefetch") prefetch = v == "1";
     else return false;
     return true;
   });
@@ -61,6 +65,7 @@ int main(int argc, char** argv) try {
   bf::SessionOptions options;
   options.intra_op_threads = threads;
   options.memory_policy = bf::SessionOptions::MemoryPolicy::kOnDemand;
+  options.prefetch = prefetch;
   options.memory_budget = budget_mb > 0 ? static_cast<std::int64_t>(budget_mb * 1048576.0) : (std::int64_t{1} << 40);
   const std::int64_t rss_before = rss_bytes();
   bf::Session session(options);
@@ -138,6 +143,8 @@ int main(int argc, char** argv) try {
   nlohmann::json line = {
       {"bench", "memory_budget"},
       {"budget_mb", budget_mb > 0 ? round1(budget_mb) : 0.0},
+      {"prefetch", prefetch},
+      {"prefetches", site->prefetches - warm_site->prefetches},
       {"blocks_total_mb", round1(total_mb)},
       {"footprint_mb", footprints},
       {"rss_before_mb", round1(static_cast<double>(rss_before) / 1048576.0)},

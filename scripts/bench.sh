@@ -41,7 +41,8 @@
 #   run (each block loads once) measures the blocks' footprints, then runs with the budget at
 #   BENCH_MEMORY_FRACTION (default 0.5) of their total alternate with unlimited ones, a process each
 #   (bench/memory_budget_bench.cpp); a last line compares them (p50/p99 against unlimited, sampled
-#   RSS against the budget, and the floor: unlimited p50 plus the loads a request pays).
+#   RSS against the budget, and the floor: unlimited p50 plus the loads a request pays); the budgeted
+#   runs go with SessionOptions::prefetch off and on, a summary line each.
 #   replan: three tasks over three worker processes that are not restarted, profiled here; the
 #   worker running block3 is killed under traffic and the session re-plans (on_site_lost =
 #   replanner()): kill -> loss detected, loss -> re-planned deployment applied, kill -> each task's
@@ -176,9 +177,10 @@ PY
 import json, statistics, subprocess, sys
 bench, models, threads, requests, fraction = sys.argv[1:6]
 footprints = []
-def run(budget_mb):
+def run(budget_mb, prefetch=False):
     p = subprocess.run([bench, "--models", models, "--budget-mb", str(budget_mb), "--threads", threads,
-                        "--requests", requests] + footprints, capture_output=True, text=True)
+                        "--requests", requests, "--prefetch", "1" if prefetch else "0"] + footprints,
+                       capture_output=True, text=True)
     lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
     if not lines:
         sys.exit(f"memory_budget_bench failed ({p.returncode}): {p.stderr[-2000:]}")
@@ -188,31 +190,34 @@ def run(budget_mb):
 unlimited = [run(0)]  # measures each block's footprint by its first load; the later runs take them as profiles
 footprints = ["--footprints", ",".join(f"{k}={v}" for k, v in unlimited[0]["footprint_mb"].items())]
 budget = round(unlimited[0]["blocks_total_mb"] * float(fraction), 1)
-budgeted = []
+budgeted = {False: [], True: []}
 for _ in range(2):
-    budgeted.append(run(budget))
+    for prefetch in (False, True):
+        budgeted[prefetch].append(run(budget, prefetch))
     unlimited.append(run(0))
 med = lambda runs, k: round(statistics.median(r[k] for r in runs), 1)
 p50_u, p99_u = med(unlimited, "p50_ms"), med(unlimited, "p99_ms")
-p50_b, p99_b = med(budgeted, "p50_ms"), med(budgeted, "p99_ms")
-max_blocks = max(r["max_blocks_rss_mb"] for r in budgeted)
 # What the process holds beside the blocks' footprints (activations, oneDNN's caches, a load's
 # transient copies): the unlimited runs' sampled RSS over the footprints' sum.
 working = round(statistics.median(r["max_blocks_rss_mb"] for r in unlimited) - unlimited[0]["blocks_total_mb"], 1)
-floor = round(p50_u + med(budgeted, "load_ms_per_request"), 1)
-print(json.dumps({"bench": "memory_budget_summary", "budget_mb": budget, "blocks_total_mb": unlimited[0]["blocks_total_mb"],
-                  "budget_fraction": float(fraction), "max_blocks_rss_mb": max_blocks,
-                  "max_rss_over_budget": round(max_blocks / budget, 3), "working_mb_unlimited": working,
-                  "max_rss_over_budget_plus_working": round(max_blocks / (budget + working), 3),
-                  "failed": sum(r["failed"] for r in budgeted + unlimited),
-                  "p50_ms": p50_b, "p50_ms_unlimited": p50_u, "p99_ms": p99_b, "p99_ms_unlimited": p99_u,
-                  "p99_over_unlimited": round(p99_b / p99_u, 2), "loads": med(budgeted, "loads"),
-                  "evictions": med(budgeted, "evictions"), "ms_per_load": med(budgeted, "ms_per_load"),
-                  "floor_p50_ms": floor, "p50_over_floor": round(p50_b / floor, 3), "prefetch": False,
-                  "targets": {"rss_within_budget_plus_10pct": max_blocks <= 1.1 * budget,
-                              "rss_within_budget_plus_working_plus_10pct": max_blocks <= 1.1 * (budget + working),
-                              "p99_within_1_5x_unlimited": p99_b <= 1.5 * p99_u},
-                  "cpu": unlimited[0]["cpu"], "threads": int(threads), "hardware_threads": unlimited[0]["hardware_threads"]}))
+for prefetch, runs in budgeted.items():
+    p50_b, p99_b = med(runs, "p50_ms"), med(runs, "p99_ms")
+    max_blocks = max(r["max_blocks_rss_mb"] for r in runs)
+    floor = round(p50_u + med(runs, "load_ms_per_request"), 1)
+    print(json.dumps({"bench": "memory_budget_summary", "budget_mb": budget, "blocks_total_mb": unlimited[0]["blocks_total_mb"],
+                      "budget_fraction": float(fraction), "max_blocks_rss_mb": max_blocks,
+                      "max_rss_over_budget": round(max_blocks / budget, 3), "working_mb_unlimited": working,
+                      "max_rss_over_budget_plus_working": round(max_blocks / (budget + working), 3),
+                      "failed": sum(r["failed"] for r in runs + unlimited),
+                      "p50_ms": p50_b, "p50_ms_unlimited": p50_u, "p99_ms": p99_b, "p99_ms_unlimited": p99_u,
+                      "p99_over_unlimited": round(p99_b / p99_u, 2), "loads": med(runs, "loads"),
+                      "evictions": med(runs, "evictions"), "ms_per_load": med(runs, "ms_per_load"),
+                      "floor_p50_ms": floor, "p50_over_floor": round(p50_b / floor, 3), "prefetch": prefetch,
+                      "prefetches": med(runs, "prefetches"),
+                      "targets": {"rss_within_budget_plus_10pct": max_blocks <= 1.1 * budget,
+                                  "rss_within_budget_plus_working_plus_10pct": max_blocks <= 1.1 * (budget + working),
+                                  "p99_within_1_5x_unlimited": p99_b <= 1.5 * p99_u},
+                      "cpu": unlimited[0]["cpu"], "threads": int(threads), "hardware_threads": unlimited[0]["hardware_threads"]}))
 PY
       ;;
     batching)

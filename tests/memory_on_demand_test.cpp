@@ -346,6 +346,48 @@ TEST_CASE("on demand: the block a session keeps for an on-demand block loads it 
   CHECK_THAT(std::string(failed.status().message()), Contains("block 'broken'"));
 }
 
+TEST_CASE("on demand with prefetch: the next block of the path loads on another lane while this one runs", "[memory]") {
+  register_factories();
+  for (const bool prefetch : {false, true}) {
+    SessionOptions options = on_demand(25, 2);  // room for two of the three blocks, two lanes
+    options.prefetch = prefetch;
+    Session session(options);
+    session.add_block(described("second", "od_add", 10)).add_block(described("first", "od_gate", 10));
+    session.add_block(described("elsewhere", "od_add", 10));
+    session.add_path(Path::chain("chain", {"first", "second"})).add_path(Path::chain("other", {"elsewhere"}));
+    REQUIRE(session.start().ok());  // loads the three in turn: the last two stay
+    REQUIRE(session.submit("other", at::ones({1})).get().ok());
+    REQUIRE(resident(session.metrics(), {"first", "second", "elsewhere"}) == std::vector<bool>{true, false, true});
+    {
+      std::lock_guard<std::mutex> lock(gate.mu);
+      gate.open = false;
+      gate.arrived = false;
+    }
+    auto r = session.submit("chain", at::ones({1}));
+    {
+      std::unique_lock<std::mutex> lock(gate.mu);
+      gate.cv.wait(lock, [] { return gate.arrived; });
+    }
+    // While 'first' computes (held at the gate), the other lane loads 'second', making room from
+    // 'elsewhere' (idle, on another path); without prefetch, 'second' waits for its request.
+    if (prefetch) CHECK(test::eventually([&] { return block_in(session.metrics(), "second").resident; }));
+    CHECK(block_in(session.metrics(), "second").resident == prefetch);
+    const auto loads_before = block_in(session.metrics(), "second").loads;
+    {
+      std::lock_guard<std::mutex> lock(gate.mu);
+      gate.open = true;
+    }
+    gate.cv.notify_all();
+    const Result result = r.get();
+    REQUIRE(result.ok());
+    CHECK(result.output()[0].item<float>() == 6.0f);  // 1 x 2, + 4 ('second' ends in 'd')
+    const auto m = session.metrics();
+    CHECK(threads_memory(m).prefetches == (prefetch ? 1u : 0u));
+    CHECK(block_in(m, "second").loads == loads_before + (prefetch ? 0u : 1u));  // prefetched: its request loaded nothing
+    CHECK_FALSE(block_in(m, "elsewhere").resident);
+  }
+}
+
 namespace {
 
 // Two plugin blocks of 6 MB (by their profiles) in worker w1, whose budget holds one of them.

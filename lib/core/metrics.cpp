@@ -232,6 +232,8 @@ std::string MetricsSnapshot::to_prometheus() const {
     e.add("blockflow_site_loaded_bytes_total", "counter", "On demand: the footprints of every load.", l,
           static_cast<double>(m.bytes_loaded));
     e.add("blockflow_site_load_seconds_total", "counter", "On demand: time spent loading blocks.", l, m.load_s);
+    e.add("blockflow_site_block_prefetches_total", "counter", "On demand: blocks loaded ahead of their requests.", l,
+          static_cast<double>(m.prefetches));
   }
   for (const auto& lane : lanes) {
     const Exposition::Labels l = {{"lane", std::to_string(lane.index)}};

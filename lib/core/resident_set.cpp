@@ -46,6 +46,7 @@ struct ResidentSet::Entry {
   std::function<bool()> queued;
   std::shared_ptr<Block> block;  // null while not loaded
   bool loading = false;
+  bool prefetch_posted = false;  // want_prefetch() said yes; prefetch() has not run yet
   int holders = 0;
   std::uint64_t loads = 0, evictions = 0;
   std::int64_t last_use_ns = 0;
@@ -87,7 +88,8 @@ int ResidentSet::add(std::string name, std::int64_t footprint, Loader loader, st
   return static_cast<int>(entries_.size()) - 1;
 }
 
-bool ResidentSet::make_room_locked(std::int64_t need, int except, std::vector<std::shared_ptr<Block>>& unloaded) {
+bool ResidentSet::make_room_locked(std::int64_t need, int except, std::vector<std::shared_ptr<Block>>& unloaded,
+                                   const std::vector<int>* keep) {
   std::int64_t free = budget_ - resident_;
   if (need <= free) return true;
   struct Candidate {
@@ -98,7 +100,10 @@ bool ResidentSet::make_room_locked(std::int64_t need, int except, std::vector<st
   for (std::size_t i = 0; i < entries_.size(); ++i) {
     Entry& e = *entries_[i];
     if (static_cast<int>(i) == except || !e.block || e.holders > 0 || e.loading) continue;
-    candidates.push_back({&e, e.queued && e.queued()});
+    const bool queued = e.queued && e.queued();
+    // A prefetch makes room only from idle blocks off the request's path.
+    if (keep != nullptr && (queued || std::find(keep->begin(), keep->end(), static_cast<int>(i)) != keep->end())) continue;
+    candidates.push_back({&e, queued});
   }
   std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
     if (a.queued != b.queued) return !a.queued;  // idle blocks go first
@@ -149,7 +154,46 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::hold(int id) {
     resident_ += reserved;
   }
   free_blocks(unloaded);
+  return load_reserved(id, *entry, reserved);
+}
 
+bool ResidentSet::want_prefetch(int id) {
+  MutexLock lock(&mu_);
+  Entry& e = *entries_.at(static_cast<std::size_t>(id));
+  if (e.block) {
+    e.last_use_ns = now_ns();  // about to be used: not the one to make room for this request's others
+    return false;
+  }
+  // A block of unknown footprint is measured by a load of its own, never beside another.
+  if (e.loading || e.prefetch_posted || e.footprint <= 0 || e.footprint > budget_) return false;
+  e.prefetch_posted = true;
+  return true;
+}
+
+void ResidentSet::prefetch(int id, const std::vector<int>& keep) {
+  std::vector<std::shared_ptr<Block>> unloaded;
+  Entry* entry = nullptr;
+  std::int64_t reserved = 0;
+  {
+    MutexLock lock(&mu_);
+    entry = entries_.at(static_cast<std::size_t>(id)).get();
+    entry->prefetch_posted = false;
+    if (entry->block || entry->loading || entry->footprint <= 0 || entry->footprint > budget_ ||
+        !make_room_locked(entry->footprint, id, unloaded, &keep)) {
+      return;
+    }
+    entry->loading = true;
+    reserved = entry->footprint;
+    resident_ += reserved;
+    ++prefetches_;
+  }
+  free_blocks(unloaded);
+  (void)load_reserved(id, *entry, reserved);  // the hold goes at once: loaded, idle, just used
+}
+
+absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot, std::int64_t reserved) {
+  Entry* entry = &slot;
+  std::vector<std::shared_ptr<Block>> unloaded;
   // A block measured by its load: what the load left resident, its transient copies handed back.
   const bool measure = reserved == 0 && probe_;
   if (measure) trim_heap();
@@ -249,6 +293,7 @@ ResidentSet::Totals ResidentSet::totals() const {
   t.evictions = evictions_;
   t.bytes_loaded = bytes_loaded_;
   t.load_s = static_cast<double>(load_ns_) * 1e-9;
+  t.prefetches = prefetches_;
   return t;
 }
 

@@ -111,6 +111,7 @@ void SessionCore::process_batch(BlockRuntime& runtime, std::vector<Envelope>&& b
     std::int64_t load_start = 0, load_end = 0;  // a load span only for a block that loads on demand
     absl::Status held = absl::OkStatus();
     if (runtime.resident_id >= 0) {
+      if (options_.prefetch) prefetch_next(*group.front().local->plan, group.front().node);
       load_start = now_ns();
       held = hold_resident(runtime, hold, compute);
       load_end = now_ns();
@@ -188,6 +189,7 @@ void SessionCore::process(BlockRuntime& runtime, Envelope&& envelope) {
   Block* compute = &block;
   ResidentSet::Hold hold;  // an on-demand block stays loaded while it computes
   if (status.ok() && runtime.resident_id >= 0) {
+    if (options_.prefetch) prefetch_next(*state->plan, envelope.node);
     hop.load_start_ns = now_ns();
     status = hold_resident(runtime, hold, compute);
     hop.load_end_ns = now_ns();

@@ -106,6 +106,19 @@ void SessionCore::warm_in_background(const std::vector<BlockRuntime*>& order) {
   }
 }
 
+void SessionCore::prefetch_next(const PathPlan& plan, std::uint32_t node) {
+  std::vector<int> keep;  // the path's own blocks make no room for each other
+  for (const auto& n : plan.nodes) {
+    if (n.block != nullptr && n.block->resident_id >= 0) keep.push_back(n.block->resident_id);
+  }
+  for (const PlanEdge& e : plan.nodes[node].successors) {
+    const BlockRuntime* next = plan.nodes[static_cast<std::size_t>(e.node)].block;
+    if (next == nullptr || next->resident_id < 0 || !resident_->want_prefetch(next->resident_id)) continue;
+    const int id = next->resident_id;
+    (void)lanes_->post([this, id, keep] { resident_->prefetch(id, keep); });  // none once the lanes stop
+  }
+}
+
 void SessionCore::note_active() {
   const auto table = routing();
   if (!table) return;

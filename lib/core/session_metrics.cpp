@@ -100,6 +100,7 @@ MetricsSnapshot SessionCore::metrics() const {
     threads.evictions = t.evictions;
     threads.bytes_loaded = t.bytes_loaded;
     threads.load_s = t.load_s;
+    threads.prefetches = t.prefetches;
   }
   for (std::size_t i = 0; i < sites_.size(); ++i) {
     if (!sites_[i]->site->loads_on_demand()) continue;

@@ -78,6 +78,7 @@ struct SiteMemory {
   std::uint64_t loads = 0, evictions = 0;
   std::int64_t bytes_loaded = 0;    ///< on demand: the footprints of every load
   double load_s = 0;                ///< on demand: time spent loading (and warming up) blocks
+  std::uint64_t prefetches = 0;     ///< on demand: loads made ahead of their requests (SessionOptions::prefetch)
 };
 
 /// @brief Per-path (task) aggregates since the session started.

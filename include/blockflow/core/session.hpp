@@ -57,6 +57,10 @@ struct SessionOptions {
     kOnDemand,
   };
   MemoryPolicy memory_policy = MemoryPolicy::kAdmit;
+  /// kOnDemand: when a lane takes a request for a block, the next blocks of the request's path that
+  /// are not loaded start loading on another lane, when room can be made from idle blocks of other
+  /// paths without waiting (docs/memory.md, "Prefetch"). Off by default.
+  bool prefetch = false;
   /// start() returns once the sites are up and the paths are checked, before the blocks of this
   /// process built from descriptions are loaded: they load and warm up in the background on the
   /// lanes (as many at once as there are lanes), task by task in the order the paths were added, so

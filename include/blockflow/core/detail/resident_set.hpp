@@ -60,6 +60,7 @@ class ResidentSet {
     std::uint64_t loads = 0, evictions = 0;
     std::int64_t bytes_loaded = 0;
     double load_s = 0;                ///< time spent loading
+    std::uint64_t prefetches = 0;     ///< loads made ahead of their requests (prefetch())
   };
 
   ResidentSet(std::int64_t budget_bytes, MemoryProbe probe);
@@ -74,6 +75,13 @@ class ResidentSet {
   /// Waits while the loaded blocks that are running leave too little room. The error of a failed
   /// load names the block; ResourceExhausted for a block whose footprint exceeds the whole budget.
   absl::StatusOr<Hold> hold(int id);
+  /// Prefetching (SessionOptions::prefetch): true, once until prefetch() runs, when block `id` is
+  /// worth loading ahead (not loaded, not loading, of known footprint). A loaded one counts as used
+  /// now, so that loads for the same request evict others first.
+  bool want_prefetch(int id);
+  /// Loads block `id` ahead of its requests when room can be made without waiting, from idle blocks
+  /// (no queued requests) that are not in `keep` (the request's path); otherwise does nothing.
+  void prefetch(int id, const std::vector<int>& keep);
   /// Unloads every block not held (Session shutdown, a block removed by apply()).
   void unload(int id);
 
@@ -86,8 +94,11 @@ class ResidentSet {
   void release(int id);
   // Picks blocks to unload so that `need` more bytes fit (idle ones first, least recently used
   // first; then ones with queued requests); false when the running ones leave too little room.
-  bool make_room_locked(std::int64_t need, int except, std::vector<std::shared_ptr<Block>>& unloaded)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `keep` (a prefetch): only idle blocks not listed there.
+  bool make_room_locked(std::int64_t need, int except, std::vector<std::shared_ptr<Block>>& unloaded,
+                        const std::vector<int>* keep = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Loads a block whose room (`reserved`, 0 when its footprint is measured now) is taken, and holds it.
+  absl::StatusOr<Hold> load_reserved(int id, Entry& entry, std::int64_t reserved);
 
   const std::int64_t budget_;
   const MemoryProbe probe_;
@@ -98,6 +109,7 @@ class ResidentSet {
   std::uint64_t loads_ ABSL_GUARDED_BY(mu_) = 0, evictions_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t bytes_loaded_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t load_ns_ ABSL_GUARDED_BY(mu_) = 0;
+  std::uint64_t prefetches_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 /// The Block a session keeps for a block of `set` (its name, options, device and `kind`): forward()

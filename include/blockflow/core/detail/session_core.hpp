@@ -170,6 +170,8 @@ class SessionCore {
   void run_block(BlockRuntime& runtime, std::optional<Envelope> first);
   void queue_on_lanes(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target);
   void process(BlockRuntime& runtime, Envelope&& envelope);
+  // SessionOptions::prefetch: posts loads of the on-demand blocks after `node` on `plan`.
+  void prefetch_next(const PathPlan& plan, std::uint32_t node);
   // Loads an on-demand block if it is not, and holds it: `compute` is then the loaded block.
   absl::Status hold_resident(BlockRuntime& runtime, ResidentSet::Hold& hold, Block*& compute);
   void process_batch(BlockRuntime& runtime, std::vector<Envelope>&& batch);
