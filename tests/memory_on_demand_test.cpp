@@ -39,6 +39,27 @@ struct Gate {
 };
 Gate gate;
 
+// Makes the next od_gate forward() wait.
+void close_gate() {
+  std::lock_guard<std::mutex> lock(gate.mu);
+  gate.open = false;
+  gate.arrived = false;
+}
+
+// Until an od_gate forward() waits at the closed gate.
+void wait_at_gate() {
+  std::unique_lock<std::mutex> lock(gate.mu);
+  gate.cv.wait(lock, [] { return gate.arrived; });
+}
+
+void open_gate() {
+  {
+    std::lock_guard<std::mutex> lock(gate.mu);
+    gate.open = true;
+  }
+  gate.cv.notify_all();
+}
+
 void register_factories() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -178,25 +199,14 @@ TEST_CASE("on demand: a running block is never unloaded; the load that needs its
   session.add_path(Path::chain("held_task", {"held"})).add_path(Path::chain("other_task", {"other"}));
   REQUIRE(session.start().ok());
   CHECK(resident(session.metrics(), {"held", "other"}) == std::vector<bool>{false, true});
-  {
-    std::lock_guard<std::mutex> lock(gate.mu);
-    gate.open = false;
-    gate.arrived = false;
-  }
+  close_gate();
   auto running = session.submit("held_task", at::ones({1}));
-  {
-    std::unique_lock<std::mutex> lock(gate.mu);
-    gate.cv.wait(lock, [] { return gate.arrived; });
-  }
+  wait_at_gate();
   auto waiting = session.submit("other_task", at::ones({1}));
   // The second lane takes it, and cannot load 'other' while 'held' computes.
   CHECK(waiting.wait_for(std::chrono::milliseconds(300)) == std::future_status::timeout);
   CHECK(resident(session.metrics(), {"held", "other"}) == std::vector<bool>{true, false});
-  {
-    std::lock_guard<std::mutex> lock(gate.mu);
-    gate.open = true;
-  }
-  gate.cv.notify_all();
+  open_gate();
   CHECK(running.get().output()[0].item<float>() == 2.0f);
   Result r = waiting.get();
   REQUIRE(r.ok());
@@ -358,26 +368,15 @@ TEST_CASE("on demand with prefetch: the next block of the path loads on another 
     REQUIRE(session.start().ok());  // loads the three in turn: the last two stay
     REQUIRE(session.submit("other", at::ones({1})).get().ok());
     REQUIRE(resident(session.metrics(), {"first", "second", "elsewhere"}) == std::vector<bool>{true, false, true});
-    {
-      std::lock_guard<std::mutex> lock(gate.mu);
-      gate.open = false;
-      gate.arrived = false;
-    }
+    close_gate();
     auto r = session.submit("chain", at::ones({1}));
-    {
-      std::unique_lock<std::mutex> lock(gate.mu);
-      gate.cv.wait(lock, [] { return gate.arrived; });
-    }
+    wait_at_gate();
     // While 'first' computes (held at the gate), the other lane loads 'second', making room from
     // 'elsewhere' (idle, on another path); without prefetch, 'second' waits for its request.
     if (prefetch) CHECK(test::eventually([&] { return block_in(session.metrics(), "second").resident; }));
     CHECK(block_in(session.metrics(), "second").resident == prefetch);
     const auto loads_before = block_in(session.metrics(), "second").loads;
-    {
-      std::lock_guard<std::mutex> lock(gate.mu);
-      gate.open = true;
-    }
-    gate.cv.notify_all();
+    open_gate();
     const Result result = r.get();
     REQUIRE(result.ok());
     CHECK(result.output()[0].item<float>() == 6.0f);  // 1 x 2, + 4 ('second' ends in 'd')
