@@ -448,3 +448,19 @@ TEST_CASE("on demand in a worker process: a block larger than its budget is refu
   no_budget.add_block(six_mb("a")).add_path(Path::chain("ta", {"a"}));
   CHECK_THAT(std::string(no_budget.start().message()), Contains("worker w1: WorkerOptions::memory_policy kOnDemand needs a memory_budget"));
 }
+
+TEST_CASE("on demand in a worker process, set by the deployment's sites: the worker it starts loads on demand", "[memory]") {
+  auto d = Deployment::parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1", "memory_bytes": 6291456},
+                                            {"name": "b", "factory": "affine", "placement": "w1", "memory_bytes": 6291456}],
+                                 "tasks": {"ta": ["a"], "tb": ["b"]},
+                                 "sites": {"w1": {"memory": {"budget": 10485760, "policy": "on_demand"}}}})");
+  REQUIRE(d.ok());
+  Session session;
+  add_deployment(session, *d, test::test_worker(""));  // the defaults admit; the deployment says on demand
+  REQUIRE(session.start().ok());  // 12 MB over a 10 MB budget: admitted only because it loads on demand
+  for (int i = 0; i < 4; ++i) REQUIRE(session.submit(i % 2 == 0 ? "ta" : "tb", at::full({1, 4}, 2.0f)).get().ok());
+  const auto m = session.metrics();
+  bool on_demand = false;
+  for (const auto& s : m.memory) on_demand = on_demand || (s.site == "w1" && s.policy == "on_demand" && s.budget_bytes == 10 * kMB);
+  CHECK(on_demand);
+}

@@ -557,6 +557,13 @@ Session& Session::add_site(std::shared_ptr<RemoteSite> site, SiteLifetime lifeti
 }
 
 Session& Session::set_site_factory(SiteFactory factory) {
+  core_->set_site_factory(factory ? SiteFactoryWithSettings([factory = std::move(factory)](const SiteSettings& s) {
+    return factory(s.name);
+  }) : SiteFactoryWithSettings());
+  return *this;
+}
+
+Session& Session::set_site_factory(SiteFactoryWithSettings factory) {
   core_->set_site_factory(std::move(factory));
   return *this;
 }
@@ -603,7 +610,7 @@ bool SessionCore::post_to_lane(std::function<void()> task) {
   return admitting_.load() && lanes_ && lanes_->post(std::move(task));
 }
 
-void SessionCore::set_site_factory(Session::SiteFactory factory) {
+void SessionCore::set_site_factory(Session::SiteFactoryWithSettings factory) {
   blockflow::detail::MutexLock lock(&factory_mu_);  // never waits behind an update: apply() copies it at its start
   site_factory_ = std::move(factory);
 }

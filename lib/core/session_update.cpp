@@ -35,7 +35,7 @@ struct SessionCore::UpdateWork {
   std::uint64_t version = 0;
   std::int64_t t_begin = 0;
   UpdateStats timing;
-  Session::SiteFactory factory;
+  Session::SiteFactoryWithSettings factory;
   std::vector<BlockDescription> added;      // new blocks, and new versions of changed ones
   std::vector<BlockRuntime*> removed;       // running blocks that go (changed ones included)
   std::vector<std::unique_ptr<BlockRuntime>> fresh;
@@ -256,7 +256,7 @@ absl::Status SessionCore::update_load(UpdateWork& u) {
       }
       if (site == nullptr) {
         auto made = std::make_unique<SiteRuntime>();
-        made->site = u.factory(d.placement);
+        made->site = u.factory(u.wanted.site(d.placement));
         made->stop_when_empty = true;
         if (!made->site) return u.invalid(fmt::format("block '{}': the site factory made no site '{}'", d.name, d.placement));
         site = made.get();

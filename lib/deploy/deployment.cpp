@@ -258,6 +258,47 @@ absl::StatusOr<Path> graph_from_json(const std::string& task, const nlohmann::js
   return path;
 }
 
+absl::StatusOr<std::vector<SiteSettings>> sites_from_json(const nlohmann::json& sites, const std::vector<std::string>& placements) {
+  if (!sites.is_object()) return absl::InvalidArgumentError("\"sites\" must be an object (site -> settings)");
+  std::vector<SiteSettings> out;
+  for (const auto& [name, settings] : sites.items()) {
+    auto bad = [&](const std::string& what) { return absl::InvalidArgumentError(fmt::format("site '{}': {}", name, what)); };
+    if (auto status = check_name("site", name); !status.ok()) return status;
+    if (std::find(placements.begin(), placements.end(), name) == placements.end()) {
+      return bad("no block is placed in it (settings are for the sites blocks name as their placement)");
+    }
+    if (!settings.is_object()) return bad("its settings must be an object (memory, lanes)");
+    SiteSettings s;
+    s.name = name;
+    for (const auto& [key, value] : settings.items()) {
+      if (key == "lanes") {
+        if (!value.is_number_integer() || value.get<std::int64_t>() < 0 || value.get<std::int64_t>() > 1024) {
+          return bad("\"lanes\" must be an integer from 0 to 1024");
+        }
+        s.lanes = value.get<int>();
+      } else if (key == "memory") {
+        if (!value.is_object()) return bad("\"memory\" must be an object (budget, policy)");
+        for (const auto& [field, v] : value.items()) {
+          if (field == "budget") {
+            if (!v.is_number_integer() || v.get<std::int64_t>() < 0) return bad("memory.budget must be a number of bytes (>= 0)");
+            s.memory_budget = v.get<std::int64_t>();
+          } else if (field == "policy") {
+            if (!v.is_string() || (v != "admit" && v != "on_demand")) return bad("memory.policy must be \"admit\" or \"on_demand\"");
+            s.memory_policy = v.get<std::string>();
+          } else {
+            return bad(fmt::format("unknown field 'memory.{}' (budget, policy)", field));
+          }
+        }
+        if (s.memory_policy == "on_demand" && s.memory_budget <= 0) return bad("memory.policy \"on_demand\" needs memory.budget above 0");
+      } else {
+        return bad(fmt::format("unknown field '{}' (memory, lanes)", key));
+      }
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
 }  // namespace detail
 
 absl::StatusOr<Deployment> Deployment::parse(const std::string& text, const std::string& models_dir, bool confine) {
@@ -268,8 +309,8 @@ absl::StatusOr<Deployment> Deployment::parse(const std::string& text, const std:
   if (json.is_discarded()) return absl::InvalidArgumentError("deployment: not valid JSON");
   if (!json.is_object()) return absl::InvalidArgumentError("deployment: expected an object with \"blocks\" and \"tasks\"");
   for (const auto& [key, value] : json.items()) {
-    if (key != "blocks" && key != "tasks") {
-      return absl::InvalidArgumentError(fmt::format("deployment: unknown field '{}' (blocks, tasks)", key));
+    if (key != "blocks" && key != "tasks" && key != "sites") {
+      return absl::InvalidArgumentError(fmt::format("deployment: unknown field '{}' (blocks, tasks, sites)", key));
     }
   }
   if (!json.contains("blocks") || !json["blocks"].is_array()) {
@@ -316,7 +357,21 @@ absl::StatusOr<Deployment> Deployment::parse(const std::string& text, const std:
     }
     out.tasks.emplace_back(task, std::move(blocks));
   }
+  if (json.contains("sites")) {
+    auto sites = detail::sites_from_json(json["sites"], out.workers());
+    if (!sites.ok()) return absl::InvalidArgumentError(fmt::format("deployment: {}", std::string(sites.status().message())));
+    out.sites = *std::move(sites);
+  }
   return out;
+}
+
+SiteSettings Deployment::site(const std::string& name) const {
+  for (const auto& s : sites) {
+    if (s.name == name) return s;
+  }
+  SiteSettings defaults;
+  defaults.name = name;
+  return defaults;
 }
 
 std::vector<std::string> Deployment::workers() const {

@@ -14,6 +14,7 @@
 #include <absl/status/status.h>
 #include <absl/time/time.h>
 
+#include <cstddef>
 #include <exception>
 #include <functional>
 #include <future>
@@ -123,6 +124,12 @@ class Session {
   /// have yet (add_deployment() installs one that starts worker processes). Without a factory such
   /// an update is rejected, naming the placement. Call before start() or between apply() calls.
   Session& set_site_factory(SiteFactory factory);
+  /// @brief The same, given the settings the deployment being applied has for the site
+  /// (Deployment::site(): defaults, only the name set, when it gives none).
+  using SiteFactoryWithSettings = std::function<std::shared_ptr<RemoteSite>(const SiteSettings& settings)>;
+  Session& set_site_factory(SiteFactoryWithSettings factory);
+  /// @brief Removes the factory.
+  Session& set_site_factory(std::nullptr_t) { return set_site_factory(SiteFactoryWithSettings()); }
   /// @brief Adds a path for `path.task()` (before start()).
   Session& add_path(Path path);
 

@@ -22,6 +22,12 @@
 /// "mean", "concat" (along dimension 1) or "concat:DIM". Exactly one node feeds no other: its
 /// output is the result.
 ///
+/// Sites that blocks are placed in may carry settings (SiteSettings), read when the site starts:
+///
+/// @code
+/// "sites": {"w1": {"memory": {"budget": 104857600, "policy": "on_demand"}, "lanes": 1}}
+/// @endcode
+///
 /// @code
 /// "tasks": {"ensemble": {"nodes": [{"block": "trunk"},
 ///                                  {"block": "head_a", "inputs": ["trunk"]},
@@ -34,12 +40,24 @@
 
 #include <absl/status/statusor.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
 namespace blockflow {
 
 class Session;
+
+/// @brief Settings of a worker site that blocks are placed in: the deployment's
+/// `"sites": {"w1": {"memory": {"budget": BYTES, "policy": "on_demand"}, "lanes": 1}}`. Read when the
+/// site starts (add_deployment(), or the apply() that makes it); a running site keeps the settings
+/// it started with. Fields left out keep the defaults the site is made with (WorkerOptions).
+struct SiteSettings {
+  std::string name;
+  std::int64_t memory_budget = 0;  ///< "memory": {"budget": BYTES}; 0: the default
+  std::string memory_policy;       ///< "memory": {"policy": "admit" | "on_demand"}; "": the default
+  int lanes = 0;                   ///< "lanes": compute lanes of the worker; 0: the default
+};
 
 /// @brief A parsed, validated deployment.
 struct Deployment {
@@ -54,6 +72,8 @@ struct Deployment {
   /// control endpoint sets it on every deployment it receives; in C++ leaving such a block out
   /// removes it, as asked.
   bool keep_code_blocks = false;
+  /// Settings of the sites named by placements (only those the deployment gives settings for).
+  std::vector<SiteSettings> sites;
 
   /// @brief Parses and validates `json`. Relative TorchScript paths (and bare block names) are
   /// resolved against `models_dir`. Every error is InvalidArgument and names the field, block or
@@ -70,6 +90,8 @@ struct Deployment {
 
   /// @brief The worker names the blocks are placed in, sorted, without duplicates.
   [[nodiscard]] std::vector<std::string> workers() const;
+  /// @brief The settings of site `name`: its entry of `sites`, or defaults (only the name set).
+  [[nodiscard]] SiteSettings site(const std::string& name) const;
   /// @brief The tasks as paths: the chains, then the graphs.
   [[nodiscard]] std::vector<Path> paths() const;
 };

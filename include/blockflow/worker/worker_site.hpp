@@ -172,8 +172,9 @@ class WorkerSite final : public RemoteSite {
 };
 
 /// @brief Adds a deployment's blocks and tasks to `session` (before start()), with one child worker
-/// per placement named in it, each made from `defaults` with that name. Also installs a site
-/// factory, so that Session::apply() can start workers for placements that later updates name.
+/// per placement named in it, each made from `defaults` with that name and the deployment's settings
+/// for it (Deployment::sites: memory budget and policy, lanes). Also installs a site factory, so that
+/// Session::apply() can start workers for placements that later updates name, with their settings.
 void add_deployment(Session& session, const Deployment& deployment, const WorkerOptions& defaults = {});
 
 /// @brief OK when WorkerOptions::channel "cuda" can be used here: BlockFlow built with the CUDA

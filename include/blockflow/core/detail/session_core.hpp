@@ -118,7 +118,7 @@ class SessionCore {
   void set_sampling(bool enabled, absl::Duration period);
   absl::StatusOr<std::uint64_t> apply(const Deployment& wanted, absl::Duration drain);
   void cancel_update();
-  void set_site_factory(Session::SiteFactory factory);
+  void set_site_factory(Session::SiteFactoryWithSettings factory);
   void shutdown(absl::Duration drain);
   bool post_to_lane(std::function<void()> task);
 
@@ -220,7 +220,7 @@ class SessionCore {
   // Sites stopped by apply() once their last block went: kept for late references.
   std::vector<std::unique_ptr<SiteRuntime>> retired_sites_;
   blockflow::detail::Mutex factory_mu_;
-  Session::SiteFactory site_factory_ ABSL_GUARDED_BY(factory_mu_);
+  Session::SiteFactoryWithSettings site_factory_ ABSL_GUARDED_BY(factory_mu_);
   std::vector<Path> pending_paths_;
 
   // Changed by start() and apply() (under shutdown_mu_ and state_mu_); read by metrics() under state_mu_.

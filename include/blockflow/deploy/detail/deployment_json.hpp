@@ -3,6 +3,7 @@
 // worker control protocol ships blocks in the same shape, so one parser validates both.
 #include <blockflow/core/block_registry.hpp>
 #include <blockflow/core/path.hpp>
+#include <blockflow/deploy/deployment.hpp>
 
 #include <absl/status/statusor.h>
 #include <nlohmann/json.hpp>
@@ -30,6 +31,9 @@ bool has_deployment_form(const Combine& combine);
 /// A graph task from its deployment form `{"nodes": [...]}` (deployment.hpp); block nodes must name
 /// one of `blocks`. Errors name the task and the node.
 absl::StatusOr<Path> graph_from_json(const std::string& task, const nlohmann::json& graph, const std::set<std::string>& blocks);
+/// The "sites" object of a deployment: settings of sites that `placements` name; errors name the
+/// site and the field.
+absl::StatusOr<std::vector<SiteSettings>> sites_from_json(const nlohmann::json& sites, const std::vector<std::string>& placements);
 /// The deployment form of a graph's nodes; their combine rules must have one (has_deployment_form()).
 nlohmann::json graph_to_json(const std::vector<PathNode>& nodes);
 
