@@ -152,13 +152,13 @@ std::string Plan::deployment_json(const PlanInput& input) const {
       if (t.name == v.task) tasks_json[t.name] = t.nodes.empty() ? json(t.path) : detail::graph_to_json(t.nodes);
     }
   }
-  // The worker sites' memory budgets and lanes, as the session starts them.
+  // The worker sites' memory budgets, as the session starts them. Their lanes are left to the
+  // workers' defaults: the predictions of docs/planner.md ("Accuracy") were measured that way.
   json sites_json = json::object();
   for (const auto& s : input.sites) {
     const bool placed = std::any_of(blocks.begin(), blocks.end(), [&](const BlockPlacement& b) { return b.site == s.name; });
-    if (s.kind != "worker" || !placed) continue;
-    sites_json[s.name] = {{"lanes", s.lanes}};
-    if (s.memory_budget > 0) sites_json[s.name]["memory"] = {{"budget", s.memory_budget}, {"policy", "admit"}};
+    if (s.kind != "worker" || !placed || s.memory_budget <= 0) continue;
+    sites_json[s.name] = {{"memory", {{"budget", s.memory_budget}, {"policy", "admit"}}}};
   }
   json out = {{"blocks", blocks_json}, {"tasks", tasks_json}};
   if (!sites_json.empty()) out["sites"] = sites_json;
