@@ -17,20 +17,22 @@ LossResponder::LossResponder(SiteLostFn replan, ApplyFn apply) : replan_(std::mo
 LossResponder::~LossResponder() { stop(); }
 
 void LossResponder::report(const std::string& site, const std::string& cause) {
-  std::lock_guard lock(mu_);
-  auto& lost = stats_.lost_sites;
-  if (stopping_ || std::find(lost.begin(), lost.end(), site) != lost.end()) return;
-  lost.push_back(site);
-  if (!replan_) {
-    log(LogLevel::kError, fmt::format("site '{}' is lost ({}); no re-plan is configured (SessionOptions::on_site_lost): "
-                                      "its blocks stay unreachable until a new deployment is applied",
-                                      site, cause));
-    return;
+  {
+    std::lock_guard lock(mu_);
+    auto& lost = stats_.lost_sites;
+    if (stopping_ || std::find(lost.begin(), lost.end(), site) != lost.end()) return;
+    lost.push_back(site);
+    if (replan_) {
+      pending_.push_back({SiteLoss{site, cause, lost}, now_ns()});
+      if (!thread_.joinable()) thread_ = std::thread([this] { main(); });
+    }
   }
-  log(LogLevel::kError, fmt::format("site '{}' is lost ({}); re-planning", site, cause));
-  pending_.push_back({SiteLoss{site, cause, lost}, now_ns()});
-  if (!thread_.joinable()) thread_ = std::thread([this] { main(); });
   wake_.notify_one();
+  // Outside mu_: a log sink may ask the session for its metrics.
+  log(LogLevel::kError, replan_ ? fmt::format("site '{}' is lost ({}); re-planning", site, cause)
+                                : fmt::format("site '{}' is lost ({}); no re-plan is configured (SessionOptions::on_site_lost): "
+                                              "its blocks stay unreachable until a new deployment is applied",
+                                              site, cause));
 }
 
 void LossResponder::stop() {
