@@ -105,7 +105,7 @@ capture_metrics() {
   rm -f "$err"
   return "$rc"
 }
-bf_setup >&2
+bf_setup -DBLOCKFLOW_BUILD_BENCH=ON >&2
 for name in "$@"; do
   case "$name" in
     hop)
