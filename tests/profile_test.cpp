@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -74,6 +75,42 @@ TEST_CASE("profile_block of a block whose service time is known: p50 and the sus
   CHECK(p->max_rate_rps <= 1.1 * 1000.0 / p->at_batch(1)->p50_ms + 1e-9);
   CHECK(p->output_bytes == 4 * sizeof(float));
   CHECK(p->load_ms == 0);  // given made
+}
+
+TEST_CASE("a rate-sweep step that grows under the service rate runs again: one disturbance does not set the rate",
+          "[profile]") {
+  // The block sleeps 20 ms a request; once armed (when the latency rounds are done), its 12th call
+  // stalls 150 ms: the output call and 3 timed ones come first, then the first sweep step's 10
+  // requests (quick: 0.7 of the service rate), of which this is the 8th, in the last third.
+  std::atomic<bool> armed{false};
+  std::atomic<int> calls{0};
+  auto block = Block::callable("stalls_once", [&](Tensors&& in) -> absl::StatusOr<Tensors> {
+    const bool stall = armed.load() && calls.fetch_add(1) + 1 == 12;
+    std::this_thread::sleep_for(std::chrono::milliseconds(stall ? 170 : 20));
+    return Tensors{in.at(0) * 2};
+  });
+  std::vector<std::string> lines;
+  ProfileOptions o = quick();
+  o.batch_sizes = {1};
+  o.progress = [&](std::string_view line) {
+    lines.emplace_back(line);
+    if (line.find("batch 1:") != std::string_view::npos) armed.store(true);
+  };
+  auto p = profile_block(block, {at::ones({1, 4})}, o);
+  INFO(p.status());
+  REQUIRE(p.ok());
+  std::string all;
+  for (const auto& l : lines) all += l + "\n";
+  INFO(all);
+  REQUIRE(calls.load() >= 12);
+  // The first step grew (the stall), ran again and held; the sweep went on past it.
+  REQUIRE(lines.size() >= 4);
+  CHECK_THAT(lines[0], Contains("batch 1:"));
+  CHECK_THAT(lines[1], Contains("grows"));
+  CHECK_THAT(lines[2], Contains("offered again, under its service rate: bounded"));
+  // Not what the disturbed step served (~0.47 of the service rate: 10 requests over ~430 ms) but
+  // at least the 0.7 step's rate (0.65: the sweep's p50 comes from its own 3 timed calls).
+  CHECK(p->max_rate_rps >= 0.65 * 1000.0 / p->at_batch(1)->p50_ms);
 }
 
 TEST_CASE("profile_block errors name the block", "[profile]") {
