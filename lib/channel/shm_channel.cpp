@@ -185,9 +185,10 @@ class ShmSender final : public ProcessChannel {
       }
       auto message = decode_message(std::move(*received->frames));
       if (!message.ok() || message->header.kind != wire::MessageKind::kRelease) continue;
-      auto handles = wire::decode_releases(message->header.message);
-      if (!handles.ok()) continue;
-      for (const auto& h : *handles) ends_->release(h);
+      if (auto status = ends_->take_releases(message->header); !status.ok()) {
+        noisy_.log(LogLevel::kWarning, fmt::format("{}: malformed release from the receiver dropped: {}", uri_,
+                                                   std::string(status.message())));
+      }
     }
   }
 
@@ -307,12 +308,7 @@ class ShmReceiver final : public ProcessChannel {
       }
       std::weak_ptr<PacketLink> weak = accepted->link;
       senders_.push_back({accepted->link, make_resolver(consumer_, [weak](const wire::ShmHandle& h) {
-                            if (auto link = weak.lock()) {
-                              wire::Header r;
-                              r.kind = wire::MessageKind::kRelease;
-                              r.message = wire::encode_releases({h});
-                              (void)send_packet(*link, std::move(r), {});
-                            }
+                            if (auto link = weak.lock()) (void)send_releases(*link, {h});
                           })});
     }
     sender_count_.store(senders_.size());

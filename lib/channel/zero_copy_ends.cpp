@@ -66,6 +66,29 @@ bool ZeroCopyEnds::release(const wire::ShmHandle& handle) {
   return host_out_->release(handle);
 }
 
+absl::Status ZeroCopyEnds::take_releases(const wire::Header& message) {
+  if (message.kind != wire::MessageKind::kRelease) return absl::InvalidArgumentError("not a release message");
+  auto handles = wire::decode_releases(message.message);
+  if (!handles.ok()) return handles.status();
+  for (const auto& h : *handles) (void)release(h);  // a stale or forged one is counted there
+  return absl::OkStatus();
+}
+
+wire::Header release_message(const wire::ShmHandle* first, std::size_t count) {
+  wire::Header h;
+  h.kind = wire::MessageKind::kRelease;
+  h.message = wire::encode_releases({first, first + count});
+  return h;
+}
+
+std::size_t send_releases(PacketLink& link, const std::vector<wire::ShmHandle>& handles) {
+  for (std::size_t at = 0; at < handles.size(); at += kReleasesPerMessage) {
+    const std::size_t n = std::min(handles.size() - at, kReleasesPerMessage);
+    if (!send_packet(link, release_message(handles.data() + at, n), {}).ok()) return at;
+  }
+  return handles.size();
+}
+
 std::size_t ZeroCopyEnds::reclaim_all() {
   std::size_t forwarded = 0;
   decltype(forwarded_->held) dropped;

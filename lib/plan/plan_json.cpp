@@ -3,6 +3,7 @@
 #include <blockflow/plan/planner.hpp>
 
 #include "json_reader.hpp"
+#include "plan_report.hpp"
 
 #include <blockflow/deploy/detail/deployment_json.hpp>
 
@@ -165,29 +166,30 @@ std::string Plan::deployment_json(const PlanInput& input) const {
   return out.dump(2);
 }
 
-std::string Plan::report_json() const {
+std::string Plan::report_json() const { return detail::plan_report(*this).dump(2); }
+
+nlohmann::json detail::plan_report(const Plan& plan) {
   json tasks_json = json::array();
-  for (const auto& v : tasks) {
+  for (const auto& v : plan.tasks) {
     tasks_json.push_back({{"task", v.task}, {"admitted", v.admitted}, {"reason", v.reason}, {"rate_rps", v.rate_rps},
                           {"slo_ms", v.slo_ms}, {"predicted_p50_ms", v.predicted_p50_ms}});
   }
   json sites_json = json::array();
-  for (const auto& s : sites) {
+  for (const auto& s : plan.sites) {
     sites_json.push_back({{"site", s.site}, {"lanes", s.lanes}, {"lanes_used", s.lanes_used}, {"utilisation", s.utilisation},
                           {"memory_bytes", s.memory_bytes}, {"memory_budget", s.memory_budget}, {"blocks", s.blocks}});
   }
   json blocks_json = json::array();
-  for (const auto& b : blocks) {
+  for (const auto& b : plan.blocks) {
     blocks_json.push_back({{"block", b.block}, {"site", b.site}, {"max_batch", b.max_batch}, {"workers", b.workers},
                            {"rate_rps", b.rate_rps}, {"lanes_used", b.lanes_used}});
   }
   json hosts_json = json::array();
-  for (const auto& h : hosts) {
+  for (const auto& h : plan.hosts) {
     hosts_json.push_back({{"host", h.host}, {"cores", h.cores}, {"cores_used", h.cores_used}, {"utilisation", h.utilisation}});
   }
   return json{{"tasks", tasks_json}, {"sites", sites_json}, {"hosts", hosts_json}, {"blocks", blocks_json},
-              {"bottleneck_utilisation", bottleneck_utilisation}}
-      .dump(2);
+              {"bottleneck_utilisation", plan.bottleneck_utilisation}};
 }
 
 }  // namespace blockflow

@@ -4,6 +4,8 @@
 
 #include <blockflow/core/detail/log.hpp>
 
+#include "plan_report.hpp"
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
@@ -131,7 +133,7 @@ absl::StatusOr<Replan> replan(const PlanInput& input, const Plan& deployed, cons
 }
 
 std::string Replan::report_json(const std::vector<std::string>& lost) const {
-  auto report = nlohmann::json::parse(plan.report_json());
+  auto report = detail::plan_report(plan);
   report["lost"] = lost;
   auto list = nlohmann::json::array();
   for (const auto& c : changes) {

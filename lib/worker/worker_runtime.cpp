@@ -157,12 +157,8 @@ class Worker {
       receive_spin_ = absl::Microseconds(
           config->value("receive_spin_us", absl::ToInt64Microseconds(bf::WorkerOptions{}.receive_spin)));
       // A request's input died here: give its slot back to the host (through the one sender).
-      resolver_ = ends_->resolver([replies = replies_](const bf::wire::ShmHandle& h) {
-        bf::wire::Header release;
-        release.kind = bf::wire::MessageKind::kRelease;
-        release.message = bf::wire::encode_shm_handle(h);
-        replies->push({std::move(release), {}});
-      });
+      resolver_ = ends_->resolver(
+          [replies = replies_](const bf::wire::ShmHandle& h) { replies->push({bf::detail::release_message(&h, 1), {}}); });
     }
     peer_endpoint_ = config->value("peer_endpoint", "");
     if (!peer_endpoint_.empty()) {
@@ -388,11 +384,10 @@ class Worker {
         continue;
       }
       if (message->header.kind == bf::wire::MessageKind::kRelease) {
-        auto handles = bf::wire::decode_releases(message->header.message);
-        if (handles.ok() && ends_) {
-          for (const auto& h : *handles) ends_->release(h);
-        } else {
-          noisy_.log(bf::LogLevel::kWarning, fmt::format("worker {}: bad release message dropped", args_.name));
+        auto status = ends_ ? ends_->take_releases(message->header) : absl::InvalidArgumentError("release without shared memory");
+        if (!status.ok()) {
+          noisy_.log(bf::LogLevel::kWarning, fmt::format("worker {}: bad release message dropped: {}", args_.name,
+                                                         std::string(status.message())));
         }
         continue;
       }

@@ -87,8 +87,6 @@ struct ReleaseQueue {
   }
 };
 
-inline constexpr std::size_t kReleasesPerMessage = wire::kMaxMessageBytes / wire::kShmHandleBytes;
-
 }  // namespace detail
 
 struct WorkerSite::Impl {

@@ -109,12 +109,8 @@ void WorkerSite::Impl::handle_frames(std::vector<zmq::message_t>&& frames) {
   auto decoded = detail::decode_message(std::move(frames), shm() ? &resolver : nullptr, peer.empty() ? nullptr : &parked_resolver);
   if (!decoded.ok()) return on_malformed(id, decoded.status());
   if (decoded->header.kind == wire::MessageKind::kRelease) {
-    auto handles = wire::decode_releases(decoded->header.message);
-    if (!handles.ok() || !ends) {
-      return on_malformed(std::nullopt,
-                          handles.ok() ? absl::InvalidArgumentError("release without shared memory") : handles.status());
-    }
-    for (const auto& h : *handles) ends->release(h);
+    auto status = ends ? ends->take_releases(decoded->header) : absl::InvalidArgumentError("release without shared memory");
+    if (!status.ok()) on_malformed(std::nullopt, status);
     return;
   }
   deliver(std::move(*decoded));

@@ -14,16 +14,8 @@ void WorkerSite::Impl::flush_releases() {
   }
   if (!to) return;  // the worker's end closed; supervision is about to see it (its slots are reclaimed)
   std::vector<wire::ShmHandle> all = releases->take();
-  for (std::size_t at = 0; at < all.size(); at += detail::kReleasesPerMessage) {
-    const std::size_t end = std::min(all.size(), at + detail::kReleasesPerMessage);
-    wire::Header h;
-    h.kind = wire::MessageKind::kRelease;
-    h.message = wire::encode_releases({all.begin() + static_cast<std::ptrdiff_t>(at), all.begin() + static_cast<std::ptrdiff_t>(end)});
-    if (!detail::send_packet(*to, h, {}).ok()) {
-      releases->put_back({all.begin() + static_cast<std::ptrdiff_t>(at), all.end()});
-      return;
-    }
-  }
+  const std::size_t sent = detail::send_releases(*to, all);
+  if (sent < all.size()) releases->put_back({all.begin() + static_cast<std::ptrdiff_t>(sent), all.end()});
 }
 
 void WorkerSite::Impl::fail_forwarded(const std::vector<std::pair<Key, std::weak_ptr<Impl>>>& forwarded, const absl::Status& why) {

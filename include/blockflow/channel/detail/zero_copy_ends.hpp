@@ -20,6 +20,19 @@
 
 namespace blockflow::detail {
 
+/// The release protocol of every zero-copy data link (a shm:// channel, a worker's "shm" or "cuda"
+/// channel): a consumer gives the producer's handles back in kRelease messages of at most this
+/// many handles (the longest message), and the producer's ZeroCopyEnds::take_releases() frees them.
+inline constexpr std::size_t kReleasesPerMessage = wire::kMaxMessageBytes / wire::kShmHandleBytes;
+
+/// The kRelease message for `count` handles from `first` (at most kReleasesPerMessage).
+wire::Header release_message(const wire::ShmHandle* first, std::size_t count);
+
+/// Sends `handles` back to their producer on `link`, kReleasesPerMessage a packet, from any thread.
+/// Returns how many went out; when the link is down, the rest are the caller's (to send again on
+/// the next link, or to drop: a producer whose consumer went away reclaims what it held).
+std::size_t send_releases(PacketLink& link, const std::vector<wire::ShmHandle>& handles);
+
 class ZeroCopyEnds {
  public:
   /// `cuda`: also carry CUDA tensors; the caller checked cuda_ipc_usable().
@@ -38,6 +51,9 @@ class ZeroCopyEnds {
   [[nodiscard]] static bool relays_as_is(const at::Tensor& t);
   /// The peer is done with one of our handles (false, counted, for a stale or forged one).
   bool release(const wire::ShmHandle& handle);
+  /// A kRelease message from the peer (release_message()): each of its handles back, as release()
+  /// does. InvalidArgument naming the problem when the message is not whole handles.
+  absl::Status take_releases(const wire::Header& message);
   /// The peer died: frees every slot it held. Returns how many.
   std::size_t reclaim_all();
   /// The peer restarted: its pools are new.
