@@ -5,6 +5,7 @@
 // on both ends, URIs and directories checked, errors name the URI.
 #include "test_util.hpp"
 
+#include <blockflow/channel/detail/cuda_ipc.hpp>
 #include <blockflow/channel/process_channel.hpp>
 
 #include <fmt/format.h>
@@ -251,6 +252,26 @@ TEST_CASE("ipc:// and tcp:// carry the serialized wire format", "[process_channe
   }
 }
 
+TEST_CASE("cuda:// opens only where CUDA can carry tensors between processes: elsewhere both ends are refused, naming the URI",
+          "[process_channel]") {
+  // No silent fallback to host memory: a build without CUDA, or a machine without a device, refuses
+  // at open(). With a device, the two-process exchange is in tests/tensormq_example_test.py.
+  const std::string uri = "cuda://" + unique_name("frames");
+  const absl::Status usable = blockflow::detail::cuda_ipc_usable();
+  for (const auto role : {ChannelRole::kSender, ChannelRole::kReceiver}) {
+    auto ch = open_channel(uri, role);
+    if (usable.ok()) {
+      REQUIRE(ch.ok());
+      CHECK((*ch)->kind() == "cuda");
+      CHECK((*ch)->stats().kind == "cuda");
+    } else {
+      CHECK(ch.status().code() == absl::StatusCode::kFailedPrecondition);
+      CHECK_THAT(std::string(ch.status().message()), Contains(uri) && Contains("no CUDA channel here") &&
+                                                         Contains(std::string(usable.message())));
+    }
+  }
+}
+
 TEST_CASE("URIs are checked: names, schemes, directories and a URI held by a live receiver", "[process_channel]") {
   const std::string uri = "shm://" + unique_name("held");
   auto receiver = open_or_fail(uri, ChannelRole::kReceiver);
@@ -262,13 +283,12 @@ TEST_CASE("URIs are checked: names, schemes, directories and a URI held by a liv
   CHECK(open_channel(ipc, ChannelRole::kReceiver).status().code() == absl::StatusCode::kAlreadyExists);
 
   for (const char* bad : {"shm://../etc", "shm://a/b", "shm://", "ipc://-x", "udp://x", "frames", "tcp://host",
-                          "tcp://:80", "ipc:///tmp/../x"}) {
+                          "tcp://:80", "ipc:///tmp/../x", "cuda://../x", "cuda://"}) {
     auto ch = open_channel(bad, ChannelRole::kSender);
     INFO(bad);
     CHECK(ch.status().code() == absl::StatusCode::kInvalidArgument);
     CHECK_THAT(std::string(ch.status().message()), Contains(bad));
   }
-  CHECK(open_channel("cuda://x", ChannelRole::kSender).status().code() == absl::StatusCode::kUnimplemented);
   CHECK_THAT(std::string(open_channel("tcp://127.0.0.1:*", ChannelRole::kSender).status().message()),
              Contains("tcp://HOST:*: receivers only"));
 

@@ -5,7 +5,11 @@ Session exchange 1000 tensors of 3.2 MB.
 shm://: the consumer is killed with SIGKILL mid-stream while it holds 8 tensors; a new consumer
 opens the same URI; the producer takes the dead consumer's slots back (reclaimed > 0), goes on, and
 the new consumer gets every tensor up to the last, with the right values; bytes_copied is 0 on both
-sides. tcp://127.0.0.1: the same pair, 1000 tensors, no kill.
+sides. tcp://127.0.0.1: the same pair, 1000 tensors, no kill. cuda://: where CUDA can carry tensors
+between processes (a GPU machine: scripts/gpu.sh), the shm:// run again with CUDA tensors (empty()
+makes them on the device; zero copies, the killed consumer's CUDA records reclaimed); elsewhere the
+consumer must refuse the URI, naming why ("no CUDA channel here"), and that part is reported as not
+run.
 Prints "tensormq example: PASS" when every check holds.
 usage: tensormq_example_test.py PRODUCER CONSUMER
 """
@@ -84,6 +88,14 @@ def main():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run(producer, consumer, f"tcp://127.0.0.1:{port}", kill=False)
+    cuda = f"cuda://tensormq-example-{os.getpid()}"
+    probe = subprocess.run([consumer, cuda, "0"], capture_output=True, text=True, timeout=120)
+    if probe.returncode == 0:
+        run(producer, consumer, cuda, kill=True)
+    elif "no CUDA channel here" in probe.stderr:
+        print(f"{cuda}: not run here: {probe.stderr.strip()}")
+    else:
+        fail(f"{cuda}: the consumer failed otherwise than refusing CUDA: {probe.stderr!r}")
     print("tensormq example: PASS")
 
 

@@ -144,13 +144,12 @@ absl::StatusOr<std::unique_ptr<ProcessChannel>> ProcessChannel::open(std::string
     return detail::open_zmq_channel(uri, uri, role, options);
   }
   if (scheme == "cuda") {
-    return absl::UnimplementedError(fmt::format(
-        "{}: cuda:// channels are not built yet; CUDA tensors cross processes through a session's worker "
-        "with channel \"cuda\" (docs/gpu.md)",
-        uri));
+    auto path = detail::named_socket(uri, rest, ".cuda");
+    if (!path.ok()) return path.status();
+    return detail::open_shm_channel(uri, *path, role, options, /*cuda=*/true);
   }
-  return absl::InvalidArgumentError(
-      fmt::format("{}: unknown channel URI (expected shm://NAME, ipc://NAME, ipc:///ABS/PATH or tcp://HOST:PORT)", uri));
+  return absl::InvalidArgumentError(fmt::format(
+      "{}: unknown channel URI (expected shm://NAME, cuda://NAME, ipc://NAME, ipc:///ABS/PATH or tcp://HOST:PORT)", uri));
 }
 
 }  // namespace blockflow

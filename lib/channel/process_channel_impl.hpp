@@ -24,9 +24,11 @@ absl::Status check_private_directory(const std::string& dir, const std::string& 
 /// `type` (SOCK_STREAM for ZeroMQ's ipc://, SOCK_SEQPACKET for shm://).
 bool unix_socket_live(const std::string& path, int type);
 
-/// shm://: the data link's socket at `socket_path`.
+/// shm:// (and cuda://, `cuda`: CUDA tensors as CUDA IPC handles, CPU tensors through the slots):
+/// the data link's socket at `socket_path`.
 absl::StatusOr<std::unique_ptr<ProcessChannel>> open_shm_channel(const std::string& uri, const std::string& socket_path,
-                                                                 ChannelRole role, const ProcessChannelOptions& options);
+                                                                 ChannelRole role, const ProcessChannelOptions& options,
+                                                                 bool cuda = false);
 /// ipc:// and tcp://: `endpoint` as ZeroMQ spells it.
 absl::StatusOr<std::unique_ptr<ProcessChannel>> open_zmq_channel(const std::string& uri, const std::string& endpoint,
                                                                  ChannelRole role, const ProcessChannelOptions& options);

@@ -1,8 +1,14 @@
-// shm:// ends: tensors cross as handles to the sender's shared-memory slots over a SEQPACKET data
-// link (the machinery of a worker's "shm" channel, zero_copy_ends.hpp and packet_link.hpp, with no
-// session around it). The receiver listens in the channel directory; each sender connects, sends
-// kData packets of handles and reads kRelease packets back; the receiver's tensors are views of the
-// slots, and each one's death sends its handle back.
+// shm:// and cuda:// ends: tensors cross as handles to the sender's shared-memory slots (and, over
+// cuda://, to its CUDA allocations) over a SEQPACKET data link: the machinery of a worker's "shm"
+// and "cuda" channels, zero_copy_ends.hpp and packet_link.hpp, with no session around it. The
+// receiver listens in the channel directory; each sender connects, sends kData packets of handles
+// and reads kRelease packets back; the receiver's tensors are views of the slots (or of the CUDA
+// memory, ordered by the sender's event), and each one's death sends its handle back.
+//
+// cuda:// connect-time check: the receiver exports a CUDA probe (a small allocation and an
+// interprocess event, cuda_ipc.hpp) into a file beside its socket; a sender opens it when it
+// connects, and fails (FailedPrecondition naming the URI and the CUDA error) when it cannot: two
+// processes in different PID namespaces, or that see different devices, never fall back to copies.
 #include "process_channel_impl.hpp"
 
 #include <blockflow/core/detail/clock.hpp>
@@ -15,6 +21,9 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <fstream>
+#include <sstream>
+
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -23,6 +32,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <thread>
 
@@ -34,8 +45,8 @@ constexpr int kPollMs = 100;
 // ---------------------------------------------------------------------------------------------
 class ShmSender final : public ProcessChannel {
  public:
-  ShmSender(std::string uri, std::string path, const ProcessChannelOptions& options)
-      : uri_(std::move(uri)), path_(std::move(path)), options_(options), ends_(std::make_shared<ZeroCopyEnds>(pools(options), false)) {
+  ShmSender(std::string uri, std::string path, const ProcessChannelOptions& options, bool cuda)
+      : uri_(std::move(uri)), path_(std::move(path)), options_(options), ends_(std::make_shared<ZeroCopyEnds>(pools(options), cuda)) {
     reader_ = std::thread([this] { read_releases(); });
   }
   ~ShmSender() override {
@@ -87,14 +98,16 @@ class ShmSender final : public ProcessChannel {
 
   ChannelStats stats() const override {
     ChannelStats s;
-    s.kind = "shm";
+    s.kind = std::string(kind());
     s.sent = sent_.load();
     s.bytes_copied = contiguous_copies_.load() + ends_->host_stats().bytes_staged;
     return s;
   }
-  std::string_view kind() const override { return "shm"; }
+  std::string_view kind() const override { return ends_->cuda() ? "cuda" : "shm"; }
 
   absl::StatusOr<at::Tensor> empty(at::IntArrayRef sizes, at::ScalarType dtype) override {
+    // cuda://: on the current CUDA device, where send() shares it as it lies.
+    if (ends_->cuda()) return at::empty(sizes, at::TensorOptions().dtype(dtype).device(at::kCUDA));
     const absl::Duration wait = options_.full_policy == FullPolicy::kBlock ? options_.send_timeout : absl::ZeroDuration();
     auto t = make_shm_allocator(ends_->host_pool(), wait)(sizes, dtype);
     if (!t.ok()) return absl::Status(t.status().code(), fmt::format("{}: {}", uri_, std::string(t.status().message())));
@@ -106,10 +119,10 @@ class ShmSender final : public ProcessChannel {
     MutexLock lock(&mu_);
     return link_ != nullptr;
   }
-  ShmEdgeStats shm_stats() const override { return ends_->host_stats(); }
+  ShmEdgeStats shm_stats() const override { return combined(ends_->host_stats(), ends_->cuda_stats()); }
   absl::Status flush(absl::Time deadline) override {
     while (true) {
-      const std::uint64_t held = ends_->host_stats().slots_in_use;
+      const std::uint64_t held = ends_->held_by_peer();
       if (held == 0) return absl::OkStatus();
       if (absl::Now() >= deadline) {
         return absl::DeadlineExceededError(fmt::format("{}: {} slot(s) still held by the receiver", uri_, held));
@@ -134,6 +147,9 @@ class ShmSender final : public ProcessChannel {
         if (link_) return link_;
       }
       auto link = PacketLink::connect(path_);
+      if (link.ok() && ends_->cuda()) {
+        if (auto usable = open_receivers_probe(); !usable.ok()) return usable;  // no fallback: refused
+      }
       if (link.ok()) {
         MutexLock lock(&mu_);
         if (!link_) link_ = *link;
@@ -147,6 +163,17 @@ class ShmSender final : public ProcessChannel {
       }
       absl::SleepFor(absl::Milliseconds(5));
     }
+  }
+
+  // cuda://: the probe the receiver exported beside its socket must open here.
+  absl::Status open_receivers_probe() const {
+    std::ifstream in(path_ + ".probe");
+    std::stringstream probe;
+    probe << in.rdbuf();
+    auto status = in ? open_cuda_probe(probe.str()) : absl::NotFoundError("the receiver published no CUDA probe");
+    if (status.ok()) return status;
+    return absl::FailedPreconditionError(
+        fmt::format("{}: the receiver's CUDA memory cannot be opened in this process: {}", uri_, std::string(status.message())));
   }
 
   // The receiver is gone: every slot it held is ours again. Under the lock, so that no handle sent
@@ -211,11 +238,16 @@ class ShmSender final : public ProcessChannel {
 // the releases straight on their link, from whatever thread they die on.
 class ShmReceiver final : public ProcessChannel {
  public:
-  ShmReceiver(std::string uri, std::unique_ptr<PacketListener> listener, const ProcessChannelOptions& options)
-      : uri_(std::move(uri)), listener_(std::move(listener)), options_(options), wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
+  ShmReceiver(std::string uri, std::unique_ptr<PacketListener> listener, const ProcessChannelOptions& options, bool cuda)
+      : uri_(std::move(uri)),
+        listener_(std::move(listener)),
+        options_(options),
+        cuda_(cuda ? std::make_unique<CudaConsumer>() : nullptr),
+        wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
   ~ShmReceiver() override {
     close();
     ::close(wake_);
+    if (cuda_) ::unlink((listener_->path() + ".probe").c_str());  // the listener unlinks its socket
   }
 
   SendOutcome send(Envelope&& envelope) override {
@@ -278,15 +310,15 @@ class ShmReceiver final : public ProcessChannel {
   bool closed() const override { return closed_.load(); }
   ChannelStats stats() const override {
     ChannelStats s;
-    s.kind = "shm";
+    s.kind = std::string(kind());
     s.received = received_.load();
     s.dropped = dropped_.load();
     s.bytes_copied = misaligned_copies_.load();
     return s;
   }
-  std::string_view kind() const override { return "shm"; }
+  std::string_view kind() const override { return cuda_ ? "cuda" : "shm"; }
   absl::StatusOr<at::Tensor> empty(at::IntArrayRef sizes, at::ScalarType dtype) override {
-    return at::empty(sizes, at::TensorOptions().dtype(dtype));
+    return at::empty(sizes, at::TensorOptions().dtype(dtype).device(cuda_ ? at::kCUDA : at::kCPU));
   }
   const std::string& uri() const override { return uri_; }
   ChannelRole role() const override { return ChannelRole::kReceiver; }
@@ -307,8 +339,8 @@ class ShmReceiver final : public ProcessChannel {
         continue;  // the link closes as `accepted` goes
       }
       std::weak_ptr<PacketLink> weak = accepted->link;
-      senders_.push_back({accepted->link, make_resolver(consumer_, [weak](const wire::ShmHandle& h) {
-                            if (auto link = weak.lock()) (void)send_releases(*link, {h});
+      senders_.push_back({accepted->link, make_zero_copy_resolver(consumer_, cuda_.get(), [weak](const wire::ShmHandle& h) {
+                            if (auto link = weak.lock()) (void)send_releases(*link, {h});  // any thread, CUDA's too
                           })});
     }
     sender_count_.store(senders_.size());
@@ -349,6 +381,7 @@ class ShmReceiver final : public ProcessChannel {
   std::unique_ptr<PacketListener> listener_;
   const ProcessChannelOptions options_;
   ShmConsumer consumer_;
+  const std::unique_ptr<CudaConsumer> cuda_;  // cuda:// only
   const int wake_;
   Mutex turn_mu_;
   bool reading_ ABSL_GUARDED_BY(turn_mu_) = false;  // a receive() has the turn; it alone uses the fields below
@@ -364,14 +397,33 @@ class ShmReceiver final : public ProcessChannel {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ProcessChannel>> open_shm_channel(const std::string& uri, const std::string& socket_path,
-                                                                 ChannelRole role, const ProcessChannelOptions& options) {
-  if (role == ChannelRole::kSender) return std::unique_ptr<ProcessChannel>(new ShmSender(uri, socket_path, options));
+                                                                 ChannelRole role, const ProcessChannelOptions& options, bool cuda) {
+  if (cuda) {  // both ends, at once: no silent fallback to host memory
+    if (auto usable = cuda_ipc_usable(); !usable.ok()) {
+      return absl::FailedPreconditionError(fmt::format("{}: no CUDA channel here: {}", uri, std::string(usable.message())));
+    }
+  }
+  if (role == ChannelRole::kSender) return std::unique_ptr<ProcessChannel>(new ShmSender(uri, socket_path, options, cuda));
   if (unix_socket_live(socket_path, SOCK_SEQPACKET)) {
     return absl::AlreadyExistsError(fmt::format("{}: another receiver holds it", uri));
   }
+  if (cuda) {
+    // Published before the socket is bound, so that a sender that connects finds it.
+    auto probe = export_cuda_probe();
+    if (!probe.ok()) return absl::FailedPreconditionError(fmt::format("{}: {}", uri, std::string(probe.status().message())));
+    const std::string file = socket_path + ".probe", staged = file + ".new";
+    {
+      std::ofstream out(staged, std::ios::trunc);
+      out << *probe;
+      if (!out) return absl::UnavailableError(fmt::format("{}: cannot write '{}'", uri, staged));
+    }
+    if (::rename(staged.c_str(), file.c_str()) != 0) {
+      return absl::UnavailableError(fmt::format("{}: cannot publish '{}': {}", uri, file, std::strerror(errno)));
+    }
+  }
   auto listener = PacketListener::bind(socket_path);  // replaces a socket left by a dead receiver
   if (!listener.ok()) return absl::Status(listener.status().code(), fmt::format("{}: {}", uri, std::string(listener.status().message())));
-  return std::unique_ptr<ProcessChannel>(new ShmReceiver(uri, *std::move(listener), options));
+  return std::unique_ptr<ProcessChannel>(new ShmReceiver(uri, *std::move(listener), options, cuda));
 }
 
 }  // namespace blockflow::detail

@@ -37,8 +37,24 @@ ShmStager ZeroCopyEnds::stager(absl::Duration wait) {
 }
 
 ShmResolver ZeroCopyEnds::resolver(std::function<void(const wire::ShmHandle&)> release) {
-  ShmResolver host = make_resolver(host_in_, release);
-  return [cuda = cuda_in_.get(), host = std::move(host), release](
+  return make_zero_copy_resolver(host_in_, cuda_in_.get(), std::move(release));
+}
+
+ShmEdgeStats combined(const ShmEdgeStats& host, const ShmEdgeStats& cuda) {
+  ShmEdgeStats s = host;
+  s.handles += cuda.handles;
+  s.releases += cuda.releases;
+  s.slots_in_use += cuda.slots_in_use;
+  s.slots_total += cuda.slots_total;
+  s.credit_waits += cuda.credit_waits;
+  s.reclaims += cuda.reclaims;
+  s.stale_releases += cuda.stale_releases;
+  return s;
+}
+
+ShmResolver make_zero_copy_resolver(ShmConsumer& host_in, CudaConsumer* cuda_in, std::function<void(const wire::ShmHandle&)> release) {
+  ShmResolver host = make_resolver(host_in, release);
+  return [cuda = cuda_in, host = std::move(host), release](
              const wire::TensorDesc& desc, const wire::ShmHandle& handle, at::ScalarType type) -> absl::StatusOr<at::Tensor> {
     if (handle.memory != wire::kCudaMemory) return host(desc, handle, type);
     if (cuda == nullptr) return absl::InvalidArgumentError("a CUDA handle on a channel that is not 'cuda'");

@@ -8,10 +8,16 @@
 /// | URI | what crosses | bytes copied |
 /// |---|---|---|
 /// | `shm://NAME` | a handle to a slot of the sender's shared-memory pools (POSIX shm, 0600); the receiver's tensor is a view of the slot, and the slot goes back to the sender when that tensor dies | 0 when the sender wrote its tensor in `empty()`; else one copy into a slot |
+/// | `cuda://NAME` | for a CUDA tensor, the CUDA IPC handle of its allocation and an interprocess event recorded on the sender's current stream after it was written; the receiver's tensor is a view of the sender's device memory, its stream made to wait on the event; CPU tensors as over `shm://` | 0 (`empty()` makes the tensor on the current CUDA device) |
 /// | `ipc://NAME` or `ipc:///ABS/PATH` | the serialized wire format (docs/wire-format.md) over a ZeroMQ Unix socket | the socket's (kernel) copies only |
 /// | `tcp://HOST:PORT` | the same over TCP (the receiver binds HOST:PORT, the sender connects) | the socket's (kernel) copies only |
 ///
-/// `shm://NAME` and `ipc://NAME` rendezvous in this user's channel directory
+/// `cuda://` opens only where CUDA can carry tensors between processes (a CUDA build and a visible
+/// device; FailedPrecondition naming the URI otherwise, for either end), and a sender checks at
+/// connection that it can open the receiver's CUDA memory (a probe the receiver publishes beside
+/// its socket): two processes in different PID namespaces are refused, never served by copies.
+///
+/// `shm://NAME`, `cuda://NAME` and `ipc://NAME` rendezvous in this user's channel directory
 /// (`$XDG_RUNTIME_DIR/blockflow-channels-UID`, else `/tmp/blockflow-channels-UID`, mode 0700, checked
 /// to be ours); NAME follows the name rule of names.hpp, so it is never a path. `ipc:///ABS/PATH`
 /// binds where it says, in a directory that must be ours and closed to others (mode 0700). On a

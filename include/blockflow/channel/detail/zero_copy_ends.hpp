@@ -33,6 +33,13 @@ wire::Header release_message(const wire::ShmHandle* first, std::size_t count);
 /// the next link, or to drop: a producer whose consumer went away reclaims what it held).
 std::size_t send_releases(PacketLink& link, const std::vector<wire::ShmHandle>& handles);
 
+/// Builds tensors over a producer's memory: host slots through `host`, CUDA handles through `cuda`
+/// (null: refused, naming the channel); `release` runs with each handle when its tensor dies.
+ShmResolver make_zero_copy_resolver(ShmConsumer& host, CudaConsumer* cuda, std::function<void(const wire::ShmHandle&)> release);
+
+/// A producer's counters over both kinds of memory: its host slots and its CUDA records.
+ShmEdgeStats combined(const ShmEdgeStats& host, const ShmEdgeStats& cuda);
+
 class ZeroCopyEnds {
  public:
   /// `cuda`: also carry CUDA tensors; the caller checked cuda_ipc_usable().
@@ -64,6 +71,8 @@ class ZeroCopyEnds {
   [[nodiscard]] std::shared_ptr<ShmProducer> shared_host_pool() const { return host_out_; }
   [[nodiscard]] ShmEdgeStats host_stats() const;
   [[nodiscard]] ShmEdgeStats cuda_stats() const { return cuda_out_ ? cuda_out_->stats() : ShmEdgeStats{}; }
+  /// Slots and CUDA records the peer holds now.
+  [[nodiscard]] std::uint64_t held_by_peer() const { return host_stats().slots_in_use + cuda_stats().slots_in_use; }
 
  private:
   // Tensors passed on as another process's slot, kept until the peer releases that handle.
