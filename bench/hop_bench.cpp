@@ -29,6 +29,8 @@
 // --cuda-receiver) over a data link as workers use it: the sender records an interprocess event
 // and sends a 32-byte handle naming its allocation; the receiver opens it (once, cached), makes its stream wait on the event and
 // builds its tensor over the producer's memory. Nothing is copied. Releases ride on the acks.
+// cuda-uri: the same hand-off over the public cuda:// channel between two processes (uri_hop.hpp),
+// with its ratio to the cuda line (over_cuda_link).
 
 #include "bench_util.hpp"
 #include "uri_hop.hpp"
@@ -460,6 +462,14 @@ int main(int argc, char** argv) {
                  "\"p99_us\":{:.3f},\"send_us\":{:.3f},\"resolve_us\":{:.3f},\"device\":\"{}\"}}\n",
                  sizes[i], figures[i].hop.p50_us, figures[i].hop.p99_us, figures[i].send_us, figures[i].resolve_us,
                  bf::bench::gpu_name());
+    }
+    // cuda:// opened by URI in two processes (the public channel), against the data-link line above.
+    const std::string cuda_uri = fmt::format("cuda://hop-bench-{}", ::getpid());
+    for (std::size_t i = 0; i < figures.size(); ++i) {
+      const auto f = bf::bench::measure_uri(cuda_uri, sizes[i], 1000);
+      fmt::print("{{\"bench\":\"hop\",\"channel\":\"cuda-uri\",\"uri\":\"{}\",\"processes\":2,\"bytes\":{},\"iterations\":1000,"
+                 "\"p50_us\":{:.3f},\"p99_us\":{:.3f},\"over_cuda_link\":{:.2f},\"device\":\"{}\"}}\n",
+                 cuda_uri, sizes[i], f.p50_us, f.p99_us, f.p50_us / figures[i].hop.p50_us, bf::bench::gpu_name());
     }
 #ifdef BLOCKFLOW_TORCH_CUDA
     // The same with the producer's GPU still busy for ~1 ms (2M cycles) when it sends.

@@ -6,7 +6,8 @@
 // host), drops the tensor (over shm:// its slot goes back) and acknowledges with one byte. At the
 // end it prints "p50 p99" in microseconds. The sender makes each tensor with empty() (over shm://
 // in a slot: writing it is the producer's own work and is not timed), stamps and sends it, and
-// waits for the acknowledgement.
+// waits for the acknowledgement. Over cuda:// empty() makes the tensor on the device, and the
+// receiver's view of it is ready once its stream has waited on the sender's event.
 
 #include "alone_process.hpp"
 #include "bench_util.hpp"
@@ -45,7 +46,11 @@ inline UriHop measure_uri(const std::string& uri, std::size_t bytes, int iterati
   for (int i = 0; i < iterations; ++i) {
     auto t = sender.empty({static_cast<std::int64_t>(bytes)}, at::kByte);
     if (!t.ok()) throw std::runtime_error(t.status().ToString());
-    static_cast<unsigned char*>(t->data_ptr())[0] = 7;
+    if (t->is_cuda()) {
+      t->narrow(0, 0, 1).fill_(7);  // cuda://: on the device, ordered before the send by its event
+    } else {
+      static_cast<unsigned char*>(t->data_ptr())[0] = 7;
+    }
     Envelope e;
     e.tensors = {*std::move(t)};
     e.request_id = static_cast<std::uint64_t>(detail::now_ns());
