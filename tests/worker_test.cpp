@@ -3,11 +3,15 @@
 // orphans; the configuration a worker gets (heartbeat interval, parked-output bound) and applies.
 #include "joined_util.hpp"
 
+#include <blockflow/worker/detail/process_state.hpp>
 #include <blockflow/worker/detail/worker_protocol.hpp>
 
 #include <nlohmann/json.hpp>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <csignal>
 #include <memory>
@@ -196,6 +200,25 @@ TEST_CASE("kill -9 of a worker under load: every request resolves, the worker re
   const auto m = session.metrics();
   CHECK(m.sites.at(0).restarts == 1);
   CHECK(m.sites.at(0).failed_requests >= 1);
+}
+
+TEST_CASE("a supervised child is exiting once killed, before it is reaped, and after", "[worker]") {
+  // The supervisor waits for such a child instead of reporting missed heartbeats, so that a worker
+  // killed by signal 9 is reported as killed by signal 9 even when its teardown is slow.
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::pause();
+    ::_exit(0);
+  }
+  CHECK_FALSE(blockflow::detail::process_exiting(child));  // alive, sleeping
+  REQUIRE(::kill(child, SIGKILL) == 0);
+  CHECK(test::eventually([&] { return blockflow::detail::process_exiting(child); }));  // a zombie, not reaped
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK(WIFSIGNALED(status));
+  CHECK(blockflow::detail::process_exiting(child));  // gone
+  CHECK_FALSE(blockflow::detail::process_exiting(::getpid()));
 }
 
 TEST_CASE("no orphans: workers are gone after shutdown and after the session is destroyed", "[worker]") {

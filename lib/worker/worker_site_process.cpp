@@ -2,8 +2,11 @@
 // heartbeats, updates), supervision and restarts, its death, and the sockets it talks to.
 #include "worker_site_impl.hpp"
 
+#include <blockflow/worker/detail/process_state.hpp>
+
 #include <dlfcn.h>
 #include <spawn.h>
+
 
 extern char** environ;
 
@@ -285,9 +288,14 @@ void WorkerSite::Impl::supervise() {
     } else if (state == State::kReady && now - last_heartbeat_ns > absl::ToInt64Nanoseconds(options.heartbeat_timeout)) {
       // A child that has died already (killed from outside while its heartbeats were late) is
       // reported by how it died, not as silent.
+      // One still tearing itself down is waited for (the waitpid below reports it), for up to
+      // another timeout.
       int status = 0;
+      const bool late = now - last_heartbeat_ns > 2 * absl::ToInt64Nanoseconds(options.heartbeat_timeout);
       if (!joined() && child != 0 && ::waitpid(child, &status, WNOHANG) == child) {
         death = describe_exit(status);
+      } else if (!joined() && child != 0 && !late && detail::process_exiting(child)) {
+        // not silent: dying
       } else {
         declare(fmt::format("missed heartbeats for {} ms", (now - last_heartbeat_ns) / 1000000));
       }

@@ -77,7 +77,10 @@ struct WorkerOptions {
   /// configuration: a joined worker (listen) takes the session for gone after 30 intervals without
   /// a message from it (at least 1 s; the worker bounds the interval to 1 ms .. 10 s) and joins again.
   absl::Duration heartbeat_interval = absl::Milliseconds(100);
-  absl::Duration heartbeat_timeout = absl::Milliseconds(800);  ///< silence that counts as death
+  /// Silence that counts as death: the worker is killed and restarted, its requests fail with
+  /// "missed heartbeats". A child whose exit has already begun (killed from outside, its address
+  /// space still being torn down) is waited for, up to another timeout, and reported by how it died.
+  absl::Duration heartbeat_timeout = absl::Milliseconds(800);
   absl::Duration start_timeout = absl::Seconds(120);           ///< spawn + load + warm-up
   std::size_t max_in_flight = 64;  ///< requests sent and not answered (credits); run() waits beyond
   /// Zero-copy channels: how long the data link's receiving threads (the session's, the worker's)

@@ -1,0 +1,28 @@
+// What /proc says of a supervised child (see process_state.hpp).
+#include <blockflow/worker/detail/process_state.hpp>
+
+#include <fmt/format.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace blockflow::detail {
+
+bool process_exiting(long pid) {
+  std::ifstream in(fmt::format("/proc/{}/stat", pid));
+  std::string stat;
+  if (!std::getline(in, stat)) return true;  // gone already
+  const auto close = stat.rfind(')');        // the command name may hold spaces and parentheses
+  if (close == std::string::npos) return false;
+  std::istringstream fields(stat.substr(close + 1));
+  std::vector<std::string> rest;  // field 3 (state) on
+  for (std::string field; fields >> field;) rest.push_back(field);
+  if (rest.empty()) return false;
+  if (rest[0] == "Z" || rest[0] == "X" || rest[0] == "x") return true;
+  constexpr std::size_t kExitCode = 52 - 3;  // present since Linux 3.5
+  return rest.size() > kExitCode && rest[kExitCode] != "0";
+}
+
+}  // namespace blockflow::detail
