@@ -25,9 +25,7 @@ namespace fs = std::filesystem;
 namespace {
 
 // `server`, `alice` and `mallory` key pairs; only alice is authorized.
-struct Keys : test::CurveKeys {
-  Keys() : test::CurveKeys({"server", "alice", "mallory"}, {"alice"}) {}
-};
+using Keys = test::AliceKeys;
 
 void serve_twice(Session& session) {
   session.add_block(test::unary("twice", [](const Tensor& x) { return x * 2; }));

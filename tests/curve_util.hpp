@@ -43,4 +43,9 @@ struct CurveKeys {
   ClientSecurity client(const std::string& who) const { return {file(who + ".key_secret"), file("server.key")}; }
 };
 
+/// A server, a client the server knows ("alice") and one it does not ("mallory").
+struct AliceKeys : CurveKeys {
+  AliceKeys() : CurveKeys({"server", "alice", "mallory"}, {"alice"}) {}
+};
+
 }  // namespace blockflow::test

@@ -22,13 +22,13 @@ namespace {
 
 // The session's key pair ("server"), the worker's ("far"), and another peer's ("mallory") that the
 // directory admits too, but not as far.
-struct Keys : test::CurveKeys {
-  Keys() : test::CurveKeys({"server", "far", "mallory"}, {"far", "mallory"}) {}
+struct WorkerKeys : test::CurveKeys {
+  WorkerKeys() : test::CurveKeys({"server", "far", "mallory"}, {"far", "mallory"}) {}
 };
 
 // A session with worker "far" joining at `listen` over CURVE, hosting the test plugin's "affine".
 struct CurveSession {
-  CurveSession(const Keys& keys, const std::string& listen, absl::Duration start_timeout) {
+  CurveSession(const WorkerKeys& keys, const std::string& listen, absl::Duration start_timeout) {
     WorkerOptions o = test::test_worker("far");
     o.listen = listen;
     o.security = keys.server();
@@ -40,7 +40,7 @@ struct CurveSession {
   Session session;
 };
 
-std::vector<std::string> worker_args(const Keys& keys, const std::string& key, const std::string& session_key) {
+std::vector<std::string> worker_args(const WorkerKeys& keys, const std::string& key, const std::string& session_key) {
   std::vector<std::string> args = {"--plugin", BLOCKFLOW_TEST_PLUGIN};
   if (!key.empty()) args.insert(args.end(), {"--key", keys.file(key + ".key_secret")});
   if (!session_key.empty()) args.insert(args.end(), {"--session-key", keys.file(session_key + ".key")});
@@ -53,7 +53,7 @@ std::uint64_t auth_failures(Session& session) { return session.metrics().auth_fa
 
 TEST_CASE("a joined worker with its key serves over CURVE; strangers on its data ports get nothing and are counted",
           "[curve]") {
-  Keys keys;
+  WorkerKeys keys;
   const std::string listen = fmt::format("tcp://127.0.0.1:{}", test::free_port());
   WorkerProcess worker(WorkerProcess::join_args(listen, "far", worker_args(keys, "far", "server")));
   CurveSession s(keys, listen, absl::Seconds(30));
@@ -107,7 +107,7 @@ TEST_CASE("a joined worker with its key serves over CURVE; strangers on its data
 
 TEST_CASE("a worker joining with another key, without keys or with a wrong session key is refused, counted, told why",
           "[curve]") {
-  Keys keys;
+  WorkerKeys keys;
   std::string key = "far", session_key = "server", told;
   SECTION("another authorized peer's key: only the key held as far.key admits far") {
     key = "mallory";
@@ -136,7 +136,7 @@ TEST_CASE("a worker joining with another key, without keys or with a wrong sessi
 }
 
 TEST_CASE("blockflow-worker checks its key files when it starts", "[curve]") {
-  Keys keys;
+  WorkerKeys keys;
   const std::string log = keys.file("worker.log");
   auto run = [&](const std::vector<std::string>& more) {
     WorkerProcess worker(WorkerProcess::join_args("tcp://127.0.0.1:1", "far", more), log);

@@ -12,7 +12,7 @@ using Catch::Matchers::Contains;
 
 namespace {
 
-constexpr std::int64_t kMB = 1 << 20;
+using test::kMB;
 
 std::shared_ptr<Block> profiled(const std::string& name, std::int64_t memory_mb) {
   BlockOptions o;

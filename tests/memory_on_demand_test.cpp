@@ -19,7 +19,7 @@ using Catch::Matchers::Contains;
 
 namespace {
 
-constexpr std::int64_t kMB = 1 << 20;
+using test::kMB;
 
 // How many times each block was built (loaded), by name.
 std::mutex built_mu;
@@ -60,7 +60,7 @@ void open_gate() {
   gate.cv.notify_all();
 }
 
-void register_factories() {
+void register_on_demand_factories() {
   static std::once_flag once;
   std::call_once(once, [] {
     // Adds the position of the last letter of its name ('a' adds 1, 'b' 2, ...).
@@ -137,7 +137,7 @@ std::vector<bool> resident(const MetricsSnapshot& m, const std::vector<std::stri
 }  // namespace
 
 TEST_CASE("on demand: a budget for two of four blocks loads them as requests need them, least recently used out", "[memory]") {
-  register_factories();
+  register_on_demand_factories();
   Session session(on_demand(25, 1));
   for (const std::string name : {"a", "b", "c", "d"}) {
     session.add_block(described("lru_" + name, "od_add", 10)).add_path(Path::chain("t" + name, {"lru_" + name}));
@@ -193,7 +193,7 @@ TEST_CASE("on demand: a budget for two of four blocks loads them as requests nee
 }
 
 TEST_CASE("on demand: a running block is never unloaded; the load that needs its room waits for it", "[memory]") {
-  register_factories();
+  register_on_demand_factories();
   Session session(on_demand(15, 2));  // room for one block at a time, two lanes
   session.add_block(described("held", "od_gate", 10)).add_block(described("other", "od_add", 10));
   session.add_path(Path::chain("held_task", {"held"})).add_path(Path::chain("other_task", {"other"}));
@@ -216,7 +216,7 @@ TEST_CASE("on demand: a running block is never unloaded; the load that needs its
 }
 
 TEST_CASE("on demand: every request resolves while four blocks share room for two, from several threads", "[memory]") {
-  register_factories();
+  register_on_demand_factories();
   Session session(on_demand(25, 2));
   const std::vector<std::string> letters = {"a", "b", "c", "d"};
   for (const auto& l : letters) {
@@ -256,7 +256,7 @@ TEST_CASE("on demand: every request resolves while four blocks share room for tw
 }
 
 TEST_CASE("on demand: a block larger than the whole budget is refused at start(), named", "[memory]") {
-  register_factories();
+  register_on_demand_factories();
   SECTION("by its profile, before anything loads") {
     Session session(on_demand(20, 1));
     session.add_block(described("small", "od_add", 5)).add_block(described("big_profiled", "od_add", 30));
@@ -285,7 +285,7 @@ TEST_CASE("on demand: a block larger than the whole budget is refused at start()
 }
 
 TEST_CASE("on demand: apply() loads an added block once (unloading others to fit) and unloads a removed one", "[memory]") {
-  register_factories();
+  register_on_demand_factories();
   Session session(on_demand(25, 1));
   session.add_block(described("upd_a", "od_add", 10)).add_block(described("upd_b", "od_add", 10));
   session.add_path(Path::chain("ta", {"upd_a"})).add_path(Path::chain("tb", {"upd_b"}));
@@ -357,7 +357,7 @@ TEST_CASE("on demand: the block a session keeps for an on-demand block loads it 
 }
 
 TEST_CASE("on demand with prefetch: the next block of the path loads on another lane while this one runs", "[memory]") {
-  register_factories();
+  register_on_demand_factories();
   for (const bool prefetch : {false, true}) {
     SessionOptions options = on_demand(25, 2);  // room for two of the three blocks, two lanes
     options.prefetch = prefetch;

@@ -13,9 +13,7 @@ using Catch::Matchers::Contains;
 
 namespace {
 
-struct Keys : test::CurveKeys {
-  Keys() : test::CurveKeys({"server", "alice", "mallory"}, {"alice"}) {}
-};
+using Keys = test::AliceKeys;
 
 Envelope numbered(std::uint64_t id) {
   Envelope e;

@@ -21,7 +21,7 @@ struct LoadGate {
 };
 LoadGate load_gate;
 
-void register_factories() {
+void register_warming_factories() {
   static std::once_flag once;
   std::call_once(once, [] {
     BlockRegistry::global().add("warm_add1", [](const std::string& name, const BlockOptions& options) {
@@ -58,7 +58,7 @@ const PathMetrics& task_in(const MetricsSnapshot& m, const std::string& task) {
 }  // namespace
 
 TEST_CASE("serve while warming: the first task serves while a later task's block still loads", "[warming]") {
-  register_factories();
+  register_warming_factories();
   {
     std::lock_guard<std::mutex> lock(load_gate.mu);
     load_gate.building = false;
@@ -99,7 +99,7 @@ TEST_CASE("serve while warming: the first task serves while a later task's block
 }
 
 TEST_CASE("serve while warming: a block that fails to load fails its task's requests, named; others serve", "[warming]") {
-  register_factories();
+  register_warming_factories();
   SessionOptions o;
   o.serve_while_warming = true;
   o.lanes = 1;
@@ -117,7 +117,7 @@ TEST_CASE("serve while warming: a block that fails to load fails its task's requ
 }
 
 TEST_CASE("without serve_while_warming every task is active when start() returns", "[warming]") {
-  register_factories();
+  register_warming_factories();
   Session session;
   session.add_block(described("plain", "warm_add1")).add_path(Path::chain("t", {"plain"}));
   REQUIRE(session.start().ok());

@@ -96,6 +96,24 @@ inline Deployment parse(const std::string& json) {
   return *d;
 }
 
+/// The first output of `task` for the input [x], as a double; fails the test if it fails.
+inline double value_of(Session& session, const std::string& task, double x = 0) {
+  Result r = session.submit(task, at::full({1}, x)).get();
+  INFO(task << ": " << r.status.ToString());
+  REQUIRE(r.ok());
+  return r.output().item<double>();
+}
+
+/// Requests `block` processed as `m` counts them; all ones when `m` has no such block.
+inline std::uint64_t processed(const MetricsSnapshot& m, const std::string& block) {
+  for (const auto& b : m.blocks) {
+    if (b.name == block) return b.processed;
+  }
+  return ~std::uint64_t{0};
+}
+
+constexpr std::int64_t kMB = std::int64_t{1} << 20;
+
 /// A latch blocks wait on until the test releases it (counts how many entered).
 struct Latch {
   std::mutex mu;

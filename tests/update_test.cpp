@@ -23,25 +23,13 @@ using namespace std::chrono_literals;
 namespace {
 
 using test::parse;
+using test::processed;
+using test::value_of;
 
 void start_with(Session& session, const Deployment& d) {
   for (const auto& b : d.blocks) session.add_block(b);
   for (auto& p : d.paths()) session.add_path(std::move(p));
   test::require_started(session);
-}
-
-double value_of(Session& session, const std::string& task, double x = 0) {
-  Result r = session.submit(task, at::full({1}, x)).get();
-  INFO(task << ": " << r.status.ToString());
-  REQUIRE(r.ok());
-  return r.output().item<double>();
-}
-
-std::uint64_t processed(const MetricsSnapshot& m, const std::string& block) {
-  for (const auto& b : m.blocks) {
-    if (b.name == block) return b.processed;
-  }
-  return ~std::uint64_t{0};
 }
 
 }  // namespace

@@ -22,7 +22,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-bool process_exists(std::int64_t pid) { return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) == 0; }
+using test::process_exists;
 
 // The test plays the session for one `blockflow-worker --join ENDPOINT --name NAME --once`: it
 // binds the control socket and the two data sockets, and reads and writes the control messages.

@@ -18,7 +18,10 @@ using namespace std::chrono_literals;
 
 namespace {
 
-bool process_exists(std::int64_t pid) { return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) == 0; }
+using test::parse;
+using test::process_exists;
+using test::processed;
+using test::value_of;
 
 // This process's live children (worker processes), from /proc/self/task/*/children.
 std::set<std::int64_t> children() {
@@ -36,32 +39,11 @@ std::set<std::int64_t> children() {
   return out;
 }
 
-Deployment parse(const std::string& json) {
-  auto d = Deployment::parse(json);
-  INFO(d.status().ToString());
-  REQUIRE(d.ok());
-  return *d;
-}
-
-double value_of(Session& session, const std::string& task, double x) {
-  Result r = session.submit(task, at::full({1}, x)).get();
-  INFO(task << ": " << r.status.ToString());
-  REQUIRE(r.ok());
-  return r.output().item<double>();
-}
-
 const SiteStats* site(const MetricsSnapshot& m, const std::string& name) {
   for (const auto& s : m.sites) {
     if (s.name == name) return &s;
   }
   return nullptr;
-}
-
-std::uint64_t processed(const MetricsSnapshot& m, const std::string& block) {
-  for (const auto& b : m.blocks) {
-    if (b.name == block) return b.processed;
-  }
-  return 0;
 }
 
 // Block a ("affine": 3x + 1, the test plugin) in worker w1, task t1 = [a], with the factory of

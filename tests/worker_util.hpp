@@ -15,6 +15,9 @@
 
 namespace blockflow::test {
 
+/// Whether a process of that pid lives (a zombie counts until it is reaped).
+inline bool process_exists(std::int64_t pid) { return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) == 0; }
+
 /// A TorchScript test model as a block description, placed in `placement` ("" = the host's threads).
 inline BlockDescription model_block(const std::string& name, const std::string& file, const std::string& placement,
                                     std::vector<std::int64_t> shape) {

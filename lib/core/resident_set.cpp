@@ -1,5 +1,6 @@
 // On-demand residency under a memory budget (include/blockflow/core/detail/resident_set.hpp).
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/units.hpp>
 #include <blockflow/core/detail/resident_set.hpp>
 
 #include <fmt/format.h>
@@ -13,8 +14,6 @@
 
 namespace blockflow::detail {
 namespace {
-
-double mb(std::int64_t bytes) { return static_cast<double>(bytes) / 1048576.0; }
 
 struct ChangeSince {
   const std::uint64_t* generation;
@@ -143,7 +142,7 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::hold(int id) {
       }
       if (entry->footprint > budget_) {
         return absl::ResourceExhaustedError(fmt::format("block '{}': it takes {:.1f} MB, over the memory budget of {:.1f} MB",
-                                                        entry->name, mb(entry->footprint), mb(budget_)));
+                                                        entry->name, to_mb(entry->footprint), to_mb(budget_)));
       }
       if (!entry->loading && make_room_locked(entry->footprint, id, unloaded)) break;
       ChangeSince since{&generation_, generation_};
@@ -222,7 +221,7 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
       unloaded.push_back(std::move(*made));
       result = absl::ResourceExhaustedError(
           fmt::format("block '{}': loading it took {:.1f} MB of resident memory, over the memory budget of {:.1f} MB",
-                      entry->name, mb(measured), mb(budget_)));
+                      entry->name, to_mb(measured), to_mb(budget_)));
     } else {
       if (reserved == 0) {
         // Measured only now: the others make room after the fact, as far as they can.

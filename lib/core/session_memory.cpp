@@ -6,6 +6,7 @@
 // session already serves (SessionOptions::serve_while_warming).
 #include <blockflow/core/detail/build_scope.hpp>
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/units.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/mutex.hpp>
 #include <blockflow/core/detail/session_core.hpp>
@@ -28,7 +29,6 @@ namespace {
 constexpr const char* kThreads = "threads";
 constexpr double kMisprofiled = 0.20;  // measured growth this far from the profile is reported
 
-double mb(std::int64_t bytes) { return static_cast<double>(bytes) / 1048576.0; }
 
 std::string site_label(const std::string& site) {
   return site == kThreads ? std::string("the session's threads") : fmt::format("site '{}'", site);
@@ -166,7 +166,7 @@ absl::Status SessionCore::check_memory(const std::vector<MemoryClaim>& claims,
         if (c->bytes <= budget) continue;
         return absl::ResourceExhaustedError(fmt::format(
             "block '{}': its profiled memory is {:.1f} MB, over the memory budget of {:.1f} MB of {} "
-            "(on demand, every block must fit alone)", c->block, mb(c->bytes), mb(budget), site_label(site)));
+            "(on demand, every block must fit alone)", c->block, to_mb(c->bytes), to_mb(budget), site_label(site)));
       }
       continue;
     }
@@ -176,11 +176,11 @@ absl::Status SessionCore::check_memory(const std::vector<MemoryClaim>& claims,
     std::stable_sort(list.begin(), list.end(), [](const MemoryClaim* a, const MemoryClaim* b) { return a->bytes > b->bytes; });
     std::string largest;
     for (std::size_t i = 0; i < list.size() && i < 3; ++i) {
-      largest += fmt::format("{}'{}' {:.1f} MB", i ? ", " : "", list[i]->block, mb(list[i]->bytes));
+      largest += fmt::format("{}'{}' {:.1f} MB", i ? ", " : "", list[i]->block, to_mb(list[i]->bytes));
     }
     return absl::ResourceExhaustedError(fmt::format(
-        "{}: its blocks' profiled memory is {:.1f} MB ({}{}), over its memory budget of {:.1f} MB", site_label(site), mb(need),
-        largest, list.size() > 3 ? ", ..." : "", mb(budget)));
+        "{}: its blocks' profiled memory is {:.1f} MB ({}{}), over its memory budget of {:.1f} MB", site_label(site), to_mb(need),
+        largest, list.size() > 3 ? ", ..." : "", to_mb(budget)));
   }
   return absl::OkStatus();
 }
@@ -237,7 +237,7 @@ void SessionCore::note_memory() {
         log(LogLevel::kWarning,
             fmt::format("{}: its memory grew by {:.1f} MB with its blocks, their profiles say {:.1f} MB ({:+.0f}%): "
                         "the profiles do not describe these blocks on this machine; run blockflow-profile here",
-                        site_label(name), mb(m.measured_bytes), mb(m.profiled_bytes), 100 * off));
+                        site_label(name), to_mb(m.measured_bytes), to_mb(m.profiled_bytes), 100 * off));
       }
     }
     out.push_back(m);

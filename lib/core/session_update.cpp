@@ -17,8 +17,6 @@
 namespace blockflow::detail {
 namespace {
 
-double ms_since(std::int64_t t) { return static_cast<double>(now_ns() - t) / 1e6; }
-
 // A plan a Deployment can describe: a chain, or a graph whose merges are the deployment format's
 // combine rules; a C++ combine rule (Combine::custom()) has no JSON form.
 bool describable(const PathPlan& plan) {

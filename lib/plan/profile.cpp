@@ -25,9 +25,9 @@
 namespace blockflow {
 namespace {
 
+using detail::ms_since;
 using detail::percentile;
 
-double ms_since(std::int64_t t0) { return static_cast<double>(detail::now_ns() - t0) / 1e6; }
 
 std::int64_t resident_bytes() { return sample_process().rss_bytes; }
 

@@ -15,4 +15,7 @@ inline std::int64_t now_ns() {
 
 inline double ns_to_ms(std::int64_t ns) { return static_cast<double>(ns) / 1e6; }
 
+/// Milliseconds from `t0_ns` (a now_ns() reading) to now.
+inline double ms_since(std::int64_t t0_ns) { return ns_to_ms(now_ns() - t0_ns); }
+
 }  // namespace blockflow::detail
