@@ -102,6 +102,29 @@ TEST_CASE("shm:// hands tensors made by empty() over with no copy; slots return 
   }
 }
 
+TEST_CASE("empty() refuses negative and overflowing sizes on every end, naming the URI; too big for the pools is refused",
+          "[process_channel]") {
+  const std::string shm = "shm://" + unique_name("sizes");
+  auto receiver = open_or_fail(shm, ChannelRole::kReceiver);
+  auto sender = open_or_fail(shm, ChannelRole::kSender);
+  for (ProcessChannel* end : {sender.get(), receiver.get()}) {
+    auto negative = end->empty({2, -1});
+    REQUIRE_FALSE(negative.ok());
+    CHECK(negative.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(negative.status().message()), StartsWith(shm) && Contains("size -1 of dimension 1 is negative"));
+    auto overflow = end->empty({std::int64_t{1} << 31, std::int64_t{1} << 31});  // 2^62 floats: 2^64 bytes
+    REQUIRE_FALSE(overflow.ok());
+    CHECK(overflow.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(overflow.status().message()), Contains("overflows 64 bits"));
+  }
+  // 2^63 bytes: more than the pools may ever hold (it once wrapped the pool's size to 0).
+  auto huge = sender->empty({std::int64_t{1} << 61});
+  REQUIRE_FALSE(huge.ok());
+  CHECK(huge.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(huge.status().message()), StartsWith(shm) && Contains("does not fit in shared memory"));
+  round_trip(*sender, *receiver, 3);  // the channel still works
+}
+
 TEST_CASE("shm:// credits: a sender that must not wait is refused while the receiver holds every slot",
           "[process_channel]") {
   const std::string uri = "shm://" + unique_name("credits");

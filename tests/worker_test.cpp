@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <filesystem>
 #include <memory>
 
 using namespace blockflow;
@@ -219,6 +220,36 @@ TEST_CASE("a supervised child is exiting once killed, before it is reaped, and a
   CHECK(WIFSIGNALED(status));
   CHECK(blockflow::detail::process_exiting(child));  // gone
   CHECK_FALSE(blockflow::detail::process_exiting(::getpid()));
+}
+
+TEST_CASE("a worker that cannot be restarted fails the requests queued for its restart, and is lost", "[worker]") {
+  // Its executable (a link here) is gone by the time the restart spawns it.
+  const auto dir = std::filesystem::temp_directory_path() / ("bf-norestart-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const auto link = dir / "blockflow-worker";
+  std::filesystem::create_symlink(BLOCKFLOW_TEST_WORKER, link);
+  auto options = test::test_worker("w1");
+  options.executable = link.string();
+  options.restart_backoff = absl::Milliseconds(500);
+  auto site = make_worker(options);
+  Session session;
+  session.add_site(site).add_block(test::plugin_block("a", "affine", "w1")).add_path(Path::chain("t", {"a"}));
+  test::require_started(session);
+  REQUIRE(session.submit("t", at::zeros({1})).get().ok());
+  std::filesystem::remove_all(dir);
+  REQUIRE(::kill(static_cast<pid_t>(site->pid()), SIGKILL) == 0);
+  REQUIRE(test::eventually([&] { return session.metrics().sites.at(0).restarts == 1; }));
+  auto queued = session.submit("t", at::zeros({1}));  // waits in the site for the restart
+  REQUIRE(queued.wait_for(10s) == std::future_status::ready);
+  const Result r = queued.get();
+  CHECK_FALSE(r.ok());
+  CHECK_THAT(std::string(r.status.message()), Contains("worker w1 could not be restarted") && Contains("cannot start"));
+  const auto m = session.metrics();
+  CHECK(m.sites.at(0).lost);
+  CHECK(m.sites.at(0).failed_requests >= 1);
+  auto after = session.submit("t", at::zeros({1}));  // a lost site fails at once
+  REQUIRE(after.wait_for(10s) == std::future_status::ready);
+  CHECK_FALSE(after.get().ok());
 }
 
 TEST_CASE("no orphans: workers are gone after shutdown and after the session is destroyed", "[worker]") {

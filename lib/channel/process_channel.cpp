@@ -26,6 +26,11 @@ SendOutcome refused(Envelope&& envelope, absl::Status status) {
   return out;
 }
 
+absl::StatusOr<at::Tensor> named(const std::string& uri, absl::StatusOr<at::Tensor> t) {
+  if (t.ok()) return t;
+  return absl::Status(t.status().code(), fmt::format("{}: {}", uri, std::string(t.status().message())));
+}
+
 wire::Header data_header(const Envelope& envelope) {
   wire::Header h;
   h.kind = wire::MessageKind::kData;

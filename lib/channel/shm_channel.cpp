@@ -107,11 +107,9 @@ class ShmSender final : public ProcessChannel {
 
   absl::StatusOr<at::Tensor> empty(at::IntArrayRef sizes, at::ScalarType dtype) override {
     // cuda://: on the current CUDA device, where send() shares it as it lies.
-    if (ends_->cuda()) return at::empty(sizes, at::TensorOptions().dtype(dtype).device(at::kCUDA));
+    if (ends_->cuda()) return named(uri_, checked_empty(sizes, dtype, at::kCUDA));
     const absl::Duration wait = options_.full_policy == FullPolicy::kBlock ? options_.send_timeout : absl::ZeroDuration();
-    auto t = make_shm_allocator(ends_->host_pool(), wait)(sizes, dtype);
-    if (!t.ok()) return absl::Status(t.status().code(), fmt::format("{}: {}", uri_, std::string(t.status().message())));
-    return t;
+    return named(uri_, make_shm_allocator(ends_->host_pool(), wait)(sizes, dtype));
   }
   const std::string& uri() const override { return uri_; }
   ChannelRole role() const override { return ChannelRole::kSender; }
@@ -318,7 +316,7 @@ class ShmReceiver final : public ProcessChannel {
   }
   std::string_view kind() const override { return cuda_ ? "cuda" : "shm"; }
   absl::StatusOr<at::Tensor> empty(at::IntArrayRef sizes, at::ScalarType dtype) override {
-    return at::empty(sizes, at::TensorOptions().dtype(dtype).device(cuda_ ? at::kCUDA : at::kCPU));
+    return named(uri_, checked_empty(sizes, dtype, cuda_ ? at::kCUDA : at::kCPU));
   }
   const std::string& uri() const override { return uri_; }
   ChannelRole role() const override { return ChannelRole::kReceiver; }

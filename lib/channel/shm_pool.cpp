@@ -272,6 +272,11 @@ struct ShmProducer::Impl {
   absl::StatusOr<std::pair<Pool*, std::uint32_t>> acquire(std::size_t bytes, absl::Time deadline, bool wait = true)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     bool waited = false;
+    if (bytes > options.max_total_bytes) {  // never fits; and next_pow2() must not see it
+      if (!wait) return std::pair<Pool*, std::uint32_t>{nullptr, 0};
+      return absl::ResourceExhaustedError(fmt::format(
+          "a tensor of {} bytes does not fit in shared memory: max_total_bytes is {}", bytes, options.max_total_bytes));
+    }
     while (true) {
       bool can_ever_fit = false;
       auto found = find_slot(bytes, can_ever_fit);
@@ -519,7 +524,11 @@ struct ShmConsumer::Impl {
     if (mapping->base == MAP_FAILED) {
       return absl::ResourceExhaustedError(fmt::format("shm pool {:016x}: mmap: {}", pool_id, std::strerror(errno)));
     }
-    const auto* h = static_cast<const SegmentHeader*>(mapping->base);
+    // One copy of the header, checked and kept: the peer may rewrite the shared one at any time,
+    // so no field is read from shared memory twice.
+    SegmentHeader copy;
+    std::memcpy(&copy, mapping->base, sizeof copy);
+    const SegmentHeader* h = &copy;
     const bool sane = h->magic == kSegmentMagic && h->version == kSegmentVersion && h->pool_id == pool_id &&
                       h->slot_count > 0 && h->slot_count < (1u << 20) && h->data_offset >= kHeaderBytes + 8 * h->slot_count &&
                       h->slot_bytes > 0 && h->slot_bytes <= mapping->size &&
@@ -528,10 +537,6 @@ struct ShmConsumer::Impl {
     mapping->slot_count = h->slot_count;
     mapping->slot_bytes = h->slot_bytes;
     mapping->data_offset = h->data_offset;
-    // Checked above, on these very values; a header rewritten since changes nothing here.
-    if (mapping->data_offset + mapping->slot_count * mapping->slot_bytes > mapping->size) {
-      return absl::InvalidArgumentError(fmt::format("shm handle: pool {:016x} changed while it was mapped", pool_id));
-    }
     // The slots' pages are mapped now, as the producer made them (MAP_POPULATE there), so that this
     // process's resident memory moves when a pool comes or goes, not with each slot a burst first
     // reaches. Only the extent the checked header covers; an older kernel without it maps lazily.

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 namespace blockflow::detail {
 
@@ -230,16 +231,40 @@ ShmStager make_stager(ShmProducer& producer, absl::Duration wait) {
   };
 }
 
+absl::StatusOr<std::size_t> contiguous_bytes(at::IntArrayRef sizes, at::ScalarType dtype) {
+  std::size_t bytes = c10::elementSize(dtype);
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] < 0) return absl::InvalidArgumentError(fmt::format("size {} of dimension {} is negative", sizes[i], i));
+    if (__builtin_mul_overflow(bytes, static_cast<std::size_t>(sizes[i]), &bytes)) {
+      return absl::InvalidArgumentError(fmt::format("a tensor of sizes {} overflows 64 bits", fmt::join(sizes, "x")));
+    }
+  }
+  return bytes;
+}
+
+absl::StatusOr<at::Tensor> checked_empty(at::IntArrayRef sizes, at::ScalarType dtype, at::Device device) {
+  if (auto bytes = contiguous_bytes(sizes, dtype); !bytes.ok()) return bytes.status();
+  try {
+    return at::empty(sizes, at::TensorOptions().dtype(dtype).device(device));
+  } catch (const std::exception& e) {
+    return absl::ResourceExhaustedError(e.what());
+  }
+}
+
 ShmAllocator make_shm_allocator(ShmProducer& producer, absl::Duration wait) {
   return [&producer, wait](at::IntArrayRef sizes, at::ScalarType dtype) -> absl::StatusOr<at::Tensor> {
-    std::int64_t numel = 1;
-    for (const auto d : sizes) numel *= d;
-    const std::size_t bytes = static_cast<std::size_t>(numel) * c10::elementSize(dtype);
-    auto lease = producer.lease(bytes, absl::Now() + wait);
+    auto bytes = contiguous_bytes(sizes, dtype);
+    if (!bytes.ok()) return bytes.status();
+    auto lease = producer.lease(*bytes, absl::Now() + wait);
     if (!lease.ok()) return lease.status();
-    return at::from_blob(
-        lease->data, sizes, [keep = lease->keep, drop = lease->drop](void*) { drop(); },
-        at::TensorOptions().dtype(dtype));
+    try {
+      return at::from_blob(
+          lease->data, sizes, [keep = lease->keep, drop = lease->drop](void*) { drop(); },
+          at::TensorOptions().dtype(dtype));
+    } catch (const std::exception& e) {
+      lease->drop();  // the tensor that would have given the slot back was never made
+      return absl::InternalError(e.what());
+    }
   };
 }
 

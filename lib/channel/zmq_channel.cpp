@@ -31,7 +31,7 @@ class ZmqEnd : public ProcessChannel {
       : uri_(std::move(uri)), role_(role), options_(options), context_(1) {}
 
   absl::StatusOr<at::Tensor> empty(at::IntArrayRef sizes, at::ScalarType dtype) override {
-    return at::empty(sizes, at::TensorOptions().dtype(dtype));
+    return named(uri_, checked_empty(sizes, dtype, at::kCPU));
   }
   const std::string& uri() const override { return uri_; }
   ChannelRole role() const override { return role_; }

@@ -253,7 +253,8 @@ void SessionCore::hand_over(const PlanNode& target, Envelope&& envelope) {
   if (runtime->site != nullptr) {
     // A block at a site with nothing queued before this request: the site may take it from this
     // thread, sparing the forwarding thread's wake-up (RemoteSite::try_run()).
-    if (runtime->inbox->depth() == 0 && try_site_now(*runtime, envelope)) return;
+    // A closed inbox (the block was removed by an update) fails the request in send() below.
+    if (runtime->inbox->depth() == 0 && !runtime->inbox->closed() && try_site_now(*runtime, envelope)) return;
     return handle_displaced(runtime->inbox->send(std::move(envelope)), target);
   }
   // Run to completion: on a lane, a block with nothing queued before this request runs next on

@@ -466,7 +466,13 @@ void SessionCore::update_drain(UpdateWork& u, absl::Duration drain) {
   std::set<SiteRuntime*> shrinking;
   for (auto* runtime : u.removed) {
     stop_runtime(*runtime, fmt::format("removed by update {} before the request reached it", u.version));
-    runtime->block.reset();  // its model's memory goes now; the runtime stays for late plans
+    {
+      // Its model's memory goes now; the runtime stays for late plans. Under state_mu_: metrics()
+      // reads `block` there.
+      std::shared_ptr<Block> gone;
+      blockflow::detail::MutexLock lock(&state_mu_);
+      gone = std::move(runtime->block);
+    }
     if (runtime->site != nullptr) {
       auto& list = runtime->site->blocks;
       list.erase(std::remove(list.begin(), list.end(), runtime), list.end());
@@ -490,14 +496,15 @@ void SessionCore::update_drain(UpdateWork& u, absl::Duration drain) {
     }
   }
   u.timing.sites_stopped = static_cast<std::uint32_t>(emptied.size());
-  std::vector<std::shared_ptr<RemoteSite>> released_sites;  // destroyed outside state_mu_
   u.timing.drain_ms = ms_since(t_drain);
   u.timing.total_ms = ms_since(u.t_begin);
   blockflow::detail::MutexLock lock(&state_mu_);
   last_update_ = u.timing;
   for (auto it = sites_.begin(); it != sites_.end();) {
     if (std::find(emptied.begin(), emptied.end(), it->get()) != emptied.end()) {
-      released_sites.push_back(std::move((*it)->site));  // stopped: no callback can come any more
+      // Stopped: no callback can come any more. It keeps its (stopped) site until collect_retired()
+      // frees it outside state_mu_: a request that read its block's inbox open just before the
+      // drain closed it may still knock (try_run() refuses, the closed inbox fails the request).
       retired_sites_.push_back(std::move(*it));
       it = sites_.erase(it);
     } else {

@@ -198,6 +198,7 @@ struct WorkerSite::Impl {
   std::shared_ptr<detail::PacketLink> link;  // zero-copy channels: the live worker's data link
   std::int64_t link_lost_ns = 0;             // when it closed while the worker was still ready
   static constexpr std::int64_t kLinkGraceNs = 500'000'000;  // to exit by itself before we kill it
+  static constexpr int kPushTimeoutMs = 100;  // one blocking try of a request send (channel zmq)
   std::deque<Outbound> outbound;
   absl::flat_hash_map<Key, InFlight> in_flight;
   // Direct edges. `peer`: our worker's endpoint for other workers (empty: none). As the site whose
@@ -262,6 +263,11 @@ struct WorkerSite::Impl {
   absl::Status spawn_locked();
   // Marks the site lost for good and takes the session's callback (to call outside mu; once).
   LostFn take_lost_locked();
+  // The worker will not come back (its last restart used, or a restart could not spawn): kFailed,
+  // its queued requests taken out and counted (fail them outside mu with fail_queued()), and the
+  // session's callback taken unless the site is stopping.
+  std::deque<Outbound> give_up_locked(LostFn& lost_now);
+  void fail_queued(std::deque<Outbound> queued, const absl::Status& why);
 
   // Fails the given requests outside the lock.
   // Any thread: run() may fail a request while stop() drops `done` (then nobody is told).

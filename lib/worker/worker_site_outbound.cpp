@@ -158,7 +158,11 @@ void WorkerSite::Impl::sender_main() {
     {
       std::unique_lock lock(mu);
       auto ready = [&] {
-        return stopping || (!outbound.empty() && state == State::kReady && in_flight.size() < options.max_in_flight) ||
+        // A zero-copy site whose data link just closed waits with its queue (for the worker's
+        // death or its restart) rather than failing the next request for want of a link.
+        return stopping ||
+               (!outbound.empty() && state == State::kReady && (!shm() || link) &&
+                in_flight.size() < options.max_in_flight) ||
                !forwards.empty() || drops_pending.load(std::memory_order_acquire);
       };
       if (stopping) return;
@@ -213,11 +217,26 @@ void WorkerSite::Impl::transmit(Outbound&& next, const detail::ShmStager* stager
                    : absl::UnavailableError("its input is parked in a worker that is gone, or split between workers");
   } else {
     if (next.envelope.outputs_may_stay && !peer.empty()) header.flags |= wire::kFlagParkOutputs;
-    try {
-      auto sent_ok = detail::send_message(push, header, next.envelope.tensors, zmq::send_flags::none, &copied, stager);
-      if (!sent_ok.ok()) status = sent_ok.status();
-    } catch (const zmq::error_t& e) {
-      status = absl::UnavailableError(e.what());
+    // With no worker connected (it died and supervision has not noticed yet) a send waits up to
+    // kPushTimeoutMs (ZMQ_SNDTIMEO) at a time. It gives up once the request is no longer ours to
+    // send (the worker's death failed it) or the site stops: a worker that will not come back
+    // never holds stop() up, and a restarted one never gets a request already answered.
+    const Key key{header.request_id, header.node};
+    while (true) {
+      copied = 0;
+      try {
+        auto sent_ok = detail::send_message(push, header, next.envelope.tensors, zmq::send_flags::none, &copied, stager);
+        if (!sent_ok.ok()) status = sent_ok.status();
+        if (!sent_ok.ok() || *sent_ok) break;
+      } catch (const zmq::error_t& e) {
+        status = absl::UnavailableError(e.what());
+        break;
+      }
+      std::lock_guard lock(mu);
+      if (stopping || in_flight.find(key) == in_flight.end()) {
+        status = absl::UnavailableError("no worker took it before the site stopped");
+        break;
+      }
     }
   }
   if (copied > 0) {

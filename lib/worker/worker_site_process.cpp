@@ -118,7 +118,7 @@ void WorkerSite::Impl::on_death(std::string what) {
     ends->forget_all();
   }
   std::vector<std::pair<std::uint64_t, std::uint32_t>> lost;
-  std::vector<Outbound> queued;
+  std::deque<Outbound> queued;
   std::vector<std::pair<Key, std::weak_ptr<Impl>>> vias, forwarded;
   absl::Status why;
   LostFn lost_now;
@@ -151,12 +151,8 @@ void WorkerSite::Impl::on_death(std::string what) {
       detail::log(LogLevel::kWarning, fmt::format("{} {}; {} request(s) failed; restart {} of {}", prefix(), cause,
                                                    lost.size(), restarts, options.max_restarts));
     } else {
-      state = State::kFailed;
-      for (auto& o : outbound) queued.push_back(std::move(o));
-      outbound.clear();
-      failed_requests += queued.size();
+      queued = give_up_locked(lost_now);
       detail::log(LogLevel::kError, fmt::format("{} {}; not restarted ({} restarts used)", prefix(), cause, restarts));
-      if (!stopping) lost_now = take_lost_locked();
     }
   }
   if (lost_now) lost_now(std::string(why.message()));
@@ -164,10 +160,19 @@ void WorkerSite::Impl::on_death(std::string what) {
   forget_vias(vias);
   fail_all(std::move(lost), why);
   fail_forwarded(forwarded, why);
-  for (auto& o : queued) {
-    fail_all({{o.envelope.request_id, o.envelope.node}},
-             absl::UnavailableError(fmt::format("{} is down: {}", prefix(), cause)));
-  }
+  fail_queued(std::move(queued), absl::UnavailableError(fmt::format("{} is down: {}", prefix(), cause)));
+}
+
+std::deque<WorkerSite::Impl::Outbound> WorkerSite::Impl::give_up_locked(LostFn& lost_now) {
+  state = State::kFailed;
+  std::deque<Outbound> queued = std::exchange(outbound, {});
+  failed_requests += queued.size();
+  if (!stopping) lost_now = take_lost_locked();
+  return queued;
+}
+
+void WorkerSite::Impl::fail_queued(std::deque<Outbound> queued, const absl::Status& why) {
+  for (auto& o : queued) fail_all({{o.envelope.request_id, o.envelope.node}}, why);
 }
 
 void WorkerSite::Impl::send_control(zmq::socket_t& router, const std::string& to, const nlohmann::json& message) {
@@ -273,6 +278,7 @@ void WorkerSite::Impl::supervise() {
   pid_t child = 0;
   std::string death, lost_cause;
   LostFn lost_now;
+  std::deque<Outbound> queued;  // requests that waited for a restart that could not spawn
   {
     std::lock_guard lock(mu);
     child = pid;
@@ -309,14 +315,18 @@ void WorkerSite::Impl::supervise() {
                        : fmt::format("did not start within {}", absl::FormatDuration(options.start_timeout)));
     } else if (child == 0 && state == State::kDown && now >= restart_at_ns) {
       if (auto status = spawn_locked(); !status.ok()) {
-        state = State::kFailed;
-        cause = std::string(std::string(status.message()));
+        cause = std::string(status.message());
         lost_cause = fmt::format("{} could not be restarted: {}", prefix(), cause);
-        lost_now = take_lost_locked();
+        detail::log(LogLevel::kError, lost_cause);
+        queued = give_up_locked(lost_now);
       }
     }
   }
   if (lost_now) lost_now(lost_cause);
+  if (!lost_cause.empty()) {
+    wake();  // run() callers waiting for room in outbound see kFailed
+    fail_queued(std::move(queued), absl::UnavailableError(lost_cause));
+  }
   if (!death.empty()) return on_death(death);
   if (child == 0) return;
   int status = 0;
@@ -437,6 +447,7 @@ absl::Status WorkerSite::Impl::bind_sockets() {
   push = zmq::socket_t(context, zmq::socket_type::push);
   secure(push);
   push.set(zmq::sockopt::linger, 0);
+  push.set(zmq::sockopt::sndtimeo, kPushTimeoutMs);  // transmit() re-checks the request between tries
   // Credits bound the data messages; kForward and kDrop (direct edges) share the pipe.
   push.set(zmq::sockopt::sndhwm, static_cast<int>(4 * options.max_in_flight) + 16);
   pull = zmq::socket_t(context, zmq::socket_type::pull);

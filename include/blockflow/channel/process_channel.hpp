@@ -104,7 +104,9 @@ class ProcessChannel : public TensorChannel {
   /// @brief A contiguous CPU tensor to fill and send. On a shm:// sender its bytes lie in one of
   /// the channel's slots, so sending it copies nothing; the slot is free again once this tensor and
   /// the receiver's views of it are gone. Elsewhere a plain at::empty(). Waits for a slot as send()
-  /// does.
+  /// does. Errors name the URI: InvalidArgument for a negative size or a size in bytes that
+  /// overflows 64 bits; ResourceExhausted for a tensor larger than the sender's pools may hold
+  /// (`shm_max_bytes`); DeadlineExceeded when no slot came free in time.
   virtual absl::StatusOr<at::Tensor> empty(at::IntArrayRef sizes, at::ScalarType dtype = at::kFloat) = 0;
 
   /// @brief The URI as opened; for a receiver opened as `tcp://HOST:*` (a free port chosen by the

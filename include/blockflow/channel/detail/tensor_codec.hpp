@@ -68,6 +68,12 @@ ShmStager make_stager(ShmProducer& producer, absl::Duration wait);
 using ShmAllocator = std::function<absl::StatusOr<at::Tensor>(at::IntArrayRef sizes, at::ScalarType dtype)>;
 ShmAllocator make_shm_allocator(ShmProducer& producer, absl::Duration wait);
 
+/// The bytes of a contiguous tensor of `sizes` and `dtype`; InvalidArgument for a negative size
+/// or a product that overflows (what ProcessChannel::empty() is asked for comes from its caller).
+absl::StatusOr<std::size_t> contiguous_bytes(at::IntArrayRef sizes, at::ScalarType dtype);
+/// at::empty() with its sizes checked as above (its exceptions never cross a StatusOr API).
+absl::StatusOr<at::Tensor> checked_empty(at::IntArrayRef sizes, at::ScalarType dtype, at::Device device);
+
 struct DecodedMessage {
   wire::Header header;
   Tensors tensors;
