@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <ctime>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -120,9 +121,17 @@ TEST_CASE("process figures move the right way: RSS after an allocation, CPU time
   CHECK(before.threads >= 1);
   std::vector<char> big(256u << 20);
   for (std::size_t i = 0; i < big.size(); i += 4096) big[i] = 1;  // touch every page
+  // Busy until the kernel's own clock says this process used 0.2 s of CPU more (a wall-clock spin
+  // gets less than that on a loaded machine), so the sampler's figure has something to show.
+  auto cpu_now = [] {
+    timespec ts{};
+    ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) / 1e9;
+  };
   volatile double sink = 0;
-  const auto until = std::chrono::steady_clock::now() + 300ms;
-  while (std::chrono::steady_clock::now() < until) sink = sink + 1.0;
+  const double cpu_until = cpu_now() + 0.2;
+  const auto give_up = std::chrono::steady_clock::now() + 60s;
+  while (cpu_now() < cpu_until && std::chrono::steady_clock::now() < give_up) sink = sink + 1.0;
   const ProcessSample after = sample_process();
   CHECK(after.rss_bytes - before.rss_bytes > (200 << 20));
   CHECK(after.cpu_seconds - before.cpu_seconds > 0.1);

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <future>
 
 using namespace blockflow;
 using Catch::Matchers::Contains;
@@ -151,6 +152,33 @@ TEST_CASE("shm:// credits: a sender that must not wait is refused while the rece
   held.clear();  // the receiver lets go: the slots are credits again
   REQUIRE(test::eventually([&] { return sender->shm_stats().slots_in_use == 0; }));
   CHECK(sender->send(envelope_of(8, {at::ones({1000})})).status.ok());
+}
+
+TEST_CASE("close() ends a shm:// send that waits for a slot: Cancelled, the envelope comes back", "[process_channel]") {
+  const std::string uri = "shm://" + unique_name("close");
+  ProcessChannelOptions o;
+  o.shm_slots_per_pool = 2;
+  o.shm_max_bytes = 4u << 20;  // one pool of two 1 MiB slots
+  o.full_policy = FullPolicy::kBlock;
+  o.send_timeout = absl::Seconds(60);
+  auto receiver = open_or_fail(uri, ChannelRole::kReceiver);
+  auto sender = open_or_fail(uri, ChannelRole::kSender, o);
+  std::vector<Envelope> held;  // the receiver holds both slots
+  for (int i = 0; i < 2; ++i) {
+    REQUIRE(sender->send(envelope_of(i, {at::ones({1000})})).status.ok());
+    auto e = receiver->receive(absl::Now() + absl::Seconds(10));
+    REQUIRE(e.has_value());
+    held.push_back(std::move(*e));
+  }
+  auto waiting = std::async(std::launch::async, [&] { return sender->send(envelope_of(9, {at::ones({1000})})); });
+  REQUIRE(test::eventually([&] { return sender->shm_stats().credit_waits == 1; }));
+  sender->close();
+  REQUIRE(waiting.wait_for(std::chrono::seconds(10)) == std::future_status::ready);  // not send_timeout's 60 s
+  const SendOutcome out = waiting.get();
+  CHECK(out.status.code() == absl::StatusCode::kCancelled);
+  CHECK_THAT(std::string(out.status.message()), Contains(uri) && Contains("closed"));
+  REQUIRE(out.displaced.has_value());
+  CHECK(out.displaced->request_id == 9);
 }
 
 TEST_CASE("shm:// sender takes back the slots of a receiver that went away and goes on with the next one",

@@ -55,12 +55,13 @@ class ShmSender final : public ProcessChannel {
   }
 
   SendOutcome send(Envelope&& envelope) override {
-    if (closed_.load()) return refused(std::move(envelope), absl::CancelledError(fmt::format("{}: closed", uri_)));
     const bool wait = options_.full_policy == FullPolicy::kBlock;
     const absl::Time deadline = absl::Now() + (wait ? options_.send_timeout : absl::ZeroDuration());
     const ShmUnstager unstage = [ends = ends_](const wire::ShmHandle& h) { ends->release(h); };
     absl::Status status;
     while (true) {
+      // close() from another thread ends a send that waits, and it never connects again.
+      if (closed_.load()) return refused(std::move(envelope), absl::CancelledError(fmt::format("{}: closed", uri_)));
       auto link = ensure_link(deadline);
       if (!link.ok()) return refused(std::move(envelope), link.status());
       const ShmStager stager = ends_->stager(std::max(absl::ZeroDuration(), deadline - absl::Now()));
@@ -93,6 +94,7 @@ class ShmSender final : public ProcessChannel {
       link = link_;
     }
     if (link) ::shutdown(link->fd(), SHUT_RDWR);  // wakes the reader
+    ends_->host_pool().stop_waiting();            // and a send() waiting for a slot
   }
   bool closed() const override { return closed_.load(); }
 

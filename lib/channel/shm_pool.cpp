@@ -127,13 +127,14 @@ struct ShmProducer::Impl {
   std::vector<ClassTrim> class_trims;
   ShmEdgeStats stats;
   std::uint64_t frees = 0;  // slots freed so far: stage() waits for this to move
+  bool stopped_waiting = false;  // stop_waiting(): no more waits for a slot
   std::size_t creating_bytes = 0, creating_pools = 0;  // pools being made without the lock (find_slot())
 
   struct WaitArg {
     Impl* impl;
     std::uint64_t seen;
   };
-  static bool freed_since(WaitArg* arg) { return arg->impl->frees != arg->seen; }
+  static bool freed_since(WaitArg* arg) { return arg->impl->frees != arg->seen || arg->impl->stopped_waiting; }
 
   absl::StatusOr<Pool> create_pool(std::size_t slot_bytes) {
     Pool pool;
@@ -278,6 +279,8 @@ struct ShmProducer::Impl {
           "a tensor of {} bytes does not fit in shared memory: max_total_bytes is {}", bytes, options.max_total_bytes));
     }
     while (true) {
+      // Closing: not even a slot freed meanwhile (the link's end reclaims them all) is taken.
+      if (stopped_waiting && wait) return absl::CancelledError("the channel was closed while a send waited for a slot");
       bool can_ever_fit = false;
       auto found = find_slot(bytes, can_ever_fit);
       if (!found.ok()) return found.status();
@@ -418,6 +421,11 @@ std::optional<wire::ShmHandle> ShmProducer::share(const void* data, std::size_t 
     return wire::ShmHandle{pool.id, slot, x.generation, offset};
   }
   return std::nullopt;
+}
+
+void ShmProducer::stop_waiting() {
+  blockflow::detail::MutexLock lock(&impl_->mu);
+  impl_->stopped_waiting = true;
 }
 
 bool ShmProducer::release(const wire::ShmHandle& handle) {

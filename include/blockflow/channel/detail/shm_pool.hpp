@@ -106,6 +106,9 @@ class ShmProducer {
   /// Drops every hold of the consumer (it died): slots nobody else holds are free again. Returns how
   /// many slots the consumer held.
   std::size_t reclaim_all();
+  /// The channel is closing: a stage() or lease() waiting for a slot returns Cancelled now, and so
+  /// does every later one that would wait.
+  void stop_waiting();
   /// The pool's figures, as metrics report them (SiteStats::shm_requests / shm_results).
   ShmEdgeStats stats() const;
   /// The address of a handle's bytes in this process (tests).
