@@ -6,8 +6,8 @@ target_compile_options(blockflow_settings INTERFACE -Wall -Wextra -Wpedantic -Wn
 if(BLOCKFLOW_WARNINGS_AS_ERRORS)
   target_compile_options(blockflow_settings INTERFACE -Werror)
 endif()
-# A unity build (CMAKE_UNITY_BUILD, as scripts/test.sh makes under CI) compiles each .cpp included
-# from a generated file, where GCC takes an anonymous-namespace member type for one from a header.
-if(CMAKE_UNITY_BUILD)
+# A unity build (CMAKE_UNITY_BUILD, as scripts/sanitize.sh makes) compiles each .cpp included from
+# a generated file, where GCC takes an anonymous-namespace member type for one from a header.
+if(CMAKE_UNITY_BUILD AND CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
   target_compile_options(blockflow_settings INTERFACE -Wno-subobject-linkage)
 endif()

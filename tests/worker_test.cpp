@@ -230,7 +230,7 @@ TEST_CASE("a worker that cannot be restarted fails the requests queued for its r
   std::filesystem::create_symlink(BLOCKFLOW_TEST_WORKER, link);
   auto options = test::test_worker("w1");
   options.executable = link.string();
-  options.restart_backoff = absl::Milliseconds(500);
+  options.restart_backoff = absl::Seconds(2);  // the request below is submitted within it
   auto site = make_worker(options);
   Session session;
   session.add_site(site).add_block(test::plugin_block("a", "affine", "w1")).add_path(Path::chain("t", {"a"}));

@@ -139,6 +139,7 @@ TEST_CASE("apply starts workers, loads blocks into running ones untouched, stops
   traffic.join();
   CHECK(sent > 0);
   CHECK(wrong == 0);
+  REQUIRE(processed(before, "a") != ~std::uint64_t{0});  // block 'a' is in the metrics
   CHECK(processed(session.metrics(), "a") >= processed(before, "a") + static_cast<std::uint64_t>(sent.load()));
   session.shutdown();
 }

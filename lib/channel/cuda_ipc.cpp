@@ -520,6 +520,7 @@ std::size_t CudaProducer::reclaim_all() {
 }
 
 ShmEdgeStats CudaProducer::stats() const { return impl_->records.stats(); }
+void CudaProducer::stop_waiting() { impl_->records.stop_waiting(); }
 
 // ---------------------------------------------------------------------------------------------------
 CudaConsumer::CudaConsumer() = default;
@@ -594,6 +595,7 @@ absl::StatusOr<wire::ShmHandle> CudaProducer::share(const at::Tensor&, absl::Tim
 bool CudaProducer::release(const wire::ShmHandle&) { return false; }
 std::size_t CudaProducer::reclaim_all() { return 0; }
 ShmEdgeStats CudaProducer::stats() const { return {}; }
+void CudaProducer::stop_waiting() {}
 
 CudaConsumer::CudaConsumer() = default;
 CudaConsumer::~CudaConsumer() = default;

@@ -94,7 +94,7 @@ class ShmSender final : public ProcessChannel {
       link = link_;
     }
     if (link) ::shutdown(link->fd(), SHUT_RDWR);  // wakes the reader
-    ends_->host_pool().stop_waiting();            // and a send() waiting for a slot
+    ends_->stop_waiting();                        // and a send() waiting for a slot or record
   }
   bool closed() const override { return closed_.load(); }
 
@@ -152,6 +152,11 @@ class ShmSender final : public ProcessChannel {
       }
       if (link.ok()) {
         MutexLock lock(&mu_);
+        // close() sets closed_ before it reads link_ under mu_: one of the two sees the other.
+        if (closed_.load()) {
+          ::shutdown((*link)->fd(), SHUT_RDWR);
+          return absl::CancelledError(fmt::format("{}: closed", uri_));
+        }
         if (!link_) link_ = *link;
         return link_;
       }

@@ -2,8 +2,11 @@
 #include <blockflow/core/detail/sanitizer.hpp>
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+
+#include <new>
 
 namespace blockflow::detail {
 
@@ -232,6 +235,7 @@ ShmStager make_stager(ShmProducer& producer, absl::Duration wait) {
 }
 
 absl::StatusOr<std::size_t> contiguous_bytes(at::IntArrayRef sizes, at::ScalarType dtype) {
+  if (dtype == at::ScalarType::Undefined) return absl::InvalidArgumentError("a tensor needs a dtype");
   std::size_t bytes = c10::elementSize(dtype);
   for (std::size_t i = 0; i < sizes.size(); ++i) {
     if (sizes[i] < 0) return absl::InvalidArgumentError(fmt::format("size {} of dimension {} is negative", sizes[i], i));
@@ -246,8 +250,12 @@ absl::StatusOr<at::Tensor> checked_empty(at::IntArrayRef sizes, at::ScalarType d
   if (auto bytes = contiguous_bytes(sizes, dtype); !bytes.ok()) return bytes.status();
   try {
     return at::empty(sizes, at::TensorOptions().dtype(dtype).device(device));
-  } catch (const std::exception& e) {
+  } catch (const c10::OutOfMemoryError& e) {
     return absl::ResourceExhaustedError(e.what());
+  } catch (const std::bad_alloc& e) {
+    return absl::ResourceExhaustedError(e.what());
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(e.what());  // no such device in this build, say
   }
 }
 

@@ -66,6 +66,11 @@ bool ZeroCopyEnds::relays_as_is(const at::Tensor& t) {
   return t.defined() && t.device().is_cpu() && t.is_contiguous() && shm_origin(t.data_ptr(), byte_size(t)).has_value();
 }
 
+void ZeroCopyEnds::stop_waiting() {
+  host_out_->stop_waiting();
+  if (cuda_out_) cuda_out_->stop_waiting();
+}
+
 bool ZeroCopyEnds::release(const wire::ShmHandle& handle) {
   if (handle.memory == wire::kCudaMemory) return cuda_out_ != nullptr && cuda_out_->release(handle);
   at::Tensor dropped;  // dies outside the lock: its own release may run now

@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -21,8 +22,12 @@ bool process_exiting(long pid) {
   for (std::string field; fields >> field;) rest.push_back(field);
   if (rest.empty()) return false;
   if (rest[0] == "Z" || rest[0] == "X" || rest[0] == "x") return true;
-  constexpr std::size_t kExitCode = 52 - 3;  // present since Linux 3.5
-  return rest.size() > kExitCode && rest[kExitCode] != "0";
+  // Field 9, the task's flags: PF_EXITING is set as the exit starts, whatever its status (an
+  // exit(0) too), and never for a process merely stopped.
+  constexpr std::size_t kFlags = 9 - 3;
+  constexpr unsigned long kPfExiting = 0x4;
+  if (rest.size() <= kFlags) return false;
+  return (std::strtoul(rest[kFlags].c_str(), nullptr, 10) & kPfExiting) != 0;
 }
 
 }  // namespace blockflow::detail

@@ -220,7 +220,8 @@ void WorkerSite::Impl::transmit(Outbound&& next, const detail::ShmStager* stager
     // With no worker connected (it died and supervision has not noticed yet) a send waits up to
     // kPushTimeoutMs (ZMQ_SNDTIMEO) at a time. It gives up once the request is no longer ours to
     // send (the worker's death failed it) or the site stops: a worker that will not come back
-    // never holds stop() up, and a restarted one never gets a request already answered.
+    // never holds stop() up. (A restarted worker that connects during the try in progress may
+    // still get that one request; its reply then matches nothing and is dropped.)
     const Key key{header.request_id, header.node};
     while (true) {
       copied = 0;

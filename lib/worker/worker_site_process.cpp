@@ -315,8 +315,8 @@ void WorkerSite::Impl::supervise() {
                        : fmt::format("did not start within {}", absl::FormatDuration(options.start_timeout)));
     } else if (child == 0 && state == State::kDown && now >= restart_at_ns) {
       if (auto status = spawn_locked(); !status.ok()) {
-        cause = std::string(status.message());
-        lost_cause = fmt::format("{} could not be restarted: {}", prefix(), cause);
+        lost_cause = fmt::format("{} could not be restarted: {}", prefix(), std::string(status.message()));
+        cause = lost_cause;  // what later requests are refused with ("... is down: ...")
         detail::log(LogLevel::kError, lost_cause);
         queued = give_up_locked(lost_now);
       }

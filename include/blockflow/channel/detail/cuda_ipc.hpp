@@ -71,6 +71,8 @@ class CudaProducer {
   bool release(const wire::ShmHandle& handle);
   /// Drops every record the consumer held (it died). Returns how many.
   std::size_t reclaim_all();
+  /// The channel is closing: a share() waiting for a record returns Cancelled (ShmProducer's).
+  void stop_waiting();
   /// handles, releases, slots_in_use (records), credit_waits, reclaims; bytes_staged stays 0:
   /// nothing is ever copied.
   ShmEdgeStats stats() const;

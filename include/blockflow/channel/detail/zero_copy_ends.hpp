@@ -63,6 +63,8 @@ class ZeroCopyEnds {
   absl::Status take_releases(const wire::Header& message);
   /// The peer died: frees every slot it held. Returns how many.
   std::size_t reclaim_all();
+  /// The channel is closing: sends waiting for a slot or a CUDA record return Cancelled.
+  void stop_waiting();
   /// The peer restarted: its pools are new.
   void forget_all();
 

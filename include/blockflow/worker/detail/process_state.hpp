@@ -3,7 +3,7 @@
 namespace blockflow::detail {
 
 /// Whether process `pid` is on its way out: gone, a zombie, or a process whose exit has begun. The
-/// kernel sets a task's exit code (field 52 of /proc/PID/stat) when its exit starts; tearing down a
+/// kernel flags a task PF_EXITING (field 9 of /proc/PID/stat) when its exit starts; tearing down a
 /// large address space (an ASan process's shadow memory, a worker holding GBs of weights) can take
 /// a second more before the process can be reaped. A supervisor that sees heartbeats stop waits for
 /// such a process and reports how it died, instead of calling it silent.
