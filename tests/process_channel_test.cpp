@@ -1,12 +1,11 @@
 // ProcessChannel (process_channel.hpp): the cross-process TensorChannels opened by URI, both ends in
 // this process here (the examples' ctest runs them in two processes and kills one): values and
 // request ids arrive intact, shm:// copies nothing for a tensor made by empty() and copies once
-// otherwise, slots come back when the receiver's tensors die and when the receiver goes, FullPolicy
-// on both ends, URIs and directories checked, errors name the URI.
-#include "test_util.hpp"
+// otherwise, slots come back when the receiver's tensors die, FullPolicy on both ends, URIs and
+// directories checked, errors name the URI. The ends' lifetimes: shm_channel_lifetime_test.cpp.
+#include "process_channel_util.hpp"
 
 #include <blockflow/channel/detail/cuda_ipc.hpp>
-#include <blockflow/channel/process_channel.hpp>
 
 #include <fmt/format.h>
 
@@ -20,50 +19,10 @@ using namespace blockflow;
 using Catch::Matchers::Contains;
 using Catch::Matchers::StartsWith;
 
-namespace {
-
-std::string unique_name(const char* tag) {
-  static int n = 0;
-  return fmt::format("pc-{}-{}-{}", tag, ::getpid(), ++n);
-}
-
-std::unique_ptr<ProcessChannel> open_or_fail(const std::string& uri, ChannelRole role, ProcessChannelOptions o = {}) {
-  auto ch = open_channel(uri, role, o);
-  INFO(uri << ": " << ch.status());
-  REQUIRE(ch.ok());
-  return *std::move(ch);
-}
-
-Envelope envelope_of(std::uint64_t id, Tensors tensors) {
-  Envelope e;
-  e.request_id = id;
-  e.node = static_cast<std::uint32_t>(id % 7);
-  e.tensors = std::move(tensors);
-  return e;
-}
-
-// Sends `count` envelopes of one float tensor [2, 3] holding id*10 + 0..5, receives them, checks.
-void round_trip(ProcessChannel& sender, ProcessChannel& receiver, int count) {
-  for (int i = 0; i < count; ++i) {
-    auto t = sender.empty({2, 3});
-    REQUIRE(t.ok());
-    t->copy_(at::arange(6, at::kFloat).reshape({2, 3}) + 10.0 * i);
-    auto out = sender.send(envelope_of(static_cast<std::uint64_t>(i), {*t}));
-    INFO(out.status);
-    REQUIRE(out.status.ok());
-  }
-  for (int i = 0; i < count; ++i) {
-    auto e = receiver.receive(absl::Now() + absl::Seconds(10));
-    REQUIRE(e.has_value());
-    CHECK(e->request_id == static_cast<std::uint64_t>(i));
-    CHECK(e->node == static_cast<std::uint32_t>(i % 7));
-    REQUIRE(e->tensors.size() == 1);
-    CHECK(e->tensors[0].sizes() == at::IntArrayRef({2, 3}));
-    CHECK(at::equal(e->tensors[0], at::arange(6, at::kFloat).reshape({2, 3}) + 10.0 * i));
-  }
-}
-
-}  // namespace
+using test::envelope_of;
+using test::open_or_fail;
+using test::round_trip;
+using test::unique_name;
 
 TEST_CASE("shm:// hands tensors made by empty() over with no copy; slots return when the receiver's tensors die",
           "[process_channel]") {
@@ -179,32 +138,6 @@ TEST_CASE("close() ends a shm:// send that waits for a slot: Cancelled, the enve
   CHECK_THAT(std::string(out.status.message()), Contains(uri) && Contains("closed"));
   REQUIRE(out.displaced.has_value());
   CHECK(out.displaced->request_id == 9);
-}
-
-TEST_CASE("shm:// sender takes back the slots of a receiver that went away and goes on with the next one",
-          "[process_channel]") {
-  const std::string uri = "shm://" + unique_name("reclaim");
-  auto sender = open_or_fail(uri, ChannelRole::kSender);
-  std::vector<Envelope> kept;  // outlive their receiver: their slots are reclaimed all the same
-  {
-    auto first = open_or_fail(uri, ChannelRole::kReceiver);
-    for (int i = 0; i < 3; ++i) REQUIRE(sender->send(envelope_of(i, {at::full({64}, float(i))})).status.ok());
-    for (int i = 0; i < 3; ++i) {
-      auto e = first->receive(absl::Now() + absl::Seconds(10));
-      REQUIRE(e.has_value());
-      kept.push_back(std::move(*e));
-    }
-    CHECK(sender->shm_stats().slots_in_use == 3);
-  }
-  REQUIRE(test::eventually([&] { return !sender->connected(); }));
-  CHECK(sender->shm_stats().reclaims == 3);
-  CHECK(sender->shm_stats().slots_in_use == 0);
-  CHECK(at::equal(kept[2].tensors[0], at::full({64}, 2.0f)));  // still readable: the mapping stays
-  auto second = open_or_fail(uri, ChannelRole::kReceiver);
-  round_trip(*sender, *second, 4);
-  kept.clear();  // releases toward the gone receiver's link go nowhere, and hurt nothing
-  CHECK(test::eventually([&] { return sender->shm_stats().slots_in_use == 0; }));
-  CHECK(sender->shm_stats().stale_releases == 0);
 }
 
 TEST_CASE("a sender with no receiver: kReject fails at once, kBlock after send_timeout; the envelope comes back",

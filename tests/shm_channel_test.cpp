@@ -176,6 +176,33 @@ TEST_CASE("shm handles: stale, forged and out-of-range ones are rejected with th
   CHECK(consumer.resolve(*reused, 1024).ok());
 }
 
+TEST_CASE("shm: a message refused part-way gives back the handles that did not become tensors", "[shm]") {
+  Edge edge;
+  // The second of three handles cannot be resolved (a pool that cannot be opened here, say).
+  ShmResolver failing = edge.resolver;
+  int calls = 0;
+  failing.resolve = [&](const wire::TensorDesc& desc, const wire::ShmHandle& h, at::ScalarType type) -> absl::StatusOr<Tensor> {
+    if (++calls == 2) return absl::InvalidArgumentError("cannot map it");
+    return edge.resolver.resolve(desc, h, type);
+  };
+  wire::Header header;
+  header.request_id = 3;
+  auto sent = send_message(edge.push, header, {at::ones({64}), at::ones({64}), at::ones({64})}, zmq::send_flags::none, nullptr,
+                           &edge.stager);
+  REQUIRE(sent.ok());
+  CHECK(edge.producer.stats().slots_in_use == 3);
+  std::vector<zmq::message_t> frames;
+  (void)zmq::recv_multipart(edge.pull, std::back_inserter(frames));
+  auto got = decode_message(std::move(frames), &failing);
+  REQUIRE_FALSE(got.ok());
+  CHECK_THAT(std::string(got.status().message()), Contains("tensor 1: cannot map it"));
+  CHECK(calls == 2);  // the third was never resolved
+  // The first tensor was made and died with the refusal; the second and third were given back.
+  CHECK(edge.producer.stats().slots_in_use == 0);
+  CHECK(edge.producer.stats().releases == 3);
+  CHECK(edge.producer.stats().stale_releases == 0);
+}
+
 TEST_CASE("shm reclaim: a dead consumer's slots return; pools are unlinked with the producer", "[shm]") {
   ShmConsumer consumer;
   Tensor survivor;

@@ -102,7 +102,7 @@ absl::StatusOr<std::pair<std::shared_ptr<PacketLink>, std::shared_ptr<PacketLink
   return std::pair{std::make_shared<PacketLink>(fds[0]), std::make_shared<PacketLink>(fds[1])};
 }
 
-absl::Status PacketLink::send(const std::vector<std::string_view>& frames) {
+absl::Status PacketLink::send(const std::vector<std::string_view>& frames, bool wait) {
   const std::string table = table_of(frames);
   std::vector<iovec> parts;
   parts.reserve(frames.size() + 1);
@@ -119,10 +119,21 @@ absl::Status PacketLink::send(const std::vector<std::string_view>& frames) {
   message.msg_iov = parts.data();
   message.msg_iovlen = parts.size();
   while (true) {
-    const ssize_t n = ::sendmsg(fd_, &message, MSG_NOSIGNAL);
+    const ssize_t n = ::sendmsg(fd_, &message, MSG_NOSIGNAL | (wait ? 0 : MSG_DONTWAIT));
     if (n >= 0) return absl::OkStatus();
-    if (errno == EINTR) continue;
-    return absl::UnavailableError(fmt::format("data link: send: {}", std::strerror(errno)));
+    const int e = errno;
+    switch (e) {
+      case EINTR:
+        continue;
+      case EPIPE:  // the peer closed its end or stopped reading (shutdown(SHUT_RD))
+      case ECONNRESET:
+      case ENOTCONN:
+        return absl::UnavailableError(fmt::format("data link: the peer is gone or no longer reads ({})", std::strerror(e)));
+      case EAGAIN:  // `wait` false: the peer's queue is full
+        return absl::ResourceExhaustedError("data link: the peer's receive queue is full");
+      default:  // ENOBUFS, ENOMEM, EMSGSIZE...: this packet failed, the link is not known to be down
+        return absl::InternalError(fmt::format("data link: send: {}", std::strerror(e)));
+    }
   }
 }
 
@@ -176,8 +187,10 @@ absl::StatusOr<std::unique_ptr<PacketListener>> PacketListener::bind(const std::
 }
 
 PacketListener::~PacketListener() {
-  ::close(fd_);
+  // Unlinked while still listening: once the socket is closed, a new listener may bind this path
+  // (unix_socket_live() says it is free), and its file must not be unlinked by us.
   ::unlink(path_.c_str());
+  ::close(fd_);
 }
 
 std::optional<PacketListener::Accepted> PacketListener::accept() {

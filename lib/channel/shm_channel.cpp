@@ -5,6 +5,14 @@
 // and reads kRelease packets back; the receiver's tensors are views of the slots (or of the CUDA
 // memory, ordered by the sender's event), and each one's death sends its handle back.
 //
+// Lifetimes. A receiver's tensors keep their sender's link open (ReleaseOutbox), so a sender takes
+// slots back all at once (reclaim) only when that link closes: the receiving process died, or its
+// receiver has gone and every tensor it gave out has died. A receiver that closes shuts its links'
+// reading side: the senders' next send fails there, and a sender connects to a new receiver only
+// once the old one's end has closed. A sender that closes shuts its sending side (the receiver
+// still gets what was sent); tensors it relayed from a third process's slot (ZeroCopyEnds) that
+// its receiver still holds outlive it (RelayOrphans), or the third process would reuse the slots.
+//
 // cuda:// connect-time check: the receiver exports a CUDA probe (a small allocation and an
 // interprocess event, cuda_ipc.hpp) into a file beside its socket; a sender opens it when it
 // connects, and fails (FailedPrecondition naming the URI and the CUDA error) when it cannot: two
@@ -42,16 +50,69 @@ namespace {
 
 constexpr int kPollMs = 100;
 
+// See "Lifetimes" above: the relayed tensors of senders that are gone, each with its link, until
+// the receiver releases them or its end closes. Swept whenever a shm:// sender is made or destroyed.
+class RelayOrphans {
+ public:
+  static RelayOrphans& get() {
+    static auto* orphans = new RelayOrphans;  // never destroyed: what it holds may live to the end
+    return *orphans;
+  }
+  void adopt(std::shared_ptr<PacketLink> link, std::shared_ptr<ZeroCopyEnds> ends) {
+    MutexLock lock(&mu_);
+    orphans_.push_back({std::move(link), std::move(ends)});
+  }
+  void sweep() {
+    MutexLock lock(&mu_);
+    orphans_.erase(std::remove_if(orphans_.begin(), orphans_.end(), [](const Orphan& o) { return done(o); }), orphans_.end());
+  }
+  std::size_t size() const {
+    MutexLock lock(&mu_);
+    return orphans_.size();
+  }
+
+ private:
+  struct Orphan {
+    std::shared_ptr<PacketLink> link;
+    std::shared_ptr<ZeroCopyEnds> ends;
+  };
+  // Reads the releases that came; true once nothing is held any more or the receiver has gone.
+  static bool done(const Orphan& o) {
+    while (auto received = o.link->receive(0)) {
+      if (received->closed) return true;
+      if (!received->frames.ok()) continue;
+      auto message = decode_message(std::move(*received->frames));
+      if (message.ok() && message->header.kind == wire::MessageKind::kRelease) (void)o.ends->take_releases(message->header);
+    }
+    return o.ends->forwarded_held() == 0;
+  }
+  mutable Mutex mu_;
+  std::vector<Orphan> orphans_ ABSL_GUARDED_BY(mu_);
+};
+
 // ---------------------------------------------------------------------------------------------
 class ShmSender final : public ProcessChannel {
  public:
   ShmSender(std::string uri, std::string path, const ProcessChannelOptions& options, bool cuda)
-      : uri_(std::move(uri)), path_(std::move(path)), options_(options), ends_(std::make_shared<ZeroCopyEnds>(pools(options), cuda)) {
+      : uri_(std::move(uri)),
+        path_(std::move(path)),
+        options_(options),
+        ends_(std::make_shared<ZeroCopyEnds>(pools(options), cuda)),
+        wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+    RelayOrphans::get().sweep();
     reader_ = std::thread([this] { read_releases(); });
   }
   ~ShmSender() override {
     close();
     reader_.join();
+    ::close(wake_);
+    std::shared_ptr<PacketLink> link;
+    {
+      MutexLock lock(&mu_);
+      link = link_;
+    }
+    if (link && ends_->forwarded_held() > 0) RelayOrphans::get().adopt(link, ends_);
+    RelayOrphans::get().sweep();
   }
 
   SendOutcome send(Envelope&& envelope) override {
@@ -70,8 +131,8 @@ class ShmSender final : public ProcessChannel {
       if (copied > 0) contiguous_copies_.fetch_add(copied);
       if (status.ok()) break;
       if (status.code() != absl::StatusCode::kUnavailable) break;  // not the link: a slot, a dtype...
-      drop_link(*link);  // the receiver went away: the next one may come before the deadline
-      if (absl::Now() >= deadline) break;
+      retire(*link);  // the receiver went away or stopped reading: the next one may come before the deadline
+      status = absl::OkStatus();  // ensure_link() says why, at the deadline
     }
     if (!status.ok()) {
       if (!wait && status.code() == absl::StatusCode::kDeadlineExceeded) {
@@ -93,8 +154,10 @@ class ShmSender final : public ProcessChannel {
       MutexLock lock(&mu_);
       link = link_;
     }
-    if (link) ::shutdown(link->fd(), SHUT_RDWR);  // wakes the reader
-    ends_->stop_waiting();                        // and a send() waiting for a slot or record
+    if (link) ::shutdown(link->fd(), SHUT_WR);  // the receiver reads what was sent, then the end
+    ends_->stop_waiting();                      // a send() waiting for a slot or record ends
+    const std::uint64_t one = 1;
+    (void)!::write(wake_, &one, sizeof(one));  // and so does the reader
   }
   bool closed() const override { return closed_.load(); }
 
@@ -117,7 +180,7 @@ class ShmSender final : public ProcessChannel {
   ChannelRole role() const override { return ChannelRole::kSender; }
   bool connected() const override {
     MutexLock lock(&mu_);
-    return link_ != nullptr;
+    return link_ != nullptr && !retiring_;
   }
   ShmEdgeStats shm_stats() const override { return combined(ends_->host_stats(), ends_->cuda_stats()); }
   absl::Status flush(absl::Time deadline) override {
@@ -139,12 +202,28 @@ class ShmSender final : public ProcessChannel {
     return p;
   }
 
-  // The current link, or a new one to a receiver that listens now; retried until `deadline`.
+  // The current link, or a new one to a receiver that listens now; retried until `deadline`. While
+  // the last receiver's end stays open (it stopped reading; its tensors live), no new one: its
+  // slots come back one by one, or all at once when that end closes.
   absl::StatusOr<std::shared_ptr<PacketLink>> ensure_link(absl::Time deadline) {
     while (true) {
+      bool retiring = false;
       {
         MutexLock lock(&mu_);
-        if (link_) return link_;
+        if (link_ && !retiring_) return link_;
+        retiring = link_ != nullptr;
+      }
+      if (retiring) {
+        if (closed_.load()) return absl::CancelledError(fmt::format("{}: closed", uri_));
+        if (absl::Now() >= deadline) {
+          return absl::Status(options_.full_policy == FullPolicy::kBlock ? absl::StatusCode::kDeadlineExceeded
+                                                                         : absl::StatusCode::kUnavailable,
+                              fmt::format("{}: the receiver stopped reading (closed, or gone) and still holds {} slot(s); the "
+                                          "next receiver is connected once they are back",
+                                          uri_, ends_->held_by_peer()));
+        }
+        absl::SleepFor(absl::Milliseconds(5));
+        continue;
       }
       auto link = PacketLink::connect(path_);
       if (link.ok() && ends_->cuda()) {
@@ -181,16 +260,24 @@ class ShmSender final : public ProcessChannel {
         fmt::format("{}: the receiver's CUDA memory cannot be opened in this process: {}", uri_, std::string(status.message())));
   }
 
-  // The receiver is gone: every slot it held is ours again. Under the lock, so that no handle sent
-  // to the next receiver can be taken back by mistake.
+  // The receiver's end has closed: every slot it held is ours again. Under the lock, so that no
+  // handle sent to the next receiver can be taken back by mistake.
   void drop_link(const std::shared_ptr<PacketLink>& link) {
     {
       MutexLock lock(&mu_);
       if (link_ != link) return;
       link_.reset();
+      retiring_ = false;
       ends_->reclaim_all();
     }
     ::shutdown(link->fd(), SHUT_RDWR);
+  }
+
+  // A send found that the receiver no longer reads: no more sends on this link; its releases are
+  // still read, until its end closes (drop_link()).
+  void retire(const std::shared_ptr<PacketLink>& link) {
+    MutexLock lock(&mu_);
+    if (link_ == link) retiring_ = true;
   }
 
   void read_releases() {
@@ -200,11 +287,11 @@ class ShmSender final : public ProcessChannel {
         MutexLock lock(&mu_);
         link = link_;
       }
-      if (!link) {
-        absl::SleepFor(absl::Milliseconds(10));
-        continue;
-      }
-      auto received = link->receive(kPollMs);
+      std::vector<pollfd> fds = {{wake_, POLLIN, 0}};
+      if (link) fds.push_back({link->fd(), POLLIN, 0});
+      (void)::poll(fds.data(), fds.size(), link ? kPollMs : 10);  // without a link: until send() makes one
+      if (!link || fds[1].revents == 0) continue;
+      auto received = link->receive(0);
       if (!received) continue;
       if (received->closed) {
         drop_link(link);
@@ -227,8 +314,10 @@ class ShmSender final : public ProcessChannel {
   const std::string uri_, path_;
   const ProcessChannelOptions options_;
   const std::shared_ptr<ZeroCopyEnds> ends_;
+  const int wake_;  // close() wakes the reader
   mutable Mutex mu_;
   std::shared_ptr<PacketLink> link_ ABSL_GUARDED_BY(mu_);
+  bool retiring_ ABSL_GUARDED_BY(mu_) = false;  // link_'s receiver no longer reads
   std::atomic<bool> closed_{false};
   std::atomic<std::uint64_t> sent_{0}, contiguous_copies_{0};
   RateLimitedLog noisy_;
@@ -240,7 +329,8 @@ class ShmSender final : public ProcessChannel {
 // a time; others wait their turn until their deadline), so a hand-off costs one wake-up, and none
 // while packets stream (it polls up to `receive_spin` first, as a worker's link does). Packets not
 // yet read wait in the kernel's socket buffers, which push back on senders. Tensor deleters send
-// the releases straight on their link, from whatever thread they die on.
+// the releases straight on their link (ReleaseOutbox: never blocking), from whatever thread they
+// die on.
 class ShmReceiver final : public ProcessChannel {
  public:
   ShmReceiver(std::string uri, std::unique_ptr<PacketListener> listener, const ProcessChannelOptions& options, bool cuda)
@@ -248,11 +338,11 @@ class ShmReceiver final : public ProcessChannel {
         listener_(std::move(listener)),
         options_(options),
         cuda_(cuda ? std::make_unique<CudaConsumer>() : nullptr),
+        probe_(cuda ? listener_->path() + ".probe" : std::string()),
         wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
   ~ShmReceiver() override {
     close();
     ::close(wake_);
-    if (cuda_) ::unlink((listener_->path() + ".probe").c_str());  // the listener unlinks its socket
   }
 
   SendOutcome send(Envelope&& envelope) override {
@@ -279,6 +369,9 @@ class ShmReceiver final : public ProcessChannel {
         gaps_.streaming(options_.receive_spin) ? now_ns() + absl::ToInt64Nanoseconds(options_.receive_spin) : 0;
     std::optional<Envelope> newest;
     while (!closed_.load()) {
+      for (const auto& s : senders_) {
+        if (s.outbox->pending()) s.outbox->flush();  // releases a full link could not take at once
+      }
       // Everything that is there now: the first envelope found, or with kDropOldest the newest.
       for (std::size_t k = 0; k < senders_.size(); ++k) {
         Sender& s = senders_[(next_ + k) % senders_.size()];
@@ -310,7 +403,15 @@ class ShmReceiver final : public ProcessChannel {
   void close() override {
     if (closed_.exchange(true)) return;
     const std::uint64_t one = 1;
-    (void)!::write(wake_, &one, sizeof(one));
+    (void)!::write(wake_, &one, sizeof(one));  // a receive() in progress sees closed_ and ends its turn
+    turn_mu_.Lock();
+    turn_mu_.Await(absl::Condition(+[](bool* reading) { return !*reading; }, &reading_));
+    reading_ = true;
+    turn_mu_.Unlock();
+    stop_reading();
+    turn_mu_.Lock();
+    reading_ = false;
+    turn_mu_.Unlock();
   }
   bool closed() const override { return closed_.load(); }
   ChannelStats stats() const override {
@@ -332,7 +433,8 @@ class ShmReceiver final : public ProcessChannel {
 
  private:
   struct Sender {
-    std::shared_ptr<PacketLink> link;
+    std::shared_ptr<PacketLink> link;       // null once the sender has gone
+    std::shared_ptr<ReleaseOutbox> outbox;  // every tensor from this sender holds it, and so its link
     ShmResolver resolver;
   };
 
@@ -343,12 +445,27 @@ class ShmReceiver final : public ProcessChannel {
                                                    accepted->peer_uid, accepted->peer_pid));
         continue;  // the link closes as `accepted` goes
       }
-      std::weak_ptr<PacketLink> weak = accepted->link;
-      senders_.push_back({accepted->link, make_zero_copy_resolver(consumer_, cuda_.get(), [weak](const wire::ShmHandle& h) {
-                            if (auto link = weak.lock()) (void)send_releases(*link, {h});  // any thread, CUDA's too
+      auto outbox = std::make_shared<ReleaseOutbox>(accepted->link);
+      senders_.push_back({accepted->link, outbox, make_zero_copy_resolver(consumer_, cuda_.get(), [outbox](const wire::ShmHandle& h) {
+                            outbox->give(h);  // any thread, CUDA's too
                           })});
     }
     sender_count_.store(senders_.size());
+  }
+
+  // close(), with the turn: senders can send nothing more here (their next send fails, and they
+  // wait for this end to close before they connect to the next receiver); what they sent and was
+  // not taken is dropped, its slots released; the URI is free for a new receiver at once.
+  void stop_reading() {
+    if (cuda_) ::unlink(probe_.c_str());
+    listener_.reset();  // unlinks the socket; connections not accepted yet are refused
+    for (auto& s : senders_) {
+      if (!s.link) continue;
+      ::shutdown(s.link->fd(), SHUT_RD);
+      while (take_one(s)) dropped_.fetch_add(1);  // until it reports the end of what was queued
+    }
+    senders_.clear();  // each link stays open while tensors from it live
+    sender_count_.store(0);
   }
 
   void forget_gone_senders() {
@@ -383,10 +500,11 @@ class ShmReceiver final : public ProcessChannel {
   }
 
   const std::string uri_;
-  std::unique_ptr<PacketListener> listener_;
+  std::unique_ptr<PacketListener> listener_;  // until close()
   const ProcessChannelOptions options_;
   ShmConsumer consumer_;
   const std::unique_ptr<CudaConsumer> cuda_;  // cuda:// only
+  const std::string probe_;                    // cuda:// only: the probe file beside the socket
   const int wake_;
   Mutex turn_mu_;
   bool reading_ ABSL_GUARDED_BY(turn_mu_) = false;  // a receive() has the turn; it alone uses the fields below

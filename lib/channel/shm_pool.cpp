@@ -474,6 +474,16 @@ ShmEdgeStats ShmProducer::stats() const {
   return out;
 }
 
+std::uint64_t ShmProducer::held_by_consumer() const {
+  const Impl& s = *impl_;
+  blockflow::detail::MutexLock lock(&s.mu);
+  std::uint64_t held = 0;
+  for (const auto& pool : s.pools) {
+    for (const auto& x : pool.slots) held += (x.leased && x.consumer_holds > 0) ? 1 : 0;
+  }
+  return held;
+}
+
 const void* ShmProducer::address(const wire::ShmHandle& handle) const {
   Impl& s = *impl_;
   blockflow::detail::MutexLock lock(&s.mu);

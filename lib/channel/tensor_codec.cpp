@@ -146,7 +146,7 @@ absl::StatusOr<bool> send_references(zmq::socket_t& socket, wire::Header header,
 }
 
 absl::Status send_packet(PacketLink& link, wire::Header header, const Tensors& tensors, std::uint64_t* bytes_copied,
-                         const ShmStager* stager, const ShmUnstager* unstage) {
+                         const ShmStager* stager, const ShmUnstager* unstage, bool wait) {
   if (stager == nullptr && !tensors.empty()) {
     return absl::InvalidArgumentError("the data link carries handles, not tensor bytes: a stager is needed");
   }
@@ -154,7 +154,7 @@ absl::Status send_packet(PacketLink& link, wire::Header header, const Tensors& t
   if (!encoded.ok()) return encoded.status();
   std::vector<std::string_view> frames{encoded->header};
   for (const auto& h : encoded->handles) frames.emplace_back(h);
-  absl::Status sent = link.send(frames);
+  absl::Status sent = link.send(frames, wait);
   if (!sent.ok() && unstage != nullptr) {
     for (const auto& staged : encoded->staged) (*unstage)(staged);  // the consumer never saw them
   }
@@ -168,10 +168,21 @@ absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& fram
   auto header = wire::decode_header(frames[0].data(), frames[0].size());
   if (!header.ok()) return header.status();
   out.header = *std::move(header);
+  const bool handles = (out.header.flags & wire::kFlagShmHandles) != 0;
+  // A message refused part-way gives back the handles from frame `first` on, which never became
+  // tensors (those that did go back as their tensors die): else the producer holds their slots
+  // until the link drops. A stale or forged one is only counted there.
+  auto refuse = [&](std::size_t first, absl::Status status) {
+    if (handles && resolver != nullptr && resolver->release) {
+      for (std::size_t j = first; j < frames.size(); ++j) {
+        if (auto h = wire::decode_shm_handle(frames[j].data(), frames[j].size()); h.ok()) resolver->release(*h);
+      }
+    }
+    return status;
+  };
   std::vector<std::size_t> sizes;
   for (std::size_t i = 1; i < frames.size(); ++i) sizes.push_back(frames[i].size());
-  if (auto status = wire::check_frames(out.header, sizes); !status.ok()) return status;
-  const bool handles = (out.header.flags & wire::kFlagShmHandles) != 0;
+  if (auto status = wire::check_frames(out.header, sizes); !status.ok()) return refuse(1, status);
   if (handles && resolver == nullptr) {
     return absl::InvalidArgumentError("shared-memory handles on a channel without shared memory");
   }
@@ -182,12 +193,16 @@ absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& fram
   for (std::size_t i = 0; i < out.header.tensors.size(); ++i) {
     const auto& desc = out.header.tensors[i];
     auto type = from_wire_dtype(desc.dtype);
-    if (!type.ok()) return type.status();
+    if (!type.ok()) return refuse(i + 1, type.status());
     if (handles) {
       auto handle = wire::decode_shm_handle(frames[i + 1].data(), frames[i + 1].size());
-      if (!handle.ok()) return absl::InvalidArgumentError(fmt::format("tensor {}: {}", i, std::string(handle.status().message())));
-      auto tensor = (*resolver)(desc, *handle, *type);
-      if (!tensor.ok()) return absl::InvalidArgumentError(fmt::format("tensor {}: {}", i, std::string(tensor.status().message())));
+      if (!handle.ok()) {
+        return refuse(i + 2, absl::InvalidArgumentError(fmt::format("tensor {}: {}", i, std::string(handle.status().message()))));
+      }
+      auto tensor = resolver->resolve(desc, *handle, *type);
+      if (!tensor.ok()) {
+        return refuse(i + 1, absl::InvalidArgumentError(fmt::format("tensor {}: {}", i, std::string(tensor.status().message()))));
+      }
       out.tensors.push_back(*std::move(tensor));
       continue;
     }
@@ -277,8 +292,10 @@ ShmAllocator make_shm_allocator(ShmProducer& producer, absl::Duration wait) {
 }
 
 ShmResolver make_resolver(ShmConsumer& consumer, std::function<void(const wire::ShmHandle&)> release) {
-  return [&consumer, release = std::move(release)](const wire::TensorDesc& desc, const wire::ShmHandle& handle,
-                                                   at::ScalarType type) -> absl::StatusOr<at::Tensor> {
+  ShmResolver out;
+  out.release = release;
+  out.resolve = [&consumer, release = std::move(release)](const wire::TensorDesc& desc, const wire::ShmHandle& handle,
+                                                          at::ScalarType type) -> absl::StatusOr<at::Tensor> {
     if (handle.memory != wire::kHostMemory) return absl::InvalidArgumentError("shm handle: not host memory");
     auto view = consumer.resolve(handle, desc.byte_count);
     if (!view.ok()) return view.status();
@@ -290,6 +307,7 @@ ShmResolver make_resolver(ShmConsumer& consumer, std::function<void(const wire::
         view->data, desc.shape, desc.strides,
         [keep = view->keep, handle, release](void*) { release(handle); }, at::TensorOptions().dtype(type));
   };
+  return out;
 }
 
 }  // namespace blockflow::detail

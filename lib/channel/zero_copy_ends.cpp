@@ -25,6 +25,7 @@ ShmStager ZeroCopyEnds::stager(absl::Duration wait) {
         blockflow::detail::MutexLock lock(&forwarded->mu);
         forwarded->held[{origin->pool_id, origin->slot, origin->generation}].push_back(contiguous);
         ++forwarded->count;
+        ++forwarded->now;
         return *origin;
       }
     }
@@ -53,13 +54,15 @@ ShmEdgeStats combined(const ShmEdgeStats& host, const ShmEdgeStats& cuda) {
 }
 
 ShmResolver make_zero_copy_resolver(ShmConsumer& host_in, CudaConsumer* cuda_in, std::function<void(const wire::ShmHandle&)> release) {
-  ShmResolver host = make_resolver(host_in, release);
-  return [cuda = cuda_in, host = std::move(host), release](
-             const wire::TensorDesc& desc, const wire::ShmHandle& handle, at::ScalarType type) -> absl::StatusOr<at::Tensor> {
+  ShmResolver out;
+  out.release = release;
+  out.resolve = [cuda = cuda_in, host = make_resolver(host_in, release).resolve, release](
+                    const wire::TensorDesc& desc, const wire::ShmHandle& handle, at::ScalarType type) -> absl::StatusOr<at::Tensor> {
     if (handle.memory != wire::kCudaMemory) return host(desc, handle, type);
     if (cuda == nullptr) return absl::InvalidArgumentError("a CUDA handle on a channel that is not 'cuda'");
     return cuda->resolve(desc, handle, type, release);
   };
+  return out;
 }
 
 bool ZeroCopyEnds::relays_as_is(const at::Tensor& t) {
@@ -80,6 +83,7 @@ bool ZeroCopyEnds::release(const wire::ShmHandle& handle) {
     if (it != forwarded_->held.end()) {
       dropped = std::move(it->second.back());
       it->second.pop_back();
+      --forwarded_->now;
       if (it->second.empty()) forwarded_->held.erase(it);
     }
   }
@@ -110,6 +114,34 @@ std::size_t send_releases(PacketLink& link, const std::vector<wire::ShmHandle>& 
   return handles.size();
 }
 
+void ReleaseOutbox::give(const wire::ShmHandle& handle) {
+  blockflow::detail::MutexLock lock(&mu_);
+  waiting_.push_back(handle);
+  send_locked();
+}
+
+void ReleaseOutbox::flush() {
+  blockflow::detail::MutexLock lock(&mu_);
+  send_locked();
+}
+
+void ReleaseOutbox::send_locked() {
+  std::size_t sent = 0;
+  while (sent < waiting_.size()) {
+    const std::size_t n = std::min(waiting_.size() - sent, kReleasesPerMessage);
+    const absl::Status status = send_packet(*link_, release_message(waiting_.data() + sent, n), {}, nullptr, nullptr, nullptr,
+                                            /*wait=*/false);
+    if (status.ok()) {
+      sent += n;
+      continue;
+    }
+    if (status.code() == absl::StatusCode::kUnavailable) sent = waiting_.size();  // the producer is gone
+    break;  // else its queue is full (or this packet failed): they wait for the next try
+  }
+  waiting_.erase(waiting_.begin(), waiting_.begin() + static_cast<std::ptrdiff_t>(sent));
+  waiting_count_.store(waiting_.size(), std::memory_order_relaxed);
+}
+
 std::size_t ZeroCopyEnds::reclaim_all() {
   std::size_t forwarded = 0;
   decltype(forwarded_->held) dropped;
@@ -117,8 +149,14 @@ std::size_t ZeroCopyEnds::reclaim_all() {
     blockflow::detail::MutexLock lock(&forwarded_->mu);
     for (const auto& [key, tensors] : forwarded_->held) forwarded += tensors.size();
     dropped.swap(forwarded_->held);
+    forwarded_->now = 0;
   }
   return host_out_->reclaim_all() + forwarded + (cuda_out_ ? cuda_out_->reclaim_all() : 0);
+}
+
+std::uint64_t ZeroCopyEnds::forwarded_held() const {
+  blockflow::detail::MutexLock lock(&forwarded_->mu);
+  return forwarded_->now;
 }
 
 ShmEdgeStats ZeroCopyEnds::host_stats() const {

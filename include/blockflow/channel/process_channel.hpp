@@ -44,9 +44,17 @@
 ///   `receive()` returns nullopt at once and `drain()` nothing.
 /// - an envelope carries `request_id`, `node` and up to 64 tensors (CPU; any layout: non-contiguous
 ///   tensors are made contiguous first, a copy counted in `bytes_copied`); `local` stays behind.
-/// - a sender whose receiver dies (even by SIGKILL) takes back every slot the receiver held
-///   (ShmEdgeStats::reclaims) and goes on with the next receiver that opens the URI. Envelopes the
-///   dead receiver had not taken are lost with it: a channel is a hand-off, not a persistent queue.
+/// - lifetimes (shm://, cuda://): a tensor the receiver gave out stays valid after the receiver is
+///   closed or destroyed, until it dies: the sender never takes its slot back under it. A receiver
+///   that closes stops its senders at once (their next send fails: Unavailable, or with kBlock a
+///   wait of up to `send_timeout`, "stopped reading"), drops what they sent and it had not taken
+///   (counted in `dropped`, slots released), and frees the URI for a new receiver; a sender goes on
+///   with that one once every tensor of the old one has died. A sender whose receiver dies (even by
+///   SIGKILL) takes back every slot the receiver held (ShmEdgeStats::reclaims) and goes on with the
+///   next receiver. Envelopes a receiver had not taken are lost with it: a channel is a hand-off,
+///   not a persistent queue. A sender that closes stops sending; the receiver still gets what it
+///   sent. Tensors a sender relayed from a third process's slot (received over shm://, sent on
+///   unchanged) stay held for the receiver after the sender is destroyed, until released.
 /// - errors name the URI.
 
 #include <blockflow/channel/channel.hpp>
@@ -113,12 +121,13 @@ class ProcessChannel : public TensorChannel {
   /// system), `tcp://HOST:PORT` with the port it got, for its senders.
   [[nodiscard]] virtual const std::string& uri() const = 0;
   [[nodiscard]] virtual ChannelRole role() const = 0;
-  /// @brief Sender: a receiver is attached now. Receiver: at least one sender is.
+  /// @brief Sender: a receiver that reads is attached now. Receiver: at least one sender is.
   [[nodiscard]] virtual bool connected() const = 0;
   /// @brief Sender: waits until what was sent no longer needs this process. shm://: until the
-  /// receivers have let go of every slot (a sender that exits unlinks its pools, and a receiver
-  /// that had not mapped a pool yet could not read what lies in it); DeadlineExceeded naming the
-  /// slots still held. ipc:// and tcp://: OK at once (ZeroMQ keeps sending what it queued for up to
+  /// receivers have let go of every slot and relayed tensor sent to them (a sender that exits
+  /// unlinks its pools, and a receiver that had not mapped a pool yet could not read what lies in
+  /// it); tensors of this process's own, made by empty() and not sent, are not waited for;
+  /// DeadlineExceeded naming the slots still held. ipc:// and tcp://: OK at once (ZeroMQ keeps sending what it queued for up to
   /// `send_timeout` after the end is destroyed). Receiver: OK at once.
   virtual absl::Status flush(absl::Time deadline) {
     (void)deadline;

@@ -111,6 +111,9 @@ class ShmProducer {
   void stop_waiting();
   /// The pool's figures, as metrics report them (SiteStats::shm_requests / shm_results).
   ShmEdgeStats stats() const;
+  /// Slots the consumer holds now (handles sent, not yet released); unlike stats().slots_in_use,
+  /// without the slots only the producer's own tensors hold (a lease not yet sent).
+  std::uint64_t held_by_consumer() const;
   /// The address of a handle's bytes in this process (tests).
   const void* address(const wire::ShmHandle& handle) const;
 

@@ -33,10 +33,11 @@ using ShmUnstager = std::function<void(const wire::ShmHandle&)>;
 /// Sends the same message as one packet on a zero-copy channel's data link: every tensor as its
 /// handle (a `stager` is needed when there are tensors). Thread-safe as PacketLink::send(). When a
 /// tensor cannot be staged or the packet cannot be sent, the handles staged for it go back through
-/// `unstage` (else they stay leased until the consumer's death reclaims them).
+/// `unstage` (else they stay leased until the consumer's death reclaims them). `wait`: as
+/// PacketLink::send().
 absl::Status send_packet(PacketLink& link, wire::Header header, const Tensors& tensors,
                          std::uint64_t* bytes_copied = nullptr, const ShmStager* stager = nullptr,
-                         const ShmUnstager* unstage = nullptr);
+                         const ShmUnstager* unstage = nullptr, bool wait = true);
 
 /// What send_message() and send_packet() put on the wire: the encoded header, then the handles
 /// (with a stager) or the contiguous tensors whose bytes follow.
@@ -82,9 +83,13 @@ struct DecodedMessage {
 
 /// Validates and decodes a received multipart message. Tensors are views over the frames (kept
 /// alive by the tensors). Errors name the problem (see wire::decode_header).
-/// Messages with kFlagShmHandles need a `resolver` (else they are rejected, named).
-using ShmResolver = std::function<absl::StatusOr<at::Tensor>(const wire::TensorDesc&, const wire::ShmHandle&,
-                                                             at::ScalarType)>;
+/// Messages with kFlagShmHandles need a `resolver` (else they are rejected, named): `resolve` builds
+/// a tensor over the producer's memory; `release` gives back a handle that will not become one (a
+/// message refused part-way: decode_message() releases its handles from the failing one on).
+struct ShmResolver {
+  std::function<absl::StatusOr<at::Tensor>(const wire::TensorDesc&, const wire::ShmHandle&, at::ScalarType)> resolve;
+  std::function<void(const wire::ShmHandle&)> release;
+};
 /// Messages with kFlagParked need a `parked` resolver, which makes the tensor a reference frame
 /// stands for (else they are rejected, named).
 using ParkedResolver = std::function<absl::StatusOr<at::Tensor>(const wire::TensorDesc&, std::uint64_t id,

@@ -13,6 +13,7 @@
 #include <absl/status/status.h>
 #include <blockflow/core/detail/mutex.hpp>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <tuple>
@@ -32,6 +33,29 @@ wire::Header release_message(const wire::ShmHandle* first, std::size_t count);
 /// Returns how many went out; when the link is down, the rest are the caller's (to send again on
 /// the next link, or to drop: a producer whose consumer went away reclaims what it held).
 std::size_t send_releases(PacketLink& link, const std::vector<wire::ShmHandle>& handles);
+
+/// Releases on their way back to one producer over `link`, for a consumer whose tensors die on any
+/// thread (a block's, a CUDA callback's): give() never blocks. What the link cannot take now waits
+/// here and leaves with the next give() or flush() (bounded: one handle per slot the consumer
+/// holds); once the producer is gone it is dropped (the producer reclaimed every slot). Tensors hold
+/// their outbox, and the outbox its link: the link stays open while any tensor over the producer's
+/// memory lives here, so the producer takes their slots back only once they are all gone (or this
+/// process is), never under them. Thread-safe.
+class ReleaseOutbox {
+ public:
+  explicit ReleaseOutbox(std::shared_ptr<PacketLink> link) : link_(std::move(link)) {}
+  void give(const wire::ShmHandle& handle);
+  void flush();
+  /// Releases wait for room on the link (a flush() may send them).
+  [[nodiscard]] bool pending() const { return waiting_count_.load(std::memory_order_relaxed) > 0; }
+
+ private:
+  void send_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const std::shared_ptr<PacketLink> link_;
+  blockflow::detail::Mutex mu_;
+  std::vector<wire::ShmHandle> waiting_ ABSL_GUARDED_BY(mu_);
+  std::atomic<std::size_t> waiting_count_{0};
+};
 
 /// Builds tensors over a producer's memory: host slots through `host`, CUDA handles through `cuda`
 /// (null: refused, naming the channel); `release` runs with each handle when its tensor dies.
@@ -73,8 +97,14 @@ class ZeroCopyEnds {
   [[nodiscard]] std::shared_ptr<ShmProducer> shared_host_pool() const { return host_out_; }
   [[nodiscard]] ShmEdgeStats host_stats() const;
   [[nodiscard]] ShmEdgeStats cuda_stats() const { return cuda_out_ ? cuda_out_->stats() : ShmEdgeStats{}; }
-  /// Slots and CUDA records the peer holds now.
-  [[nodiscard]] std::uint64_t held_by_peer() const { return host_stats().slots_in_use + cuda_stats().slots_in_use; }
+  /// Handles the peer holds now: our slots sent to it, tensors relayed to it as a third process's
+  /// slot, CUDA records. Not our own leases that were never sent.
+  [[nodiscard]] std::uint64_t held_by_peer() const {
+    return host_out_->held_by_consumer() + forwarded_held() + cuda_stats().slots_in_use;
+  }
+  /// Tensors relayed to the peer as a third process's slot that it has not released yet: this end
+  /// keeps them alive, so that the third process does not reuse their slots under the peer.
+  [[nodiscard]] std::uint64_t forwarded_held() const;
 
  private:
   // Tensors passed on as another process's slot, kept until the peer releases that handle.
@@ -82,7 +112,8 @@ class ZeroCopyEnds {
     blockflow::detail::Mutex mu;
     absl::flat_hash_map<std::tuple<std::uint64_t, std::uint32_t, std::uint64_t>, std::vector<at::Tensor>> held
         ABSL_GUARDED_BY(mu);
-    std::uint64_t count ABSL_GUARDED_BY(mu) = 0;
+    std::uint64_t count ABSL_GUARDED_BY(mu) = 0;  // relayed so far
+    std::uint64_t now ABSL_GUARDED_BY(mu) = 0;    // held now (the tensors in `held`)
   };
 
   std::shared_ptr<ShmProducer> host_out_;
