@@ -7,7 +7,9 @@
 
 #include <fmt/format.h>
 
+#include <csignal>
 #include <cstdlib>
+#include <future>
 #include <mutex>
 
 using namespace blockflow;
@@ -85,6 +87,38 @@ TEST_CASE("a worker joins over TCP, dies under load, another joins, traffic flow
   REQUIRE(status.has_value());
   CHECK(WIFEXITED(*status));
   CHECK(WEXITSTATUS(*status) == 0);
+}
+
+TEST_CASE("a stopped joined worker, declared dead, keeps its TCP connections but gets no request; none hangs", "[joined]") {
+  const std::string listen = fmt::format("tcp://127.0.0.1:{}", test::free_port());
+  WorkerProcess first(WorkerProcess::join_args(listen, "far", {"--plugin", BLOCKFLOW_TEST_PLUGIN}));
+  auto site = make_worker(joined("far", listen));
+  Session session;
+  session.add_site(site).add_block(test::plugin_block("affine", "affine", "far")).add_path(Path::chain("t", {"affine"}));
+  test::require_started(session);
+  check_serves(session);
+
+  // Stopped, not dead: its heartbeats stop, its TCP connections stay up.
+  REQUIRE(::kill(first.pid(), SIGSTOP) == 0);
+  REQUIRE(test::eventually([&] { return session.metrics().sites.at(0).restarts == 1; }, 10s));
+  WorkerProcess second(WorkerProcess::join_args(listen, "far", {"--plugin", BLOCKFLOW_TEST_PLUGIN}));
+  // Once the second has joined, every request goes to it (before, a push socket shared between
+  // the two sent every other one to the stopped worker, where it stayed).
+  auto queued = session.submit("t", at::ones({4}));  // waits for the next worker
+  REQUIRE(queued.wait_for(30s) == std::future_status::ready);
+  REQUIRE(queued.get().ok());
+  for (int i = 0; i < 20; ++i) {
+    auto pending = session.submit("t", at::full({4}, static_cast<double>(i)));
+    REQUIRE(pending.wait_for(10s) == std::future_status::ready);
+    Result r = pending.get();
+    INFO(r.status.ToString());
+    REQUIRE(r.ok());
+    CHECK(at::equal(r.output(), at::full({4}, 3.0 * i + 1)));
+  }
+  ::kill(first.pid(), SIGCONT);  // back: its old data ports are gone, and the session ignores it
+  for (int i = 0; i < 5; ++i) CHECK(session.submit("t", at::ones({4})).get().ok());
+  CHECK(session.metrics().sites.at(0).restarts == 1);
+  session.shutdown();
 }
 
 TEST_CASE("nobody joins: start() fails naming the endpoint; a worker with another name is ignored", "[joined]") {

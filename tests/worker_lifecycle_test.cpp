@@ -124,3 +124,27 @@ TEST_CASE("private directories a killed host left are removed by the next one; l
   blockflow::detail::remove_private_dir(*next);
   CHECK_FALSE(fs::exists(*live));
 }
+
+TEST_CASE("stop() from two threads at once: one stops the site, the other waits; what it failed is counted",
+          "[worker_lifecycle]") {
+  auto ok = std::make_shared<std::atomic<int>>(0), failed = std::make_shared<std::atomic<int>>(0);
+  auto site = std::make_shared<WorkerSite>(test::test_worker("wl2", "shm"));
+  auto status = site->start({test::plugin_block("s", "slow_identity", "wl2")}, [ok, failed](SiteCompletion&& c) {
+    (c.outputs.ok() ? ok : failed)->fetch_add(1);
+  });
+  INFO(status.ToString());
+  REQUIRE(status.ok());
+  constexpr int kRequests = 40;  // 5 ms each in the worker: most are still inside when it stops
+  for (int i = 0; i < kRequests; ++i) {
+    Envelope e;
+    e.request_id = static_cast<std::uint64_t>(i + 1);
+    e.tensors = {at::ones({2})};
+    site->run("s", std::move(e));
+  }
+  auto other = std::async(std::launch::async, [site] { site->stop(); });
+  site->stop();
+  other.get();
+  CHECK(ok->load() + failed->load() == kRequests);  // every request resolved once
+  CHECK(failed->load() > 0);
+  CHECK(site->stats().failed_requests == static_cast<std::uint64_t>(failed->load()));
+}

@@ -3,15 +3,6 @@
 #include "worker_site_impl.hpp"
 
 namespace blockflow {
-namespace {
-
-// "tcp://ADDR:PORT" -> "tcp://ADDR:*" (the data sockets of a joining worker take ephemeral ports).
-std::string with_any_port(const std::string& endpoint) {
-  return endpoint.substr(0, endpoint.rfind(':') + 1) + "*";
-}
-
-}  // namespace
-
 absl::Status WorkerSite::Impl::resolve_channel() {
   std::string& c = options.channel;
   if (c.empty()) c = joined() ? "zmq" : "shm";
@@ -89,7 +80,7 @@ absl::Status WorkerSite::start(const std::vector<BlockDescription>& blocks, Comp
           fmt::format("{}: listen '{}' is not a tcp://ADDR:PORT endpoint", s.prefix(), s.options.listen));
     }
     s.control_endpoint = s.options.listen;
-    s.request_endpoint = s.result_endpoint = with_any_port(s.options.listen);
+    s.request_endpoint = s.result_endpoint = Impl::with_any_port(s.options.listen);
   } else {
     auto dir = detail::make_private_dir(s.options.name);
     if (!dir.ok()) return dir.status();
@@ -189,6 +180,7 @@ bool WorkerSite::try_run(const std::string& block, Envelope& envelope) {
 
 void WorkerSite::stop() {
   Impl& s = *impl_;
+  std::lock_guard serial(s.stop_mu);
   {
     std::lock_guard lock(s.mu);
     if (s.state == Impl::State::kStopped || s.state == Impl::State::kIdle) {
@@ -222,6 +214,10 @@ void WorkerSite::stop() {
   outbound.clear();
   const absl::Status stopped = absl::CancelledError(fmt::format("{} stopped", s.prefix()));
   Impl::forget_vias(vias);
+  {
+    std::lock_guard lock(s.mu);
+    s.failed_requests += lost.size();
+  }
   s.fail_all(std::move(lost), stopped);
   s.fail_forwarded(forwarded, stopped);
   {

@@ -172,7 +172,7 @@ struct WorkerSite::Impl {
   LostFn lost_fn;                   // RemoteSite::on_lost(); dropped by stop() with `done`
   bool lost = false;                // gone for good: died after its last restart
   SiteStats on_demand;              // WorkerOptions::memory_policy kOnDemand: the block_* figures of the last heartbeat
-  std::string dir, control_endpoint, request_endpoint, result_endpoint;
+  std::string dir, control_endpoint, request_endpoint, result_endpoint;  // the last two under mu once started
   zmq::context_t context{1};
   std::unique_ptr<detail::CurveServer> curve;  // joined over CURVE; after the sockets, before the context
   // Bound in start() on the caller's thread, then each used by exactly one thread. push and pull
@@ -197,6 +197,12 @@ struct WorkerSite::Impl {
   bool loaded = false;              // the worker said "loaded"; ready once its data link is up too
   std::shared_ptr<detail::PacketLink> link;  // zero-copy channels: the live worker's data link
   std::int64_t link_lost_ns = 0;             // when it closed while the worker was still ready
+  // A joined worker's death moves push and pull to fresh ports (each by its own thread): a worker
+  // declared dead that still holds TCP connections to them (stopped, cut off from the control
+  // socket) then gets no request and delivers no result. A worker that joins is answered once both
+  // have moved (it says hello again every second).
+  std::uint64_t data_epoch = 0, push_epoch = 0, pull_epoch = 0;
+  std::mutex stop_mu;  // stop() runs once at a time: a second caller waits, then finds it stopped
   static constexpr std::int64_t kLinkGraceNs = 500'000'000;  // to exit by itself before we kill it
   static constexpr int kPushTimeoutMs = 100;  // one blocking try of a request send (channel zmq)
   std::deque<Outbound> outbound;
@@ -328,8 +334,9 @@ struct WorkerSite::Impl {
   // send it to ours (kForward). Any thread (the owner's sender thread does the sending).
   absl::Status forward_from(Impl& owner, pid_t holder, wire::Header header, Envelope&& envelope);
 
-  // Reports an error for one in-flight request unless it was already reported.
-  void complete_error(std::uint64_t id, std::uint32_t node, absl::Status why);
+  // Reports an error for one in-flight request unless it was already reported; `site_failure`:
+  // the site failed it (it could not send it), counted in failed_requests.
+  void complete_error(std::uint64_t id, std::uint32_t node, absl::Status why, bool site_failure = false);
 
   void receiver_main();
 
@@ -346,6 +353,12 @@ struct WorkerSite::Impl {
 
   // Creates and binds the three sockets; the endpoints get their resolved ports.
   absl::Status bind_sockets();
+
+  // Joined workers, on the socket's own thread: after a death (data_epoch moved), binds `socket` to
+  // a fresh port in place of `endpoint` (unbinding the old one drops its connections).
+  void move_data_socket(zmq::socket_t& socket, std::string& endpoint, std::uint64_t& epoch);
+  // "tcp://ADDR:PORT" -> "tcp://ADDR:*": the data sockets of a joining worker take ephemeral ports.
+  static std::string with_any_port(const std::string& endpoint) { return endpoint.substr(0, endpoint.rfind(':') + 1) + "*"; }
 
   void deliver(detail::DecodedMessage&& message);
 };

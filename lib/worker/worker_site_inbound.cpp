@@ -21,7 +21,7 @@ absl::StatusOr<at::Tensor> WorkerSite::Impl::make_placeholder(const wire::Tensor
   return t;
 }
 
-void WorkerSite::Impl::complete_error(std::uint64_t id, std::uint32_t node, absl::Status why) {
+void WorkerSite::Impl::complete_error(std::uint64_t id, std::uint32_t node, absl::Status why, bool site_failure) {
   std::weak_ptr<Impl> via;
   {
     std::lock_guard lock(mu);
@@ -29,6 +29,7 @@ void WorkerSite::Impl::complete_error(std::uint64_t id, std::uint32_t node, absl
     if (it == in_flight.end()) return;
     via = it->second.via;
     in_flight.erase(it);
+    if (site_failure) ++failed_requests;
   }
   wake();
   forget_vias({{{id, node}, via}});
@@ -45,8 +46,9 @@ void WorkerSite::Impl::receiver_main() {
     std::vector<zmq::message_t> frames;
     if (listener) {
       if (!receive_from_link(frames)) continue;
-    } else if (!zmq::recv_multipart(pull, std::back_inserter(frames))) {
-      continue;  // timeout
+    } else {
+      if (joined()) move_data_socket(pull, result_endpoint, pull_epoch);
+      if (!zmq::recv_multipart(pull, std::back_inserter(frames))) continue;  // timeout
     }
     handle_frames(std::move(frames));
   }
@@ -156,7 +158,8 @@ void WorkerSite::Impl::deliver(detail::DecodedMessage&& message) {
       lock.unlock();
       if (consumer) {
         const auto code = static_cast<absl::StatusCode>(h.status_code == 0 ? 13 : h.status_code);
-        consumer->complete_error(h.request_id, h.node, absl::Status(code, fmt::format("{}: {}", prefix(), h.message)));
+        consumer->complete_error(h.request_id, h.node, absl::Status(code, fmt::format("{}: {}", prefix(), h.message)),
+                                 /*site_failure=*/true);
       }
       return;
     }

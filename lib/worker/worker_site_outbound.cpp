@@ -22,7 +22,8 @@ void WorkerSite::Impl::fail_forwarded(const std::vector<std::pair<Key, std::weak
   for (const auto& [key, consumer] : forwarded) {
     if (auto c = consumer.lock()) {
       c->complete_error(key.first, key.second,
-                        absl::Status(why.code(), fmt::format("its input was parked in {}: {}", prefix(), std::string(why.message()))));
+                        absl::Status(why.code(), fmt::format("its input was parked in {}: {}", prefix(), std::string(why.message()))),
+                        /*site_failure=*/true);
     }
   }
 }
@@ -112,7 +113,8 @@ void WorkerSite::Impl::send_direct_edge_messages() {
     if (consumer) {
       consumer->complete_error(key.first, key.second,
                                absl::UnavailableError(fmt::format("{}: cannot forward its parked output: {}", prefix(),
-                                                                  std::string(status.message()))));
+                                                                  std::string(status.message()))),
+                               /*site_failure=*/true);
     }
   }
   bool blocked = false;
@@ -151,6 +153,7 @@ void WorkerSite::Impl::send_direct_edge_messages() {
 void WorkerSite::Impl::sender_main() {
   name_thread("snd");
   while (true) {
+    if (joined()) move_data_socket(push, request_endpoint, push_epoch);
     flush_releases();
     Outbound next;
     const detail::ShmStager* stager_of_next = nullptr;
@@ -247,7 +250,8 @@ void WorkerSite::Impl::transmit(Outbound&& next, const detail::ShmStager* stager
   if (!status.ok()) {
     complete_error(next.envelope.request_id, next.envelope.node,
                    absl::Status(status.code(), fmt::format("{}: block '{}': cannot send: {}", prefix(), next.block,
-                                                           std::string(status.message()))));
+                                                           std::string(status.message()))),
+                   /*site_failure=*/true);
   }
 }
 

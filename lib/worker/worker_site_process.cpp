@@ -130,6 +130,7 @@ void WorkerSite::Impl::on_death(std::string what) {
     link.reset();
     link_lost_ns = 0;
     cause = kill_cause.empty() ? what : kill_cause;
+    if (joined()) ++data_epoch;
     for (const auto& [key, entry] : in_flight) {
       lost.push_back(key);
       if (!entry.via.expired()) vias.emplace_back(key, entry.via);
@@ -205,6 +206,7 @@ void WorkerSite::Impl::handle_control(zmq::socket_t& router, const std::string& 
         return;
       }
       if (state != State::kStarting) return;  // one worker at a time; a second one keeps knocking
+      if (push_epoch != data_epoch || pull_epoch != data_epoch) return;  // moving: it knocks again
     } else if (message.value("pid", 0) != pid) {
       return;  // a stale worker
     }
@@ -407,6 +409,32 @@ void WorkerSite::Impl::shutdown_worker(zmq::socket_t& router) {
   }
   ::kill(child, SIGKILL);
   ::waitpid(child, &status, 0);
+}
+
+void WorkerSite::Impl::move_data_socket(zmq::socket_t& socket, std::string& endpoint, std::uint64_t& epoch) {
+  std::string old;
+  std::uint64_t target = 0;
+  {
+    std::lock_guard lock(mu);
+    if (epoch == data_epoch) return;
+    target = data_epoch;
+    old = endpoint;
+  }
+  try {
+    socket.unbind(old);
+  } catch (const zmq::error_t&) {
+    // Unbound by an earlier try whose bind failed.
+  }
+  try {
+    socket.bind(with_any_port(options.listen));
+  } catch (const zmq::error_t& e) {
+    noisy.log(LogLevel::kWarning, fmt::format("{}: cannot move a data socket to a new port: {}", prefix(), e.what()));
+    return;  // tried again on the next turn of its thread
+  }
+  const std::string now = socket.get(zmq::sockopt::last_endpoint);
+  std::lock_guard lock(mu);
+  endpoint = now;
+  epoch = target;
 }
 
 absl::Status WorkerSite::Impl::bind_sockets() {

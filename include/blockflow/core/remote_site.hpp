@@ -58,7 +58,10 @@ struct SiteStats {
   std::int64_t pid = 0;      ///< current process id (0 when down)
   std::uint64_t restarts = 0;
   bool lost = false;         ///< gone for good: it died after its last restart (RemoteSite::on_lost)
-  std::uint64_t failed_requests = 0;  ///< requests failed because the site died or was stopped
+  /// Requests the site failed itself: its worker died or could not be restarted, the site stopped,
+  /// a request could not be sent, or its input parked in another worker was lost. Not errors that
+  /// its blocks returned.
+  std::uint64_t failed_requests = 0;
   std::uint64_t in_flight = 0;
   std::uint64_t malformed_frames = 0;
   /// Direct edges (WorkerOptions::direct_edges): results the worker kept for the next worker,
