@@ -47,18 +47,29 @@ void check_serves(Session& session) {
   CHECK(m.sites[0].data.received >= 6);
 }
 
+// `blockflow-worker` joining at `listen` as "far", with the test plugin.
+std::vector<std::string> far_args(const std::string& listen) {
+  return WorkerProcess::join_args(listen, "far", {"--plugin", BLOCKFLOW_TEST_PLUGIN});
+}
+
+// A session whose path "t" is the block "affine" (3x + 1) in the joined worker "far", started.
+std::shared_ptr<WorkerSite> start_far(Session& session, const std::string& listen) {
+  auto site = make_worker(joined("far", listen));
+  session.add_site(site).add_block(test::plugin_block("affine", "affine", "far")).add_path(Path::chain("t", {"affine"}));
+  test::require_started(session);
+  check_serves(session);
+  return site;
+}
+
 }  // namespace
 
 TEST_CASE("a worker joins over TCP, dies under load, another joins, traffic flows, stop sends it home", "[joined]") {
   const std::string listen = fmt::format("tcp://127.0.0.1:{}", test::free_port());
-  WorkerProcess first(WorkerProcess::join_args(listen, "far", {"--plugin", BLOCKFLOW_TEST_PLUGIN}));
-  auto site = make_worker(joined("far", listen));
+  WorkerProcess first(far_args(listen));
   Session session;
-  session.add_site(site).add_block(test::plugin_block("affine", "affine", "far")).add_path(Path::chain("t", {"affine"}));
-  test::require_started(session);
+  auto site = start_far(session, listen);
   CHECK(site->join_endpoint() == listen);
   CHECK(site->pid() == 0);  // not our child
-  check_serves(session);
 
   // kill -9 under load: requests inside fail with the worker's name and the cause; those queued
   // while it is down wait for the next worker.
@@ -71,7 +82,7 @@ TEST_CASE("a worker joins over TCP, dies under load, another joins, traffic flow
     std::this_thread::sleep_for(5ms);
   }
   CHECK(std::chrono::steady_clock::now() - killed_at < 1s);
-  WorkerProcess second(WorkerProcess::join_args(listen, "far", {"--plugin", BLOCKFLOW_TEST_PLUGIN}));
+  WorkerProcess second(far_args(listen));
   const bool served = load.wait_ok(20);
   load.finish();
   INFO(load.sample);
@@ -91,17 +102,14 @@ TEST_CASE("a worker joins over TCP, dies under load, another joins, traffic flow
 
 TEST_CASE("a stopped joined worker, declared dead, keeps its TCP connections but gets no request; none hangs", "[joined]") {
   const std::string listen = fmt::format("tcp://127.0.0.1:{}", test::free_port());
-  WorkerProcess first(WorkerProcess::join_args(listen, "far", {"--plugin", BLOCKFLOW_TEST_PLUGIN}));
-  auto site = make_worker(joined("far", listen));
+  WorkerProcess first(far_args(listen));
   Session session;
-  session.add_site(site).add_block(test::plugin_block("affine", "affine", "far")).add_path(Path::chain("t", {"affine"}));
-  test::require_started(session);
-  check_serves(session);
+  start_far(session, listen);
 
   // Stopped, not dead: its heartbeats stop, its TCP connections stay up.
   REQUIRE(::kill(first.pid(), SIGSTOP) == 0);
   REQUIRE(test::eventually([&] { return session.metrics().sites.at(0).restarts == 1; }, 10s));
-  WorkerProcess second(WorkerProcess::join_args(listen, "far", {"--plugin", BLOCKFLOW_TEST_PLUGIN}));
+  WorkerProcess second(far_args(listen));
   // Once the second has joined, every request goes to it (before, a push socket shared between
   // the two sent every other one to the stopped worker, where it stayed).
   auto queued = session.submit("t", at::ones({4}));  // waits for the next worker
