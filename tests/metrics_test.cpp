@@ -5,7 +5,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <future>
+
 using namespace blockflow;
+using Catch::Matchers::Contains;
 using namespace std::chrono_literals;
 
 TEST_CASE("wait + compute + overhead per request equals its end-to-end time", "[metrics]") {
@@ -66,6 +69,30 @@ TEST_CASE("wait + compute + overhead per request equals its end-to-end time", "[
   CHECK(m.paths[0].completed == 12);
   CHECK(m.paths[0].e2e.p50_ms >= m.paths[0].compute.p50_ms);
   CHECK(m.paths[0].throughput_per_s > 0);
+}
+
+TEST_CASE("computing_s shows how long a block call in progress has run, and 0 once it returned", "[metrics]") {
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<bool> entered{false};
+  Session session;
+  session.add_block(test::unary("held", [released, &entered](const Tensor& x) {
+    entered = true;
+    released.wait();
+    return x + 1;
+  }));
+  session.add_path(Path::chain("t", {"held"}));
+  test::require_started(session);
+  CHECK(session.metrics().blocks.at(0).computing_s == 0);
+  auto pending = session.submit("t", at::ones({2}));
+  REQUIRE(test::eventually([&] { return entered.load(); }));
+  const double first = session.metrics().blocks.at(0).computing_s;
+  CHECK(first > 0);
+  REQUIRE(test::eventually([&] { return session.metrics().blocks.at(0).computing_s > first; }));  // growing
+  CHECK_THAT(session.metrics().to_prometheus(), Contains("blockflow_block_computing_seconds{block=\"held\""));
+  release.set_value();
+  REQUIRE(pending.get().ok());
+  CHECK(session.metrics().blocks.at(0).computing_s == 0);
 }
 
 TEST_CASE("the metrics snapshot serialises to JSON with every field", "[metrics]") {

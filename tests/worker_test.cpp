@@ -203,6 +203,33 @@ TEST_CASE("kill -9 of a worker under load: every request resolves, the worker re
   CHECK(m.sites.at(0).failed_requests >= 1);
 }
 
+TEST_CASE("a block call that never returns: the worker says so, compute_timeout kills it, traffic flows", "[worker]") {
+  WorkerOptions o = test::test_worker("w4");
+  o.compute_timeout = absl::Seconds(2);
+  auto site = make_worker(o);
+  Session session;
+  session.add_site(site).add_block(test::plugin_block("h", "hang_on_negative", "w4")).add_path(Path::chain("t", {"h"}));
+  test::require_started(session);
+  const std::int64_t first_pid = site->pid();
+  REQUIRE(session.submit("t", at::ones({4})).get().ok());
+  CHECK(session.metrics().sites.at(0).computing_s == 0);
+
+  auto stuck = session.submit("t", -at::ones({4}));  // its heartbeats go on: only the call's age tells
+  CHECK(test::eventually([&] {
+    const auto m = session.metrics();
+    return m.sites.at(0).computing_block == "h" && m.sites.at(0).computing_s > 0;
+  }));
+  REQUIRE(stuck.wait_for(std::chrono::seconds(30)) == std::future_status::ready);
+  const Result failed = stuck.get();
+  CHECK(absl::IsUnavailable(failed.status));
+  CHECK_THAT(std::string(failed.status.message()), Contains("worker w4 ran block 'h' for more than 2s in one call (compute_timeout)"));
+  CHECK(session.submit("t", at::ones({4})).get().ok());  // the restarted worker
+  const auto m = session.metrics();
+  CHECK(m.sites.at(0).restarts == 1);
+  CHECK(m.sites.at(0).failed_requests == 1);
+  CHECK(site->pid() != first_pid);
+}
+
 TEST_CASE("a supervised child is exiting once killed, before it is reaped, and after", "[worker]") {
   // The supervisor waits for such a child instead of reporting missed heartbeats, so that a worker
   // killed by signal 9 is reported as killed by signal 9 even when its teardown is slow.

@@ -197,6 +197,9 @@ std::string MetricsSnapshot::to_prometheus() const {
     e.add("blockflow_block_layout_kept_total", "counter",
           "Outputs a block handed to the next one in oneDNN's layout (no reorder pair).", l,
           static_cast<double>(b.layout_kept));
+    e.add("blockflow_block_computing_seconds", "gauge",
+          "How long the longest call into a block now in progress has run (0: none); a block that never returns grows here.",
+          l, b.computing_s);
     if (b.on_demand) {
       e.add("blockflow_block_resident", "gauge", "On demand: 1 while the block is loaded.", l, b.resident ? 1 : 0);
       e.add("blockflow_block_loads_total", "counter", "On demand: times the block was loaded.", l, static_cast<double>(b.loads));
@@ -272,12 +275,15 @@ std::string MetricsSnapshot::to_prometheus() const {
     e.add("blockflow_worker_lost", "gauge", "1 once a worker is gone for good (it died after its last restart).", l,
           s.lost ? 1 : 0);
     e.add("blockflow_worker_restarts_total", "counter", "Restarts of a worker after it died.", l, static_cast<double>(s.restarts));
-    e.add("blockflow_worker_failed_requests_total", "counter", "Requests failed because a worker died or stopped.", l,
+    e.add("blockflow_worker_failed_requests_total", "counter",
+          "Requests a site failed itself: its worker died, it stopped, or a request could not be sent.", l,
           static_cast<double>(s.failed_requests));
     e.add("blockflow_worker_in_flight_requests", "gauge", "Requests sent to a worker and not answered.", l,
           static_cast<double>(s.in_flight));
     e.add("blockflow_worker_malformed_frames_total", "counter", "Malformed frames received from a worker, dropped.", l,
           static_cast<double>(s.malformed_frames));
+    e.add("blockflow_worker_computing_seconds", "gauge",
+          "How long a worker's longest block call now in progress has run, at its last heartbeat (0: none).", l, s.computing_s);
     if (s.parked_outputs > 0 || s.direct_forwards > 0) {
       e.add("blockflow_worker_parked_outputs_total", "counter",
             "Results a worker kept for the next worker (direct edges).", l, static_cast<double>(s.parked_outputs));

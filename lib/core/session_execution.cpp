@@ -12,6 +12,29 @@
 #include <numeric>
 
 namespace blockflow::detail {
+namespace {
+
+// A call into a block in progress, listed for BlockMetrics::computing_s while it runs.
+class ComputingCall {
+ public:
+  ComputingCall(BlockRuntime& runtime, std::int64_t start) : runtime_(runtime), start_(start) {
+    MutexLock lock(&runtime_.computing_mu);
+    runtime_.computing_since.push_back(start_);
+  }
+  ~ComputingCall() {
+    MutexLock lock(&runtime_.computing_mu);
+    auto& since = runtime_.computing_since;
+    since.erase(std::find(since.begin(), since.end(), start_));
+  }
+  ComputingCall(const ComputingCall&) = delete;
+  ComputingCall& operator=(const ComputingCall&) = delete;
+
+ private:
+  BlockRuntime& runtime_;
+  const std::int64_t start_;
+};
+
+}  // namespace
 
 void BlockRuntime::run_one() { core->run_block(*this, std::nullopt); }
 
@@ -117,7 +140,11 @@ void SessionCore::process_batch(BlockRuntime& runtime, std::vector<Envelope>&& b
       load_end = now_ns();
     }
     const std::int64_t start = now_ns();
-    absl::StatusOr<Tensors> outputs = held.ok() ? guarded_forward(*compute, std::move(stacked)) : held;
+    absl::StatusOr<Tensors> outputs = [&]() -> absl::StatusOr<Tensors> {
+      if (!held.ok()) return held;
+      const ComputingCall call(runtime, start);
+      return guarded_forward(*compute, std::move(stacked));
+    }();
     const std::int64_t end = now_ns();
     hold.reset();
     if (outputs.ok()) {
@@ -197,7 +224,11 @@ void SessionCore::process(BlockRuntime& runtime, Envelope&& envelope) {
   hop.compute_start_ns = now_ns();
   const bool keep_layout = state->plan->nodes[static_cast<std::size_t>(node)].keep_layout;
   OpaqueLayout* layout = keep_layout || is_opaque(inputs) ? runtime.layout : nullptr;
-  absl::StatusOr<Tensors> outputs = status.ok() ? guarded_forward(*compute, std::move(inputs), layout, keep_layout) : status;
+  absl::StatusOr<Tensors> outputs = [&]() -> absl::StatusOr<Tensors> {
+    if (!status.ok()) return status;
+    const ComputingCall call(runtime, hop.compute_start_ns);
+    return guarded_forward(*compute, std::move(inputs), layout, keep_layout);
+  }();
   hop.compute_end_ns = now_ns();
   hold.reset();  // before the hand-off: the next block may need the room
   if (!outputs.ok()) {

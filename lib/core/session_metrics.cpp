@@ -42,6 +42,11 @@ MetricsSnapshot SessionCore::metrics() const {
     b.batches = runtime->batches.load();
     b.batched_requests = runtime->batched_requests.load();
     b.layout_kept = runtime->layout_kept.load();
+    {
+      MutexLock lock(&runtime->computing_mu);
+      const auto& since = runtime->computing_since;
+      if (!since.empty()) b.computing_s = static_cast<double>(now_ns() - *std::min_element(since.begin(), since.end())) / 1e9;
+    }
     if (runtime->resident_id >= 0) {
       const ResidentSet::BlockState r = resident_->state(runtime->resident_id);
       b.on_demand = options_.memory_policy == SessionOptions::MemoryPolicy::kOnDemand;

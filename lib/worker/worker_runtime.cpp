@@ -71,6 +71,17 @@ nlohmann::json on_demand_totals(const bf::MetricsSnapshot& m) {
   return nlohmann::json::object();
 }
 
+// The longest call into one of the blocks now in progress, for the host's compute_timeout: {"block",
+// "s"}; null when none runs.
+nlohmann::json longest_call(const bf::MetricsSnapshot& m) {
+  const bf::BlockMetrics* longest = nullptr;
+  for (const auto& b : m.blocks) {
+    if (b.computing_s > 0 && (longest == nullptr || b.computing_s > longest->computing_s)) longest = &b;
+  }
+  if (longest == nullptr) return nullptr;
+  return {{"block", longest->name}, {"s", longest->computing_s}};
+}
+
 bf::wire::Header error_header(std::uint64_t id, std::uint32_t node, const absl::Status& status) {
   bf::wire::Header h;
   h.kind = bf::wire::MessageKind::kError;
@@ -315,7 +326,11 @@ class Worker {
         if (ends_) beat["shm"] = ends_->host_stats();
         if (ends_ && ends_->cuda()) beat["cuda"] = ends_->cuda_stats();
         if (sampler_.enabled()) beat["kpi"] = sampler_.latest();
-        if (on_demand_ && session_) beat["on_demand"] = on_demand_totals(session_->metrics());
+        if (session_) {
+          const bf::MetricsSnapshot m = session_->metrics();
+          if (on_demand_) beat["on_demand"] = on_demand_totals(m);
+          if (auto call = longest_call(m); !call.is_null()) beat["computing"] = std::move(call);
+        }
         send_control(beat);
       }
       if (type == bf::detail::kUpdate) start_update(json);

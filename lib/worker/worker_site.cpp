@@ -254,6 +254,8 @@ SiteStats WorkerSite::stats() const {
   out.failed_requests = s.failed_requests;
   out.in_flight = s.in_flight.size();
   out.malformed_frames = s.malformed;
+  out.computing_block = s.computing_block;
+  out.computing_s = s.computing_s;
   out.rss_idle_bytes = s.rss_idle;
   out.rss_bytes = s.rss;
   out.data.kind = s.joined() ? "zmq-tcp" : s.options.channel == "zmq" ? "zmq-ipc" : s.options.channel;

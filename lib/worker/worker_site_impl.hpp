@@ -202,6 +202,8 @@ struct WorkerSite::Impl {
   // socket) then gets no request and delivers no result. A worker that joins is answered once both
   // have moved (it says hello again every second).
   std::uint64_t data_epoch = 0, push_epoch = 0, pull_epoch = 0;
+  std::string computing_block;  // the worker's longest block call in progress, as of its last heartbeat
+  double computing_s = 0;
   std::mutex stop_mu;  // stop() runs once at a time: a second caller waits, then finds it stopped
   static constexpr std::int64_t kLinkGraceNs = 500'000'000;  // to exit by itself before we kill it
   static constexpr int kPushTimeoutMs = 100;  // one blocking try of a request send (channel zmq)

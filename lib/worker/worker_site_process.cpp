@@ -129,6 +129,8 @@ void WorkerSite::Impl::on_death(std::string what) {
     loaded = false;
     link.reset();
     link_lost_ns = 0;
+    computing_block.clear();
+    computing_s = 0;
     cause = kill_cause.empty() ? what : kill_cause;
     if (joined()) ++data_epoch;
     for (const auto& [key, entry] : in_flight) {
@@ -255,6 +257,12 @@ void WorkerSite::Impl::handle_control(zmq::socket_t& router, const std::string& 
     if (message.contains("shm") && message["shm"].is_object()) shm_results = message["shm"].get<ShmEdgeStats>();
     if (message.contains("cuda") && message["cuda"].is_object()) cuda_results = message["cuda"].get<ShmEdgeStats>();
     kpi = message.contains("kpi") ? message["kpi"].get<KpiSample>() : KpiSample{};
+    computing_block.clear();
+    computing_s = 0;
+    if (const auto it = message.find("computing"); it != message.end() && it->is_object()) {
+      computing_block = it->value("block", "");
+      computing_s = it->value("s", 0.0);
+    }
     if (const auto it = message.find("on_demand"); it != message.end() && it->is_object()) {
       on_demand.blocks_resident_bytes = it->value("blocks_resident_bytes", std::int64_t{0});
       on_demand.block_loads = it->value("block_loads", std::uint64_t{0});
@@ -307,6 +315,12 @@ void WorkerSite::Impl::supervise() {
       } else {
         declare(fmt::format("missed heartbeats for {} ms", (now - last_heartbeat_ns) / 1000000));
       }
+    } else if (state == State::kReady && options.compute_timeout > absl::ZeroDuration() &&
+               absl::Seconds(computing_s) > options.compute_timeout) {
+      // Its heartbeats come from its control thread: a block that never returns does not stop them.
+      declare(fmt::format("ran block '{}' for more than {} in one call (compute_timeout)", computing_block,
+                          absl::FormatDuration(options.compute_timeout)));
+      computing_s = 0;
     } else if (state == State::kReady && link_lost_ns != 0 && now - link_lost_ns > kLinkGraceNs) {
       // Its data link closed but the process lives on: it can take no request; start it anew.
       link_lost_ns = 0;

@@ -75,6 +75,16 @@ extern "C" void blockflow_register_blocks(blockflow::BlockRegistry& registry) {
         },
         options);
   });
+  // The identity, except that it never returns for an input whose first element is negative.
+  registry.add("hang_on_negative", [](const std::string& name, const blockflow::BlockOptions& options) {
+    return blockflow::Block::callable(
+        name,
+        [](blockflow::Tensors&& in) -> absl::StatusOr<blockflow::Tensors> {
+          if (in.at(0).flatten()[0].item<double>() < 0) std::this_thread::sleep_for(std::chrono::hours(1));
+          return blockflow::Tensors{in.at(0)};
+        },
+        options);
+  });
   // Kills its process while it is being built: a worker dying in the middle of loading.
   registry.add("abort_on_build", [](const std::string&, const blockflow::BlockOptions&) -> std::shared_ptr<blockflow::Block> {
     std::abort();

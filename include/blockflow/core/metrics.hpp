@@ -34,6 +34,10 @@ struct BlockMetrics {
   /// Outputs handed to the next block in oneDNN's layout, sparing a to_dense/to_mkldnn pair
   /// (docs/lanes.md, "Layouts between blocks").
   std::uint64_t layout_kept = 0;
+  /// How long the longest call into the block now in progress has run, in seconds (0: none runs):
+  /// a block that never returns shows here, growing. For a block in a worker, see
+  /// SiteStats::computing_s.
+  double computing_s = 0;
   /// Loading on demand (SessionOptions::MemoryPolicy::kOnDemand, docs/memory.md): whether this block
   /// does, whether it is loaded now, its footprint (profiled, or measured at its first load), its
   /// loads and evictions, and the session's uptime at its last use (0: never used).

@@ -70,6 +70,10 @@ struct SiteStats {
   std::uint64_t direct_forwards = 0;
   std::int64_t rss_idle_bytes = 0;  ///< resident memory of the process before it loaded any block
   std::int64_t rss_bytes = 0;       ///< resident memory at the last heartbeat
+  /// The site's longest call into one of its blocks now in progress, as of its last heartbeat (""
+  /// and 0: none runs); WorkerOptions::compute_timeout bounds it.
+  std::string computing_block;
+  double computing_s = 0;
   ChannelStats data;          ///< the channel that carries requests to the site
   /// With data.kind "shm": host -> site (the host's pool) and site -> host (the site's pool, as of
   /// its last heartbeat). Bytes copied in the hand-off itself: data.bytes_copied (0).

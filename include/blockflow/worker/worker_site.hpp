@@ -82,6 +82,11 @@ struct WorkerOptions {
   /// space still being torn down) is waited for, up to another timeout, and reported by how it died.
   absl::Duration heartbeat_timeout = absl::Milliseconds(800);
   absl::Duration start_timeout = absl::Seconds(120);           ///< spawn + load + warm-up
+  /// Longest one call into a block may run in the worker (its heartbeats say what runs: they come
+  /// from its control thread and go on while a block never returns). Beyond it the worker is killed
+  /// and restarted (a joined worker declared dead), its requests failing with "ran block 'B' for
+  /// more than T in one call (compute_timeout)". 0: never.
+  absl::Duration compute_timeout = absl::Minutes(2);
   std::size_t max_in_flight = 64;  ///< requests sent and not answered (credits); run() waits beyond
   /// Zero-copy channels: how long the data link's receiving threads (the session's, the worker's)
   /// poll for the next packet before they sleep, while packets come in a stream (on average less

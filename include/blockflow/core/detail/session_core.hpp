@@ -77,6 +77,9 @@ struct BlockRuntime final : LaneWork {
   /// Why stop_runtime() closed the queue ("removed by update 3 ..."), for requests that find it closed.
   std::string removed_reason;
   std::atomic<const std::string*> removed_why{nullptr};
+  /// When each call into the block now in progress began (BlockMetrics::computing_s).
+  blockflow::detail::Mutex computing_mu;
+  std::vector<std::int64_t> computing_since ABSL_GUARDED_BY(computing_mu);
 
   [[nodiscard]] const std::string& name() const { return description.name; }
   [[nodiscard]] bool has_work() const override { return inbox->depth() > 0 && !inbox->closed(); }

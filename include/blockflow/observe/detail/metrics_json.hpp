@@ -24,12 +24,13 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(TorchCudaMemory, device, allocat
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(KpiSample, time_s, process, gpus, gpu_status, torch_cuda,
                                                 torch_cuda_status, energy_j)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteStats, name, kind, pid, restarts, lost, failed_requests, in_flight,
-                                                malformed_frames, parked_outputs, direct_forwards, rss_idle_bytes, rss_bytes, data, shm_requests,
+                                                malformed_frames, parked_outputs, direct_forwards, rss_idle_bytes, rss_bytes,
+                                                computing_block, computing_s, data, shm_requests,
                                                 shm_results, cuda_requests, cuda_results, kpi, blocks_resident_bytes, block_loads,
                                                 block_evictions, block_bytes_loaded, block_load_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(BlockMetrics, name, kind, device, placement, workers,
                                                 intra_op_threads, processed, failed, batches, batched_requests, layout_kept,
-                                                on_demand, resident, footprint_bytes, loads, evictions, last_use_s, wait,
+                                                computing_s, on_demand, resident, footprint_bytes, loads, evictions, last_use_s, wait,
                                                 compute, overhead,
                                                 throughput_per_s, queue)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(PathMetrics, task, active, submitted, completed, failed, e2e, wait, compute,
