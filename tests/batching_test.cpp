@@ -144,6 +144,39 @@ TEST_CASE("a block whose output rows do not follow its input rows fails the batc
   CHECK(failed >= 2);
 }
 
+TEST_CASE("a batch group that throws fails its own requests only; the other groups' go on", "[batching]") {
+  Recorder recorder;
+  SessionOptions one_lane;
+  one_lane.lanes = 1;  // the queue builds up behind the first call, and the rest is one batch
+  Session session(one_lane);
+  session.add_block(recorder.block("rec", batching(16, 50))).add_path(Path::chain("t", {"rec"}));
+  test::require_started(session);
+  std::vector<std::future<Result>> futures;
+  std::vector<Tensor> inputs;
+  for (int i = 0; i < 9; ++i) {
+    // Meta tensors stack, and then cannot be copied to the block's device: their group, the
+    // batch's first, throws.
+    const bool meta = i % 2 == 1;
+    inputs.push_back(meta ? at::empty({1, 5}, at::TensorOptions().device(at::kMeta)) : at::full({1, 4}, double(i)));
+    futures.push_back(session.submit("t", inputs.back()));
+  }
+  int failed = 0;
+  for (std::size_t i = 0; i < futures.size(); ++i) {
+    Result r = futures[i].get();
+    if (inputs[i].is_meta()) {
+      CHECK_FALSE(r.ok());
+      CHECK_THAT(std::string(r.status.message()), Contains("block 'rec'"));
+      ++failed;
+      continue;
+    }
+    INFO(i << ": " << r.status.ToString());
+    REQUIRE(r.ok());  // before, the group that threw failed them too
+    CHECK(at::equal(r.output(), inputs[i] * 2));
+  }
+  CHECK(failed == 4);
+  CHECK(session.metrics().blocks.at(0).batches >= 1);
+}
+
 TEST_CASE("batching in a worker process: equal outputs, counted in the worker", "[batching]") {
   BlockDescription d = test::model_block("cnn", "cnn_block1.pt", "w1", {-1, 3, 16, 16});
   d.options.max_batch = 8;

@@ -321,6 +321,37 @@ TEST_CASE("on demand: apply() loads an added block once (unloading others to fit
   CHECK(session.submit("tc", at::zeros({1})).get().ok());  // the session goes on as it was
 }
 
+TEST_CASE("on demand: a block an update removed is never loaded again, and makes no room decision after it is freed",
+          "[memory]") {
+  register_on_demand_factories();
+  Session session(on_demand(25, 1));
+  session.add_block(described("ret_a", "od_add", 10)).add_block(described("ret_b", "od_add", 10));
+  session.add_path(Path::chain("ta", {"ret_a"})).add_path(Path::chain("tb", {"ret_b"}));
+  REQUIRE(session.start().ok());
+  REQUIRE(session.submit("tb", at::zeros({1})).get().ok());
+  auto parsed = Deployment::parse(R"({"blocks": [{"name": "ret_a", "factory": "od_add", "memory_bytes": 10485760},
+                                                {"name": "ret_c", "factory": "od_add", "memory_bytes": 10485760},
+                                                {"name": "ret_d", "factory": "od_add", "memory_bytes": 10485760}],
+                                     "tasks": {"ta": ["ret_a"], "tc": ["ret_c"], "td": ["ret_d"]}})", "/nowhere");
+  REQUIRE(parsed.ok());
+  REQUIRE(session.apply(*parsed).ok());
+  REQUIRE(session.apply(*parsed).ok());  // no change; it frees what the first one removed
+  REQUIRE(session.metrics().retired_blocks == 0);  // ret_b's runtime, its queue with it, is gone
+  const int built_b = times_built("ret_b");
+  // Three blocks take turns in room for two: every load makes room, looking at every block the set
+  // ever had, the removed one included (its queue is gone: ASan sees a read of it).
+  for (int i = 0; i < 6; ++i) {
+    for (const char* task : {"ta", "tc", "td"}) {
+      Result r = session.submit(task, at::zeros({1})).get();
+      INFO(task << ": " << r.status.ToString());
+      REQUIRE(r.ok());
+    }
+  }
+  CHECK(times_built("ret_b") == built_b);
+  const auto m = session.metrics();
+  CHECK(threads_memory(m).resident_bytes <= 20 * kMB);
+}
+
 TEST_CASE("on demand: the block a session keeps for an on-demand block loads it for forward() and lets it go", "[memory]") {
   // The session's lanes hold blocks themselves; a caller of the kept Block (on_demand_block()) gets
   // the same residency: a load when needed, eviction of the least recently used, errors named.

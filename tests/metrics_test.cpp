@@ -72,10 +72,11 @@ TEST_CASE("wait + compute + overhead per request equals its end-to-end time", "[
 }
 
 TEST_CASE("computing_s shows how long a block call in progress has run, and 0 once it returned", "[metrics]") {
-  std::promise<void> release;
-  std::shared_future<void> released = release.get_future().share();
   std::atomic<bool> entered{false};
   Session session;
+  // After the session: should a check fail, the promise goes first, and the blocked call returns.
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
   session.add_block(test::unary("held", [released, &entered](const Tensor& x) {
     entered = true;
     released.wait();

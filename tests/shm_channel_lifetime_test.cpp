@@ -2,7 +2,7 @@
 // and the sender never takes their slots back under them; a receiver that closes stops its senders,
 // drops what it had not taken and frees the URI; flush() waits for what the receiver holds, relayed
 // tensors included, and not for the sender's own; a relayed tensor stays held for its receiver
-// after the sender that relayed it is gone.
+// after the sender that relayed it is gone; kReject never waits for room in the receiver's queue.
 #include "process_channel_util.hpp"
 
 using namespace blockflow;
@@ -151,10 +151,41 @@ TEST_CASE("a tensor relayed over shm:// stays held for its receiver after the re
   CHECK(at::equal(at_last->tensors[0], at::full({32}, 7.0f)));
 
   at_last.reset();
-  // The held tensor goes once `last`'s release is read: whenever a shm:// sender is made or destroyed.
-  CHECK(test::eventually([&] {
-    (void)open_or_fail("shm://" + unique_name("sweep"), ChannelRole::kSender);
-    return origin->shm_stats().slots_in_use == 1;  // envelope 8's slot alone
-  }));
+  // The held tensor goes once `last`'s release is read (by the thread that keeps what gone senders
+  // left behind).
+  CHECK(test::eventually([&] { return origin->shm_stats().slots_in_use == 1; }));  // envelope 8's slot alone
   CHECK(origin->shm_stats().stale_releases == 0);
+}
+
+TEST_CASE("a shm:// sender never waits past its policy for room in the receiver's queue", "[process_channel]") {
+  // Envelopes without tensors take no slot: only the receiver's queue can fill.
+  auto fill = [](ProcessChannel& sender) {
+    absl::Status last;
+    int sent = 0;
+    for (int i = 0; i < 1000000 && last.ok(); ++i) {
+      auto out = sender.send(envelope_of(static_cast<std::uint64_t>(i), {}));
+      last = out.status;
+      if (last.ok()) ++sent;
+    }
+    CHECK(sent > 0);
+    return last;
+  };
+  const std::string uri = "shm://" + unique_name("full");
+  auto receiver = open_or_fail(uri, ChannelRole::kReceiver);  // never reads until the end
+  auto rejecting = open_or_fail(uri, ChannelRole::kSender, no_wait());
+  const absl::Status rejected = fill(*rejecting);
+  CHECK(rejected.code() == absl::StatusCode::kResourceExhausted);  // at once: it used to wait for room forever
+  CHECK_THAT(std::string(rejected.message()), Contains("receive queue is full"));
+
+  const std::string other = "shm://" + unique_name("full");
+  auto slow = open_or_fail(other, ChannelRole::kReceiver);
+  ProcessChannelOptions o;
+  o.send_timeout = absl::Milliseconds(100);
+  auto blocking = open_or_fail(other, ChannelRole::kSender, o);
+  const absl::Status timed_out = fill(*blocking);
+  CHECK(timed_out.code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK_THAT(std::string(timed_out.message()), Contains("stayed full"));
+
+  REQUIRE(receiver->receive(absl::Now() + absl::Seconds(10)).has_value());  // room for one more
+  CHECK(test::eventually([&] { return rejecting->send(envelope_of(7, {})).status.ok(); }));
 }

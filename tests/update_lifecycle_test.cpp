@@ -169,6 +169,37 @@ TEST_CASE("1,000 updates: removed blocks and tasks are freed, memory stays flat"
 #endif
 }
 
+TEST_CASE("apply() from a completion callback is refused at once; shutdown() there only stops admissions",
+          "[update_lifecycle]") {
+  test::register_update_factories();
+  Session session;
+  session.add_block(test::unary("keep", [](const Tensor& x) { return x + 1; }));
+  session.add_path(Path::chain("t", {"keep"}));
+  test::require_started(session);
+  const Deployment without_keep = parse(R"({"blocks": [{"name": "b", "factory": "upd_add_1"}], "tasks": {"u": ["b"]}})");
+  // Before: it waited for the lane it ran on, forever (the lane runs the callback, the update
+  // waits for that lane to leave the block it removes).
+  std::promise<absl::Status> applied;
+  session.submit("t", Tensors{at::ones({2})}, [&](Result&&) { applied.set_value(session.apply(without_keep).status()); });
+  auto status = applied.get_future();
+  REQUIRE(ready_within(status, 10s));
+  const absl::Status refused = status.get();
+  CHECK(refused.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(refused.message()), Contains("apply() was called from a completion callback"));
+  CHECK(session.submit("t", at::ones({2})).get().ok());  // nothing changed
+  CHECK(session.metrics().version == 0);
+
+  std::promise<void> returned;
+  session.submit("t", Tensors{at::ones({2})}, [&](Result&&) {
+    session.shutdown();  // joining its own lane, it used to throw or hang
+    returned.set_value();
+  });
+  auto done = returned.get_future();
+  REQUIRE(ready_within(done, 10s));
+  CHECK_FALSE(session.submit("t", at::ones({2})).get().ok());  // admissions stopped
+  session.shutdown();  // the rest, from here
+}
+
 TEST_CASE("an update that would drop a DAG task with a C++ combine rule is refused, naming the task", "[update_lifecycle]") {
   test::register_update_factories();
   Session session;

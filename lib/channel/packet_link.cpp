@@ -7,10 +7,12 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/uio.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -129,12 +131,19 @@ absl::Status PacketLink::send(const std::vector<std::string_view>& frames, bool 
       case ECONNRESET:
       case ENOTCONN:
         return absl::UnavailableError(fmt::format("data link: the peer is gone or no longer reads ({})", std::strerror(e)));
-      case EAGAIN:  // `wait` false: the peer's queue is full
-        return absl::ResourceExhaustedError("data link: the peer's receive queue is full");
+      case EAGAIN:  // the peer's queue is full: at once (`wait` false), or for the send timeout
+        return wait ? absl::DeadlineExceededError("data link: the peer's receive queue stayed full for the send timeout")
+                    : absl::ResourceExhaustedError("data link: the peer's receive queue is full");
       default:  // ENOBUFS, ENOMEM, EMSGSIZE...: this packet failed, the link is not known to be down
         return absl::InternalError(fmt::format("data link: send: {}", std::strerror(e)));
     }
   }
+}
+
+void PacketLink::set_send_timeout(absl::Duration timeout) {
+  const std::int64_t us = std::max<std::int64_t>(1, absl::ToInt64Microseconds(timeout));
+  const timeval tv{static_cast<time_t>(us / 1000000), static_cast<suseconds_t>(us % 1000000)};
+  (void)::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 }
 
 std::optional<PacketLink::Received> PacketLink::receive(int timeout_ms, absl::Duration spin) {

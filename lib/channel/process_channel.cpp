@@ -26,9 +26,14 @@ SendOutcome refused(Envelope&& envelope, absl::Status status) {
   return out;
 }
 
+absl::Status named(const std::string& uri, const absl::Status& status) {
+  if (status.ok()) return status;
+  return absl::Status(status.code(), fmt::format("{}: {}", uri, std::string(status.message())));
+}
+
 absl::StatusOr<at::Tensor> named(const std::string& uri, absl::StatusOr<at::Tensor> t) {
   if (t.ok()) return t;
-  return absl::Status(t.status().code(), fmt::format("{}: {}", uri, std::string(t.status().message())));
+  return named(uri, t.status());
 }
 
 wire::Header data_header(const Envelope& envelope) {

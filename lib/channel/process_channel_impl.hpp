@@ -41,6 +41,8 @@ Envelope envelope_of(DecodedMessage&& message);
 /// The outcome of a send that did not happen: the envelope goes back to the caller.
 SendOutcome refused(Envelope&& envelope, absl::Status status);
 
+/// `status` with the channel's URI in front of its message ("URI: message"), its code kept.
+absl::Status named(const std::string& uri, const absl::Status& status);
 /// empty()'s tensor, or its error with the channel's URI in front.
 absl::StatusOr<at::Tensor> named(const std::string& uri, absl::StatusOr<at::Tensor> t);
 

@@ -10,8 +10,10 @@
 // receiver has gone and every tensor it gave out has died. A receiver that closes shuts its links'
 // reading side: the senders' next send fails there, and a sender connects to a new receiver only
 // once the old one's end has closed. A sender that closes shuts its sending side (the receiver
-// still gets what was sent); tensors it relayed from a third process's slot (ZeroCopyEnds) that
-// its receiver still holds outlive it (RelayOrphans), or the third process would reuse the slots.
+// still gets what was sent). A sender destroyed while its receiver holds some of what it sent
+// leaves that behind (RelayOrphans) until released: tensors it relayed from a third process's slot
+// (ZeroCopyEnds), which that process would otherwise reuse, and CUDA tensors, which its caching
+// allocator would.
 //
 // cuda:// connect-time check: the receiver exports a CUDA probe (a small allocation and an
 // interprocess event, cuda_ipc.hpp) into a file beside its socket; a sender opens it when it
@@ -50,8 +52,9 @@ namespace {
 
 constexpr int kPollMs = 100;
 
-// See "Lifetimes" above: the relayed tensors of senders that are gone, each with its link, until
-// the receiver releases them or its end closes. Swept whenever a shm:// sender is made or destroyed.
+// See "Lifetimes" above: the ends of senders that are gone, each with its link, until the receiver
+// has released what it held or its end has closed. A thread of its own reads their releases (every
+// kSweepMs) while there are any.
 class RelayOrphans {
  public:
   static RelayOrphans& get() {
@@ -61,17 +64,24 @@ class RelayOrphans {
   void adopt(std::shared_ptr<PacketLink> link, std::shared_ptr<ZeroCopyEnds> ends) {
     MutexLock lock(&mu_);
     orphans_.push_back({std::move(link), std::move(ends)});
-  }
-  void sweep() {
-    MutexLock lock(&mu_);
-    orphans_.erase(std::remove_if(orphans_.begin(), orphans_.end(), [](const Orphan& o) { return done(o); }), orphans_.end());
-  }
-  std::size_t size() const {
-    MutexLock lock(&mu_);
-    return orphans_.size();
+    if (sweeping_) return;
+    sweeping_ = true;
+    run_detached_until_done([this] { return sweep(); }, absl::Milliseconds(kSweepMs));  // ends with the last orphan
   }
 
  private:
+  static constexpr int kSweepMs = 20;
+  // False once none is left (and the sweeping thread ends).
+  bool sweep() {
+    std::vector<Orphan> finished;  // destroyed after the lock is let go: their tensors' releases run then
+    MutexLock lock(&mu_);
+    auto done_now = std::stable_partition(orphans_.begin(), orphans_.end(), [](const Orphan& o) { return !done(o); });
+    std::move(done_now, orphans_.end(), std::back_inserter(finished));
+    orphans_.erase(done_now, orphans_.end());
+    sweeping_ = !orphans_.empty();
+    return sweeping_;
+  }
+
   struct Orphan {
     std::shared_ptr<PacketLink> link;
     std::shared_ptr<ZeroCopyEnds> ends;
@@ -84,10 +94,11 @@ class RelayOrphans {
       auto message = decode_message(std::move(*received->frames));
       if (message.ok() && message->header.kind == wire::MessageKind::kRelease) (void)o.ends->take_releases(message->header);
     }
-    return o.ends->forwarded_held() == 0;
+    return o.ends->held_by_peer() == 0;
   }
-  mutable Mutex mu_;
+  Mutex mu_;
   std::vector<Orphan> orphans_ ABSL_GUARDED_BY(mu_);
+  bool sweeping_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -99,7 +110,6 @@ class ShmSender final : public ProcessChannel {
         options_(options),
         ends_(std::make_shared<ZeroCopyEnds>(pools(options), cuda)),
         wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
-    RelayOrphans::get().sweep();
     reader_ = std::thread([this] { read_releases(); });
   }
   ~ShmSender() override {
@@ -111,8 +121,7 @@ class ShmSender final : public ProcessChannel {
       MutexLock lock(&mu_);
       link = link_;
     }
-    if (link && ends_->forwarded_held() > 0) RelayOrphans::get().adopt(link, ends_);
-    RelayOrphans::get().sweep();
+    if (link && ends_->held_by_peer() > 0) RelayOrphans::get().adopt(link, ends_);
   }
 
   SendOutcome send(Envelope&& envelope) override {
@@ -127,7 +136,7 @@ class ShmSender final : public ProcessChannel {
       if (!link.ok()) return refused(std::move(envelope), link.status());
       const ShmStager stager = ends_->stager(std::max(absl::ZeroDuration(), deadline - absl::Now()));
       std::uint64_t copied = 0;
-      status = send_packet(**link, data_header(envelope), envelope.tensors, &copied, &stager, &unstage);
+      status = send_packet(**link, data_header(envelope), envelope.tensors, &copied, &stager, &unstage, wait);
       if (copied > 0) contiguous_copies_.fetch_add(copied);
       if (status.ok()) break;
       if (status.code() != absl::StatusCode::kUnavailable) break;  // not the link: a slot, a dtype...
@@ -138,7 +147,7 @@ class ShmSender final : public ProcessChannel {
       if (!wait && status.code() == absl::StatusCode::kDeadlineExceeded) {
         status = absl::ResourceExhaustedError(std::string(status.message()));
       }
-      return refused(std::move(envelope), absl::Status(status.code(), fmt::format("{}: {}", uri_, std::string(status.message()))));
+      return refused(std::move(envelope), named(uri_, status));
     }
     sent_.fetch_add(1);
     return {};
@@ -226,6 +235,8 @@ class ShmSender final : public ProcessChannel {
         continue;
       }
       auto link = PacketLink::connect(path_);
+      // kBlock: a receiver whose queue stays full holds a send up to send_timeout; else not at all.
+      if (link.ok() && options_.full_policy == FullPolicy::kBlock) (*link)->set_send_timeout(options_.send_timeout);
       if (link.ok() && ends_->cuda()) {
         if (auto usable = open_receivers_probe(); !usable.ok()) return usable;  // no fallback: refused
       }
@@ -401,6 +412,7 @@ class ShmReceiver final : public ProcessChannel {
   }
   std::vector<Envelope> drain() override { return {}; }  // nothing is queued on this side
   void close() override {
+    MutexLock serial(&close_mu_);  // a second caller returns once the first has freed the URI
     if (closed_.exchange(true)) return;
     const std::uint64_t one = 1;
     (void)!::write(wake_, &one, sizeof(one));  // a receive() in progress sees closed_ and ends its turn
@@ -506,6 +518,7 @@ class ShmReceiver final : public ProcessChannel {
   const std::unique_ptr<CudaConsumer> cuda_;  // cuda:// only
   const std::string probe_;                    // cuda:// only: the probe file beside the socket
   const int wake_;
+  Mutex close_mu_;
   Mutex turn_mu_;
   bool reading_ ABSL_GUARDED_BY(turn_mu_) = false;  // a receive() has the turn; it alone uses the fields below
   std::vector<Sender> senders_;
@@ -545,7 +558,7 @@ absl::StatusOr<std::unique_ptr<ProcessChannel>> open_shm_channel(const std::stri
     }
   }
   auto listener = PacketListener::bind(socket_path);  // replaces a socket left by a dead receiver
-  if (!listener.ok()) return absl::Status(listener.status().code(), fmt::format("{}: {}", uri, std::string(listener.status().message())));
+  if (!listener.ok()) return named(uri, listener.status());
   return std::unique_ptr<ProcessChannel>(new ShmReceiver(uri, *std::move(listener), options, cuda));
 }
 

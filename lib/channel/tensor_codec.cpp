@@ -86,8 +86,6 @@ absl::StatusOr<EncodedMessage> encode_message(wire::Header header, const Tensors
   return out;
 }
 
-namespace {
-
 // The header, then the small frames (handles or parked references), then the tensors' bytes.
 bool send_encoded(zmq::socket_t& socket, const EncodedMessage& encoded, zmq::send_flags flags) {
   const auto& handles = encoded.handles;
@@ -116,16 +114,19 @@ bool send_encoded(zmq::socket_t& socket, const EncodedMessage& encoded, zmq::sen
   return true;
 }
 
-}  // namespace
-
-absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, const Tensors& tensors,
-                                  zmq::send_flags flags, std::uint64_t* bytes_copied, const ShmStager* stager) {
+absl::StatusOr<EncodedMessage> encode_for_socket(wire::Header header, const Tensors& tensors, std::uint64_t* bytes_copied,
+                                                const ShmStager* stager) {
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].defined() && tensors[i].device().is_meta()) {
       return absl::InvalidArgumentError(fmt::format("tensor {} is a placeholder without bytes (meta device)", i));
     }
   }
-  auto encoded = encode_message(std::move(header), tensors, bytes_copied, stager);
+  return encode_message(std::move(header), tensors, bytes_copied, stager);
+}
+
+absl::StatusOr<bool> send_message(zmq::socket_t& socket, wire::Header header, const Tensors& tensors,
+                                  zmq::send_flags flags, std::uint64_t* bytes_copied, const ShmStager* stager) {
+  auto encoded = encode_for_socket(std::move(header), tensors, bytes_copied, stager);
   if (!encoded.ok()) return encoded.status();
   return send_encoded(socket, *encoded, flags);
 }

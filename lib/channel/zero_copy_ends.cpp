@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <thread>
+
 namespace blockflow::detail {
 
 ZeroCopyEnds::ZeroCopyEnds(const ShmPoolOptions& pools, bool cuda) : host_out_(std::make_shared<ShmProducer>(pools)) {
@@ -114,6 +116,51 @@ std::size_t send_releases(PacketLink& link, const std::vector<wire::ShmHandle>& 
   return handles.size();
 }
 
+void run_detached_until_done(std::function<bool()> step, absl::Duration period) {
+  std::thread([step = std::move(step), period] {
+    while (step()) absl::SleepFor(period);
+  }).detach();
+}
+
+namespace {
+
+// The outboxes whose releases wait for room, retried every kRetryMs by one thread while any does.
+class OutboxRetries {
+ public:
+  static OutboxRetries& get() {
+    static auto* retries = new OutboxRetries;  // never destroyed: its thread may outlive main()
+    return *retries;
+  }
+  void add(std::weak_ptr<ReleaseOutbox> outbox) {
+    blockflow::detail::MutexLock lock(&mu_);
+    waiting_.push_back(std::move(outbox));
+    if (running_) return;
+    running_ = true;
+    run_detached_until_done([this] { return retry(); }, absl::Milliseconds(kRetryMs));
+  }
+
+ private:
+  static constexpr int kRetryMs = 2;
+  bool retry() {
+    std::vector<std::weak_ptr<ReleaseOutbox>> now;
+    {
+      blockflow::detail::MutexLock lock(&mu_);
+      now.swap(waiting_);
+    }
+    for (auto& weak : now) {
+      if (auto outbox = weak.lock()) outbox->flush();  // lists itself again if some still wait
+    }
+    blockflow::detail::MutexLock lock(&mu_);
+    running_ = !waiting_.empty();
+    return running_;
+  }
+  blockflow::detail::Mutex mu_;
+  std::vector<std::weak_ptr<ReleaseOutbox>> waiting_ ABSL_GUARDED_BY(mu_);
+  bool running_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace
+
 void ReleaseOutbox::give(const wire::ShmHandle& handle) {
   blockflow::detail::MutexLock lock(&mu_);
   waiting_.push_back(handle);
@@ -121,6 +168,7 @@ void ReleaseOutbox::give(const wire::ShmHandle& handle) {
 }
 
 void ReleaseOutbox::flush() {
+  retrying_.store(false);
   blockflow::detail::MutexLock lock(&mu_);
   send_locked();
 }
@@ -140,6 +188,7 @@ void ReleaseOutbox::send_locked() {
   }
   waiting_.erase(waiting_.begin(), waiting_.begin() + static_cast<std::ptrdiff_t>(sent));
   waiting_count_.store(waiting_.size(), std::memory_order_relaxed);
+  if (!waiting_.empty() && !retrying_.exchange(true)) OutboxRetries::get().add(weak_from_this());
 }
 
 std::size_t ZeroCopyEnds::reclaim_all() {

@@ -93,7 +93,7 @@ class ZmqSender final : public ZmqEnd {
     }
     copies_.fetch_add(copied);
     if (!sent.ok()) {
-      return refused(std::move(envelope), absl::Status(sent.status().code(), fmt::format("{}: {}", uri_, std::string(sent.status().message()))));
+      return refused(std::move(envelope), named(uri_, sent.status()));
     }
     if (!*sent) {
       const bool wait = options_.full_policy == FullPolicy::kBlock;

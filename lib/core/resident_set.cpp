@@ -46,6 +46,7 @@ struct ResidentSet::Entry {
   std::shared_ptr<Block> block;  // null while not loaded
   bool loading = false;
   bool prefetch_posted = false;  // want_prefetch() said yes; prefetch() has not run yet
+  bool retired = false;          // removed by an update: never loaded again
   int holders = 0;
   std::uint64_t loads = 0, evictions = 0;
   std::int64_t last_use_ns = 0;
@@ -131,6 +132,7 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::hold(int id) {
     MutexLock lock(&mu_);
     entry = entries_.at(static_cast<std::size_t>(id)).get();
     for (;;) {
+      if (entry->retired) return absl::FailedPreconditionError(fmt::format("block '{}' was removed by an update", entry->name));
       if (entry->block) {
         ++entry->holders;
         entry->last_use_ns = now_ns();
@@ -164,7 +166,7 @@ bool ResidentSet::want_prefetch(int id) {
     return false;
   }
   // A block of unknown footprint is measured by a load of its own, never beside another.
-  if (e.loading || e.prefetch_posted || e.footprint <= 0 || e.footprint > budget_) return false;
+  if (e.retired || e.loading || e.prefetch_posted || e.footprint <= 0 || e.footprint > budget_) return false;
   e.prefetch_posted = true;
   return true;
 }
@@ -177,7 +179,7 @@ void ResidentSet::prefetch(int id, const std::vector<int>& keep) {
     MutexLock lock(&mu_);
     entry = entries_.at(static_cast<std::size_t>(id)).get();
     entry->prefetch_posted = false;
-    if (entry->block || entry->loading || entry->footprint <= 0 || entry->footprint > budget_ ||
+    if (entry->retired || entry->block || entry->loading || entry->footprint <= 0 || entry->footprint > budget_ ||
         !make_room_locked(entry->footprint, id, unloaded, &keep)) {
       return;
     }
@@ -249,23 +251,34 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
 }
 
 void ResidentSet::release(int id) {
-  MutexLock lock(&mu_);
-  Entry& e = *entries_.at(static_cast<std::size_t>(id));
-  --e.holders;
-  e.last_use_ns = now_ns();
+  std::vector<std::shared_ptr<Block>> gone;  // a retired block's last hold frees it
+  {
+    MutexLock lock(&mu_);
+    Entry& e = *entries_.at(static_cast<std::size_t>(id));
+    --e.holders;
+    e.last_use_ns = now_ns();
+    ++generation_;
+    if (e.retired) unload_locked(e, gone);
+  }
+  free_blocks(gone);
+}
+
+void ResidentSet::unload_locked(Entry& e, std::vector<std::shared_ptr<Block>>& gone) {
+  if (!e.block || e.holders > 0) return;
+  gone.push_back(std::move(e.block));
+  e.block = nullptr;
+  resident_ -= e.footprint;
   ++generation_;
 }
 
-void ResidentSet::unload(int id) {
+void ResidentSet::retire(int id) {
   std::vector<std::shared_ptr<Block>> gone;
   {
     MutexLock lock(&mu_);
     Entry& e = *entries_.at(static_cast<std::size_t>(id));
-    if (!e.block || e.holders > 0) return;
-    gone.push_back(std::move(e.block));
-    e.block = nullptr;
-    resident_ -= e.footprint;
-    ++generation_;
+    e.retired = true;
+    e.queued = nullptr;  // it reads the block's queue, which goes with the block's runtime
+    unload_locked(e, gone);
   }
   free_blocks(gone);
 }

@@ -4,6 +4,7 @@
 #include <blockflow/channel/inproc_channel.hpp>
 #include <blockflow/core/detail/build_scope.hpp>
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 
 #include <ATen/Context.h>
@@ -503,6 +504,17 @@ void SessionCore::submit(const std::string& task, Tensors inputs, std::function<
 
 
 void SessionCore::shutdown(absl::Duration drain) {
+  if (on_own_thread()) {
+    // It would join the lane (or stop the site) it runs on. Admissions stop; the rest is done by
+    // the next shutdown() from another thread, or by the destructor.
+    stopped_ = true;
+    admitting_ = false;
+    cancel_update();
+    log(LogLevel::kError,
+        "shutdown() was called from a completion callback or a block of this session: admissions are stopped; the "
+        "session stops when shutdown() is called from another thread or it is destroyed");
+    return;
+  }
   blockflow::detail::MutexLock serial(&shutdown_mu_);
   stopped_ = true;
   admitting_ = false;

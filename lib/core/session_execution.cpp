@@ -14,6 +14,9 @@
 namespace blockflow::detail {
 namespace {
 
+// The session whose completion callback this thread is running, if any.
+thread_local const SessionCore* calling_back = nullptr;
+
 // A call into a block in progress, listed for BlockMetrics::computing_s while it runs.
 class ComputingCall {
  public:
@@ -114,76 +117,99 @@ void SessionCore::process_batch(BlockRuntime& runtime, std::vector<Envelope>&& b
     it->second.push_back(std::move(envelope));
   }
   for (auto& [k, group] : groups) {
-    if (group.size() == 1 || k.empty()) {
-      for (auto& envelope : group) process(runtime, std::move(envelope));
+    // Each request of the group is settled (handed on, or failed) in turn: an exception fails the
+    // ones not settled yet, never one that has gone on to its next block.
+    std::vector<StatePtr> states;
+    for (const auto& envelope : group) states.push_back(envelope.local);
+    std::size_t settled = 0;
+    try {
+      if (group.size() == 1 || k.empty()) {
+        for (auto& envelope : group) {
+          process(runtime, std::move(envelope));
+          ++settled;
+        }
+      } else {
+        process_group(runtime, std::move(group), settled);
+      }
+    } catch (const std::exception& e) {
+      for (std::size_t i = settled; i < states.size(); ++i) {
+        runtime.failed.fetch_add(1, std::memory_order_relaxed);
+        fail(states[i], absl::InternalError(fmt::format("block '{}': {}", block.name(), e.what())));
+      }
+    }
+  }
+}
+
+// One group of a batch whose inputs stack: one forward() for all.
+void SessionCore::process_group(BlockRuntime& runtime, std::vector<Envelope>&& group, std::size_t& settled) {
+  Block& block = *runtime.block;
+  const std::int64_t dequeued = now_ns();
+  const std::size_t inputs_per_request = group.front().tensors.size();
+  std::vector<std::int64_t> rows;
+  Tensors stacked;
+  for (std::size_t i = 0; i < inputs_per_request; ++i) {
+    std::vector<at::Tensor> parts;
+    for (const auto& envelope : group) parts.push_back(envelope.tensors[i]);
+    stacked.push_back(at::cat(parts, 0).to(block.device()));
+  }
+  for (const auto& envelope : group) rows.push_back(envelope.tensors.front().size(0));
+  const std::int64_t total = std::accumulate(rows.begin(), rows.end(), std::int64_t{0});
+  Block* compute = &block;
+  ResidentSet::Hold hold;
+  std::int64_t load_start = 0, load_end = 0;  // a load span only for a block that loads on demand
+  absl::Status held = absl::OkStatus();
+  if (runtime.resident_id >= 0) {
+    if (options_.prefetch) prefetch_next(*group.front().local->plan, group.front().node);
+    load_start = now_ns();
+    held = hold_resident(runtime, hold, compute);
+    load_end = now_ns();
+  }
+  const std::int64_t start = now_ns();
+  absl::StatusOr<Tensors> outputs = [&]() -> absl::StatusOr<Tensors> {
+    if (!held.ok()) return held;
+    const ComputingCall call(runtime, start);
+    return guarded_forward(*compute, std::move(stacked));
+  }();
+  const std::int64_t end = now_ns();
+  hold.reset();
+  if (outputs.ok()) {
+    for (const auto& t : *outputs) {
+      if (!t.defined() || t.dim() == 0 || t.size(0) != total) {
+        outputs = absl::InternalError(fmt::format(
+            "block '{}': a batched output has {} rows for {} input rows; this block cannot batch (set max_batch 1)",
+            block.name(), t.defined() && t.dim() > 0 ? t.size(0) : 0, total));
+        break;
+      }
+    }
+  }
+  runtime.batches.fetch_add(1, std::memory_order_relaxed);
+  runtime.batched_requests.fetch_add(group.size(), std::memory_order_relaxed);
+  std::int64_t offset = 0;
+  for (std::size_t r = 0; r < group.size(); ++r) {
+    Envelope& envelope = group[r];
+    StatePtr state = std::move(envelope.local);
+    const int node = static_cast<int>(envelope.node);
+    HopTiming& hop = state->hops[static_cast<std::size_t>(node)];
+    hop.arrived_ns = envelope.sent_ns;
+    hop.dequeued_ns = std::max(dequeued, envelope.sent_ns);  // waiting for the batch is waiting
+    if (runtime.resident_id >= 0) {
+      hop.load_start_ns = load_start;
+      hop.load_end_ns = load_end;
+    }
+    hop.compute_start_ns = start;
+    hop.compute_end_ns = end;
+    if (!outputs.ok()) {
+      runtime.failed.fetch_add(1, std::memory_order_relaxed);
+      fail(state, outputs.status());
+      ++settled;
       continue;
     }
-    const std::int64_t dequeued = now_ns();
-    const std::size_t inputs_per_request = group.front().tensors.size();
-    std::vector<std::int64_t> rows;
-    Tensors stacked;
-    for (std::size_t i = 0; i < inputs_per_request; ++i) {
-      std::vector<at::Tensor> parts;
-      for (const auto& envelope : group) parts.push_back(envelope.tensors[i]);
-      stacked.push_back(at::cat(parts, 0).to(block.device()));
-    }
-    for (const auto& envelope : group) rows.push_back(envelope.tensors.front().size(0));
-    const std::int64_t total = std::accumulate(rows.begin(), rows.end(), std::int64_t{0});
-    Block* compute = &block;
-    ResidentSet::Hold hold;
-    std::int64_t load_start = 0, load_end = 0;  // a load span only for a block that loads on demand
-    absl::Status held = absl::OkStatus();
-    if (runtime.resident_id >= 0) {
-      if (options_.prefetch) prefetch_next(*group.front().local->plan, group.front().node);
-      load_start = now_ns();
-      held = hold_resident(runtime, hold, compute);
-      load_end = now_ns();
-    }
-    const std::int64_t start = now_ns();
-    absl::StatusOr<Tensors> outputs = [&]() -> absl::StatusOr<Tensors> {
-      if (!held.ok()) return held;
-      const ComputingCall call(runtime, start);
-      return guarded_forward(*compute, std::move(stacked));
-    }();
-    const std::int64_t end = now_ns();
-    hold.reset();
-    if (outputs.ok()) {
-      for (const auto& t : *outputs) {
-        if (!t.defined() || t.dim() == 0 || t.size(0) != total) {
-          outputs = absl::InternalError(fmt::format(
-              "block '{}': a batched output has {} rows for {} input rows; this block cannot batch (set max_batch 1)",
-              block.name(), t.defined() && t.dim() > 0 ? t.size(0) : 0, total));
-          break;
-        }
-      }
-    }
-    runtime.batches.fetch_add(1, std::memory_order_relaxed);
-    runtime.batched_requests.fetch_add(group.size(), std::memory_order_relaxed);
-    std::int64_t offset = 0;
-    for (std::size_t r = 0; r < group.size(); ++r) {
-      Envelope& envelope = group[r];
-      StatePtr state = std::move(envelope.local);
-      const int node = static_cast<int>(envelope.node);
-      HopTiming& hop = state->hops[static_cast<std::size_t>(node)];
-      hop.arrived_ns = envelope.sent_ns;
-      hop.dequeued_ns = std::max(dequeued, envelope.sent_ns);  // waiting for the batch is waiting
-      if (runtime.resident_id >= 0) {
-        hop.load_start_ns = load_start;
-        hop.load_end_ns = load_end;
-      }
-      hop.compute_start_ns = start;
-      hop.compute_end_ns = end;
-      if (!outputs.ok()) {
-        runtime.failed.fetch_add(1, std::memory_order_relaxed);
-        fail(state, outputs.status());
-        continue;
-      }
-      Tensors mine;
-      for (const auto& t : *outputs) mine.push_back(t.narrow(0, offset, rows[r]));
-      offset += rows[r];
-      runtime.processed.fetch_add(1, std::memory_order_relaxed);
-      forward_outputs(state, node, std::move(mine), &runtime);
-    }
+    Tensors mine;
+    for (const auto& t : *outputs) mine.push_back(t.narrow(0, offset, rows[r]));
+    offset += rows[r];
+    runtime.processed.fetch_add(1, std::memory_order_relaxed);
+    ++settled;  // from here on, it is the next block's
+    forward_outputs(state, node, std::move(mine), &runtime);
   }
 }
 
@@ -313,7 +339,9 @@ void SessionCore::queue_on_lanes(BlockRuntime& runtime, Envelope&& envelope, con
       }
       envelope = std::move(*outcome.displaced);
       ++helping;
-      (void)lanes_->help(runtime);
+      // The next block of a request this lane claimed may be what the lane emptying this queue
+      // waits for (its own full queue, whose block only our claim lets run): run it first.
+      if (!lanes_->run_claimed()) (void)lanes_->help(runtime);
       --helping;
     }
   }
@@ -407,7 +435,14 @@ void SessionCore::resolve(const StatePtr& state, absl::Status status, Tensors ou
   }
   auto done = std::move(state->done);
   in_flight_.fetch_sub(1, std::memory_order_acq_rel);  // before done(): its caller may read metrics
+  const SessionCore* outer = std::exchange(calling_back, this);
+  struct Restore {
+    const SessionCore* outer;
+    ~Restore() { calling_back = outer; }
+  } restore{outer};
   done(std::move(result));
 }
+
+bool SessionCore::on_own_thread() const { return calling_back == this || (lanes_ && lanes_->current_lane() >= 0); }
 
 }  // namespace blockflow::detail

@@ -91,10 +91,12 @@ void SessionCore::warm_in_background(const std::vector<BlockRuntime*>& order) {
   // A task per block, posted in order: the lanes take them first come, first served, as many at a
   // time as there are lanes (a load is mostly one thread's work: deserialising, graph passes).
   for (BlockRuntime* runtime : order) {
-    auto step = [this, runtime] {
+    // By id: an apply() may remove the block, and free its runtime, before the lane takes this.
+    auto step = [this, id = runtime->resident_id] {
       if (stopped_.load()) return;
       const auto scope = enter_build_scope();
-      auto hold = resident_->hold(runtime->resident_id);
+      auto hold = resident_->hold(id);
+      if (absl::IsFailedPrecondition(hold.status())) return;  // removed meanwhile
       if (!hold.ok()) {
         log(LogLevel::kWarning, fmt::format("loading in the background: {} (its requests will try again)", hold.status().ToString()));
         return;

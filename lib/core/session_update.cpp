@@ -72,10 +72,15 @@ void SessionCore::stop_runtime(BlockRuntime& runtime, const std::string& why) {
     fail(envelope.local, absl::CancelledError(fmt::format("block '{}': {}", runtime.name(), why)));
   }
   if (runtime.site == nullptr && lanes_) lanes_->quiesce(runtime);
-  if (runtime.resident_id >= 0) resident_->unload(runtime.resident_id);  // an on-demand block's memory goes now
+  if (runtime.resident_id >= 0) resident_->retire(runtime.resident_id);  // an on-demand block's memory goes now
 }
 
 absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl::Duration drain) {
+  if (on_own_thread()) {
+    return absl::FailedPreconditionError(
+        "apply() was called from a completion callback or a block of this session: it would wait for the very thread "
+        "it runs on; call it from another thread");
+  }
   blockflow::detail::MutexLock serial(&update_mu_);
   UpdateWork u(wanted);
   u.version = version_.load() + 1;

@@ -340,8 +340,14 @@ std::int64_t WorkerSite::pid() const {
 }  // namespace blockflow
 
 namespace blockflow {
-std::string WorkerSite::result_endpoint() const { return impl_->result_endpoint; }
-std::string WorkerSite::request_endpoint() const { return impl_->request_endpoint; }
+std::string WorkerSite::result_endpoint() const {
+  std::lock_guard lock(impl_->mu);  // a joined worker's death moves it (move_data_socket())
+  return impl_->result_endpoint;
+}
+std::string WorkerSite::request_endpoint() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->request_endpoint;
+}
 std::string WorkerSite::peer_endpoint() const { return impl_->peer; }
 
 std::int64_t WorkerSite::memory_budget() const { return impl_->options.memory_budget; }

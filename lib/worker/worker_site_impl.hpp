@@ -191,7 +191,7 @@ struct WorkerSite::Impl {
   std::int64_t last_heartbeat_ns = 0;
   std::int64_t start_deadline_ns = 0;
   std::int64_t restart_at_ns = 0;
-  std::string kill_cause;           // set when we killed it (heartbeat, start timeout)
+  std::string kill_cause;           // why we killed it (heartbeat, start timeout...): the first reason
   std::uint64_t restarts = 0, failed_requests = 0, malformed = 0, sent = 0, received = 0;
   std::int64_t rss_idle = 0, rss = 0;
   bool loaded = false;              // the worker said "loaded"; ready once its data link is up too

@@ -226,12 +226,11 @@ void WorkerSite::Impl::transmit(Outbound&& next, const detail::ShmStager* stager
     // never holds stop() up. (A restarted worker that connects during the try in progress may
     // still get that one request; its reply then matches nothing and is dropped.)
     const Key key{header.request_id, header.node};
-    while (true) {
-      copied = 0;
+    auto encoded = detail::encode_for_socket(header, next.envelope.tensors, &copied, stager);  // once, whatever the tries
+    if (!encoded.ok()) status = encoded.status();
+    while (encoded.ok()) {
       try {
-        auto sent_ok = detail::send_message(push, header, next.envelope.tensors, zmq::send_flags::none, &copied, stager);
-        if (!sent_ok.ok()) status = sent_ok.status();
-        if (!sent_ok.ok() || *sent_ok) break;
+        if (detail::send_encoded(push, *encoded, zmq::send_flags::none)) break;
       } catch (const zmq::error_t& e) {
         status = absl::UnavailableError(e.what());
         break;

@@ -294,7 +294,9 @@ void WorkerSite::Impl::supervise() {
     child = pid;
     const std::int64_t now = detail::now_ns();
     auto declare = [&](std::string why) {
-      kill_cause = std::move(why);
+      // The first reason this incarnation was killed for stays its cause (a SIGKILLed child may
+      // then miss heartbeats while the kernel tears it down).
+      if (kill_cause.empty()) kill_cause = std::move(why);
       if (joined()) death = kill_cause;
       else if (child != 0) ::kill(child, SIGKILL);
     };

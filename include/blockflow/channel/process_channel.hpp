@@ -40,7 +40,8 @@
 /// - the **sender** connects on its first send() and again after the receiver went away; with
 ///   kBlock, send() waits up to `send_timeout` for a receiver and (shm) for a free slot, then fails
 ///   with DeadlineExceeded; with kReject or kDropOldest it does not wait (Unavailable without a
-///   receiver, ResourceExhausted without a slot). A failed send returns the envelope in `displaced`.
+///   receiver, ResourceExhausted without a slot or room in the receiver's queue). Internal: the
+///   socket failed otherwise (the link stays). A failed send returns the envelope in `displaced`.
 ///   `receive()` returns nullopt at once and `drain()` nothing.
 /// - an envelope carries `request_id`, `node` and up to 64 tensors (CPU; any layout: non-contiguous
 ///   tensors are made contiguous first, a copy counted in `bytes_copied`); `local` stays behind.
@@ -121,7 +122,8 @@ class ProcessChannel : public TensorChannel {
   /// system), `tcp://HOST:PORT` with the port it got, for its senders.
   [[nodiscard]] virtual const std::string& uri() const = 0;
   [[nodiscard]] virtual ChannelRole role() const = 0;
-  /// @brief Sender: a receiver that reads is attached now. Receiver: at least one sender is.
+  /// @brief Sender: a receiver is attached now (one that stopped reading, shm:// and cuda://, is
+  /// noticed by the next send). Receiver: at least one sender is.
   [[nodiscard]] virtual bool connected() const = 0;
   /// @brief Sender: waits until what was sent no longer needs this process. shm://: until the
   /// receivers have let go of every slot and relayed tensor sent to them (a sender that exits

@@ -181,6 +181,8 @@ class Session {
   /// apply() calls run one at a time. metrics(), submit(), set_site_factory() and set_sampling()
   /// never wait for one. shutdown() and cancel_update() end one early: before the new routing is
   /// published it returns Cancelled and nothing changed; while it drains, the drain ends at once.
+  /// Called from a completion callback or a block of this session, apply() returns
+  /// FailedPrecondition at once (it would wait for the very thread it runs on).
   absl::StatusOr<std::uint64_t> apply(const Deployment& wanted, absl::Duration drain = absl::Seconds(30));
   /// @brief Cancels the apply() in progress, if any (see apply()); returns at once. A site busy
   /// loading the update's blocks is asked to stop waiting (RemoteSite::cancel_update()); a site the
@@ -196,7 +198,9 @@ class Session {
   /// @brief Stops admissions, cancels an apply() in progress, waits up to `drain` for in-flight
   /// requests, then cancels the rest (each fails with Cancelled naming the block it was at), stops
   /// the lanes and the sites.
-  /// Idempotent. Must not be called from a submit() callback (it joins the lane running it).
+  /// Idempotent. Called from a completion callback or a block of this session, it only stops
+  /// admissions (logged as an error: it would join the thread it runs on); the rest is done by the
+  /// next call from another thread, or by the destructor.
   void shutdown(absl::Duration drain = absl::Seconds(5));
 
   /// @brief Runs `fn` on one of the session's compute lanes, taking turns with the blocks, and

@@ -73,11 +73,14 @@ class PacketLink {
   /// Two connected ends in this process (tests, benchmarks).
   static absl::StatusOr<std::pair<std::shared_ptr<PacketLink>, std::shared_ptr<PacketLink>>> pair();
 
-  /// Sends one packet; thread-safe. Waits while the peer's receive queue is full (`wait` false:
-  /// ResourceExhausted then, at once). Unavailable when the peer has gone or no longer reads (it
-  /// shut its reading side down: it may still send); Internal for another error of this packet
-  /// (the link is not known to be down); InvalidArgument for a packet over kMaxPacketBytes.
+  /// Sends one packet; thread-safe. Waits while the peer's receive queue is full, up to the send
+  /// timeout if one is set (DeadlineExceeded then); `wait` false: ResourceExhausted at once.
+  /// Unavailable when the peer has gone or no longer reads (it shut its reading side down: it may
+  /// still send); Internal for another error of this packet (the link is not known to be down);
+  /// InvalidArgument for a packet over kMaxPacketBytes.
   absl::Status send(const std::vector<std::string_view>& frames, bool wait = true);
+  /// Bounds how long send() waits for room (SO_SNDTIMEO); none by default.
+  void set_send_timeout(absl::Duration timeout);
 
   struct Received {
     bool closed = false;                        ///< the peer closed its end (nothing else is set)

@@ -50,6 +50,13 @@ struct EncodedMessage {
 absl::StatusOr<EncodedMessage> encode_message(wire::Header header, const Tensors& tensors,
                                              std::uint64_t* bytes_copied, const ShmStager* stager,
                                              const ShmUnstager* unstage = nullptr);
+/// send_message() in two steps, for a caller that may try the same send again (a socket with a
+/// send timeout): encode_for_socket() encodes once (placeholders on the meta device refused, as
+/// send_message() does); send_encoded() sends, false when the socket did not take the message
+/// (nothing of it was sent: try again with the same one).
+absl::StatusOr<EncodedMessage> encode_for_socket(wire::Header header, const Tensors& tensors,
+                                                std::uint64_t* bytes_copied, const ShmStager* stager);
+bool send_encoded(zmq::socket_t& socket, const EncodedMessage& encoded, zmq::send_flags flags);
 
 /// Sends `header`, its tensor descriptors filled from `described`, followed by `frames` in place of
 /// the tensors' bytes: the kParkedRefBytes references of parked tensors (sets kFlagParked). The

@@ -34,19 +34,24 @@ wire::Header release_message(const wire::ShmHandle* first, std::size_t count);
 /// the next link, or to drop: a producer whose consumer went away reclaims what it held).
 std::size_t send_releases(PacketLink& link, const std::vector<wire::ShmHandle>& handles);
 
+/// Runs `step` every `period` on a thread of its own, detached, until it returns false: the
+/// process-wide helpers that finish what an object gone or going left behind.
+void run_detached_until_done(std::function<bool()> step, absl::Duration period);
+
 /// Releases on their way back to one producer over `link`, for a consumer whose tensors die on any
-/// thread (a block's, a CUDA callback's): give() never blocks. What the link cannot take now waits
-/// here and leaves with the next give() or flush() (bounded: one handle per slot the consumer
-/// holds); once the producer is gone it is dropped (the producer reclaimed every slot). Tensors hold
-/// their outbox, and the outbox its link: the link stays open while any tensor over the producer's
-/// memory lives here, so the producer takes their slots back only once they are all gone (or this
-/// process is), never under them. Thread-safe.
-class ReleaseOutbox {
+/// thread (a block's, a CUDA callback's): give() never blocks. What the link cannot take now (the
+/// producer's queue holds a few packets) waits here and leaves in one packet with the next give(),
+/// or within milliseconds from a process-wide retrying thread (bounded: one handle per slot the
+/// consumer holds); once the producer is gone it is dropped (the producer reclaimed every slot).
+/// Tensors hold their outbox, and the outbox its link: the link stays open while any tensor over
+/// the producer's memory lives here, so the producer takes their slots back only once they are all
+/// gone (or this process is), never under them. Thread-safe; made by std::make_shared.
+class ReleaseOutbox : public std::enable_shared_from_this<ReleaseOutbox> {
  public:
   explicit ReleaseOutbox(std::shared_ptr<PacketLink> link) : link_(std::move(link)) {}
   void give(const wire::ShmHandle& handle);
   void flush();
-  /// Releases wait for room on the link (a flush() may send them).
+  /// Releases wait for room on the link.
   [[nodiscard]] bool pending() const { return waiting_count_.load(std::memory_order_relaxed) > 0; }
 
  private:
@@ -55,6 +60,7 @@ class ReleaseOutbox {
   blockflow::detail::Mutex mu_;
   std::vector<wire::ShmHandle> waiting_ ABSL_GUARDED_BY(mu_);
   std::atomic<std::size_t> waiting_count_{0};
+  std::atomic<bool> retrying_{false};  // listed for the retrying thread
 };
 
 /// Builds tensors over a producer's memory: host slots through `host`, CUDA handles through `cuda`

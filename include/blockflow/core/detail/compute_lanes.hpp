@@ -120,6 +120,11 @@ class ComputeLanes {
   /// On a lane: runs one unit of `work` here if it can be claimed (a lane that would wait for room
   /// in a full queue helps empty it instead). False when it is fully claimed elsewhere.
   bool help(LaneWork& work);
+  /// On a lane with a continuation pending (claim_next() + run_next()): runs it now, inside the
+  /// current unit, and releases its claim. A lane about to wait for room in a full queue calls it
+  /// first: another lane's progress (the one emptying that queue) may need the block it claimed.
+  /// False when none is pending.
+  bool run_claimed();
   /// Refuses further claims of `work`, waits until no lane runs it and takes it off the ready queue.
   void quiesce(LaneWork& work);
 

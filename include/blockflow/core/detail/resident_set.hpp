@@ -82,8 +82,10 @@ class ResidentSet {
   /// Loads block `id` ahead of its requests when room can be made without waiting, from idle blocks
   /// (no queued requests) that are not in `keep` (the request's path); otherwise does nothing.
   void prefetch(int id, const std::vector<int>& keep);
-  /// Unloads every block not held (Session shutdown, a block removed by apply()).
-  void unload(int id);
+  /// The block was removed by an update: unloaded now, or when its last hold goes; never loaded
+  /// again (hold() returns FailedPrecondition naming it); its `queued` function is dropped (it may
+  /// read a queue that is about to be freed).
+  void retire(int id);
 
   [[nodiscard]] std::int64_t budget() const { return budget_; }
   [[nodiscard]] BlockState state(int id) const;
@@ -92,6 +94,7 @@ class ResidentSet {
  private:
   struct Entry;
   void release(int id);
+  void unload_locked(Entry& e, std::vector<std::shared_ptr<Block>>& gone) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Picks blocks to unload so that `need` more bytes fit (idle ones first, least recently used
   // first; then ones with queued requests); false when the running ones leave too little room.
   // `keep` (a prefetch): only idle blocks not listed there.

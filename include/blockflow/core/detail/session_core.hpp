@@ -124,6 +124,10 @@ class SessionCore {
   void set_site_factory(Session::SiteFactoryWithSettings factory);
   void shutdown(absl::Duration drain);
   bool post_to_lane(std::function<void()> task);
+  /// True on a thread apply() and shutdown() would wait for: one of this session's lanes (a block,
+  /// a completion callback run there), or any thread inside one of its completion callbacks (a
+  /// site's receiving thread, say).
+  [[nodiscard]] bool on_own_thread() const;
 
  private:
   using StatePtr = std::shared_ptr<RequestState>;
@@ -178,6 +182,9 @@ class SessionCore {
   // Loads an on-demand block if it is not, and holds it: `compute` is then the loaded block.
   absl::Status hold_resident(BlockRuntime& runtime, ResidentSet::Hold& hold, Block*& compute);
   void process_batch(BlockRuntime& runtime, std::vector<Envelope>&& batch);
+  // One group of a batch whose inputs stack, in one forward(); `settled` counts its requests handed
+  // on or failed so far (an exception fails the others only).
+  void process_group(BlockRuntime& runtime, std::vector<Envelope>&& group, std::size_t& settled);
   void forward_to_site(BlockRuntime& runtime);
   void on_site_completion(SiteRuntime& site, SiteCompletion&& completion);
   absl::Status start_sites();
