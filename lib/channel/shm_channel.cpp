@@ -13,7 +13,8 @@
 // still gets what was sent). A sender destroyed while its receiver holds some of what it sent
 // leaves that behind (RelayOrphans) until released: tensors it relayed from a third process's slot
 // (ZeroCopyEnds), which that process would otherwise reuse, and CUDA tensors, which its caching
-// allocator would.
+// allocator would. Its own slots need nothing: its pools are unlinked, and a mapping stays valid
+// (flush() first, for a receiver that may not have mapped a pool yet).
 //
 // cuda:// connect-time check: the receiver exports a CUDA probe (a small allocation and an
 // interprocess event, cuda_ipc.hpp) into a file beside its socket; a sender opens it when it
@@ -94,7 +95,7 @@ class RelayOrphans {
       auto message = decode_message(std::move(*received->frames));
       if (message.ok() && message->header.kind == wire::MessageKind::kRelease) (void)o.ends->take_releases(message->header);
     }
-    return o.ends->held_by_peer() == 0;
+    return !o.ends->holds_for_peer();
   }
   Mutex mu_;
   std::vector<Orphan> orphans_ ABSL_GUARDED_BY(mu_);
@@ -121,7 +122,7 @@ class ShmSender final : public ProcessChannel {
       MutexLock lock(&mu_);
       link = link_;
     }
-    if (link && ends_->held_by_peer() > 0) RelayOrphans::get().adopt(link, ends_);
+    if (link && ends_->holds_for_peer()) RelayOrphans::get().adopt(link, ends_);
   }
 
   SendOutcome send(Envelope&& envelope) override {

@@ -111,6 +111,10 @@ class ZeroCopyEnds {
   /// Tensors relayed to the peer as a third process's slot that it has not released yet: this end
   /// keeps them alive, so that the third process does not reuse their slots under the peer.
   [[nodiscard]] std::uint64_t forwarded_held() const;
+  /// The peer holds memory that this end must keep alive for it: relayed tensors (forwarded_held())
+  /// or CUDA tensors (their allocator would reuse them). Our own slots stay valid for a peer that
+  /// mapped them even once this end is gone.
+  [[nodiscard]] bool holds_for_peer() const { return forwarded_held() > 0 || cuda_stats().slots_in_use > 0; }
 
  private:
   // Tensors passed on as another process's slot, kept until the peer releases that handle.
