@@ -13,6 +13,12 @@
 // and, after the traffic stops and what is in flight resolves (up to 30 s), a final line with
 // "final":true, the totals, the distinct error messages, each process's RSS slope and one boolean
 // per target. The bench measures and prints; it asserts nothing (exit status 1 only when set-up fails).
+// Each time a producer's shm pools change (a pool made or trimmed, as its site reports them), a line
+//   {"bench":"soak_pools","t_s":..,"producer":"w1"|"host>w1",..,"age_s":..,"pools":..,"created":..,
+//    "trimmed":..,"slots_in_use":..,"slots_total":..,"mapped_mb":..,"in_flight":..}
+// ("w1": the worker's own pools; "host>w1": the host's pools for its requests to w1), and the final
+// line's shm_pools_made_after_first_minute counts per producer the pools made in the span the slopes
+// cover: what moves a producer's owned RSS in steps.
 //
 // What the fields mean:
 //   lost          in a 30 s line: requests with no reply for 30 s so far; in the final line:
@@ -38,7 +44,9 @@
 //                 id in the name) is the host or a live worker of this run (pools are made on demand,
 //                 so this may grow with the traffic); shm_orphans: those of the workers killed, which
 //                 stay until a new producer's sweep removes them (shm_pool.hpp).
-//   fds           entries of /proc/self/fd (the host); worker_fds: of /proc/<pid>/fd.
+//   fds           entries of /proc/self/fd (the host) less one per shm pool of the host (each keeps its
+//                 lock descriptor open while it exists, and pools follow the traffic); worker_fds:
+//                 entries of /proc/<pid>/fd.
 //   shm_pools_created, shm_pools_trimmed  in the final line: pools made and removed after idling, summed
 //                 over the host's pools and each worker's current incarnation (ShmPoolOptions::idle_trim_max).
 //   rss_slope_mb_per_min, owned_slope_mb_per_min, private_slope_mb_per_min  per name: least squares over the samples
@@ -166,6 +174,14 @@ ShmObjects shm_objects(const std::set<std::int64_t>& pids) {
     ++(::kill(static_cast<pid_t>(bf::detail::shm_pool_producer(*id)), 0) == 0 ? n.live : n.orphaned);
   }
   return n;
+}
+
+// The host's descriptors, less the one each of its shm pools keeps open for good (its flock,
+// shm_pool.hpp): pools come and go with the traffic, a leaked descriptor stays.
+int host_fds(const bf::MetricsSnapshot& m) {
+  std::uint64_t pools = 0;
+  for (const auto& s : m.sites) pools += s.shm_requests.pools;
+  return fd_count("self") - static_cast<int>(pools);
 }
 
 std::uint64_t slots_in_use(const bf::MetricsSnapshot& m) {
@@ -383,7 +399,8 @@ int main(int argc, char** argv) try {
   auto levels_at_rest = [&] {  // nothing in flight: let releases and a heartbeat arrive, then read
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
     watch_pids();
-    return Levels{slots_in_use(session.metrics()), fd_count("self"), shm_objects(pids)};
+    const bf::MetricsSnapshot m = session.metrics();
+    return Levels{slots_in_use(m), host_fds(m), shm_objects(pids)};
   };
 
   const double sat = saturation_rps(session, x, saturation_s);
@@ -452,21 +469,53 @@ int main(int argc, char** argv) try {
   };
   print_line(0, session.metrics(), start, true);
 
+  // Pool events: each producer's pools as its site last reported them (the worker's own pools, and
+  // the host's pools towards that worker). A change prints a "soak_pools" line; pools made once the
+  // soak and the producer are a minute old (the span the slopes cover) are counted per producer.
+  struct PoolView {
+    std::int64_t pid = 0;
+    std::uint64_t pools = 0, created = 0, trimmed = 0;
+  };
+  std::map<std::string, PoolView> pool_views;
+  std::map<std::string, std::uint64_t> pools_made_late;
+  auto watch_pools = [&](const bf::MetricsSnapshot& m) {
+    const double now = seconds_since(origin);
+    auto see = [&](const std::string& key, std::int64_t pid, const bf::ShmEdgeStats& s) {
+      PoolView& v = pool_views[key];
+      const PoolView seen{pid, s.pools, s.pools_created, s.pools_trimmed};
+      if (pid == 0 || (v.pid == pid && v.pools == seen.pools && v.created == seen.created && v.trimmed == seen.trimmed)) return;
+      const double age = now - first_seen[pid];
+      if (v.pid == pid && seen.created > v.created && age >= kSettledS && now - soak_origin_s >= kSettledS) {
+        pools_made_late[key] += seen.created - v.created;
+      }
+      fmt::print("{{\"bench\":\"soak_pools\",\"t_s\":{:.1f},\"producer\":\"{}\",\"age_s\":{:.1f},\"pools\":{},"
+                 "\"created\":{},\"trimmed\":{},\"slots_in_use\":{},\"slots_total\":{},\"mapped_mb\":{:.0f},\"in_flight\":{}}}\n",
+                 now - soak_origin_s, key, age, s.pools, s.pools_created, s.pools_trimmed, s.slots_in_use, s.slots_total,
+                 static_cast<double>(s.bytes_mapped) / (1 << 20), m.in_flight);
+      v = seen;
+    };
+    for (const auto& s : m.sites) {
+      see(s.name, s.pid, s.shm_results);
+      see("host>" + s.name, ::getpid(), s.shm_requests);
+    }
+  };
+
   double next_print = kPrintEveryS, next_kill = kill_every_s > 0 ? kill_every_s : seconds + 1, next_apply = kApplyEveryS, next_rss = 0;
   for (;;) {
     const double t = seconds_since(soak0);
     watch_pids();
     const bf::MetricsSnapshot m = session.metrics();
+    watch_pools(m);
     if (m.in_flight == 0) {
       idle_min = std::min(idle_min.value_or(UINT64_MAX), slots_in_use(m));
-      idle_fds_min = std::min(idle_fds_min, fd_count("self"));
+      idle_fds_min = std::min(idle_fds_min, host_fds(m));
     }
     if (t >= next_rss) {
       sample_rss();
       next_rss += kRssEveryS;
     }
     if (t >= next_print) {
-      const Levels now{slots_in_use(m), fd_count("self"), shm_objects(pids)};
+      const Levels now{slots_in_use(m), host_fds(m), shm_objects(pids)};
       print_line(t, m, now, false);
       if (kills > 0) {  // a line after a kill: what it took must be back
         orphans_back = orphans_back && now.objects.orphaned <= start.objects.orphaned;
@@ -530,6 +579,8 @@ int main(int argc, char** argv) try {
     private_slopes += fmt::format("{}\"{}\":{}", comma, key, json_or_null(private_slope, "{:.3f}"));
     points += fmt::format("{}\"{}\":{}", comma, key, rss[key].size());
   }
+  std::string late;
+  for (const auto& [key, n] : pools_made_late) late += fmt::format("{}\"{}\":{}", late.empty() ? "" : ",", key, n);
   std::uint64_t restarts = 0, site_failed = 0, pools_created = 0, pools_trimmed = 0;
   for (const auto& s : m.sites) {
     restarts += s.restarts;
@@ -543,14 +594,14 @@ int main(int argc, char** argv) try {
       "\"sent\":{},\"completed\":{},\"failed\":{},\"lost\":{},\"unexplained_failures\":{},\"errors\":{},"
       "\"kills\":{},\"kills_skipped\":{},\"restarts\":{},\"site_failed_requests\":{},\"applies\":{},\"apply_errors\":{},"
       "\"apply_ms_max\":{:.1f},\"rss_slope_mb_per_min\":{{{}}},\"owned_slope_mb_per_min\":{{{}}},\"private_slope_mb_per_min\":{{{}}},"
-      "\"rss_slope_points\":{{{}}},\"shm_pools_created\":{},\"shm_pools_trimmed\":{},"
+      "\"rss_slope_points\":{{{}}},\"shm_pools_made_after_first_minute\":{{{}}},\"shm_pools_created\":{},\"shm_pools_trimmed\":{},"
       "\"start\":{{\"shm_slots_in_use\":{},\"fds\":{},\"shm_objects\":{},\"shm_orphans\":{}}},"
       "\"end\":{{\"shm_slots_in_use\":{},\"fds\":{},\"shm_objects\":{},\"shm_orphans\":{}}},\"checks_after_kills\":{},\"lines_without_idle_moment\":{},"
       "\"targets\":{{\"lost_zero\":{},\"failures_name_killed_worker\":{},\"rss_slopes_under_1_mb_per_min\":{},"
       "\"owned_slopes_under_1_mb_per_min\":{},\"private_slopes_under_1_mb_per_min\":{},"
       "\"slots_back\":{},\"fds_back\":{},\"shm_orphans_back\":{}}}}}\n",
       traffic_s, rate, sat, c.sent, c.completed, c.failed, lost, c.unexplained, ledger.errors_json(), kills,
-      kills_skipped, restarts, site_failed, applies, apply_errors, apply_ms_max, slopes, owned_slopes, private_slopes, points, pools_created, pools_trimmed, start.slots, start.fds,
+      kills_skipped, restarts, site_failed, applies, apply_errors, apply_ms_max, slopes, owned_slopes, private_slopes, points, late, pools_created, pools_trimmed, start.slots, start.fds,
       start.objects.live, start.objects.orphaned, end.slots, end.fds, end.objects.live, end.objects.orphaned, checks, checks_without_idle, lost == 0, c.unexplained == 0, slopes_ok, owned_slopes_ok, private_slopes_ok,
       slots_back && end.slots <= start.slots, fds_back && end.fds <= start.fds,
       orphans_back && end.objects.orphaned <= start.objects.orphaned);

@@ -59,6 +59,7 @@
 #   from them and index.md, a page that links them.
 #   scripts/bench.sh --plot hop pipeline worker_memory
 source "$(dirname "$0")/common.sh"
+BENCHES="hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality plan_accuracy profile cold_start split memory_budget replan"
 plot=0
 names=()
 for arg in "$@"; do
@@ -66,7 +67,7 @@ for arg in "$@"; do
 done
 set -- ${names[@]+"${names[@]}"}
 if [ $# -eq 0 ]; then
-  echo "usage: scripts/bench.sh [--plot] NAME... (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality plan_accuracy profile cold_start split memory_budget replan)" >&2
+  echo "usage: scripts/bench.sh [--plot] NAME... (names: $BENCHES)" >&2
   exit 2
 fi
 if [ "$plot" = 1 ]; then
@@ -225,7 +226,7 @@ PY
       "$PYTHON" "$ROOT/scripts/batching_bench.py" "$BUILD_DIR/tools/blockflow-loadgen" "$BUILD_DIR/models" \
         --threads "${BENCH_THREADS:-2}" ${BENCH_RATES:+--rates "$BENCH_RATES"} ;;
     *)
-      echo "bench.sh: unknown benchmark '$name' (names: hop pipeline host_app worker_memory sampler_cost update batching soak metrics_http plan_quality plan_accuracy profile cold_start split memory_budget)" >&2
+      echo "bench.sh: unknown benchmark '$name' (names: $BENCHES)" >&2
       exit 2 ;;
   esac
 done

@@ -9,10 +9,11 @@ PYTHON=/usr/bin/python3
 JOBS="$(nproc)"
 
 bf_setup() {
-  bash "$ROOT/scripts/install_deps.sh"
+  # Each step returns on failure itself: set -e does not apply inside a function called from `||`.
+  bash "$ROOT/scripts/install_deps.sh" || return 1
   local werror=OFF
   if [ "${CI:-}" = "true" ]; then werror=ON; fi
   cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
-    -DBLOCKFLOW_PYTHON="$PYTHON" -DBLOCKFLOW_WARNINGS_AS_ERRORS="$werror" "$@"
+    -DBLOCKFLOW_PYTHON="$PYTHON" -DBLOCKFLOW_WARNINGS_AS_ERRORS="$werror" "$@" || return 1
   cmake --build "$BUILD_DIR" -j "$JOBS"
 }

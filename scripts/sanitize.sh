@@ -80,7 +80,12 @@ run_kind() {
   # torch headers, so this tree builds in about half the time. The release tree (scripts/test.sh)
   # stays one source per run, as users build it, so a missing #include still fails there.
   bf_setup -DBLOCKFLOW_SANITIZE="$kind" -DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=8 \
-    -DBLOCKFLOW_BUILD_BENCH=OFF -DBLOCKFLOW_BUILD_EXAMPLES=OFF -DBLOCKFLOW_FUZZ=OFF
+    -DBLOCKFLOW_BUILD_BENCH=OFF -DBLOCKFLOW_BUILD_EXAMPLES=OFF -DBLOCKFLOW_FUZZ=OFF || {
+    # set -e does not reach into a function called from `||`: without this, a tree that failed to
+    # build would run its suite on the binaries of an earlier build.
+    echo "sanitize: $kind: the build failed; no test was run" >&2
+    return 1
+  }
   t1=$(date +%s)
 
   rm -rf "$logs" && mkdir -p "$logs"

@@ -4,7 +4,7 @@
 // and TSan would see no happens-before between two critical sections of one lock (every access
 // under it would be reported as a race, and a real race would drown among them). A TSan build gets
 // a twin over std::mutex, which TSan sees through its pthread interceptors (docs/sanitizers.md).
-// Only the subset BlockFlow uses: Lock, Unlock, AwaitWithDeadline, MutexLock, BlockingCounter.
+// Only the subset BlockFlow uses: Lock, Unlock, Await, AwaitWithDeadline, MutexLock, BlockingCounter.
 
 #include <absl/synchronization/blocking_counter.h>
 #include <absl/synchronization/mutex.h>
@@ -40,6 +40,12 @@ class Mutex {
     }
     lock.release();  // still held, by the caller
     return condition.Eval();
+  }
+  /// Waits, the lock held, until `condition` holds.
+  void Await(const absl::Condition& condition) {
+    std::unique_lock<std::mutex> lock(mu_, std::adopt_lock);
+    changed_.wait(lock, [&] { return condition.Eval(); });
+    lock.release();  // still held, by the caller
   }
 
  private:
