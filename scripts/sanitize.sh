@@ -9,12 +9,13 @@
 # address (build-asan): ASan + UBSan + LeakSanitizer; the CPU suite (models are exported by the
 #   ctest fixtures, as in scripts/test.sh) except SKIP_ADDRESS below, each for the reason given there.
 #   The libFuzzer target is off: it is ASan-instrumented in every build already.
-# thread (build-tsan): TSan on the areas that exercise our threads and channels: AREAS_THREAD below.
-#   libtorch runs its intra-op work on libgomp, which TSan does not understand (its barriers are
-#   futexes and atomics in uninstrumented code), so areas that run TorchScript models on tensors big
-#   enough to go parallel report races between OpenMP workers that are not races. Those areas are
-#   left out rather than hidden under blanket suppressions; OMP_NUM_THREADS=1 keeps libgomp from
-#   starting a team in the areas that remain.
+# thread (build-tsan): TSan on every CPU area of the suite but two_host (network namespaces):
+#   AREAS_THREAD below. libtorch runs its intra-op work on libgomp, which TSan does not understand
+#   (its barriers are futexes and atomics in uninstrumented code): OMP_NUM_THREADS=1 keeps libgomp
+#   from starting a team, so the areas that run TorchScript models (worker processes included) are
+#   in too, with no suppression for OpenMP. Should an OpenMP race show up (a test that sets more
+#   intra-op threads on tensors big enough to go parallel), leave that area out here and say why,
+#   rather than hide it under a blanket suppression.
 #
 # Worker processes (blockflow-worker and the runtime module it dlopens) are built with the same flags
 # and inherit the environment set here. Every process writes its reports to a file of its own under
@@ -26,9 +27,10 @@ JOBS="${requested_jobs:-$JOBS}"
 BUILD_TYPE=RelWithDebInfo  # NDEBUG like the release build; the sanitizer flags bring -O1 -g
 SUPP="$ROOT/scripts/sanitizers"
 
-# Areas for TSan (one ctest per area, see tests/CMakeLists.txt), and why each is in: C++ blocks,
-# in-process and worker channels, lanes, updates, with small tensors only.
-AREAS_THREAD=(channel path session lanes layout update update_lifecycle worker_update wire link shm deployment process_channel admission planner)
+# Areas for TSan (one ctest per area, see tests/CMakeLists.txt): all of the CPU suite's unit areas.
+AREAS_THREAD=(channel path session lanes layout update update_lifecycle worker_update wire link shm deployment process_channel
+              admission planner torchscript dag metrics worker direct joined client kpi control worker_lifecycle batching
+              curve worker_allowlist profile memory warming replan)
 
 # ctests the address run leaves out, and why:
 # - install_consumer builds an outside project against the installed package with that project's
