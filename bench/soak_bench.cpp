@@ -483,9 +483,16 @@ int main(int argc, char** argv) try {
     auto see = [&](const std::string& key, std::int64_t pid, const bf::ShmEdgeStats& s) {
       PoolView& v = pool_views[key];
       const PoolView seen{pid, s.pools, s.pools_created, s.pools_trimmed};
-      if (pid == 0 || (v.pid == pid && v.pools == seen.pools && v.created == seen.created && v.trimmed == seen.trimmed)) return;
-      const double age = now - first_seen[pid];
-      if (v.pid == pid && seen.created > v.created && age >= kSettledS && now - soak_origin_s >= kSettledS) {
+      const auto born = first_seen.find(pid);
+      if (pid == 0 || born == first_seen.end()) return;  // down, or restarted since watch_pids()
+      if (v.pid != pid) {
+        // A new life: until its first heartbeat its site still reports the previous life's pools.
+        v = seen;
+        return;
+      }
+      if (v.pools == seen.pools && v.created == seen.created && v.trimmed == seen.trimmed) return;
+      const double age = now - born->second;
+      if (seen.created > v.created && age >= kSettledS && now - soak_origin_s >= kSettledS) {
         pools_made_late[key] += seen.created - v.created;
       }
       fmt::print("{{\"bench\":\"soak_pools\",\"t_s\":{:.1f},\"producer\":\"{}\",\"age_s\":{:.1f},\"pools\":{},"

@@ -9,13 +9,12 @@
 # address (build-asan): ASan + UBSan + LeakSanitizer; the CPU suite (models are exported by the
 #   ctest fixtures, as in scripts/test.sh) except SKIP_ADDRESS below, each for the reason given there.
 #   The libFuzzer target is off: it is ASan-instrumented in every build already.
-# thread (build-tsan): TSan on every CPU area of the suite but two_host (network namespaces):
+# thread (build-tsan): TSan on every CPU unit area of the suite but two_host (network namespaces):
 #   AREAS_THREAD below. libtorch runs its intra-op work on libgomp, which TSan does not understand
-#   (its barriers are futexes and atomics in uninstrumented code): OMP_NUM_THREADS=1 keeps libgomp
-#   from starting a team, so the areas that run TorchScript models (worker processes included) are
-#   in too, with no suppression for OpenMP. Should an OpenMP race show up (a test that sets more
-#   intra-op threads on tensors big enough to go parallel), leave that area out here and say why,
-#   rather than hide it under a blanket suppression.
+#   (its barriers are futexes and atomics in uninstrumented code). OMP_NUM_THREADS=1 sets libgomp's
+#   default only: lanes with intra_op_threads > 1 (most tests use 2) still make teams, and a race
+#   between OpenMP workers (libtorch frames in its stacks) falls under tsan.supp's libtorch line.
+#   What this run checks is our own code (docs/sanitizers.md).
 #
 # Worker processes (blockflow-worker and the runtime module it dlopens) are built with the same flags
 # and inherit the environment set here. Every process writes its reports to a file of its own under

@@ -27,8 +27,10 @@ class Mutex {
  public:
   void Lock() { mu_.lock(); }
   void Unlock() {
+    // A waiter in Await() or AwaitWithDeadline() re-checks its condition. Notified before the
+    // unlock: once unlocked, a waiter may return and its caller destroy the object that holds us.
+    changed_.notify_all();
     mu_.unlock();
-    changed_.notify_all();  // a waiter in AwaitWithDeadline() re-checks its condition
   }
   /// Waits, the lock held, until `condition` holds or `deadline` passes; true if it holds.
   bool AwaitWithDeadline(const absl::Condition& condition, absl::Time deadline) {
