@@ -214,6 +214,17 @@ TEST_CASE("blockflow-profile writes a profile of a chain of TorchScript files", 
   CHECK(p->channels.size() == 3);
   CHECK(p->hardware_threads > 0);
   std::filesystem::remove(out);
+
+  // Files named relative to the directory it runs in: the profile names them by absolute path, so a
+  // deployment planned from it names the same files in a server whose models directory is elsewhere
+  // relative to its own working directory (the README's profile, plan, apply).
+  const std::string relative = fmt::format("cd {} && {} cnn_block1.pt --input 1,3,16,16 --threads 1 --quick --batches 1 --out {} 2>/dev/null",
+                                           BLOCKFLOW_TEST_MODELS_DIR, BLOCKFLOW_TEST_PROFILE_TOOL, out.string());
+  REQUIRE(std::system(relative.c_str()) == 0);
+  auto q = load_profile(out.string());
+  REQUIRE(q.ok());
+  CHECK(q->blocks.at(0).source == std::filesystem::weakly_canonical(test::model_path("cnn_block1.pt")).string());
+  std::filesystem::remove(out);
   const std::string bad = fmt::format("{} --bogus 2>/dev/null", BLOCKFLOW_TEST_PROFILE_TOOL);
   CHECK(WEXITSTATUS(std::system(bad.c_str())) == 2);
 }

@@ -55,6 +55,16 @@ int usage(const std::string& problem) {
 
 }  // namespace
 
+// A profile names each TorchScript file by its absolute path (symbolic links and ".." resolved): the
+// deployment blockflow-plan writes from it then names the same file wherever it is applied from, and
+// a server that confines paths to its models directory accepts it when it lies there, whatever
+// directory the profile was taken from.
+static std::string absolute_path(const std::string& file) {
+  std::error_code ec;
+  const auto path = std::filesystem::weakly_canonical(std::filesystem::absolute(file, ec), ec);
+  return ec ? file : path.string();
+}
+
 int main(int argc, char** argv) try {
   std::vector<std::string> files;
   std::string deployment, models, input, out_file, device = "cpu";
@@ -94,11 +104,14 @@ int main(int argc, char** argv) try {
     auto d = bf::load_deployment(deployment, models);
     if (!d.ok()) return usage(std::string(d.status().message()));
     blocks = d->blocks;
+    for (auto& b : blocks) {
+      if (!b.torchscript.empty()) b.torchscript = absolute_path(b.torchscript);
+    }
   } else {
     for (const auto& f : files) {
       bf::BlockDescription d;
       d.name = std::filesystem::path(f).stem().string();
-      d.torchscript = f;
+      d.torchscript = absolute_path(f);
       blocks.push_back(d);
     }
     if (input.empty() && !shapes.count(blocks.front().name)) return usage("--input: the first block's input shape");
