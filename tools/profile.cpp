@@ -53,17 +53,17 @@ int usage(const std::string& problem) {
   return 2;
 }
 
-}  // namespace
-
 // A profile names each TorchScript file by its absolute path (symbolic links and ".." resolved): the
 // deployment blockflow-plan writes from it then names the same file wherever it is applied from, and
 // a server that confines paths to its models directory accepts it when it lies there, whatever
 // directory the profile was taken from.
-static std::string absolute_path(const std::string& file) {
+std::string absolute_path(const std::string& file) {
   std::error_code ec;
   const auto path = std::filesystem::weakly_canonical(std::filesystem::absolute(file, ec), ec);
   return ec ? file : path.string();
 }
+
+}  // namespace
 
 int main(int argc, char** argv) try {
   std::vector<std::string> files;
