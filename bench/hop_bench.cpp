@@ -398,7 +398,9 @@ int main(int argc, char** argv) {
   }
   const int iterations = argc > 1 ? std::stoi(argv[1]) : 20000;
   const std::vector<std::size_t> sizes = {4096, 3211264, 104857600};
-  for (std::size_t bytes : sizes) {
+  // BENCH_HOP_CUDA_ONLY=1 (scripts/gpu.sh): the cuda lines alone, none of the host-memory ones.
+  const bool cuda_only = std::getenv("BENCH_HOP_CUDA_ONLY") != nullptr;
+  for (std::size_t bytes : cuda_only ? std::vector<std::size_t>{} : sizes) {
     const HopFigures f = measure(bytes, iterations);
     fmt::print("{{\"bench\":\"hop\",\"channel\":\"inproc\",\"bytes\":{},\"iterations\":{},\"p50_us\":{:.3f},\"p99_us\":{:.3f}}}\n",
                bytes, iterations, f.p50_us, f.p99_us);
@@ -414,6 +416,7 @@ int main(int argc, char** argv) {
                                           std::pair<std::string, std::string>{"socketpair", ""},
                                           std::pair<std::string, std::string>{"zmq-tcp", "tcp://127.0.0.1:*"},
                                           std::pair<std::string, std::string>{"zmq-tcp-curve", "tcp://127.0.0.1:*"}}) {
+    if (cuda_only) break;
     for (std::size_t bytes : sizes) {
       // Fewer round trips for the large sizes: each moves the whole tensor through the kernel.
       const int n = bytes > 50'000'000 ? 30 : bytes > 1'000'000 ? 500 : std::min(iterations, 5000);
@@ -446,6 +449,7 @@ int main(int argc, char** argv) {
        {std::pair<std::string, std::string>{"shm", fmt::format("shm://hop-bench-{}", ::getpid())},
         std::pair<std::string, std::string>{"zmq-ipc", fmt::format("ipc://hop-bench-{}", ::getpid())},
         std::pair<std::string, std::string>{"zmq-tcp", "tcp://127.0.0.1:" + std::to_string(bf::bench::free_tcp_port())}}) {
+    if (cuda_only) break;
     for (std::size_t bytes : sizes) {
       const int n = bytes > 50'000'000 ? 30 : bytes > 1'000'000 ? 500 : std::min(iterations, 5000);
       const auto f = bf::bench::measure_uri(uri, bytes, n);

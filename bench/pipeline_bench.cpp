@@ -46,6 +46,9 @@
 // --direct-edges 0 (channel zmq): every block output comes back to the session, which sends it on
 // to the next worker (WorkerOptions::direct_edges false), instead of going from worker to worker;
 // lines say which ("direct_edges", true only for zmq).
+// Environment: BENCH_METRICS=1 prints the session's metrics JSON to stderr after the runs;
+// BENCH_SAMPLING=MS turns KPI sampling on at that period; BENCH_NVIDIA_SMI=1 prints nvidia-smi's
+// process and device figures right after the metrics (scripts/gpu.sh kpi compares the two).
 
 #include "alone_process.hpp"
 #include "process_chain.hpp"
@@ -65,7 +68,9 @@
 
 #include <absl/strings/str_split.h>
 
+#include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <deque>
 #include <future>
 #include <iostream>
@@ -220,6 +225,10 @@ int main(int argc, char** argv) try {
     return 0;
   }
 
+  // BENCH_SAMPLING=MS: KPI sampling on in the host and every worker at that period (scripts/gpu.sh kpi).
+  if (const char* ms = std::getenv("BENCH_SAMPLING"); ms != nullptr && !sampler_cost) {
+    session.set_sampling(true, absl::Milliseconds(std::max(10, std::atoi(ms))));
+  }
   // Made on a lane: this thread makes no OpenMP team of its own (docs/lanes.md).
   const bf::Tensor x = session.run_on_lane([] { return at::randn({1, 3, 224, 224}); }).get();
   if (sampler_cost) {
@@ -268,7 +277,18 @@ int main(int argc, char** argv) try {
     double e2e, mono, overhead;
   };
   auto summarize = [&] {  // after the runs: the metrics snapshot if asked for, and the p50s
-    if (std::getenv("BENCH_METRICS") != nullptr) std::cerr << session.metrics().to_json(1) << "\n";
+    if (std::getenv("BENCH_METRICS") != nullptr) {
+      std::cerr << session.metrics().to_json(1) << "\n";
+      // BENCH_NVIDIA_SMI: the driver's own view at the same moment, to check the KPI sampler's GPU
+      // columns against (scripts/gpu.sh kpi).
+      if (std::getenv("BENCH_NVIDIA_SMI") != nullptr) {
+        std::cerr.flush();
+        (void)std::system(
+            "nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 1>&2; "
+            "nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu,power.draw,clocks.sm "
+            "--format=csv,noheader 1>&2");
+      }
+    }
     return Summary{bf::bench::percentile(e2e_ms, 0.5), bf::bench::percentile(mono_ms, 0.5),
                    bf::bench::percentile(overhead_ms, 0.5)};
   };

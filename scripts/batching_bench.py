@@ -39,7 +39,11 @@ per batch size (1 and each B), and
 for batching off with the default lanes against one team lane. Per-rate runs (with each run's lane
 figures) go to stderr as "batching_run" lines.
 
-usage: batching_bench.py LOADGEN MODELS_DIR [--rates 10,20,...] [--duration S]
+With --device cuda:0 every block runs on that GPU (scripts/gpu.sh batching): the CPU ceilings and
+the lanes comparison do not apply and are left out; each line names the GPU ("device") and the
+sweep's best p50 latency, off and on.
+
+usage: batching_bench.py LOADGEN MODELS_DIR [--rates 10,20,...] [--duration S] [--device cuda:0]
 """
 import argparse
 import json
@@ -53,17 +57,20 @@ BLOCKS = [("block1", [-1, 3, 224, 224]), ("block2", [-1, 256, 56, 56]), ("block3
           ("block4", [-1, 1024, 14, 14])]
 
 
-def deployment(models, max_batch, delay_ms, threads):
+def deployment(models, max_batch, delay_ms, threads, device="cpu"):
     blocks = [{"name": n, "torchscript": os.path.join(os.path.abspath(models), n + ".pt"), "intra_op_threads": threads,
                "input_shapes": [s], "warmup_runs": 1, "max_batch": max_batch, "max_batch_delay_ms": delay_ms,
                "queue_capacity": 256}
               for n, s in BLOCKS]
+    if device != "cpu":
+        for b in blocks:
+            b["device"] = device
     return {"blocks": blocks, "tasks": {"split": [n for n, _ in BLOCKS]}}
 
 
-def sweep(loadgen, models, max_batch, rates, duration, delay_ms, threads, lanes=0):
+def sweep(loadgen, models, max_batch, rates, duration, delay_ms, threads, lanes=0, device="cpu"):
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(deployment(models, max_batch, delay_ms, threads), f)
+        json.dump(deployment(models, max_batch, delay_ms, threads, device), f)
         path = f.name
     try:
         out = subprocess.run([loadgen, "--deployment", path, "--sweep", ",".join(str(r) for r in rates),
@@ -75,7 +82,7 @@ def sweep(loadgen, models, max_batch, rates, duration, delay_ms, threads, lanes=
     runs = [r for r in runs if r.get("bench") == "loadgen"]
     best = max(runs, key=lambda r: r["throughput_per_s"])
     for r in runs:
-        print(json.dumps({"bench": "batching_run", "max_batch": max_batch, "lanes": lanes or "auto",
+        print(json.dumps({"bench": "batching_run", "device": device, "max_batch": max_batch, "lanes": lanes or "auto",
                           "rate_per_s": r["rate_per_s"], "throughput_per_s": round(r["throughput_per_s"], 2),
                           "p50_ms": round(r["p50_ms"], 1), "p99_ms": round(r["p99_ms"], 1),
                           "lanes_run": r.get("lanes", [])}), file=sys.stderr)
@@ -162,8 +169,12 @@ def main():
     ap.add_argument("--delay-ms", type=float, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", default="2,4,8")
+    ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
     rates = [float(r) for r in a.rates.split(",")]
+    if a.device != "cpu":
+        gpu_sweeps(a, rates)
+        return
     cores = os.cpu_count() or 1
     ceiling = Ceiling(a.models)
     ceilings, parallels = {}, {}
@@ -205,6 +216,26 @@ def main():
                       "saturation_rps_team_lanes": round(team["throughput_per_s"], 2),
                       "ratio": round(off["throughput_per_s"] / team["throughput_per_s"], 3),
                       "threads_per_block": a.threads}), flush=True)
+
+
+def gpu_sweeps(a, rates):
+    """Batching off and on with every block on a.device: no CPU ceiling applies there."""
+    import torch  # the GPU machine's PyTorch, for the device's name
+    index = int(a.device.split(":")[1]) if ":" in a.device else 0
+    name = torch.cuda.get_device_name(index) if torch.cuda.is_available() else a.device
+    off = sweep(a.loadgen, a.models, 1, rates, a.duration, a.delay_ms, a.threads, device=a.device)
+    best = None
+    for b in [int(x) for x in a.batches.split(",")]:
+        on = sweep(a.loadgen, a.models, b, rates, a.duration, a.delay_ms, a.threads, device=a.device)
+        ratio = on["throughput_per_s"] / off["throughput_per_s"]
+        best = max(best or ratio, ratio)
+        print(json.dumps({"bench": "batching", "device": name, "block": "block1-4", "max_batch": b,
+                          "saturation_rps_off": round(off["throughput_per_s"], 2),
+                          "saturation_rps_on": round(on["throughput_per_s"], 2), "ratio": round(ratio, 3),
+                          "p50_ms_off": round(off["p50_ms"], 2), "p50_ms_on": round(on["p50_ms"], 2),
+                          "p99_ms_on": round(on["p99_ms"], 1), "max_batch_delay_ms": a.delay_ms,
+                          "threads_per_block": a.threads, "rates": rates, "duration_s": a.duration}), flush=True)
+    print(json.dumps({"bench": "batching_best", "device": name, "ratio": round(best, 3)}), flush=True)
 
 
 if __name__ == "__main__":
