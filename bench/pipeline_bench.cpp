@@ -38,7 +38,7 @@
 //
 //   pipeline_bench --models DIR [--mode threads|workers|worker_memory] [--channel shm|zmq|cuda] [--requests N]
 //                  [--threads T] [--worker-env "K=V ..."] [--device cpu|cuda] [--round N]
-//                  [--receive-spin-us US] [--outputs-in-slots 0|1] [--optimize 0|1] [--direct-edges 0|1]
+//                  [--cuda-graph 0|1] [--receive-spin-us US] [--outputs-in-slots 0|1] [--optimize 0|1] [--direct-edges 0|1]
 // --optimize 1: every block and the monolithic model also go through
 // torch::jit::optimize_for_inference after freezing (TorchScriptOptions); lines say which.
 // --outputs-in-slots 0: workers copy each block output into a slot when they send it
@@ -151,6 +151,7 @@ int main(int argc, char** argv) try {
   bool outputs_in_slots = bf::WorkerOptions{}.shm_outputs_in_slots;
   bool direct_edges = bf::WorkerOptions{}.direct_edges;
   bool optimize = bf::TorchScriptOptions{}.optimize_for_inference;
+  bool cuda_graph = false;  // --cuda-graph 1 (with --device cuda): the split's blocks replay CUDA graphs
   bf::bench::parse_options(argc, argv, [&](const std::string& a, const std::string& v) {
     if (a == "--models") models = v;
     else if (a == "--requests") requests = std::stoi(v);
@@ -165,6 +166,7 @@ int main(int argc, char** argv) try {
     else if (a == "--outputs-in-slots") outputs_in_slots = std::stoi(v) != 0;
     else if (a == "--direct-edges") direct_edges = std::stoi(v) != 0;
     else if (a == "--optimize") optimize = std::stoi(v) != 0;
+    else if (a == "--cuda-graph") cuda_graph = std::stoi(v) != 0;
     else if (a == "--model") model = v;      // --mode alone (the baseline process), stage
     else if (a == "--shape") shape = v;      // --mode alone, stage
     else if (a == "--app-on") app_on = v;    // --mode host_app: lane | thread
@@ -194,6 +196,7 @@ int main(int argc, char** argv) try {
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     bf::BlockDescription d = bf::bench::model_block(models, blocks[i].first, blocks[i].second, threads, optimize);
     if (device == "cuda") d.options.device = "cuda:0";
+    d.options.cuda_graph = cuda_graph && d.name != "monolithic";  // the baseline stays eager
     if (d.name != "monolithic" && (workers || memory)) {
       d.placement = memory ? "w1" : fmt::format("w{}", i + 1);
     }
@@ -336,9 +339,9 @@ int main(int argc, char** argv) try {
     fmt::print(
         "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"device\":\"{}\",\"threads_per_block\":{},"
         "\"requests\":{},\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},"
-        "\"saturation_rps\":{:.1f},\"monolithic_saturation_rps\":{:.1f},\"hops_us\":[{}]}}\n",
+        "\"saturation_rps\":{:.1f},\"monolithic_saturation_rps\":{:.1f},\"cuda_graph\":{},\"hops_us\":[{}]}}\n",
         mode, channel_label, bf::bench::gpu_name(), threads, requests, sum.e2e, sum.mono, sum.e2e / sum.mono, sum.overhead,
-        split_rps, mono_rps, hops_json());
+        split_rps, mono_rps, cuda_graph, hops_json());
     return 0;
   }
   // Alternating rounds: `round` split requests, then `round` monolithic ones in this session, then

@@ -27,8 +27,8 @@ build() {
     { tail -40 "$OUT/configure.log"; return 1; }
   local targets=()
   for t in ${BUILD_TARGETS:-}; do targets+=(--target "$t"); done
-  cmake --build "$BUILD_DIR" -j "$(nproc)" "${targets[@]}" > "$OUT/build.log" 2>&1 ||
-    { grep -B2 -A12 "error" "$OUT/build.log" | head -80; return 1; }
+  cmake --build "$BUILD_DIR" -j "$(nproc)" "${targets[@]}" -- -k 0 > "$OUT/build.log" 2>&1 ||
+    { grep -E "error|FAILED" "$OUT/build.log" | head -60; return 1; }
   echo "build ok"
 }
 run_tests() {
@@ -47,10 +47,14 @@ bench() {
   {
     BENCH_HOP_CUDA_ONLY=1 BLOCKFLOW_COPY_WITNESS="$OUT/witness-hop.txt" LD_PRELOAD="$witness" \
       "$BUILD_DIR/bench/hop_bench" "${BENCH_HOP_ITERATIONS:-2000}"
-    "$BUILD_DIR/bench/pipeline_bench" --models "$models" --mode threads --device cuda --requests "${BENCH_REQUESTS:-100}"
-    BENCH_METRICS=1 BLOCKFLOW_COPY_WITNESS="$OUT/witness-pipeline.txt" LD_PRELOAD="$witness" \
-      "$BUILD_DIR/bench/pipeline_bench" --models "$models" --mode workers --channel cuda --device cuda \
-      --requests "${BENCH_REQUESTS:-100}" 2> "$OUT/metrics-cuda.txt"
+    # Eager, then with CUDA graphs in the split's blocks (the monolithic baseline stays eager).
+    for graph in ${BENCH_CUDA_GRAPH:-0 1}; do
+      "$BUILD_DIR/bench/pipeline_bench" --models "$models" --mode threads --device cuda --cuda-graph "$graph" \
+        --requests "${BENCH_REQUESTS:-100}"
+      BENCH_METRICS=1 BLOCKFLOW_COPY_WITNESS="$OUT/witness-pipeline-graph$graph.txt" LD_PRELOAD="$witness" \
+        "$BUILD_DIR/bench/pipeline_bench" --models "$models" --mode workers --channel cuda --device cuda \
+        --cuda-graph "$graph" --requests "${BENCH_REQUESTS:-100}" 2> "$OUT/metrics-cuda-graph$graph.txt"
+    done
   } | tee "$OUT/bench.jsonl"
   echo "--- host<->device copies per process (witness) ---"
   cat "$OUT"/witness-*.txt 2>/dev/null || true

@@ -190,3 +190,69 @@ TEST_CASE("channel cuda: a killed consumer's records come back; the worker resta
   REQUIRE(r.ok());
   CHECK(r.output().cpu().eq(4.0).all().item<bool>());
 }
+
+TEST_CASE("cuda_graph: the warm-up shape replays a graph, another shape runs eagerly, both right", "[cuda]") {
+  if (!gpu_or_skip()) return;
+  BlockOptions options;
+  options.device = "cuda:0";
+  options.cuda_graph = true;
+  options.input_shapes = {{4096}};
+  Session session;
+  session.add_block(Block::callable(
+                "affine", [](Tensors&& in) -> absl::StatusOr<Tensors> { return Tensors{in.at(0) * 3 + 1}; }, options))
+      .add_path(Path::chain("t", {"affine"}));
+  test::require_started(session);
+  std::vector<Result> results;
+  for (int i = 0; i < 5; ++i) results.push_back(session.submit("t", at::full({4096}, static_cast<double>(i))).get());
+  for (int i = 0; i < 5; ++i) {
+    REQUIRE(results[static_cast<std::size_t>(i)].ok());
+    // Each result is a clone: later replays did not overwrite the earlier ones.
+    CHECK(results[static_cast<std::size_t>(i)].output().cpu().eq(3.0 * i + 1).all().item<bool>());
+  }
+  Result other = session.submit("t", at::full({100}, 2.0)).get();
+  REQUIRE(other.ok());
+  CHECK(other.output().sizes() == at::IntArrayRef{100});
+  CHECK(other.output().cpu().eq(7.0).all().item<bool>());
+  const BlockMetrics b = session.metrics().blocks.at(0);
+  CHECK(b.cuda_graph.graphs == 1);
+  CHECK(b.cuda_graph.replays == 5);
+  CHECK(b.cuda_graph.eager_runs == 1);
+}
+
+TEST_CASE("cuda_graph: channel cuda still orders by events when the slow producer replays a graph", "[cuda]") {
+  if (!gpu_or_skip()) return;
+  BlockDescription slow = on_cuda(test::plugin_block("slow", "slow_fill", "w1"));
+  slow.options.cuda_graph = true;
+  slow.options.input_shapes = {{1 << 20}};
+  BlockOptions options;
+  options.device = "cuda:0";
+  options.cuda_graph = true;
+  options.input_shapes = {{1 << 20}};
+  Session session;
+  session.add_site(make_worker(test::test_worker("w1", "cuda")))
+      .add_block(slow)
+      .add_block(Block::callable(
+          "affine", [](Tensors&& in) -> absl::StatusOr<Tensors> { return Tensors{in.at(0) * 3 + 1}; }, options))
+      .add_path(Path::chain("slow", {"slow"}))
+      .add_path(Path::chain("slow_then_affine", {"slow", "affine"}));
+  test::require_started(session);
+  for (int i = 0; i < 3; ++i) {
+    Result r = session.submit("slow", at::zeros({1 << 20})).get();
+    REQUIRE(r.ok());
+    CHECK(r.output().cpu().eq(42.0).all().item<bool>());
+    Result a = session.submit("slow_then_affine", at::zeros({1 << 20})).get();
+    REQUIRE(a.ok());
+    CHECK(a.output().cpu().eq(127.0).all().item<bool>());
+  }
+  // The worker's counters arrive with its heartbeats.
+  REQUIRE(test::eventually([&] {
+    for (const auto& b : session.metrics().blocks) {
+      if (b.name == "slow") return b.cuda_graph.graphs == 1 && b.cuda_graph.replays == 6;
+    }
+    return false;
+  }));
+  for (const auto& b : session.metrics().blocks) {
+    if (b.name == "affine") CHECK(b.cuda_graph.replays == 3);
+    CHECK(b.cuda_graph.eager_runs == 0);
+  }
+}

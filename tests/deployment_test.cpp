@@ -4,6 +4,7 @@
 
 #include <blockflow/deploy/deployment.hpp>
 #include <blockflow/deploy/detail/deployment_json.hpp>
+#include <blockflow/core/detail/cuda_graph_block.hpp>
 #include <blockflow/core/names.hpp>
 #include <blockflow/worker/worker_site.hpp>
 
@@ -256,4 +257,37 @@ TEST_CASE("sites' settings: memory budget and policy, lanes; read for the sites 
   CHECK_THAT(with_sites(R"({"w1": {"threads": 1}})"), Contains("site 'w1': unknown field 'threads' (memory, lanes)"));
   CHECK_THAT(with_sites(R"({"w1": {"lanes": "two"}})"), Contains("\"lanes\" must be an integer"));
   CHECK_THAT(with_sites(R"(["w1"])"), Contains("\"sites\" must be an object"));
+}
+
+TEST_CASE("cuda_graph: parsed and carried to workers; refused on a CPU device, without shapes, without CUDA", "[deployment]") {
+  auto d = Deployment::parse(R"({"blocks": [{"name": "b", "torchscript": "x.pt", "device": "cuda:0", "cuda_graph": true,
+                                              "input_shapes": [[1, 3]]}], "tasks": {"t": ["b"]}})",
+                             "/models");
+  INFO(d.status().ToString());
+  REQUIRE(d.ok());
+  CHECK(d->blocks.at(0).options.cuda_graph);
+  CHECK(blockflow::detail::block_to_json(d->blocks.at(0)).at("cuda_graph") == true);  // what a worker's configuration carries
+  CHECK_FALSE(Deployment::parse(R"({"blocks": [{"name": "c", "torchscript": "x.pt"}], "tasks": {"t": ["c"]}})", "/models")
+                  ->blocks.at(0)
+                  .options.cuda_graph);
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "torchscript": "x.pt", "cuda_graph": true, "input_shapes": [[1]]}],
+                       "tasks": {}})"),
+             Contains("block 'b': cuda_graph needs a CUDA device (device is 'cpu')"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "torchscript": "x.pt", "device": "cuda", "cuda_graph": true}], "tasks": {}})"),
+             Contains("block 'b': cuda_graph needs input_shapes"));
+  // This build (CI's): a libtorch without CUDA refuses the option by name, before loading anything.
+  if (!blockflow::detail::cuda_graphs_available().ok()) {
+    auto block = make_block(d->blocks.at(0));
+    REQUIRE_FALSE(block.ok());
+    CHECK(absl::IsUnimplemented(block.status()));
+    CHECK_THAT(std::string(block.status().message()), Contains("block 'b': cuda_graph needs a libtorch with CUDA"));
+    BlockOptions options;
+    options.device = "cuda:0";
+    options.cuda_graph = true;
+    options.input_shapes = {{4}};
+    Session session;
+    CHECK_THROWS_WITH(session.add_block(Block::callable(
+                          "g", [](Tensors&& in) -> absl::StatusOr<Tensors> { return std::move(in); }, options)),
+                      Contains("block 'g': cuda_graph needs a libtorch with CUDA"));
+  }
 }

@@ -3,6 +3,8 @@
 #include <absl/container/flat_hash_map.h>
 #include <blockflow/core/detail/mutex.hpp>
 #include <c10/core/CPUAllocator.h>
+#include <torch/version.h>
+#include <cstring>
 
 #include <atomic>
 
@@ -40,9 +42,16 @@ void delete_slot_or_fallback(void* data) {
   lease.drop();  // the slot is free once the consumer's views are released too
 }
 
+// libtorch 2.3 made allocate() non-const and added the pure copy_data().
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+#define BLOCKFLOW_ALLOCATE_CONST
+#else
+#define BLOCKFLOW_ALLOCATE_CONST const
+#endif
+
 class SlotAllocator final : public c10::Allocator {
  public:
-  c10::DataPtr allocate(std::size_t bytes) const override {
+  c10::DataPtr allocate(std::size_t bytes) BLOCKFLOW_ALLOCATE_CONST override {
     State& s = state();
     // Small allocations (most of them) and paused threads go straight to libtorch's allocator.
     if (bytes < s.min_bytes.load(std::memory_order_relaxed) || paused != 0) return s.fallback->allocate(bytes);
@@ -59,6 +68,9 @@ class SlotAllocator final : public c10::Allocator {
     }
     return s.fallback->allocate(bytes);
   }
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+#endif
   c10::DeleterFnPtr raw_deleter() const override {
     return s_has_raw_fallback() ? &delete_slot_or_fallback : nullptr;
   }

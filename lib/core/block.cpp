@@ -48,6 +48,10 @@ absl::Status validate(const std::string& block, const BlockOptions& o) {
   if (!(o.max_batch_delay_ms >= 0)) return bad("max_batch_delay_ms must be >= 0");
   if (o.warmup_runs < 0) return bad("warmup_runs must be >= 0");
   if (o.memory_bytes < 0) return bad("memory_bytes must be >= 0");
+  if (o.cuda_graph && o.device.rfind("cuda", 0) != 0) {
+    return bad(fmt::format("cuda_graph needs a CUDA device (device is '{}')", o.device));
+  }
+  if (o.cuda_graph && o.input_shapes.empty()) return bad("cuda_graph needs input_shapes (the shapes to capture)");
   return absl::OkStatus();
 }
 

@@ -1,4 +1,5 @@
 #include <blockflow/core/block_registry.hpp>
+#include <blockflow/core/detail/cuda_graph_block.hpp>
 #include <blockflow/core/detail/mutex.hpp>
 #include <blockflow/core/torchscript_block.hpp>
 
@@ -58,10 +59,17 @@ absl::StatusOr<std::shared_ptr<Block>> make_block(const BlockDescription& d) {
         fmt::format("block '{}': set exactly one of torchscript (a file) and factory (a registered name)", d.name));
   }
   if (auto status = validate(d.name, d.options); !status.ok()) return status;
+  if (d.options.cuda_graph) {
+    if (auto status = detail::cuda_graphs_available(); !status.ok()) {
+      return absl::Status(status.code(), fmt::format("block '{}': {}", d.name, std::string(status.message())));
+    }
+  }
   // The boundary of the Status API: nothing libtorch or a factory throws gets past it.
   try {
-    if (!d.torchscript.empty()) return load_torchscript_block(d.name, d.torchscript, d.options, d.torchscript_options);
-    return BlockRegistry::global().create(d.factory, d.name, d.options);
+    auto block = !d.torchscript.empty() ? load_torchscript_block(d.name, d.torchscript, d.options, d.torchscript_options)
+                                        : BlockRegistry::global().create(d.factory, d.name, d.options);
+    if (!block.ok() || !d.options.cuda_graph) return block;
+    return detail::make_cuda_graph_block(*std::move(block));
   } catch (const c10::Error& e) {
     return absl::InvalidArgumentError(fmt::format("block '{}': {}", d.name, e.what_without_backtrace()));
   } catch (const std::exception& e) {

@@ -200,6 +200,15 @@ std::string MetricsSnapshot::to_prometheus() const {
     e.add("blockflow_block_computing_seconds", "gauge",
           "How long the longest call into a block now in progress has run (0: none); a block that never returns grows here.",
           l, b.computing_s);
+    if (b.cuda_graph.graphs + b.cuda_graph.eager_runs > 0) {
+      e.add("blockflow_block_cuda_graphs", "gauge", "cuda_graph: input shapes captured into CUDA graphs.", l,
+            static_cast<double>(b.cuda_graph.graphs));
+      e.add("blockflow_block_cuda_graph_replays_total", "counter", "cuda_graph: forward() calls served by a graph replay.",
+            l, static_cast<double>(b.cuda_graph.replays));
+      e.add("blockflow_block_cuda_graph_eager_runs_total", "counter",
+            "cuda_graph: forward() calls whose input shapes had no graph (run eagerly).", l,
+            static_cast<double>(b.cuda_graph.eager_runs));
+    }
     if (b.on_demand) {
       e.add("blockflow_block_resident", "gauge", "On demand: 1 while the block is loaded.", l, b.resident ? 1 : 0);
       e.add("blockflow_block_loads_total", "counter", "On demand: times the block was loaded.", l, static_cast<double>(b.loads));

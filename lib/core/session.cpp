@@ -3,6 +3,7 @@
 #include <blockflow/deploy/detail/deployment_json.hpp>
 #include <blockflow/channel/inproc_channel.hpp>
 #include <blockflow/core/detail/build_scope.hpp>
+#include <blockflow/core/detail/cuda_graph_block.hpp>
 #include <blockflow/core/detail/clock.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/session_core.hpp>
@@ -73,6 +74,11 @@ SessionCore::~SessionCore() { shutdown(absl::ZeroDuration()); }
 void SessionCore::add_block(std::shared_ptr<Block> block) {
   if (started_) throw std::logic_error("Session::add_block() after start()");
   if (!block) throw std::invalid_argument("Session::add_block(): null block");
+  if (block->options().cuda_graph && dynamic_cast<detail::CudaGraphBlock*>(block.get()) == nullptr) {
+    auto graphed = detail::make_cuda_graph_block(std::move(block));
+    if (!graphed.ok()) throw std::invalid_argument(std::string(graphed.status().message()));
+    block = *std::move(graphed);
+  }
   pending_blocks_.push_back(std::move(block));
 }
 
@@ -368,7 +374,7 @@ absl::Status SessionCore::warm_up_block(BlockRuntime& runtime, unsigned layouts)
     if (options.warmup_runs > 0 && lanes_) lanes_->for_each_width(run_once);
     if (!status.ok()) return with_prefix(status, "warm-up failed");
   }
-  return absl::OkStatus();
+  return capture_cuda_graph(block, zeros);
 }
 
 // Runs the tasks on the lanes, in parallel across them, and waits for all. On a lane already

@@ -5,6 +5,7 @@
 // session's ResidentSet: on demand under a budget (docs/memory.md) or in the background while the
 // session already serves (SessionOptions::serve_while_warming).
 #include <blockflow/core/detail/build_scope.hpp>
+#include <blockflow/core/detail/cuda_graph_block.hpp>
 #include <blockflow/core/detail/clock.hpp>
 #include <blockflow/core/detail/units.hpp>
 #include <blockflow/core/detail/log.hpp>
@@ -46,7 +47,7 @@ absl::Status warm_up_loaded(Block& block) {
     auto out = guarded_forward(block, Tensors(zeros));
     if (!out.ok()) return with_prefix(out.status(), "warm-up failed");
   }
-  return absl::OkStatus();
+  return capture_cuda_graph(block, zeros);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 #include <blockflow/core/detail/auth_failures.hpp>
 #include <blockflow/core/detail/mutex.hpp>
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/cuda_graph_block.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 
 #include <fmt/format.h>
@@ -42,6 +43,9 @@ MetricsSnapshot SessionCore::metrics() const {
     b.batches = runtime->batches.load();
     b.batched_requests = runtime->batched_requests.load();
     b.layout_kept = runtime->layout_kept.load();
+    if (runtime->block) {
+      if (auto graphs = detail::cuda_graph_stats(*runtime->block)) b.cuda_graph = *graphs;
+    }
     {
       MutexLock lock(&runtime->computing_mu);
       const auto& since = runtime->computing_since;
@@ -69,6 +73,12 @@ MetricsSnapshot SessionCore::metrics() const {
     snapshot.blocks.push_back(std::move(b));
   }
   for (const auto& site : sites_) snapshot.sites.push_back(site->site->stats());
+  for (auto& b : snapshot.blocks) {  // a worker's graph counters come with its heartbeats
+    for (const auto& site : snapshot.sites) {
+      if (site.name != b.placement) continue;
+      if (auto it = site.cuda_graphs.find(b.name); it != site.cuda_graphs.end()) b.cuda_graph = it->second;
+    }
+  }
   if (lanes_) {
     snapshot.lane_intra_op_threads = lanes_->intra_op_threads();
     int index = 0;

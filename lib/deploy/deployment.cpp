@@ -61,6 +61,7 @@ nlohmann::json block_to_json(const BlockDescription& d) {
           {"max_batch", o.max_batch},
           {"max_batch_delay_ms", o.max_batch_delay_ms},
           {"memory_bytes", o.memory_bytes},
+          {"cuda_graph", o.cuda_graph},
           {"freeze", d.torchscript_options.freeze},
           // Only a frozen module is optimized: an unfrozen one never claims it (block_from_json refuses that).
           {"optimize_for_inference", d.torchscript_options.freeze && d.torchscript_options.optimize_for_inference}};
@@ -108,7 +109,8 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
   static const std::set<std::string> known = {"name",         "torchscript", "factory",        "placement",
                                               "device",       "intra_op_threads", "workers",   "queue_capacity",
                                               "full_policy",  "input_shapes", "warmup_runs", "max_batch",
-                                              "max_batch_delay_ms", "freeze",      "optimize_for_inference", "memory_bytes"};
+                                              "max_batch_delay_ms", "freeze",      "optimize_for_inference", "memory_bytes",
+                                              "cuda_graph"};
   for (const auto& [key, value] : json.items()) {
     if (known.count(key) == 0) return absl::InvalidArgumentError(fmt::format("block '{}': unknown field '{}'", d.name, key));
   }
@@ -129,6 +131,7 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
     get("max_batch", o.max_batch);
     get("max_batch_delay_ms", o.max_batch_delay_ms);
     get("memory_bytes", o.memory_bytes);
+    get("cuda_graph", o.cuda_graph);
     get("freeze", d.torchscript_options.freeze);
     // Unfrozen means not optimized either, unless asked for (which is then refused below).
     if (!d.torchscript_options.freeze) d.torchscript_options.optimize_for_inference = false;

@@ -330,6 +330,9 @@ class Worker {
           const bf::MetricsSnapshot m = session_->metrics();
           if (on_demand_) beat["on_demand"] = on_demand_totals(m);
           if (auto call = longest_call(m); !call.is_null()) beat["computing"] = std::move(call);
+          for (const auto& b : m.blocks) {
+            if (b.cuda_graph.graphs + b.cuda_graph.eager_runs > 0) beat["cuda_graphs"][b.name] = b.cuda_graph;
+          }
         }
         send_control(beat);
       }

@@ -263,6 +263,9 @@ void WorkerSite::Impl::handle_control(zmq::socket_t& router, const std::string& 
       computing_block = it->value("block", "");
       computing_s = it->value("s", 0.0);
     }
+    if (const auto it = message.find("cuda_graphs"); it != message.end() && it->is_object()) {
+      on_demand.cuda_graphs = it->get<std::map<std::string, CudaGraphStats>>();
+    }
     if (const auto it = message.find("on_demand"); it != message.end() && it->is_object()) {
       on_demand.blocks_resident_bytes = it->value("blocks_resident_bytes", std::int64_t{0});
       on_demand.block_loads = it->value("block_loads", std::uint64_t{0});

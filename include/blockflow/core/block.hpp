@@ -55,12 +55,26 @@ struct BlockOptions {
   /// apply(), blocks whose profiled memory exceeds it; after loading, the session compares what
   /// the site's memory grew by with the profile (docs/planner.md, "Admission").
   std::int64_t memory_bytes = 0;
+  /// CUDA graphs (a block on a CUDA device, with input_shapes; a libtorch with CUDA): at warm-up
+  /// the block's forward() is captured into a CUDA graph for the warm-up shapes, and requests of
+  /// those shapes replay it (their inputs copied into the graph's, its outputs cloned out, on the
+  /// caller's stream); other shapes (a batch of another size) run eagerly. BlockMetrics'
+  /// cuda_graph_* fields count both. docs/gpu.md, "CUDA graphs".
+  bool cuda_graph = false;
+};
+
+/// @brief What a block with BlockOptions::cuda_graph did since it was made.
+struct CudaGraphStats {
+  std::uint64_t graphs = 0;      ///< input shapes captured (one CUDA graph each)
+  std::uint64_t replays = 0;     ///< forward() calls served by replaying a graph
+  std::uint64_t eager_runs = 0;  ///< forward() calls after the capture whose shapes had no graph
 };
 
 /// @brief Checks a block's options, the one rule for every way a block is made (Block's
 /// constructor, Deployment::parse(), worker configurations): a device libtorch parses and that is
 /// cpu or cuda[:N], workers >= 1, queue_capacity >= 1, intra_op_threads >= 0, max_batch >= 1,
-/// max_batch_delay_ms >= 0, warmup_runs >= 0, memory_bytes >= 0. InvalidArgument naming the block and the field.
+/// max_batch_delay_ms >= 0, warmup_runs >= 0, memory_bytes >= 0, cuda_graph only on a CUDA device and with
+/// input_shapes. InvalidArgument naming the block and the field.
 absl::Status validate(const std::string& block, const BlockOptions& options);
 
 /// @brief A unit of compute with a name and a device.

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,8 @@ struct SiteStats {
   std::uint64_t block_loads = 0, block_evictions = 0;
   std::int64_t block_bytes_loaded = 0;
   double block_load_s = 0;
+  /// Per block with BlockOptions::cuda_graph in the site, as of its last heartbeat.
+  std::map<std::string, CudaGraphStats> cuda_graphs;
 };
 
 /// @brief Contract between a session and a place where blocks run.

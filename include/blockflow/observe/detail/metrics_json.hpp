@@ -8,6 +8,7 @@
 
 namespace blockflow {
 
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(CudaGraphStats, graphs, replays, eager_runs)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(LatencyStats, count, mean_ms, p50_ms, p90_ms, p99_ms, max_ms)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(ChannelStats, kind, sent, received, rejected, dropped, bytes_copied,
                                                 depth, capacity, high_watermark)
@@ -27,10 +28,10 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteStats, name, kind, pid, rest
                                                 malformed_frames, parked_outputs, direct_forwards, rss_idle_bytes, rss_bytes,
                                                 computing_block, computing_s, data, shm_requests,
                                                 shm_results, cuda_requests, cuda_results, kpi, blocks_resident_bytes, block_loads,
-                                                block_evictions, block_bytes_loaded, block_load_s)
+                                                block_evictions, block_bytes_loaded, block_load_s, cuda_graphs)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(BlockMetrics, name, kind, device, placement, workers,
                                                 intra_op_threads, processed, failed, batches, batched_requests, layout_kept,
-                                                computing_s, on_demand, resident, footprint_bytes, loads, evictions, last_use_s, wait,
+                                                computing_s, on_demand, resident, footprint_bytes, loads, evictions, last_use_s, cuda_graph, wait,
                                                 compute, overhead,
                                                 throughput_per_s, queue)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(PathMetrics, task, active, submitted, completed, failed, e2e, wait, compute,
