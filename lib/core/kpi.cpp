@@ -82,6 +82,13 @@ struct GpuProbe::Impl {
   struct Utilization {
     unsigned int gpu, memory;
   };
+  // nvmlMemory_v2_t: `used` without the driver's reserved memory, as nvidia-smi reports it (the v1
+  // call counts the reserve as used: 614 MiB more on an H200 with driver 580).
+  struct MemoryV2 {
+    unsigned int version;
+    unsigned long long total, reserved, free, used;
+  };
+  int (*memory_v2)(Device, MemoryV2*) = nullptr;
   int (*init)() = nullptr;
   int (*count)(unsigned int*) = nullptr;
   int (*handle)(unsigned int, Device*) = nullptr;
@@ -123,6 +130,7 @@ GpuProbe::GpuProbe() : impl_(std::make_shared<Impl>()) {
     return;
   }
   bind(n.processes, "nvmlDeviceGetComputeRunningProcesses_v3");
+  bind(n.memory_v2, "nvmlDeviceGetMemoryInfo_v2");
   if (const int rc = n.init(); rc != 0) {
     n.status = fmt::format("no GPU: nvmlInit failed (NVML error {})", rc);
     return;
@@ -155,8 +163,13 @@ std::vector<GpuSample> GpuProbe::sample() const {
     g.index = static_cast<int>(i);
     char name[96] = {};
     if (n.name(device, name, sizeof name) == 0) g.name = name;
+    Impl::MemoryV2 memory_v2{};
+    memory_v2.version = static_cast<unsigned int>(sizeof(Impl::MemoryV2)) | (2U << 24);  // NVML_STRUCT_VERSION(Memory, 2)
     Impl::Memory memory{};
-    if (n.memory(device, &memory) == 0) {
+    if (n.memory_v2 != nullptr && n.memory_v2(device, &memory_v2) == 0) {
+      g.memory_used_bytes = memory_v2.used;
+      g.memory_total_bytes = memory_v2.total;
+    } else if (n.memory(device, &memory) == 0) {
       g.memory_used_bytes = memory.used;
       g.memory_total_bytes = memory.total;
     }
