@@ -196,27 +196,32 @@ TEST_CASE("cuda_graph: the warm-up shape replays a graph, another shape runs eag
   BlockOptions options;
   options.device = "cuda:0";
   options.cuda_graph = true;
-  options.input_shapes = {{4096}};
+  options.input_shapes = {{-1, 4096}};  // warmed up (and captured) as [1, 4096]
   Session session;
   session.add_block(Block::callable(
                 "affine", [](Tensors&& in) -> absl::StatusOr<Tensors> { return Tensors{in.at(0) * 3 + 1}; }, options))
       .add_path(Path::chain("t", {"affine"}));
   test::require_started(session);
   std::vector<Result> results;
-  for (int i = 0; i < 5; ++i) results.push_back(session.submit("t", at::full({4096}, static_cast<double>(i))).get());
+  for (int i = 0; i < 5; ++i) results.push_back(session.submit("t", at::full({1, 4096}, static_cast<double>(i))).get());
   for (int i = 0; i < 5; ++i) {
     REQUIRE(results[static_cast<std::size_t>(i)].ok());
     // Each result is a clone: later replays did not overwrite the earlier ones.
     CHECK(results[static_cast<std::size_t>(i)].output().cpu().eq(3.0 * i + 1).all().item<bool>());
   }
-  Result other = session.submit("t", at::full({100}, 2.0)).get();
+  Result other = session.submit("t", at::full({2, 4096}, 2.0)).get();
+  INFO(other.status.ToString());
   REQUIRE(other.ok());
-  CHECK(other.output().sizes() == at::IntArrayRef{100});
+  CHECK(other.output().sizes() == at::IntArrayRef{2, 4096});
   CHECK(other.output().cpu().eq(7.0).all().item<bool>());
   const BlockMetrics b = session.metrics().blocks.at(0);
   CHECK(b.cuda_graph.graphs == 1);
   CHECK(b.cuda_graph.replays == 5);
   CHECK(b.cuda_graph.eager_runs == 1);
+  const std::string prometheus = session.metrics().to_prometheus();
+  CHECK_THAT(prometheus, Contains("blockflow_block_cuda_graph_replays_total{block=\"affine\""));
+  CHECK_THAT(prometheus, Contains("blockflow_block_cuda_graph_eager_runs_total{block=\"affine\""));
+  CHECK_THAT(prometheus, Contains("blockflow_block_cuda_graphs{block=\"affine\""));
 }
 
 TEST_CASE("cuda_graph: channel cuda still orders by events when the slow producer replays a graph", "[cuda]") {

@@ -32,8 +32,7 @@ struct CurveKeys {
     for (const auto& name : authorized) std::filesystem::copy_file(root / (name + ".key"), root / "authorized" / (name + ".key"));
   }
   ~CurveKeys() {
-    std::error_code ec;
-    std::filesystem::remove_all(root, ec);
+    test::remove_tree(root.string());
   }
   CurveKeys(const CurveKeys&) = delete;
   CurveKeys& operator=(const CurveKeys&) = delete;

@@ -197,7 +197,7 @@ TEST_CASE("names of blocks, tasks and placements follow one rule: never a path, 
 TEST_CASE("confined to the models directory: no path leads out, and the error does not say what exists", "[deployment]") {
   namespace fs = std::filesystem;
   const fs::path root = fs::temp_directory_path() / fmt::format("bf-models-{}", ::getpid());
-  fs::remove_all(root);
+  test::remove_tree(root.string());
   fs::create_directories(root / "sub");
   std::ofstream(root / "sub" / "m.pt") << "x";
   fs::create_symlink("/etc", root / "out");
@@ -219,7 +219,7 @@ TEST_CASE("confined to the models directory: no path leads out, and the error do
   }
   CHECK(Deployment::parse(R"({"blocks": [{"name": "a", "torchscript": "/etc/passwd"}], "tasks": {"t": ["a"]}})", root.string())
             .ok());  // the application's own deployments are not confined unless asked
-  fs::remove_all(root);
+  test::remove_tree(root.string());
 }
 
 TEST_CASE("JSON nested deeper than the limit is refused before it is parsed", "[deployment]") {

@@ -161,7 +161,7 @@ TEST_CASE("blockflow-plan reads the three files and writes the deployment and th
   CHECK_THAT(r_text, Contains("task 'big': needs 5.00 lanes for 500.0 req/s (block 'A'"));
   const std::string broken = fmt::format("{} {} --tasks {} --sites {} 2>/dev/null", BLOCKFLOW_TEST_PLAN_TOOL, profile, profile, sites);
   CHECK(WEXITSTATUS(std::system(broken.c_str())) == 1);
-  std::filesystem::remove_all(dir);
+  test::remove_tree(dir);
 }
 
 namespace {

@@ -290,5 +290,5 @@ TEST_CASE("URIs are checked: names, schemes, directories and a URI held by a liv
     auto sender = open_or_fail(open_dir, ChannelRole::kSender);
     round_trip(*sender, *ok, 2);
   }
-  std::filesystem::remove_all(dir);
+  test::remove_tree(dir);
 }

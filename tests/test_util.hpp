@@ -7,6 +7,9 @@
 #include <ATen/ATen.h>
 #include <catch2/catch.hpp>
 
+#include <ftw.h>
+#include <sys/stat.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <chrono>
@@ -15,6 +18,18 @@
 #include <thread>
 
 namespace blockflow::test {
+
+/// Removes a directory tree, links not followed (best effort). Not std::filesystem::remove_all:
+/// PyTorch wheels' libtorch exports its own std::filesystem symbols (pytorch/pytorch#133437), and on
+/// the GPU machine a test's call bound to theirs crashed.
+inline void remove_tree(const std::string& dir) {
+  (void)::nftw(
+      dir.c_str(), [](const char* path, const struct stat*, int, struct FTW*) {
+        (void)::remove(path);
+        return 0;
+      }, 16,
+      FTW_DEPTH | FTW_PHYS);
+}
 
 inline std::string model_path(const std::string& file) { return std::string(BLOCKFLOW_TEST_MODELS_DIR) + "/" + file; }
 

@@ -31,8 +31,7 @@ struct Scratch {
     fs::copy_file(models() / "double.pt", outside() / "exists.pt");
   }
   ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(root, ec);
+    test::remove_tree(root.string());
   }
   fs::path models() const { return root / "models"; }
   fs::path outside() const { return root / "outside"; }

@@ -263,7 +263,7 @@ TEST_CASE("a worker that cannot be restarted fails the requests queued for its r
   session.add_site(site).add_block(test::plugin_block("a", "affine", "w1")).add_path(Path::chain("t", {"a"}));
   test::require_started(session);
   REQUIRE(session.submit("t", at::zeros({1})).get().ok());
-  std::filesystem::remove_all(dir);
+  test::remove_tree(dir);
   REQUIRE(::kill(static_cast<pid_t>(site->pid()), SIGKILL) == 0);
   REQUIRE(test::eventually([&] { return session.metrics().sites.at(0).restarts == 1; }));
   auto queued = session.submit("t", at::zeros({1}));  // waits in the site for the restart

@@ -11,6 +11,8 @@
 ///             {"name": "block2", "torchscript": "b2.pt", "placement": "w1", "intra_op_threads": 2,
 ///              "workers": 1, "queue_capacity": 64, "full_policy": "reject", "device": "cpu",
 ///              "input_shapes": [[-1, 256, 56, 56]], "warmup_runs": 1, "memory_bytes": 104857600},
+///             {"name": "block3", "torchscript": "b3.pt", "device": "cuda:0", "cuda_graph": true,
+///              "input_shapes": [[-1, 512, 28, 28]]},
 ///             {"name": "scale", "factory": "scale", "placement": "w1"}],
 ///  "tasks": {"task1": ["block1", "block2"], "task2": ["block1", "scale"]}}
 /// @endcode
