@@ -46,6 +46,23 @@ absl::StatusOr<std::shared_ptr<Block>> make_cuda_graph_block(std::shared_ptr<Blo
 
 #else
 
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+#define BLOCKFLOW_CUDA_GRAPHS 1
+#endif
+
+#ifndef BLOCKFLOW_CUDA_GRAPHS
+// libtorch before 2.1 captures in global mode only: a capture would break other threads' CUDA calls.
+absl::Status cuda_graphs_available() {
+  return absl::UnimplementedError(fmt::format("cuda_graph needs libtorch >= 2.1 (this build's is {}.{})",
+                                              TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR));
+}
+
+absl::StatusOr<std::shared_ptr<Block>> make_cuda_graph_block(std::shared_ptr<Block> inner) {
+  return absl::UnimplementedError(fmt::format("block '{}': {}", inner->name(), std::string(cuda_graphs_available().message())));
+}
+
+#else
+
 absl::Status cuda_graphs_available() { return absl::OkStatus(); }
 
 namespace {
@@ -62,8 +79,23 @@ bool same_shapes(const Tensors& a, const Tensors& b) {
 
 class GraphBlock final : public CudaGraphBlock {
  public:
+  // "cuda" without an index is the device current where the block is made (its module was loaded
+  // there), fixed once so that every lane captures and replays on the same one.
   explicit GraphBlock(std::shared_ptr<Block> inner)
-      : CudaGraphBlock(inner->name(), inner->options()), inner_(std::move(inner)) {}
+      : CudaGraphBlock(inner->name(), inner->options()),
+        inner_(std::move(inner)),
+        device_(c10::DeviceType::CUDA, device().has_index() ? device().index() : c10::cuda::current_device()) {}
+
+  // In-flight replays read the graphs' memory: let them finish first.
+  ~GraphBlock() override {
+    MutexLock lock(&mu_);
+    for (auto& e : entries_) {
+      try {
+        e->done.synchronize();
+      } catch (...) {
+      }
+    }
+  }
 
   std::string_view kind() const override { return inner_->kind(); }
 
@@ -72,42 +104,51 @@ class GraphBlock final : public CudaGraphBlock {
     if (find(example) != nullptr) return absl::OkStatus();
     auto entry = std::make_unique<Entry>();
     c10::InferenceMode inference_mode;
-    const c10::cuda::CUDAGuard device_guard(device());
-    const c10::DeviceIndex index = c10::cuda::current_device();
-    for (const auto& t : example) entry->inputs.push_back(t.clone());  // the graph's own input memory
+    const c10::cuda::CUDAGuard device_guard(device_);
+    const c10::DeviceIndex index = device_.index();
     // Captured on a side stream (a graph cannot be captured on the default stream), after two
     // eager runs there: TorchScript's executor optimises on its second run, and cuBLAS and the
     // allocator set up their per-stream state outside the capture.
     const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(index);
     const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, index);
+    for (const auto& t : example) {
+      entry->inputs.push_back(t.clone());  // the graph's own input memory, made on the caller's stream
+      entry->inputs.back().record_stream(side);
+    }
     at::cuda::CUDAEvent inputs_ready;
     inputs_ready.record(caller);
     inputs_ready.block(side);
-    absl::Status status;
+    // Whatever happens below, the side stream's work is done before this returns.
+    struct Drain {
+      const c10::cuda::CUDAStream& stream;
+      ~Drain() {
+        try {
+          stream.synchronize();
+        } catch (...) {
+        }
+      }
+    } drain{side};
     try {
       const c10::cuda::CUDAStreamGuard stream_guard(side);
+      absl::Status status;
       for (int run = 0; run < 2 && status.ok(); ++run) status = inner_->forward(Tensors(entry->inputs)).status();
       if (!status.ok()) return prefixed(status, "eager run before the capture failed");
       side.synchronize();
       entry->graph = std::make_unique<at::cuda::CUDAGraph>();
-#if TORCH_VERSION_MAJOR >= 2
       // Thread-local mode: other blocks may warm up (allocate, synchronise) on other threads meanwhile.
       entry->graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
-#else
-      entry->graph->capture_begin();
-#endif
       absl::StatusOr<Tensors> out;
       try {
         out = inner_->forward(Tensors(entry->inputs));
       } catch (...) {
-        try {
-          entry->graph->capture_end();
-        } catch (...) {
-        }
+        end_capture_quietly(*entry->graph);
         throw;
       }
+      if (!out.ok()) {
+        end_capture_quietly(*entry->graph);
+        return prefixed(out.status(), "the forward being captured failed");
+      }
       entry->graph->capture_end();
-      if (!out.ok()) return prefixed(out.status(), "the forward being captured failed");
       entry->outputs = *std::move(out);
       entry->graph->replay();  // once, so that a graph that cannot run fails here, not on a request
       side.synchronize();
@@ -157,8 +198,8 @@ class GraphBlock final : public CudaGraphBlock {
   // last one first waits for the last call's clones (the graph's memory is reused).
   absl::StatusOr<Tensors> replay(Entry& e, const Tensors& inputs) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     c10::InferenceMode inference_mode;
-    const c10::cuda::CUDAGuard device_guard(device());
-    const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(c10::cuda::current_device());
+    const c10::cuda::CUDAGuard device_guard(device_);
+    const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device_.index());
     e.done.block(stream);
     for (std::size_t i = 0; i < inputs.size(); ++i) e.inputs[i].copy_(inputs[i], /*non_blocking=*/true);
     e.graph->replay();
@@ -170,11 +211,19 @@ class GraphBlock final : public CudaGraphBlock {
     return out;
   }
 
+  static void end_capture_quietly(at::cuda::CUDAGraph& graph) {
+    try {
+      graph.capture_end();
+    } catch (...) {
+    }
+  }
+
   absl::Status prefixed(const absl::Status& status, const char* what) const {
     return absl::Status(status.code(), fmt::format("block '{}': CUDA graph: {}: {}", name(), what, std::string(status.message())));
   }
 
   const std::shared_ptr<Block> inner_;
+  const c10::Device device_;
   mutable Mutex mu_;
   std::vector<std::unique_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
   std::atomic<std::uint64_t> graphs_{0}, replays_{0}, eager_runs_{0};
@@ -190,6 +239,7 @@ absl::StatusOr<std::shared_ptr<Block>> make_cuda_graph_block(std::shared_ptr<Blo
   return std::shared_ptr<Block>(std::make_shared<GraphBlock>(std::move(inner)));
 }
 
-#endif
+#endif  // BLOCKFLOW_CUDA_GRAPHS
+#endif  // BLOCKFLOW_TORCH_CUDA
 
 }  // namespace blockflow::detail

@@ -263,8 +263,13 @@ void WorkerSite::Impl::handle_control(zmq::socket_t& router, const std::string& 
       computing_block = it->value("block", "");
       computing_s = it->value("s", 0.0);
     }
+    // Replaced by each heartbeat (absent: no block of the worker has a graph, after a restart or an update too).
+    on_demand.cuda_graphs.clear();
     if (const auto it = message.find("cuda_graphs"); it != message.end() && it->is_object()) {
-      on_demand.cuda_graphs = it->get<std::map<std::string, CudaGraphStats>>();
+      try {
+        on_demand.cuda_graphs = it->get<std::map<std::string, CudaGraphStats>>();
+      } catch (const nlohmann::json::exception&) {  // malformed: no counters, the heartbeat still counts
+      }
     }
     if (const auto it = message.find("on_demand"); it != message.end() && it->is_object()) {
       on_demand.blocks_resident_bytes = it->value("blocks_resident_bytes", std::int64_t{0});
