@@ -1,5 +1,6 @@
 // On-demand residency under a memory budget (include/blockflow/core/detail/resident_set.hpp).
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/cuda_graph_block.hpp>
 #include <blockflow/core/detail/units.hpp>
 #include <blockflow/core/detail/resident_set.hpp>
 
@@ -293,6 +294,7 @@ ResidentSet::BlockState ResidentSet::state(int id) const {
   s.loads = e.loads;
   s.evictions = e.evictions;
   s.last_use_ns = e.last_use_ns;
+  if (e.block) s.cuda_graph = cuda_graph_stats(*e.block);
   return s;
 }
 

@@ -58,6 +58,7 @@ MetricsSnapshot SessionCore::metrics() const {
       b.footprint_bytes = r.footprint_bytes;
       b.loads = r.loads;
       b.evictions = r.evictions;
+      if (r.cuda_graph) b.cuda_graph = *r.cuda_graph;  // the loaded block's, not the on-demand stand-in's
       b.last_use_s = r.last_use_ns > started_ns_ && started_ns_ > 0 ? static_cast<double>(r.last_use_ns - started_ns_) / 1e9 : 0.0;
     }
     b.wait = runtime->wait.stats();

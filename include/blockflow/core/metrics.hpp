@@ -47,7 +47,8 @@ struct BlockMetrics {
   std::uint64_t loads = 0, evictions = 0;
   double last_use_s = 0;
   /// BlockOptions::cuda_graph: graphs captured, replays, eager runs (for a block in a worker, as
-  /// of the worker's last heartbeat); zeros for other blocks.
+  /// of the worker's last heartbeat; for a block loaded on demand, since its last load); zeros for
+  /// other blocks.
   CudaGraphStats cuda_graph;
   LatencyStats wait, compute, overhead;
   double throughput_per_s = 0;  ///< processed / uptime

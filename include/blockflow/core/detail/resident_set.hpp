@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,8 @@ class ResidentSet {
     std::int64_t footprint_bytes = 0;  ///< profiled, or measured at its first load (0: not yet known)
     std::uint64_t loads = 0, evictions = 0;
     std::int64_t last_use_ns = 0;       ///< steady clock; 0: never used
+    /// The loaded block's CUDA-graph counters (BlockOptions::cuda_graph), since its last load.
+    std::optional<CudaGraphStats> cuda_graph;
   };
   struct Totals {
     std::int64_t budget_bytes = 0;
