@@ -31,11 +31,35 @@ BlockDescription on_cuda(BlockDescription d) {
 }
 
 // A C++ block in the host's threads on cuda:0 (3x + 1), like the plugin's "affine" in workers.
-std::shared_ptr<Block> host_affine(const std::string& name) {
-  BlockOptions options;
+std::shared_ptr<Block> host_affine(const std::string& name, BlockOptions options = {}) {
   options.device = "cuda:0";
   return Block::callable(
       name, [](Tensors&& in) -> absl::StatusOr<Tensors> { return Tensors{in.at(0) * 3 + 1}; }, options);
+}
+
+// The slow producer ("slow_fill" in a cuda worker) alone and followed by `affine` in the host, both
+// given; started.
+void start_slow_then_affine(Session& session, BlockDescription slow, std::shared_ptr<Block> affine) {
+  session.add_site(make_worker(test::test_worker("w1", "cuda")))
+      .add_block(std::move(slow))
+      .add_block(std::move(affine))
+      .add_path(Path::chain("slow", {"slow"}))
+      .add_path(Path::chain("slow_then_affine", {"slow", "affine"}));
+  test::require_started(session);
+}
+
+// Three times: the slow producer's output read by a copy to the host (on this process's stream,
+// which waits on the producer's event), and by a kernel of a block in this process (3 * 42 + 1).
+void check_slow_ordering(Session& session) {
+  for (int i = 0; i < 3; ++i) {
+    Result r = session.submit("slow", at::zeros({1 << 20})).get();
+    REQUIRE(r.ok());
+    REQUIRE(r.output().is_cuda());
+    CHECK(r.output().cpu().eq(42.0).all().item<bool>());
+    Result a = session.submit("slow_then_affine", at::zeros({1 << 20})).get();
+    REQUIRE(a.ok());
+    CHECK(a.output().cpu().eq(127.0).all().item<bool>());
+  }
 }
 
 std::int64_t torch_cuda_allocated() {
@@ -149,23 +173,8 @@ TEST_CASE("split small CNN on cuda:0 in two workers over channel cuda equals the
 TEST_CASE("channel cuda orders by events: a consumer reads the slow producer's final values, no host sync", "[cuda]") {
   if (!gpu_or_skip()) return;
   Session session;
-  session.add_site(make_worker(test::test_worker("w1", "cuda")))
-      .add_block(on_cuda(test::plugin_block("slow", "slow_fill", "w1")))
-      .add_block(host_affine("affine"))
-      .add_path(Path::chain("slow", {"slow"}))
-      .add_path(Path::chain("slow_then_affine", {"slow", "affine"}));
-  test::require_started(session);
-  for (int i = 0; i < 3; ++i) {
-    // Read by a copy to the host (on this process's stream, which waits on the producer's event).
-    Result r = session.submit("slow", at::zeros({1 << 20})).get();
-    REQUIRE(r.ok());
-    REQUIRE(r.output().is_cuda());
-    CHECK(r.output().cpu().eq(42.0).all().item<bool>());
-    // Read by a kernel of a block in this process: 3 * 42 + 1.
-    Result a = session.submit("slow_then_affine", at::zeros({1 << 20})).get();
-    REQUIRE(a.ok());
-    CHECK(a.output().cpu().eq(127.0).all().item<bool>());
-  }
+  start_slow_then_affine(session, on_cuda(test::plugin_block("slow", "slow_fill", "w1")), host_affine("affine"));
+  check_slow_ordering(session);
 }
 
 TEST_CASE("channel cuda: a killed consumer's records come back; the worker restarts and traffic flows", "[cuda]") {
@@ -194,13 +203,10 @@ TEST_CASE("channel cuda: a killed consumer's records come back; the worker resta
 TEST_CASE("cuda_graph: the warm-up shape replays a graph, another shape runs eagerly, both right", "[cuda]") {
   if (!gpu_or_skip()) return;
   BlockOptions options;
-  options.device = "cuda:0";
   options.cuda_graph = true;
   options.input_shapes = {{-1, 4096}};  // warmed up (and captured) as [1, 4096]
   Session session;
-  session.add_block(Block::callable(
-                "affine", [](Tensors&& in) -> absl::StatusOr<Tensors> { return Tensors{in.at(0) * 3 + 1}; }, options))
-      .add_path(Path::chain("t", {"affine"}));
+  session.add_block(host_affine("affine", options)).add_path(Path::chain("t", {"affine"}));
   test::require_started(session);
   std::vector<Result> results;
   for (int i = 0; i < 5; ++i) results.push_back(session.submit("t", at::full({1, 4096}, static_cast<double>(i))).get());
@@ -230,25 +236,11 @@ TEST_CASE("cuda_graph: channel cuda still orders by events when the slow produce
   slow.options.cuda_graph = true;
   slow.options.input_shapes = {{1 << 20}};
   BlockOptions options;
-  options.device = "cuda:0";
   options.cuda_graph = true;
   options.input_shapes = {{1 << 20}};
   Session session;
-  session.add_site(make_worker(test::test_worker("w1", "cuda")))
-      .add_block(slow)
-      .add_block(Block::callable(
-          "affine", [](Tensors&& in) -> absl::StatusOr<Tensors> { return Tensors{in.at(0) * 3 + 1}; }, options))
-      .add_path(Path::chain("slow", {"slow"}))
-      .add_path(Path::chain("slow_then_affine", {"slow", "affine"}));
-  test::require_started(session);
-  for (int i = 0; i < 3; ++i) {
-    Result r = session.submit("slow", at::zeros({1 << 20})).get();
-    REQUIRE(r.ok());
-    CHECK(r.output().cpu().eq(42.0).all().item<bool>());
-    Result a = session.submit("slow_then_affine", at::zeros({1 << 20})).get();
-    REQUIRE(a.ok());
-    CHECK(a.output().cpu().eq(127.0).all().item<bool>());
-  }
+  start_slow_then_affine(session, slow, host_affine("affine", options));
+  check_slow_ordering(session);
   // The worker's counters arrive with its heartbeats.
   REQUIRE(test::eventually([&] {
     for (const auto& b : session.metrics().blocks) {

@@ -34,27 +34,21 @@ std::optional<CudaGraphStats> cuda_graph_stats(const Block& block) {
   return graphed->counters();
 }
 
-#ifndef BLOCKFLOW_TORCH_CUDA
-
-absl::Status cuda_graphs_available() {
-  return absl::UnimplementedError("cuda_graph needs a libtorch with CUDA (this build's libtorch has none; see docs/gpu.md)");
-}
-
-absl::StatusOr<std::shared_ptr<Block>> make_cuda_graph_block(std::shared_ptr<Block> inner) {
-  return absl::UnimplementedError(fmt::format("block '{}': {}", inner->name(), std::string(cuda_graphs_available().message())));
-}
-
-#else
-
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+// Where the capture cannot be built: no CUDA in this libtorch, or one before 2.1, which captures in
+// global mode only (a capture would break other threads' CUDA calls).
+#if defined(BLOCKFLOW_TORCH_CUDA) && (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1))
 #define BLOCKFLOW_CUDA_GRAPHS 1
 #endif
 
 #ifndef BLOCKFLOW_CUDA_GRAPHS
-// libtorch before 2.1 captures in global mode only: a capture would break other threads' CUDA calls.
+
 absl::Status cuda_graphs_available() {
+#ifndef BLOCKFLOW_TORCH_CUDA
+  return absl::UnimplementedError("cuda_graph needs a libtorch with CUDA (this build's libtorch has none; see docs/gpu.md)");
+#else
   return absl::UnimplementedError(fmt::format("cuda_graph needs libtorch >= 2.1 (this build's is {}.{})",
                                               TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR));
+#endif
 }
 
 absl::StatusOr<std::shared_ptr<Block>> make_cuda_graph_block(std::shared_ptr<Block> inner) {
@@ -240,6 +234,5 @@ absl::StatusOr<std::shared_ptr<Block>> make_cuda_graph_block(std::shared_ptr<Blo
 }
 
 #endif  // BLOCKFLOW_CUDA_GRAPHS
-#endif  // BLOCKFLOW_TORCH_CUDA
 
 }  // namespace blockflow::detail
