@@ -63,6 +63,11 @@
 // would still be missing then); after the drain, all three back to their starting levels.
 //
 //   soak_bench --models DIR [--seconds S] [--threads T] [--load F] [--saturation-s S] [--kill-every-s S]
+//              [--max-in-flight N]
+//
+// --max-in-flight N (4; 0: no limit) is the session's max_in_flight_per_task: the backlog that a
+// restarting worker leaves waits at the task's entry (the one input tensor the bench submits again
+// and again) rather than as activations in the workers' shm pools.
 //
 // --kill-every-s 0 kills nothing: with the 30 s kills a worker lives 120 s, so its slope covers
 // only its second minute (pools still being mapped on demand); without kills it covers the run.
@@ -348,7 +353,7 @@ struct Levels {
 int main(int argc, char** argv) try {
   std::string models;
   double seconds = 600, load = 0.9, saturation_s = 20, kill_every_s = 30;
-  int threads = 2;
+  int threads = 2, max_in_flight = 4;
   bf::bench::parse_options(argc, argv, [&](const std::string& a, const std::string& v) {
     if (a == "--models") models = v;
     else if (a == "--seconds") seconds = std::stod(v);
@@ -356,15 +361,18 @@ int main(int argc, char** argv) try {
     else if (a == "--load") load = std::stod(v);
     else if (a == "--saturation-s") saturation_s = std::stod(v);
     else if (a == "--kill-every-s") kill_every_s = std::stod(v);  // 0: no kills (workers' RSS over a long life)
+    else if (a == "--max-in-flight") max_in_flight = std::stoi(v);  // SessionOptions::max_in_flight_per_task; 0: none
     else return false;
     return true;
   });
   if (models.empty()) {
-    throw std::invalid_argument("usage: soak_bench --models DIR [--seconds S] [--threads T] [--load F] [--saturation-s S] [--kill-every-s S]");
+    throw std::invalid_argument("usage: soak_bench --models DIR [--seconds S] [--threads T] [--load F] [--saturation-s S] [--kill-every-s S] [--max-in-flight N]");
   }
   const auto origin = Clock::now();
   Ledger ledger;  // outlives the session: its destructor may still resolve requests
-  bf::Session session;
+  bf::SessionOptions session_options;
+  session_options.max_in_flight_per_task = max_in_flight;
+  bf::Session session(session_options);
   std::vector<std::shared_ptr<bf::WorkerSite>> workers;
   std::vector<std::string> names;
   for (int w = 1; w <= kWorkers; ++w) {
@@ -454,9 +462,10 @@ int main(int argc, char** argv) try {
     for (const auto& s : m.sites) restarts += s.restarts;
     const std::string head =
         first_line ? fmt::format("\"cpu\":{},\"threads\":{},\"hardware_threads\":{},\"workers\":{},\"channel\":\"shm\","
-                                 "\"saturation_rps\":{:.2f},\"rate_rps\":{:.2f},\"duration_s\":{},\"kill_every_s\":{},",
+                                 "\"saturation_rps\":{:.2f},\"rate_rps\":{:.2f},\"duration_s\":{},\"kill_every_s\":{},"
+                                 "\"max_in_flight_per_task\":{},",
                                  json_string(bf::bench::cpu_model()), threads, std::thread::hardware_concurrency(),
-                                 kWorkers, sat, rate, seconds, kill_every_s)
+                                 kWorkers, sat, rate, seconds, kill_every_s, max_in_flight)
                    : "";
     fmt::print("{{\"bench\":\"soak\",{}\"t_s\":{:.0f},\"sent\":{},\"completed\":{},\"failed\":{},\"lost\":{},"
                "\"outstanding\":{},\"rss_mb\":{{{}}},\"owned_mb\":{{{}}},\"private_mb\":{{{}}},\"shm_slots_in_use\":{},\"shm_slots_idle_min\":{},"

@@ -29,7 +29,7 @@ SUPP="$ROOT/scripts/sanitizers"
 # Areas for TSan (one ctest per area, see tests/CMakeLists.txt): all of the CPU suite's unit areas.
 AREAS_THREAD=(channel path session lanes layout update update_lifecycle worker_update wire link shm deployment process_channel
               admission planner torchscript dag metrics worker direct joined client kpi control worker_lifecycle batching
-              curve worker_allowlist profile memory warming replan)
+              curve worker_allowlist profile memory warming replan entry)
 
 # ctests the address run leaves out, and why:
 # - install_consumer builds an outside project against the installed package with that project's

@@ -271,6 +271,10 @@ std::string MetricsSnapshot::to_prometheus() const {
           static_cast<double>(p.completed));
     e.add("blockflow_path_failed_total", "counter", "Requests of a path that resolved with an error.", l,
           static_cast<double>(p.failed));
+    e.add("blockflow_path_waiting_at_entry", "gauge", "Requests of a path waiting at its entry window now.", l,
+          static_cast<double>(p.waiting_at_entry));
+    e.add("blockflow_path_waited_at_entry_total", "counter", "Requests of a path that waited at its entry window.", l,
+          static_cast<double>(p.waited_at_entry));
     e.summary("blockflow_path_latency_seconds", "End-to-end latency of a path's requests.", l, p.e2e);
     e.summary("blockflow_path_wait_seconds", "Queue waiting along a request's critical path.", l, p.wait);
     e.summary("blockflow_path_compute_seconds", "Compute along a request's critical path.", l, p.compute);

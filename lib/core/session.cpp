@@ -461,54 +461,6 @@ std::shared_ptr<const RoutingTable> SessionCore::routing() const {
   return routing_;
 }
 
-void SessionCore::submit(const std::string& task, Tensors inputs, std::function<void(Result&&)> done) {
-  in_flight_.fetch_add(1, std::memory_order_acq_rel);  // before the check: shutdown waits on it
-  if (!admitting_.load(std::memory_order_acquire)) {
-    in_flight_.fetch_sub(1, std::memory_order_acq_rel);
-    return reject_now(task, absl::FailedPreconditionError(
-                                stopped_ ? "session is shut down" : "session is not started (call start() first)"),
-                      done);
-  }
-  auto table = routing();
-  auto it = table->plans.find(task);
-  if (it == table->plans.end()) {
-    in_flight_.fetch_sub(1, std::memory_order_acq_rel);
-    std::vector<std::string> known;
-    for (const auto& [name, plan] : table->plans) known.push_back(name);
-    std::sort(known.begin(), known.end());
-    return reject_now(task, absl::NotFoundError(fmt::format("unknown task '{}' (known: {})", task, fmt::join(known, ", "))),
-                      done);
-  }
-  auto state = std::make_shared<RequestState>();
-  state->id = next_id_.fetch_add(1, std::memory_order_relaxed);
-  state->plan = it->second;
-  const PathPlan& plan = *state->plan;
-  state->submitted_ns = now_ns();
-  state->hops.resize(plan.nodes.size());
-  state->critical_pred.assign(plan.nodes.size(), -1);
-  if (plan.num_joins > 0) {
-    state->joins = std::make_unique<JoinState[]>(static_cast<std::size_t>(plan.num_joins));
-    for (const auto& node : plan.nodes) {
-      if (node.join_index < 0) continue;
-      JoinState& join = state->joins[static_cast<std::size_t>(node.join_index)];
-      join.remaining.store(static_cast<int>(node.inputs.size()), std::memory_order_relaxed);
-      join.inputs.resize(node.inputs.size());
-      join.ready_ns.resize(node.inputs.size());
-    }
-  }
-  state->done = std::move(done);
-  plan.metrics->submitted.fetch_add(1, std::memory_order_relaxed);
-  {
-    blockflow::detail::MutexLock lock(&live_mu_);
-    live_.emplace(state->id, state);
-  }
-  for (std::size_t i = 0; i < plan.entries.size(); ++i) {
-    const bool last = i + 1 == plan.entries.size();
-    deliver(state, plan.entries[i], 0, last ? std::move(inputs) : Tensors(inputs), state->submitted_ns);
-  }
-}
-
-
 void SessionCore::shutdown(absl::Duration drain) {
   if (on_own_thread()) {
     // It would join the lane (or stop the site) it runs on. Admissions stop; the rest is done by
@@ -551,6 +503,9 @@ void SessionCore::shutdown(absl::Duration drain) {
       if (auto state = weak.lock()) leftovers.push_back(std::move(state));
     }
   }
+  // Requests still waiting at an entry window are among them: the gates let go of them (a waiting
+  // request holds its plan, which holds the gate).
+  for (auto& state : leftovers) (void)state->plan->metrics->gate.take_all();
   for (auto& state : leftovers) fail(state, absl::CancelledError("session shut down while the request was in flight"));
 }
 

@@ -433,6 +433,7 @@ void SessionCore::resolve(const StatePtr& state, absl::Status status, Tensors ou
     blockflow::detail::MutexLock lock(&live_mu_);
     live_.erase(state->id);
   }
+  leave_entry(state);  // the next request waiting at the task's entry starts (on this thread)
   auto done = std::move(state->done);
   in_flight_.fetch_sub(1, std::memory_order_acq_rel);  // before done(): its caller may read metrics
   const SessionCore* outer = std::exchange(calling_back, this);

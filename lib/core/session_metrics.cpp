@@ -144,6 +144,8 @@ MetricsSnapshot SessionCore::metrics() const {
     p.compute = runtime->compute.stats();
     p.overhead = runtime->overhead.stats();
     p.throughput_per_s = static_cast<double>(p.completed) / uptime;
+    p.waiting_at_entry = runtime->gate.waiting();
+    p.waited_at_entry = runtime->waited_at_entry.load(std::memory_order_relaxed);
     p.active_ms = ms_between(start_called_ns_.load(std::memory_order_relaxed), runtime->active_ns.load(std::memory_order_acquire));
     snapshot.paths.push_back(std::move(p));
   }

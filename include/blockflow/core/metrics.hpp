@@ -100,6 +100,9 @@ struct PathMetrics {
   /// SessionOptions::serve_while_warming, start()'s duration; for a task added by apply(), when the
   /// update published it.
   double active_ms = 0;
+  /// SessionOptions::max_in_flight_per_task: requests waiting at the task's entry now, and the
+  /// requests that waited there since start (0 without a window).
+  std::uint64_t waiting_at_entry = 0, waited_at_entry = 0;
 };
 
 /// @brief Where the last successful Session::apply() spent its time (version 0: none yet).

@@ -69,6 +69,14 @@ struct SessionOptions {
   /// request for a task that is not active yet waits for the loads it needs (its trace shows them as
   /// `load`) rather than failing. A block that fails to load fails its requests, naming it.
   bool serve_while_warming = false;
+  /// At most this many requests of one task inside the session's blocks at once; 0: no limit. The
+  /// others wait at the task's entry, in submission order, holding only the inputs they were given,
+  /// and start as requests of the task resolve (their wait shows in the trace as the first hop's
+  /// `wait`). The backlog of a burst, or of a worker that restarts, then waits there instead of as
+  /// activations in the sites' queues and shared-memory pools, so what the sites hold stays within
+  /// this many requests per task (docs/lanes.md, "Entry window"). A request that waited is routed
+  /// when it starts: on the task's path as it is then (one an update removed fails, naming the task).
+  int max_in_flight_per_task = 0;
   /// When a site is lost for good (a worker that used up its restarts), the session asks this
   /// function for a deployment of the sites that remain and applies it (blockflow::replanner() makes
   /// one from the planner's inputs: docs/replan.md). Unset: the loss shows in metrics()

@@ -31,6 +31,11 @@ struct RequestState {
   std::unique_ptr<JoinState[]> joins;
   std::atomic<bool> resolved{false};
   std::function<void(Result&&)> done;
+  /// Its place in the task's entry window (EntryGate), with SessionOptions::max_in_flight_per_task:
+  /// kNoPlace while it waits, kPlaceHeld once admitted, kPlaceReturned once resolve() gave the
+  /// place back (or found none to give: the admitting thread then gives it back itself).
+  static constexpr int kNoPlace = 0, kPlaceHeld = 1, kPlaceReturned = 2;
+  std::atomic<int> place{kNoPlace};
 };
 
 }  // namespace blockflow::detail

@@ -10,6 +10,7 @@
 #include <blockflow/core/session.hpp>
 #include <blockflow/channel/inproc_channel.hpp>
 #include <blockflow/core/detail/compute_lanes.hpp>
+#include <blockflow/core/detail/entry_gate.hpp>
 #include <blockflow/core/detail/histogram.hpp>
 #include <blockflow/core/detail/loss_responder.hpp>
 #include <blockflow/core/detail/opaque_layout.hpp>
@@ -104,6 +105,8 @@ struct PathRuntime {
   std::atomic<std::uint64_t> submitted{0}, completed{0}, failed{0};
   Histogram e2e, wait, compute, overhead;
   std::atomic<std::int64_t> active_ns{0};  ///< every block on its path loaded (0: not yet)
+  EntryGate gate;                          ///< SessionOptions::max_in_flight_per_task
+  std::atomic<std::uint64_t> waited_at_entry{0};  ///< requests that waited in the gate
 };
 
 class SessionCore {
@@ -215,6 +218,19 @@ class SessionCore {
   // more than 20%, kept for metrics().
   void note_memory();
   void note_memory_baseline();  // start(), before its blocks are built
+  // The entry (lib/core/session_entry.cpp). enter(): the request takes a place in its task's entry
+  // window (state->plan: the task's current plan) or waits there; begin() sends it into the plan.
+  void enter(const StatePtr& state, Tensors&& inputs);
+  void begin(const StatePtr& state, Tensors&& inputs);
+  // A waiting request inherited a place in its gate: route it again (the task may have been
+  // re-routed, removed, or removed and added again while it waited) and begin it.
+  void admit(EntryGate::Waiting&& waiting);
+  // resolve(): gives the request's place back; the next waiting request is admitted on this thread.
+  void leave_entry(const StatePtr& state);
+  // Marks the place held; false (and the place given back) when the request was resolved first.
+  bool take_place(const StatePtr& state);
+  // Runs admit() on this thread, after the admissions this thread is already running (no recursion).
+  void schedule_admission(EntryGate::Waiting&& waiting);
   void fail(const StatePtr& state, absl::Status status);
   void resolve(const StatePtr& state, absl::Status status, Tensors outputs);
   void reject_now(const std::string& task, absl::Status status, const std::function<void(Result&&)>& done);
