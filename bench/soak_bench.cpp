@@ -39,7 +39,8 @@
 //                 pools) and shm_results.slots_in_use (the worker's, as of its last heartbeat), now.
 //                 Under traffic it follows the requests in flight, so the target compares
 //                 shm_slots_idle_min: the least of it seen (sampled every 100 ms) at moments when the
-//                 session had nothing in flight since the previous line (null: no such moment).
+//                 session had had nothing in flight for 200 ms (a worker's figure is its last
+//                 heartbeat's, every 100 ms), since the previous line (null: no such moment).
 //   shm_objects   /dev/shm/blockflow-* pool objects whose producer pid (the high 32 bits of the pool
 //                 id in the name) is the host or a live worker of this run (pools are made on demand,
 //                 so this may grow with the traffic); shm_orphans: those of the workers killed, which
@@ -425,6 +426,8 @@ int main(int argc, char** argv) try {
   const double soak_origin_s = seconds_since(origin);
   std::map<std::string, std::vector<RssSample>> rss, owned_rss, private_rss;  // "host", "w1".. -> samples for the slopes
   std::optional<std::uint64_t> idle_min;              // least slots in use with nothing in flight
+  std::optional<double> quiet_since;                  // nothing in flight since then
+  constexpr double kQuietS = 0.2;                     // two worker heartbeats
   int idle_fds_min = INT_MAX;                         // least host descriptors then
   bool slots_back = true, fds_back = true, orphans_back = true;
   int kills = 0, kills_skipped = 0, applies = 0, apply_errors = 0, checks = 0, checks_without_idle = 0;
@@ -522,7 +525,13 @@ int main(int argc, char** argv) try {
     watch_pids();
     const bf::MetricsSnapshot m = session.metrics();
     watch_pools(m);
-    if (m.in_flight == 0) {
+    // A worker's slots in use are those of its last heartbeat (every 100 ms): read them once the
+    // session has had nothing in flight for two heartbeats, so that they describe the idle state.
+    if (m.in_flight != 0) {
+      quiet_since.reset();
+    } else if (!quiet_since) {
+      quiet_since = t;
+    } else if (t - *quiet_since >= kQuietS) {
       idle_min = std::min(idle_min.value_or(UINT64_MAX), slots_in_use(m));
       idle_fds_min = std::min(idle_fds_min, host_fds(m));
     }

@@ -7,7 +7,7 @@ namespace blockflow {
 
 using detail::ns_to_ms;
 
-double HopTiming::wait_ms() const { return ns_to_ms(dequeued_ns - arrived_ns); }
+double HopTiming::wait_ms() const { return ns_to_ms(dequeued_ns - arrived_ns + entry_wait_ns); }
 double HopTiming::load_ms() const { return ns_to_ms(load_end_ns - load_start_ns); }
 double HopTiming::compute_ms() const { return ns_to_ms(compute_end_ns - compute_start_ns); }
 double HopTiming::overhead_ms() const {

@@ -2,6 +2,7 @@
 // max_in_flight_per_task, detail::EntryGate) and how a request starts along its path.
 
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 
 #include <fmt/format.h>
@@ -25,13 +26,9 @@ std::optional<EntryGate::Waiting> EntryGate::leave() {
 
 namespace {
 
-// Admissions that a resolution triggers run on the resolving thread, one after the other: one that
-// fails at once resolves, and so admits the next, without the stack growing with the queue.
-struct PendingAdmission {
-  SessionCore* core;
-  EntryGate::Waiting waiting;
-};
-thread_local std::deque<PendingAdmission>* admitting_here = nullptr;
+// The admissions a lane runs, one after the other: one that fails at once resolves, and so admits
+// the next, without the stack growing with the queue.
+thread_local std::deque<EntryGate::Waiting>* admitting_here = nullptr;
 
 }  // namespace
 
@@ -55,41 +52,41 @@ void SessionCore::submit(const std::string& task, Tensors inputs, std::function<
   }
   auto state = std::make_shared<RequestState>();
   state->id = next_id_.fetch_add(1, std::memory_order_relaxed);
-  state->plan = it->second;
+  state->path = it->second->metrics;
   state->submitted_ns = now_ns();
   state->done = std::move(done);
-  state->plan->metrics->submitted.fetch_add(1, std::memory_order_relaxed);
+  state->path->submitted.fetch_add(1, std::memory_order_relaxed);
   {
     blockflow::detail::MutexLock lock(&live_mu_);
     live_.emplace(state->id, state);
   }
-  enter(state, std::move(inputs));
+  enter(state, it->second, std::move(inputs));
 }
 
-void SessionCore::enter(const StatePtr& state, Tensors&& inputs) {
+void SessionCore::enter(const StatePtr& state, std::shared_ptr<const PathPlan> plan, Tensors&& inputs) {
   const int limit = options_.max_in_flight_per_task;
   if (limit > 0) {
-    PathRuntime& task = *state->plan->metrics;
     EntryGate::Waiting request{state, std::move(inputs)};
-    if (!task.gate.enter_or_wait(limit, request)) {
-      task.waited_at_entry.fetch_add(1, std::memory_order_relaxed);
-      return;  // a resolution of this task admits it (admit())
+    if (!state->path->gate.enter_or_wait(limit, request)) {
+      state->path->waited_at_entry.fetch_add(1, std::memory_order_relaxed);
+      return;  // a resolution of this task admits it (admit()), on the plan of that moment
     }
     inputs = std::move(request.inputs);
     if (!take_place(state)) return;
   }
-  begin(state, std::move(inputs));
+  begin(state, std::move(plan), std::move(inputs), /*waited=*/false);
 }
 
 bool SessionCore::take_place(const StatePtr& state) {
   // A resolve() from now on gives the place back. One that came first (shutdown fails waiting
   // requests) found no place to give: give it back here, and start nothing.
   if (state->place.exchange(RequestState::kPlaceHeld, std::memory_order_acq_rel) != RequestState::kPlaceReturned) return true;
-  if (auto next = state->plan->metrics->gate.leave()) schedule_admission(std::move(*next));
+  if (auto next = state->path->gate.leave()) schedule_admission(std::move(*next));
   return false;
 }
 
-void SessionCore::begin(const StatePtr& state, Tensors&& inputs) {
+void SessionCore::begin(const StatePtr& state, std::shared_ptr<const PathPlan> plan_ptr, Tensors&& inputs, bool waited) {
+  state->plan = std::move(plan_ptr);
   const PathPlan& plan = *state->plan;
   state->hops.resize(plan.nodes.size());
   state->critical_pred.assign(plan.nodes.size(), -1);
@@ -103,55 +100,68 @@ void SessionCore::begin(const StatePtr& state, Tensors&& inputs) {
       join.ready_ns.resize(node.inputs.size());
     }
   }
-  // The time it waited at the entry is the first hop's wait (its input was ready at submit()).
+  // A request that waited at the entry starts now: the wait is its entry hops' entry_wait_ns (wait,
+  // in the trace), so the blocks' own wait and overhead do not count it.
+  const std::int64_t started = waited ? now_ns() : state->submitted_ns;
   for (std::size_t i = 0; i < plan.entries.size(); ++i) {
     const bool last = i + 1 == plan.entries.size();
-    deliver(state, plan.entries[i], 0, last ? std::move(inputs) : Tensors(inputs), state->submitted_ns);
+    state->hops[static_cast<std::size_t>(plan.entries[i])].entry_wait_ns = started - state->submitted_ns;
+    deliver(state, plan.entries[i], 0, last ? std::move(inputs) : Tensors(inputs), started);
   }
 }
 
 void SessionCore::admit(EntryGate::Waiting&& waiting) {
   const StatePtr& state = waiting.state;
   if (!take_place(state)) return;
-  const std::shared_ptr<PathRuntime> gate_owner = state->plan->metrics;  // the place is in its gate
   auto table = routing();
-  auto it = table->plans.find(gate_owner->task);
-  if (it == table->plans.end()) {
+  auto it = table->plans.find(state->path->task);
+  if (it == table->plans.end() || it->second->metrics != state->path) {
+    // Removed (or removed, its counters freed, and added again: a task of the same name, not this one).
     return fail(state, absl::NotFoundError(fmt::format(
-                           "task '{}' was removed by an update while the request waited at its entry", gate_owner->task)));
+                           "task '{}' was removed by an update while the request waited at its entry", state->path->task)));
   }
-  if (it->second->metrics != gate_owner) {
-    // Removed and added again: the task has a new gate. Give this place back and enter that one
-    // (unless a resolve() took the place first: then it gave it back, and the request is over).
-    int held = RequestState::kPlaceHeld;
-    if (!state->place.compare_exchange_strong(held, RequestState::kNoPlace, std::memory_order_acq_rel)) return;
-    if (auto next = gate_owner->gate.leave()) schedule_admission(std::move(*next));
-    state->plan = it->second;
-    return enter(state, std::move(waiting.inputs));
-  }
-  state->plan = it->second;  // the task's current path (an update may have re-routed it)
-  begin(state, std::move(waiting.inputs));
+  begin(state, it->second, std::move(waiting.inputs), /*waited=*/true);  // the task's path as it is now
 }
 
-void SessionCore::leave_entry(const StatePtr& state) {
+void SessionCore::leave_entry(const StatePtr& state) noexcept {
   if (state->place.exchange(RequestState::kPlaceReturned, std::memory_order_acq_rel) != RequestState::kPlaceHeld) return;
-  if (auto next = state->plan->metrics->gate.leave()) schedule_admission(std::move(*next));
+  try {
+    if (auto next = state->path->gate.leave()) schedule_admission(std::move(*next));
+  } catch (const std::exception& e) {
+    log(LogLevel::kError, fmt::format("task '{}': starting a request that waited at its entry: {}", state->path->task, e.what()));
+  }
 }
 
 void SessionCore::schedule_admission(EntryGate::Waiting&& waiting) {
-  if (admitting_here != nullptr) {
-    admitting_here->push_back({this, std::move(waiting)});
+  const bool on_own_lane = lanes_ && lanes_->current_lane() >= 0;
+  if (on_own_lane && admitting_here != nullptr) {
+    admitting_here->push_back(std::move(waiting));
     return;
   }
-  std::deque<PendingAdmission> queue;
-  queue.push_back({this, std::move(waiting)});
-  admitting_here = &queue;
-  while (!queue.empty()) {
-    PendingAdmission admission = std::move(queue.front());
-    queue.pop_front();
-    admission.core->admit(std::move(admission.waiting));
+  if (!on_own_lane && lanes_) {
+    auto shared = std::make_shared<EntryGate::Waiting>(std::move(waiting));
+    if (lanes_->post([this, shared] { schedule_admission(std::move(*shared)); })) return;
+    waiting = std::move(*shared);  // the lanes have stopped: run it here (every queue is closed)
   }
-  admitting_here = nullptr;
+  std::deque<EntryGate::Waiting> queue;
+  queue.push_back(std::move(waiting));
+  std::deque<EntryGate::Waiting>* const outer = std::exchange(admitting_here, &queue);
+  struct Restore {
+    std::deque<EntryGate::Waiting>* outer;
+    ~Restore() { admitting_here = outer; }
+  } restore{outer};
+  while (!queue.empty()) {
+    EntryGate::Waiting next = std::move(queue.front());
+    queue.pop_front();
+    const StatePtr state = next.state;
+    try {
+      admit(std::move(next));
+    } catch (const std::exception& e) {
+      // A completion callback that threw (a request failed at once): the others still start.
+      log(LogLevel::kError, fmt::format("task '{}': starting a request that waited at its entry: {}", state->path->task, e.what()));
+      fail(state, absl::InternalError(fmt::format("task '{}': starting the request: {}", state->path->task, e.what())));
+    }
+  }
 }
 
 }  // namespace blockflow::detail

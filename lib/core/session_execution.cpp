@@ -398,10 +398,10 @@ void SessionCore::resolve(const StatePtr& state, absl::Status status, Tensors ou
   if (state->resolved.exchange(true, std::memory_order_acq_rel)) return;
   Result result;
   result.trace.request_id = state->id;
-  result.trace.task = state->plan->task;
+  result.trace.task = state->path->task;
   result.trace.submitted_ns = state->submitted_ns;
   result.trace.resolved_ns = now_ns();
-  PathRuntime& path = *state->plan->metrics;
+  PathRuntime& path = *state->path;
   if (status.ok()) {
     // Walk the critical path back from the sink.
     for (int node = state->plan->sink; node >= 0; node = state->critical_pred[static_cast<std::size_t>(node)]) {
@@ -433,14 +433,18 @@ void SessionCore::resolve(const StatePtr& state, absl::Status status, Tensors ou
     blockflow::detail::MutexLock lock(&live_mu_);
     live_.erase(state->id);
   }
-  leave_entry(state);  // the next request waiting at the task's entry starts (on this thread)
   auto done = std::move(state->done);
   in_flight_.fetch_sub(1, std::memory_order_acq_rel);  // before done(): its caller may read metrics
   const SessionCore* outer = std::exchange(calling_back, this);
   struct Restore {
+    SessionCore* core;
+    const StatePtr& state;
     const SessionCore* outer;
-    ~Restore() { calling_back = outer; }
-  } restore{outer};
+    ~Restore() {
+      calling_back = outer;
+      core->leave_entry(state);  // after done(), thrown or not: the next request waiting at the entry starts
+    }
+  } restore{this, state, outer};
   done(std::move(result));
 }
 

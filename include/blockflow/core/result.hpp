@@ -28,6 +28,10 @@ struct HopTiming {
   /// Loading the block for this request, between dequeued_ns and compute_start_ns (both 0: no load).
   std::int64_t load_start_ns = 0;
   std::int64_t load_end_ns = 0;
+  /// Time the request waited at its task's entry window before it started (an entry node's hop
+  /// only; SessionOptions::max_in_flight_per_task). Part of wait_ms(); input_ready_ns is then when
+  /// it started.
+  std::int64_t entry_wait_ns = 0;
 
   [[nodiscard]] double wait_ms() const;
   [[nodiscard]] double load_ms() const;

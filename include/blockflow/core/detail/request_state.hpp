@@ -24,6 +24,11 @@ struct JoinState {
 /// runs that node; resolution is guarded by `resolved` (exactly once).
 struct RequestState {
   std::uint64_t id = 0;
+  /// The task's counters and entry window, set by submit() and never changed: what resolve() counts
+  /// in, and all a request waiting at the entry holds of its task (no plan: an update that re-routes
+  /// the task does not wait for it).
+  std::shared_ptr<PathRuntime> path;
+  /// The plan it runs on, set when it starts (null while it waits at the entry).
   std::shared_ptr<const PathPlan> plan;
   std::int64_t submitted_ns = 0;
   std::vector<HopTiming> hops;       ///< per plan node

@@ -218,18 +218,22 @@ class SessionCore {
   // more than 20%, kept for metrics().
   void note_memory();
   void note_memory_baseline();  // start(), before its blocks are built
-  // The entry (lib/core/session_entry.cpp). enter(): the request takes a place in its task's entry
-  // window (state->plan: the task's current plan) or waits there; begin() sends it into the plan.
-  void enter(const StatePtr& state, Tensors&& inputs);
-  void begin(const StatePtr& state, Tensors&& inputs);
-  // A waiting request inherited a place in its gate: route it again (the task may have been
-  // re-routed, removed, or removed and added again while it waited) and begin it.
+  // The entry (lib/core/session_entry.cpp). enter(): the request (state->path set) takes a place in
+  // its task's entry window, or waits there; begin() starts it on `plan` (the task's current plan;
+  // `waited`: it waited at the entry, which its trace then shows).
+  void enter(const StatePtr& state, std::shared_ptr<const PathPlan> plan, Tensors&& inputs);
+  void begin(const StatePtr& state, std::shared_ptr<const PathPlan> plan, Tensors&& inputs, bool waited);
+  // A waiting request inherited a place in its gate: routes it on the task's plan as it is now (an
+  // update may have re-routed or removed the task while it waited) and begins it.
   void admit(EntryGate::Waiting&& waiting);
-  // resolve(): gives the request's place back; the next waiting request is admitted on this thread.
-  void leave_entry(const StatePtr& state);
+  // After resolve()'s done(): gives the request's place back; the next waiting request is admitted.
+  void leave_entry(const StatePtr& state) noexcept;
   // Marks the place held; false (and the place given back) when the request was resolved first.
   bool take_place(const StatePtr& state);
-  // Runs admit() on this thread, after the admissions this thread is already running (no recursion).
+  // Admissions run on this session's lanes, never on a site's or the application's thread (a full
+  // queue may block those): on one of its lanes after the admissions that lane is already running
+  // (no recursion), elsewhere posted to the lanes; inline once the lanes have stopped (shutdown:
+  // every queue is closed then, so nothing blocks).
   void schedule_admission(EntryGate::Waiting&& waiting);
   void fail(const StatePtr& state, absl::Status status);
   void resolve(const StatePtr& state, absl::Status status, Tensors outputs);
