@@ -64,16 +64,28 @@ struct TwoTasks {
   }
 };
 
+// One task over one held block, with `window`; submit(n) sends it 0, 1, ..., n-1.
+struct OneTask {
+  HeldBlock held;
+  Session session;
+  explicit OneTask(int window) : session(windowed(window)) {
+    session.add_block(held.make("hold", 3)).add_path(Path::chain("task", {"hold"}));
+    test::require_started(session);
+  }
+  std::vector<std::future<Result>> submit(int n) {
+    std::vector<std::future<Result>> futures;
+    for (int i = 0; i < n; ++i) futures.push_back(session.submit("task", at::full({1}, double(i))));
+    return futures;
+  }
+};
+
 }  // namespace
 
 TEST_CASE("the entry window keeps a task's requests beyond it at the entry", "[entry]") {
-  HeldBlock held;
-  Session session(windowed(2));
-  session.add_block(held.make("hold", 3)).add_path(Path::chain("task", {"hold"}));
-  test::require_started(session);
-
-  std::vector<std::future<Result>> futures;
-  for (int i = 0; i < 6; ++i) futures.push_back(session.submit("task", at::full({1}, double(i))));
+  OneTask fixture(2);
+  HeldBlock& held = fixture.held;
+  Session& session = fixture.session;
+  std::vector<std::future<Result>> futures = fixture.submit(6);
   REQUIRE(test::eventually([&] { return held.latch.entered.load() == 2; }));
   std::this_thread::sleep_for(100ms);  // room for a third call, were the window not holding it
   CHECK(held.latch.entered.load() == 2);
@@ -112,12 +124,10 @@ TEST_CASE("the entry window keeps a task's requests beyond it at the entry", "[e
 }
 
 TEST_CASE("with a window of 1, requests start in submission order", "[entry]") {
-  HeldBlock held;
-  Session session(windowed(1));
-  session.add_block(held.make("hold", 3)).add_path(Path::chain("task", {"hold"}));
-  test::require_started(session);
-  std::vector<std::future<Result>> futures;
-  for (int i = 0; i < 8; ++i) futures.push_back(session.submit("task", at::full({1}, double(i))));
+  OneTask fixture(1);
+  HeldBlock& held = fixture.held;
+  std::vector<std::future<Result>> futures = fixture.submit(8);
+  Session& session = fixture.session;
   REQUIRE(test::eventually([&] { return path_of(session.metrics(), "task")->waiting_at_entry == 7; }));
   held.latch.release();
   for (auto& f : futures) CHECK(f.get().ok());
