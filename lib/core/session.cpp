@@ -504,7 +504,7 @@ void SessionCore::shutdown(absl::Duration drain) {
     }
   }
   // Requests still waiting at an entry window are among them: the gates let go of them (a waiting
-  // request holds its plan, which holds the gate).
+  // request holds its task's counters, which hold the gate: a cycle).
   for (auto& state : leftovers) (void)state->path->gate.take_all();
   for (auto& state : leftovers) fail(state, absl::CancelledError("session shut down while the request was in flight"));
 }

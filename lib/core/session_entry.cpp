@@ -26,9 +26,13 @@ std::optional<EntryGate::Waiting> EntryGate::leave() {
 
 namespace {
 
-// The admissions a lane runs, one after the other: one that fails at once resolves, and so admits
-// the next, without the stack growing with the queue.
-thread_local std::deque<EntryGate::Waiting>* admitting_here = nullptr;
+// The admissions a thread is running for one session, one after the other: one that fails at once
+// resolves, and so admits the next, without the stack growing with the queue.
+struct AdmissionLoop {
+  const SessionCore* owner;
+  std::deque<EntryGate::Waiting> queue;
+};
+thread_local AdmissionLoop* admitting_here = nullptr;
 
 }  // namespace
 
@@ -110,16 +114,18 @@ void SessionCore::begin(const StatePtr& state, std::shared_ptr<const PathPlan> p
   }
 }
 
-void SessionCore::admit(EntryGate::Waiting&& waiting) {
+void SessionCore::admit(EntryGate::Waiting&& waiting, bool& handed_on) {
   const StatePtr& state = waiting.state;
   if (!take_place(state)) return;
   auto table = routing();
   auto it = table->plans.find(state->path->task);
   if (it == table->plans.end() || it->second->metrics != state->path) {
     // Removed (or removed, its counters freed, and added again: a task of the same name, not this one).
+    handed_on = true;
     return fail(state, absl::NotFoundError(fmt::format(
                            "task '{}' was removed by an update while the request waited at its entry", state->path->task)));
   }
+  handed_on = true;
   begin(state, it->second, std::move(waiting.inputs), /*waited=*/true);  // the task's path as it is now
 }
 
@@ -127,39 +133,47 @@ void SessionCore::leave_entry(const StatePtr& state) noexcept {
   if (state->place.exchange(RequestState::kPlaceReturned, std::memory_order_acq_rel) != RequestState::kPlaceHeld) return;
   try {
     if (auto next = state->path->gate.leave()) schedule_admission(std::move(*next));
-  } catch (const std::exception& e) {
-    log(LogLevel::kError, fmt::format("task '{}': starting a request that waited at its entry: {}", state->path->task, e.what()));
+  } catch (...) {
+    log(LogLevel::kError, fmt::format("task '{}': a request waiting at its entry could not be started", state->path->task));
   }
 }
 
 void SessionCore::schedule_admission(EntryGate::Waiting&& waiting) {
-  const bool on_own_lane = lanes_ && lanes_->current_lane() >= 0;
-  if (on_own_lane && admitting_here != nullptr) {
-    admitting_here->push_back(std::move(waiting));
+  if (admitting_here != nullptr && admitting_here->owner == this) {
+    admitting_here->queue.push_back(std::move(waiting));
     return;
   }
-  if (!on_own_lane && lanes_) {
+  if (lanes_) {
     auto shared = std::make_shared<EntryGate::Waiting>(std::move(waiting));
-    if (lanes_->post([this, shared] { schedule_admission(std::move(*shared)); })) return;
+    if (lanes_->post([this, shared] { run_admissions(std::move(*shared)); })) return;
     waiting = std::move(*shared);  // the lanes have stopped: run it here (every queue is closed)
   }
-  std::deque<EntryGate::Waiting> queue;
-  queue.push_back(std::move(waiting));
-  std::deque<EntryGate::Waiting>* const outer = std::exchange(admitting_here, &queue);
+  run_admissions(std::move(waiting));
+}
+
+void SessionCore::run_admissions(EntryGate::Waiting&& first) {
+  AdmissionLoop loop{this, {}};
+  loop.queue.push_back(std::move(first));
+  AdmissionLoop* const outer = std::exchange(admitting_here, &loop);
   struct Restore {
-    std::deque<EntryGate::Waiting>* outer;
+    AdmissionLoop* outer;
     ~Restore() { admitting_here = outer; }
   } restore{outer};
-  while (!queue.empty()) {
-    EntryGate::Waiting next = std::move(queue.front());
-    queue.pop_front();
+  while (!loop.queue.empty()) {
+    EntryGate::Waiting next = std::move(loop.queue.front());
+    loop.queue.pop_front();
     const StatePtr state = next.state;
+    bool handed_on = false;
     try {
-      admit(std::move(next));
-    } catch (const std::exception& e) {
-      // A completion callback that threw (a request failed at once): the others still start.
-      log(LogLevel::kError, fmt::format("task '{}': starting a request that waited at its entry: {}", state->path->task, e.what()));
-      fail(state, absl::InternalError(fmt::format("task '{}': starting the request: {}", state->path->task, e.what())));
+      admit(std::move(next), handed_on);
+    } catch (...) {
+      // A completion callback threw (of a request that failed at once). The others still start; this
+      // one fails unless it was already on its way.
+      try {
+        log(LogLevel::kError, fmt::format("task '{}': starting a request that waited at its entry threw", state->path->task));
+        if (!handed_on) fail(state, absl::InternalError(fmt::format("task '{}': starting the request threw", state->path->task)));
+      } catch (...) {
+      }
     }
   }
 }

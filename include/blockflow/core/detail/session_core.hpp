@@ -224,17 +224,19 @@ class SessionCore {
   void enter(const StatePtr& state, std::shared_ptr<const PathPlan> plan, Tensors&& inputs);
   void begin(const StatePtr& state, std::shared_ptr<const PathPlan> plan, Tensors&& inputs, bool waited);
   // A waiting request inherited a place in its gate: routes it on the task's plan as it is now (an
-  // update may have re-routed or removed the task while it waited) and begins it.
-  void admit(EntryGate::Waiting&& waiting);
+  // update may have re-routed or removed the task while it waited) and begins it. `handed_on`: set
+  // once it began or failed (an exception after that is not its own).
+  void admit(EntryGate::Waiting&& waiting, bool& handed_on);
   // After resolve()'s done(): gives the request's place back; the next waiting request is admitted.
   void leave_entry(const StatePtr& state) noexcept;
   // Marks the place held; false (and the place given back) when the request was resolved first.
   bool take_place(const StatePtr& state);
-  // Admissions run on this session's lanes, never on a site's or the application's thread (a full
-  // queue may block those): on one of its lanes after the admissions that lane is already running
-  // (no recursion), elsewhere posted to the lanes; inline once the lanes have stopped (shutdown:
-  // every queue is closed then, so nothing blocks).
+  // Admissions run as tasks posted to this session's lanes: never inside a block's unit (the lane
+  // holds that block's claim, and the entry block's queue may be full), never on a site's or the
+  // application's thread. Inside such a task, after the admissions it is already running (no
+  // recursion); inline only once the lanes have stopped (shutdown: every queue is closed then).
   void schedule_admission(EntryGate::Waiting&& waiting);
+  void run_admissions(EntryGate::Waiting&& first);
   void fail(const StatePtr& state, absl::Status status);
   void resolve(const StatePtr& state, absl::Status status, Tensors outputs);
   void reject_now(const std::string& task, absl::Status status, const std::function<void(Result&&)>& done);
