@@ -198,14 +198,22 @@ TEST_CASE("a request waiting at the entry takes the task's path as an update lef
 TEST_CASE("shutdown resolves the requests waiting at the entry", "[entry]") {
   HeldBlock held;
   auto session = std::make_unique<Session>(windowed(1));
-  session->add_block(held.make("hold", 3)).add_path(Path::chain("task", {"hold"}));
+  session->add_block(held.make("hold", 3))
+      .add_block(test::unary("free", [](const Tensor& x) { return x; }))
+      .add_path(Path::chain("task", {"hold"}))
+      .add_path(Path::chain("probe", {"free"}));  // never held: its requests tell when shutdown began
   test::require_started(*session);
   std::vector<std::future<Result>> futures;
   for (int i = 0; i < 5; ++i) futures.push_back(session->submit("task", at::full({1}, double(i))));
   REQUIRE(test::eventually([&] { return held.latch.entered.load() == 1; }));
+  std::atomic<bool> refused{false};
   std::thread opener([&] {
-    // Once shutdown refuses new requests it closes the queues at once (no drain): then the block returns.
-    while (session->submit("task", at::full({1}, 0.0)).get().status.code() != absl::StatusCode::kFailedPrecondition) {
+    // Once shutdown refuses new requests (at once, inline) it closes the queues at once (no drain):
+    // then the block returns. A probe accepted before may stay queued until shutdown's end: not waited for.
+    while (!refused.load()) {
+      session->submit("probe", Tensors{at::full({1}, 0.0)}, [&](Result&& r) {
+        if (r.status.code() == absl::StatusCode::kFailedPrecondition) refused = true;
+      });
       std::this_thread::sleep_for(1ms);
     }
     std::this_thread::sleep_for(100ms);
