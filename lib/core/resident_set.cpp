@@ -7,7 +7,7 @@
 #include <fmt/format.h>
 
 #if defined(__GLIBC__)
-#include <malloc.h>
+#include <blockflow/core/detail/sanitizer.hpp>
 #endif
 
 #include <algorithm>
@@ -25,11 +25,7 @@ bool changed(ChangeSince* c) { return *c->generation != c->seen; }
 // Frees unloaded blocks (their last references) and hands the memory back to the system: a
 // module's smaller tensors come from malloc's heap, which keeps freed memory unless trimmed, and
 // the budget is about resident memory.
-void trim_heap() {
-#if defined(__GLIBC__)
-  ::malloc_trim(0);
-#endif
-}
+void trim_heap() { sanitizer::trim_malloc_heap(); }
 
 void free_blocks(std::vector<std::shared_ptr<Block>>& blocks) {
   if (blocks.empty()) return;

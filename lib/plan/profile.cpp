@@ -11,7 +11,7 @@
 #include <c10/core/InferenceMode.h>
 #include <fmt/format.h>
 
-#include <malloc.h>
+#include <blockflow/core/detail/sanitizer.hpp>
 #include <unistd.h>
 
 #include <algorithm>
@@ -240,7 +240,7 @@ absl::StatusOr<BlockProfile> profile_block(const BlockDescription& d, const Prof
   std::int64_t memory = 0;
   try {
     auto made = on_profiling_thread(d.options.intra_op_threads, [&]() -> absl::Status {
-      ::malloc_trim(0);
+      detail::sanitizer::trim_malloc_heap();
       const std::int64_t before = resident_bytes();
       const std::int64_t t0 = detail::now_ns();
       auto b = make_block(d);
@@ -255,7 +255,7 @@ absl::StatusOr<BlockProfile> profile_block(const BlockDescription& d, const Prof
       auto ms = time_forward(*block, inputs, 0, std::max(1, options.quick ? 1 : options.warmup));
       if (!ms.ok()) return ms.status();
       warmup_ms = ms_since(t1);
-      ::malloc_trim(0);
+      detail::sanitizer::trim_malloc_heap();
       memory = std::max<std::int64_t>(0, resident_bytes() - before);
       return absl::OkStatus();
     });
