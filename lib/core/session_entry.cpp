@@ -130,6 +130,7 @@ void SessionCore::admit(EntryGate::Waiting&& waiting, bool& handed_on) {
 }
 
 void SessionCore::leave_entry(const StatePtr& state) noexcept {
+  if (options_.max_in_flight_per_task <= 0) return;  // no window: no place was taken
   if (state->place.exchange(RequestState::kPlaceReturned, std::memory_order_acq_rel) != RequestState::kPlaceHeld) return;
   try {
     if (auto next = state->path->gate.leave()) schedule_admission(std::move(*next));

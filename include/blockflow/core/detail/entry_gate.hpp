@@ -54,11 +54,6 @@ class EntryGate {
     MutexLock lock(&mu_);
     return queue_.size();
   }
-  /// Places taken now (requests of the task inside the session's blocks).
-  [[nodiscard]] int taken() const {
-    MutexLock lock(&mu_);
-    return taken_;
-  }
 
  private:
   mutable Mutex mu_;
