@@ -2,13 +2,19 @@
 //
 //   blockflow-plan profile.json [more.json...] --tasks tasks.json --sites sites.json
 //                  [--out deployment.json] [--report report.json]
+//   blockflow-plan profile.json [more.json...] --tasks tasks.json --sites sites.json
+//                  --predict deployment.json [--report report.json]
 //
 // Writes the deployment of the admitted tasks (what `blockflowctl apply` and Session::apply()
 // take) to --out, and the report (each task admitted or refused with the reason, predicted p50,
 // sites' load and memory) to --report or stdout. Exit 0 when the inputs could be planned (refused
-// tasks included: the report says why), 1 when they could not, 2 for a usage error.
+// tasks included: the report says why), 1 when they could not, 2 for a usage error. --predict: no
+// planning; the report says what the model predicts for that deployment's placement of the tasks'
+// blocks (blockflow::predict(): e.g. a running deployment against profiles taken again), for the
+// deployment's tasks at the rates and SLOs the tasks file gives them.
 #include <blockflow/plan/planner.hpp>
 
+#include <algorithm>
 #include <fstream>
 #include <iostream>
 
@@ -17,6 +23,8 @@ namespace {
 int usage(const std::string& problem) {
   std::cerr << "blockflow-plan: " << problem
             << "\nusage: blockflow-plan PROFILE.json... --tasks TASKS.json --sites SITES.json [--out DEPLOYMENT.json]"
+               " [--report REPORT.json]\n"
+               "       blockflow-plan PROFILE.json... --tasks TASKS.json --sites SITES.json --predict DEPLOYMENT.json"
                " [--report REPORT.json]\n";
   return 2;
 }
@@ -31,7 +39,7 @@ bool write(const std::string& file, const std::string& text) {
 
 int main(int argc, char** argv) {
   std::vector<std::string> profiles;
-  std::string tasks, sites, out, report;
+  std::string tasks, sites, out, report, predict;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&](std::string& into) {
@@ -45,6 +53,8 @@ int main(int argc, char** argv) {
       if (!value(sites)) return usage("--sites needs a file");
     } else if (a == "--out") {
       if (!value(out)) return usage("--out needs a file");
+    } else if (a == "--predict") {
+      if (!value(predict)) return usage("--predict needs a deployment file");
     } else if (a == "--report") {
       if (!value(report)) return usage("--report needs a file");
     } else if (!a.empty() && a[0] == '-') {
@@ -59,13 +69,37 @@ int main(int argc, char** argv) {
     std::cerr << "blockflow-plan: " << input.status().message() << "\n";
     return 1;
   }
-  auto plan = blockflow::plan(*input);
+  if (!predict.empty() && !out.empty()) return usage("--predict writes a report only, not --out");
+  absl::StatusOr<blockflow::Plan> plan;
+  if (predict.empty()) {
+    plan = blockflow::plan(*input);
+  } else {
+    auto deployment = blockflow::load_deployment(predict);
+    if (!deployment.ok()) {
+      std::cerr << "blockflow-plan: " << deployment.status().message() << "\n";
+      return 1;
+    }
+    // The deployment's tasks, at the rates and SLOs the tasks file gives them.
+    std::vector<blockflow::PlanTask> kept;
+    for (const auto& path : deployment->paths()) {
+      const auto t = std::find_if(input->tasks.begin(), input->tasks.end(),
+                                  [&](const blockflow::PlanTask& task) { return task.name == path.task(); });
+      if (t == input->tasks.end()) {
+        std::cerr << "blockflow-plan: " << predict << ": task '" << path.task() << "' is not in " << tasks << "\n";
+        return 1;
+      }
+      kept.push_back(*t);
+    }
+    input->tasks = std::move(kept);
+    auto placement = blockflow::placement_of(*deployment, input->sites);
+    plan = placement.ok() ? blockflow::predict(*input, *placement) : absl::StatusOr<blockflow::Plan>(placement.status());
+  }
   if (!plan.ok()) {
     std::cerr << "blockflow-plan: " << plan.status().message() << "\n";
     return 1;
   }
   for (const auto& v : plan->tasks) {
-    std::cerr << "blockflow-plan: " << (v.admitted ? "admitted " : "refused ") << v.task;
+    std::cerr << "blockflow-plan: " << (v.admitted ? (predict.empty() ? "admitted " : "fits ") : "refused ") << v.task;
     if (v.admitted) std::cerr << " (" << v.rate_rps << " req/s, predicted p50 " << v.predicted_p50_ms << " ms)";
     else std::cerr << ": " << v.reason;
     std::cerr << "\n";

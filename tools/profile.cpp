@@ -8,8 +8,11 @@
 // of the one before (--shape NAME=a,b,c,d sets a block's input shape instead). A deployment's
 // blocks take their "input_shapes" (or --shape). Options: --threads T (intra-op threads of blocks
 // that do not set theirs; default 2), --device cpu|cuda:N, --batches 1,2,4,8, --quick (a first look,
-// and for tests), --no-channels (skip the channel costs), --optimize 0|1 (TorchScript
-// optimize_for_inference, default 1). Progress on stderr; the document on stdout or --out.
+// and for tests), --no-channels (skip the channel costs), --no-rate-sweep (latencies only:
+// max_rate_rps 0), --optimize 0|1 (TorchScript
+// optimize_for_inference, default 1). Progress on stderr; the document on stdout or --out. Blocks
+// are measured under the glibc malloc settings of a worker process (core/detail/malloc_settings.hpp).
+#include <blockflow/core/detail/malloc_settings.hpp>
 #include <blockflow/deploy/deployment.hpp>
 #include <blockflow/plan/profile.hpp>
 
@@ -49,7 +52,7 @@ int usage(const std::string& problem) {
   std::cerr << "blockflow-profile: " << problem
             << "\nusage: blockflow-profile MODEL.pt... --input a,b,c,d | --deployment FILE [--models DIR]\n"
                "       [--shape NAME=a,b,c,d]... [--threads T] [--device D] [--batches 1,2,4,8] [--quick]\n"
-               "       [--no-channels] [--optimize 0|1] [--out FILE]\n";
+               "       [--no-channels] [--no-rate-sweep] [--optimize 0|1] [--out FILE]\n";
   return 2;
 }
 
@@ -66,6 +69,8 @@ std::string absolute_path(const std::string& file) {
 }  // namespace
 
 int main(int argc, char** argv) try {
+  // Blocks are measured under the malloc settings a worker process runs them with.
+  if (!bf::detail::use_worker_malloc_settings()) std::cerr << "blockflow-profile: glibc refused the workers' malloc settings\n";
   std::vector<std::string> files;
   std::string deployment, models, input, out_file, device = "cpu";
   std::map<std::string, std::vector<std::int64_t>> shapes;
@@ -93,6 +98,7 @@ int main(int argc, char** argv) try {
       for (auto b : dims(value())) options.batch_sizes.push_back(static_cast<int>(b));
     } else if (a == "--quick") options.quick = true;
     else if (a == "--no-channels") channels = false;
+    else if (a == "--no-rate-sweep") options.rate_sweep = false;
     else if (a == "--optimize") optimize = value() != "0";
     else if (a == "--out") out_file = value();
     else if (!a.empty() && a[0] == '-') return usage("unknown option " + a);

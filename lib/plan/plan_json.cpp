@@ -126,6 +126,24 @@ absl::StatusOr<PlanInput> load_plan_input(const std::vector<std::string>& profil
   return in;
 }
 
+absl::StatusOr<std::vector<BlockPlacement>> placement_of(const Deployment& deployment, const std::vector<PlanSite>& sites) {
+  const auto threads = std::find_if(sites.begin(), sites.end(), [](const PlanSite& s) { return s.kind == "threads"; });
+  std::vector<BlockPlacement> out;
+  for (const auto& b : deployment.blocks) {
+    if (b.placement.empty() && threads == sites.end()) {
+      return absl::InvalidArgumentError(
+          fmt::format("block '{}' runs in the session's threads, and no site is of kind \"threads\"", b.name));
+    }
+    BlockPlacement p;
+    p.block = b.name;
+    p.site = b.placement.empty() ? threads->name : b.placement;
+    p.max_batch = b.options.max_batch;
+    p.workers = b.options.workers;
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
 std::string Plan::deployment_json(const PlanInput& input) const {
   json blocks_json = json::array();
   for (const auto& b : blocks) {

@@ -1,11 +1,9 @@
 // plan(): admission, placement and batch sizes from block profiles (docs/planner.md, "Algorithm").
 #include <blockflow/plan/planner.hpp>
 
-#include <blockflow/core/detail/topological_order.hpp>
-#include <blockflow/deploy/detail/deployment_json.hpp>
+#include "task_graph.hpp"
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -18,88 +16,10 @@
 namespace blockflow {
 namespace {
 
+using detail::TaskGraph;
+using detail::task_graph;
+
 constexpr double kEps = 1e-9;
-
-// A task's route, chain or graph, as one shape: its nodes in an order where every node comes after
-// its inputs, the block of each (empty for a join), its inputs (indices into `nodes`) and, per node,
-// the blocks whose outputs reach it through it (itself, or a join's inputs' blocks).
-struct TaskGraph {
-  struct Node {
-    std::string name, block;
-    std::vector<int> inputs;
-    std::vector<std::string> sources;  // blocks that hand their outputs on through this node
-  };
-  std::vector<Node> nodes;
-  int sink = -1;
-
-  std::vector<std::string> blocks() const {
-    std::vector<std::string> out;
-    for (const auto& n : nodes) {
-      if (!n.block.empty()) out.push_back(n.block);
-    }
-    return out;
-  }
-};
-
-absl::StatusOr<TaskGraph> task_graph(const PlanTask& t) {
-  auto bad = [&](const std::string& what) { return absl::InvalidArgumentError(fmt::format("task '{}': {}", t.name, what)); };
-  std::vector<PathNode> nodes = t.nodes;
-  if (!t.path.empty() && !nodes.empty()) return bad("give a path (a chain) or nodes (a graph), not both");
-  if (nodes.empty()) nodes = Path::chain(t.name, t.path).nodes();
-  if (nodes.empty()) return bad("empty path");
-  std::map<std::string, int> index;
-  for (std::size_t i = 0; i < nodes.size(); ++i) {
-    const auto& n = nodes[i];
-    if (!index.emplace(n.name, static_cast<int>(i)).second) {
-      return bad(n.block.empty() ? fmt::format("two nodes are named '{}'", n.name) : fmt::format("visits block '{}' twice", n.name));
-    }
-    if (n.block.empty() && n.inputs.size() < 2) return bad(fmt::format("join '{}' needs at least two inputs", n.name));
-    if (n.inputs.size() > 1 && !detail::has_deployment_form(n.combine)) {
-      return bad(fmt::format("node '{}': combine rule '{}' has no deployment form (pack, mean, concat)", n.name, n.combine.name()));
-    }
-    for (const auto& input : n.inputs) {
-      if (std::none_of(nodes.begin(), nodes.end(), [&](const PathNode& m) { return m.name == input; })) {
-        return bad(fmt::format("node '{}': unknown input '{}'", n.name, input));
-      }
-    }
-  }
-  std::vector<std::vector<int>> inputs(nodes.size());
-  std::vector<bool> feeds(nodes.size(), false);
-  for (std::size_t i = 0; i < nodes.size(); ++i) {
-    for (const auto& input : nodes[i].inputs) {
-      inputs[i].push_back(index.at(input));
-      feeds[static_cast<std::size_t>(index.at(input))] = true;
-    }
-  }
-  const std::vector<int> order = detail::topological_order(inputs);
-  if (order.size() != nodes.size()) return bad("has a cycle");
-  TaskGraph g;
-  std::vector<int> position(nodes.size());
-  for (std::size_t k = 0; k < order.size(); ++k) position[static_cast<std::size_t>(order[k])] = static_cast<int>(k);
-  for (const int i : order) {
-    const auto& n = nodes[static_cast<std::size_t>(i)];
-    TaskGraph::Node out{n.name, n.block, {}, {}};
-    for (const auto& input : n.inputs) {
-      const int from = position[static_cast<std::size_t>(index.at(input))];
-      out.inputs.push_back(from);
-      if (n.block.empty()) {
-        const auto& through = g.nodes[static_cast<std::size_t>(from)].sources;
-        out.sources.insert(out.sources.end(), through.begin(), through.end());
-      }
-    }
-    if (!n.block.empty()) out.sources = {n.block};
-    g.nodes.push_back(std::move(out));
-  }
-  std::vector<std::string> sinks;
-  for (std::size_t i = 0; i < nodes.size(); ++i) {
-    if (!feeds[i]) {
-      sinks.push_back(nodes[i].name);
-      g.sink = position[i];
-    }
-  }
-  if (sinks.size() != 1) return bad(fmt::format("must end in exactly one node; it ends in {}", fmt::join(sinks, ", ")));
-  return g;
-}
 
 // The blocks, edges and demands of one set of tasks, and a placement of its blocks being evaluated.
 class Model {
@@ -571,6 +491,24 @@ std::string refusal(const PlanInput& in, const PlanTask& task, const Model& with
   return "";
 }
 
+// The placement of `tasks`' blocks (profile order), the sites' and hosts' loads and the bottleneck.
+void describe(const PlanInput& in, const Model& m, const std::vector<const PlanTask*>& tasks, Plan& out) {
+  for (const auto& p : in.profile.blocks) {  // profile order
+    bool used = false;
+    for (const PlanTask* t : tasks) {
+      const auto names = m.blocks_of(*t);
+      used = used || std::count(names.begin(), names.end(), p.name) > 0;
+    }
+    if (!used) continue;
+    const int b = m.index_of(p.name);
+    out.blocks.push_back({p.name, in.sites[static_cast<std::size_t>(m.site(b))].name, m.batch(b), m.workers(b),
+                          m.demand(b), m.lanes_used(b)});
+  }
+  out.sites = m.loads();
+  out.hosts = m.host_loads();
+  for (const auto& l : out.sites) out.bottleneck_utilisation = std::max(out.bottleneck_utilisation, l.utilisation);
+}
+
 }  // namespace
 
 absl::StatusOr<Plan> plan(const PlanInput& in, const PlanOptions& options) {
@@ -617,20 +555,33 @@ absl::StatusOr<Plan> plan(const PlanInput& in, const PlanOptions& options) {
       if (v.admitted && t->name == v.task) v.predicted_p50_ms = current->predicted_ms(*t);
     }
   }
-  for (const auto& p : in.profile.blocks) {  // profile order
-    bool used = false;
-    for (const PlanTask* t : admitted) {
-      const auto names = current->blocks_of(*t);
-      used = used || std::count(names.begin(), names.end(), p.name) > 0;
+  describe(in, *current, admitted, out);
+  return out;
+}
+
+absl::StatusOr<Plan> predict(const PlanInput& in, const std::vector<BlockPlacement>& placement) {
+  if (auto status = check(in); !status.ok()) return status;
+  std::vector<const PlanTask*> tasks;
+  for (const PlanTask& t : in.tasks) tasks.push_back(&t);
+  Model m(in, tasks);
+  for (int b = 0; b < static_cast<int>(m.blocks()); ++b) {
+    const std::string& name = m.profile(b).name;
+    const auto at = std::find_if(placement.begin(), placement.end(), [&](const BlockPlacement& p) { return p.block == name; });
+    if (at == placement.end()) return absl::InvalidArgumentError(fmt::format("predict: block '{}' has no placement", name));
+    for (std::size_t s = 0; s < in.sites.size() && m.site(b) < 0; ++s) {
+      if (in.sites[s].name == at->site) m.site(b) = static_cast<int>(s);
     }
-    if (!used) continue;
-    const int b = current->index_of(p.name);
-    out.blocks.push_back({p.name, in.sites[static_cast<std::size_t>(current->site(b))].name, current->batch(b),
-                          current->workers(b), current->demand(b), current->lanes_used(b)});
+    if (m.site(b) < 0) return absl::InvalidArgumentError(fmt::format("predict: block '{}': no site '{}'", name, at->site));
+    if (at->max_batch < 1) return absl::InvalidArgumentError(fmt::format("predict: block '{}': max_batch < 1", name));
+    m.batch(b) = at->max_batch;
   }
-  out.sites = current->loads();
-  out.hosts = current->host_loads();
-  for (const auto& l : out.sites) out.bottleneck_utilisation = std::max(out.bottleneck_utilisation, l.utilisation);
+  Plan out;
+  for (const PlanTask& t : in.tasks) {
+    const std::string why = refusal(in, t, m, nullptr);
+    out.tasks.push_back({t.name, why.empty(), why.empty() ? "" : fmt::format("task '{}': {}", t.name, why), t.rate_rps,
+                         t.slo_ms, m.predicted_ms(t)});
+  }
+  describe(in, m, tasks, out);
   return out;
 }
 

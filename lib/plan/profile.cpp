@@ -218,6 +218,7 @@ absl::StatusOr<BlockProfile> profile_block(const std::shared_ptr<Block>& block, 
         p.output_bytes += t.defined() ? t.nbytes() : 0;
         p.output_shapes.push_back(t.defined() ? t.sizes().vec() : std::vector<std::int64_t>{});
       }
+      if (!options.rate_sweep) return p;
       auto one = time_forward(*block, inputs, 0, options.quick ? 3 : 10);
       if (!one.ok()) return one.status();
       auto rate = max_rate(*block, inputs, percentile(*one, 0.5), options);

@@ -13,6 +13,7 @@
 /// @endcode
 
 #include <blockflow/core/path.hpp>
+#include <blockflow/deploy/deployment.hpp>
 #include <blockflow/plan/profile.hpp>
 
 #include <absl/status/statusor.h>
@@ -147,6 +148,19 @@ struct PlanOptions {
 /// no site, duplicate names, a rate, SLO or lane count out of range). A task that does not fit is
 /// not an error: it is refused in the plan, with the reason.
 absl::StatusOr<Plan> plan(const PlanInput& input, const PlanOptions& options = {});
+
+/// @brief What the planner's model predicts for a placement it did not choose: every task of
+/// `input` over the blocks where `placement` puts them, at their max_batch, no search. For a
+/// deployment that runs already, e.g. with profiles taken again (`blockflow-plan --predict`). A task
+/// that would not have been admitted there is marked so, with plan()'s reason; `predicted_p50_ms`
+/// is given either way. InvalidArgument for the inputs plan() refuses, and naming a block with no
+/// placement or a site that is not in `input.sites`.
+absl::StatusOr<Plan> predict(const PlanInput& input, const std::vector<BlockPlacement>& placement);
+
+/// @brief The placement of a deployment's blocks: a block placed in a worker on the site of that
+/// name, one without placement on the first site of kind "threads" (InvalidArgument naming the block
+/// when there is none), each with its max_batch.
+absl::StatusOr<std::vector<BlockPlacement>> placement_of(const Deployment& deployment, const std::vector<PlanSite>& sites);
 
 /// @brief Reads the planner's inputs: one or more profile files (their blocks merged; the first's
 /// channels and machine), a tasks file and a sites file (docs/planner.md, "Inputs"). Errors name

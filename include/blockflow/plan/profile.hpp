@@ -44,6 +44,10 @@ struct ProfileOptions {
   int warmup = 3;
   /// Fewer iterations (8), 1 warm-up and a 3-step rate sweep: for tests and a first look.
   bool quick = false;
+  /// The open-loop rate sweep (docs/profile.md, "Rate sweep"). Off: `max_rate_rps` stays 0 (the
+  /// planner then uses the batch-1 service rate, 1000 / p50): latencies only, e.g. to re-measure a
+  /// machine's speed against an earlier profile in a few seconds.
+  bool rate_sweep = true;
   /// Progress lines ("block1: batch 4: p50 31.2 ms"), e.g. to stderr. May be empty.
   std::function<void(std::string_view)> progress;
 };
@@ -69,7 +73,8 @@ struct BlockProfile {
   std::int64_t memory_bytes = 0;
   std::vector<BatchLatency> latency;  ///< one per batch size, in ProfileOptions order
   /// The highest arrival rate (requests/s, batch 1, arrivals evenly spaced) at which the block's
-  /// queue stays bounded: an open-loop sweep around 1 / p50 (docs/profile.md, "Rate sweep").
+  /// queue stays bounded: an open-loop sweep around 1 / p50 (docs/profile.md, "Rate sweep"). 0: not
+  /// measured (ProfileOptions::rate_sweep off).
   double max_rate_rps = 0;
   std::uint64_t output_bytes = 0;  ///< bytes of the outputs of one request (batch 1)
   std::vector<std::vector<std::int64_t>> output_shapes;  ///< at batch 1 (the next block's input in a chain)

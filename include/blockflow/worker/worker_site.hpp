@@ -35,7 +35,8 @@ struct WorkerOptions {
   /// 32 MB each) in the process between requests instead of unmapping them and faulting them back
   /// in on the next one (measured on 2 cores: ResNet50's block1 computed in 20.2 ms instead of
   /// 24.7 ms in its worker; pipeline ratio 1.23 instead of 1.27). Memory freed stays with the worker
-  /// up to 1 GB.
+  /// up to 1 GB. (The same numbers as detail::kMallocMmapThreshold and kMallocTrimThreshold, under
+  /// which blockflow-profile measures blocks.)
   std::vector<std::string> environment = {"GOMP_SPINCOUNT=10000", "MALLOC_MMAP_THRESHOLD_=33554432",
                                           "MALLOC_TRIM_THRESHOLD_=1073741824"};
   /// Empty (the default): the session starts the worker as its child and reaches it over `ipc://`
