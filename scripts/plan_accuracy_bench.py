@@ -8,23 +8,34 @@ predicted against what the deployment does under the planned load.
      classify  block1 > block2 > block3 > block4          at 0.30 of what one lane serves of it
      task_b    block1 > block2 > block3 > head_b          at 0.20 of its one-lane rate
      features  block1 > block2                            at 0.30 of its one-lane rate
-     burst     block1 > block2 > block3 > block4          at 2.5 of its one-lane rate: more than is left
+     burst     block1 > block2 > block3 > block4          at 6 times its one-lane rate: more than is left
    each with an SLO of 3x its blocks' profiled p50 (at most what the planner must guarantee), over
    three sites: the session's threads (one lane) and two worker processes (one lane each; hand-offs
    between them over shared memory), one thread per lane, on one host of C cores that the sites
    share ("hosts" in the sites file; C = 2 here: three sites, two cores).
-3. blockflow-loadgen runs the plan's deployment (--deployment, the session in its process, the
+3. blockflow-profile again, batch 1 only, no rate sweep (a few seconds), just before and just after:
+4. blockflow-loadgen runs the plan's deployment (--deployment, the session in its process, the
    workers as child processes) with a Poisson stream per admitted task at its rate, all at once, for
-   --duration seconds (default 20), after a warm-up.
+   --duration seconds (default 20), after a warm-up. The session's process runs under the workers'
+   malloc settings, as blockflow-profile does.
+5. The machine's speed drifts between the profile and the run (docs/planner.md, "Accuracy"): each
+   block's profile is scaled by the mean of its two batch-1 measurements over its profiled p50
+   (speed_at_run), and blockflow-plan --predict predicts the plan's deployment again from it: the
+   same placement, the same model, the machine's speed at the run.
 Then, forced: the refused task added to the same deployment (its path over the blocks where the plan
 put them) and driven with the others: the SLO misses that its refusal avoided.
 
-Prints one line per task:
-  {"bench":"plan_accuracy","task":..,"admitted":true|false,"reason":..,"target_rps":..,"offered_rps":..,
-   "achieved_rps":..,"predicted_p50_ms":..,"measured_p50_ms":..,"p50_over_predicted":..,"slo_ms":..,
-   "rate_ok":..,"p50_ok":..}
-(targets: every admitted task achieves >= 98% of its rate, rate_ok, and its measured p50 is within
-15% of the predicted one, p50_ok). offered_rps is what the Poisson stream sent over the run, which
+Prints one line per block:
+  {"bench":"plan_accuracy_speed","block":..,"profiled_p50_ms":..,"before_run_p50_ms":..,
+   "after_run_p50_ms":..,"speed_at_run":..,"in_run_compute_p50_ms":..}
+(in_run_compute_p50_ms: from the requests' traces, so it includes what running beside other blocks
+costs), then one line per task:
+  {"bench":"plan_accuracy","task":..,"admitted":true|false,"reason":..,"target_rps":..,"slo_ms":..,
+   "planned_p50_ms":..,"speed_at_run":..,"predicted_p50_ms":..,"offered_rps":..,"achieved_rps":..,
+   "measured_p50_ms":..,"p50_over_planned":..,"p50_over_predicted":..,"rate_ok":..,"p50_ok":..}
+(planned_p50_ms: the plan's prediction from the profile; predicted_p50_ms: at the run's speed;
+targets: every admitted task achieves >= 98% of its rate, rate_ok, and its measured p50 is within
+15% of predicted_p50_ms, p50_ok). offered_rps is what the Poisson stream sent over the run, which
 differs from target_rps by chance (about 1/sqrt(requests): +-5% for 400 requests); achieved_rps is
 what completed over the same time, and rate_ok compares it with what was offered (and asks for no
 failure). Then the forced run:
@@ -65,8 +76,11 @@ def drive(loadgen, deployment, rates, duration):
         json.dump(deployment, f)
         path = f.name
     try:
+        # The session's own process (the "main" site's blocks) under the malloc settings the workers and
+        # the profile have (WorkerOptions::environment, docs/profile.md).
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="33554432", MALLOC_TRIM_THRESHOLD_="1073741824")
         out = run([loadgen, "--deployment", path, "--lanes", "1", "--warmup", "3", "--duration", str(duration),
-                   "--task-rates", ",".join(f"{t}={r:.3f}" for t, r in rates.items()), "--quiet"])
+                   "--task-rates", ",".join(f"{t}={r:.3f}" for t, r in rates.items()), "--quiet"], env=env)
     finally:
         os.unlink(path)
     line = next(json.loads(l) for l in out.splitlines() if '"loadgen"' in l)

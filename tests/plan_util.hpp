@@ -6,6 +6,11 @@
 
 #include <blockflow/plan/planner.hpp>
 
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -62,6 +67,25 @@ inline std::string site_of(const Plan& p, const std::string& block) {
   }
   return "";
 }
+
+// A directory of its own for the planner tools' files, removed with it; `profile` holds blocks A
+// and B of 100 req/s per lane.
+struct PlanFiles {
+  std::filesystem::path dir;
+  std::string profile;
+  explicit PlanFiles(const std::string& name)
+      : dir(std::filesystem::temp_directory_path() / fmt::format("{}-{}", name, ::getpid())) {
+    std::filesystem::create_directories(dir);
+    profile = write("profile.json", input({block("A", 100), block("B", 100)}, {}, {}).profile.to_json());
+  }
+  ~PlanFiles() { remove_tree(dir.string()); }
+  PlanFiles(const PlanFiles&) = delete;
+  PlanFiles& operator=(const PlanFiles&) = delete;
+  std::string write(const std::string& name, const std::string& text) const {
+    std::ofstream(dir / name) << text;
+    return (dir / name).string();
+  }
+};
 
 inline Plan planned(const PlanInput& in) {
   auto p = plan(in);

@@ -138,14 +138,10 @@ TEST_CASE("inputs that cannot be planned are errors naming the task, block, site
 }
 
 TEST_CASE("blockflow-plan reads the three files and writes the deployment and the report", "[planner]") {
-  const auto dir = std::filesystem::temp_directory_path() / fmt::format("plan-test-{}", ::getpid());
-  std::filesystem::create_directories(dir);
-  auto in = input({block("A", 100), block("B", 100)}, {}, {});
-  auto write = [&](const std::string& name, const std::string& text) {
-    std::ofstream(dir / name) << text;
-    return (dir / name).string();
-  };
-  const std::string profile = write("profile.json", in.profile.to_json());
+  const PlanFiles files("plan-test");
+  const std::string& profile = files.profile;
+  auto write = [&](const std::string& name, const std::string& text) { return files.write(name, text); };
+  const auto& dir = files.dir;
   const std::string tasks = write("tasks.json", R"({"tasks": [{"name": "t", "path": ["A", "B"], "rate_rps": 30, "slo_ms": 100},
                                                              {"name": "big", "path": ["A"], "rate_rps": 500, "slo_ms": 100}]})");
   const std::string sites = write("sites.json", R"({"sites": [{"name": "w1", "kind": "worker", "lanes": 1},
@@ -161,7 +157,6 @@ TEST_CASE("blockflow-plan reads the three files and writes the deployment and th
   CHECK_THAT(r_text, Contains("task 'big': needs 5.00 lanes for 500.0 req/s (block 'A'"));
   const std::string broken = fmt::format("{} {} --tasks {} --sites {} 2>/dev/null", BLOCKFLOW_TEST_PLAN_TOOL, profile, profile, sites);
   CHECK(WEXITSTATUS(std::system(broken.c_str())) == 1);
-  test::remove_tree(dir);
 }
 
 namespace {

@@ -77,6 +77,22 @@ TEST_CASE("profile_block of a block whose service time is known: p50 and the sus
   CHECK(p->load_ms == 0);  // given made
 }
 
+TEST_CASE("profile_block without the rate sweep: latencies only, max_rate_rps 0", "[profile]") {
+  ProfileOptions o = quick();
+  o.rate_sweep = false;
+  o.batch_sizes = {1};
+  std::vector<std::string> progress;
+  o.progress = [&](std::string_view line) { progress.emplace_back(line); };
+  auto p = profile_block(sleeper("sleepy", 10), {at::ones({1, 4})}, o);
+  INFO(p.status());
+  REQUIRE(p.ok());
+  REQUIRE(p->latency.size() == 1);
+  CHECK(p->at_batch(1)->p50_ms >= 10.0);
+  CHECK(p->max_rate_rps == 0);
+  CHECK(p->output_bytes == 4 * sizeof(float));
+  for (const auto& line : progress) CHECK_THAT(line, !Catch::Matchers::Contains("offered"));  // no sweep step ran
+}
+
 TEST_CASE("a rate-sweep step that grows under the service rate runs again: one disturbance does not set the rate",
           "[profile]") {
   // The block sleeps 20 ms a request; once armed (when the latency rounds are done), its 12th call

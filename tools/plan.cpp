@@ -64,12 +64,12 @@ int main(int argc, char** argv) {
     }
   }
   if (profiles.empty() || tasks.empty() || sites.empty()) return usage("profiles, --tasks and --sites are required");
+  if (!predict.empty() && !out.empty()) return usage("--predict writes a report only, not --out");
   auto input = blockflow::load_plan_input(profiles, tasks, sites);
   if (!input.ok()) {
     std::cerr << "blockflow-plan: " << input.status().message() << "\n";
     return 1;
   }
-  if (!predict.empty() && !out.empty()) return usage("--predict writes a report only, not --out");
   absl::StatusOr<blockflow::Plan> plan;
   if (predict.empty()) {
     plan = blockflow::plan(*input);
@@ -79,20 +79,29 @@ int main(int argc, char** argv) {
       std::cerr << "blockflow-plan: " << deployment.status().message() << "\n";
       return 1;
     }
-    // The deployment's tasks, at the rates and SLOs the tasks file gives them.
+    // The deployment's tasks over its own routes, at the rates and SLOs the tasks file gives them,
+    // in the tasks file's order (as plan() models them).
+    const auto paths = deployment->paths();
     std::vector<blockflow::PlanTask> kept;
-    for (const auto& path : deployment->paths()) {
-      const auto t = std::find_if(input->tasks.begin(), input->tasks.end(),
-                                  [&](const blockflow::PlanTask& task) { return task.name == path.task(); });
-      if (t == input->tasks.end()) {
-        std::cerr << "blockflow-plan: " << predict << ": task '" << path.task() << "' is not in " << tasks << "\n";
-        return 1;
+    for (const auto& t : input->tasks) {
+      const auto path = std::find_if(paths.begin(), paths.end(), [&](const blockflow::Path& p) { return p.task() == t.name; });
+      if (path != paths.end()) kept.push_back(blockflow::PlanTask::graph(*path, t.rate_rps, t.slo_ms));
+    }
+    if (kept.size() != paths.size()) {
+      for (const auto& path : paths) {
+        if (std::none_of(kept.begin(), kept.end(), [&](const blockflow::PlanTask& t) { return t.name == path.task(); })) {
+          std::cerr << "blockflow-plan: " << predict << ": task '" << path.task() << "' is not in " << tasks << "\n";
+        }
       }
-      kept.push_back(*t);
+      return 1;
     }
     input->tasks = std::move(kept);
     auto placement = blockflow::placement_of(*deployment, input->sites);
     plan = placement.ok() ? blockflow::predict(*input, *placement) : absl::StatusOr<blockflow::Plan>(placement.status());
+    if (!plan.ok()) {
+      std::cerr << "blockflow-plan: " << predict << " on " << sites << ": " << plan.status().message() << "\n";
+      return 1;
+    }
   }
   if (!plan.ok()) {
     std::cerr << "blockflow-plan: " << plan.status().message() << "\n";

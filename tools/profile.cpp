@@ -70,7 +70,9 @@ std::string absolute_path(const std::string& file) {
 
 int main(int argc, char** argv) try {
   // Blocks are measured under the malloc settings a worker process runs them with.
-  if (!bf::detail::use_worker_malloc_settings()) std::cerr << "blockflow-profile: glibc refused the workers' malloc settings\n";
+  if (!bf::detail::use_worker_malloc_settings()) {
+    std::cerr << "blockflow-profile: the workers' malloc settings were not applied (AddressSanitizer's heap, or glibc refused)\n";
+  }
   std::vector<std::string> files;
   std::string deployment, models, input, out_file, device = "cpu";
   std::map<std::string, std::vector<std::int64_t>> shapes;

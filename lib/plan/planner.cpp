@@ -561,23 +561,39 @@ absl::StatusOr<Plan> plan(const PlanInput& in, const PlanOptions& options) {
 
 absl::StatusOr<Plan> predict(const PlanInput& in, const std::vector<BlockPlacement>& placement) {
   if (auto status = check(in); !status.ok()) return status;
+  // Puts the blocks of `m` where `placement` says.
+  auto place_as_given = [&](Model& m) -> absl::Status {
+    for (int b = 0; b < static_cast<int>(m.blocks()); ++b) {
+      const std::string& name = m.profile(b).name;
+      const auto at = std::find_if(placement.begin(), placement.end(), [&](const BlockPlacement& p) { return p.block == name; });
+      if (at == placement.end()) return absl::InvalidArgumentError(fmt::format("predict: block '{}' has no placement", name));
+      for (std::size_t s = 0; s < in.sites.size() && m.site(b) < 0; ++s) {
+        if (in.sites[s].name == at->site) m.site(b) = static_cast<int>(s);
+      }
+      if (m.site(b) < 0) return absl::InvalidArgumentError(fmt::format("predict: block '{}': no site '{}'", name, at->site));
+      if (!m.device_fits(b, m.site(b))) {
+        return absl::InvalidArgumentError(fmt::format("predict: block '{}' runs on {}, and site '{}' is {}", name,
+                                                      m.profile(b).device, at->site, in.sites[static_cast<std::size_t>(m.site(b))].device));
+      }
+      if (at->max_batch < 1) return absl::InvalidArgumentError(fmt::format("predict: block '{}': max_batch < 1", name));
+      m.batch(b) = at->max_batch;
+    }
+    return absl::OkStatus();
+  };
   std::vector<const PlanTask*> tasks;
   for (const PlanTask& t : in.tasks) tasks.push_back(&t);
   Model m(in, tasks);
-  for (int b = 0; b < static_cast<int>(m.blocks()); ++b) {
-    const std::string& name = m.profile(b).name;
-    const auto at = std::find_if(placement.begin(), placement.end(), [&](const BlockPlacement& p) { return p.block == name; });
-    if (at == placement.end()) return absl::InvalidArgumentError(fmt::format("predict: block '{}' has no placement", name));
-    for (std::size_t s = 0; s < in.sites.size() && m.site(b) < 0; ++s) {
-      if (in.sites[s].name == at->site) m.site(b) = static_cast<int>(s);
-    }
-    if (m.site(b) < 0) return absl::InvalidArgumentError(fmt::format("predict: block '{}': no site '{}'", name, at->site));
-    if (at->max_batch < 1) return absl::InvalidArgumentError(fmt::format("predict: block '{}': max_batch < 1", name));
-    m.batch(b) = at->max_batch;
-  }
+  if (auto status = place_as_given(m); !status.ok()) return status;
   Plan out;
   for (const PlanTask& t : in.tasks) {
-    const std::string why = refusal(in, t, m, nullptr);
+    // The reason, as plan() gives it: this task next to the others, on the same placement.
+    std::vector<const PlanTask*> others;
+    for (const PlanTask* o : tasks) {
+      if (o != &t) others.push_back(o);
+    }
+    Model before(in, others);
+    if (auto status = place_as_given(before); !status.ok()) return status;
+    const std::string why = refusal(in, t, m, &before);
     out.tasks.push_back({t.name, why.empty(), why.empty() ? "" : fmt::format("task '{}': {}", t.name, why), t.rate_rps,
                          t.slo_ms, m.predicted_ms(t)});
   }

@@ -152,9 +152,12 @@ absl::StatusOr<Plan> plan(const PlanInput& input, const PlanOptions& options = {
 /// @brief What the planner's model predicts for a placement it did not choose: every task of
 /// `input` over the blocks where `placement` puts them, at their max_batch, no search. For a
 /// deployment that runs already, e.g. with profiles taken again (`blockflow-plan --predict`). A task
-/// that would not have been admitted there is marked so, with plan()'s reason; `predicted_p50_ms`
-/// is given either way. InvalidArgument for the inputs plan() refuses, and naming a block with no
-/// placement or a site that is not in `input.sites`.
+/// that would not have been admitted there is marked so, with plan()'s reason (that task next to the
+/// others on the same placement: an over-committed site refuses every task with a block there);
+/// `predicted_p50_ms` is given either way. `input.tasks` are the tasks that run (a task plan()
+/// refused would add its load). Each block's `workers` is the model's (its share of lanes), not the
+/// placement's. InvalidArgument for the inputs plan() refuses, and naming a block with no placement,
+/// a site that is not in `input.sites` or of another device, or a max_batch below 1.
 absl::StatusOr<Plan> predict(const PlanInput& input, const std::vector<BlockPlacement>& placement);
 
 /// @brief The placement of a deployment's blocks: a block placed in a worker on the site of that

@@ -3,7 +3,7 @@
 /// @brief The glibc malloc settings blocks run under in worker processes
 /// (WorkerOptions::environment's default: MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_), as
 /// numbers, and a way to give this process the same ones (blockflow-profile does, so that a profile
-/// measures a block as a worker runs it).
+/// measures a block's allocations as a worker makes them; workers' GOMP_SPINCOUNT is not set here).
 ///
 /// Under glibc's defaults, a block's activation buffers of a few MB are unmapped when freed and
 /// faulted back in on the next request: measured on 2 cores (AMD EPYC, one intra-op thread), the
@@ -20,10 +20,16 @@ inline constexpr std::int64_t kMallocMmapThreshold = 33554432;
 /// The heap keeps up to this many freed bytes at its top instead of giving them back.
 inline constexpr std::int64_t kMallocTrimThreshold = 1073741824;
 
-/// @brief Gives this process those settings (mallopt); false where glibc refuses one.
+/// @brief Gives this process those settings (mallopt); false where one was not applied: glibc
+/// refused it, or the heap is AddressSanitizer's (whose mallopt does nothing).
 inline bool use_worker_malloc_settings() {
-  return mallopt(M_MMAP_THRESHOLD, static_cast<int>(kMallocMmapThreshold)) == 1 &&
-         mallopt(M_TRIM_THRESHOLD, static_cast<int>(kMallocTrimThreshold)) == 1;
+#if defined(__SANITIZE_ADDRESS__)
+  return false;
+#else
+  const bool mmap = mallopt(M_MMAP_THRESHOLD, static_cast<int>(kMallocMmapThreshold)) == 1;
+  const bool trim = mallopt(M_TRIM_THRESHOLD, static_cast<int>(kMallocTrimThreshold)) == 1;
+  return mmap && trim;
+#endif
 }
 
 }  // namespace blockflow::detail
