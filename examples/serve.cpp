@@ -2,7 +2,7 @@
 // docs/wire-format.md).
 //
 //   serve [--endpoint EP] [--metrics HOST:PORT] [--sampling MS] [--control EP] [--models DIR] [--empty]
-//         [--no-stdin]
+//         [--no-stdin] [--max-in-flight-per-task N]
 //         [--key SERVER.key_secret --authorized-keys DIR | --insecure]
 //
 // EP defaults to tcp://127.0.0.1:5555; "tcp://127.0.0.1:*" picks a free port. The server prints
@@ -16,6 +16,10 @@
 // --control EP serves the control endpoint that blockflowctl talks to (apply, status, metrics);
 // the deployments it applies take their TorchScript files from --models DIR (default: the current
 // directory; files outside it are refused), and a placement they name starts a worker process.
+// --max-in-flight-per-task N lets at most N requests of each task into the session's blocks at
+// once; the others wait at the task's entry, in order (SessionOptions::max_in_flight_per_task, default
+// 0: no window; docs/lanes.md, "Entry window"): what bounds the memory a burst of clients can make the
+// blocks hold.
 // --empty starts without the tasks below: a session for `blockflowctl apply` to fill (a deployment
 // replaces every block, and these C++ ones could not be described in it).
 // --key and --authorized-keys put both endpoints behind CURVE (keys from `blockflowctl keygen`; a
@@ -129,6 +133,7 @@ int main(int argc, char** argv) {
   bool examples = true;
   int sampling_ms = 0;
   bf::ServerSecurity security;
+  bf::SessionOptions session_options;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--endpoint" && i + 1 < argc) {
@@ -145,6 +150,12 @@ int main(int argc, char** argv) {
       sampling_ms = std::atoi(argv[++i]);
     } else if (arg == "--no-stdin") {
       watch_stdin = false;
+    } else if (arg == "--max-in-flight-per-task" && i + 1 < argc) {
+      session_options.max_in_flight_per_task = std::atoi(argv[++i]);
+      if (session_options.max_in_flight_per_task < 0) {
+        std::cerr << "serve: --max-in-flight-per-task must be >= 0\n";
+        return 2;
+      }
     } else if (arg == "--key" && i + 1 < argc) {
       security.secret_key_file = argv[++i];
     } else if (arg == "--authorized-keys" && i + 1 < argc) {
@@ -153,7 +164,7 @@ int main(int argc, char** argv) {
       security.insecure = true;
     } else {
       std::cerr << "usage: serve [--endpoint tcp://127.0.0.1:5555] [--metrics 127.0.0.1:9464] [--sampling MS] "
-                   "[--control tcp://127.0.0.1:5560] [--models DIR] [--empty] [--no-stdin] [--key SERVER.key_secret --authorized-keys DIR | --insecure]\n";
+                   "[--control tcp://127.0.0.1:5560] [--models DIR] [--empty] [--no-stdin] [--max-in-flight-per-task N] [--key SERVER.key_secret --authorized-keys DIR | --insecure]\n";
       return arg == "--help" || arg == "-h" ? 0 : 2;
     }
   }
@@ -174,7 +185,7 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  bf::Session session;
+  bf::Session session(session_options);
   if (examples) add_blocks(session);
   // Deployments applied through the control endpoint may place blocks in worker processes: each
   // placement they name starts one (and one left without blocks stops).

@@ -49,6 +49,17 @@ def main():
         check(blocks["slow"]["compute_p50_ms"] >= 4.5, "the slow block's 5 ms show in its compute")
         check(line["rss_mb"] > 100, "memory of this process and its worker")
 
+        # An entry window of one request per task: three closed-loop clients keep three requests of
+        # 'both' outstanding, so the others wait at its entry while one is inside.
+        (line,) = run([loadgen, "--deployment", deployment, "--plugin", plugin, "--tasks", "both", "--clients", "3",
+                       "--requests", "30", "--max-in-flight", "1", "--quiet"])
+        check(line["completed"] == 30 and line["failed"] == 0, "30 completed through a window of one")
+        check(line["max_in_flight_per_task"] == 1 and line["waited_at_entry"] > 0,
+              "requests waited at the entry: %s" % line.get("waited_at_entry"))
+        refused = subprocess.run([loadgen, "--endpoint", "tcp://127.0.0.1:1", "--tasks", "t", "--shape", "1x4",
+                                  "--clients", "1", "--max-in-flight", "2"], capture_output=True, text=True, timeout=60)
+        check(refused.returncode != 0 and "--max-in-flight" in refused.stderr, "--max-in-flight is refused with --endpoint")
+
         # Open loop sweep: 'slow' (5 ms, one worker thread) saturates near 200 requests/s of 'both'.
         out = os.path.join(tmp, "sweep.jsonl")
         lines = run([loadgen, "--deployment", deployment, "--plugin", plugin, "--tasks", "both",

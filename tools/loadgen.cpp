@@ -3,12 +3,16 @@
 //   blockflow-loadgen (--deployment FILE [--models DIR] [--plugin LIB.so]... | --endpoint EP)
 //                     [--tasks T1,T2] [--shape 1x3x224x224]
 //                     (--clients N | --rate R | --sweep R1,R2,... | --task-rates T1=R1,T2=R2)
-//                     [--duration SECONDS | --requests N] [--warmup N] [--lanes N] [--json FILE] [--quiet]
+//                     [--duration SECONDS | --requests N] [--warmup N] [--lanes N] [--max-in-flight N]
+//                     [--json FILE] [--quiet]
 //
 // Target: a session built here from a deployment file (the JSON an optimiser sends; blocks placed
 // in workers get child worker processes), or a running session's client endpoint
 // (ClientEndpoint, e.g. the serve example). --lanes N: the session's compute lanes
 // (SessionOptions::lanes; 0, the default: as many as the cores hold, elastic: docs/lanes.md).
+// --max-in-flight N: at most N requests of each task inside the session's blocks, the others waiting
+// at the task's entry (SessionOptions::max_in_flight_per_task; 0, the default: no window;
+// docs/lanes.md, "Entry window"); the line then gives "waited_at_entry", the requests that waited.
 // Load: N synchronous clients (closed loop), or open-loop Poisson arrivals at R requests/s spread
 // evenly over the tasks; --sweep runs one Poisson run per rate and then reports the saturation
 // point, the first rate whose throughput falls below 95% of the offered rate; --task-rates gives
@@ -23,6 +27,7 @@
 //    "lanes":[{"lane":..,"threads":..,"runs":..,"one_thread_runs":..,"busy":..}],
 //    "per_task":[{"task":..,"rate_per_s":..,"sent":..,"completed":..,"failed":..,"throughput_per_s":..,
 //                 "p50_ms":..,"p90_ms":..,"p99_ms":..}],  (with --task-rates)
+//    "max_in_flight_per_task":..,"waited_at_entry":..,  (with --max-in-flight)
 //    "first_error":".."}
 // then, after a sweep, {"bench":"saturation","rate_per_s":..,"throughput_per_s":..}. rss_mb (this
 // process and its workers), blocks (from each request's trace) and lanes (the session's compute
@@ -72,6 +77,7 @@ struct Args {
   long requests = 0;  // 0: run for duration_s
   int warmup = 3;
   int lanes = 0;  // SessionOptions::lanes
+  int max_in_flight = 0;  // SessionOptions::max_in_flight_per_task
   bool quiet = false;
 };
 
@@ -79,7 +85,7 @@ constexpr const char* kUsage =
     "usage: blockflow-loadgen (--deployment FILE [--models DIR] [--plugin LIB.so]... | --endpoint EP) [--tasks T1,T2] [--shape 1x3x224x224]\n"
     "                         (--clients N | --rate R | --sweep R1,R2,... | --task-rates T1=R1,T2=R2)\n"
     "                         [--duration S | --requests N] [--warmup N]\n"
-    "                         [--lanes N] [--json FILE] [--quiet]";
+    "                         [--lanes N] [--max-in-flight N] [--json FILE] [--quiet]";
 
 std::vector<std::string> split(const std::string& s, char by) {
   std::vector<std::string> out;
@@ -120,6 +126,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--requests") a.requests = std::stol(value());
     else if (k == "--warmup") a.warmup = std::stoi(value());
     else if (k == "--lanes") a.lanes = std::stoi(value());
+    else if (k == "--max-in-flight") a.max_in_flight = std::stoi(value());
     else if (k == "--json") a.json_file = value();
     else if (k == "--quiet") a.quiet = true;
     else if (k == "--help" || k == "-h") {
@@ -148,6 +155,10 @@ Args parse(int argc, char** argv) {
   }
   if (!a.endpoint.empty() && a.tasks.empty()) throw std::invalid_argument("--endpoint needs --tasks");
   if (a.lanes < 0) throw std::invalid_argument("--lanes must be >= 0");
+  if (a.max_in_flight < 0) throw std::invalid_argument("--max-in-flight must be >= 0");
+  if (!a.endpoint.empty() && a.max_in_flight > 0) {
+    throw std::invalid_argument("--max-in-flight sets this process's session: not with --endpoint (the server sets its own)");
+  }
   if (!a.endpoint.empty() && a.shape.empty()) throw std::invalid_argument("--endpoint needs --shape");
   return a;
 }
@@ -214,6 +225,8 @@ class Target {
   virtual std::optional<double> energy_j() { return std::nullopt; }
   /// The in-process session's compute lanes (cumulative counters), where there is one.
   virtual std::vector<bf::LaneMetrics> lanes() { return {}; }
+  /// Requests that have waited at a task's entry (the session's entry window) so far, where known.
+  virtual std::optional<std::uint64_t> waited_at_entry() { return std::nullopt; }
 };
 
 class InProcess final : public Target {
@@ -251,12 +264,18 @@ class InProcess final : public Target {
     return m.host.energy_j;  // NVML's power is per device: the host's reading covers every process on it
   }
   std::vector<bf::LaneMetrics> lanes() override { return session_.metrics().lanes; }
+  std::optional<std::uint64_t> waited_at_entry() override {
+    std::uint64_t waited = 0;
+    for (const auto& p : session_.metrics().paths) waited += p.waited_at_entry;
+    return waited;
+  }
   const bf::Deployment& deployment() const { return deployment_; }
 
  private:
   static bf::SessionOptions session_options(const Args& args) {
     bf::SessionOptions options;
     options.lanes = args.lanes;
+    options.max_in_flight_per_task = args.max_in_flight;
     return options;
   }
 
@@ -328,6 +347,7 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
   Tally tally;
   const std::optional<double> energy_before = target.energy_j();
   const std::vector<bf::LaneMetrics> lanes_before = target.lanes();
+  const std::optional<std::uint64_t> waited_before = target.waited_at_entry();
   const auto start = Clock::now();
   const auto end = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(args.duration_s));
   std::atomic<long> issued{0};
@@ -479,6 +499,10 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
     line["lanes"] = lanes;
   }
   if (!per_task.empty()) line["per_task"] = per_task;
+  if (args.max_in_flight > 0) {
+    line["max_in_flight_per_task"] = args.max_in_flight;
+    if (const auto waited = target.waited_at_entry(); waited && waited_before) line["waited_at_entry"] = *waited - *waited_before;
+  }
   if (!tally.first_error.empty()) line["first_error"] = tally.first_error;
   return line;
 }
