@@ -77,7 +77,7 @@ def drive(loadgen, deployment, rates, duration):
         path = f.name
     try:
         # The session's own process (the "main" site's blocks) under the malloc settings the workers and
-        # the profile have (WorkerOptions::environment, docs/profile.md).
+        # the profile have (WorkerOptions::environment; the numbers of core/detail/malloc_settings.hpp).
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="33554432", MALLOC_TRIM_THRESHOLD_="1073741824")
         out = run([loadgen, "--deployment", path, "--lanes", "1", "--warmup", "3", "--duration", str(duration),
                    "--task-rates", ",".join(f"{t}={r:.3f}" for t, r in rates.items()), "--quiet"], env=env)

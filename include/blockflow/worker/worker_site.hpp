@@ -7,6 +7,7 @@
 #include <blockflow/deploy/deployment.hpp>
 #include <blockflow/core/remote_site.hpp>
 #include <blockflow/core/session.hpp>
+#include <blockflow/core/detail/malloc_settings.hpp>
 
 #include <absl/time/time.h>
 
@@ -35,10 +36,14 @@ struct WorkerOptions {
   /// 32 MB each) in the process between requests instead of unmapping them and faulting them back
   /// in on the next one (measured on 2 cores: ResNet50's block1 computed in 20.2 ms instead of
   /// 24.7 ms in its worker; pipeline ratio 1.23 instead of 1.27). Memory freed stays with the worker
-  /// up to 1 GB. (The same numbers as detail::kMallocMmapThreshold and kMallocTrimThreshold, under
-  /// which blockflow-profile measures blocks.)
-  std::vector<std::string> environment = {"GOMP_SPINCOUNT=10000", "MALLOC_MMAP_THRESHOLD_=33554432",
-                                          "MALLOC_TRIM_THRESHOLD_=1073741824"};
+  /// up to 1 GB (detail::worker_malloc_environment(): the settings blockflow-profile measures blocks
+  /// under): {"GOMP_SPINCOUNT=10000", "MALLOC_MMAP_THRESHOLD_=33554432",
+  /// "MALLOC_TRIM_THRESHOLD_=1073741824"}.
+  std::vector<std::string> environment = [] {
+    std::vector<std::string> e = {"GOMP_SPINCOUNT=10000"};
+    for (auto& setting : detail::worker_malloc_environment()) e.push_back(std::move(setting));
+    return e;
+  }();
   /// Empty (the default): the session starts the worker as its child and reaches it over `ipc://`
   /// endpoints in a private 0700 directory. "tcp://ADDR:PORT": a worker on another host. The session
   /// starts nothing; it binds its control socket at this endpoint (and its two data sockets at

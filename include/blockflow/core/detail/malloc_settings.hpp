@@ -9,9 +9,13 @@
 /// faulted back in on the next request: measured on 2 cores (AMD EPYC, one intra-op thread), the
 /// ResNet50 split's block1 took 9.7-10.4 ms per call at batch 1 in a fresh process, 7.1 ms with
 /// these settings.
-#include <malloc.h>
-
 #include <cstdint>
+#include <string>
+#include <vector>
+
+#if defined(__GLIBC__)  // defined by the headers above
+#include <malloc.h>
+#endif
 
 namespace blockflow::detail {
 
@@ -20,10 +24,16 @@ inline constexpr std::int64_t kMallocMmapThreshold = 33554432;
 /// The heap keeps up to this many freed bytes at its top instead of giving them back.
 inline constexpr std::int64_t kMallocTrimThreshold = 1073741824;
 
+/// @brief The same settings as environment variables, for a child process (glibc reads them at start).
+inline std::vector<std::string> worker_malloc_environment() {
+  return {"MALLOC_MMAP_THRESHOLD_=" + std::to_string(kMallocMmapThreshold),
+          "MALLOC_TRIM_THRESHOLD_=" + std::to_string(kMallocTrimThreshold)};
+}
+
 /// @brief Gives this process those settings (mallopt); false where one was not applied: glibc
-/// refused it, or the heap is AddressSanitizer's (whose mallopt does nothing).
+/// refused it, there is no glibc, or the heap is AddressSanitizer's (whose mallopt does nothing).
 inline bool use_worker_malloc_settings() {
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(__SANITIZE_ADDRESS__) || !defined(__GLIBC__)
   return false;
 #else
   const bool mmap = mallopt(M_MMAP_THRESHOLD, static_cast<int>(kMallocMmapThreshold)) == 1;
