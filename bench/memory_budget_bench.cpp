@@ -14,9 +14,12 @@
 // With --footprints (what an unlimited run measured, as a profile would give them), the blocks carry
 // them as BlockOptions::memory_bytes and are not measured again.
 //
-// With --prefetch 1, SessionOptions::prefetch is on.
+// With --prefetch 1, SessionOptions::prefetch is on. --swap says how an unloaded block comes back
+// (SessionOptions::swap): "on" (the default) pages its weights back in from its swap file, "cold"
+// too but from the disk (the page cache dropped at each unload), "off" builds it again.
 //
-// usage: memory_budget_bench --models DIR [--budget-mb MB] [--footprints NAME=MB,...] [--requests N] [--threads T] [--prefetch 0|1]
+// usage: memory_budget_bench --models DIR [--budget-mb MB] [--footprints NAME=MB,...] [--requests N] [--threads T]
+//                            [--prefetch 0|1] [--swap on|cold|off]
 #include "bench_util.hpp"
 #include "resnet_split.hpp"
 
@@ -45,6 +48,7 @@ int main(int argc, char** argv) try {
   int requests = 60;
   int threads = 2;
   bool prefetch = false;
+  std::string swap = "on";
   std::map<std::string, double> footprint_mb;  // --footprints name=MB,...: the blocks' profiles
   bf::bench::parse_options(argc, argv, [&](const std::string& k, const std::string& v) {
     if (k == "--footprints") {
@@ -57,6 +61,7 @@ int main(int argc, char** argv) try {
     else if (k == "--requests") requests = std::stoi(v);
     else if (k == "--threads") threads = std::stoi(v);
     else if (k == "--prefetch") prefetch = v == "1";
+    else if (k == "--swap" && (v == "on" || v == "cold" || v == "off")) swap = v;
     else return false;
     return true;
   });
@@ -66,6 +71,8 @@ int main(int argc, char** argv) try {
   options.intra_op_threads = threads;
   options.memory_policy = bf::SessionOptions::MemoryPolicy::kOnDemand;
   options.prefetch = prefetch;
+  options.swap.enabled = swap != "off";
+  options.swap.drop_page_cache = swap == "cold";
   options.memory_budget = budget_mb > 0 ? static_cast<std::int64_t>(budget_mb * 1048576.0) : (std::int64_t{1} << 40);
   const std::int64_t rss_before = rss_bytes();
   bf::Session session(options);
@@ -145,6 +152,9 @@ int main(int argc, char** argv) try {
       {"budget_mb", budget_mb > 0 ? round1(budget_mb) : 0.0},
       {"prefetch", prefetch},
       {"prefetches", site->prefetches - warm_site->prefetches},
+      {"swap", swap},
+      {"swap_ins", site->swap_ins - warm_site->swap_ins},
+      {"swapped_mb_at_end", round1(static_cast<double>(site->swapped_bytes) / 1048576.0)},
       {"blocks_total_mb", round1(total_mb)},
       {"footprint_mb", footprints},
       {"rss_before_mb", round1(static_cast<double>(rss_before) / 1048576.0)},
@@ -158,7 +168,6 @@ int main(int argc, char** argv) try {
       {"loads", loads},
       {"evictions", site->evictions - warm_site->evictions},
       {"ms_per_load", round1(loads > 0 ? load_s * 1e3 / static_cast<double>(loads) : 0.0)},
-      {"prefetch", false},
       {"threads", threads},
       {"cpu", bf::bench::cpu_model()},
       {"hardware_threads", std::thread::hardware_concurrency()}};

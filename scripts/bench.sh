@@ -42,7 +42,9 @@
 #   BENCH_MEMORY_FRACTION (default 0.5) of their total alternate with unlimited ones, a process each
 #   (bench/memory_budget_bench.cpp); a last line compares them (p50/p99 against unlimited, sampled
 #   RSS against the budget, and the floor: unlimited p50 plus the loads a request pays); the budgeted
-#   runs go with SessionOptions::prefetch off and on, a summary line each.
+#   runs go with swapping (SessionOptions::swap) on (weights paged back in), cold (paged back in from
+#   the disk: the page cache dropped at each unload) and off (blocks built again), the last with
+#   SessionOptions::prefetch off and on, a summary line each.
 #   replan: three tasks over three worker processes that are not restarted, profiled here; the
 #   worker running block3 is killed under traffic and the session re-plans (on_site_lost =
 #   replanner()): kill -> loss detected, loss -> re-planned deployment applied, kill -> each task's
@@ -178,9 +180,9 @@ PY
 import json, statistics, subprocess, sys
 bench, models, threads, requests, fraction = sys.argv[1:6]
 footprints = []
-def run(budget_mb, prefetch=False):
+def run(budget_mb, prefetch=False, swap="on"):
     p = subprocess.run([bench, "--models", models, "--budget-mb", str(budget_mb), "--threads", threads,
-                        "--requests", requests, "--prefetch", "1" if prefetch else "0"] + footprints,
+                        "--requests", requests, "--prefetch", "1" if prefetch else "0", "--swap", swap] + footprints,
                        capture_output=True, text=True)
     lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
     if not lines:
@@ -191,17 +193,18 @@ def run(budget_mb, prefetch=False):
 unlimited = [run(0)]  # measures each block's footprint by its first load; the later runs take them as profiles
 footprints = ["--footprints", ",".join(f"{k}={v}" for k, v in unlimited[0]["footprint_mb"].items())]
 budget = round(unlimited[0]["blocks_total_mb"] * float(fraction), 1)
-budgeted = {False: [], True: []}
+configs = [("on", False), ("cold", False), ("off", False), ("off", True)]  # (swap, prefetch)
+budgeted = {c: [] for c in configs}
 for _ in range(2):
-    for prefetch in (False, True):
-        budgeted[prefetch].append(run(budget, prefetch))
+    for swap, prefetch in configs:
+        budgeted[(swap, prefetch)].append(run(budget, prefetch, swap))
     unlimited.append(run(0))
 med = lambda runs, k: round(statistics.median(r[k] for r in runs), 1)
 p50_u, p99_u = med(unlimited, "p50_ms"), med(unlimited, "p99_ms")
 # What the process holds beside the blocks' footprints (activations, oneDNN's caches, a load's
 # transient copies): the unlimited runs' sampled RSS over the footprints' sum.
 working = round(statistics.median(r["max_blocks_rss_mb"] for r in unlimited) - unlimited[0]["blocks_total_mb"], 1)
-for prefetch, runs in budgeted.items():
+for (swap, prefetch), runs in budgeted.items():
     p50_b, p99_b = med(runs, "p50_ms"), med(runs, "p99_ms")
     max_blocks = max(r["max_blocks_rss_mb"] for r in runs)
     floor = round(p50_u + med(runs, "load_ms_per_request"), 1)
@@ -213,7 +216,8 @@ for prefetch, runs in budgeted.items():
                       "p50_ms": p50_b, "p50_ms_unlimited": p50_u, "p99_ms": p99_b, "p99_ms_unlimited": p99_u,
                       "p99_over_unlimited": round(p99_b / p99_u, 2), "loads": med(runs, "loads"),
                       "evictions": med(runs, "evictions"), "ms_per_load": med(runs, "ms_per_load"),
-                      "floor_p50_ms": floor, "p50_over_floor": round(p50_b / floor, 3), "prefetch": prefetch,
+                      "floor_p50_ms": floor, "p50_over_floor": round(p50_b / floor, 3), "swap": swap, "prefetch": prefetch,
+                      "swap_ins": med(runs, "swap_ins"),
                       "prefetches": med(runs, "prefetches"),
                       "targets": {"rss_within_budget_plus_10pct": max_blocks <= 1.1 * budget,
                                   "rss_within_budget_plus_working_plus_10pct": max_blocks <= 1.1 * (budget + working),

@@ -246,6 +246,10 @@ std::string MetricsSnapshot::to_prometheus() const {
     e.add("blockflow_site_load_seconds_total", "counter", "On demand: time spent loading blocks.", l, m.load_s);
     e.add("blockflow_site_block_prefetches_total", "counter", "On demand: blocks loaded ahead of their requests.", l,
           static_cast<double>(m.prefetches));
+    e.add("blockflow_site_block_swap_ins_total", "counter", "On demand: loads that paged a block's weights back in from its swap file.", l,
+          static_cast<double>(m.swap_ins));
+    e.add("blockflow_site_swapped_bytes", "gauge", "On demand: the weights of unloaded blocks that wait in swap files.", l,
+          static_cast<double>(m.swapped_bytes));
   }
   for (const auto& lane : lanes) {
     const Exposition::Labels l = {{"lane", std::to_string(lane.index)}};

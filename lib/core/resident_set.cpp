@@ -2,6 +2,7 @@
 #include <blockflow/core/detail/clock.hpp>
 #include <blockflow/core/detail/cuda_graph_block.hpp>
 #include <blockflow/core/detail/units.hpp>
+#include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/resident_set.hpp>
 
 #include <fmt/format.h>
@@ -40,7 +41,14 @@ struct ResidentSet::Entry {
   std::int64_t footprint = 0;
   Loader loader;
   std::function<bool()> queued;
+  bool swappable = false;
   std::shared_ptr<Block> block;  // null while not loaded
+  // Swapping: the memory the block's last build captured (null: none, or not swappable), and the
+  // block while its weights are paged out. Both belong to the thread that set `loading` while it
+  // is set, and to mu_ otherwise.
+  std::shared_ptr<WeightSwap> swap;
+  std::shared_ptr<Block> parked;
+  std::int64_t swap_bytes = 0;   // swap->bytes(), as last seen
   bool loading = false;
   bool prefetch_posted = false;  // want_prefetch() said yes; prefetch() has not run yet
   bool retired = false;          // removed by an update: never loaded again
@@ -70,23 +78,24 @@ void ResidentSet::Hold::reset() {
   block_.reset();  // after the release: an eviction may follow, and frees the model when this goes
 }
 
-ResidentSet::ResidentSet(std::int64_t budget_bytes, MemoryProbe probe) : budget_(budget_bytes), probe_(std::move(probe)) {}
+ResidentSet::ResidentSet(std::int64_t budget_bytes, MemoryProbe probe, std::optional<WeightSwap::Options> swap)
+    : budget_(budget_bytes), probe_(std::move(probe)), swap_(std::move(swap)) {}
 
 ResidentSet::~ResidentSet() = default;
 
-int ResidentSet::add(std::string name, std::int64_t footprint, Loader loader, std::function<bool()> queued) {
+int ResidentSet::add(std::string name, std::int64_t footprint, Loader loader, std::function<bool()> queued, bool swappable) {
   auto entry = std::make_unique<Entry>();
   entry->name = std::move(name);
   entry->footprint = std::max<std::int64_t>(0, footprint);
   entry->loader = std::move(loader);
   entry->queued = std::move(queued);
+  entry->swappable = swappable && swap_.has_value() && WeightSwap::available();
   MutexLock lock(&mu_);
   entries_.push_back(std::move(entry));
   return static_cast<int>(entries_.size()) - 1;
 }
 
-bool ResidentSet::make_room_locked(std::int64_t need, int except, std::vector<std::shared_ptr<Block>>& unloaded,
-                                   const std::vector<int>* keep) {
+bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloaded, const std::vector<int>* keep) {
   std::int64_t free = budget_ - resident_;
   if (need <= free) return true;
   struct Candidate {
@@ -111,7 +120,13 @@ bool ResidentSet::make_room_locked(std::int64_t need, int except, std::vector<st
   if (free < need) return false;  // running blocks hold the rest: wait for one to finish
   for (std::size_t i = 0; i < taken; ++i) {
     Entry& e = *candidates[i].entry;
-    unloaded.push_back(std::move(e.block));
+    if (e.swap) {  // kept, its weights paged out by finish()
+      e.parked = std::move(e.block);
+      e.loading = true;
+      unloaded.parking.push_back(&e);
+    } else {
+      unloaded.freed.push_back(std::move(e.block));
+    }
     e.block = nullptr;
     resident_ -= e.footprint;
     ++e.evictions;
@@ -122,7 +137,7 @@ bool ResidentSet::make_room_locked(std::int64_t need, int except, std::vector<st
 }
 
 absl::StatusOr<ResidentSet::Hold> ResidentSet::hold(int id) {
-  std::vector<std::shared_ptr<Block>> unloaded;  // freed once the lock is let go
+  Evicted unloaded;  // finished once the lock is let go
   Entry* entry = nullptr;
   std::int64_t reserved = 0;
   {
@@ -151,7 +166,7 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::hold(int id) {
     reserved = entry->footprint;  // 0 for a block not measured yet: measured below
     resident_ += reserved;
   }
-  free_blocks(unloaded);
+  finish(unloaded);
   return load_reserved(id, *entry, reserved);
 }
 
@@ -169,7 +184,7 @@ bool ResidentSet::want_prefetch(int id) {
 }
 
 void ResidentSet::prefetch(int id, const std::vector<int>& keep) {
-  std::vector<std::shared_ptr<Block>> unloaded;
+  Evicted unloaded;
   Entry* entry = nullptr;
   std::int64_t reserved = 0;
   {
@@ -185,23 +200,43 @@ void ResidentSet::prefetch(int id, const std::vector<int>& keep) {
     resident_ += reserved;
     ++prefetches_;
   }
-  free_blocks(unloaded);
+  finish(unloaded);
   (void)load_reserved(id, *entry, reserved);  // the hold goes at once: loaded, idle, just used
 }
 
 absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot, std::int64_t reserved) {
   Entry* entry = &slot;
-  std::vector<std::shared_ptr<Block>> unloaded;
+  Evicted unloaded;
   // A block measured by its load: what the load left resident, its transient copies handed back.
   const bool measure = reserved == 0 && probe_;
   if (measure) trim_heap();
   const std::int64_t before = measure ? probe_() : 0;
   const std::int64_t start = now_ns();
   absl::StatusOr<std::shared_ptr<Block>> made = absl::InternalError("not loaded");
-  try {
-    made = entry->loader();
-  } catch (const std::exception& e) {
-    made = absl::InternalError(fmt::format("block '{}': loading failed: {}", entry->name, e.what()));
+  // This thread owns the entry's swap and parked block while it is loading.
+  bool swapped_in = false;
+  if (std::shared_ptr<Block> parked = std::move(entry->parked)) {
+    if (auto status = entry->swap->swap_in(); status.ok()) {
+      made = std::move(parked);
+      swapped_in = true;
+    } else {
+      log(LogLevel::kWarning, fmt::format("{}; building the block again", status.ToString()));
+      entry->swap.reset();
+      parked.reset();
+      trim_heap();
+    }
+  }
+  if (!swapped_in) {
+    std::shared_ptr<WeightSwap> swap = entry->swappable ? std::make_shared<WeightSwap>(entry->name, *swap_) : nullptr;
+    try {
+      std::optional<WeightSwap::Capture> capture;
+      if (swap) capture.emplace(*swap);
+      made = entry->loader();
+    } catch (const std::exception& e) {
+      made = absl::InternalError(fmt::format("block '{}': loading failed: {}", entry->name, e.what()));
+    }
+    entry->swap = made.ok() && swap && swap->bytes() > 0 ? std::move(swap) : nullptr;
+    entry->swap_bytes = entry->swap ? entry->swap->bytes() : 0;
   }
   const std::int64_t end = now_ns();
   if (measure) trim_heap();
@@ -213,11 +248,13 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
     entry->loading = false;
     ++generation_;
     if (!made.ok()) {
+      entry->swap.reset();
       resident_ -= reserved;
       result = made.status();
     } else if (reserved == 0 && measured > budget_) {
       entry->footprint = measured;  // from now on refused at once
-      unloaded.push_back(std::move(*made));
+      entry->swap.reset();
+      unloaded.freed.push_back(std::move(*made));
       result = absl::ResourceExhaustedError(
           fmt::format("block '{}': loading it took {:.1f} MB of resident memory, over the memory budget of {:.1f} MB",
                       entry->name, to_mb(measured), to_mb(budget_)));
@@ -233,6 +270,7 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
       ++entry->loads;
       entry->last_use_ns = end;
       ++loads_;
+      if (swapped_in) ++swap_ins_;
       bytes_loaded_ += entry->footprint;
       load_ns_ += end - start;
       Hold h;
@@ -243,8 +281,24 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
       result = std::move(h);
     }
   }
-  free_blocks(unloaded);
+  finish(unloaded);
   return result;
+}
+
+void ResidentSet::finish(Evicted& evicted) {
+  for (Entry* e : evicted.parking) {
+    // This thread owns e->swap and e->parked until `loading` is cleared.
+    const absl::Status status = e->swap->swap_out();
+    if (!status.ok()) log(LogLevel::kWarning, fmt::format("{}; freeing the block instead", status.ToString()));
+    MutexLock lock(&mu_);
+    e->loading = false;
+    ++generation_;
+    if (!status.ok() || e->retired) {
+      e->swap.reset();
+      evicted.freed.push_back(std::move(e->parked));
+    }
+  }
+  free_blocks(evicted.freed);
 }
 
 void ResidentSet::release(int id) {
@@ -261,6 +315,11 @@ void ResidentSet::release(int id) {
 }
 
 void ResidentSet::unload_locked(Entry& e, std::vector<std::shared_ptr<Block>>& gone) {
+  if (e.parked && !e.loading) {  // paged out: freed for good
+    gone.push_back(std::move(e.parked));
+    e.swap.reset();
+    return;
+  }
   if (!e.block || e.holders > 0) return;
   gone.push_back(std::move(e.block));
   e.block = nullptr;
@@ -304,6 +363,10 @@ ResidentSet::Totals ResidentSet::totals() const {
   t.bytes_loaded = bytes_loaded_;
   t.load_s = static_cast<double>(load_ns_) * 1e-9;
   t.prefetches = prefetches_;
+  t.swap_ins = swap_ins_;
+  for (const auto& e : entries_) {
+    if (!e->loading && e->parked) t.swapped_bytes += e->swap_bytes;
+  }
   return t;
 }
 

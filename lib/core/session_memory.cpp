@@ -23,6 +23,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <optional>
 
 namespace blockflow::detail {
 namespace {
@@ -58,8 +59,10 @@ absl::Status warm_up_loaded(Block& block) {
 void SessionCore::make_resident_set() {
   const bool on_demand = options_.memory_policy == SessionOptions::MemoryPolicy::kOnDemand;
   if (!on_demand && !options_.serve_while_warming) return;
+  std::optional<WeightSwap::Options> swap;
+  if (on_demand && options_.swap.enabled) swap = WeightSwap::Options{options_.swap.directory, options_.swap.drop_page_cache};
   resident_ = std::make_unique<ResidentSet>(on_demand ? options_.memory_budget : std::numeric_limits<std::int64_t>::max() / 4,
-                                            process_rss_bytes);
+                                            process_rss_bytes, std::move(swap));
 }
 
 absl::StatusOr<std::unique_ptr<BlockRuntime>> SessionCore::make_on_demand_runtime(const BlockDescription& description) {
@@ -75,10 +78,12 @@ absl::StatusOr<std::unique_ptr<BlockRuntime>> SessionCore::make_on_demand_runtim
     if (auto status = warm_up_loaded(**block); !status.ok()) return status;
     return block;
   };
+  // A TorchScript module on the CPU holds what libtorch's allocator gave it: swapping may page it out.
+  const bool swappable = !description.torchscript.empty() && c10::Device(description.options.device).is_cpu();
   const int id = resident_->add(description.name, description.options.memory_bytes, std::move(loader), [inbox] {
     const InProcessChannel* queue = inbox->load(std::memory_order_acquire);
     return queue != nullptr && queue->depth() > 0;
-  });
+  }, swappable);
   auto runtime = make_runtime(on_demand_block(*resident_, id, description.name, description.options,
                                               description.torchscript.empty() ? "callable" : "torchscript"));
   runtime->description = description;

@@ -117,6 +117,8 @@ MetricsSnapshot SessionCore::metrics() const {
     threads.bytes_loaded = t.bytes_loaded;
     threads.load_s = t.load_s;
     threads.prefetches = t.prefetches;
+    threads.swap_ins = t.swap_ins;
+    threads.swapped_bytes = t.swapped_bytes;
   }
   for (std::size_t i = 0; i < sites_.size(); ++i) {
     if (!sites_[i]->site->loads_on_demand()) continue;

@@ -87,6 +87,11 @@ struct SiteMemory {
   std::int64_t bytes_loaded = 0;    ///< on demand: the footprints of every load
   double load_s = 0;                ///< on demand: time spent loading (and warming up) blocks
   std::uint64_t prefetches = 0;     ///< on demand: loads made ahead of their requests (SessionOptions::prefetch)
+  /// On demand with swapping (SessionOptions::swap): loads that paged a block's weights back in
+  /// instead of building it (counted in `loads` too), and the weights of unloaded blocks that wait
+  /// in swap files now. 0 for a worker.
+  std::uint64_t swap_ins = 0;
+  std::int64_t swapped_bytes = 0;
 };
 
 /// @brief Per-path (task) aggregates since the session started.

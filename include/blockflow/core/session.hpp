@@ -58,6 +58,22 @@ struct SessionOptions {
     kOnDemand,
   };
   MemoryPolicy memory_policy = MemoryPolicy::kAdmit;
+  /// kOnDemand: how an unloaded TorchScript block on the CPU comes back (docs/memory.md, "Swapping").
+  struct Swap {
+    /// true: its load captures the memory it allocates through libtorch (its weights); unloading it
+    /// writes that memory to a file (the first time; later only what changed) and drops its pages,
+    /// keeping the module, and loading it again pages the weights back in: milliseconds instead of
+    /// a new build. false: unloading frees the block and loading builds it again. Other blocks
+    /// (callables, CUDA) are always built again.
+    bool enabled = true;
+    /// Where the swap files go (made unlinked, 0600): "" is $TMPDIR, else /var/tmp. A disk, not a
+    /// tmpfs: a tmpfs file's pages stay in memory (a warning says so).
+    std::string directory;
+    /// Unloading also drops the weights from the page cache, so that loading reads the disk: what a
+    /// machine short of memory sees once the kernel has reclaimed the cache.
+    bool drop_page_cache = false;
+  };
+  Swap swap;
   /// kOnDemand: when a lane takes a request for a block, the next blocks of the request's path that
   /// are not loaded start loading on another lane, when room can be made from idle blocks of other
   /// paths without waiting (docs/memory.md, "Prefetch"). Off by default.

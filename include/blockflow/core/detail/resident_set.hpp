@@ -3,9 +3,13 @@
 // kOnDemand, docs/memory.md). A block is loaded when a request needs it; to make room, idle blocks
 // are unloaded, least recently used first. A block that is running (held) is never unloaded; one with
 // requests queued only when no idle block is left to unload (the site could not go on otherwise).
+// With swapping (SessionOptions::swap), a swappable block's load captures the memory it allocates
+// (WeightSwap): unloading it pages that memory out to a file and keeps the block, and loading it
+// again pages it back in instead of building it anew.
 
 #include <blockflow/core/block.hpp>
 #include <blockflow/core/detail/mutex.hpp>
+#include <blockflow/core/detail/weight_swap.hpp>
 
 #include <absl/status/statusor.h>
 
@@ -64,16 +68,21 @@ class ResidentSet {
     std::int64_t bytes_loaded = 0;
     double load_s = 0;                ///< time spent loading
     std::uint64_t prefetches = 0;     ///< loads made ahead of their requests (prefetch())
+    std::uint64_t swap_ins = 0;       ///< loads that paged a block's weights back in (swapping)
+    std::int64_t swapped_bytes = 0;   ///< the weights of unloaded blocks that wait in swap files
   };
 
-  ResidentSet(std::int64_t budget_bytes, MemoryProbe probe);
+  /// `swap`: unloading pages a swappable block's weights out to a file (WeightSwap) instead of
+  /// freeing the block; none: unloading frees it, and loading builds it anew.
+  ResidentSet(std::int64_t budget_bytes, MemoryProbe probe, std::optional<WeightSwap::Options> swap = std::nullopt);
   ~ResidentSet();
   ResidentSet(const ResidentSet&) = delete;
   ResidentSet& operator=(const ResidentSet&) = delete;
 
   /// Registers a block, not loaded; returns its id. `footprint` 0: measured at its first load.
-  /// `queued`: whether requests wait for it.
-  int add(std::string name, std::int64_t footprint, Loader loader, std::function<bool()> queued);
+  /// `queued`: whether requests wait for it. `swappable`: its memory is what libtorch's CPU
+  /// allocator gives it (a TorchScript module on the CPU), so swapping may page it out.
+  int add(std::string name, std::int64_t footprint, Loader loader, std::function<bool()> queued, bool swappable = false);
   /// Loads the block if it is not (making room first), and keeps it loaded until the Hold goes.
   /// Waits while the loaded blocks that are running leave too little room. The error of a failed
   /// load names the block; ResourceExhausted for a block whose footprint exceeds the whole budget.
@@ -96,18 +105,26 @@ class ResidentSet {
 
  private:
   struct Entry;
+  // What make_room_locked() unloaded, finished once mu_ is let go (finish()): blocks to free, and
+  // entries whose weights page out (Entry::parked; loading until that is done).
+  struct Evicted {
+    std::vector<std::shared_ptr<Block>> freed;
+    std::vector<Entry*> parking;
+  };
+  void finish(Evicted& evicted);
   void release(int id);
   void unload_locked(Entry& e, std::vector<std::shared_ptr<Block>>& gone) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Picks blocks to unload so that `need` more bytes fit (idle ones first, least recently used
   // first; then ones with queued requests); false when the running ones leave too little room.
   // `keep` (a prefetch): only idle blocks not listed there.
-  bool make_room_locked(std::int64_t need, int except, std::vector<std::shared_ptr<Block>>& unloaded,
-                        const std::vector<int>* keep = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool make_room_locked(std::int64_t need, int except, Evicted& unloaded, const std::vector<int>* keep = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Loads a block whose room (`reserved`, 0 when its footprint is measured now) is taken, and holds it.
   absl::StatusOr<Hold> load_reserved(int id, Entry& entry, std::int64_t reserved);
 
   const std::int64_t budget_;
   const MemoryProbe probe_;
+  const std::optional<WeightSwap::Options> swap_;
   mutable Mutex mu_;
   std::uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // +1 whenever a block is released, loaded or unloaded
   std::vector<std::unique_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
@@ -116,6 +133,7 @@ class ResidentSet {
   std::int64_t bytes_loaded_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t load_ns_ ABSL_GUARDED_BY(mu_) = 0;
   std::uint64_t prefetches_ ABSL_GUARDED_BY(mu_) = 0;
+  std::uint64_t swap_ins_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 /// The Block a session keeps for a block of `set` (its name, options, device and `kind`): forward()

@@ -38,7 +38,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(PathMetrics, task, active, submi
                                                 overhead, throughput_per_s, active_ms, waiting_at_entry, waited_at_entry)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(LaneMetrics, index, runs, tasks, inline_continuations, one_thread_runs, threads, busy_s, utilisation)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteMemory, site, budget_bytes, profiled_bytes, measured_bytes, policy,
-                                                resident_bytes, loads, evictions, bytes_loaded, load_s, prefetches)
+                                                resident_bytes, loads, evictions, bytes_loaded, load_s, prefetches,
+                                                swap_ins, swapped_bytes)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(UpdateStats, version, blocks_added, blocks_removed, sites_started,
                                                 sites_stopped, load_ms, route_ms, drain_ms, total_ms,
                                                 time_to_first_result_ms)

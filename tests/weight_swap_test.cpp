@@ -1,0 +1,164 @@
+// Swapping (SessionOptions::swap, docs/memory.md "Swapping"): the memory a block's load allocates
+// through libtorch is captured; unloading pages it out to a file and a reload pages it back in, with
+// every value kept, writes made since the last unload included.
+#include "test_util.hpp"
+
+#include <blockflow/core/detail/weight_swap.hpp>
+
+#include <fmt/format.h>
+#include <torch/script.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <thread>
+
+using namespace blockflow;
+using blockflow::detail::WeightSwap;
+
+namespace {
+
+constexpr std::int64_t kFloats = 1 << 20;  // 4 MB
+
+// A TorchScript file whose forward is x @ w, w a 1024 x 1024 matrix of `value` (4 MB of weights).
+struct MatmulModel {
+  std::filesystem::path file;
+  explicit MatmulModel(const std::string& name, float value) {
+    file = std::filesystem::temp_directory_path() / fmt::format("bf-swap-{}-{}.pt", name, ::getpid());
+    torch::jit::Module m("Matmul");
+    m.register_parameter("w", at::full({1024, 1024}, value), false);
+    m.define(R"(
+def forward(self, x):
+    return torch.mm(x, self.w)
+)");
+    m.save(file.string());
+  }
+  ~MatmulModel() {
+    std::error_code ec;
+    std::filesystem::remove(file, ec);
+  }
+};
+
+BlockDescription matmul_block(const std::string& name, const MatmulModel& model) {
+  BlockDescription d;
+  d.name = name;
+  d.torchscript = model.file.string();
+  d.options.input_shapes = {{1, 1024}};
+  return d;
+}
+
+const SiteMemory& threads_memory(const MetricsSnapshot& m) {
+  for (const auto& s : m.memory) {
+    if (s.site == "threads") return s;
+  }
+  FAIL("no memory figures for the threads");
+  throw std::logic_error("unreachable");
+}
+
+}  // namespace
+
+TEST_CASE("swap: captured weights page out and back in, keeping every value, writes since the last swap_out included",
+          "[memory]") {
+  REQUIRE(WeightSwap::available());
+  WeightSwap swap("w", {});
+  at::Tensor weights;
+  {
+    WeightSwap::Capture capture(swap);
+    weights = at::ones({kFloats});
+  }
+  const std::int64_t bytes = static_cast<std::int64_t>(kFloats * sizeof(float));
+  REQUIRE(swap.bytes() == bytes);
+  CHECK(swap.resident_bytes() == bytes);
+
+  REQUIRE(swap.swap_out().ok());  // the first time: written to the file, its pages dropped
+  CHECK(swap.resident_bytes() == 0);
+  REQUIRE(swap.swap_in().ok());
+  CHECK(swap.resident_bytes() == bytes);
+  CHECK(weights.sum().item<double>() == static_cast<double>(kFloats));
+
+  // Written while loaded: saved by the next swap_out, not lost to the file's older copy.
+  weights.narrow(0, 0, 1024).fill_(3.0F);
+  REQUIRE(swap.swap_out().ok());
+  CHECK(swap.resident_bytes() == 0);
+  REQUIRE(swap.swap_in().ok());
+  CHECK(weights.sum().item<double>() == static_cast<double>(kFloats + 2 * 1024));
+
+  // Memory paged out stays valid: an access reads it back.
+  REQUIRE(swap.swap_out().ok());
+  CHECK(weights[5].item<float>() == 3.0F);
+  CHECK(weights[kFloats - 1].item<float>() == 1.0F);
+
+  weights = at::Tensor();  // freed: no longer captured
+  CHECK(swap.bytes() == 0);
+}
+
+TEST_CASE("swap: only this thread's allocations of a page or more are captured, and only while the capture lives",
+          "[memory]") {
+  REQUIRE(WeightSwap::available());
+  WeightSwap swap("w", {});
+  at::Tensor small, other_thread, mine;
+  {
+    WeightSwap::Capture capture(swap);
+    small = at::ones({16});
+    std::thread([&] { other_thread = at::ones({kFloats}); }).join();
+    mine = at::ones({kFloats});
+  }
+  const at::Tensor after = at::ones({kFloats});
+  CHECK(swap.bytes() == static_cast<std::int64_t>(kFloats * sizeof(float)));
+  REQUIRE(swap.swap_out().ok());
+  CHECK(swap.resident_bytes() == 0);
+  CHECK(small.sum().item<double>() == 16.0);
+  CHECK(other_thread.sum().item<double>() == static_cast<double>(kFloats));
+  CHECK(after.sum().item<double>() == static_cast<double>(kFloats));
+}
+
+TEST_CASE("swap: a file that cannot be made is an error naming the block, and the memory stays as it was", "[memory]") {
+  REQUIRE(WeightSwap::available());
+  WeightSwap swap("weights_b", {"/nonexistent/swap-dir", false});
+  at::Tensor weights;
+  {
+    WeightSwap::Capture capture(swap);
+    weights = at::ones({kFloats});
+  }
+  const absl::Status status = swap.swap_out();
+  REQUIRE_FALSE(status.ok());
+  CHECK_THAT(std::string(status.message()), Catch::Matchers::Contains("block 'weights_b'") &&
+                                                Catch::Matchers::Contains("/nonexistent/swap-dir"));
+  CHECK(swap.resident_bytes() == swap.bytes());
+  CHECK(weights.sum().item<double>() == static_cast<double>(kFloats));
+}
+
+TEST_CASE("on demand with swapping: evicted TorchScript blocks come back by swap-in, with the right values", "[memory]") {
+  const MatmulModel half("half", 0.5F), quarter("quarter", 0.25F);
+  const bool swap = GENERATE(true, false);
+  SessionOptions options;
+  options.memory_policy = SessionOptions::MemoryPolicy::kOnDemand;
+  options.memory_budget = 6 * test::kMB;  // room for one of the two (4 MB of weights each)
+  options.lanes = 1;
+  options.swap.enabled = swap;
+  Session session(options);
+  auto a = matmul_block("a", half), b = matmul_block("b", quarter);
+  a.options.memory_bytes = b.options.memory_bytes = 5 * test::kMB;
+  session.add_block(a).add_block(b).add_path(Path::chain("ta", {"a"})).add_path(Path::chain("tb", {"b"}));
+  test::require_started(session);
+  const at::Tensor x = at::ones({1, 1024});
+  for (int i = 0; i < 3; ++i) {
+    Result ra = session.submit("ta", x).get();
+    REQUIRE(ra.ok());
+    CHECK(ra.outputs.at(0)[0][7].item<float>() == 512.0F);
+    Result rb = session.submit("tb", x).get();
+    REQUIRE(rb.ok());
+    CHECK(rb.outputs.at(0)[0][7].item<float>() == 256.0F);
+  }
+  const SiteMemory& m = threads_memory(session.metrics());
+  CHECK(m.loads == 8);  // start() loads each once, then every request loads its block
+  CHECK(m.evictions == 7);
+  if (swap) {
+    CHECK(m.loads - m.swap_ins == 2);  // each block built once; every later load a swap-in
+    CHECK(m.swapped_bytes >= 4 * test::kMB);  // one of them waits in its file
+  } else {
+    CHECK(m.swap_ins == 0);
+    CHECK(m.swapped_bytes == 0);
+  }
+  session.shutdown();
+}
