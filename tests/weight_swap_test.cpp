@@ -2,6 +2,7 @@
 // through libtorch is captured; unloading pages it out to a file and a reload pages it back in, with
 // every value kept, writes made since the last unload included.
 #include "test_util.hpp"
+#include "worker_util.hpp"
 
 #include <blockflow/core/detail/weight_swap.hpp>
 
@@ -160,5 +161,44 @@ TEST_CASE("on demand with swapping: evicted TorchScript blocks come back by swap
     CHECK(m.swap_ins == 0);
     CHECK(m.swapped_bytes == 0);
   }
+  session.shutdown();
+}
+
+TEST_CASE("on demand with swapping in a worker process: its TorchScript blocks are swapped in; heartbeats bring the figures",
+          "[memory]") {
+  const MatmulModel half("w-half", 0.5F), quarter("w-quarter", 0.25F);
+  WorkerOptions worker = test::test_worker("w1");
+  worker.memory_budget = 6 * test::kMB;
+  worker.memory_policy = SessionOptions::MemoryPolicy::kOnDemand;
+  Session session;
+  session.add_site(std::make_shared<WorkerSite>(worker));
+  auto a = matmul_block("a", half), b = matmul_block("b", quarter);
+  a.placement = b.placement = "w1";
+  a.options.memory_bytes = b.options.memory_bytes = 5 * test::kMB;
+  session.add_block(a).add_block(b).add_path(Path::chain("ta", {"a"})).add_path(Path::chain("tb", {"b"}));
+  test::require_started(session);
+  const at::Tensor x = at::ones({1, 1024});
+  for (int i = 0; i < 3; ++i) {
+    Result ra = session.submit("ta", x).get();
+    INFO(ra.status);
+    REQUIRE(ra.ok());
+    CHECK(ra.output()[0][7].item<float>() == 512.0F);
+    Result rb = session.submit("tb", x).get();
+    INFO(rb.status);
+    REQUIRE(rb.ok());
+    CHECK(rb.output()[0][7].item<float>() == 256.0F);
+  }
+  const auto w1 = [&] {
+    const auto m = session.metrics();
+    for (const auto& s : m.memory) {
+      if (s.site == "w1") return s;
+    }
+    return SiteMemory{};
+  };
+  CHECK(test::eventually([&] { return w1().loads >= 8; }));
+  const SiteMemory m = w1();
+  CHECK(m.loads - m.swap_ins == 2);
+  CHECK(m.swapped_bytes >= 4 * test::kMB);
+  CHECK_THAT(session.metrics().to_prometheus(), Catch::Matchers::Contains("blockflow_site_block_swap_ins_total{site=\"w1\"}"));
   session.shutdown();
 }

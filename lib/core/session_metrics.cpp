@@ -129,6 +129,8 @@ MetricsSnapshot SessionCore::metrics() const {
     m.evictions = st.block_evictions;
     m.bytes_loaded = st.block_bytes_loaded;
     m.load_s = st.block_load_s;
+    m.swap_ins = st.block_swap_ins;
+    m.swapped_bytes = st.swapped_bytes;
   }
   snapshot.sampling = sampler_.enabled();
   snapshot.sampling_period_s = absl::ToDoubleSeconds(sampler_.period());

@@ -147,7 +147,9 @@ bool install() {
     if (next == nullptr || next->raw_deleter() == nullptr) return false;
     g_next_raw_deleter = next->raw_deleter();
     static auto* ours = new CapturingAllocator(next);
-    c10::SetCPUAllocator(ours, /*priority=*/1);  // libtorch's own has 0
+    // In front of what is there (libtorch's own at priority 0, a worker's slot allocator at 100,
+    // which, installed after this, wraps it in turn; either order makes one chain).
+    c10::SetCPUAllocator(ours, /*priority=*/100);
     return c10::GetCPUAllocator() == ours;
   }();
   return installed;

@@ -66,7 +66,8 @@ nlohmann::json on_demand_totals(const bf::MetricsSnapshot& m) {
   for (const auto& site : m.memory) {
     if (site.site != "threads") continue;
     return {{"blocks_resident_bytes", site.resident_bytes}, {"block_loads", site.loads}, {"block_evictions", site.evictions},
-            {"block_bytes_loaded", site.bytes_loaded}, {"block_load_s", site.load_s}};
+            {"block_bytes_loaded", site.bytes_loaded}, {"block_load_s", site.load_s}, {"block_swap_ins", site.swap_ins},
+            {"swapped_bytes", site.swapped_bytes}};
   }
   return nlohmann::json::object();
 }

@@ -251,6 +251,8 @@ SiteStats WorkerSite::stats() const {
   out.block_evictions = s.on_demand.block_evictions;
   out.block_bytes_loaded = s.on_demand.block_bytes_loaded;
   out.block_load_s = s.on_demand.block_load_s;
+  out.block_swap_ins = s.on_demand.block_swap_ins;
+  out.swapped_bytes = s.on_demand.swapped_bytes;
   out.cuda_graphs = s.on_demand.cuda_graphs;
   out.failed_requests = s.failed_requests;
   out.in_flight = s.in_flight.size();

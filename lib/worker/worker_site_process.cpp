@@ -277,6 +277,8 @@ void WorkerSite::Impl::handle_control(zmq::socket_t& router, const std::string& 
       on_demand.block_evictions = it->value("block_evictions", std::uint64_t{0});
       on_demand.block_bytes_loaded = it->value("block_bytes_loaded", std::int64_t{0});
       on_demand.block_load_s = it->value("block_load_s", 0.0);
+      on_demand.block_swap_ins = it->value("block_swap_ins", std::uint64_t{0});
+      on_demand.swapped_bytes = it->value("swapped_bytes", std::int64_t{0});
     }
   }
 }

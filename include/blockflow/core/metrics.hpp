@@ -89,7 +89,7 @@ struct SiteMemory {
   std::uint64_t prefetches = 0;     ///< on demand: loads made ahead of their requests (SessionOptions::prefetch)
   /// On demand with swapping (SessionOptions::swap): loads that paged a block's weights back in
   /// instead of building it (counted in `loads` too), and the weights of unloaded blocks that wait
-  /// in swap files now. 0 for a worker.
+  /// in swap files now (a worker's as of its last heartbeat).
   std::uint64_t swap_ins = 0;
   std::int64_t swapped_bytes = 0;
 };

@@ -86,11 +86,14 @@ struct SiteStats {
   KpiSample kpi;
   /// A site that loads on demand (RemoteSite::loads_on_demand()), as of its last heartbeat: the
   /// footprints of the blocks loaded now, loads, evictions, the footprints of every load, and the
-  /// time spent loading.
+  /// time spent loading; with swapping (SessionOptions::swap), the loads that were swap-ins and the
+  /// weights waiting in swap files now.
   std::int64_t blocks_resident_bytes = 0;
   std::uint64_t block_loads = 0, block_evictions = 0;
   std::int64_t block_bytes_loaded = 0;
   double block_load_s = 0;
+  std::uint64_t block_swap_ins = 0;
+  std::int64_t swapped_bytes = 0;
   /// Per block with BlockOptions::cuda_graph in the site, as of its last heartbeat.
   std::map<std::string, CudaGraphStats> cuda_graphs;
 };

@@ -39,8 +39,9 @@ class WeightSwap {
   WeightSwap(const WeightSwap&) = delete;
   WeightSwap& operator=(const WeightSwap&) = delete;
 
-  /// Whether capturing works in this process: false when an allocator of higher priority than
-  /// ours holds libtorch's CPU slot (then blocks are rebuilt instead).
+  /// Whether capturing works in this process: false when an allocator of a priority above 100
+  /// holds libtorch's CPU slot (then blocks are rebuilt instead). Installed once, in front of the
+  /// allocator there (a worker's shared-memory slot allocator, installed later, goes in front of it).
   static bool available();
 
   /// Captures this thread's allocations of a page or more into `swap` while it lives (nests).

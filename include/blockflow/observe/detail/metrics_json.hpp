@@ -28,7 +28,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteStats, name, kind, pid, rest
                                                 malformed_frames, parked_outputs, direct_forwards, rss_idle_bytes, rss_bytes,
                                                 computing_block, computing_s, data, shm_requests,
                                                 shm_results, cuda_requests, cuda_results, kpi, blocks_resident_bytes, block_loads,
-                                                block_evictions, block_bytes_loaded, block_load_s, cuda_graphs)
+                                                block_evictions, block_bytes_loaded, block_load_s, block_swap_ins,
+                                                swapped_bytes, cuda_graphs)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(BlockMetrics, name, kind, device, placement, workers,
                                                 intra_op_threads, processed, failed, batches, batched_requests, layout_kept,
                                                 computing_s, on_demand, resident, footprint_bytes, loads, evictions, last_use_s, cuda_graph, wait,
