@@ -449,15 +449,8 @@ TEST_CASE("on demand in a worker process: its blocks take turns under its budget
     CHECK(r.output().eq(7.0f).all().item<bool>());
   }
   // Each request of the other task unloaded the block before it (the heartbeats bring the figures).
-  const auto site_memory = [&] {
-    const auto m = session.metrics();
-    for (const auto& s : m.memory) {
-      if (s.site == "w1") return s;
-    }
-    return SiteMemory{};
-  };
-  CHECK(test::eventually([&] { return site_memory().evictions >= 6; }));
-  const SiteMemory w1 = site_memory();
+  CHECK(test::eventually([&] { return test::site_memory(session.metrics(), "w1").evictions >= 6; }));
+  const SiteMemory w1 = test::site_memory(session.metrics(), "w1");
   CHECK(w1.policy == "on_demand");
   CHECK(w1.budget_bytes == 10 * kMB);
   CHECK(w1.resident_bytes == 6 * kMB);

@@ -129,6 +129,14 @@ inline std::uint64_t processed(const MetricsSnapshot& m, const std::string& bloc
 
 constexpr std::int64_t kMB = std::int64_t{1} << 20;
 
+/// The memory figures `m` gives for `site` ("threads": the session's own); empty ones when none.
+inline SiteMemory site_memory(const MetricsSnapshot& m, const std::string& site) {
+  for (const auto& s : m.memory) {
+    if (s.site == site) return s;
+  }
+  return SiteMemory{};
+}
+
 /// A latch blocks wait on until the test releases it (counts how many entered).
 struct Latch {
   std::mutex mu;

@@ -79,7 +79,12 @@ void ResidentSet::Hold::reset() {
 }
 
 ResidentSet::ResidentSet(std::int64_t budget_bytes, MemoryProbe probe, std::optional<WeightSwap::Options> swap)
-    : budget_(budget_bytes), probe_(std::move(probe)), swap_(std::move(swap)) {}
+    : budget_(budget_bytes), probe_(std::move(probe)), swap_(std::move(swap)) {
+  if (swap_ && !WeightSwap::available()) {  // installs the capturing allocator now, before any block loads
+    log(LogLevel::kWarning, "swapping is off: another CPU allocator of a higher priority is installed in libtorch; "
+                            "unloaded blocks are built again (SessionOptions::swap)");
+  }
+}
 
 ResidentSet::~ResidentSet() = default;
 
@@ -227,7 +232,8 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
     }
   }
   if (!swapped_in) {
-    std::shared_ptr<WeightSwap> swap = entry->swappable ? std::make_shared<WeightSwap>(entry->name, *swap_) : nullptr;
+    const bool capture = entry->swappable && !swap_failed_.load();
+    std::shared_ptr<WeightSwap> swap = capture ? std::make_shared<WeightSwap>(entry->name, *swap_) : nullptr;
     try {
       std::optional<WeightSwap::Capture> capture;
       if (swap) capture.emplace(*swap);
@@ -289,7 +295,10 @@ void ResidentSet::finish(Evicted& evicted) {
   for (Entry* e : evicted.parking) {
     // This thread owns e->swap and e->parked until `loading` is cleared.
     const absl::Status status = e->swap->swap_out();
-    if (!status.ok()) log(LogLevel::kWarning, fmt::format("{}; freeing the block instead", status.ToString()));
+    if (!status.ok() && !swap_failed_.exchange(true)) {
+      log(LogLevel::kWarning, fmt::format("{}; freeing the block instead, and building unloaded blocks again from now on "
+                                          "(SessionOptions::swap)", status.ToString()));
+    }
     MutexLock lock(&mu_);
     e->loading = false;
     ++generation_;
@@ -315,12 +324,14 @@ void ResidentSet::release(int id) {
 }
 
 void ResidentSet::unload_locked(Entry& e, std::vector<std::shared_ptr<Block>>& gone) {
-  if (e.parked && !e.loading) {  // paged out: freed for good
+  if (e.loading) return;  // its loader or finish() owns parked and swap now, and frees it if retired
+  if (e.parked) {  // paged out: freed for good
     gone.push_back(std::move(e.parked));
     e.swap.reset();
     return;
   }
   if (!e.block || e.holders > 0) return;
+  e.swap.reset();
   gone.push_back(std::move(e.block));
   e.block = nullptr;
   resident_ -= e.footprint;

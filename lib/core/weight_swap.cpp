@@ -18,6 +18,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <shared_mutex>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -60,7 +61,7 @@ thread_local State* t_capture = nullptr;
 // The captured mappings still allocated, by address, with the swap each belongs to. Never
 // destroyed: tensors may be freed during the process's exit.
 struct Registry {
-  std::mutex mu;
+  std::shared_mutex mu;  // shared for the look-up every raw free makes; exclusive to add or remove
   std::unordered_map<void*, std::shared_ptr<State>> owners;
   std::atomic<std::size_t> live{0};
 };
@@ -90,9 +91,14 @@ void free_any(void* p) {
   if (p == nullptr) return;
   Registry& r = registry();
   if (r.live.load(std::memory_order_acquire) > 0) {
-    std::shared_ptr<State> owner;
+    bool ours = false;
     {
-      std::lock_guard<std::mutex> lock(r.mu);
+      std::shared_lock<std::shared_mutex> lock(r.mu);
+      ours = r.owners.count(p) != 0;
+    }
+    std::shared_ptr<State> owner;
+    if (ours) {
+      std::unique_lock<std::shared_mutex> lock(r.mu);
       const auto it = r.owners.find(p);
       if (it != r.owners.end()) {
         owner = std::move(it->second);
@@ -119,7 +125,7 @@ void* map_captured(State& s, std::size_t n) {
     s.bytes += static_cast<std::int64_t>(len);
   }
   Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
+  std::unique_lock<std::shared_mutex> lock(r.mu);
   r.owners.emplace(p, std::move(owner));
   r.live.fetch_add(1, std::memory_order_release);
   return p;

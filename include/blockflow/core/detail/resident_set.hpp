@@ -13,6 +13,7 @@
 
 #include <absl/status/statusor.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -125,6 +126,7 @@ class ResidentSet {
   const std::int64_t budget_;
   const MemoryProbe probe_;
   const std::optional<WeightSwap::Options> swap_;
+  std::atomic<bool> swap_failed_{false};  // a swap file could not be written: unloaded blocks are freed from then on
   mutable Mutex mu_;
   std::uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // +1 whenever a block is released, loaded or unloaded
   std::vector<std::unique_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
