@@ -10,6 +10,7 @@
 #include <blockflow/core/detail/units.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/mutex.hpp>
+#include <blockflow/core/detail/sanitizer.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 #include <blockflow/core/kpi.hpp>
 
@@ -37,6 +38,13 @@ std::string site_label(const std::string& site) {
 }
 
 std::int64_t process_rss_bytes() { return sample_process().rss_bytes; }
+
+// This process's resident memory with the heap that loads and warm-ups freed handed back first, as
+// blockflow-profile measures a block: what start() and apply() compare with the profiles.
+std::int64_t settled_rss_bytes() {
+  sanitizer::trim_malloc_heap();
+  return process_rss_bytes();
+}
 
 // What a block's load ends with: its warm-up runs on zeros of its input shapes, on this thread.
 absl::Status warm_up_loaded(Block& block) {
@@ -205,7 +213,7 @@ std::int64_t SessionCore::memory_budget_of(const std::string& site) const {
   return s != nullptr ? s->site->memory_budget() : 0;
 }
 
-void SessionCore::note_memory_baseline() { rss_baseline_ = process_rss_bytes(); }
+void SessionCore::note_memory_baseline() { rss_baseline_ = settled_rss_bytes(); }
 
 void SessionCore::note_memory() {
   std::map<std::string, SiteMemory> sites;
@@ -230,7 +238,7 @@ void SessionCore::note_memory() {
     if (m.profiled_bytes == 0 && m.budget_bytes == 0) continue;  // nothing to say about it
     bool measured = false;
     if (name == kThreads) {
-      m.measured_bytes = std::max<std::int64_t>(0, process_rss_bytes() - rss_baseline_);
+      m.measured_bytes = std::max<std::int64_t>(0, settled_rss_bytes() - rss_baseline_);
       measured = true;
     } else if (const SiteRuntime* site = site_named(name)) {
       const SiteStats st = site->site->stats();
