@@ -187,3 +187,33 @@ TEST_CASE("on demand with swapping in a worker process: its TorchScript blocks a
   CHECK_THAT(session.metrics().to_prometheus(), Catch::Matchers::Contains("blockflow_site_block_swap_ins_total{site=\"w1\"}"));
   session.shutdown();
 }
+
+TEST_CASE("on demand with swapping: an update that removes a block while it is paged out frees it and its file", "[memory]") {
+  const MatmulModel half("r-half", 0.5F), quarter("r-quarter", 0.25F);
+  SessionOptions options;
+  options.memory_policy = SessionOptions::MemoryPolicy::kOnDemand;
+  options.memory_budget = 6 * test::kMB;
+  options.lanes = 1;
+  Session session(options);
+  auto a = matmul_block("a", half), b = matmul_block("b", quarter);
+  a.options.memory_bytes = b.options.memory_bytes = 5 * test::kMB;
+  session.add_block(a).add_block(b).add_path(Path::chain("ta", {"a"})).add_path(Path::chain("tb", {"b"}));
+  test::require_started(session);
+  alternate(session);  // "tb" last: b loaded, a paged out
+  REQUIRE(test::site_memory(session.metrics(), "threads").swapped_bytes >= 4 * test::kMB);
+
+  auto parsed = Deployment::parse(fmt::format(R"({{"blocks": [{{"name": "b", "torchscript": "{}", "input_shapes": [[1, 1024]],
+                                                  "memory_bytes": {}}}], "tasks": {{"tb": ["b"]}}}})",
+                                              quarter.file.string(), 5 * test::kMB),
+                                  "/nowhere");
+  REQUIRE(parsed.ok());
+  const auto applied = session.apply(*parsed);
+  INFO(applied.status().ToString());
+  REQUIRE(applied.ok());
+  CHECK(test::site_memory(session.metrics(), "threads").swapped_bytes == 0);
+  Result rb = session.submit("tb", at::ones({1, 1024})).get();
+  REQUIRE(rb.ok());
+  CHECK(rb.output()[0][7].item<float>() == 256.0F);
+  CHECK_FALSE(session.submit("ta", at::ones({1, 1024})).get().ok());
+  session.shutdown();
+}

@@ -232,8 +232,8 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
     }
   }
   if (!swapped_in) {
-    const bool capture = entry->swappable && !swap_failed_.load();
-    std::shared_ptr<WeightSwap> swap = capture ? std::make_shared<WeightSwap>(entry->name, *swap_) : nullptr;
+    const bool capturing = entry->swappable && !swap_failed_.load();
+    std::shared_ptr<WeightSwap> swap = capturing ? std::make_shared<WeightSwap>(entry->name, *swap_) : nullptr;
     try {
       std::optional<WeightSwap::Capture> capture;
       if (swap) capture.emplace(*swap);
