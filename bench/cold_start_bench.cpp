@@ -10,7 +10,12 @@
 //   threads_floor  the four blocks loaded at once, one thread per core, and chained once with no
 //                  warm-up (the first forward pays TorchScript's profiling run, as the monolithic's does);
 //   workers_floor  a process that starts four processes of this program at once, each bringing
-//                  libtorch up and loading nothing, and reports when the last is up.
+//                  libtorch up and loading nothing, and reports when the last is up;
+//   forked_floor   what a fork server could give workers: one process brings libtorch up, runs no
+//                  op, and forks four children that each load one block of the split and run it
+//                  once, with one intra-op thread (four loads on the cores at once; with two threads
+//                  each, their OpenMP teams oversubscribe the cores); it reports when the last child
+//                  is done (no session, no hand-offs).
 // Each measurement is a fresh process (posix_spawn of this program, `--child MODE`), the modes
 // alternating round by round after one unmeasured round (page cache). The time runs from just before
 // posix_spawn to the child's line saying that its first request resolved; the child also reports
@@ -49,6 +54,30 @@ Sample measure(const std::string& mode, const std::string& models, int threads, 
 // The child: brings the mode up, resolves one request, prints
 // "first_result START_MS PROCESS_TO_FIRST_MS FIRST_REQUEST_MS".
 int child(const std::string& mode, const std::string& models, int threads, int warmup_runs) {
+  if (mode == "forked_floor") {  // before any op: no OpenMP team exists to be lost in the children
+    std::vector<pid_t> children;
+    for (const auto& [name, shape] : bf::bench::resnet_split_stages()) {
+      const pid_t pid = ::fork();
+      if (pid < 0) throw std::runtime_error("forked_floor: fork failed");
+      if (pid == 0) {
+        at::set_num_threads(1);
+        auto block = bf::make_block(bf::bench::model_block(models, name, shape, 1, true));
+        if (!block.ok()) ::_exit(1);
+        c10::InferenceMode inference_mode;
+        auto out = (*block)->forward({at::zeros(shape)});
+        ::_exit(out.ok() ? 0 : 1);
+      }
+      children.push_back(pid);
+    }
+    for (const pid_t pid : children) {
+      int status = 0;
+      if (::waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        throw std::runtime_error("forked_floor: a child failed");
+      }
+    }
+    fmt::print("first_result 0 {:.1f} 0\n", bf::process_age_seconds() * 1e3);
+    return 0;
+  }
   const at::Tensor x = at::randn({1, 3, 224, 224});
   if (mode == "libtorch") {  // a workers_floor process: libtorch up, nothing loaded
     at::set_num_threads(threads);
@@ -182,7 +211,7 @@ int main(int argc, char** argv) try {
   if (models.empty()) throw std::invalid_argument("usage: cold_start_bench --models DIR [--rounds N] [--threads T]");
   if (!child_mode.empty()) return child(child_mode, models, threads, warmup_runs);
   const std::vector<std::string> modes = {"monolithic", "threads", "workers", "threads_floor", "workers_floor",
-                                         "two_tasks", "two_tasks_warming"};
+                                         "forked_floor", "two_tasks", "two_tasks_warming"};
   for (const auto& mode : modes) (void)measure(mode, models, threads, warmup_runs);  // page cache, unmeasured
   std::map<std::string, std::vector<Sample>> samples;
   for (int r = 0; r < rounds; ++r) {
