@@ -100,15 +100,19 @@ TEST_CASE("swap: captured weights page out and back in, keeping every value, wri
   CHECK(swap.bytes() == 0);
 }
 
-TEST_CASE("swap: only this thread's allocations of a page or more are captured, and only while the capture lives",
+TEST_CASE("swap: only this thread's allocations of a page or more are captured, and only while the capture lives, unpaused",
           "[memory]") {
   REQUIRE(WeightSwap::available());
   WeightSwap swap("w", {});
-  at::Tensor small, other_thread, mine;
+  at::Tensor small, other_thread, paused, mine;
   {
     WeightSwap::Capture capture(swap);
     small = at::ones({16});
     std::thread([&] { other_thread = at::ones({kFloats}); }).join();
+    {
+      const WeightSwap::Pause pause;
+      paused = at::ones({kFloats});
+    }
     mine = at::ones({kFloats});
   }
   const at::Tensor after = at::ones({kFloats});
@@ -117,6 +121,7 @@ TEST_CASE("swap: only this thread's allocations of a page or more are captured, 
   CHECK(swap.resident_bytes() == 0);
   CHECK(small.sum().item<double>() == 16.0);
   CHECK(other_thread.sum().item<double>() == static_cast<double>(kFloats));
+  CHECK(paused.sum().item<double>() == static_cast<double>(kFloats));
   CHECK(after.sum().item<double>() == static_cast<double>(kFloats));
 }
 

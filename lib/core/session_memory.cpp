@@ -50,6 +50,7 @@ std::int64_t settled_rss_bytes() {
 absl::Status warm_up_loaded(Block& block) {
   const auto& options = block.options();
   if (options.input_shapes.empty()) return absl::OkStatus();
+  const WeightSwap::Pause activations_are_not_weights;  // swapping captures what the build made
   c10::InferenceMode inference_mode;
   const Tensors zeros = warm_up_inputs(block);
   for (int run = 0; run < options.warmup_runs; ++run) {

@@ -256,6 +256,10 @@ WeightSwap::Capture::Capture(WeightSwap& swap) : previous_(t_capture) {
 
 WeightSwap::Capture::~Capture() { t_capture = static_cast<State*>(previous_); }
 
+WeightSwap::Pause::Pause() : previous_(std::exchange(t_capture, nullptr)) {}
+
+WeightSwap::Pause::~Pause() { t_capture = static_cast<State*>(previous_); }
+
 std::int64_t WeightSwap::bytes() const {
   std::lock_guard<std::mutex> lock(state_->mu);
   return state_->bytes;

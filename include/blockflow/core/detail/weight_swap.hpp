@@ -56,6 +56,18 @@ class WeightSwap {
     void* previous_;
   };
 
+  /// Stops this thread's capture while it lives (a block's warm-up: its activations are not weights).
+  class Pause {
+   public:
+    Pause();
+    ~Pause();
+    Pause(const Pause&) = delete;
+    Pause& operator=(const Pause&) = delete;
+
+   private:
+    void* previous_;
+  };
+
   /// Bytes of captured memory still allocated (whole pages).
   [[nodiscard]] std::int64_t bytes() const;
   /// Of those, the bytes whose pages are in this process's resident set now (/proc/self/pagemap).
