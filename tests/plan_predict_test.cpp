@@ -122,20 +122,17 @@ TEST_CASE("placement_of(): a deployment's placements, the session's threads for 
 
 TEST_CASE("blockflow-plan --predict reports a deployment's own placement, for its tasks only", "[planner]") {
   const PlanFiles files("plan-predict-test");
-  const std::string& profile = files.profile;
-  auto write = [&](const std::string& name, const std::string& text) { return files.write(name, text); };
-  const auto& dir = files.dir;
-  const std::string tasks = write("tasks.json", R"({"tasks": [{"name": "t", "path": ["A", "B"], "rate_rps": 30, "slo_ms": 100},
+  const std::string tasks = files.write("tasks.json", R"({"tasks": [{"name": "t", "path": ["A", "B"], "rate_rps": 30, "slo_ms": 100},
                                                              {"name": "other", "path": ["A"], "rate_rps": 50, "slo_ms": 100}]})");
-  const std::string sites = write("sites.json", R"({"sites": [{"name": "w1", "kind": "worker", "lanes": 1},
+  const std::string sites = files.write("sites.json", R"({"sites": [{"name": "w1", "kind": "worker", "lanes": 1},
                                                              {"name": "w2", "kind": "worker", "lanes": 1}]})");
-  const std::string deployment = write("deployment.json", R"({"blocks": [{"name": "A", "torchscript": "A.pt", "placement": "w1"},
+  const std::string deployment = files.write("deployment.json", R"({"blocks": [{"name": "A", "torchscript": "A.pt", "placement": "w1"},
                                                                         {"name": "B", "torchscript": "B.pt", "placement": "w1"}],
                                                               "tasks": {"t": ["A", "B"]}})");
-  const auto report = dir / "report.json";
+  const auto report = files.dir / "report.json";
   auto tool = [&](const std::string& tasks_file, const std::string& extra) {
     const std::string command = fmt::format("{} {} --tasks {} --sites {} --predict {} {} 2>/dev/null", BLOCKFLOW_TEST_PLAN_TOOL,
-                                            profile, tasks_file, sites, deployment, extra);
+                                            files.profile, tasks_file, sites, deployment, extra);
     return WEXITSTATUS(std::system(command.c_str()));
   };
   REQUIRE(tool(tasks, "--report " + report.string()) == 0);
@@ -146,7 +143,7 @@ TEST_CASE("blockflow-plan --predict reports a deployment's own placement, for it
   const double p50 = doc["tasks"][0]["predicted_p50_ms"];
   CHECK(p50 == Approx(35.001).epsilon(1e-4));  // both on w1: see above
   CHECK(doc["sites"][0]["blocks"].size() == 2);
-  const std::string without_t = write("other.json", R"({"tasks": [{"name": "other", "path": ["A"], "rate_rps": 50, "slo_ms": 100}]})");
+  const std::string without_t = files.write("other.json", R"({"tasks": [{"name": "other", "path": ["A"], "rate_rps": 50, "slo_ms": 100}]})");
   CHECK(tool(without_t, "") == 1);  // the deployment's task has no rate
-  CHECK(tool(tasks, "--out " + (dir / "d.json").string()) == 2);  // --predict writes no deployment
+  CHECK(tool(tasks, "--out " + (files.dir / "d.json").string()) == 2);  // --predict writes no deployment
 }

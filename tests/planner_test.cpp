@@ -139,23 +139,20 @@ TEST_CASE("inputs that cannot be planned are errors naming the task, block, site
 
 TEST_CASE("blockflow-plan reads the three files and writes the deployment and the report", "[planner]") {
   const PlanFiles files("plan-test");
-  const std::string& profile = files.profile;
-  auto write = [&](const std::string& name, const std::string& text) { return files.write(name, text); };
-  const auto& dir = files.dir;
-  const std::string tasks = write("tasks.json", R"({"tasks": [{"name": "t", "path": ["A", "B"], "rate_rps": 30, "slo_ms": 100},
+  const std::string tasks = files.write("tasks.json", R"({"tasks": [{"name": "t", "path": ["A", "B"], "rate_rps": 30, "slo_ms": 100},
                                                              {"name": "big", "path": ["A"], "rate_rps": 500, "slo_ms": 100}]})");
-  const std::string sites = write("sites.json", R"({"sites": [{"name": "w1", "kind": "worker", "lanes": 1},
+  const std::string sites = files.write("sites.json", R"({"sites": [{"name": "w1", "kind": "worker", "lanes": 1},
                                                              {"name": "w2", "kind": "worker", "lanes": 1, "memory_budget": 1000000000}]})");
-  const auto deployment = dir / "deployment.json", report = dir / "report.json";
+  const auto deployment = files.dir / "deployment.json", report = files.dir / "report.json";
   const std::string command = fmt::format("{} {} --tasks {} --sites {} --out {} --report {} 2>/dev/null", BLOCKFLOW_TEST_PLAN_TOOL,
-                                          profile, tasks, sites, deployment.string(), report.string());
+                                          files.profile, tasks, sites, deployment.string(), report.string());
   REQUIRE(std::system(command.c_str()) == 0);
   std::ifstream d(deployment), r(report);
   const std::string d_text((std::istreambuf_iterator<char>(d)), {}), r_text((std::istreambuf_iterator<char>(r)), {});
   CHECK(Deployment::parse(d_text).ok());
   CHECK_THAT(r_text, Contains("\"admitted\": true"));
   CHECK_THAT(r_text, Contains("task 'big': needs 5.00 lanes for 500.0 req/s (block 'A'"));
-  const std::string broken = fmt::format("{} {} --tasks {} --sites {} 2>/dev/null", BLOCKFLOW_TEST_PLAN_TOOL, profile, profile, sites);
+  const std::string broken = fmt::format("{} {} --tasks {} --sites {} 2>/dev/null", BLOCKFLOW_TEST_PLAN_TOOL, files.profile, files.profile, sites);
   CHECK(WEXITSTATUS(std::system(broken.c_str())) == 1);
 }
 

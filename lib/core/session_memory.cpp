@@ -10,7 +10,7 @@
 #include <blockflow/core/detail/units.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/mutex.hpp>
-#include <blockflow/core/detail/sanitizer.hpp>
+#include <blockflow/core/detail/malloc_settings.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 #include <blockflow/core/kpi.hpp>
 
@@ -39,12 +39,6 @@ std::string site_label(const std::string& site) {
 
 std::int64_t process_rss_bytes() { return sample_process().rss_bytes; }
 
-// This process's resident memory with the heap that loads and warm-ups freed handed back first, as
-// blockflow-profile measures a block: what start() and apply() compare with the profiles.
-std::int64_t settled_rss_bytes() {
-  sanitizer::trim_malloc_heap();
-  return process_rss_bytes();
-}
 
 // What a block's load ends with: its warm-up runs on zeros of its input shapes, on this thread.
 absl::Status warm_up_loaded(Block& block) {

@@ -11,7 +11,7 @@
 #include <c10/core/InferenceMode.h>
 #include <fmt/format.h>
 
-#include <blockflow/core/detail/sanitizer.hpp>
+#include <blockflow/core/detail/malloc_settings.hpp>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,9 +27,6 @@ namespace {
 
 using detail::ms_since;
 using detail::percentile;
-
-
-std::int64_t resident_bytes() { return sample_process().rss_bytes; }
 
 // Runs `fn` on a thread of its own with `threads` intra-op threads (its own OpenMP team, gone with
 // it) in inference mode, so that the profile does not depend on the caller's thread.
@@ -241,8 +238,7 @@ absl::StatusOr<BlockProfile> profile_block(const BlockDescription& d, const Prof
   std::int64_t memory = 0;
   try {
     auto made = on_profiling_thread(d.options.intra_op_threads, [&]() -> absl::Status {
-      detail::sanitizer::trim_malloc_heap();
-      const std::int64_t before = resident_bytes();
+      const std::int64_t before = detail::settled_rss_bytes();
       const std::int64_t t0 = detail::now_ns();
       auto b = make_block(d);
       if (!b.ok()) return b.status();
@@ -256,8 +252,7 @@ absl::StatusOr<BlockProfile> profile_block(const BlockDescription& d, const Prof
       auto ms = time_forward(*block, inputs, 0, std::max(1, options.quick ? 1 : options.warmup));
       if (!ms.ok()) return ms.status();
       warmup_ms = ms_since(t1);
-      detail::sanitizer::trim_malloc_heap();
-      memory = std::max<std::int64_t>(0, resident_bytes() - before);
+      memory = std::max<std::int64_t>(0, detail::settled_rss_bytes() - before);
       return absl::OkStatus();
     });
     if (!made.ok()) return absl::Status(made.code(), fmt::format("block '{}': {}", d.name, std::string(made.message())));

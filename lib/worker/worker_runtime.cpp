@@ -12,7 +12,7 @@
 #include <blockflow/channel/detail/tensor_codec.hpp>
 #include <blockflow/deploy/detail/deployment_json.hpp>
 #include <blockflow/core/detail/log.hpp>
-#include <blockflow/core/detail/sanitizer.hpp>
+#include <blockflow/core/detail/malloc_settings.hpp>
 #include <blockflow/observe/detail/metrics_json.hpp>
 #include <blockflow/worker/detail/worker_launch.hpp>
 #include <blockflow/worker/detail/worker_protocol.hpp>
@@ -62,12 +62,6 @@ struct Args {
 
 std::int64_t rss_bytes() { return bf::sample_process().rss_bytes; }
 
-// The resident memory the blocks keep once loaded: the heap the loads and warm-ups freed handed back
-// first, as blockflow-profile measures a block (the host compares the two, docs/planner.md).
-std::int64_t rss_after_loading() {
-  bf::detail::sanitizer::trim_malloc_heap();
-  return rss_bytes();
-}
 
 // What a heartbeat tells the host of a session whose blocks load on demand (SiteStats' fields).
 nlohmann::json on_demand_totals(const bf::MetricsSnapshot& m) {
@@ -197,7 +191,7 @@ class Worker {
     std::thread sender([this] { sender_main(); });
     std::thread receiver([this] { receiver_main(); });
     send_control({{"type", bf::detail::kLoaded},
-                  {"rss_bytes", rss_after_loading()},
+                  {"rss_bytes", bf::detail::settled_rss_bytes()},  // as the host's profiles measure
                   {"heartbeat_ms", absl::ToInt64Milliseconds(heartbeat_.interval)},
                   {"host_silence_ms", absl::ToInt64Milliseconds(heartbeat_.host_silence)}});
     last_host_ns_ = now_ns();  // the pings that came while the blocks loaded are still to be read
@@ -304,7 +298,7 @@ class Worker {
     if (!status) return;
     update_running_ = false;
     if (status->ok()) {
-      send_control({{"type", bf::detail::kUpdated}, {"seq", update_seq_}, {"rss_bytes", rss_after_loading()}});
+      send_control({{"type", bf::detail::kUpdated}, {"seq", update_seq_}, {"rss_bytes", bf::detail::settled_rss_bytes()}});
       return;
     }
     // The local session says "update N rejected, nothing changed: <cause>": the host has its own

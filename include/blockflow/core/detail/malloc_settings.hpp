@@ -9,6 +9,9 @@
 /// faulted back in on the next request: measured on 2 cores (AMD EPYC, one intra-op thread), the
 /// ResNet50 split's block1 took 9.7-10.4 ms per call at batch 1 in a fresh process, 7.1 ms with
 /// these settings.
+#include <blockflow/core/detail/sanitizer.hpp>
+#include <blockflow/core/kpi.hpp>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -23,6 +26,14 @@ namespace blockflow::detail {
 inline constexpr std::int64_t kMallocMmapThreshold = 33554432;
 /// The heap keeps up to this many freed bytes at its top instead of giving them back.
 inline constexpr std::int64_t kMallocTrimThreshold = 1073741824;
+
+/// @brief This process's resident memory with the heap that freed allocations left handed back
+/// first (malloc_trim): how blockflow-profile measures a block, and what sessions and workers
+/// compare with those profiles after loading.
+inline std::int64_t settled_rss_bytes() {
+  sanitizer::trim_malloc_heap();
+  return sample_process().rss_bytes;
+}
 
 /// @brief The same settings as environment variables, for a child process (glibc reads them at start).
 inline std::vector<std::string> worker_malloc_environment() {
