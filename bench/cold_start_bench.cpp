@@ -2,7 +2,11 @@
 //   monolithic  the whole ResNet50 in a process of its own, loaded as a block is (freeze,
 //               optimize_for_inference) and run once: what a user runs instead;
 //   threads     the split in a session, its four blocks on the lanes;
-//   workers     the split in a session of four worker processes over shm;
+//   workers     the split in a session of four worker processes over shm, each started as a new
+//               program (blockflow-worker, which loads libtorch once configured);
+//   workers_forked  the same with the workers forked from a fork server (start_fork_server() first
+//               in main(); the process runs with GOMP_SPINCOUNT=10000, the workers' default, so
+//               that their environment lets them be forked);
 //   two_tasks   the split and a second task (block1-3 and head_b) in threads: start() loads all five;
 //   two_tasks_warming  the same with SessionOptions::serve_while_warming: the split's first result
 //               once its four blocks have loaded, head_b loading after;
@@ -21,13 +25,14 @@
 // posix_spawn to the child's line saying that its first request resolved; the child also reports
 // its session's StartStats (metrics().start). One line per mode, then the ratios to the monolithic.
 //
-// usage: cold_start_bench --models DIR [--rounds N] [--threads T] [--warmup-runs N]
+// usage: cold_start_bench --models DIR [--rounds N] [--threads T] [--warmup-runs N] [--modes monolithic,M,...]
 #include "alone_process.hpp"
 #include "bench_util.hpp"
 #include "resnet_split.hpp"
 
 #include <blockflow/blockflow.hpp>
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/worker/fork_server.hpp>
 #include <blockflow/worker/worker_site.hpp>
 
 #include <ATen/ATen.h>
@@ -37,6 +42,7 @@
 #include <fmt/ranges.h>
 
 #include <map>
+#include <sstream>
 
 namespace bf = blockflow;
 
@@ -137,7 +143,7 @@ int child(const std::string& mode, const std::string& models, int threads, int w
   bf::SessionOptions session_options;
   session_options.serve_while_warming = mode == "two_tasks_warming";
   bf::Session session(session_options);
-  const bool workers = mode == "workers";
+  const bool workers = mode == "workers" || mode == "workers_forked";
   int w = 0;
   for (const auto& [name, shape] : bf::bench::resnet_split_stages()) {
     auto d = bf::bench::model_block(models, name, shape, threads, true);
@@ -173,7 +179,9 @@ Sample measure(const std::string& mode, const std::string& models, int threads, 
   const std::int64_t t0 = bf::detail::now_ns();
   const pid_t pid = bf::bench::spawn_self({"--child", mode, "--models", models, "--threads", std::to_string(threads),
                                            "--warmup-runs", std::to_string(warmup_runs)},
-                                          devnull, from_child[1], {});
+                                          devnull, from_child[1],
+                                          mode == "workers_forked" ? std::vector<std::string>{"GOMP_SPINCOUNT=10000"}
+                                                                   : std::vector<std::string>{});
   ::close(from_child[1]);
   ::close(devnull);
   FILE* out = ::fdopen(from_child[0], "r");
@@ -197,21 +205,35 @@ Sample measure(const std::string& mode, const std::string& models, int threads, 
 }  // namespace
 
 int main(int argc, char** argv) try {
+  for (int i = 1; i + 1 < argc; ++i) {  // first thing, while this process has one thread
+    if (std::string(argv[i]) == "--child" && std::string(argv[i + 1]) == "workers_forked") {
+      if (auto started = bf::start_fork_server(); !started.ok()) throw std::runtime_error(started.ToString());
+    }
+  }
   std::string models, child_mode;
   int rounds = 5, threads = 2, warmup_runs = -1;  // -1: BlockOptions' default
+  std::vector<std::string> only;                  // --modes a,b: these modes only (and monolithic, for the ratios)
   bf::bench::parse_options(argc, argv, [&](const std::string& a, const std::string& v) {
     if (a == "--models") models = v;
     else if (a == "--rounds") rounds = std::max(1, std::stoi(v));
     else if (a == "--threads") threads = std::stoi(v);
     else if (a == "--child") child_mode = v;
     else if (a == "--warmup-runs") warmup_runs = std::stoi(v);
+    else if (a == "--modes") {
+      std::stringstream list(v);
+      for (std::string m; std::getline(list, m, ',');) only.push_back(m);
+    }
     else return false;
     return true;
   });
   if (models.empty()) throw std::invalid_argument("usage: cold_start_bench --models DIR [--rounds N] [--threads T]");
   if (!child_mode.empty()) return child(child_mode, models, threads, warmup_runs);
-  const std::vector<std::string> modes = {"monolithic", "threads", "workers", "threads_floor", "workers_floor",
-                                         "forked_floor", "two_tasks", "two_tasks_warming"};
+  std::vector<std::string> modes = {"monolithic", "threads", "workers", "workers_forked", "threads_floor",
+                                   "workers_floor", "forked_floor", "two_tasks", "two_tasks_warming"};
+  if (!only.empty()) {
+    modes = only;
+    if (std::find(modes.begin(), modes.end(), "monolithic") == modes.end()) modes.insert(modes.begin(), "monolithic");
+  }
   for (const auto& mode : modes) (void)measure(mode, models, threads, warmup_runs);  // page cache, unmeasured
   std::map<std::string, std::vector<Sample>> samples;
   for (int r = 0; r < rounds; ++r) {

@@ -30,8 +30,9 @@
 #   their rates for BENCH_PLAN_S seconds (default 20), predicted against measured p50 per task, then
 #   the refused task forced in beside them;
 #   cold_start: process start to the first resolved request, a fresh process each time, alternating:
-#   the monolithic model, the split in threads, in 4 workers over shm, and two floors (the blocks
-#   loaded at once with no session and no warm-up; 4 processes bringing libtorch up at once), and the
+#   the monolithic model, the split in threads, in 4 workers over shm (started as programs, and forked
+#   from a fork server), and three floors (the blocks loaded at once with no session and no warm-up;
+#   4 processes bringing libtorch up at once; 4 forked children loading a block each), and the
 #   split beside a second task (head_b) in threads, without and with serve_while_warming;
 #   BENCH_COLD_ROUNDS rounds (default 5); split: blockflow-split's automatic cuts (N = 2, 3, 4 parts) of
 #   ResNet50, MobileNetV3-Large and ViT-B/16 (random weights): the cuts, the slowest part's latency over

@@ -1,2 +1,19 @@
-#define CATCH_CONFIG_MAIN
+// The test driver. With BLOCKFLOW_TEST_FORK_SERVER set (ctest's `fork_server` area), the process
+// starts a fork server before anything else, as an application would (fork_server_test.cpp).
+#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
+
+#include <blockflow/worker/fork_server.hpp>
+
+#include <cstdlib>
+#include <iostream>
+
+int main(int argc, char** argv) {
+  if (const char* fork = std::getenv("BLOCKFLOW_TEST_FORK_SERVER"); fork != nullptr && *fork != '\0') {
+    if (auto started = blockflow::start_fork_server(); !started.ok()) {
+      std::cerr << "start_fork_server: " << started << "\n";
+      return 1;
+    }
+  }
+  return Catch::Session().run(argc, argv);
+}

@@ -125,6 +125,19 @@ void ComputeLanes::book_width_locked(Lane& lane) {
   cores_used_ += lane.width;
 }
 
+void ComputeLanes::with_at_most(int threads, const std::function<void()>& fn) {
+  const int index = current_lane();
+  if (index < 0 || !lanes_[static_cast<std::size_t>(index)]->team || threads <= 0 || threads >= options_.intra_op_threads) {
+    fn();
+    return;
+  }
+  Lane& lane = *lanes_[static_cast<std::size_t>(index)];
+  const int before = lane.threads;
+  set_threads(lane, std::min(before, threads));
+  fn();
+  set_threads(lane, before);
+}
+
 void ComputeLanes::for_each_width(const std::function<void()>& fn) {
   const int index = current_lane();
   if (!elastic_ || index < 0 || !lanes_[static_cast<std::size_t>(index)]->team) {

@@ -368,7 +368,13 @@ absl::Status SessionCore::warm_up_block(BlockRuntime& runtime, unsigned layouts)
                         : guarded_forward(block, Tensors(inputs), runtime.layout, (v & 1U) != 0);
       if (!out.ok()) status = out.status();
     };
-    for (int run = 0; run + 1 < options.warmup_runs; ++run) run_once();
+    // The runs before the last (TorchScript's profiling and optimising runs) with at most
+    // SessionOptions::warm_up_threads threads: several worker processes warming up at once on a
+    // few cores would otherwise each run a whole team on them.
+    for (int run = 0; run + 1 < options.warmup_runs; ++run) {
+      if (lanes_) lanes_->with_at_most(options_.warm_up_threads, run_once);
+      else run_once();
+    }
     // The last run once with each thread count the lane runs units with (elastic lanes: the team's
     // and one), so that oneDNN's kernels for both exist before the first request.
     if (options.warmup_runs > 0 && lanes_) lanes_->for_each_width(run_once);
@@ -398,13 +404,17 @@ std::vector<absl::StatusOr<std::shared_ptr<Block>>> SessionCore::make_blocks(con
   std::vector<absl::StatusOr<std::shared_ptr<Block>>> out(descriptions.size(), absl::UnknownError("not built"));
   std::vector<std::function<void()>> tasks;
   for (std::size_t i = 0; i < descriptions.size(); ++i) {
-    tasks.emplace_back([&out, &descriptions, i] {
+    tasks.emplace_back([this, &out, &descriptions, i] {
       const auto scope = enter_build_scope();
-      try {
-        out[i] = make_block(*descriptions[i]);
-      } catch (const std::exception& e) {  // nothing may escape a builder thread or a lane
-        out[i] = absl::InternalError(fmt::format("block '{}': {}", descriptions[i]->name, e.what()));
-      }
+      auto build = [&] {
+        try {
+          out[i] = make_block(*descriptions[i]);
+        } catch (const std::exception& e) {  // nothing may escape a builder thread or a lane
+          out[i] = absl::InternalError(fmt::format("block '{}': {}", descriptions[i]->name, e.what()));
+        }
+      };
+      if (lanes_) lanes_->with_at_most(options_.warm_up_threads, build);  // on a lane: as its warm-up
+      else build();
     });
   }
   const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));

@@ -52,6 +52,7 @@ bool outputs_may_stay(const PathPlan& plan, std::uint32_t node) {
 // caller stops everything started.
 absl::Status SessionCore::start_sites() {
   std::vector<absl::Status> results(sites_.size());
+  for (auto& site : sites_) site->site->starting_together(static_cast<int>(sites_.size()));
   if (sites_.size() == 1) {
     results[0] = start_site(*sites_[0]);
   } else {

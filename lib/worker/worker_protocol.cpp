@@ -26,6 +26,40 @@ nlohmann::json make_config(const std::vector<BlockDescription>& blocks, const Wo
           {"on_demand_budget", options.memory_policy == SessionOptions::MemoryPolicy::kOnDemand ? options.memory_budget : 0}};
 }
 
+namespace {
+
+// What a heartbeat tells the host of a session whose blocks load on demand (SiteStats' fields).
+nlohmann::json on_demand_totals(const MetricsSnapshot& m) {
+  for (const auto& site : m.memory) {
+    if (site.site != "threads") continue;
+    return {{"blocks_resident_bytes", site.resident_bytes}, {"block_loads", site.loads}, {"block_evictions", site.evictions},
+            {"block_bytes_loaded", site.bytes_loaded}, {"block_load_s", site.load_s}, {"block_swap_ins", site.swap_ins},
+            {"swapped_bytes", site.swapped_bytes}};
+  }
+  return nlohmann::json::object();
+}
+
+// The longest call into one of the blocks now in progress, for the host's compute_timeout: {"block",
+// "s"}; null when none runs.
+nlohmann::json longest_call(const MetricsSnapshot& m) {
+  const BlockMetrics* longest = nullptr;
+  for (const auto& b : m.blocks) {
+    if (b.computing_s > 0 && (longest == nullptr || b.computing_s > longest->computing_s)) longest = &b;
+  }
+  if (longest == nullptr) return nullptr;
+  return {{"block", longest->name}, {"s", longest->computing_s}};
+}
+
+}  // namespace
+
+void add_session_figures(nlohmann::json& beat, const MetricsSnapshot& m, bool on_demand) {
+  if (on_demand) beat["on_demand"] = on_demand_totals(m);
+  if (auto call = longest_call(m); !call.is_null()) beat["computing"] = std::move(call);
+  for (const auto& b : m.blocks) {
+    if (b.cuda_graph.graphs + b.cuda_graph.eager_runs > 0) beat["cuda_graphs"][b.name] = b.cuda_graph;
+  }
+}
+
 HeartbeatSettings heartbeat_settings(const nlohmann::json& config) {
   absl::Duration interval = WorkerOptions{}.heartbeat_interval;
   const auto it = config.find("heartbeat_ms");

@@ -210,6 +210,7 @@ void WorkerSite::stop() {
     outbound.swap(s.outbound);  // destroyed outside mu (placeholders' deleters)
     s.state = Impl::State::kStopped;
     s.pid = 0;
+    s.forked = false;
   }
   outbound.clear();
   const absl::Status stopped = absl::CancelledError(fmt::format("{} stopped", s.prefix()));
@@ -237,6 +238,12 @@ void WorkerSite::stop() {
   }
 }
 
+void WorkerSite::starting_together(int sites) {
+  std::lock_guard lock(impl_->mu);
+  const int cores = static_cast<int>(std::max(1U, std::thread::hardware_concurrency()));
+  impl_->warm_up_threads = sites > 1 ? std::max(1, cores / sites) : 0;
+}
+
 SiteStats WorkerSite::stats() const {
   const Impl& s = *impl_;
   std::lock_guard lock(s.mu);
@@ -244,6 +251,7 @@ SiteStats WorkerSite::stats() const {
   out.name = s.options.name;
   out.kind = s.joined() ? "joined-worker" : "worker";
   out.pid = s.pid;
+  out.forked = s.forked;
   out.restarts = s.restarts;
   out.lost = s.lost;
   out.blocks_resident_bytes = s.on_demand.blocks_resident_bytes;

@@ -17,6 +17,7 @@
 #include <blockflow/channel/detail/tensor_codec.hpp>
 #include <blockflow/observe/detail/metrics_json.hpp>
 #include <blockflow/channel/detail/packet_link.hpp>
+#include <blockflow/worker/detail/child_process.hpp>
 #include <blockflow/worker/detail/worker_protocol.hpp>
 
 #include <absl/container/flat_hash_map.h>
@@ -167,6 +168,9 @@ struct WorkerSite::Impl {
   }
 
   WorkerOptions options;
+  bool default_executable = false;  // options.executable is BlockFlow's blockflow-worker, found by the site: forkable
+  bool fork_refusal_logged = false;  // the control thread's: why the fork server could not take the worker, said once
+  detail::ChildProcess process;     // the control thread's: the live worker process (none while joined or down)
   std::vector<BlockDescription> blocks;
   CompletionFn done;
   LostFn lost_fn;                   // RemoteSite::on_lost(); dropped by stop() with `done`
@@ -187,6 +191,8 @@ struct WorkerSite::Impl {
   std::string start_error;
   bool ever_ready = false;
   pid_t pid = 0;
+  bool forked = false;              // the live worker was forked from the fork server
+  int warm_up_threads = 0;          // for the next configuration sent (starting_together()); 0: the worker's own
   std::string identity;             // routing id of the live worker
   std::int64_t last_heartbeat_ns = 0;
   std::int64_t start_deadline_ns = 0;

@@ -5,7 +5,6 @@
 #include <blockflow/worker/detail/process_state.hpp>
 
 #include <dlfcn.h>
-#include <spawn.h>
 
 
 extern char** environ;
@@ -13,13 +12,16 @@ extern char** environ;
 namespace blockflow {
 namespace {
 
-// $BLOCKFLOW_WORKER; else beside this library (a build tree) or in ../bin (an install, wherever it
-// was moved); else the build tree's or the configured install path.
-std::string default_executable() {
+// $BLOCKFLOW_WORKER (`ours` false: another program may lie there); else beside this library (a build
+// tree) or in ../bin (an install, wherever it was moved); else the build tree's or the configured
+// install path.
+std::string find_worker_executable(bool& ours) {
+  ours = false;
   if (const char* env = std::getenv("BLOCKFLOW_WORKER"); env != nullptr && *env != '\0') return env;
+  ours = true;
   std::error_code ec;
   Dl_info info{};
-  if (::dladdr(reinterpret_cast<void*>(&default_executable), &info) != 0 && info.dli_fname != nullptr) {
+  if (::dladdr(reinterpret_cast<void*>(&find_worker_executable), &info) != 0 && info.dli_fname != nullptr) {
     const std::filesystem::path dir = std::filesystem::canonical(info.dli_fname, ec).parent_path();
     for (const auto& candidate : {dir / "blockflow-worker", dir.parent_path() / "bin" / "blockflow-worker"}) {
       if (!ec && std::filesystem::exists(candidate, ec)) return candidate.string();
@@ -27,12 +29,6 @@ std::string default_executable() {
   }
   if (std::filesystem::exists(BLOCKFLOW_WORKER_BUILD_PATH, ec)) return BLOCKFLOW_WORKER_BUILD_PATH;
   return BLOCKFLOW_WORKER_INSTALL_PATH;
-}
-
-std::string describe_exit(int status) {
-  if (WIFSIGNALED(status)) return fmt::format("killed by signal {}", WTERMSIG(status));
-  if (WIFEXITED(status)) return fmt::format("exited with status {}", WEXITSTATUS(status));
-  return "stopped";
 }
 
 // The host's environment with `overrides` ("NAME=VALUE") replacing same-named entries.
@@ -54,7 +50,9 @@ int port_of(const std::string& endpoint) { return std::stoi(endpoint.substr(endp
 }  // namespace
 
 WorkerSite::Impl::Impl(WorkerOptions o) : options(std::move(o)) {
-  if (options.executable.empty()) options.executable = default_executable();
+  if (options.executable.empty()) {
+    options.executable = find_worker_executable(default_executable);
+  }
 }
 
 absl::Status WorkerSite::Impl::spawn_locked() {
@@ -68,20 +66,18 @@ absl::Status WorkerSite::Impl::spawn_locked() {
   std::vector<std::string> args = {options.executable,       "--name",    options.name,   "--control",
                                    control_endpoint,         "--requests", request_endpoint, "--results",
                                    result_endpoint,          "--parent",  std::to_string(::getpid())};
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  std::vector<std::string> env_strings = merged_environment(options.environment);
-  std::vector<char*> envp;
-  for (auto& e : env_strings) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  pid_t child = 0;
-  const int rc = ::posix_spawn(&child, options.executable.c_str(), nullptr, nullptr, argv.data(), envp.data());
-  if (rc != 0) {
-    return absl::UnavailableError(
-        fmt::format("{}: cannot start '{}': {}", prefix(), options.executable, std::strerror(rc)));
+  const detail::ChildProcess::Spec spec{options.executable, std::move(args), merged_environment(options.environment),
+                                        options.fork && default_executable};
+  std::string not_forked;
+  auto started = detail::ChildProcess::start(spec, &not_forked);
+  if (!started.ok()) return absl::UnavailableError(fmt::format("{}: {}", prefix(), std::string(started.status().message())));
+  if (!not_forked.empty() && !std::exchange(fork_refusal_logged, true)) {
+    detail::log(LogLevel::kWarning, fmt::format("{}: started as a new process, not forked from the fork server: {}",
+                                                prefix(), not_forked));
   }
-  pid = child;
+  process = *std::move(started);
+  pid = process.pid();
+  forked = process.forked();
   identity.clear();
   loaded = false;
   link.reset();
@@ -125,6 +121,7 @@ void WorkerSite::Impl::on_death(std::string what) {
   {
     std::lock_guard lock(mu);
     pid = 0;
+    forked = false;
     identity.clear();
     loaded = false;
     link.reset();
@@ -219,6 +216,7 @@ void WorkerSite::Impl::handle_control(zmq::socket_t& router, const std::string& 
     config["sampling"] = sampling;
     config["sampling_period_ms"] = absl::ToInt64Milliseconds(sampling_period);
     if (!cuda_probe.empty()) config["cuda_probe"] = cuda_probe;
+    if (warm_up_threads > 0) config["warm_up_threads"] = std::exchange(warm_up_threads, 0);  // a restart warms up alone
     sampling_sent = true;
     if (listener) config["data_link"] = listener->path();
     if (!peer.empty()) {
@@ -244,7 +242,7 @@ void WorkerSite::Impl::handle_control(zmq::socket_t& router, const std::string& 
     start_error = fmt::format("{}: {}", prefix(), message.value("message", "load failed"));
     kill_cause = "failed to load its blocks";
     if (joined()) death_pending = true;
-    else if (pid != 0) ::kill(pid, SIGKILL);
+    else process.kill();
   } else if (type == detail::kUpdated || type == detail::kUpdateError) {
     update_answered = message.value("seq", std::uint64_t{0});
     update_error = type == detail::kUpdated ? "" : message.value("message", "update failed");
@@ -308,7 +306,7 @@ void WorkerSite::Impl::supervise() {
       // then miss heartbeats while the kernel tears it down).
       if (kill_cause.empty()) kill_cause = std::move(why);
       if (joined()) death = kill_cause;
-      else if (child != 0) ::kill(child, SIGKILL);
+      else process.kill();
     };
     if (death_pending) {
       death_pending = false;
@@ -318,10 +316,9 @@ void WorkerSite::Impl::supervise() {
       // reported by how it died, not as silent.
       // One still tearing itself down is waited for (the waitpid below reports it), for up to
       // another timeout.
-      int status = 0;
       const bool late = now - last_heartbeat_ns > 2 * absl::ToInt64Nanoseconds(options.heartbeat_timeout);
-      if (!joined() && child != 0 && ::waitpid(child, &status, WNOHANG) == child) {
-        death = describe_exit(status);
+      if (auto how = joined() ? std::nullopt : process.exited()) {
+        death = *std::move(how);
       } else if (!joined() && child != 0 && !late && detail::process_exiting(child)) {
         // not silent: dying
       } else {
@@ -357,8 +354,7 @@ void WorkerSite::Impl::supervise() {
   }
   if (!death.empty()) return on_death(death);
   if (child == 0) return;
-  int status = 0;
-  if (::waitpid(child, &status, WNOHANG) == child) on_death(describe_exit(status));
+  if (auto how = process.exited()) on_death(*std::move(how));
 }
 
 void WorkerSite::Impl::control_main() {
@@ -428,13 +424,7 @@ void WorkerSite::Impl::shutdown_worker(zmq::socket_t& router) {
   }
   if (!to.empty()) send_control(router, to, {{"type", detail::kStop}});
   if (child == 0) return;
-  int status = 0;
-  for (int i = 0; i < 200; ++i) {  // up to 2 s for a clean exit
-    if (::waitpid(child, &status, WNOHANG) == child) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ::kill(child, SIGKILL);
-  ::waitpid(child, &status, 0);
+  (void)process.stop(std::chrono::seconds(2));  // up to 2 s for a clean exit
 }
 
 void WorkerSite::Impl::move_data_socket(zmq::socket_t& socket, std::string& endpoint, std::uint64_t& epoch) {

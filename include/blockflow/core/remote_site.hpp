@@ -57,6 +57,7 @@ struct SiteStats {
   /// whose worker joined over TCP, WorkerOptions::listen). Another RemoteSite names its own kind.
   std::string kind;
   std::int64_t pid = 0;      ///< current process id (0 when down)
+  bool forked = false;       ///< the live process was forked from the fork server (WorkerOptions::fork)
   std::uint64_t restarts = 0;
   bool lost = false;         ///< gone for good: it died after its last restart (RemoteSite::on_lost)
   /// Requests the site failed itself: its worker died or could not be restarted, the site stopped,
@@ -127,6 +128,9 @@ class RemoteSite {
     return false;
   }
   virtual void stop() = 0;
+  /// Called before start() when the session starts `sites` sites at once (start(), apply()): a site
+  /// that loads blocks in a process of its own may share the cores with the others while loading.
+  virtual void starting_together(int sites) { (void)sites; }
   [[nodiscard]] virtual SiteStats stats() const = 0;
   /// @brief Called by the session before start(): the site calls `lost` once, from any thread of
   /// its own, when it is gone for good (it will run nothing again: a worker that used up its

@@ -41,6 +41,13 @@ struct SessionOptions {
   /// BlockOptions::intra_op_threads among the blocks this process runs at start(), or libtorch's
   /// default when none sets one. Every block runs with the lanes' setting.
   int intra_op_threads = 0;
+  /// Intra-op threads of the warm-up runs before the last one (TorchScript's profiling and
+  /// optimising runs, BlockOptions::warmup_runs), at most the lanes'; 0: the lanes'. The last run is
+  /// made with every thread count the lane serves with, so that oneDNN's kernels for those exist
+  /// before the first request. A worker process gets cores / workers when the session starts
+  /// several at once (docs/workers.md, "Cold start"): their warm-ups then share the cores instead
+  /// of each running a whole team on them.
+  int warm_up_threads = 0;
   /// How long an idle lane polls for work before it sleeps.
   absl::Duration receive_spin = absl::Microseconds(50);
   /// Bytes of resident memory the blocks of this process (the "threads" site) may take. 0: no budget.

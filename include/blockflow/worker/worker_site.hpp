@@ -44,6 +44,13 @@ struct WorkerOptions {
     for (auto& setting : detail::worker_malloc_environment()) e.push_back(std::move(setting));
     return e;
   }();
+  /// With a fork server running in this process (start_fork_server(), fork_server.hpp), fork the
+  /// worker from it instead of starting blockflow-worker as a new program: its start then costs its
+  /// own blocks, not libtorch's start as well. It applies when `executable` is empty (the default
+  /// blockflow-worker) and `environment` keeps the variables libraries read when they load as the
+  /// fork server has them; otherwise the worker is started as a new program and the session logs
+  /// once why. SiteStats::forked says which way the live worker started.
+  bool fork = true;
   /// Empty (the default): the session starts the worker as its child and reaches it over `ipc://`
   /// endpoints in a private 0700 directory. "tcp://ADDR:PORT": a worker on another host. The session
   /// starts nothing; it binds its control socket at this endpoint (and its two data sockets at
@@ -147,6 +154,9 @@ class WorkerSite final : public RemoteSite {
   /// worker's slot: a relay). The calling thread sends the handles itself.
   bool try_run(const std::string& block, Envelope& envelope) override;
   void stop() override;
+  /// Its first start with `sites` > 1 warms its blocks up with cores / sites threads (at least 1)
+  /// before the last warm-up run (SessionOptions::warm_up_threads); a restart uses its own.
+  void starting_together(int sites) override;
   SiteStats stats() const override;
   void on_lost(LostFn lost) override;
   /// @brief Forwards the setting to the worker (now and after each restart); its samples come back

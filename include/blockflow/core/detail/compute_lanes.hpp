@@ -110,6 +110,9 @@ class ComputeLanes {
   /// warm-up, so that neither width's first run falls on a request), and restores the lane's
   /// width. Elsewhere: runs `fn` once.
   void for_each_width(const std::function<void()>& fn);
+  /// On a team lane: runs `fn` with at most `threads` of the team's threads, then restores the
+  /// lane's width. Elsewhere: runs `fn`.
+  void with_at_most(int threads, const std::function<void()>& fn);
   /// Run-to-completion, step 1: on a lane of this executor with no continuation pending, claims
   /// `work` for the calling lane (the caller has checked that nothing is queued for it). False,
   /// nothing claimed, otherwise (not a lane, a continuation pending, fully claimed, quiesced).

@@ -24,7 +24,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(TorchCudaMemory, device, allocat
                                                 peak_allocated_bytes)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(KpiSample, time_s, process, gpus, gpu_status, torch_cuda,
                                                 torch_cuda_status, energy_j)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteStats, name, kind, pid, restarts, lost, failed_requests, in_flight,
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteStats, name, kind, pid, forked, restarts, lost, failed_requests, in_flight,
                                                 malformed_frames, parked_outputs, direct_forwards, rss_idle_bytes, rss_bytes,
                                                 computing_block, computing_s, data, shm_requests,
                                                 shm_results, cuda_requests, cuda_results, kpi, blocks_resident_bytes, block_loads,

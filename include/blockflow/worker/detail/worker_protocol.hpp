@@ -57,4 +57,9 @@ struct HeartbeatSettings {
 };
 HeartbeatSettings heartbeat_settings(const nlohmann::json& config);
 
+// A heartbeat's figures from the worker's own session: on_demand (its memory totals, when its
+// blocks load on demand), computing (its longest block call in progress: {"block", "s"}), and
+// cuda_graphs (per block with CUDA graphs).
+void add_session_figures(nlohmann::json& beat, const MetricsSnapshot& m, bool on_demand);
+
 }  // namespace blockflow::detail

@@ -1,0 +1,60 @@
+#pragma once
+// Internal: the application's end of its fork server (blockflow/worker/fork_server.hpp).
+//
+// The server process (lib/worker/fork_server.cpp) forks a worker for each request it is sent over a
+// SOCK_SEQPACKET socket pair: the worker's command line (blockflow-worker's), its whole environment
+// and where blockflow-worker lies. It answers with the worker's pid and a pidfd for it (SCM_RIGHTS),
+// reaps its workers, and reports each one's wait status. This end serialises the requests of every
+// site of the process.
+
+#include <absl/status/statusor.h>
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace blockflow::detail {
+
+class ForkServer {
+ public:
+  /// This process's fork server; null when none was started or it is gone.
+  static ForkServer* get();
+
+  struct Forked {
+    pid_t pid = 0;
+    int pidfd = -1;  ///< owned by the caller (close-on-exec)
+  };
+  /// Forks a worker running blockflow-worker's `argv` (its "--parent" value is replaced by the
+  /// server's pid, the worker's parent) with exactly `environment`; `launcher_dir` is where
+  /// blockflow-worker lies (the runtime module is looked for from there). Unavailable when the
+  /// server is gone.
+  absl::StatusOr<Forked> fork_worker(const std::vector<std::string>& argv, const std::vector<std::string>& environment,
+                                     const std::string& launcher_dir);
+  /// The wait status of forked worker `pid` once the server has reaped it; waits up to `wait`.
+  std::optional<int> exit_status(pid_t pid, std::chrono::milliseconds wait);
+  /// Why a worker with `environment` cannot be forked from the server: "" when it can, else the
+  /// variable read when a library loads whose value differs from the server's (e.g.
+  /// "GOMP_SPINCOUNT=10000 (the fork server has it unset)").
+  [[nodiscard]] std::string unforkable(const std::vector<std::string>& environment) const;
+
+  ForkServer(int socket, pid_t server, std::vector<std::string> environment);
+  ForkServer(const ForkServer&) = delete;
+  ForkServer& operator=(const ForkServer&) = delete;
+
+ private:
+  struct State;
+  State* state_;  // lives as long as the process
+};
+
+/// True for an environment variable that a library reads when it loads (so a forked process keeps
+/// its parent's value), except glibc's MALLOC_* settings that mallopt() can apply afterwards.
+bool read_when_loaded(const std::string& name);
+
+/// Applies glibc's MALLOC_* tuning variables of `environment` with mallopt() (a forked worker's
+/// allocator was set up before they were given).
+void apply_malloc_environment(const std::vector<std::string>& environment);
+
+}  // namespace blockflow::detail

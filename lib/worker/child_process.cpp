@@ -1,0 +1,117 @@
+// A worker process, started by posix_spawn or forked from the fork server (child_process.hpp).
+#include <blockflow/worker/detail/child_process.hpp>
+#include <blockflow/worker/detail/fork_server.hpp>
+
+#include <fmt/format.h>
+
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <thread>
+#include <utility>
+
+namespace blockflow::detail {
+
+std::string describe_exit(int status) {
+  if (WIFSIGNALED(status)) return fmt::format("killed by signal {}", WTERMSIG(status));
+  if (WIFEXITED(status)) return fmt::format("exited with status {}", WEXITSTATUS(status));
+  return "stopped";
+}
+
+absl::StatusOr<ChildProcess> ChildProcess::start(const Spec& spec, std::string* not_forked) {
+  ChildProcess out;
+  if (ForkServer* server = spec.fork ? ForkServer::get() : nullptr; server != nullptr) {
+    std::string why = server->unforkable(spec.environment);
+    if (why.empty()) {
+      const std::string dir = std::filesystem::path(spec.executable).parent_path().string();
+      auto forked = server->fork_worker(spec.argv, spec.environment, dir);
+      if (forked.ok()) {
+        out.pid_ = forked->pid;
+        out.pidfd_ = forked->pidfd;
+        return out;
+      }
+      why = std::string(forked.status().message());
+    }
+    if (not_forked != nullptr) *not_forked = why;
+  }
+  std::vector<std::string> args = spec.argv, env = spec.environment;
+  std::vector<char*> argv, envp;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (auto& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  pid_t child = 0;
+  const int rc = ::posix_spawn(&child, spec.executable.c_str(), nullptr, nullptr, argv.data(), envp.data());
+  if (rc != 0) return absl::UnavailableError(fmt::format("cannot start '{}': {}", spec.executable, std::strerror(rc)));
+  out.pid_ = child;
+  return out;
+}
+
+ChildProcess::ChildProcess(ChildProcess&& other) noexcept
+    : pid_(std::exchange(other.pid_, 0)), pidfd_(std::exchange(other.pidfd_, -1)) {}
+
+ChildProcess& ChildProcess::operator=(ChildProcess&& other) noexcept {
+  if (this != &other) {
+    reset();
+    pid_ = std::exchange(other.pid_, 0);
+    pidfd_ = std::exchange(other.pidfd_, -1);
+  }
+  return *this;
+}
+
+ChildProcess::~ChildProcess() { reset(); }
+
+void ChildProcess::reset() {
+  if (pidfd_ >= 0) ::close(pidfd_);
+  pidfd_ = -1;
+  pid_ = 0;
+}
+
+std::optional<std::string> ChildProcess::exited() {
+  if (pid_ == 0) return std::nullopt;
+  if (pidfd_ < 0) {
+    int status = 0;
+    const pid_t r = ::waitpid(pid_, &status, WNOHANG);
+    if (r == 0 || (r < 0 && errno != ECHILD)) return std::nullopt;
+    // ECHILD: reaped by someone else (the application ignores SIGCHLD): how is not known.
+    std::string how = r == pid_ ? describe_exit(status) : "exited";
+    reset();
+    return how;
+  }
+  pollfd p{pidfd_, POLLIN, 0};  // readable once the process has exited
+  if (::poll(&p, 1, 0) != 1) return std::nullopt;
+  // The server reaps it and reports its status at once; a server gone meanwhile leaves it unknown.
+  ForkServer* server = ForkServer::get();
+  const auto status = server != nullptr ? server->exit_status(pid_, std::chrono::milliseconds(500)) : std::nullopt;
+  reset();
+  return status ? describe_exit(*status) : std::string("exited");
+}
+
+void ChildProcess::kill() const {
+  if (pid_ == 0) return;
+  if (pidfd_ >= 0) (void)::syscall(SYS_pidfd_send_signal, pidfd_, SIGKILL, nullptr, 0);
+  else (void)::kill(pid_, SIGKILL);
+}
+
+std::string ChildProcess::stop(std::chrono::milliseconds grace) {
+  const auto deadline = std::chrono::steady_clock::now() + grace;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (auto how = exited()) return *how;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  kill();
+  while (true) {
+    if (auto how = exited()) return *how;
+    if (pid_ == 0) return "gone";
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+}  // namespace blockflow::detail

@@ -1,0 +1,405 @@
+// The fork server (blockflow/worker/fork_server.hpp): its process, which forks workers on request
+// and reaps them, and the application's end of it (detail/fork_server.hpp).
+//
+// Messages are JSON, one per SOCK_SEQPACKET datagram:
+//   application -> server  {"argv": [...], "environment": [...], "launcher_dir": "..."}
+//   server -> application  {"pid": N} with the worker's pidfd (SCM_RIGHTS), or {"error": "..."};
+//                          {"exited": N, "status": WAIT_STATUS} whenever it has reaped a worker.
+#include <blockflow/worker/fork_server.hpp>
+#include <blockflow/worker/detail/fork_server.hpp>
+#include <blockflow/worker/detail/launch_worker.hpp>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <malloc.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <mutex>
+
+extern char** environ;
+
+namespace blockflow {
+namespace detail {
+namespace {
+
+constexpr std::size_t kMaxMessage = 256 * 1024;
+
+// Sends one datagram, with `fd` attached when it is not -1.
+bool send_message(int socket, const std::string& text, int fd = -1) {
+  if (text.size() > kMaxMessage) return false;
+  iovec iov{const_cast<char*>(text.data()), text.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  if (fd >= 0) {
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
+  }
+  while (true) {
+    if (::sendmsg(socket, &msg, MSG_NOSIGNAL) == static_cast<ssize_t>(text.size())) return true;
+    if (errno != EINTR) return false;
+  }
+}
+
+enum class Received { kMessage, kNone, kClosed };
+
+// Receives one datagram (`flags`: MSG_DONTWAIT or 0); a file descriptor that came with it goes to
+// `fd` (close-on-exec), or is closed when `fd` is null.
+Received receive_message(int socket, int flags, std::string& text, int* fd) {
+  text.resize(kMaxMessage);
+  iovec iov{text.data(), text.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  ssize_t n = 0;
+  do {
+    n = ::recvmsg(socket, &msg, flags | MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK ? Received::kNone : Received::kClosed;
+  if (n == 0) return Received::kClosed;
+  text.resize(static_cast<std::size_t>(n));
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    int received = -1;
+    std::memcpy(&received, CMSG_DATA(c), sizeof received);
+    if (fd != nullptr && *fd < 0) *fd = received;
+    else ::close(received);
+  }
+  return Received::kMessage;
+}
+
+int pidfd_open(pid_t pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); }
+
+std::string name_of(const std::string& entry) { return entry.substr(0, entry.find('=')); }
+
+// "NAME=VALUE" entries by name.
+std::map<std::string, std::string> by_name(const std::vector<std::string>& environment) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : environment) out[name_of(e)] = e.find('=') == std::string::npos ? "" : e.substr(e.find('=') + 1);
+  return out;
+}
+
+// glibc's tuning variables that mallopt() applies, and its parameters.
+const std::map<std::string, int>& malloc_parameters() {
+  static const std::map<std::string, int> parameters = {
+      {"MALLOC_MMAP_THRESHOLD_", M_MMAP_THRESHOLD}, {"MALLOC_TRIM_THRESHOLD_", M_TRIM_THRESHOLD},
+      {"MALLOC_TOP_PAD_", M_TOP_PAD},               {"MALLOC_MMAP_MAX_", M_MMAP_MAX},
+      {"MALLOC_ARENA_MAX", M_ARENA_MAX},            {"MALLOC_ARENA_TEST", M_ARENA_TEST}};
+  return parameters;
+}
+
+// --- the server process -------------------------------------------------------------------------
+
+// A forked worker: the environment an exec'd one would have, then blockflow-worker's work.
+[[noreturn]] void run_worker(const nlohmann::json& request, const sigset_t& mask) {
+  ::sigprocmask(SIG_SETMASK, &mask, nullptr);
+  const auto environment = request.at("environment").get<std::vector<std::string>>();
+  ::clearenv();
+  for (const auto& e : environment) ::putenv(::strdup(e.c_str()));  // putenv keeps the string
+  apply_malloc_environment(environment);
+  ::prctl(PR_SET_NAME, "blockflow-worker");
+  auto args = request.at("argv").get<std::vector<std::string>>();
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  int rc = 2;
+  try {
+    log_worker_crashes();
+    rc = launch_worker(static_cast<int>(args.size()), argv.data(), request.at("launcher_dir").get<std::string>());
+  } catch (const std::exception& e) {
+    std::cerr << "blockflow-worker: " << e.what() << "\n";
+  }
+  std::fflush(nullptr);
+  ::_exit(rc);  // not exit(): the application's atexit handlers and static destructors are not the worker's
+}
+
+// Forks the worker a request asks for and answers it.
+void fork_one(int socket, int signals, const std::string& text, const sigset_t& mask) {
+  nlohmann::json request = nlohmann::json::parse(text, nullptr, false);
+  if (request.is_discarded() || !request.contains("argv") || !request.contains("environment") ||
+      !request.contains("launcher_dir")) {
+    (void)send_message(socket, nlohmann::json{{"error", "malformed request"}}.dump());
+    return;
+  }
+  auto& argv = request["argv"];
+  for (std::size_t i = 0; i + 1 < argv.size(); ++i) {
+    if (argv[i] == "--parent") argv[i + 1] = std::to_string(::getpid());  // the worker's parent is this process
+  }
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::close(signals);
+    ::close(socket);
+    run_worker(request, mask);
+  }
+  if (child < 0) {
+    (void)send_message(socket, nlohmann::json{{"error", fmt::format("fork: {}", std::strerror(errno))}}.dump());
+    return;
+  }
+  const int pidfd = pidfd_open(child);  // not reaped before this: only this thread reaps
+  (void)send_message(socket, nlohmann::json{{"pid", child}}.dump(), pidfd);
+  if (pidfd >= 0) ::close(pidfd);
+}
+
+[[noreturn]] void serve(int socket, pid_t application) {
+  ::prctl(PR_SET_NAME, "bf-forkserver");
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // dies with the application (its workers then die with it)
+  if (::getppid() != application) ::_exit(0);
+  ::signal(SIGCHLD, SIG_DFL);  // reaped here, whatever the application had set
+  sigset_t chld, mask;
+  sigemptyset(&chld);
+  sigaddset(&chld, SIGCHLD);
+  ::sigprocmask(SIG_BLOCK, &chld, &mask);
+  const int signals = ::signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
+  if (signals < 0) ::_exit(1);
+  std::string text;
+  while (true) {
+    pollfd fds[2] = {{socket, POLLIN, 0}, {signals, POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      ::_exit(1);
+    }
+    if ((fds[1].revents & POLLIN) != 0) {
+      signalfd_siginfo info{};
+      while (::read(signals, &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
+      }
+      int status = 0;
+      for (pid_t p; (p = ::waitpid(-1, &status, WNOHANG)) > 0;) {
+        (void)send_message(socket, nlohmann::json{{"exited", p}, {"status", status}}.dump());
+      }
+    }
+    if ((fds[0].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
+      if (receive_message(socket, 0, text, nullptr) != Received::kMessage) ::_exit(0);  // the application is gone
+      fork_one(socket, signals, text, mask);
+    }
+  }
+}
+
+int thread_count() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("Threads:", 0) == 0) return std::atoi(line.c_str() + 8);
+  }
+  return 0;
+}
+
+std::atomic<ForkServer*> the_server{nullptr};
+
+}  // namespace
+
+// --- the application's end ----------------------------------------------------------------------
+
+struct ForkServer::State {
+  int socket = -1;
+  pid_t server = 0;
+  std::map<std::string, std::string> environment;  // the server's, by name
+  std::mutex mu;
+  bool gone = false;                  // the server closed its end
+  std::map<pid_t, int> exits;         // wait statuses reported and not yet asked for
+};
+
+ForkServer::ForkServer(int socket, pid_t server, std::vector<std::string> environment) : state_(new State) {
+  state_->socket = socket;
+  state_->server = server;
+  state_->environment = by_name(environment);
+}
+
+ForkServer* ForkServer::get() {
+  ForkServer* s = the_server.load(std::memory_order_acquire);
+  if (s == nullptr) return nullptr;
+  std::lock_guard lock(s->state_->mu);
+  if (!s->state_->gone) {  // a server that died shows as a hung-up socket
+    pollfd p{s->state_->socket, 0, 0};
+    s->state_->gone = ::poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLERR)) != 0;
+  }
+  return s->state_->gone ? nullptr : s;
+}
+
+namespace {
+
+// Takes in one message (waiting up to `timeout_ms`, -1: until one comes); the reply of a fork goes
+// to `reply` (and its pidfd to `fd`), reaped workers' statuses to `exits`. False once the server is gone.
+bool take_one(int socket, int timeout_ms, std::map<pid_t, int>& exits, std::optional<nlohmann::json>* reply, int* fd) {
+  pollfd p{socket, POLLIN, 0};
+  int ready = 0;
+  do {
+    ready = ::poll(&p, 1, timeout_ms);
+  } while (ready < 0 && errno == EINTR);
+  if (ready <= 0) return true;
+  std::string text;
+  const Received r = receive_message(socket, MSG_DONTWAIT, text, fd);
+  if (r == Received::kClosed) return false;
+  if (r == Received::kNone) return true;
+  const auto m = nlohmann::json::parse(text, nullptr, false);
+  if (m.is_discarded()) return true;
+  if (m.contains("exited")) {
+    exits[m["exited"].get<pid_t>()] = m.value("status", 0);
+    if (exits.size() > 4096) exits.erase(exits.begin());  // statuses nobody asked for stay bounded
+  } else if (reply != nullptr) {
+    *reply = m;
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<ForkServer::Forked> ForkServer::fork_worker(const std::vector<std::string>& argv,
+                                                           const std::vector<std::string>& environment,
+                                                           const std::string& launcher_dir) {
+  State& s = *state_;
+  std::lock_guard lock(s.mu);
+  if (s.gone) return absl::UnavailableError("the fork server is gone");
+  const std::string request = nlohmann::json{{"argv", argv}, {"environment", environment}, {"launcher_dir", launcher_dir}}.dump();
+  if (!send_message(s.socket, request)) {
+    s.gone = errno != EMSGSIZE;
+    return absl::UnavailableError(fmt::format("cannot reach the fork server: {}", std::strerror(errno)));
+  }
+  std::optional<nlohmann::json> reply;
+  int fd = -1;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!reply) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      s.gone = true;  // a server that does not answer is not asked again
+      return absl::UnavailableError("the fork server did not answer within 10 s");
+    }
+    if (!take_one(s.socket, static_cast<int>(left.count()), s.exits, &reply, &fd)) {
+      s.gone = true;
+      return absl::UnavailableError("the fork server is gone");
+    }
+  }
+  if (reply->contains("error")) {
+    if (fd >= 0) ::close(fd);
+    return absl::UnavailableError(fmt::format("the fork server could not fork: {}", reply->value("error", "")));
+  }
+  Forked out;
+  out.pid = reply->value("pid", pid_t{0});
+  out.pidfd = fd;
+  s.exits.erase(out.pid);  // a status left from an earlier process of the same pid
+  if (out.pid <= 0 || out.pidfd < 0) {
+    if (fd >= 0) ::close(fd);
+    return absl::UnavailableError("the fork server answered without a process");
+  }
+  return out;
+}
+
+std::optional<int> ForkServer::exit_status(pid_t pid, std::chrono::milliseconds wait) {
+  State& s = *state_;
+  std::lock_guard lock(s.mu);
+  const auto deadline = std::chrono::steady_clock::now() + wait;
+  while (true) {
+    if (auto it = s.exits.find(pid); it != s.exits.end()) {
+      const int status = it->second;
+      s.exits.erase(it);
+      return status;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (s.gone || left.count() <= 0) return std::nullopt;
+    if (!take_one(s.socket, static_cast<int>(left.count()), s.exits, nullptr, nullptr)) s.gone = true;
+  }
+}
+
+std::string ForkServer::unforkable(const std::vector<std::string>& environment) const {
+  const auto wanted = by_name(environment);
+  const auto& have = state_->environment;
+  auto differs = [&](const std::string& name) -> std::string {
+    const auto w = wanted.find(name);
+    const auto h = have.find(name);
+    if (w != wanted.end() && h != have.end() && w->second == h->second) return "";
+    if (w == wanted.end() && h == have.end()) return "";
+    if (w != wanted.end() && malloc_parameters().count(name) != 0) return "";  // mallopt() applies it
+    return fmt::format("{} (the fork server has {})", w == wanted.end() ? name + " unset" : name + "=" + w->second,
+                       h == have.end() ? "it unset" : name + "=" + h->second);
+  };
+  for (const auto& [name, value] : wanted) {
+    if (!read_when_loaded(name)) continue;
+    if (auto why = differs(name); !why.empty()) return why;
+  }
+  for (const auto& [name, value] : have) {
+    if (!read_when_loaded(name)) continue;
+    if (auto why = differs(name); !why.empty()) return why;
+  }
+  return "";
+}
+
+bool read_when_loaded(const std::string& name) {
+  for (const char* prefix : {"GOMP_", "OMP_", "KMP_", "LD_", "MALLOC_", "GLIBC_TUNABLES", "MKL_", "DNNL_", "ONEDNN_",
+                             "OPENBLAS_", "TORCH_", "PYTORCH_", "ASAN_", "LSAN_", "UBSAN_", "TSAN_"}) {
+    if (name.rfind(prefix, 0) == 0) return true;
+  }
+  return false;
+}
+
+void apply_malloc_environment(const std::vector<std::string>& environment) {
+  for (const auto& [name, value] : by_name(environment)) {
+    const auto it = malloc_parameters().find(name);
+    if (it == malloc_parameters().end()) continue;
+    char* end = nullptr;
+    const long v = std::strtol(value.c_str(), &end, 10);
+    if (end != value.c_str() && *end == '\0') (void)::mallopt(it->second, static_cast<int>(v));
+  }
+}
+
+}  // namespace detail
+
+absl::Status start_fork_server() {
+  static std::mutex starting;
+  std::lock_guard lock(starting);
+  if (detail::the_server.load() != nullptr) return absl::OkStatus();
+  if (const int threads = detail::thread_count(); threads != 1) {
+    return absl::FailedPreconditionError(fmt::format(
+        "start_fork_server(): this process has {} threads; call it first in main(), before anything starts a thread",
+        threads));
+  }
+  int pair[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) != 0) {
+    return absl::InternalError(fmt::format("start_fork_server(): socketpair: {}", std::strerror(errno)));
+  }
+  std::vector<std::string> environment;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) environment.emplace_back(*e);
+  const pid_t application = ::getpid();
+  std::fflush(nullptr);  // nothing buffered is written twice
+  const pid_t server = ::fork();
+  if (server < 0) {
+    const int error = errno;
+    ::close(pair[0]);
+    ::close(pair[1]);
+    return absl::InternalError(fmt::format("start_fork_server(): fork: {}", std::strerror(error)));
+  }
+  if (server == 0) {
+    ::close(pair[0]);
+    detail::serve(pair[1], application);
+  }
+  ::close(pair[1]);
+  detail::the_server.store(new detail::ForkServer(pair[0], server, std::move(environment)), std::memory_order_release);
+  return absl::OkStatus();
+}
+
+bool fork_server_running() { return detail::ForkServer::get() != nullptr; }
+
+}  // namespace blockflow

@@ -1,0 +1,181 @@
+// The fork server (blockflow/worker/fork_server.hpp). The cases tagged [fork_server] run in a test
+// process that started a fork server first in main() (ctest's `fork_server` area sets
+// BLOCKFLOW_TEST_FORK_SERVER=1, and GOMP_SPINCOUNT=10000 so that the workers' default environment
+// lets them be forked); they are hidden from a plain run of the binary. The rest run anywhere.
+#include "worker_util.hpp"
+
+#include <blockflow/worker/detail/fork_server.hpp>
+#include <blockflow/worker/fork_server.hpp>
+
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+using namespace blockflow;
+using Catch::Matchers::Contains;
+
+namespace {
+
+// Field 4 of /proc/PID/stat: the parent's pid (0 when the process is gone).
+pid_t parent_of(std::int64_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  if (!std::getline(in, stat)) return 0;
+  std::istringstream rest(stat.substr(stat.rfind(')') + 1));
+  std::string state;
+  pid_t parent = 0;
+  rest >> state >> parent;
+  return parent;
+}
+
+// Log messages of the process while it lives.
+class LogLines {
+ public:
+  LogLines() {
+    set_log_sink([this](LogLevel, std::string_view message) {
+      std::lock_guard lock(mu_);
+      lines_.emplace_back(message);
+    });
+  }
+  ~LogLines() { set_log_sink(nullptr); }
+  bool contains(const std::string& text) {
+    std::lock_guard lock(mu_);
+    for (const auto& line : lines_) {
+      if (line.find(text) != std::string::npos) return true;
+    }
+    return false;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::string> lines_;
+};
+
+}  // namespace
+
+TEST_CASE("a worker forked from the fork server is its child, runs TorchScript and C++ blocks, and equals threads",
+          "[.][fork_server]") {
+  REQUIRE(fork_server_running());
+  auto w1 = make_worker(test::test_worker("w1", "shm"));
+  auto w2 = make_worker(test::test_worker("w2"));
+  Session threads, workers;
+  threads.add_block(test::model_block("b1", "cnn_block1.pt", "", {-1, 3, 16, 16})).add_path(Path::chain("t", {"b1"}));
+  workers.add_site(w1).add_site(w2)
+      .add_block(test::model_block("b1", "cnn_block1.pt", "w1", {-1, 3, 16, 16}))
+      .add_block(test::plugin_block("a", "affine", "w2"))
+      .add_path(Path::chain("t", {"b1", "a"}));
+  test::require_started(threads);
+  test::require_started(workers);
+  for (const auto& w : {w1, w2}) {
+    CHECK(w->stats().forked);
+    const pid_t parent = parent_of(w->pid());
+    CHECK(parent != 0);
+    CHECK(parent != ::getpid());  // the fork server's
+  }
+  CHECK(parent_of(w1->pid()) == parent_of(w2->pid()));
+  at::manual_seed(5);
+  for (int i = 0; i < 4; ++i) {
+    const Tensor x = at::randn({1 + i % 2, 3, 16, 16});
+    Result a = threads.submit("t", x).get();
+    Result b = workers.submit("t", x).get();
+    REQUIRE(a.ok());
+    INFO(b.status.ToString());
+    REQUIRE(b.ok());
+    CHECK(at::allclose(a.output() * 3 + 1, b.output()));  // then "affine" (3x+1) in w2
+  }
+  const auto m = workers.metrics();
+  REQUIRE(m.sites.size() == 2);
+  CHECK(m.sites[0].forked);
+  CHECK(m.sites[0].shm_requests.handles > 0);  // zero-copy to a forked worker as to any other
+  const std::int64_t pid = w1->pid();
+  workers.shutdown();
+  CHECK(test::eventually([&] { return !test::process_exists(pid); }));  // reaped by the server
+}
+
+TEST_CASE("kill -9 of a forked worker under load: named by its signal, restarted by a fork, traffic flows",
+          "[.][fork_server]") {
+  auto site = make_worker(test::test_worker("w2"));
+  Session session;
+  session.add_site(site).add_block(test::plugin_block("slow", "slow_identity", "w2")).add_path(Path::chain("t", {"slow"}));
+  test::require_started(session);
+  const std::int64_t first_pid = site->pid();
+  REQUIRE(site->stats().forked);
+  test::LoadClients load(session, "t", at::ones({4}), 3, "worker w2 killed by signal 9");  // the server's wait status
+  const bool served = load.kill_under_load(first_pid, 20);
+  INFO(load.sample);
+  CHECK(served);
+  CHECK(load.resolved.load() == load.submitted.load());
+  CHECK(load.named.load() >= 1);
+  CHECK(load.other.load() == 0);
+  CHECK(site->pid() != first_pid);
+  CHECK(site->stats().forked);
+  CHECK(parent_of(site->pid()) != ::getpid());
+  CHECK(session.metrics().sites.at(0).restarts == 1);
+}
+
+TEST_CASE("a worker whose environment changes a variable read at load is started as a program, saying why",
+          "[.][fork_server]") {
+  LogLines log;
+  WorkerOptions spin = test::test_worker("w3");
+  spin.environment.push_back("GOMP_SPINCOUNT=12345");  // the later entry wins
+  WorkerOptions off = test::test_worker("w4");
+  off.fork = false;
+  WorkerOptions malloc_only = test::test_worker("w5");
+  malloc_only.environment.push_back("MALLOC_ARENA_MAX=2");  // applied by mallopt() in a forked worker
+  auto w3 = make_worker(spin), w4 = make_worker(off), w5 = make_worker(malloc_only);
+  Session session;
+  session.add_site(w3).add_site(w4).add_site(w5)
+      .add_block(test::plugin_block("a", "affine", "w3"))
+      .add_block(test::plugin_block("b", "affine", "w4"))
+      .add_block(test::plugin_block("c", "affine", "w5"))
+      .add_path(Path::chain("t", {"a", "b", "c"}));
+  test::require_started(session);
+  CHECK_FALSE(w3->stats().forked);
+  CHECK(parent_of(w3->pid()) == ::getpid());
+  CHECK(log.contains("worker w3: started as a new process, not forked from the fork server: GOMP_SPINCOUNT=12345 "
+                     "(the fork server has GOMP_SPINCOUNT=10000)"));
+  CHECK_FALSE(w4->stats().forked);
+  CHECK(parent_of(w4->pid()) == ::getpid());
+  CHECK_FALSE(log.contains("worker w4:"));  // not asked for: nothing to say
+  CHECK(w5->stats().forked);
+  Result r = session.submit("t", at::ones({2})).get();
+  REQUIRE(r.ok());
+  CHECK(at::allclose(r.output(), at::full({2}, 40.0)));  // ((3x+1)*3+1)*3+1 at x = 1
+}
+
+TEST_CASE("start_fork_server() refuses a process that has threads, naming how many", "[worker]") {
+  if (fork_server_running()) return;  // started in main(): a second call starts nothing
+  std::atomic<bool> stop{false};
+  std::thread other([&] {
+    while (!stop) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  const absl::Status status = start_fork_server();
+  stop = true;
+  other.join();
+  CHECK(absl::IsFailedPrecondition(status));
+  CHECK_THAT(std::string(status.message()), Contains("threads; call it first in main()"));
+  CHECK_FALSE(fork_server_running());
+}
+
+TEST_CASE("the fork server's environment check: variables read at load must match, MALLOC_* tuning need not",
+          "[worker]") {
+  blockflow::detail::ForkServer server(-1, 0, {"GOMP_SPINCOUNT=10000", "MALLOC_TRIM_THRESHOLD_=5", "HOME=/root", "OMP_NUM_THREADS=2"});
+  const std::vector<std::string> same = {"GOMP_SPINCOUNT=10000", "MALLOC_TRIM_THRESHOLD_=5", "OMP_NUM_THREADS=2"};
+  CHECK(server.unforkable(same).empty());
+  auto with = [&](std::vector<std::string> extra) {
+    auto env = same;
+    env.insert(env.end(), extra.begin(), extra.end());
+    return env;
+  };
+  CHECK(server.unforkable(with({"HOME=/tmp", "BLOCKFLOW_X=1"})).empty());  // not read at load: set in the fork
+  CHECK(server.unforkable(with({"MALLOC_TRIM_THRESHOLD_=7", "MALLOC_MMAP_THRESHOLD_=9"})).empty());  // mallopt()
+  CHECK(server.unforkable({"GOMP_SPINCOUNT=1", "MALLOC_TRIM_THRESHOLD_=5", "OMP_NUM_THREADS=2"}) ==
+        "GOMP_SPINCOUNT=1 (the fork server has GOMP_SPINCOUNT=10000)");
+  CHECK(server.unforkable({"GOMP_SPINCOUNT=10000", "MALLOC_TRIM_THRESHOLD_=5"}) ==
+        "OMP_NUM_THREADS unset (the fork server has OMP_NUM_THREADS=2)");
+  CHECK(server.unforkable(with({"LD_PRELOAD=/x.so"})) == "LD_PRELOAD=/x.so (the fork server has it unset)");
+  CHECK(server.unforkable(with({"MALLOC_PERTURB_=3"})) == "MALLOC_PERTURB_=3 (the fork server has it unset)");
+  CHECK(blockflow::detail::read_when_loaded("GOMP_SPINCOUNT"));
+  CHECK(blockflow::detail::read_when_loaded("ASAN_OPTIONS"));
+  CHECK_FALSE(blockflow::detail::read_when_loaded("BLOCKFLOW_WORKER"));
+}
