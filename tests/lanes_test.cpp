@@ -330,3 +330,33 @@ TEST_CASE("elastic lanes: a request alone runs on the team, work beside other wo
     CHECK(one_thread_lanes_ran >= 1);
   }
 }
+
+TEST_CASE("SessionOptions::warm_up_threads: warm-up runs before the last use that many threads, the last and requests the lane's",
+          "[lanes]") {
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  if (cores < 2) {
+    WARN("one hardware thread: no narrower width to warm up with");
+    return;
+  }
+  for (const int intra_op : {cores, 0}) {  // 0: the lanes run libtorch's default width
+    DYNAMIC_SECTION("block intra_op_threads " << intra_op) {
+      WidthLog log;
+      SessionOptions options;
+      options.warm_up_threads = 1;
+      options.elastic_lanes = false;  // one width: the team's
+      Session session(options);
+      session.add_block(width_logging("b1", log, intra_op)).add_path(Path::chain("t", {"b1"}));
+      test::require_started(session);
+      const auto warm = log.take();  // warmup_runs 2
+      REQUIRE(warm.size() == 2);
+      CHECK(warm[0].second == 1);
+      CHECK(warm[1].second > 1);
+      if (intra_op > 0) CHECK(warm[1].second == intra_op);
+      const Result r = session.submit("t", at::zeros({4})).get();
+      REQUIRE(r.ok());
+      const auto served = log.take();
+      REQUIRE(served.size() == 1);
+      CHECK(served[0].second == warm[1].second);  // the lane's width is back for requests
+    }
+  }
+}

@@ -332,3 +332,18 @@ TEST_CASE("WorkerOptions::heartbeat_interval and max_parked_bytes reach the work
   CHECK(WIFEXITED(*status));
   CHECK(WEXITSTATUS(*status) == 0);
 }
+
+TEST_CASE("a zero-copy worker makes its result pools at start (one primed run after warm-up), not on a first request",
+          "[worker]") {
+  auto site = make_worker(test::test_worker("w1", "shm"));
+  Session session;
+  session.add_site(site)
+      .add_block(test::model_block("b1", "cnn_block1.pt", "w1", {-1, 3, 256, 256}))  // activations of 2 MB: in slots
+      .add_path(Path::chain("t", {"b1"}));
+  test::require_started(session);
+  // As of a heartbeat after start(), before any request: the pools its activations took exist.
+  CHECK(test::eventually([&] { return site->stats().shm_results.pools_created > 0; }));
+  CHECK(site->stats().shm_results.slots_in_use == 0);  // and the primed run gave its slots back
+  const Result r = session.submit("t", at::ones({1, 3, 256, 256})).get();
+  REQUIRE(r.ok());
+}

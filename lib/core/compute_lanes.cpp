@@ -127,15 +127,34 @@ void ComputeLanes::book_width_locked(Lane& lane) {
 
 void ComputeLanes::with_at_most(int threads, const std::function<void()>& fn) {
   const int index = current_lane();
-  if (index < 0 || !lanes_[static_cast<std::size_t>(index)]->team || threads <= 0 || threads >= options_.intra_op_threads) {
+  if (index < 0 || threads <= 0 || !lanes_[static_cast<std::size_t>(index)]->team) {
     fn();
     return;
   }
   Lane& lane = *lanes_[static_cast<std::size_t>(index)];
-  const int before = lane.threads;
-  set_threads(lane, std::min(before, threads));
+  const int before = lane.threads;  // 0: libtorch's default, the thread's OpenMP setting
+  // at::get_num_threads() first sets a thread's OpenMP width to libtorch's (once per thread): done
+  // here, it cannot undo the narrower width below at the block's first op.
+  const int width = before > 0 ? before : at::get_num_threads();
+  if (threads >= width) {
+    fn();
+    return;
+  }
+  struct Restore {  // also when fn throws
+    ComputeLanes& lanes;
+    Lane& lane;
+    int before, width;
+    ~Restore() {
+      if (before > 0) {
+        lanes.set_threads(lane, before);
+      } else {
+        omp_set_num_threads(width);
+        lane.threads = 0;
+      }
+    }
+  } restore{*this, lane, before, width};
+  set_threads(lane, threads);
   fn();
-  set_threads(lane, before);
 }
 
 void ComputeLanes::for_each_width(const std::function<void()>& fn) {

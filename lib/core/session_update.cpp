@@ -355,8 +355,9 @@ absl::Status SessionCore::update_start(UpdateWork& u) {
     step.status = at_site(*step.site, step.is_new,
                           [&] { return step.is_new ? start_site(*step.site) : step.site->site->update(after); });
   };
+  const auto starting = static_cast<int>(std::count_if(steps.begin(), steps.end(), [](const SiteStep& s) { return s.is_new; }));
   for (auto& step : steps) {
-    if (step.is_new) step.site->site->starting_together(static_cast<int>(steps.size()));
+    if (step.is_new) step.site->site->starting_together(starting);
   }
   if (steps.size() == 1) {
     run_step(steps.front());

@@ -1,6 +1,7 @@
 // A worker process, started by posix_spawn or forked from the fork server (child_process.hpp).
 #include <blockflow/worker/detail/child_process.hpp>
 #include <blockflow/worker/detail/fork_server.hpp>
+#include <blockflow/worker/detail/process_state.hpp>
 
 #include <fmt/format.h>
 
@@ -89,9 +90,18 @@ std::optional<std::string> ChildProcess::exited() {
   if (::poll(&p, 1, 0) != 1) return std::nullopt;
   // The server reaps it and reports its status at once; a server gone meanwhile leaves it unknown.
   ForkServer* server = ForkServer::get();
-  const auto status = server != nullptr ? server->exit_status(pid_, std::chrono::milliseconds(500)) : std::nullopt;
+  const auto status = server != nullptr ? server->exit_status(pid_, std::chrono::seconds(2)) : std::nullopt;
   reset();
   return status ? describe_exit(*status) : std::string("exited");
+}
+
+bool ChildProcess::exiting() const {
+  if (pid_ == 0) return true;
+  if (pidfd_ >= 0) {  // gone once the pidfd is readable; until then the pid is still this process's
+    pollfd p{pidfd_, POLLIN, 0};
+    if (::poll(&p, 1, 0) == 1) return true;
+  }
+  return process_exiting(pid_);
 }
 
 void ChildProcess::kill() const {

@@ -12,7 +12,10 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <malloc.h>
+#include <pthread.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -33,8 +36,6 @@
 #include <map>
 #include <mutex>
 
-extern char** environ;
-
 namespace blockflow {
 namespace detail {
 namespace {
@@ -43,7 +44,10 @@ constexpr std::size_t kMaxMessage = 256 * 1024;
 
 // Sends one datagram, with `fd` attached when it is not -1.
 bool send_message(int socket, const std::string& text, int fd = -1) {
-  if (text.size() > kMaxMessage) return false;
+  if (text.size() > kMaxMessage) {
+    errno = EMSGSIZE;
+    return false;
+  }
   iovec iov{const_cast<char*>(text.data()), text.size()};
   msghdr msg{};
   msg.msg_iov = &iov;
@@ -116,24 +120,51 @@ const std::map<std::string, int>& malloc_parameters() {
 
 // --- the server process -------------------------------------------------------------------------
 
-// A forked worker: the environment an exec'd one would have, then blockflow-worker's work.
-[[noreturn]] void run_worker(const nlohmann::json& request, const sigset_t& mask) {
-  ::sigprocmask(SIG_SETMASK, &mask, nullptr);
-  const auto environment = request.at("environment").get<std::vector<std::string>>();
-  ::clearenv();
-  for (const auto& e : environment) ::putenv(::strdup(e.c_str()));  // putenv keeps the string
-  apply_malloc_environment(environment);
-  ::prctl(PR_SET_NAME, "blockflow-worker");
-  auto args = request.at("argv").get<std::vector<std::string>>();
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
+// What exec would have done: caught signals back to their default (ignored ones stay ignored), and
+// the descriptors marked close-on-exec closed.
+void as_if_exec() {
+  for (int sig = 1; sig < NSIG; ++sig) {
+    struct sigaction action {};
+    if (sig == SIGKILL || sig == SIGSTOP || ::sigaction(sig, nullptr, &action) != 0) continue;
+    if ((action.sa_flags & SA_SIGINFO) != 0 || (action.sa_handler != SIG_DFL && action.sa_handler != SIG_IGN)) {
+      ::signal(sig, SIG_DFL);
+    }
+  }
+  std::vector<int> close_on_exec;
+  if (DIR* fds = ::opendir("/proc/self/fd")) {
+    while (const dirent* entry = ::readdir(fds)) {
+      const int fd = std::atoi(entry->d_name);
+      if (entry->d_name[0] == '.' || fd == ::dirfd(fds)) continue;
+      const int flags = ::fcntl(fd, F_GETFD);
+      if (flags >= 0 && (flags & FD_CLOEXEC) != 0) close_on_exec.push_back(fd);
+    }
+    ::closedir(fds);
+  }
+  for (const int fd : close_on_exec) ::close(fd);
+}
+
+// A forked worker: started as if exec'd, with the environment an exec'd one would have, then
+// blockflow-worker's work. Never returns: nothing may unwind into the application's main().
+[[noreturn]] void run_worker(const nlohmann::json& request, const sigset_t& mask) noexcept {
   int rc = 2;
   try {
+    ::sigprocmask(SIG_SETMASK, &mask, nullptr);
+    as_if_exec();
+    const auto environment = request.at("environment").get<std::vector<std::string>>();
+    ::clearenv();
+    for (const auto& e : environment) ::putenv(::strdup(e.c_str()));  // putenv keeps the string
+    apply_malloc_environment(environment);
+    ::prctl(PR_SET_NAME, "bf-worker");  // 15 characters at most
+    auto args = request.at("argv").get<std::vector<std::string>>();
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
     log_worker_crashes();
     rc = launch_worker(static_cast<int>(args.size()), argv.data(), request.at("launcher_dir").get<std::string>());
   } catch (const std::exception& e) {
     std::cerr << "blockflow-worker: " << e.what() << "\n";
+  } catch (...) {
+    std::cerr << "blockflow-worker: unknown exception\n";
   }
   std::fflush(nullptr);
   ::_exit(rc);  // not exit(): the application's atexit handlers and static destructors are not the worker's
@@ -162,11 +193,28 @@ void fork_one(int socket, int signals, const std::string& text, const sigset_t& 
     return;
   }
   const int pidfd = pidfd_open(child);  // not reaped before this: only this thread reaps
-  (void)send_message(socket, nlohmann::json{{"pid", child}}.dump(), pidfd);
-  if (pidfd >= 0) ::close(pidfd);
+  if (pidfd < 0) {  // unreachable without it: it must not live on beside the worker started instead
+    const int error = errno;
+    ::kill(child, SIGKILL);
+    (void)send_message(socket, nlohmann::json{{"error", fmt::format("pidfd_open: {}", std::strerror(error))}}.dump());
+    return;
+  }
+  if (!send_message(socket, nlohmann::json{{"pid", child}}.dump(), pidfd)) ::kill(child, SIGKILL);  // nobody knows of it
+  ::close(pidfd);
 }
 
-[[noreturn]] void serve(int socket, pid_t application) {
+[[noreturn]] void serve_loop(int socket, pid_t application);
+
+// The server process's body. Never returns: nothing may unwind into the application's main().
+[[noreturn]] void serve(int socket, pid_t application) noexcept {
+  try {
+    serve_loop(socket, application);
+  } catch (...) {
+  }
+  ::_exit(1);
+}
+
+[[noreturn]] void serve_loop(int socket, pid_t application) {
   ::prctl(PR_SET_NAME, "bf-forkserver");
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // dies with the application (its workers then die with it)
   if (::getppid() != application) ::_exit(0);
@@ -223,10 +271,14 @@ struct ForkServer::State {
   std::map<pid_t, int> exits;         // wait statuses reported and not yet asked for
 };
 
-ForkServer::ForkServer(int socket, pid_t server, std::vector<std::string> environment) : state_(new State) {
+ForkServer::ForkServer(int socket, pid_t server, std::vector<std::string> environment) : state_(std::make_unique<State>()) {
   state_->socket = socket;
   state_->server = server;
   state_->environment = by_name(environment);
+}
+
+ForkServer::~ForkServer() {
+  if (state_->socket >= 0) ::close(state_->socket);
 }
 
 ForkServer* ForkServer::get() {
@@ -236,6 +288,8 @@ ForkServer* ForkServer::get() {
   if (!s->state_->gone) {  // a server that died shows as a hung-up socket
     pollfd p{s->state_->socket, 0, 0};
     s->state_->gone = ::poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLERR)) != 0;
+    int status = 0;
+    if (s->state_->gone) (void)::waitpid(s->state_->server, &status, WNOHANG);  // no zombie left
   }
   return s->state_->gone ? nullptr : s;
 }
@@ -274,7 +328,12 @@ absl::StatusOr<ForkServer::Forked> ForkServer::fork_worker(const std::vector<std
   State& s = *state_;
   std::lock_guard lock(s.mu);
   if (s.gone) return absl::UnavailableError("the fork server is gone");
-  const std::string request = nlohmann::json{{"argv", argv}, {"environment", environment}, {"launcher_dir", launcher_dir}}.dump();
+  std::string request;
+  try {
+    request = nlohmann::json{{"argv", argv}, {"environment", environment}, {"launcher_dir", launcher_dir}}.dump();
+  } catch (const nlohmann::json::exception& e) {  // e.g. a variable whose value is not UTF-8
+    return absl::InvalidArgumentError(fmt::format("its command line or environment cannot be sent: {}", e.what()));
+  }
   if (!send_message(s.socket, request)) {
     s.gone = errno != EMSGSIZE;
     return absl::UnavailableError(fmt::format("cannot reach the fork server: {}", std::strerror(errno)));
@@ -380,8 +439,21 @@ absl::Status start_fork_server() {
   if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) != 0) {
     return absl::InternalError(fmt::format("start_fork_server(): socketpair: {}", std::strerror(errno)));
   }
+  // What libraries read when they loaded: the environment the process started with (a setenv()
+  // in main() before this call came too late for them).
   std::vector<std::string> environment;
-  for (char** e = environ; e != nullptr && *e != nullptr; ++e) environment.emplace_back(*e);
+  {
+    std::ifstream initial("/proc/self/environ", std::ios::binary);
+    for (std::string entry; std::getline(initial, entry, '\0');) {
+      if (!entry.empty()) environment.push_back(entry);
+    }
+  }
+  if (const int probe = detail::pidfd_open(::getpid()); probe >= 0) {
+    ::close(probe);
+  } else {
+    return absl::UnavailableError(fmt::format("start_fork_server(): pidfd_open: {} (Linux 5.3 or later needed)",
+                                              std::strerror(errno)));
+  }
   const pid_t application = ::getpid();
   std::fflush(nullptr);  // nothing buffered is written twice
   const pid_t server = ::fork();
@@ -397,6 +469,8 @@ absl::Status start_fork_server() {
   }
   ::close(pair[1]);
   detail::the_server.store(new detail::ForkServer(pair[0], server, std::move(environment)), std::memory_order_release);
+  // A child this process forks without exec is not the server's owner: it starts its workers as programs.
+  (void)::pthread_atfork(nullptr, nullptr, [] { detail::the_server.store(nullptr); });
   return absl::OkStatus();
 }
 

@@ -224,7 +224,7 @@ class Worker {
   // each block with zeros, as requests run, makes them now; its slots are free again after it.
   void prime_slots(const std::vector<bf::BlockDescription>& blocks) {
     for (const auto& b : blocks) {
-      if (b.options.input_shapes.empty() || b.options.device.rfind("cuda", 0) == 0) continue;
+      if (b.options.input_shapes.empty() || b.options.warmup_runs == 0 || b.options.device.rfind("cuda", 0) == 0) continue;
       bf::Tensors zeros;
       for (auto shape : b.options.input_shapes) {
         for (auto& d : shape) d = d < 0 ? 1 : d;

@@ -241,7 +241,7 @@ void WorkerSite::stop() {
 void WorkerSite::starting_together(int sites) {
   std::lock_guard lock(impl_->mu);
   const int cores = static_cast<int>(std::max(1U, std::thread::hardware_concurrency()));
-  impl_->warm_up_threads = sites > 1 ? std::max(1, cores / sites) : 0;
+  impl_->warm_up_threads = sites > 1 && !impl_->joined() ? std::max(1, cores / sites) : 0;  // a joined worker has its own cores
 }
 
 SiteStats WorkerSite::stats() const {

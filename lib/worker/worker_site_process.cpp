@@ -319,7 +319,7 @@ void WorkerSite::Impl::supervise() {
       const bool late = now - last_heartbeat_ns > 2 * absl::ToInt64Nanoseconds(options.heartbeat_timeout);
       if (auto how = joined() ? std::nullopt : process.exited()) {
         death = *std::move(how);
-      } else if (!joined() && child != 0 && !late && detail::process_exiting(child)) {
+      } else if (!joined() && child != 0 && !late && process.exiting()) {
         // not silent: dying
       } else {
         declare(fmt::format("missed heartbeats for {} ms", (now - last_heartbeat_ns) / 1000000));

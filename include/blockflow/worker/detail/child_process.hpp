@@ -43,6 +43,8 @@ class ChildProcess {
   /// How it ended ("killed by signal 9", "exited with status 1") once it has, reaping it; nullopt
   /// while it runs. After a value, the object holds no process.
   std::optional<std::string> exited();
+  /// True once it has begun to exit (detail::process_exiting()), or is gone.
+  [[nodiscard]] bool exiting() const;
   /// SIGKILL.
   void kill() const;
   /// Waits up to `grace` for it to exit, then kills it and waits for that; returns how it ended.

@@ -12,6 +12,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -40,13 +41,16 @@ class ForkServer {
   /// "GOMP_SPINCOUNT=10000 (the fork server has it unset)").
   [[nodiscard]] std::string unforkable(const std::vector<std::string>& environment) const;
 
+  /// The application's end: `socket` (owned; -1: none, for tests of unforkable()), the server's
+  /// pid, and the environment the server has. The process's one (get()) is never destroyed.
   ForkServer(int socket, pid_t server, std::vector<std::string> environment);
+  ~ForkServer();
   ForkServer(const ForkServer&) = delete;
   ForkServer& operator=(const ForkServer&) = delete;
 
  private:
   struct State;
-  State* state_;  // lives as long as the process
+  std::unique_ptr<State> state_;
 };
 
 /// True for an environment variable that a library reads when it loads (so a forked process keeps
