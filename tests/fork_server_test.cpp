@@ -28,6 +28,15 @@ pid_t parent_of(std::int64_t pid) {
   return parent;
 }
 
+// Its thread count (/proc/PID/status), 0 when it is gone.
+int threads_of(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
+  }
+  return 0;
+}
+
 // Log messages of the process while it lives.
 class LogLines {
  public:
@@ -73,6 +82,9 @@ TEST_CASE("a worker forked from the fork server is its child, runs TorchScript a
     CHECK(parent != ::getpid());  // the fork server's
   }
   CHECK(parent_of(w1->pid()) == parent_of(w2->pid()));
+  // The server ran libtorch once before forking (a small module loaded, optimised and run) and
+  // still has one thread: a thread made there would be missing in every forked worker.
+  CHECK(threads_of(parent_of(w1->pid())) == 1);
   at::manual_seed(5);
   for (int i = 0; i < 4; ++i) {
     const Tensor x = at::randn({1 + i % 2, 3, 16, 16});
