@@ -56,13 +56,15 @@ absl::StatusOr<ChildProcess> ChildProcess::start(const Spec& spec, std::string* 
 }
 
 ChildProcess::ChildProcess(ChildProcess&& other) noexcept
-    : pid_(std::exchange(other.pid_, 0)), pidfd_(std::exchange(other.pidfd_, -1)) {}
+    : pid_(std::exchange(other.pid_, 0)), pidfd_(std::exchange(other.pidfd_, -1)),
+      gone_since_(std::exchange(other.gone_since_, std::nullopt)) {}
 
 ChildProcess& ChildProcess::operator=(ChildProcess&& other) noexcept {
   if (this != &other) {
     reset();
     pid_ = std::exchange(other.pid_, 0);
     pidfd_ = std::exchange(other.pidfd_, -1);
+    gone_since_ = std::exchange(other.gone_since_, std::nullopt);
   }
   return *this;
 }
@@ -73,6 +75,7 @@ void ChildProcess::reset() {
   if (pidfd_ >= 0) ::close(pidfd_);
   pidfd_ = -1;
   pid_ = 0;
+  gone_since_.reset();
 }
 
 std::optional<std::string> ChildProcess::exited() {
@@ -88,9 +91,13 @@ std::optional<std::string> ChildProcess::exited() {
   }
   pollfd p{pidfd_, POLLIN, 0};  // readable once the process has exited
   if (::poll(&p, 1, 0) != 1) return std::nullopt;
-  // The server reaps it and reports its status at once; a server gone meanwhile leaves it unknown.
+  // The server reaps it and reports its status at once: until that report is read (exiting() is
+  // true meanwhile), nothing waits for it here. A server gone, or silent for 10 s, leaves it unknown.
+  const auto now = std::chrono::steady_clock::now();
+  if (!gone_since_) gone_since_ = now;
   ForkServer* server = ForkServer::get();
-  const auto status = server != nullptr ? server->exit_status(pid_, std::chrono::seconds(2)) : std::nullopt;
+  const auto status = server != nullptr ? server->exit_status(pid_, std::chrono::milliseconds(0)) : std::nullopt;
+  if (!status && server != nullptr && now - *gone_since_ < std::chrono::seconds(10)) return std::nullopt;
   reset();
   return status ? describe_exit(*status) : std::string("exited");
 }

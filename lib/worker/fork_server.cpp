@@ -222,7 +222,10 @@ void fork_one(int socket, int signals, const std::string& text, const sigset_t& 
 void prepare_libtorch() noexcept {
   try {
     (void)at::get_num_threads();  // this thread's lazy setting of its OpenMP width first, so that the next line holds
-    const int width = omp_get_max_threads();
+    struct Width {  // restored however this ends: forked workers' main threads inherit it
+      int width = omp_get_max_threads();
+      ~Width() { omp_set_num_threads(width); }
+    } restore;
     omp_set_num_threads(1);
     {
       torch::jit::Module module("blockflow_prepare");
@@ -234,7 +237,6 @@ void prepare_libtorch() noexcept {
       c10::InferenceMode inference_mode;
       for (int run = 0; run < 2; ++run) (void)optimized.forward({at::zeros({1, 3, 16, 16})});
     }
-    omp_set_num_threads(width);
   } catch (...) {  // only time is lost
   }
 }
@@ -332,27 +334,27 @@ ForkServer* ForkServer::get() {
 namespace {
 
 // Takes in one message (waiting up to `timeout_ms`, -1: until one comes); the reply of a fork goes
-// to `reply` (and its pidfd to `fd`), reaped workers' statuses to `exits`. False once the server is gone.
-bool take_one(int socket, int timeout_ms, std::map<pid_t, int>& exits, std::optional<nlohmann::json>* reply, int* fd) {
+// to `reply` (and its pidfd to `fd`), reaped workers' statuses to `exits`. kClosed once the server
+// is gone; kNone when nothing came in time.
+Received take_one(int socket, int timeout_ms, std::map<pid_t, int>& exits, std::optional<nlohmann::json>* reply, int* fd) {
   pollfd p{socket, POLLIN, 0};
   int ready = 0;
   do {
     ready = ::poll(&p, 1, timeout_ms);
   } while (ready < 0 && errno == EINTR);
-  if (ready <= 0) return true;
+  if (ready <= 0) return Received::kNone;
   std::string text;
   const Received r = receive_message(socket, MSG_DONTWAIT, text, fd);
-  if (r == Received::kClosed) return false;
-  if (r == Received::kNone) return true;
+  if (r != Received::kMessage) return r;
   const auto m = nlohmann::json::parse(text, nullptr, false);
-  if (m.is_discarded()) return true;
+  if (m.is_discarded()) return Received::kMessage;
   if (m.contains("exited")) {
     exits[m["exited"].get<pid_t>()] = m.value("status", 0);
     if (exits.size() > 4096) exits.erase(exits.begin());  // statuses nobody asked for stay bounded
   } else if (reply != nullptr) {
     *reply = m;
   }
-  return true;
+  return Received::kMessage;
 }
 
 }  // namespace
@@ -382,7 +384,7 @@ absl::StatusOr<ForkServer::Forked> ForkServer::fork_worker(const std::vector<std
       s.gone = true;  // a server that does not answer is not asked again
       return absl::UnavailableError("the fork server did not answer within 10 s");
     }
-    if (!take_one(s.socket, static_cast<int>(left.count()), s.exits, &reply, &fd)) {
+    if (take_one(s.socket, static_cast<int>(left.count()), s.exits, &reply, &fd) == Received::kClosed) {
       s.gone = true;
       return absl::UnavailableError("the fork server is gone");
     }
@@ -412,9 +414,12 @@ std::optional<int> ForkServer::exit_status(pid_t pid, std::chrono::milliseconds 
       s.exits.erase(it);
       return status;
     }
+    if (s.gone) return std::nullopt;
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    if (s.gone || left.count() <= 0) return std::nullopt;
-    if (!take_one(s.socket, static_cast<int>(left.count()), s.exits, nullptr, nullptr)) s.gone = true;
+    // Past the deadline: only what has arrived already (a zero wait reads without blocking).
+    const Received r = take_one(s.socket, static_cast<int>(std::max<std::int64_t>(0, left.count())), s.exits, nullptr, nullptr);
+    if (r == Received::kClosed) s.gone = true;
+    if (r == Received::kNone && left.count() <= 0) return std::nullopt;
   }
 }
 
@@ -443,7 +448,7 @@ std::string ForkServer::unforkable(const std::vector<std::string>& environment) 
 
 bool read_when_loaded(const std::string& name) {
   for (const char* prefix : {"GOMP_", "OMP_", "KMP_", "LD_", "MALLOC_", "GLIBC_TUNABLES", "MKL_", "DNNL_", "ONEDNN_",
-                             "OPENBLAS_", "TORCH_", "PYTORCH_", "ASAN_", "LSAN_", "UBSAN_", "TSAN_"}) {
+                             "OPENBLAS_", "ATEN_", "TORCH_", "PYTORCH_", "ASAN_", "LSAN_", "UBSAN_", "TSAN_"}) {
     if (name.rfind(prefix, 0) == 0) return true;
   }
   return false;

@@ -72,7 +72,8 @@ absl::Status WorkerSite::Impl::spawn_locked() {
   auto started = detail::ChildProcess::start(spec, &not_forked);
   if (!started.ok()) return absl::UnavailableError(fmt::format("{}: {}", prefix(), std::string(started.status().message())));
   if (!not_forked.empty() && !std::exchange(fork_refusal_logged, true)) {
-    detail::log(LogLevel::kWarning, fmt::format("{}: started as a new process, not forked from the fork server: {}",
+    detail::log(LogLevel::kWarning, fmt::format("{}: started as a new process, not forked from the fork server: {} "
+                                                "(docs/workers.md, \"Fork server\")",
                                                 prefix(), not_forked));
   }
   process = *std::move(started);
@@ -331,9 +332,16 @@ void WorkerSite::Impl::supervise() {
                           absl::FormatDuration(options.compute_timeout)));
       computing_s = 0;
     } else if (state == State::kReady && link_lost_ns != 0 && now - link_lost_ns > kLinkGraceNs) {
-      // Its data link closed but the process lives on: it can take no request; start it anew.
-      link_lost_ns = 0;
-      declare("lost its data link");
+      // Its data link closed. A worker that died closed it as it went: it is reported by how it
+      // died (waited for while it is exiting, up to a heartbeat timeout more). One that lives on
+      // can take no request: start it anew.
+      if (auto how = joined() ? std::nullopt : process.exited()) {
+        death = *std::move(how);
+      } else if (joined() || !process.exiting() ||
+                 now - link_lost_ns > kLinkGraceNs + absl::ToInt64Nanoseconds(options.heartbeat_timeout)) {
+        link_lost_ns = 0;
+        declare("lost its data link");
+      }
     } else if (state == State::kStarting && now > start_deadline_ns) {
       declare(joined() ? fmt::format("did not join at {} within {}", control_endpoint,
                                      absl::FormatDuration(options.start_timeout))

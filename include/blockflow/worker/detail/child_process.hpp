@@ -41,7 +41,8 @@ class ChildProcess {
   [[nodiscard]] pid_t pid() const { return pid_; }
   [[nodiscard]] bool forked() const { return pidfd_ >= 0; }
   /// How it ended ("killed by signal 9", "exited with status 1") once it has, reaping it; nullopt
-  /// while it runs. After a value, the object holds no process.
+  /// while it runs (and, for a forked worker, until the fork server's report of its status has
+  /// come: exiting() is true meanwhile). Never blocks. After a value, the object holds no process.
   std::optional<std::string> exited();
   /// True once it has begun to exit (detail::process_exiting()), or is gone.
   [[nodiscard]] bool exiting() const;
@@ -54,6 +55,7 @@ class ChildProcess {
   void reset();
   pid_t pid_ = 0;
   int pidfd_ = -1;  // a forked worker's
+  std::optional<std::chrono::steady_clock::time_point> gone_since_;  // a forked worker's exit seen, its status not yet read
 };
 
 /// "killed by signal N", "exited with status N" or "stopped", for a waitpid() status.
