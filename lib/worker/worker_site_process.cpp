@@ -338,7 +338,7 @@ void WorkerSite::Impl::supervise() {
       if (auto how = joined() ? std::nullopt : process.exited()) {
         death = *std::move(how);
       } else if (joined() || !process.exiting() ||
-                 now - link_lost_ns > kLinkGraceNs + absl::ToInt64Nanoseconds(options.heartbeat_timeout)) {
+                 now - link_lost_ns - kLinkGraceNs > absl::ToInt64Nanoseconds(options.heartbeat_timeout)) {
         link_lost_ns = 0;
         declare("lost its data link");
       }

@@ -42,7 +42,8 @@ class ChildProcess {
   [[nodiscard]] bool forked() const { return pidfd_ >= 0; }
   /// How it ended ("killed by signal 9", "exited with status 1") once it has, reaping it; nullopt
   /// while it runs (and, for a forked worker, until the fork server's report of its status has
-  /// come: exiting() is true meanwhile). Never blocks. After a value, the object holds no process.
+  /// come: exiting() is true meanwhile). Does not wait for that report (it may wait for the fork
+  /// server's lock while another site's fork is answered). After a value, the object holds no process.
   std::optional<std::string> exited();
   /// True once it has begun to exit (detail::process_exiting()), or is gone.
   [[nodiscard]] bool exiting() const;
