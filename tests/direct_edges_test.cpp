@@ -138,13 +138,8 @@ TEST_CASE("direct edges: kill -9 of a worker holding or receiving parked outputs
       test::LoadClients load(session, "t", at::ones({256}), 3, "worker " + victim + " killed by signal 9",
                              [](const Tensor& y) { return at::equal(y, at::full({256}, 4.0)); });
       // Until the restarted worker (and the chain through it) has served requests again.
-      const bool served = load.kill_under_load(first_pid, 30);
-      INFO(load.sample);
-      CHECK(served);
+      load.check_kill_under_load(first_pid, 30);
       CHECK(site->pid() != first_pid);
-      CHECK(load.resolved.load() == load.submitted.load());
-      CHECK(load.named.load() >= 1);
-      CHECK(load.other.load() == 0);
       const auto m = session.metrics();
       CHECK(site_named(m, victim).restarts == 1);
       CHECK(site_named(m, "w1").direct_forwards >= 30);

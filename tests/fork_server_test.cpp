@@ -87,12 +87,7 @@ TEST_CASE("a worker forked from the fork server is its child, runs TorchScript a
   CHECK(threads_of(parent_of(w1->pid())) == 1);
   at::manual_seed(5);
   for (int i = 0; i < 4; ++i) {
-    const Tensor x = at::randn({1 + i % 2, 3, 16, 16});
-    Result a = threads.submit("t", x).get();
-    Result b = workers.submit("t", x).get();
-    REQUIRE(a.ok());
-    INFO(b.status.ToString());
-    REQUIRE(b.ok());
+    const auto [a, b] = test::both_ok(threads, workers, "t", at::randn({1 + i % 2, 3, 16, 16}));
     CHECK(at::allclose(a.output() * 3 + 1, b.output()));  // then "affine" (3x+1) in w2
   }
   const auto m = workers.metrics();
@@ -113,12 +108,7 @@ TEST_CASE("kill -9 of a forked worker under load: named by its signal, restarted
   const std::int64_t first_pid = site->pid();
   REQUIRE(site->stats().forked);
   test::LoadClients load(session, "t", at::ones({4}), 3, "worker w2 killed by signal 9");  // the server's wait status
-  const bool served = load.kill_under_load(first_pid, 20);
-  INFO(load.sample);
-  CHECK(served);
-  CHECK(load.resolved.load() == load.submitted.load());
-  CHECK(load.named.load() >= 1);
-  CHECK(load.other.load() == 0);
+  load.check_kill_under_load(first_pid, 20);
   CHECK(site->pid() != first_pid);
   CHECK(site->stats().forked);
   CHECK(parent_of(site->pid()) != ::getpid());

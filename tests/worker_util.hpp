@@ -39,6 +39,17 @@ inline BlockDescription plugin_block(const std::string& name, const std::string&
   return d;
 }
 
+/// Submits `x` to `task` of both sessions (one in threads, one with workers) and requires both
+/// results, showing the second one's error.
+inline std::pair<Result, Result> both_ok(Session& threads, Session& workers, const std::string& task, const Tensor& x) {
+  Result a = threads.submit(task, x).get();
+  Result b = workers.submit(task, x).get();
+  REQUIRE(a.ok());
+  INFO(b.status.ToString());
+  REQUIRE(b.ok());
+  return {std::move(a), std::move(b)};
+}
+
 /// A worker that loads the test plugin and restarts quickly; `channel` as in WorkerOptions.
 inline WorkerOptions test_worker(const std::string& name, const std::string& channel = "") {
   WorkerOptions o;
@@ -93,6 +104,16 @@ class LoadClients {
     const bool served = killed && wait_ok(n);
     finish();
     return served;
+  }
+  /// kill_under_load(), then what every kill test asserts: the worker served again, every request
+  /// resolved, at least one failed naming the death, and none failed otherwise.
+  void check_kill_under_load(std::int64_t pid, int n) {
+    const bool served = kill_under_load(pid, n);
+    INFO(sample);
+    CHECK(served);
+    CHECK(resolved.load() == submitted.load());
+    CHECK(named.load() >= 1);
+    CHECK(other.load() == 0);
   }
   /// Stops the clients once their requests in flight resolved.
   void finish() {
