@@ -11,14 +11,18 @@
 // ZeroMQ (ipc://); the monolithic models stay in the host's threads. cuda (where
 // cuda_channel_available()) does the same with every block on cuda:0, CUDA tensors crossing as CUDA
 // IPC handles. all runs the channels one after the other (cuda where available) and ends with a
-// comparison table. (--placement workers is --channel shm.)
+// comparison table. (--placement workers is --channel shm.) With --fork-server the workers are
+// forked from a fork server started first in main() (docs/workers.md; run it with
+// GOMP_SPINCOUNT=10000 in the environment, or they are started as programs and the log says why).
 
 #include <blockflow/blockflow.hpp>
+#include <blockflow/worker/fork_server.hpp>
 #include <blockflow/worker/worker_site.hpp>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <iostream>
 #include <optional>
@@ -44,6 +48,7 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
       return argv[++i];
     };
+    if (a == "--fork-server") continue;  // taken by main() first
     if (a == "--models") args.models = next();
     else if (a == "--requests") args.requests = std::stoi(next());
     else if (a == "--threads") args.threads = std::stoi(next());
@@ -65,7 +70,8 @@ Args parse(int argc, char** argv) {
       }
     } else {
       throw std::invalid_argument("unknown argument " + a +
-                                  " (use --models DIR [--requests N] [--threads T] [--channel inproc|shm|zmq|cuda|all])");
+                                  " (use --models DIR [--requests N] [--threads T] [--channel inproc|shm|zmq|cuda|all] "
+                                  "[--fork-server])");
     }
   }
   if (args.models.empty()) throw std::invalid_argument("--models DIR is required");
@@ -132,6 +138,14 @@ std::optional<Summary> run(const Args& args, const std::string& channel) {
   const auto lanes = session.metrics().lanes.size();
   fmt::print("threads: {} compute lane{} of {} intra-op threads, {} hardware threads\n", lanes, lanes == 1 ? "" : "s",
              args.threads, std::thread::hardware_concurrency());
+  {
+    const auto started = session.metrics();
+    const auto forked = std::count_if(started.sites.begin(), started.sites.end(), [](const bf::SiteStats& s) { return s.forked; });
+    fmt::print("start(): {:.0f} ms{}\n", started.start.start_ms,
+               started.sites.empty() ? ""
+                                     : fmt::format(" ({} of {} worker processes forked from the fork server)", forked,
+                                                   started.sites.size()));
+  }
 
   // Equality of the split pipelines with the monolithic models.
   at::manual_seed(0);
@@ -196,6 +210,10 @@ std::optional<Summary> run(const Args& args, const std::string& channel) {
 }  // namespace
 
 int main(int argc, char** argv) try {
+  for (int i = 1; i < argc; ++i) {  // first, while this process has one thread
+    if (std::string(argv[i]) != "--fork-server") continue;
+    if (auto started = bf::start_fork_server(); !started.ok()) std::cerr << "fork server: " << started << "\n";
+  }
   const Args args = parse(argc, argv);
   std::vector<Summary> summaries;
   bool equal = true;
