@@ -5,6 +5,7 @@
 #include "worker_util.hpp"
 
 #include <blockflow/worker/detail/fork_server.hpp>
+#include <blockflow/worker/detail/process_state.hpp>
 #include <blockflow/worker/fork_server.hpp>
 
 #include <fstream>
@@ -16,26 +17,8 @@ using Catch::Matchers::Contains;
 
 namespace {
 
-// Field 4 of /proc/PID/stat: the parent's pid (0 when the process is gone).
-pid_t parent_of(std::int64_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat;
-  if (!std::getline(in, stat)) return 0;
-  std::istringstream rest(stat.substr(stat.rfind(')') + 1));
-  std::string state;
-  pid_t parent = 0;
-  rest >> state >> parent;
-  return parent;
-}
-
-// Its thread count (/proc/PID/status), 0 when it is gone.
-int threads_of(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
-  }
-  return 0;
-}
+pid_t parent_of(std::int64_t pid) { return static_cast<pid_t>(blockflow::detail::process_parent(pid)); }
+int threads_of(pid_t pid) { return blockflow::detail::process_threads(pid); }
 
 // Log messages of the process while it lives.
 class LogLines {

@@ -341,14 +341,16 @@ unsigned layouts_used(const RoutingTable& table, const BlockRuntime& runtime) {
 }
 }  // namespace
 
-Tensors warm_up_inputs(const Block& block) {
+Tensors warm_up_inputs(const BlockOptions& options, c10::Device device) {
   Tensors zeros;
-  for (auto shape : block.options().input_shapes) {
+  for (auto shape : options.input_shapes) {
     for (auto& d : shape) d = d < 0 ? 1 : d;
-    zeros.push_back(at::zeros(shape, at::TensorOptions().device(block.device())));
+    zeros.push_back(at::zeros(shape, at::TensorOptions().device(device)));
   }
   return zeros;
 }
+
+Tensors warm_up_inputs(const Block& block) { return warm_up_inputs(block.options(), block.device()); }
 
 // Warms up every variant of forward() the plans will run, so that no request pays TorchScript's
 // first-run optimisation.

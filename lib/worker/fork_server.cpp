@@ -8,6 +8,7 @@
 #include <blockflow/worker/fork_server.hpp>
 #include <blockflow/worker/detail/fork_server.hpp>
 #include <blockflow/worker/detail/launch_worker.hpp>
+#include <blockflow/worker/detail/process_state.hpp>
 
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
@@ -285,14 +286,6 @@ void prepare_libtorch() noexcept {
   }
 }
 
-int thread_count() {
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);) {
-    if (line.rfind("Threads:", 0) == 0) return std::atoi(line.c_str() + 8);
-  }
-  return 0;
-}
-
 std::atomic<ForkServer*> the_server{nullptr};
 
 }  // namespace
@@ -470,7 +463,7 @@ absl::Status start_fork_server() {
   static std::mutex starting;
   std::lock_guard lock(starting);
   if (detail::the_server.load() != nullptr) return absl::OkStatus();
-  if (const int threads = detail::thread_count(); threads != 1) {
+  if (const int threads = detail::process_threads(0); threads != 1) {
     return absl::FailedPreconditionError(fmt::format(
         "start_fork_server(): this process has {} threads; call it first in main(), before anything starts a thread",
         threads));

@@ -4,6 +4,7 @@
 
 #include <blockflow/blockflow.hpp>
 #include <blockflow/core/detail/build_scope.hpp>
+#include <blockflow/core/detail/session_core.hpp>
 #include <blockflow/core/detail/clock.hpp>
 #include <blockflow/channel/detail/curve_keys.hpp>
 #include <blockflow/channel/detail/slot_allocator.hpp>
@@ -21,7 +22,6 @@
 #include "worker_allowlist.hpp"
 #include "worker_replies.hpp"
 
-#include <ATen/Functions.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <zmq.hpp>
@@ -225,12 +225,7 @@ class Worker {
   void prime_slots(const std::vector<bf::BlockDescription>& blocks) {
     for (const auto& b : blocks) {
       if (b.options.input_shapes.empty() || b.options.warmup_runs == 0 || b.options.device.rfind("cuda", 0) == 0) continue;
-      bf::Tensors zeros;
-      for (auto shape : b.options.input_shapes) {
-        for (auto& d : shape) d = d < 0 ? 1 : d;
-        zeros.push_back(at::zeros(shape));
-      }
-      const bf::Result r = session_->submit(b.name, std::move(zeros)).get();
+      const bf::Result r = session_->submit(b.name, bf::detail::warm_up_inputs(b.options, c10::kCPU)).get();
       if (!r.ok()) bf::detail::log(bf::LogLevel::kWarning, fmt::format("worker {}: priming '{}': {}", args_.name, b.name, r.status.ToString()));
     }
   }

@@ -50,6 +50,8 @@ absl::StatusOr<Tensors> guarded_forward(Block& block, Tensors&& inputs, OpaqueLa
 
 /// Zeros of the block's input_shapes (-1 read as 1), on its device: what warm-up runs it on.
 Tensors warm_up_inputs(const Block& block);
+/// The same for a block's options, on `device`.
+Tensors warm_up_inputs(const BlockOptions& options, c10::Device device);
 
 struct PathPlan;
 /// Sets PlanNode::keep_layout on the plan's edges that qualify (see there).

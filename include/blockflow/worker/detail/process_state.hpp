@@ -1,5 +1,5 @@
 #pragma once
-// Internal: what the kernel says of a child process the host supervises.
+// Internal: what the kernel says of a process (a child the host supervises, the fork server).
 namespace blockflow::detail {
 
 /// Whether process `pid` is on its way out: gone, a zombie, or a process whose exit has begun. The
@@ -8,5 +8,11 @@ namespace blockflow::detail {
 /// a second more before the process can be reaped. A supervisor that sees heartbeats stop waits for
 /// such a process and reports how it died, instead of calling it silent.
 bool process_exiting(long pid);
+
+/// Process `pid`'s thread count (/proc/PID/status; pid 0: this process); 0 when it is gone.
+int process_threads(long pid);
+
+/// Process `pid`'s parent (field 4 of /proc/PID/stat); 0 when it is gone.
+long process_parent(long pid);
 
 }  // namespace blockflow::detail
