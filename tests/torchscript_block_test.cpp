@@ -1,8 +1,13 @@
-// TorchScript blocks: split small CNN == monolithic, tuple/list/multi-input modules, load errors.
+// TorchScript blocks: split small CNN == monolithic, tuple/list/multi-input modules, load errors, build order.
 #include "test_util.hpp"
 
 #include <blockflow/core/detail/build_scope.hpp>
+#include <blockflow/core/detail/session_core.hpp>
 
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <filesystem>
 #include <thread>
 
 using namespace blockflow;
@@ -124,4 +129,25 @@ TEST_CASE("blocks described by files build at once, one thread per core, when la
   CHECK(most.load() == 2);
   CHECK(session.metrics().lanes.size() == 1);
   CHECK(session.submit("t", at::randn({1, 3, 16, 16})).get().ok());
+}
+
+TEST_CASE("blocks build largest TorchScript file first; C++ blocks and unreadable files last, in their order",
+          "[torchscript]") {
+  // Longest job first: no builder is left alone with the largest block at the end.
+  const std::vector<std::string> files = {"cnn_block1.pt", "cnn_monolithic.pt", "", "/nonexistent/ghost.pt", "cnn_block3.pt", ""};
+  std::vector<BlockDescription> descriptions(files.size());
+  std::vector<const BlockDescription*> pointers;
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    descriptions[i].name = fmt::format("b{}", i);
+    if (files[i].empty()) descriptions[i].factory = "some_factory";
+    else descriptions[i].torchscript = files[i].front() == '/' ? files[i] : test::model_path(files[i]);
+    pointers.push_back(&descriptions[i]);
+  }
+  std::vector<std::pair<std::uintmax_t, std::size_t>> by_size;  // (bytes, index) of the readable files
+  for (std::size_t i : {0U, 1U, 4U}) by_size.emplace_back(std::filesystem::file_size(descriptions[i].torchscript), i);
+  std::sort(by_size.begin(), by_size.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  REQUIRE(by_size[0].first > by_size[1].first);
+  REQUIRE(by_size[1].first > by_size[2].first);
+  const std::vector<std::size_t> expected = {by_size[0].second, by_size[1].second, by_size[2].second, 2, 3, 5};
+  CHECK(blockflow::detail::build_order(pointers) == expected);
 }

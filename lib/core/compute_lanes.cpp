@@ -157,7 +157,7 @@ void ComputeLanes::with_at_most(int threads, const std::function<void()>& fn) {
   fn();
 }
 
-void ComputeLanes::for_each_width(const std::function<void()>& fn) {
+void ComputeLanes::for_each_width(const std::function<void()>& fn, bool one_thread) {
   const int index = current_lane();
   if (!elastic_ || index < 0 || !lanes_[static_cast<std::size_t>(index)]->team) {
     fn();
@@ -167,8 +167,10 @@ void ComputeLanes::for_each_width(const std::function<void()>& fn) {
   const int before = lane.threads;
   set_threads(lane, options_.intra_op_threads);
   fn();
-  set_threads(lane, 1);
-  fn();
+  if (one_thread) {
+    set_threads(lane, 1);
+    fn();
+  }
   set_threads(lane, before);
 }
 

@@ -40,20 +40,6 @@ std::string site_label(const std::string& site) {
 std::int64_t process_rss_bytes() { return sample_process().rss_bytes; }
 
 
-// What a block's load ends with: its warm-up runs on zeros of its input shapes, on this thread.
-absl::Status warm_up_loaded(Block& block) {
-  const auto& options = block.options();
-  if (options.input_shapes.empty()) return absl::OkStatus();
-  const WeightSwap::Pause activations_are_not_weights;  // swapping captures what the build made
-  c10::InferenceMode inference_mode;
-  const Tensors zeros = warm_up_inputs(block);
-  for (int run = 0; run < options.warmup_runs; ++run) {
-    auto out = guarded_forward(block, Tensors(zeros));
-    if (!out.ok()) return with_prefix(out.status(), "warm-up failed");
-  }
-  return capture_cuda_graph(block, zeros);
-}
-
 }  // namespace
 
 // Blocks that load later (on demand, or in the background while the session serves) go through a

@@ -108,8 +108,9 @@ class ComputeLanes {
   bool post(std::function<void()> task, bool team_lane = false);
   /// On a team lane of an elastic executor: runs `fn` with the team's threads, then with one (a
   /// warm-up, so that neither width's first run falls on a request), and restores the lane's
-  /// width. Elsewhere: runs `fn` once.
-  void for_each_width(const std::function<void()>& fn);
+  /// width. Elsewhere: runs `fn` once. `one_thread` false: the team's width only (the one-thread
+  /// run made elsewhere, on a thread of one OpenMP thread).
+  void for_each_width(const std::function<void()>& fn, bool one_thread = true);
   /// On a team lane: runs `fn` with at most `threads` of the team's threads, then restores the
   /// lane's width. Elsewhere: runs `fn`.
   void with_at_most(int threads, const std::function<void()>& fn);

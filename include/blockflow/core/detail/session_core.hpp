@@ -52,6 +52,14 @@ absl::StatusOr<Tensors> guarded_forward(Block& block, Tensors&& inputs, OpaqueLa
 Tensors warm_up_inputs(const Block& block);
 /// The same for a block's options, on `device`.
 Tensors warm_up_inputs(const BlockOptions& options, c10::Device device);
+/// The order in which make_blocks() builds `descriptions` (indices): longest job first, so that no
+/// builder is left alone with the largest block at the end. A block's build time grows with its
+/// TorchScript file (deserialising, freezing, prepacking its weights): the largest file first; C++
+/// blocks and unreadable files (make_block() names their problem) last, in their order.
+std::vector<std::size_t> build_order(const std::vector<const BlockDescription*>& descriptions);
+/// What a block's load ends with (on-demand blocks): its warm-up runs on zeros of its input shapes,
+/// on this thread, then its CUDA graph if it has one.
+absl::Status warm_up_loaded(Block& block);
 
 struct PathPlan;
 /// Sets PlanNode::keep_layout on the plan's edges that qualify (see there).
@@ -154,9 +162,13 @@ class SessionCore {
   void note_active();
   std::unique_ptr<InProcessChannel> make_inbox(const BlockOptions& options) const;
   void on_lanes(std::vector<std::function<void()>>& tasks, bool team_lanes = false);
+  void on_cores(std::vector<std::function<void()>>& tasks, bool one_thread);
   std::vector<absl::StatusOr<std::shared_ptr<Block>>> make_blocks(const std::vector<const BlockDescription*>& descriptions);
   absl::Status warm_up(const std::vector<BlockRuntime*>& runtimes, const RoutingTable& table);
-  absl::Status warm_up_block(BlockRuntime& runtime, unsigned layouts);
+  // Which of a block's warm-up runs a call makes: all; those at one thread (the runs before the last,
+  // and the last at one thread when the lanes are elastic); the last at the team's width.
+  enum class WarmUpRuns { kAll, kEarly, kLast };
+  absl::Status warm_up_block(BlockRuntime& runtime, unsigned layouts, WarmUpRuns runs);
   ComputeLanes::Options lane_options() const;
   void stop_runtime(BlockRuntime& runtime, const std::string& why);
   // apply(), step by step (lib/core/session_update.cpp).

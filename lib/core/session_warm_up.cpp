@@ -1,0 +1,244 @@
+// How a session's new blocks of this process get ready to serve (docs/lanes.md, "Building and
+// warming up"): built in parallel, the largest TorchScript file first, then warmed up on zeros of
+// their input shapes, so that no request pays TorchScript's first runs.
+#include <blockflow/channel/inproc_channel.hpp>
+#include <blockflow/core/detail/mutex.hpp>
+#include <blockflow/core/detail/build_scope.hpp>
+#include <blockflow/core/detail/cuda_graph_block.hpp>
+#include <blockflow/core/detail/session_core.hpp>
+#include <blockflow/core/detail/weight_swap.hpp>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/InferenceMode.h>
+#include <fmt/format.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <filesystem>
+#include <numeric>
+#include <system_error>
+#include <thread>
+
+namespace blockflow::detail {
+namespace {
+// The forward variants the table's plans run `runtime` with, one bit each: bit (2 * opaque input
+// + opaque output) (detail::OpaqueLayout); a block no plan uses yet: its plain forward().
+unsigned layouts_used(const RoutingTable& table, const BlockRuntime& runtime) {
+  unsigned used = 0;
+  for (const auto& [task, plan] : table.plans) {
+    for (const auto& node : plan->nodes) {
+      if (node.block != &runtime) continue;
+      const bool in = node.inputs.size() == 1 && plan->nodes[static_cast<std::size_t>(node.inputs.front())].keep_layout;
+      used |= 1U << ((in ? 2U : 0U) + (node.keep_layout ? 1U : 0U));
+    }
+  }
+  return used == 0 ? 1U : used;
+}
+
+// Threads of their own for `tasks` when the lanes leave cores idle (fewer lanes than cores, each
+// lane's team spanning several): a build is mostly one thread's work (deserialising, graph passes),
+// and so is a warm-up run at one thread. 0: the lanes do it.
+int core_threads_for(std::size_t tasks, const ComputeLanes* lanes) {
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int threads = static_cast<int>(std::min<std::size_t>(tasks, static_cast<std::size_t>(cores)));
+  return threads > 1 && threads > (lanes != nullptr ? lanes->size() : 0) ? threads : 0;
+}
+
+// Runs the tasks, in their order, on `threads` threads that each take the next one until none is
+// left, then exit (their OpenMP teams with them). `one_thread`: each thread with an OpenMP team of
+// one, so that the threads together hold the cores and no more.
+void on_core_threads(const std::vector<std::function<void()>>& tasks, int threads, bool one_thread) {
+  std::atomic<std::size_t> next{0};
+  auto take = [&] {
+    if (one_thread) {
+      (void)at::get_num_threads();  // libtorch sets a thread's width at its first call: before ours
+      omp_set_num_threads(1);
+    }
+    for (std::size_t i = next++; i < tasks.size(); i = next++) tasks[i]();
+  };
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    try {
+      pool.emplace_back(take);
+    } catch (const std::system_error&) {  // no thread to be had: the others (or this one) take the rest
+      break;
+    }
+  }
+  if (pool.empty()) take();
+  for (auto& t : pool) t.join();
+}
+
+}  // namespace
+
+std::vector<std::size_t> build_order(const std::vector<const BlockDescription*>& descriptions) {
+  std::vector<std::uintmax_t> bytes(descriptions.size(), 0);
+  for (std::size_t i = 0; i < descriptions.size(); ++i) {
+    std::error_code ec;
+    if (!descriptions[i]->torchscript.empty()) bytes[i] = std::filesystem::file_size(descriptions[i]->torchscript, ec);
+    if (ec) bytes[i] = 0;  // make_block() names the file's problem
+  }
+  std::vector<std::size_t> order(descriptions.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return bytes[a] > bytes[b]; });
+  return order;
+}
+
+Tensors warm_up_inputs(const BlockOptions& options, c10::Device device) {
+  Tensors zeros;
+  for (auto shape : options.input_shapes) {
+    for (auto& d : shape) d = d < 0 ? 1 : d;
+    zeros.push_back(at::zeros(shape, at::TensorOptions().device(device)));
+  }
+  return zeros;
+}
+
+Tensors warm_up_inputs(const Block& block) { return warm_up_inputs(block.options(), block.device()); }
+
+absl::Status warm_up_loaded(Block& block) {
+  const auto& options = block.options();
+  if (options.input_shapes.empty()) return absl::OkStatus();
+  const WeightSwap::Pause activations_are_not_weights;  // swapping captures what the build made
+  c10::InferenceMode inference_mode;
+  const Tensors zeros = warm_up_inputs(block);
+  for (int run = 0; run < options.warmup_runs; ++run) {
+    auto out = guarded_forward(block, Tensors(zeros));
+    if (!out.ok()) return with_prefix(out.status(), "warm-up failed");
+  }
+  return capture_cuda_graph(block, zeros);
+}
+
+// Warms up every variant of forward() the plans will run, so that no request pays TorchScript's
+// first-run optimisation. `runs` says which of the block's runs this call makes (WarmUpRuns).
+absl::Status SessionCore::warm_up_block(BlockRuntime& runtime, unsigned layouts, WarmUpRuns runs) {
+  c10::InferenceMode inference_mode;
+  Block& block = *runtime.block;
+  const auto& options = block.options();
+  const Tensors zeros = warm_up_inputs(block);
+  const bool early = runs != WarmUpRuns::kLast, last = runs != WarmUpRuns::kEarly;
+  for (unsigned v = 0; v < 4; ++v) {
+    if ((layouts & (1U << v)) == 0) continue;
+    Tensors inputs = zeros;
+    if ((v & 2U) != 0 && inputs.size() == 1) inputs.front() = inputs.front().to_mkldnn();
+    absl::Status status;
+    auto run_once = [&] {
+      if (!status.ok()) return;
+      auto out = v == 0 ? guarded_forward(block, Tensors(inputs))
+                        : guarded_forward(block, Tensors(inputs), runtime.layout, (v & 1U) != 0);
+      if (!out.ok()) status = out.status();
+    };
+    // The runs before the last (TorchScript's profiling and optimising runs) with at most
+    // SessionOptions::warm_up_threads threads: several worker processes warming up at once on a
+    // few cores would otherwise each run a whole team on them.
+    for (int run = 0; early && run + 1 < options.warmup_runs; ++run) {
+      if (lanes_) lanes_->with_at_most(options_.warm_up_threads, run_once);
+      else run_once();
+    }
+    // The last run once with each thread count the lanes run units with (elastic lanes: the team's
+    // and one), so that oneDNN's kernels for both exist before the first request. kEarly runs on a
+    // thread of one OpenMP thread: the one-thread run; kLast on a team lane: the team's.
+    if (options.warmup_runs > 0 && lanes_) {
+      if (runs == WarmUpRuns::kAll) lanes_->for_each_width(run_once);
+      else if (last) lanes_->for_each_width(run_once, /*one_thread=*/false);
+      else if (lanes_->elastic()) run_once();
+    }
+    if (!status.ok()) return with_prefix(status, "warm-up failed");
+  }
+  return last ? capture_cuda_graph(block, zeros) : absl::OkStatus();
+}
+
+// Runs the tasks on the lanes, in parallel across them, and waits for all. On a lane already
+// (apply() from a completion callback), or with the lanes stopped, they run here instead.
+void SessionCore::on_lanes(std::vector<std::function<void()>>& tasks, bool team_lanes) {
+  if (tasks.empty()) return;
+  blockflow::detail::BlockingCounter done(static_cast<int>(tasks.size()));
+  for (auto& task : tasks) {
+    auto counted = [&task, &done] {
+      task();
+      done.DecrementCount();
+    };
+    if (!lanes_ || lanes_->current_lane() >= 0 || !lanes_->post(counted, team_lanes)) counted();
+  }
+  done.Wait();
+}
+
+// Work that wants one core per task (builds, warm-up runs at one thread), spread over the cores: on
+// the lanes when there are as many (elastic lanes: the team's and the one-thread lanes), each run
+// with one thread when `one_thread`; with fewer lanes than cores, on a thread per core.
+void SessionCore::on_cores(std::vector<std::function<void()>>& tasks, bool one_thread) {
+  if (const int threads = core_threads_for(tasks.size(), lanes_.get()); threads > 0) {
+    on_core_threads(tasks, threads, one_thread);
+    return;
+  }
+  if (one_thread && lanes_) {
+    for (auto& task : tasks) task = [this, run = std::move(task)] { lanes_->with_at_most(1, run); };
+  }
+  on_lanes(tasks);
+}
+
+// Blocks of this process are built where they will run, on the lanes: libtorch's graph passes and
+// weight prepacking use the lane's OpenMP team, and the caller's thread makes none of its own. With
+// fewer lanes than cores, on a thread per core instead (on_cores()).
+std::vector<absl::StatusOr<std::shared_ptr<Block>>> SessionCore::make_blocks(const std::vector<const BlockDescription*>& descriptions) {
+  std::vector<absl::StatusOr<std::shared_ptr<Block>>> out(descriptions.size(), absl::UnknownError("not built"));
+  std::vector<std::function<void()>> tasks;
+  for (const std::size_t i : build_order(descriptions)) {
+    tasks.emplace_back([this, &out, &descriptions, i] {
+      const auto scope = enter_build_scope();
+      auto build = [&] {
+        try {
+          out[i] = make_block(*descriptions[i]);
+        } catch (const std::exception& e) {  // nothing may escape a builder thread or a lane
+          out[i] = absl::InternalError(fmt::format("block '{}': {}", descriptions[i]->name, e.what()));
+        }
+      };
+      if (lanes_) lanes_->with_at_most(options_.warm_up_threads, build);  // on a lane: as its warm-up
+      else build();
+    });
+  }
+  on_cores(tasks, /*one_thread=*/false);
+  return out;
+}
+
+// Each new in-process block with input shapes warms up as its requests will run, the blocks in
+// parallel. The CPU blocks' runs at one thread (all but the team's last) are made first, spread over
+// the cores (on_cores()); then the last on the team lanes. Sites warm theirs up themselves.
+absl::Status SessionCore::warm_up(const std::vector<BlockRuntime*>& runtimes, const RoutingTable& table) {
+  std::vector<BlockRuntime*> todo;
+  for (auto* runtime : runtimes) {
+    if (runtime->block && runtime->resident_id < 0 && !runtime->block->options().input_shapes.empty()) todo.push_back(runtime);
+  }
+  std::vector<absl::Status> statuses(todo.size());
+  std::vector<WarmUpRuns> lane_runs(todo.size(), WarmUpRuns::kAll);
+  std::vector<std::function<void()>> early;
+  for (std::size_t i = 0; i < todo.size(); ++i) {
+    if (!todo[i]->block->device().is_cpu()) continue;  // a CUDA block's runs stay on its lane's stream
+    lane_runs[i] = WarmUpRuns::kLast;
+    early.emplace_back([this, &statuses, &todo, &table, i] {
+      const auto scope = enter_build_scope();
+      statuses[i] = warm_up_block(*todo[i], layouts_used(table, *todo[i]), WarmUpRuns::kEarly);
+    });
+  }
+  const auto cores = static_cast<std::size_t>(std::max(1U, std::thread::hardware_concurrency()));
+  if (lanes_ && std::min(early.size(), cores) > 1) {
+    on_cores(early, /*one_thread=*/true);
+  } else {  // nothing to run side by side: each block's runs on a team lane, as they come
+    std::fill(lane_runs.begin(), lane_runs.end(), WarmUpRuns::kAll);
+  }
+  std::vector<std::function<void()>> tasks;
+  for (std::size_t i = 0; i < todo.size(); ++i) {
+    if (!statuses[i].ok()) continue;
+    tasks.emplace_back([this, &statuses, &todo, &table, &lane_runs, i] {
+      const auto scope = enter_build_scope();
+      statuses[i] = warm_up_block(*todo[i], layouts_used(table, *todo[i]), lane_runs[i]);
+    });
+  }
+  on_lanes(tasks, /*team_lanes=*/true);  // each width a lane runs with is warmed up there
+  for (const auto& status : statuses) {
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace blockflow::detail
