@@ -10,9 +10,12 @@
 //   two_tasks   the split and a second task (block1-3 and head_b) in threads: start() loads all five;
 //   two_tasks_warming  the same with SessionOptions::serve_while_warming: the split's first result
 //               once its four blocks have loaded, head_b loading after;
-// and, to show what is physically possible on the machine, two floors with no session at all:
+// and, to show what is physically possible on the machine, floors with no session at all:
 //   threads_floor  the four blocks loaded at once, one thread per core, and chained once with no
 //                  warm-up (the first forward pays TorchScript's profiling run, as the monolithic's does);
+//   libtorch_floor  this program bringing libtorch up (dynamic linking and libtorch's static
+//                  initialisers: ~300 ms on the 2-core machine) and running one op, nothing loaded:
+//                  what every mode, the monolithic included, pays before its first model byte;
 //   workers_floor  a process that starts four processes of this program at once, each bringing
 //                  libtorch up and loading nothing, and reports when the last is up;
 //   forked_floor   what a fork server could give workers: one process brings libtorch up, runs no
@@ -85,7 +88,7 @@ int child(const std::string& mode, const std::string& models, int threads, int w
     return 0;
   }
   const at::Tensor x = at::randn({1, 3, 224, 224});
-  if (mode == "libtorch") {  // a workers_floor process: libtorch up, nothing loaded
+  if (mode == "libtorch" || mode == "libtorch_floor") {  // libtorch up, nothing loaded (also a workers_floor child)
     at::set_num_threads(threads);
     (void)(x + 1);
     fmt::print("first_result 0 {:.1f} 0\n", bf::process_age_seconds() * 1e3);
@@ -228,8 +231,9 @@ int main(int argc, char** argv) try {
   });
   if (models.empty()) throw std::invalid_argument("usage: cold_start_bench --models DIR [--rounds N] [--threads T]");
   if (!child_mode.empty()) return child(child_mode, models, threads, warmup_runs);
-  std::vector<std::string> modes = {"monolithic", "threads", "workers", "workers_forked", "threads_floor",
-                                   "workers_floor", "forked_floor", "two_tasks", "two_tasks_warming"};
+  std::vector<std::string> modes = {"monolithic",    "threads",       "workers",      "workers_forked",
+                                   "threads_floor", "libtorch_floor", "workers_floor", "forked_floor",
+                                   "two_tasks",     "two_tasks_warming"};
   if (!only.empty()) {
     modes = only;
     if (std::find(modes.begin(), modes.end(), "monolithic") == modes.end()) modes.insert(modes.begin(), "monolithic");

@@ -225,9 +225,10 @@ struct WidthLog {
   }
 };
 
-std::shared_ptr<Block> width_logging(const std::string& name, WidthLog& log, int intra_op_threads) {
+std::shared_ptr<Block> width_logging(const std::string& name, WidthLog& log, int intra_op_threads, int workers = 1) {
   BlockOptions options;
   options.intra_op_threads = intra_op_threads;
+  options.workers = workers;
   options.input_shapes = {{4}};
   return test::unary(name, [&log, name](const Tensor& x) {
     log.add(name, at::get_num_threads());
@@ -332,6 +333,30 @@ TEST_CASE("elastic lanes: a request alone runs on the team, work beside other wo
     std::uint64_t one_thread_lanes_ran = 0;
     for (std::size_t i = 1; i < after.size(); ++i) one_thread_lanes_ran += after[i].runs - before[i].runs;
     CHECK(one_thread_lanes_ran >= 1);
+  }
+}
+
+TEST_CASE("elastic lanes: a lone block one lane at a time runs is not warmed up with one thread; one two lanes may run is",
+          "[lanes]") {
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  if (cores < 2) {
+    WARN("one hardware thread: no one-thread lane");
+    return;
+  }
+  // A one-thread lane runs a block only while the team lane is busy: with a lone block that allows
+  // one lane at a time (a worker process's), never; its width-1 warm-up run would be wasted.
+  for (const int workers : {1, 2}) {
+    DYNAMIC_SECTION("BlockOptions::workers " << workers) {
+      WidthLog log;
+      Session session;  // default SessionOptions: elastic
+      session.add_block(width_logging("b1", log, cores, workers)).add_path(Path::chain("t", {"b1"}));
+      test::require_started(session);
+      REQUIRE(session.metrics().lanes.size() == static_cast<std::size_t>(cores));  // a team lane, one-thread lanes
+      const auto warm = log.take();  // warmup_runs 2
+      CHECK(warm.size() == (workers == 1 ? 2U : 3U));
+      CHECK(WidthLog::count(warm, 1) == (workers == 1 ? 0 : 1));
+      CHECK(WidthLog::count(warm, cores) == 2);
+    }
   }
 }
 

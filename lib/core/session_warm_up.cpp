@@ -18,6 +18,7 @@
 #include <atomic>
 #include <filesystem>
 #include <numeric>
+#include <set>
 #include <system_error>
 #include <thread>
 
@@ -110,8 +111,9 @@ absl::Status warm_up_loaded(Block& block) {
 }
 
 // Warms up every variant of forward() the plans will run, so that no request pays TorchScript's
-// first-run optimisation. `runs` says which of the block's runs this call makes (WarmUpRuns).
-absl::Status SessionCore::warm_up_block(BlockRuntime& runtime, unsigned layouts, WarmUpRuns runs) {
+// first-run optimisation. `runs` says which of the block's runs this call makes (WarmUpRuns);
+// `one_thread`: a one-thread lane may run the block (its last run is also made with one thread).
+absl::Status SessionCore::warm_up_block(BlockRuntime& runtime, unsigned layouts, WarmUpRuns runs, bool one_thread) {
   c10::InferenceMode inference_mode;
   Block& block = *runtime.block;
   const auto& options = block.options();
@@ -135,13 +137,14 @@ absl::Status SessionCore::warm_up_block(BlockRuntime& runtime, unsigned layouts,
       if (lanes_) lanes_->with_at_most(options_.warm_up_threads, run_once);
       else run_once();
     }
-    // The last run once with each thread count the lanes run units with (elastic lanes: the team's
-    // and one), so that oneDNN's kernels for both exist before the first request. kEarly runs on a
-    // thread of one OpenMP thread: the one-thread run; kLast on a team lane: the team's.
+    // The last run once with each thread count the lanes may run the block with (the team's, and
+    // one when `one_thread`), so that oneDNN's kernels for both exist before the first request.
+    // kEarly runs on a thread of one OpenMP thread: the one-thread run; kLast on a team lane: the
+    // team's.
     if (options.warmup_runs > 0 && lanes_) {
-      if (runs == WarmUpRuns::kAll) lanes_->for_each_width(run_once);
+      if (runs == WarmUpRuns::kAll) lanes_->for_each_width(run_once, one_thread);
       else if (last) lanes_->for_each_width(run_once, /*one_thread=*/false);
-      else if (lanes_->elastic()) run_once();
+      else if (one_thread) run_once();
     }
     if (!status.ok()) return with_prefix(status, "warm-up failed");
   }
@@ -211,13 +214,25 @@ absl::Status SessionCore::warm_up(const std::vector<BlockRuntime*>& runtimes, co
   }
   std::vector<absl::Status> statuses(todo.size());
   std::vector<WarmUpRuns> lane_runs(todo.size(), WarmUpRuns::kAll);
+  // A one-thread lane runs a block only while every team lane is busy: with another block of this
+  // process, or with this one when it may run on several lanes at once (BlockOptions::workers).
+  // Otherwise (a worker process's one block) no request runs it with one thread: no such run.
+  std::set<const BlockRuntime*> local;
+  for (const auto& [task, plan] : table.plans) {
+    for (const auto& node : plan->nodes) {
+      if (node.block != nullptr && node.block->site == nullptr) local.insert(node.block);
+    }
+  }
+  const auto one_thread = [&](const BlockRuntime& r) {
+    return lanes_ && lanes_->elastic() && (local.size() > 1 || r.block->options().workers > 1);
+  };
   std::vector<std::function<void()>> early;
   for (std::size_t i = 0; i < todo.size(); ++i) {
     if (!todo[i]->block->device().is_cpu()) continue;  // a CUDA block's runs stay on its lane's stream
     lane_runs[i] = WarmUpRuns::kLast;
-    early.emplace_back([this, &statuses, &todo, &table, i] {
+    early.emplace_back([this, &statuses, &todo, &table, &one_thread, i] {
       const auto scope = enter_build_scope();
-      statuses[i] = warm_up_block(*todo[i], layouts_used(table, *todo[i]), WarmUpRuns::kEarly);
+      statuses[i] = warm_up_block(*todo[i], layouts_used(table, *todo[i]), WarmUpRuns::kEarly, one_thread(*todo[i]));
     });
   }
   const auto cores = static_cast<std::size_t>(std::max(1U, std::thread::hardware_concurrency()));
@@ -229,9 +244,9 @@ absl::Status SessionCore::warm_up(const std::vector<BlockRuntime*>& runtimes, co
   std::vector<std::function<void()>> tasks;
   for (std::size_t i = 0; i < todo.size(); ++i) {
     if (!statuses[i].ok()) continue;
-    tasks.emplace_back([this, &statuses, &todo, &table, &lane_runs, i] {
+    tasks.emplace_back([this, &statuses, &todo, &table, &lane_runs, &one_thread, i] {
       const auto scope = enter_build_scope();
-      statuses[i] = warm_up_block(*todo[i], layouts_used(table, *todo[i]), lane_runs[i]);
+      statuses[i] = warm_up_block(*todo[i], layouts_used(table, *todo[i]), lane_runs[i], one_thread(*todo[i]));
     });
   }
   on_lanes(tasks, /*team_lanes=*/true);  // each width a lane runs with is warmed up there

@@ -166,9 +166,9 @@ class SessionCore {
   std::vector<absl::StatusOr<std::shared_ptr<Block>>> make_blocks(const std::vector<const BlockDescription*>& descriptions);
   absl::Status warm_up(const std::vector<BlockRuntime*>& runtimes, const RoutingTable& table);
   // Which of a block's warm-up runs a call makes: all; those at one thread (the runs before the last,
-  // and the last at one thread when the lanes are elastic); the last at the team's width.
+  // and the last with one thread when a one-thread lane may run the block); the last with the team's.
   enum class WarmUpRuns { kAll, kEarly, kLast };
-  absl::Status warm_up_block(BlockRuntime& runtime, unsigned layouts, WarmUpRuns runs);
+  absl::Status warm_up_block(BlockRuntime& runtime, unsigned layouts, WarmUpRuns runs, bool one_thread);
   ComputeLanes::Options lane_options() const;
   void stop_runtime(BlockRuntime& runtime, const std::string& why);
   // apply(), step by step (lib/core/session_update.cpp).
