@@ -36,6 +36,7 @@ absl::StatusOr<ChildProcess> ChildProcess::start(const Spec& spec, std::string* 
       if (forked.ok()) {
         out.pid_ = forked->pid;
         out.pidfd_ = forked->pidfd;
+        out.fork_id_ = forked->id;
         return out;
       }
       why = std::string(forked.status().message());
@@ -56,7 +57,7 @@ absl::StatusOr<ChildProcess> ChildProcess::start(const Spec& spec, std::string* 
 }
 
 ChildProcess::ChildProcess(ChildProcess&& other) noexcept
-    : pid_(std::exchange(other.pid_, 0)), pidfd_(std::exchange(other.pidfd_, -1)),
+    : pid_(std::exchange(other.pid_, 0)), pidfd_(std::exchange(other.pidfd_, -1)), fork_id_(std::exchange(other.fork_id_, 0)),
       gone_since_(std::exchange(other.gone_since_, std::nullopt)) {}
 
 ChildProcess& ChildProcess::operator=(ChildProcess&& other) noexcept {
@@ -64,6 +65,7 @@ ChildProcess& ChildProcess::operator=(ChildProcess&& other) noexcept {
     reset();
     pid_ = std::exchange(other.pid_, 0);
     pidfd_ = std::exchange(other.pidfd_, -1);
+    fork_id_ = std::exchange(other.fork_id_, 0);
     gone_since_ = std::exchange(other.gone_since_, std::nullopt);
   }
   return *this;
@@ -75,6 +77,7 @@ void ChildProcess::reset() {
   if (pidfd_ >= 0) ::close(pidfd_);
   pidfd_ = -1;
   pid_ = 0;
+  fork_id_ = 0;
   gone_since_.reset();
 }
 
@@ -96,7 +99,7 @@ std::optional<std::string> ChildProcess::exited() {
   const auto now = std::chrono::steady_clock::now();
   if (!gone_since_) gone_since_ = now;
   ForkServer* server = ForkServer::get();
-  const auto status = server != nullptr ? server->exit_status(pid_, std::chrono::milliseconds(0)) : std::nullopt;
+  const auto status = server != nullptr ? server->exit_status(fork_id_, std::chrono::milliseconds(0)) : std::nullopt;
   if (!status && server != nullptr && now - *gone_since_ < std::chrono::seconds(10)) return std::nullopt;
   reset();
   return status ? describe_exit(*status) : std::string("exited");

@@ -178,8 +178,15 @@ void as_if_exec() {
   ::_exit(rc);  // not exit(): the application's atexit handlers and static destructors are not the worker's
 }
 
+// The server's children by pid, each with the number of its fork: a report names both, so that a
+// status is never taken for that of a later worker that got the same pid.
+struct Children {
+  std::map<pid_t, std::uint64_t> ids;
+  std::uint64_t forks = 0;
+};
+
 // Forks the worker a request asks for and answers it.
-void fork_one(int socket, int signals, const std::string& text, const sigset_t& mask) {
+void fork_one(int socket, int signals, const std::string& text, const sigset_t& mask, Children& children) {
   nlohmann::json request = nlohmann::json::parse(text, nullptr, false);
   if (request.is_discarded() || !request.contains("argv") || !request.contains("environment") ||
       !request.contains("launcher_dir")) {
@@ -207,7 +214,9 @@ void fork_one(int socket, int signals, const std::string& text, const sigset_t& 
     (void)send_message(socket, nlohmann::json{{"error", fmt::format("pidfd_open: {}", std::strerror(error))}}.dump());
     return;
   }
-  if (!send_message(socket, nlohmann::json{{"pid", child}}.dump(), pidfd)) ::kill(child, SIGKILL);  // nobody knows of it
+  const std::uint64_t id = ++children.forks;
+  children.ids[child] = id;
+  if (!send_message(socket, nlohmann::json{{"pid", child}, {"id", id}}.dump(), pidfd)) ::kill(child, SIGKILL);  // nobody knows of it
   ::close(pidfd);
 }
 
@@ -264,6 +273,7 @@ void prepare_libtorch() noexcept {
   if (signals < 0) ::_exit(1);
   prepare_libtorch();
   std::string text;
+  Children children;
   while (true) {
     pollfd fds[2] = {{socket, POLLIN, 0}, {signals, POLLIN, 0}};
     if (::poll(fds, 2, -1) < 0) {
@@ -276,12 +286,15 @@ void prepare_libtorch() noexcept {
       }
       int status = 0;
       for (pid_t p; (p = ::waitpid(-1, &status, WNOHANG)) > 0;) {
-        (void)send_message(socket, nlohmann::json{{"exited", p}, {"status", status}}.dump());
+        const auto it = children.ids.find(p);
+        if (it == children.ids.end()) continue;  // not a worker (none else is forked here)
+        (void)send_message(socket, nlohmann::json{{"exited", p}, {"id", it->second}, {"status", status}}.dump());
+        children.ids.erase(it);
       }
     }
     if ((fds[0].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
       if (receive_message(socket, 0, text, nullptr) != Received::kMessage) ::_exit(0);  // the application is gone
-      fork_one(socket, signals, text, mask);
+      fork_one(socket, signals, text, mask, children);
     }
   }
 }
@@ -298,7 +311,7 @@ struct ForkServer::State {
   std::map<std::string, std::string> environment;  // the server's, by name
   std::mutex mu;
   bool gone = false;                  // the server closed its end
-  std::map<pid_t, int> exits;         // wait statuses reported and not yet asked for
+  std::map<std::uint64_t, int> exits;  // wait statuses reported and not yet asked for, by fork number
 };
 
 ForkServer::ForkServer(int socket, pid_t server, std::vector<std::string> environment) : state_(std::make_unique<State>()) {
@@ -327,9 +340,10 @@ ForkServer* ForkServer::get() {
 namespace {
 
 // Takes in one message (waiting up to `timeout_ms`, -1: until one comes); the reply of a fork goes
-// to `reply` (and its pidfd to `fd`), reaped workers' statuses to `exits`. kClosed once the server
-// is gone; kNone when nothing came in time.
-Received take_one(int socket, int timeout_ms, std::map<pid_t, int>& exits, std::optional<nlohmann::json>* reply, int* fd) {
+// to `reply` (and its pidfd to `fd`), reaped workers' statuses to `exits` (by fork number). kClosed
+// once the server is gone; kNone when nothing came in time.
+Received take_one(int socket, int timeout_ms, std::map<std::uint64_t, int>& exits, std::optional<nlohmann::json>* reply,
+                  int* fd) {
   pollfd p{socket, POLLIN, 0};
   int ready = 0;
   do {
@@ -342,7 +356,7 @@ Received take_one(int socket, int timeout_ms, std::map<pid_t, int>& exits, std::
   const auto m = nlohmann::json::parse(text, nullptr, false);
   if (m.is_discarded()) return Received::kMessage;
   if (m.contains("exited")) {
-    exits[m["exited"].get<pid_t>()] = m.value("status", 0);
+    exits[m.value("id", std::uint64_t{0})] = m.value("status", 0);
     if (exits.size() > 4096) exits.erase(exits.begin());  // statuses nobody asked for stay bounded
   } else if (reply != nullptr) {
     *reply = m;
@@ -389,20 +403,20 @@ absl::StatusOr<ForkServer::Forked> ForkServer::fork_worker(const std::vector<std
   Forked out;
   out.pid = reply->value("pid", pid_t{0});
   out.pidfd = fd;
-  s.exits.erase(out.pid);  // a status left from an earlier process of the same pid
-  if (out.pid <= 0 || out.pidfd < 0) {
+  out.id = reply->value("id", std::uint64_t{0});
+  if (out.pid <= 0 || out.pidfd < 0 || out.id == 0) {
     if (fd >= 0) ::close(fd);
     return absl::UnavailableError("the fork server answered without a process");
   }
   return out;
 }
 
-std::optional<int> ForkServer::exit_status(pid_t pid, std::chrono::milliseconds wait) {
+std::optional<int> ForkServer::exit_status(std::uint64_t id, std::chrono::milliseconds wait) {
   State& s = *state_;
   std::lock_guard lock(s.mu);
   const auto deadline = std::chrono::steady_clock::now() + wait;
   while (true) {
-    if (auto it = s.exits.find(pid); it != s.exits.end()) {
+    if (auto it = s.exits.find(id); it != s.exits.end()) {
       const int status = it->second;
       s.exits.erase(it);
       return status;

@@ -10,6 +10,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -55,7 +56,8 @@ class ChildProcess {
  private:
   void reset();
   pid_t pid_ = 0;
-  int pidfd_ = -1;  // a forked worker's
+  int pidfd_ = -1;               // a forked worker's
+  std::uint64_t fork_id_ = 0;    // a forked worker's: the fork server's number for it (its status's key)
   std::optional<std::chrono::steady_clock::time_point> gone_since_;  // a forked worker's exit seen, its status not yet read
 };
 

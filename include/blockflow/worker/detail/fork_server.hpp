@@ -12,6 +12,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -26,7 +27,8 @@ class ForkServer {
 
   struct Forked {
     pid_t pid = 0;
-    int pidfd = -1;  ///< owned by the caller (close-on-exec)
+    int pidfd = -1;       ///< owned by the caller (close-on-exec)
+    std::uint64_t id = 0;  ///< the server's number for this fork (1, 2, ...): what exit_status() takes
   };
   /// Forks a worker running blockflow-worker's `argv` (its "--parent" value is replaced by the
   /// server's pid, the worker's parent) with exactly `environment`; `launcher_dir` is where
@@ -34,8 +36,9 @@ class ForkServer {
   /// server is gone.
   absl::StatusOr<Forked> fork_worker(const std::vector<std::string>& argv, const std::vector<std::string>& environment,
                                      const std::string& launcher_dir);
-  /// The wait status of forked worker `pid` once the server has reaped it; waits up to `wait`.
-  std::optional<int> exit_status(pid_t pid, std::chrono::milliseconds wait);
+  /// The wait status of the worker of fork `id` (Forked::id) once the server has reaped it; waits
+  /// up to `wait`. By fork, not by pid: a later worker may get the pid of one whose status is unread.
+  std::optional<int> exit_status(std::uint64_t id, std::chrono::milliseconds wait);
   /// Why a worker with `environment` cannot be forked from the server: "" when it can, else the
   /// variable read when a library loads whose value differs from the server's (e.g.
   /// "GOMP_SPINCOUNT=10000 (the fork server has it unset)").
