@@ -336,6 +336,32 @@ TEST_CASE("elastic lanes: a request alone runs on the team, work beside other wo
   }
 }
 
+TEST_CASE("warm-up: two blocks' runs with one thread run at the same time, on two lanes", "[lanes]") {
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  if (cores < 2) {
+    WARN("one hardware thread: nothing runs beside anything");
+    return;
+  }
+  // b1's runs wait (up to 10 s) until other's first has begun: one after another on the team lane,
+  // b1's first would wait alone and time out.
+  WidthLog log;
+  log.armed = true;
+  Session session;  // default SessionOptions: elastic
+  session.add_block(width_logging("b1", log, cores)).add_block(width_logging("other", log, cores));
+  session.add_path(Path::chain("t", {"b1"})).add_path(Path::chain("u", {"other"}));
+  test::require_started(session);
+  log.armed = false;
+  CHECK_FALSE(log.gate_timed_out.load());
+  const auto lanes = session.metrics().lanes;
+  REQUIRE(lanes.size() >= 2);
+  std::size_t lanes_with_tasks = 0;
+  for (const auto& lane : lanes) lanes_with_tasks += lane.tasks > 0 ? 1 : 0;
+  CHECK(lanes_with_tasks >= 2);
+  const auto warm = log.take();
+  CHECK(WidthLog::count(warm, 1) == 4);      // each block: the profiling run, the last with one thread
+  CHECK(WidthLog::count(warm, cores) == 2);  // each block: the last with the team's
+}
+
 TEST_CASE("elastic lanes: a lone block one lane at a time runs is not warmed up with one thread; one two lanes may run is",
           "[lanes]") {
   const int cores = static_cast<int>(std::thread::hardware_concurrency());

@@ -92,12 +92,12 @@ void ComputeLanes::notify(LaneWork& work) {
   wake(w.team, w.one_thread);
 }
 
-bool ComputeLanes::post(std::function<void()> task, bool team_lane) {
+bool ComputeLanes::post(std::function<void()> task, bool team_lane, bool one_thread) {
   Wakes w;
   {
     std::lock_guard lock(mu_);
     if (stopping_.load() || !started_.load()) return false;
-    ready_.push_back(Entry{nullptr, std::move(task), team_lane});
+    ready_.push_back(Entry{nullptr, std::move(task), team_lane, one_thread});
     pending_.store(ready_.size(), std::memory_order_release);
     w = wakes_locked();
   }
@@ -117,11 +117,11 @@ std::size_t ComputeLanes::backlog_locked() const {
   return n;
 }
 
-void ComputeLanes::book_width_locked(Lane& lane) {
+void ComputeLanes::book_width_locked(Lane& lane, bool one_thread) {
   cores_used_ -= lane.width;
   const int team = options_.intra_op_threads;
   const auto threshold = static_cast<std::size_t>(options_.one_thread_backlog);
-  lane.width = lane.team && backlog_locked() < threshold && cores_used_ + team <= size() ? team : 1;
+  lane.width = lane.team && !one_thread && backlog_locked() < threshold && cores_used_ + team <= size() ? team : 1;
   cores_used_ += lane.width;
 }
 
@@ -268,7 +268,7 @@ void ComputeLanes::run_entry(Lane& lane, Entry&& entry) {
       Wakes w;
       {
         std::lock_guard lock(mu_);
-        book_width_locked(lane);
+        book_width_locked(lane, false);
         w = wakes_locked();
       }
       wake(w.team, w.one_thread);
@@ -347,7 +347,7 @@ void ComputeLanes::lane_main(int index) {
       }
       pending_.store(ready_.size(), std::memory_order_release);
       if (lane.team) ++busy_team_;
-      if (elastic_) book_width_locked(lane);
+      if (elastic_) book_width_locked(lane, entry.work == nullptr && entry.one_thread);
       w = wakes_locked();  // more is ready: another lane may take it
     }
     wake(w.team, w.one_thread);

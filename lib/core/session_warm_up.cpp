@@ -67,7 +67,16 @@ void on_core_threads(const std::vector<std::function<void()>>& tasks, int thread
       break;
     }
   }
-  if (pool.empty()) take();
+  if (pool.empty()) {  // on the caller's thread, whose OpenMP width is given back
+    const int width = one_thread ? at::get_num_threads() : 0;
+    struct Restore {
+      int width;
+      ~Restore() {
+        if (width > 0) omp_set_num_threads(width);
+      }
+    } restore{width};
+    take();
+  }
   for (auto& t : pool) t.join();
 }
 
@@ -153,15 +162,18 @@ absl::Status SessionCore::warm_up_block(BlockRuntime& runtime, unsigned layouts,
 
 // Runs the tasks on the lanes, in parallel across them, and waits for all. On a lane already
 // (apply() from a completion callback), or with the lanes stopped, they run here instead.
-void SessionCore::on_lanes(std::vector<std::function<void()>>& tasks, bool team_lanes) {
+void SessionCore::on_lanes(std::vector<std::function<void()>>& tasks, bool team_lanes, bool one_thread) {
   if (tasks.empty()) return;
   blockflow::detail::BlockingCounter done(static_cast<int>(tasks.size()));
   for (auto& task : tasks) {
     auto counted = [&task, &done] {
+      struct Count {  // also when the task throws (the lane swallows it): Wait() must return
+        BlockingCounter& done;
+        ~Count() { done.DecrementCount(); }
+      } count{done};
       task();
-      done.DecrementCount();
     };
-    if (!lanes_ || lanes_->current_lane() >= 0 || !lanes_->post(counted, team_lanes)) counted();
+    if (!lanes_ || lanes_->current_lane() >= 0 || !lanes_->post(counted, team_lanes, one_thread)) counted();
   }
   done.Wait();
 }
@@ -174,10 +186,10 @@ void SessionCore::on_cores(std::vector<std::function<void()>>& tasks, bool one_t
     on_core_threads(tasks, threads, one_thread);
     return;
   }
-  if (one_thread && lanes_) {
+  if (one_thread && lanes_) {  // a team lane books one core for it (elastic) and runs it with one thread
     for (auto& task : tasks) task = [this, run = std::move(task)] { lanes_->with_at_most(1, run); };
   }
-  on_lanes(tasks);
+  on_lanes(tasks, /*team_lanes=*/false, one_thread);
 }
 
 // Blocks of this process are built where they will run, on the lanes: libtorch's graph passes and
@@ -226,17 +238,25 @@ absl::Status SessionCore::warm_up(const std::vector<BlockRuntime*>& runtimes, co
   const auto one_thread = [&](const BlockRuntime& r) {
     return lanes_ && lanes_->elastic() && (local.size() > 1 || r.block->options().workers > 1);
   };
+  // Nothing may escape a lane or a thread of on_cores(): a block's failure is its status.
+  auto warm = [&](std::size_t i, WarmUpRuns runs) {
+    try {
+      const auto scope = enter_build_scope();
+      statuses[i] = warm_up_block(*todo[i], layouts_used(table, *todo[i]), runs, one_thread(*todo[i]));
+    } catch (const std::exception& e) {
+      statuses[i] = absl::InternalError(fmt::format("block '{}': warm-up failed: {}", todo[i]->block->name(), e.what()));
+    }
+  };
   std::vector<std::function<void()>> early;
   for (std::size_t i = 0; i < todo.size(); ++i) {
     if (!todo[i]->block->device().is_cpu()) continue;  // a CUDA block's runs stay on its lane's stream
     lane_runs[i] = WarmUpRuns::kLast;
-    early.emplace_back([this, &statuses, &todo, &table, &one_thread, i] {
-      const auto scope = enter_build_scope();
-      statuses[i] = warm_up_block(*todo[i], layouts_used(table, *todo[i]), WarmUpRuns::kEarly, one_thread(*todo[i]));
-    });
+    early.emplace_back([&warm, i] { warm(i, WarmUpRuns::kEarly); });
   }
   const auto cores = static_cast<std::size_t>(std::max(1U, std::thread::hardware_concurrency()));
-  if (lanes_ && std::min(early.size(), cores) > 1) {
+  // Spread only where SessionOptions::warm_up_threads leaves the choice (0): a worker starting
+  // beside others (cores / workers threads) keeps its runs on its team lane, one after another.
+  if (lanes_ && options_.warm_up_threads <= 0 && std::min(early.size(), cores) > 1) {
     on_cores(early, /*one_thread=*/true);
   } else {  // nothing to run side by side: each block's runs on a team lane, as they come
     std::fill(lane_runs.begin(), lane_runs.end(), WarmUpRuns::kAll);
@@ -244,10 +264,7 @@ absl::Status SessionCore::warm_up(const std::vector<BlockRuntime*>& runtimes, co
   std::vector<std::function<void()>> tasks;
   for (std::size_t i = 0; i < todo.size(); ++i) {
     if (!statuses[i].ok()) continue;
-    tasks.emplace_back([this, &statuses, &todo, &table, &lane_runs, &one_thread, i] {
-      const auto scope = enter_build_scope();
-      statuses[i] = warm_up_block(*todo[i], layouts_used(table, *todo[i]), lane_runs[i], one_thread(*todo[i]));
-    });
+    tasks.emplace_back([&warm, &lane_runs, i] { warm(i, lane_runs[i]); });
   }
   on_lanes(tasks, /*team_lanes=*/true);  // each width a lane runs with is warmed up there
   for (const auto& status : statuses) {

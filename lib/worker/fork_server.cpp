@@ -405,7 +405,10 @@ absl::StatusOr<ForkServer::Forked> ForkServer::fork_worker(const std::vector<std
   out.pidfd = fd;
   out.id = reply->value("id", std::uint64_t{0});
   if (out.pid <= 0 || out.pidfd < 0 || out.id == 0) {
-    if (fd >= 0) ::close(fd);
+    if (fd >= 0) {  // a worker nobody could supervise must not live on
+      (void)::syscall(SYS_pidfd_send_signal, fd, SIGKILL, nullptr, 0);
+      ::close(fd);
+    }
     return absl::UnavailableError("the fork server answered without a process");
   }
   return out;

@@ -42,11 +42,13 @@ struct SessionOptions {
   /// default when none sets one. Every block runs with the lanes' setting.
   int intra_op_threads = 0;
   /// Intra-op threads of the warm-up runs before the last one (TorchScript's profiling and
-  /// optimising runs, BlockOptions::warmup_runs), at most the lanes'; 0: the lanes'. The last run is
-  /// made with every thread count the lane serves with, so that oneDNN's kernels for those exist
-  /// before the first request. A worker process gets cores / workers when the session starts
-  /// several at once (docs/workers.md, "Cold start"): their warm-ups then share the cores instead
-  /// of each running a whole team on them.
+  /// optimising runs, BlockOptions::warmup_runs), at most the lanes', each block's runs one after
+  /// another on a team lane. 0: the session chooses: with several CPU blocks and cores, those runs
+  /// are made with one thread each, the blocks' side by side on the cores (docs/lanes.md, "Warm-up
+  /// and loading"). The last run is made with the team's threads, and with one where a one-thread
+  /// lane may run the block, so that oneDNN's kernels for those exist before the first request. A
+  /// worker process gets cores / workers when the session starts several at once (docs/workers.md,
+  /// "Cold start"): their warm-ups then share the cores instead of each running a whole team on them.
   int warm_up_threads = 0;
   /// How long an idle lane polls for work before it sleeps.
   absl::Duration receive_spin = absl::Microseconds(50);

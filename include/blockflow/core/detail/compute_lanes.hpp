@@ -105,7 +105,9 @@ class ComputeLanes {
   void notify(LaneWork& work);
   /// Runs `task` on a lane (fairly among ready blocks). False once stopped (the task is not run).
   /// `team_lane`: only a team lane may run it (work that must also run with the team's threads).
-  bool post(std::function<void()> task, bool team_lane = false);
+  /// `one_thread`: it is one thread's work (a warm-up run with one thread): an elastic team lane
+  /// that takes it books one core, leaving the others to the lanes beside it.
+  bool post(std::function<void()> task, bool team_lane = false, bool one_thread = false);
   /// On a team lane of an elastic executor: runs `fn` with the team's threads, then with one (a
   /// warm-up, so that neither width's first run falls on a request), and restores the lane's
   /// width. Elsewhere: runs `fn` once. `one_thread` false: the team's width only (the one-thread
@@ -143,6 +145,7 @@ class ComputeLanes {
     LaneWork* work = nullptr;     // block work, or
     std::function<void()> task;   // a posted task
     bool team_lane = false;       // the task runs on a team lane only
+    bool one_thread = false;      // the task is one thread's work: a team lane books one core for it
   };
   struct Lane {
     bool team = true;  // a team lane (else a one-thread lane)
@@ -163,7 +166,7 @@ class ComputeLanes {
   // Elastic: the entry of ready_ this lane may take now, or ready_.end().
   std::deque<Entry>::iterator takeable_locked(const Lane& lane);
   // Elastic: the cores `lane` takes for its next unit (its team, or one), booked under mu_.
-  void book_width_locked(Lane& lane);
+  void book_width_locked(Lane& lane, bool one_thread);
   void set_threads(Lane& lane, int threads);
   std::size_t backlog_locked() const;  // units waiting in ready_
   // Wakes the lane that should take what is ready (a team lane first); call without mu_.

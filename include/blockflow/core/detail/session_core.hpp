@@ -161,7 +161,9 @@ class SessionCore {
   // Marks active (PathRuntime::active_ns) the tasks of the routing table whose every block has loaded.
   void note_active();
   std::unique_ptr<InProcessChannel> make_inbox(const BlockOptions& options) const;
-  void on_lanes(std::vector<std::function<void()>>& tasks, bool team_lanes = false);
+  // Runs the tasks on the lanes and waits for all (here when on a lane or stopped). `one_thread`:
+  // each is one thread's work (an elastic team lane books one core for it).
+  void on_lanes(std::vector<std::function<void()>>& tasks, bool team_lanes = false, bool one_thread = false);
   void on_cores(std::vector<std::function<void()>>& tasks, bool one_thread);
   std::vector<absl::StatusOr<std::shared_ptr<Block>>> make_blocks(const std::vector<const BlockDescription*>& descriptions);
   absl::Status warm_up(const std::vector<BlockRuntime*>& runtimes, const RoutingTable& table);
