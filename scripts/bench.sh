@@ -45,7 +45,9 @@
 #   RSS against the budget, and the floor: unlimited p50 plus the loads a request pays); the budgeted
 #   runs go with swapping (SessionOptions::swap) on (weights paged back in), cold (paged back in from
 #   the disk: the page cache dropped at each unload) and off (blocks built again), the last with
-#   SessionOptions::prefetch off and on, a summary line each.
+#   SessionOptions::prefetch off and on, a summary line each; runs with the budget at the largest
+#   block alone give the floor of the sampled RSS under any budget (`rss_floor_mb`: what no unload
+#   frees, plus one block).
 #   replan: three tasks over three worker processes that are not restarted, profiled here; the
 #   worker running block3 is killed under traffic and the session re-plans (on_site_lost =
 #   replanner()): kill -> loss detected, loss -> re-planned deployment applied, kill -> each task's
@@ -196,10 +198,17 @@ footprints = ["--footprints", ",".join(f"{k}={v}" for k, v in unlimited[0]["foot
 budget = round(unlimited[0]["blocks_total_mb"] * float(fraction), 1)
 configs = [("on", False), ("cold", False), ("off", False), ("off", True)]  # (swap, prefetch)
 budgeted = {c: [] for c in configs}
+# The floor of the process's resident memory under any budget: the budget at the largest block alone
+# (swapping on), so that every other block is paged out whenever it runs. What it still holds is
+# what no unload frees (the working memory, each module's unswapped part) plus one block.
+largest = max(unlimited[0]["footprint_mb"].values())
+floor_runs = []
 for _ in range(2):
     for swap, prefetch in configs:
         budgeted[(swap, prefetch)].append(run(budget, prefetch, swap))
+    floor_runs.append(run(largest))
     unlimited.append(run(0))
+rss_floor = min(r["max_blocks_rss_mb"] for r in floor_runs)
 med = lambda runs, k: round(statistics.median(r[k] for r in runs), 1)
 p50_u, p99_u = med(unlimited, "p50_ms"), med(unlimited, "p99_ms")
 # What the process holds beside the blocks' footprints (activations, oneDNN's caches, a load's
@@ -213,6 +222,8 @@ for (swap, prefetch), runs in budgeted.items():
                       "budget_fraction": float(fraction), "max_blocks_rss_mb": max_blocks,
                       "max_rss_over_budget": round(max_blocks / budget, 3), "working_mb_unlimited": working,
                       "max_rss_over_budget_plus_working": round(max_blocks / (budget + working), 3),
+                      "rss_floor_mb": rss_floor, "rss_floor_budget_mb": largest,
+                      "rss_floor_over_budget": round(rss_floor / budget, 3),
                       "failed": sum(r["failed"] for r in runs + unlimited),
                       "p50_ms": p50_b, "p50_ms_unlimited": p50_u, "p99_ms": p99_b, "p99_ms_unlimited": p99_u,
                       "p99_over_unlimited": round(p99_b / p99_u, 2), "loads": med(runs, "loads"),
