@@ -386,6 +386,34 @@ TEST_CASE("elastic lanes: a lone block one lane at a time runs is not warmed up 
   }
 }
 
+TEST_CASE("SessionOptions::warm_up_last_narrow: the last warm-up run too with warm_up_threads; requests with the team's",
+          "[lanes]") {
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  if (cores < 2) {
+    WARN("one hardware thread: no narrower width to warm up with");
+    return;
+  }
+  for (const bool narrow : {true, false}) {
+    DYNAMIC_SECTION("warm_up_last_narrow " << narrow) {
+      WidthLog log;
+      SessionOptions options;
+      options.warm_up_threads = 1;
+      options.warm_up_last_narrow = narrow;
+      Session session(options);
+      session.add_block(width_logging("b1", log, cores)).add_path(Path::chain("t", {"b1"}));
+      test::require_started(session);
+      const auto warm = log.take();  // warmup_runs 2, a lone block: no one-thread run of its own
+      REQUIRE(warm.size() == 2);
+      CHECK(warm[0].second == 1);
+      CHECK(warm[1].second == (narrow ? 1 : cores));
+      REQUIRE(session.submit("t", at::zeros({4})).get().ok());
+      const auto served = log.take();
+      REQUIRE(served.size() == 1);
+      CHECK(served[0].second == cores);  // the lane's width is back for requests
+    }
+  }
+}
+
 TEST_CASE("SessionOptions::warm_up_threads: warm-up runs before the last use that many threads, the last and requests the lane's",
           "[lanes]") {
   const int cores = static_cast<int>(std::thread::hardware_concurrency());

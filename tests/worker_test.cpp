@@ -326,15 +326,29 @@ TEST_CASE("WorkerOptions::heartbeat_interval and max_parked_bytes reach the work
 
 TEST_CASE("a zero-copy worker makes its result pools at start (one primed run after warm-up), not on a first request",
           "[worker]") {
-  auto site = make_worker(test::test_worker("w1", "shm"));
-  Session session;
-  session.add_site(site)
-      .add_block(test::model_block("b1", "cnn_block1.pt", "w1", {-1, 3, 256, 256}))  // activations of 2 MB: in slots
-      .add_path(Path::chain("t", {"b1"}));
-  test::require_started(session);
-  // As of a heartbeat after start(), before any request: the pools its activations took exist.
-  CHECK(test::eventually([&] { return site->stats().shm_results.pools_created > 0; }));
-  CHECK(site->stats().shm_results.slots_in_use == 0);  // and the primed run gave its slots back
-  const Result r = session.submit("t", at::ones({1, 3, 256, 256})).get();
-  REQUIRE(r.ok());
+  // Two workers started together warm up with cores / workers threads, the last run too
+  // (SessionOptions::warm_up_last_narrow): the primed run is then the first with the team's.
+  for (const int workers : {1, 2}) {
+    DYNAMIC_SECTION(workers << " worker(s)") {
+      Session session;
+      std::vector<std::shared_ptr<RemoteSite>> sites;
+      for (int w = 1; w <= workers; ++w) {
+        const std::string name = "w" + std::to_string(w), block = "b" + std::to_string(w);
+        sites.push_back(make_worker(test::test_worker(name, "shm")));
+        session.add_site(sites.back())
+            .add_block(test::model_block(block, "cnn_block1.pt", name, {-1, 3, 256, 256}))  // activations of 2 MB: in slots
+            .add_path(Path::chain("t" + std::to_string(w), {block}));
+      }
+      test::require_started(session);
+      for (int w = 1; w <= workers; ++w) {
+        INFO("worker w" << w);
+        const auto& site = sites[static_cast<std::size_t>(w - 1)];
+        // As of a heartbeat after start(), before any request: the pools its activations took exist.
+        CHECK(test::eventually([&] { return site->stats().shm_results.pools_created > 0; }));
+        CHECK(site->stats().shm_results.slots_in_use == 0);  // and the primed run gave its slots back
+        const Result r = session.submit("t" + std::to_string(w), at::ones({1, 3, 256, 256})).get();
+        REQUIRE(r.ok());
+      }
+    }
+  }
 }

@@ -151,7 +151,12 @@ absl::Status SessionCore::warm_up_block(BlockRuntime& runtime, unsigned layouts,
     // kEarly runs on a thread of one OpenMP thread: the one-thread run; kLast on a team lane: the
     // team's.
     if (options.warmup_runs > 0 && lanes_) {
-      if (runs == WarmUpRuns::kAll) lanes_->for_each_width(run_once, one_thread);
+      if (runs == WarmUpRuns::kAll && options_.warm_up_last_narrow && options_.warm_up_threads > 0) {
+        lanes_->with_at_most(options_.warm_up_threads, run_once);  // the caller's own run at the team's follows
+        if (one_thread && options_.warm_up_threads > 1) lanes_->with_at_most(1, run_once);
+      } else if (runs == WarmUpRuns::kAll) {
+        lanes_->for_each_width(run_once, one_thread);
+      }
       else if (last) lanes_->for_each_width(run_once, /*one_thread=*/false);
       else if (one_thread) run_once();
     }

@@ -202,6 +202,9 @@ class Worker {
     bf::SessionOptions options;
     options.lanes = config.value("lanes", 0);
     options.warm_up_threads = config.value("warm_up_threads", 0);
+    // Starting beside other workers: the last warm-up run too with those threads; prime_slots()
+    // below then runs each block with the team's, as its requests will.
+    options.warm_up_last_narrow = outputs_in_slots_;
     if (const std::int64_t budget = config.value("on_demand_budget", std::int64_t{0}); budget > 0) {
       options.memory_budget = budget;
       options.memory_policy = bf::SessionOptions::MemoryPolicy::kOnDemand;

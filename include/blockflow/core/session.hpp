@@ -50,6 +50,12 @@ struct SessionOptions {
   /// worker process gets cores / workers when the session starts several at once (docs/workers.md,
   /// "Cold start"): their warm-ups then share the cores instead of each running a whole team on them.
   int warm_up_threads = 0;
+  /// With warm_up_threads set: the last warm-up run too is made with that many threads, not the
+  /// team's. For a caller that runs each block once with the team's threads itself before serving,
+  /// as a worker process does (its priming run, docs/workers.md, "Cold start"): that run then makes
+  /// oneDNN's kernels for the team's width, and several workers warming up at once never run whole
+  /// teams on the same cores.
+  bool warm_up_last_narrow = false;
   /// How long an idle lane polls for work before it sleeps.
   absl::Duration receive_spin = absl::Microseconds(50);
   /// Bytes of resident memory the blocks of this process (the "threads" site) may take. 0: no budget.
