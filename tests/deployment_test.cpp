@@ -232,28 +232,31 @@ TEST_CASE("JSON nested deeper than the limit is refused before it is parsed", "[
   CHECK_FALSE(blockflow::detail::check_json_depth(std::string(65, '{')).ok());
 }
 
-TEST_CASE("sites' settings: memory budget and policy, lanes; read for the sites blocks are placed in", "[deployment]") {
+TEST_CASE("sites' settings: memory budget, policy and measure, lanes; read for the sites blocks are placed in", "[deployment]") {
   const std::string blocks = R"("blocks": [{"name": "a", "factory": "f", "placement": "w1"}, {"name": "b", "factory": "f", "placement": "w2"}],
                                  "tasks": {"t": ["a", "b"]})";
-  auto d = Deployment::parse(fmt::format(R"({{{}, "sites": {{"w1": {{"memory": {{"budget": 1048576, "policy": "on_demand"}}, "lanes": 2}}}}}})", blocks));
+  auto d = Deployment::parse(fmt::format(R"({{{}, "sites": {{"w1": {{"memory": {{"budget": 1048576, "policy": "on_demand", "measure": "process"}}, "lanes": 2}}}}}})", blocks));
   REQUIRE(d.ok());
   REQUIRE(d->sites.size() == 1);
   const SiteSettings w1 = d->site("w1");
   CHECK(w1.name == "w1");
   CHECK(w1.memory_budget == 1048576);
   CHECK(w1.memory_policy == "on_demand");
+  CHECK(w1.memory_measure == "process");
   CHECK(w1.lanes == 2);
   const SiteSettings w2 = d->site("w2");  // none given: the defaults
   CHECK(w2.name == "w2");
   CHECK(w2.memory_budget == 0);
   CHECK(w2.memory_policy.empty());
+  CHECK(w2.memory_measure.empty());
   CHECK(w2.lanes == 0);
   const auto with_sites = [&](const std::string& sites) { return error_of(fmt::format(R"({{{}, "sites": {}}})", blocks, sites)); };
   CHECK_THAT(with_sites(R"({"w9": {}})"), Contains("site 'w9': no block is placed in it"));
   CHECK_THAT(with_sites(R"({"w1": {"memory": {"policy": "on_demand"}}})"), Contains("site 'w1': memory.policy \"on_demand\" needs memory.budget above 0"));
   CHECK_THAT(with_sites(R"({"w1": {"memory": {"budget": -1}}})"), Contains("site 'w1': memory.budget must be a number of bytes"));
   CHECK_THAT(with_sites(R"({"w1": {"memory": {"policy": "lru"}}})"), Contains("memory.policy must be \"admit\" or \"on_demand\""));
-  CHECK_THAT(with_sites(R"({"w1": {"memory": {"size": 1}}})"), Contains("unknown field 'memory.size' (budget, policy)"));
+  CHECK_THAT(with_sites(R"({"w1": {"memory": {"size": 1}}})"), Contains("unknown field 'memory.size' (budget, policy, measure)"));
+  CHECK_THAT(with_sites(R"({"w1": {"memory": {"measure": "rss"}}})"), Contains("memory.measure must be \"blocks\" or \"process\""));
   CHECK_THAT(with_sites(R"({"w1": {"threads": 1}})"), Contains("site 'w1': unknown field 'threads' (memory, lanes)"));
   CHECK_THAT(with_sites(R"({"w1": {"lanes": "two"}})"), Contains("\"lanes\" must be an integer"));
   CHECK_THAT(with_sites(R"(["w1"])"), Contains("\"sites\" must be an object"));

@@ -78,8 +78,9 @@ void ResidentSet::Hold::reset() {
   block_.reset();  // after the release: an eviction may follow, and frees the model when this goes
 }
 
-ResidentSet::ResidentSet(std::int64_t budget_bytes, MemoryProbe probe, std::optional<WeightSwap::Options> swap)
-    : budget_(budget_bytes), probe_(std::move(probe)), swap_(std::move(swap)) {
+ResidentSet::ResidentSet(std::int64_t budget_bytes, MemoryProbe probe, std::optional<WeightSwap::Options> swap, bool process)
+    : budget_(budget_bytes), probe_(std::move(probe)), process_(process && probe_), baseline_(process_ ? probe_() : 0),
+      swap_(std::move(swap)) {
   if (swap_ && !WeightSwap::available()) {  // installs the capturing allocator now, before any block loads
     log(LogLevel::kWarning, "swapping is off: another CPU allocator of a higher priority is installed in libtorch; "
                             "unloaded blocks are built again (SessionOptions::swap)");
@@ -102,7 +103,11 @@ int ResidentSet::add(std::string name, std::int64_t footprint, Loader loader, st
 
 bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloaded, const std::vector<int>* keep) {
   std::int64_t free = budget_ - resident_;
-  if (need <= free) return true;
+  // kProcess: what the process grew by beyond the loaded blocks' footprints takes room too. Only
+  // idle blocks are unloaded for it: it is never a reason to wait (see the loop's end).
+  if (process_) unaccounted_ = std::max<std::int64_t>(0, probe_() - baseline_ - resident_);
+  const std::int64_t unaccounted = process_ ? unaccounted_ : 0;
+  if (need <= free - unaccounted) return true;
   struct Candidate {
     Entry* entry;
     bool queued;
@@ -121,8 +126,10 @@ bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloa
     return a.entry->last_use_ns < b.entry->last_use_ns;
   });
   std::size_t taken = 0;
-  while (free < need && taken < candidates.size()) free += candidates[taken++].entry->footprint;
+  while (free - unaccounted < need && taken < candidates.size()) free += candidates[taken++].entry->footprint;
   if (free < need) return false;  // running blocks hold the rest: wait for one to finish
+  // Every idle block taken and the process's growth still leaves too little room: the block loads
+  // all the same (it fits the budget by the footprints); waiting would not shrink that growth.
   for (std::size_t i = 0; i < taken; ++i) {
     Entry& e = *candidates[i].entry;
     if (e.swap) {  // kept, its weights paged out by finish()
@@ -369,6 +376,7 @@ ResidentSet::Totals ResidentSet::totals() const {
   Totals t;
   t.budget_bytes = budget_;
   t.resident_bytes = resident_;
+  t.unaccounted_bytes = unaccounted_;
   t.loads = loads_;
   t.evictions = evictions_;
   t.bytes_loaded = bytes_loaded_;

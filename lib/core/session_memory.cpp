@@ -51,7 +51,8 @@ void SessionCore::make_resident_set() {
   std::optional<WeightSwap::Options> swap;
   if (on_demand && options_.swap.enabled) swap = WeightSwap::Options{options_.swap.directory, options_.swap.drop_page_cache};
   resident_ = std::make_unique<ResidentSet>(on_demand ? options_.memory_budget : std::numeric_limits<std::int64_t>::max() / 4,
-                                            process_rss_bytes, std::move(swap));
+                                            process_rss_bytes, std::move(swap),
+                                            on_demand && options_.memory_measure == SessionOptions::MemoryMeasure::kProcess);
 }
 
 absl::StatusOr<std::unique_ptr<BlockRuntime>> SessionCore::make_on_demand_runtime(const BlockDescription& description) {

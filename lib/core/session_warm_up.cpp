@@ -151,7 +151,11 @@ absl::Status SessionCore::warm_up_block(BlockRuntime& runtime, unsigned layouts,
     // kEarly runs on a thread of one OpenMP thread: the one-thread run; kLast on a team lane: the
     // team's.
     if (options.warmup_runs > 0 && lanes_) {
-      if (runs == WarmUpRuns::kAll && options_.warm_up_last_narrow && options_.warm_up_threads > 0) {
+      // warm_up_last_narrow: start() only (apply()'s new blocks get no run from the caller), CPU
+      // blocks that the caller's own run then finds optimised (warmup_runs >= 2).
+      const bool narrow = options_.warm_up_last_narrow && options_.warm_up_threads > 0 && !admitting_.load() &&
+                          block.device().is_cpu() && options.warmup_runs >= 2;
+      if (runs == WarmUpRuns::kAll && narrow) {
         lanes_->with_at_most(options_.warm_up_threads, run_once);  // the caller's own run at the team's follows
         if (one_thread && options_.warm_up_threads > 1) lanes_->with_at_most(1, run_once);
       } else if (runs == WarmUpRuns::kAll) {

@@ -280,7 +280,7 @@ absl::StatusOr<std::vector<SiteSettings>> sites_from_json(const nlohmann::json& 
         }
         s.lanes = value.get<int>();
       } else if (key == "memory") {
-        if (!value.is_object()) return bad("\"memory\" must be an object (budget, policy)");
+        if (!value.is_object()) return bad("\"memory\" must be an object (budget, policy, measure)");
         for (const auto& [field, v] : value.items()) {
           if (field == "budget") {
             if (!v.is_number_integer() || v.get<std::int64_t>() < 0) return bad("memory.budget must be a number of bytes (>= 0)");
@@ -288,8 +288,11 @@ absl::StatusOr<std::vector<SiteSettings>> sites_from_json(const nlohmann::json& 
           } else if (field == "policy") {
             if (!v.is_string() || (v != "admit" && v != "on_demand")) return bad("memory.policy must be \"admit\" or \"on_demand\"");
             s.memory_policy = v.get<std::string>();
+          } else if (field == "measure") {
+            if (!v.is_string() || (v != "blocks" && v != "process")) return bad("memory.measure must be \"blocks\" or \"process\"");
+            s.memory_measure = v.get<std::string>();
           } else {
-            return bad(fmt::format("unknown field 'memory.{}' (budget, policy)", field));
+            return bad(fmt::format("unknown field 'memory.{}' (budget, policy, measure)", field));
           }
         }
         if (s.memory_policy == "on_demand" && s.memory_budget <= 0) return bad("memory.policy \"on_demand\" needs memory.budget above 0");

@@ -23,7 +23,8 @@ nlohmann::json make_config(const std::vector<BlockDescription>& blocks, const Wo
           {"lanes", options.lanes},
           // On demand the worker's own session keeps its blocks under the budget (kAdmit: the
           // host's session admits by the profiles, and the worker needs no budget of its own).
-          {"on_demand_budget", options.memory_policy == SessionOptions::MemoryPolicy::kOnDemand ? options.memory_budget : 0}};
+          {"on_demand_budget", options.memory_policy == SessionOptions::MemoryPolicy::kOnDemand ? options.memory_budget : 0},
+          {"on_demand_measure", options.memory_measure == SessionOptions::MemoryMeasure::kProcess ? "process" : "blocks"}};
 }
 
 namespace {

@@ -208,6 +208,9 @@ class Worker {
     if (const std::int64_t budget = config.value("on_demand_budget", std::int64_t{0}); budget > 0) {
       options.memory_budget = budget;
       options.memory_policy = bf::SessionOptions::MemoryPolicy::kOnDemand;
+      if (config.value("on_demand_measure", std::string("blocks")) == "process") {
+        options.memory_measure = bf::SessionOptions::MemoryMeasure::kProcess;
+      }
       on_demand_ = true;
     }
     session_ = std::make_unique<bf::Session>(options);
@@ -227,7 +230,8 @@ class Worker {
   // each block with zeros, as requests run, makes them now; its slots are free again after it.
   void prime_slots(const std::vector<bf::BlockDescription>& blocks) {
     for (const auto& b : blocks) {
-      if (b.options.input_shapes.empty() || b.options.warmup_runs == 0 || b.options.device.rfind("cuda", 0) == 0) continue;
+      // warmup_runs 1: TorchScript's optimising run would be this one, and what it keeps would hold slots.
+      if (b.options.input_shapes.empty() || b.options.warmup_runs < 2 || b.options.device.rfind("cuda", 0) == 0) continue;
       const bf::Result r = session_->submit(b.name, bf::detail::warm_up_inputs(b.options, c10::kCPU)).get();
       if (!r.ok()) bf::detail::log(bf::LogLevel::kWarning, fmt::format("worker {}: priming '{}': {}", args_.name, b.name, r.status.ToString()));
     }

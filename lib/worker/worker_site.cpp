@@ -379,6 +379,8 @@ WorkerOptions with_settings(WorkerOptions options, const SiteSettings& settings)
   if (settings.memory_budget > 0) options.memory_budget = settings.memory_budget;
   if (settings.memory_policy == "on_demand") options.memory_policy = SessionOptions::MemoryPolicy::kOnDemand;
   if (settings.memory_policy == "admit") options.memory_policy = SessionOptions::MemoryPolicy::kAdmit;
+  if (settings.memory_measure == "process") options.memory_measure = SessionOptions::MemoryMeasure::kProcess;
+  if (settings.memory_measure == "blocks") options.memory_measure = SessionOptions::MemoryMeasure::kBlocks;
   if (settings.lanes > 0) options.lanes = settings.lanes;
   return options;
 }

@@ -50,11 +50,12 @@ struct SessionOptions {
   /// worker process gets cores / workers when the session starts several at once (docs/workers.md,
   /// "Cold start"): their warm-ups then share the cores instead of each running a whole team on them.
   int warm_up_threads = 0;
-  /// With warm_up_threads set: the last warm-up run too is made with that many threads, not the
-  /// team's. For a caller that runs each block once with the team's threads itself before serving,
-  /// as a worker process does (its priming run, docs/workers.md, "Cold start"): that run then makes
-  /// oneDNN's kernels for the team's width, and several workers warming up at once never run whole
-  /// teams on the same cores.
+  /// With warm_up_threads set: in start(), the last warm-up run of each CPU block with
+  /// warmup_runs >= 2 too is made with that many threads, not the team's. For a caller that runs
+  /// each such block once with the team's threads itself before serving, as a worker process does
+  /// (its priming run, docs/workers.md, "Cold start"): that run then makes oneDNN's kernels for the
+  /// team's width, and several workers warming up at once never run whole teams on the same cores.
+  /// Blocks that apply() adds warm up as usual.
   bool warm_up_last_narrow = false;
   /// How long an idle lane polls for work before it sleeps.
   absl::Duration receive_spin = absl::Microseconds(50);
@@ -73,6 +74,19 @@ struct SessionOptions {
     kOnDemand,
   };
   MemoryPolicy memory_policy = MemoryPolicy::kAdmit;
+  /// kOnDemand: what the budget bounds (docs/memory.md, "What the budget bounds").
+  enum class MemoryMeasure {
+    /// The footprints of the blocks loaded now (each measured at its first load, or profiled).
+    kBlocks,
+    /// The process's resident memory grown since start(): what no loaded block accounts for (the
+    /// activations and caches of running blocks, the part of an unloaded block that stays) takes
+    /// room too, so idle blocks are unloaded sooner. Sampled at each load. Never a reason to wait:
+    /// when unloading every idle block is not enough, the block loads all the same (its footprint
+    /// fits the budget). In the process of an application, what the application allocates after
+    /// start() counts too.
+    kProcess,
+  };
+  MemoryMeasure memory_measure = MemoryMeasure::kBlocks;
   /// kOnDemand: how an unloaded TorchScript block on the CPU comes back (docs/memory.md, "Swapping").
   struct Swap {
     /// true: its load captures the memory it allocates through libtorch (its weights); unloading it

@@ -58,6 +58,7 @@ struct SiteSettings {
   std::string name;
   std::int64_t memory_budget = 0;  ///< "memory": {"budget": BYTES}; 0: the default
   std::string memory_policy;       ///< "memory": {"policy": "admit" | "on_demand"}; "": the default
+  std::string memory_measure;      ///< "memory": {"measure": "blocks" | "process"}; "": the default
   int lanes = 0;                   ///< "lanes": compute lanes of the worker; 0: the default
 };
 

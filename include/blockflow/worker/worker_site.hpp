@@ -126,6 +126,9 @@ struct WorkerOptions {
   /// (with a budget), the worker loads its blocks when requests need them, unloading idle ones,
   /// least recently used first, and each block must fit the budget alone.
   SessionOptions::MemoryPolicy memory_policy = SessionOptions::MemoryPolicy::kAdmit;
+  /// kOnDemand: what the budget bounds, as SessionOptions::memory_measure does: the loaded blocks'
+  /// footprints, or also what the worker process grew by beyond them (kProcess).
+  SessionOptions::MemoryMeasure memory_measure = SessionOptions::MemoryMeasure::kBlocks;
   /// Compute lanes of the worker process (SessionOptions::lanes): 0, as many as its cores hold
   /// OpenMP teams of its blocks' intra-op threads.
   int lanes = 0;

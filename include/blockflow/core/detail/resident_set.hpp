@@ -65,6 +65,8 @@ class ResidentSet {
   struct Totals {
     std::int64_t budget_bytes = 0;
     std::int64_t resident_bytes = 0;  ///< the footprints of the blocks loaded now
+    /// kProcess: the process's growth beyond the loaded blocks' footprints, as last sampled.
+    std::int64_t unaccounted_bytes = 0;
     std::uint64_t loads = 0, evictions = 0;
     std::int64_t bytes_loaded = 0;
     double load_s = 0;                ///< time spent loading
@@ -74,8 +76,11 @@ class ResidentSet {
   };
 
   /// `swap`: unloading pages a swappable block's weights out to a file (WeightSwap) instead of
-  /// freeing the block; none: unloading frees it, and loading builds it anew.
-  ResidentSet(std::int64_t budget_bytes, MemoryProbe probe, std::optional<WeightSwap::Options> swap = std::nullopt);
+  /// freeing the block; none: unloading frees it, and loading builds it anew. `process`: the budget
+  /// also bounds what `probe` shows grown since now beyond the loaded blocks' footprints
+  /// (SessionOptions::MemoryMeasure::kProcess): room is made for it too, as far as idle blocks allow.
+  ResidentSet(std::int64_t budget_bytes, MemoryProbe probe, std::optional<WeightSwap::Options> swap = std::nullopt,
+              bool process = false);
   ~ResidentSet();
   ResidentSet(const ResidentSet&) = delete;
   ResidentSet& operator=(const ResidentSet&) = delete;
@@ -125,12 +130,15 @@ class ResidentSet {
 
   const std::int64_t budget_;
   const MemoryProbe probe_;
+  const bool process_;              // the budget bounds the process's growth too (kProcess)
+  const std::int64_t baseline_;     // probe_() when made: the growth is over it (kProcess)
   const std::optional<WeightSwap::Options> swap_;
   std::atomic<bool> swap_failed_{false};  // a swap file could not be written: unloaded blocks are freed from then on
   mutable Mutex mu_;
   std::uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // +1 whenever a block is released, loaded or unloaded
   std::vector<std::unique_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
   std::int64_t resident_ ABSL_GUARDED_BY(mu_) = 0;  // footprints of loaded blocks and of loads under way
+  std::int64_t unaccounted_ ABSL_GUARDED_BY(mu_) = 0;  // kProcess: growth beyond resident_, last sampled
   std::uint64_t loads_ ABSL_GUARDED_BY(mu_) = 0, evictions_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t bytes_loaded_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t load_ns_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1,0 +1,86 @@
+// What an on-demand budget bounds (SessionOptions::MemoryMeasure): the loaded blocks' footprints,
+// or also what the process grew by beyond them (kProcess), read through the resident set's probe.
+#include "test_util.hpp"
+
+#include <blockflow/core/detail/resident_set.hpp>
+
+#include <future>
+
+using namespace blockflow;
+using blockflow::detail::ResidentSet;
+
+namespace {
+
+constexpr std::int64_t kMB = 1 << 20;
+
+// Three blocks of 10 MB each under a budget of 30 MB; `rss` is what the probe reads.
+struct ThreeBlocks {
+  std::atomic<std::int64_t> rss{1000 * kMB};
+  ResidentSet set;
+  int a, b, c;
+  explicit ThreeBlocks(bool process)
+      : set(30 * kMB, [this] { return rss.load(); }, std::nullopt, process),
+        a(add("a")), b(add("b")), c(add("c")) {}
+  int add(const std::string& name) {
+    return set.add(name, 10 * kMB, [name]() -> absl::StatusOr<std::shared_ptr<Block>> {
+      return test::unary(name, [](const Tensor& x) { return x; });
+    }, [] { return false; });
+  }
+  void use(int id) {
+    auto hold = set.hold(id);
+    REQUIRE(hold.ok());
+  }
+  std::vector<bool> resident() const { return {set.state(a).resident, set.state(b).resident, set.state(c).resident}; }
+};
+
+}  // namespace
+
+TEST_CASE("kBlocks: the loaded blocks' footprints fill the budget, whatever the process holds beside them", "[memory]") {
+  ThreeBlocks t(/*process=*/false);
+  t.use(t.a);
+  t.use(t.b);
+  t.rss = t.rss + 20 * kMB + 12 * kMB;  // the two blocks, and 12 MB that none accounts for
+  t.use(t.c);                           // 30 MB of footprints: room for it
+  CHECK(t.resident() == std::vector<bool>{true, true, true});
+  CHECK(t.set.totals().evictions == 0);
+  CHECK(t.set.totals().unaccounted_bytes == 0);
+}
+
+TEST_CASE("kProcess: what the process grew by beyond the blocks takes room too; idle blocks go, least recently used first",
+          "[memory]") {
+  ThreeBlocks t(/*process=*/true);
+  t.use(t.a);
+  t.use(t.b);
+  t.rss = t.rss + 20 * kMB + 12 * kMB;
+  // c needs 10 MB: 30 - 20 loaded - 12 unaccounted leaves -2; unloading a (8) is not enough, b too (18) is.
+  t.use(t.c);
+  CHECK(t.resident() == std::vector<bool>{false, false, true});
+  CHECK(t.set.totals().evictions == 2);
+  CHECK(t.set.totals().unaccounted_bytes == 12 * kMB);
+  CHECK(t.set.totals().resident_bytes == 10 * kMB);
+}
+
+TEST_CASE("kProcess: growth that no unload can free is never a reason to wait; the block loads all the same",
+          "[memory]") {
+  ThreeBlocks t(/*process=*/true);
+  t.use(t.a);
+  t.rss = t.rss + 10 * kMB + 25 * kMB;  // 25 MB unaccounted: with every idle block gone, 5 MB of room
+  auto loaded = std::async(std::launch::async, [&] {
+    auto hold = t.set.hold(t.b);
+    return hold.ok();
+  });
+  REQUIRE(loaded.wait_for(std::chrono::seconds(10)) == std::future_status::ready);
+  CHECK(loaded.get());
+  CHECK(t.resident() == std::vector<bool>{false, true, false});  // a went first, all the same
+  CHECK(t.set.totals().evictions == 1);
+}
+
+TEST_CASE("kProcess: a running block is still never unloaded for it", "[memory]") {
+  ThreeBlocks t(/*process=*/true);
+  auto running = t.set.hold(t.a);  // held: running
+  REQUIRE(running.ok());
+  t.use(t.b);
+  t.rss = t.rss + 20 * kMB + 5 * kMB;
+  t.use(t.c);  // 30 - 20 - 5 < 10: b (idle) goes; a (running) stays
+  CHECK(t.resident() == std::vector<bool>{true, false, true});
+}
