@@ -35,6 +35,7 @@
 #include <nlohmann/json.hpp>
 
 #include <atomic>
+#include <fstream>
 #include <map>
 #include <sstream>
 #include <thread>
@@ -44,6 +45,21 @@ namespace bf = blockflow;
 namespace {
 
 std::int64_t rss_bytes() { return bf::sample_process().rss_bytes; }
+
+// The kernel's exact peak of this process's resident memory (VmHWM), and its reset (clear_refs 5):
+// what 100 ms sampling may miss, such as a build's copies of its weights for a few milliseconds.
+std::int64_t peak_rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+bool reset_peak_rss() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  return static_cast<bool>(clear.flush());
+}
 
 }  // namespace
 
@@ -121,6 +137,8 @@ int main(int argc, char** argv) try {
   // start()'s builds (each block's first load: deserialising, freezing and optimising make copies
   // of its weights for a moment) apart from what serving takes.
   const std::int64_t max_rss_start = std::max(max_rss.exchange(rss_bytes()), rss_bytes());
+  const std::int64_t peak_start = peak_rss_bytes();
+  const bool peak_reset = reset_peak_rss();
   for (const auto& task : tasks) (void)session.submit(task, x).get();  // warm-up round, not measured
   const auto warm = session.metrics();
   std::vector<double> e2e;
@@ -137,6 +155,7 @@ int main(int argc, char** argv) try {
     load_ms += r.trace.load_ms();
   }
   const auto m = session.metrics();
+  const std::int64_t peak_serving = peak_reset ? peak_rss_bytes() : 0;
   stop_sampler();
   session.shutdown();
 
@@ -173,6 +192,9 @@ int main(int argc, char** argv) try {
       {"max_rss_mb", round1(static_cast<double>(max_rss.load()) / 1048576.0)},
       {"max_blocks_rss_mb", round1(static_cast<double>(max_rss.load() - rss_before) / 1048576.0)},
       {"max_blocks_rss_start_mb", round1(static_cast<double>(max_rss_start - rss_before) / 1048576.0)},
+      // The exact peaks over the same RSS (VmHWM; the serving one 0 where it could not be reset).
+      {"peak_blocks_rss_start_mb", round1(static_cast<double>(peak_start - rss_before) / 1048576.0)},
+      {"peak_blocks_rss_mb", peak_reset ? round1(static_cast<double>(peak_serving - rss_before) / 1048576.0) : 0.0},
       {"requests", requests},
       {"failed", failed},
       {"p50_ms", round1(bf::bench::percentile(e2e, 0.5))},

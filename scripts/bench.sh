@@ -221,15 +221,18 @@ for (swap, prefetch, measure), runs in budgeted.items():
     p50_b, p99_b = med(runs, "p50_ms"), med(runs, "p99_ms")
     max_blocks = max(r["max_blocks_rss_mb"] for r in runs)  # while serving; start()'s builds apart
     max_start = max(r["max_blocks_rss_start_mb"] for r in runs)
+    peak, peak_start = max(r["peak_blocks_rss_mb"] for r in runs), max(r["peak_blocks_rss_start_mb"] for r in runs)
     floor = round(p50_u + med(runs, "load_ms_per_request"), 1)
     print(json.dumps({"bench": "memory_budget_summary", "budget_mb": budget, "blocks_total_mb": unlimited[0]["blocks_total_mb"],
                       "budget_fraction": float(fraction), "max_blocks_rss_mb": max_blocks,
                       "max_rss_over_budget": round(max_blocks / budget, 3), "working_mb_unlimited": working,
                       "max_blocks_rss_start_mb": max_start, "max_rss_start_over_budget": round(max_start / budget, 3),
+                      "peak_blocks_rss_mb": peak, "peak_over_budget": round(peak / budget, 3),
+                      "peak_blocks_rss_start_mb": peak_start,
                       "max_rss_over_budget_plus_working": round(max_blocks / (budget + working), 3),
                       "rss_floor_mb": rss_floor, "rss_floor_budget_mb": largest,
                       "rss_floor_over_budget": round(rss_floor / budget, 3),
-                      "failed": sum(r["failed"] for r in runs + unlimited + floor_runs),
+                      "failed_all_runs": sum(r["failed"] for r in runs + unlimited + floor_runs),
                       "p50_ms": p50_b, "p50_ms_unlimited": p50_u, "p99_ms": p99_b, "p99_ms_unlimited": p99_u,
                       "p99_over_unlimited": round(p99_b / p99_u, 2), "loads": med(runs, "loads"),
                       "evictions": med(runs, "evictions"), "ms_per_load": med(runs, "ms_per_load"),

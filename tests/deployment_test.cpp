@@ -257,6 +257,8 @@ TEST_CASE("sites' settings: memory budget, policy and measure, lanes; read for t
   CHECK_THAT(with_sites(R"({"w1": {"memory": {"policy": "lru"}}})"), Contains("memory.policy must be \"admit\" or \"on_demand\""));
   CHECK_THAT(with_sites(R"({"w1": {"memory": {"size": 1}}})"), Contains("unknown field 'memory.size' (budget, policy, measure)"));
   CHECK_THAT(with_sites(R"({"w1": {"memory": {"measure": "rss"}}})"), Contains("memory.measure must be \"blocks\" or \"process\""));
+  CHECK_THAT(with_sites(R"({"w1": {"memory": {"budget": 1048576, "measure": "process"}}})"),
+             Contains("memory.measure applies to memory.policy \"on_demand\" only"));
   CHECK_THAT(with_sites(R"({"w1": {"threads": 1}})"), Contains("site 'w1': unknown field 'threads' (memory, lanes)"));
   CHECK_THAT(with_sites(R"({"w1": {"lanes": "two"}})"), Contains("\"lanes\" must be an integer"));
   CHECK_THAT(with_sites(R"(["w1"])"), Contains("\"sites\" must be an object"));

@@ -5,6 +5,7 @@
 #include <blockflow/core/detail/resident_set.hpp>
 
 #include <future>
+#include <map>
 
 using namespace blockflow;
 using blockflow::detail::ResidentSet;
@@ -16,15 +17,17 @@ constexpr std::int64_t kMB = 1 << 20;
 // Three blocks of 10 MB each under a budget of 30 MB; `rss` is what the probe reads.
 struct ThreeBlocks {
   std::atomic<std::int64_t> rss{1000 * kMB};
+  std::map<std::string, std::atomic<bool>> queued;  // requests wait for the block
   ResidentSet set;
   int a, b, c;
   explicit ThreeBlocks(bool process)
-      : set(30 * kMB, [this] { return rss.load(); }, std::nullopt, process),
+      : queued(), set(30 * kMB, [this] { return rss.load(); }, std::nullopt, process),
         a(add("a")), b(add("b")), c(add("c")) {}
   int add(const std::string& name) {
+    queued[name] = false;
     return set.add(name, 10 * kMB, [name]() -> absl::StatusOr<std::shared_ptr<Block>> {
       return test::unary(name, [](const Tensor& x) { return x; });
-    }, [] { return false; });
+    }, [this, name] { return queued.at(name).load(); });
   }
   void use(int id) {
     auto hold = set.hold(id);
@@ -69,6 +72,10 @@ TEST_CASE("kProcess: growth that no unload can free is never a reason to wait; t
     auto hold = t.set.hold(t.b);
     return hold.ok();
   });
+  struct Unblock {  // should hold() wait on the growth, end that wait (the future's end joins it)
+    ThreeBlocks& t;
+    ~Unblock() { t.rss = 0; }
+  } unblock{t};
   REQUIRE(loaded.wait_for(std::chrono::seconds(10)) == std::future_status::ready);
   CHECK(loaded.get());
   CHECK(t.resident() == std::vector<bool>{false, true, false});  // a went first, all the same
@@ -83,4 +90,29 @@ TEST_CASE("kProcess: a running block is still never unloaded for it", "[memory]"
   t.rss = t.rss + 20 * kMB + 5 * kMB;
   t.use(t.c);  // 30 - 20 - 5 < 10: b (idle) goes; a (running) stays
   CHECK(t.resident() == std::vector<bool>{true, false, true});
+}
+
+TEST_CASE("kProcess: a block with requests queued is not unloaded for the growth, only for the footprints", "[memory]") {
+  ThreeBlocks t(/*process=*/true);
+  t.use(t.a);
+  t.use(t.b);
+  t.queued["b"] = true;  // requests wait for b
+  t.rss = t.rss + 20 * kMB + 12 * kMB;
+  t.use(t.c);  // the footprints fit (30 MB); for the growth a (idle) goes, b (queued) stays
+  CHECK(t.resident() == std::vector<bool>{false, true, true});
+  CHECK(t.set.totals().evictions == 1);
+}
+
+TEST_CASE("kProcess: a prefetch loads only when idle blocks make room for the growth too; else nothing moves", "[memory]") {
+  ThreeBlocks t(/*process=*/true);
+  t.use(t.a);
+  t.use(t.b);
+  t.rss = t.rss + 20 * kMB + 25 * kMB;  // unloading a and b would leave 5 MB of room: not enough
+  t.set.prefetch(t.c, {});
+  CHECK(t.resident() == std::vector<bool>{true, true, false});
+  CHECK(t.set.totals().evictions == 0);
+  t.rss = t.rss - 20 * kMB;  // 5 MB unaccounted: unloading a makes the room
+  t.set.prefetch(t.c, {});
+  CHECK(t.resident() == std::vector<bool>{false, true, true});
+  CHECK(t.set.totals().prefetches == 1);
 }

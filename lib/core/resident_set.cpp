@@ -105,7 +105,8 @@ bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloa
   std::int64_t free = budget_ - resident_;
   // kProcess: what the process grew by beyond the loaded blocks' footprints takes room too. Only
   // idle blocks are unloaded for it: it is never a reason to wait (see the loop's end).
-  if (process_) unaccounted_ = std::max<std::int64_t>(0, probe_() - baseline_ - resident_);
+  // Blocks being paged out or freed (finish()) still hold their memory: not growth.
+  if (process_) unaccounted_ = std::max<std::int64_t>(0, probe_() - baseline_ - resident_ - unloading_);
   const std::int64_t unaccounted = process_ ? unaccounted_ : 0;
   if (need <= free - unaccounted) return true;
   struct Candidate {
@@ -126,10 +127,21 @@ bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloa
     return a.entry->last_use_ns < b.entry->last_use_ns;
   });
   std::size_t taken = 0;
-  while (free - unaccounted < need && taken < candidates.size()) free += candidates[taken++].entry->footprint;
+  while (free < need && taken < candidates.size()) free += candidates[taken++].entry->footprint;
   if (free < need) return false;  // running blocks hold the rest: wait for one to finish
-  // Every idle block taken and the process's growth still leaves too little room: the block loads
-  // all the same (it fits the budget by the footprints); waiting would not shrink that growth.
+  // kProcess: for the growth, more idle blocks only (never one with requests queued). A prefetch
+  // loads only if that makes the room; otherwise, every idle block taken, the block loads all the
+  // same (it fits the budget by the footprints): waiting would not shrink that growth.
+  if (free - unaccounted < need) {
+    std::size_t more = taken;
+    std::int64_t could = free;
+    while (could - unaccounted < need && more < candidates.size() && !candidates[more].queued) {
+      could += candidates[more++].entry->footprint;
+    }
+    if (keep != nullptr && could - unaccounted < need) return false;
+    taken = more;
+    free = could;
+  }
   for (std::size_t i = 0; i < taken; ++i) {
     Entry& e = *candidates[i].entry;
     if (e.swap) {  // kept, its weights paged out by finish()
@@ -141,6 +153,8 @@ bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloa
     }
     e.block = nullptr;
     resident_ -= e.footprint;
+    unloading_ += e.footprint;
+    unloaded.bytes += e.footprint;
     ++e.evictions;
     ++evictions_;
   }
@@ -315,6 +329,10 @@ void ResidentSet::finish(Evicted& evicted) {
     }
   }
   free_blocks(evicted.freed);
+  if (evicted.bytes != 0) {
+    MutexLock lock(&mu_);
+    unloading_ -= std::exchange(evicted.bytes, 0);
+  }
 }
 
 void ResidentSet::release(int id) {

@@ -296,6 +296,9 @@ absl::StatusOr<std::vector<SiteSettings>> sites_from_json(const nlohmann::json& 
           }
         }
         if (s.memory_policy == "on_demand" && s.memory_budget <= 0) return bad("memory.policy \"on_demand\" needs memory.budget above 0");
+        if (!s.memory_measure.empty() && s.memory_policy != "on_demand") {
+          return bad("memory.measure applies to memory.policy \"on_demand\" only");
+        }
       } else {
         return bad(fmt::format("unknown field '{}' (memory, lanes)", key));
       }

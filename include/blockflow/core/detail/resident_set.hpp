@@ -116,6 +116,7 @@ class ResidentSet {
   struct Evicted {
     std::vector<std::shared_ptr<Block>> freed;
     std::vector<Entry*> parking;
+    std::int64_t bytes = 0;  // their footprints (in unloading_ until finished)
   };
   void finish(Evicted& evicted);
   void release(int id);
@@ -139,6 +140,7 @@ class ResidentSet {
   std::vector<std::unique_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
   std::int64_t resident_ ABSL_GUARDED_BY(mu_) = 0;  // footprints of loaded blocks and of loads under way
   std::int64_t unaccounted_ ABSL_GUARDED_BY(mu_) = 0;  // kProcess: growth beyond resident_, last sampled
+  std::int64_t unloading_ ABSL_GUARDED_BY(mu_) = 0;    // footprints of unloads not finished yet
   std::uint64_t loads_ ABSL_GUARDED_BY(mu_) = 0, evictions_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t bytes_loaded_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t load_ns_ ABSL_GUARDED_BY(mu_) = 0;
