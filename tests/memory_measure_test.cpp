@@ -10,9 +10,9 @@
 using namespace blockflow;
 using blockflow::detail::ResidentSet;
 
-namespace {
+using blockflow::test::kMB;
 
-constexpr std::int64_t kMB = 1 << 20;
+namespace {
 
 // Three blocks of 10 MB each under a budget of 30 MB; `rss` is what the probe reads.
 struct ThreeBlocks {
