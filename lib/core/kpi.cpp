@@ -5,12 +5,14 @@
 #include <fmt/format.h>
 
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdio>
 #include <ctime>
 #include <fstream>
 #include <mutex>
@@ -43,13 +45,21 @@ double process_age_seconds() {
   return std::max(0.0, static_cast<double>(now.tv_sec) + static_cast<double>(now.tv_nsec) / 1e9 - started);
 }
 
+std::int64_t process_rss_bytes() {
+  const int fd = ::open("/proc/self/statm", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  char text[128] = {};
+  const ssize_t n = ::read(fd, text, sizeof text - 1);
+  ::close(fd);
+  long long size = 0, resident = 0;
+  if (n <= 0 || std::sscanf(text, "%lld %lld", &size, &resident) != 2) return 0;
+  static const long page = ::sysconf(_SC_PAGESIZE);
+  return static_cast<std::int64_t>(resident) * page;
+}
+
 ProcessSample sample_process() {
   ProcessSample s;
-  {
-    std::ifstream statm("/proc/self/statm");
-    std::int64_t size = 0, resident = 0;
-    if (statm >> size >> resident) s.rss_bytes = resident * ::sysconf(_SC_PAGESIZE);
-  }
+  s.rss_bytes = process_rss_bytes();
   {
     // After the name: state(3) ... utime(14) stime(15) ... num_threads(20); f[0] is field 3.
     const auto f = self_stat_fields();

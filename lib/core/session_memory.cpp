@@ -17,12 +17,10 @@
 #include <c10/core/InferenceMode.h>
 #include <fmt/format.h>
 
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -38,22 +36,6 @@ constexpr double kMisprofiled = 0.20;  // measured growth this far from the prof
 std::string site_label(const std::string& site) {
   return site == kThreads ? std::string("the session's threads") : fmt::format("site '{}'", site);
 }
-
-// This process's resident memory: /proc/self/statm's second field (resident pages), read with one
-// read(2) into a fixed buffer. The resident set calls it at every load decision, under its lock
-// (SessionOptions::MemoryMeasure::kProcess): no streams, no per-thread /proc walk.
-std::int64_t process_rss_bytes() {
-  const int fd = ::open("/proc/self/statm", O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return sample_process().rss_bytes;
-  char text[128] = {};
-  const ssize_t n = ::read(fd, text, sizeof text - 1);
-  ::close(fd);
-  long long size = 0, resident = 0;
-  if (n <= 0 || std::sscanf(text, "%lld %lld", &size, &resident) != 2) return sample_process().rss_bytes;
-  static const long page = ::sysconf(_SC_PAGESIZE);
-  return static_cast<std::int64_t>(resident) * page;
-}
-
 
 }  // namespace
 

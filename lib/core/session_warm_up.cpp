@@ -160,9 +160,11 @@ absl::Status SessionCore::warm_up_block(BlockRuntime& runtime, unsigned layouts,
         if (one_thread && options_.warm_up_threads > 1) lanes_->with_at_most(1, run_once);
       } else if (runs == WarmUpRuns::kAll) {
         lanes_->for_each_width(run_once, one_thread);
+      } else if (last) {
+        lanes_->for_each_width(run_once, /*one_thread=*/false);
+      } else if (one_thread) {
+        run_once();
       }
-      else if (last) lanes_->for_each_width(run_once, /*one_thread=*/false);
-      else if (one_thread) run_once();
     }
     if (!status.ok()) return with_prefix(status, "warm-up failed");
   }

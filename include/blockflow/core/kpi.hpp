@@ -63,6 +63,9 @@ struct KpiSample {
 
 /// @brief Reads /proc/self now (cpu_utilisation is left 0: it needs two samples).
 ProcessSample sample_process();
+/// @brief This process's resident set in bytes (ProcessSample::rss_bytes alone): one read(2) of
+/// /proc/self/statm, cheap enough for every load decision of a memory budget. 0 if unreadable.
+std::int64_t process_rss_bytes();
 /// @brief Seconds since this process started (/proc/self/stat; the kernel's clock-tick resolution,
 /// 10 ms on Debian).
 double process_age_seconds();
