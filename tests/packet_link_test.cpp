@@ -1,10 +1,9 @@
 // The zero-copy channels' data link (detail/packet_link.hpp): packets cross whole whatever the
 // number of sending threads, malformed packets are rejected naming the problem, a closed peer is
-// seen, and the listener tells who connected; the release protocol every zero-copy link speaks.
+// seen, and the listener tells who connected.
 #include <blockflow/channel/detail/packet_link.hpp>
 #include <blockflow/channel/detail/runtime_dir.hpp>
 #include <blockflow/channel/detail/tensor_codec.hpp>
-#include <blockflow/channel/detail/zero_copy_ends.hpp>
 
 #include <ATen/ATen.h>
 
@@ -148,59 +147,4 @@ TEST_CASE("the listener names the connecting process; a missing path is named", 
   CHECK_THAT(std::string(missing.status().message()), Contains("nothing-here"));
   listener->reset();
   remove_private_dir(*dir);
-}
-
-TEST_CASE("the release protocol: handles go back in packets of at most kReleasesPerMessage; the producer frees each once",
-          "[link]") {
-  ShmPoolOptions pools;
-  pools.min_slot_bytes = 4096;
-  pools.slots_per_pool = kReleasesPerMessage + 8;  // one pool: every handle below leases a slot of it
-  pools.max_total_bytes = std::size_t{64} << 20;
-  ZeroCopyEnds ends(pools, false);
-  const auto allocate = make_shm_allocator(ends.host_pool(), absl::ZeroDuration());
-  const ShmStager stage = ends.stager(absl::ZeroDuration());
-  std::vector<wire::ShmHandle> handles;
-  for (std::size_t i = 0; i < kReleasesPerMessage + 5; ++i) {
-    auto t = allocate({16}, at::kFloat);
-    REQUIRE(t.ok());
-    auto h = stage(*t);  // our own slot: shared as it lies, leased until the consumer releases it
-    REQUIRE(h.ok());
-    handles.push_back(*h);
-  }
-  REQUIRE(ends.host_stats().slots_in_use == handles.size());
-
-  auto pair = PacketLink::pair();
-  REQUIRE(pair.ok());
-  auto& [consumer, producer] = *pair;
-  CHECK(send_releases(*consumer, handles) == handles.size());
-  std::vector<std::size_t> per_packet;
-  while (per_packet.size() < 2) {
-    auto received = producer->receive(1000);
-    REQUIRE(received.has_value());
-    REQUIRE(received->frames.ok());
-    auto message = decode_message(std::move(*received->frames));
-    REQUIRE(message.ok());
-    CHECK(message->header.kind == wire::MessageKind::kRelease);
-    per_packet.push_back(message->header.message.size() / wire::kShmHandleBytes);
-    CHECK(ends.take_releases(message->header).ok());
-  }
-  CHECK(per_packet == std::vector<std::size_t>{kReleasesPerMessage, 5});
-  CHECK(ends.host_stats().slots_in_use == 0);
-  CHECK(ends.host_stats().releases == handles.size());
-
-  // The same handles again are stale: counted, nothing freed twice.
-  CHECK(ends.take_releases(release_message(handles.data(), 3)).ok());
-  CHECK(ends.host_stats().stale_releases == 3);
-  // Not whole handles, or not a release: refused, named.
-  wire::Header torn = release_message(handles.data(), 1);
-  torn.message.pop_back();
-  CHECK(ends.take_releases(torn).code() == absl::StatusCode::kInvalidArgument);
-  CHECK_THAT(std::string(ends.take_releases(torn).message()), Contains("whole number"));
-  wire::Header data;
-  data.kind = wire::MessageKind::kData;
-  CHECK(ends.take_releases(data).code() == absl::StatusCode::kInvalidArgument);
-
-  // A link whose peer has gone takes nothing: the caller keeps every handle.
-  producer.reset();
-  CHECK(send_releases(*consumer, handles) == 0);
 }

@@ -1,6 +1,6 @@
 // shm:// and cuda:// ends: tensors cross as handles to the sender's shared-memory slots (and, over
 // cuda://, to its CUDA allocations) over a SEQPACKET data link: the machinery of a worker's "shm"
-// and "cuda" channels, zero_copy_ends.hpp and packet_link.hpp, with no session around it. The
+// and "cuda" channels (zero_copy_link.hpp: one ZeroCopyLink per link), with no session around it. The
 // receiver listens in the channel directory; each sender connects, sends kData packets of handles
 // and reads kRelease packets back; the receiver's tensors are views of the slots (or of the CUDA
 // memory, ordered by the sender's event), and each one's death sends its handle back.
@@ -28,6 +28,7 @@
 #include <blockflow/channel/detail/packet_link.hpp>
 #include <blockflow/channel/detail/tensor_codec.hpp>
 #include <blockflow/channel/detail/zero_copy_ends.hpp>
+#include <blockflow/channel/detail/zero_copy_link.hpp>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -62,9 +63,9 @@ class RelayOrphans {
     static auto* orphans = new RelayOrphans;  // never destroyed: what it holds may live to the end
     return *orphans;
   }
-  void adopt(std::shared_ptr<PacketLink> link, std::shared_ptr<ZeroCopyEnds> ends) {
+  void adopt(std::shared_ptr<ZeroCopyLink> link) {
     MutexLock lock(&mu_);
-    orphans_.push_back({std::move(link), std::move(ends)});
+    orphans_.push_back({std::move(link)});
     if (sweeping_) return;
     sweeping_ = true;
     run_detached_until_done([this] { return sweep(); }, absl::Milliseconds(kSweepMs));  // ends with the last orphan
@@ -84,18 +85,14 @@ class RelayOrphans {
   }
 
   struct Orphan {
-    std::shared_ptr<PacketLink> link;
-    std::shared_ptr<ZeroCopyEnds> ends;
+    std::shared_ptr<ZeroCopyLink> link;
   };
   // Reads the releases that came; true once nothing is held any more or the receiver has gone.
   static bool done(const Orphan& o) {
-    while (auto received = o.link->receive(0)) {
-      if (received->closed) return true;
-      if (!received->frames.ok()) continue;
-      auto message = decode_message(std::move(*received->frames));
-      if (message.ok() && message->header.kind == wire::MessageKind::kRelease) (void)o.ends->take_releases(message->header);
+    for (auto packet = o.link->read(0); packet.kind != ZeroCopyLink::Packet::Kind::kNothing; packet = o.link->read(0)) {
+      if (packet.kind == ZeroCopyLink::Packet::Kind::kClosed) return true;
     }
-    return !o.ends->holds_for_peer();
+    return !o.link->ends().holds_for_peer();
   }
   Mutex mu_;
   std::vector<Orphan> orphans_ ABSL_GUARDED_BY(mu_);
@@ -117,18 +114,17 @@ class ShmSender final : public ProcessChannel {
     close();
     reader_.join();
     ::close(wake_);
-    std::shared_ptr<PacketLink> link;
+    std::shared_ptr<ZeroCopyLink> link;
     {
       MutexLock lock(&mu_);
       link = link_;
     }
-    if (link && ends_->holds_for_peer()) RelayOrphans::get().adopt(link, ends_);
+    if (link && ends_->holds_for_peer()) RelayOrphans::get().adopt(std::move(link));
   }
 
   SendOutcome send(Envelope&& envelope) override {
     const bool wait = options_.full_policy == FullPolicy::kBlock;
     const absl::Time deadline = absl::Now() + (wait ? options_.send_timeout : absl::ZeroDuration());
-    const ShmUnstager unstage = [ends = ends_](const wire::ShmHandle& h) { ends->release(h); };
     absl::Status status;
     while (true) {
       // close() from another thread ends a send that waits, and it never connects again.
@@ -137,7 +133,7 @@ class ShmSender final : public ProcessChannel {
       if (!link.ok()) return refused(std::move(envelope), link.status());
       const ShmStager stager = ends_->stager(std::max(absl::ZeroDuration(), deadline - absl::Now()));
       std::uint64_t copied = 0;
-      status = send_packet(**link, data_header(envelope), envelope.tensors, &copied, &stager, &unstage, wait);
+      status = (*link)->send(data_header(envelope), envelope.tensors, &stager, wait, &copied);
       if (copied > 0) contiguous_copies_.fetch_add(copied);
       if (status.ok()) break;
       if (status.code() != absl::StatusCode::kUnavailable) break;  // not the link: a slot, a dtype...
@@ -159,7 +155,7 @@ class ShmSender final : public ProcessChannel {
 
   void close() override {
     if (closed_.exchange(true)) return;
-    std::shared_ptr<PacketLink> link;
+    std::shared_ptr<ZeroCopyLink> link;
     {
       MutexLock lock(&mu_);
       link = link_;
@@ -215,7 +211,7 @@ class ShmSender final : public ProcessChannel {
   // The current link, or a new one to a receiver that listens now; retried until `deadline`. While
   // the last receiver's end stays open (it stopped reading; its tensors live), no new one: its
   // slots come back one by one, or all at once when that end closes.
-  absl::StatusOr<std::shared_ptr<PacketLink>> ensure_link(absl::Time deadline) {
+  absl::StatusOr<std::shared_ptr<ZeroCopyLink>> ensure_link(absl::Time deadline) {
     while (true) {
       bool retiring = false;
       {
@@ -248,7 +244,7 @@ class ShmSender final : public ProcessChannel {
           ::shutdown((*link)->fd(), SHUT_RDWR);
           return absl::CancelledError(fmt::format("{}: closed", uri_));
         }
-        if (!link_) link_ = *link;
+        if (!link_) link_ = std::make_shared<ZeroCopyLink>(*std::move(link), ends_);
         return link_;
       }
       if (closed_.load()) return absl::CancelledError(fmt::format("{}: closed", uri_));
@@ -274,7 +270,7 @@ class ShmSender final : public ProcessChannel {
 
   // The receiver's end has closed: every slot it held is ours again. Under the lock, so that no
   // handle sent to the next receiver can be taken back by mistake.
-  void drop_link(const std::shared_ptr<PacketLink>& link) {
+  void drop_link(const std::shared_ptr<ZeroCopyLink>& link) {
     {
       MutexLock lock(&mu_);
       if (link_ != link) return;
@@ -287,14 +283,14 @@ class ShmSender final : public ProcessChannel {
 
   // A send found that the receiver no longer reads: no more sends on this link; its releases are
   // still read, until its end closes (drop_link()).
-  void retire(const std::shared_ptr<PacketLink>& link) {
+  void retire(const std::shared_ptr<ZeroCopyLink>& link) {
     MutexLock lock(&mu_);
     if (link_ == link) retiring_ = true;
   }
 
   void read_releases() {
     while (!closed_.load()) {
-      std::shared_ptr<PacketLink> link;
+      std::shared_ptr<ZeroCopyLink> link;
       {
         MutexLock lock(&mu_);
         link = link_;
@@ -303,22 +299,11 @@ class ShmSender final : public ProcessChannel {
       if (link) fds.push_back({link->fd(), POLLIN, 0});
       (void)::poll(fds.data(), fds.size(), link ? kPollMs : 10);  // without a link: until send() makes one
       if (!link || fds[1].revents == 0) continue;
-      auto received = link->receive(0);
-      if (!received) continue;
-      if (received->closed) {
-        drop_link(link);
-        continue;
-      }
-      if (!received->frames.ok()) {
+      auto packet = link->read(0);  // takes the releases; the receiver sends nothing else
+      if (packet.kind == ZeroCopyLink::Packet::Kind::kClosed) drop_link(link);
+      if (packet.kind == ZeroCopyLink::Packet::Kind::kMalformed) {
         noisy_.log(LogLevel::kWarning, fmt::format("{}: malformed packet from the receiver dropped: {}", uri_,
-                                                   std::string(received->frames.status().message())));
-        continue;
-      }
-      auto message = decode_message(std::move(*received->frames));
-      if (!message.ok() || message->header.kind != wire::MessageKind::kRelease) continue;
-      if (auto status = ends_->take_releases(message->header); !status.ok()) {
-        noisy_.log(LogLevel::kWarning, fmt::format("{}: malformed release from the receiver dropped: {}", uri_,
-                                                   std::string(status.message())));
+                                                   std::string(packet.malformed.message())));
       }
     }
   }
@@ -328,7 +313,7 @@ class ShmSender final : public ProcessChannel {
   const std::shared_ptr<ZeroCopyEnds> ends_;
   const int wake_;  // close() wakes the reader
   mutable Mutex mu_;
-  std::shared_ptr<PacketLink> link_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<ZeroCopyLink> link_ ABSL_GUARDED_BY(mu_);
   bool retiring_ ABSL_GUARDED_BY(mu_) = false;  // link_'s receiver no longer reads
   std::atomic<bool> closed_{false};
   std::atomic<std::uint64_t> sent_{0}, contiguous_copies_{0};
@@ -341,15 +326,16 @@ class ShmSender final : public ProcessChannel {
 // a time; others wait their turn until their deadline), so a hand-off costs one wake-up, and none
 // while packets stream (it polls up to `receive_spin` first, as a worker's link does). Packets not
 // yet read wait in the kernel's socket buffers, which push back on senders. Tensor deleters send
-// the releases straight on their link (ReleaseOutbox: never blocking), from whatever thread they
-// die on.
+// the releases straight on their link (ZeroCopyLink's ReleaseOutbox: never blocking), from whatever
+// thread they die on.
 class ShmReceiver final : public ProcessChannel {
  public:
   ShmReceiver(std::string uri, std::unique_ptr<PacketListener> listener, const ProcessChannelOptions& options, bool cuda)
       : uri_(std::move(uri)),
         listener_(std::move(listener)),
         options_(options),
-        cuda_(cuda ? std::make_unique<CudaConsumer>() : nullptr),
+        cuda_(cuda),
+        ends_(std::make_shared<ZeroCopyEnds>(ShmPoolOptions{}, cuda)),  // the senders' memory; our pools stay empty
         probe_(cuda ? listener_->path() + ".probe" : std::string()),
         wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
   ~ShmReceiver() override {
@@ -382,7 +368,7 @@ class ShmReceiver final : public ProcessChannel {
     std::optional<Envelope> newest;
     while (!closed_.load()) {
       for (const auto& s : senders_) {
-        if (s.outbox->pending()) s.outbox->flush();  // releases a full link could not take at once
+        if (s.link) s.link->flush_releases();  // releases a full link could not take at once
       }
       // Everything that is there now: the first envelope found, or with kDropOldest the newest.
       for (std::size_t k = 0; k < senders_.size(); ++k) {
@@ -405,7 +391,9 @@ class ShmReceiver final : public ProcessChannel {
       const absl::Duration left = deadline - absl::Now();
       if (left <= absl::ZeroDuration()) return std::nullopt;
       std::vector<pollfd> fds = {{wake_, POLLIN, 0}, {listener_->fd(), POLLIN, 0}};
-      for (const auto& s : senders_) fds.push_back({s.link->fd(), POLLIN, 0});
+      for (const auto& s : senders_) {
+        if (s.link) fds.push_back({s.link->fd(), POLLIN, 0});
+      }
       (void)::poll(fds.data(), fds.size(), static_cast<int>(std::min<std::int64_t>(kPollMs, absl::ToInt64Milliseconds(left) + 1)));
       if ((fds[1].revents & POLLIN) != 0) accept_senders();
     }
@@ -446,9 +434,7 @@ class ShmReceiver final : public ProcessChannel {
 
  private:
   struct Sender {
-    std::shared_ptr<PacketLink> link;       // null once the sender has gone
-    std::shared_ptr<ReleaseOutbox> outbox;  // every tensor from this sender holds it, and so its link
-    ShmResolver resolver;
+    std::shared_ptr<ZeroCopyLink> link;  // null once the sender has gone (its tensors keep the link open)
   };
 
   void accept_senders() {
@@ -458,10 +444,7 @@ class ShmReceiver final : public ProcessChannel {
                                                    accepted->peer_uid, accepted->peer_pid));
         continue;  // the link closes as `accepted` goes
       }
-      auto outbox = std::make_shared<ReleaseOutbox>(accepted->link);
-      senders_.push_back({accepted->link, outbox, make_zero_copy_resolver(consumer_, cuda_.get(), [outbox](const wire::ShmHandle& h) {
-                            outbox->give(h);  // any thread, CUDA's too
-                          })});
+      senders_.push_back({std::make_shared<ZeroCopyLink>(std::move(accepted->link), ends_)});
     }
     sender_count_.store(senders_.size());
   }
@@ -489,25 +472,21 @@ class ShmReceiver final : public ProcessChannel {
   // The next envelope a sender has sent, if one is there now; a sender that has gone loses its link.
   std::optional<Envelope> take_one(Sender& s) {
     while (s.link) {
-      auto received = s.link->receive(0);
-      if (!received) return std::nullopt;
-      if (received->closed) {
-        s.link.reset();  // its releases have nowhere to go: the sender reclaimed its slots
-        return std::nullopt;
+      auto packet = s.link->read(0);
+      switch (packet.kind) {
+        case ZeroCopyLink::Packet::Kind::kNothing:
+          return std::nullopt;
+        case ZeroCopyLink::Packet::Kind::kClosed:
+          s.link.reset();  // its releases have nowhere to go: the sender reclaimed its slots
+          return std::nullopt;
+        case ZeroCopyLink::Packet::Kind::kMalformed:
+          noisy_.log(LogLevel::kWarning, fmt::format("{}: malformed packet dropped: {}", uri_, std::string(packet.malformed.message())));
+          continue;
+        case ZeroCopyLink::Packet::Kind::kMessage:
+          if (packet.message.header.kind != wire::MessageKind::kData) continue;
+          misaligned_copies_.fetch_add(packet.message.bytes_copied);
+          return envelope_of(std::move(packet.message));
       }
-      if (!received->frames.ok()) {
-        noisy_.log(LogLevel::kWarning,
-                   fmt::format("{}: malformed packet dropped: {}", uri_, std::string(received->frames.status().message())));
-        continue;
-      }
-      auto message = decode_message(std::move(*received->frames), &s.resolver);
-      if (!message.ok()) {
-        noisy_.log(LogLevel::kWarning, fmt::format("{}: malformed message dropped: {}", uri_, std::string(message.status().message())));
-        continue;
-      }
-      if (message->header.kind != wire::MessageKind::kData) continue;
-      misaligned_copies_.fetch_add(message->bytes_copied);
-      return envelope_of(std::move(*message));
     }
     return std::nullopt;
   }
@@ -515,8 +494,8 @@ class ShmReceiver final : public ProcessChannel {
   const std::string uri_;
   std::unique_ptr<PacketListener> listener_;  // until close()
   const ProcessChannelOptions options_;
-  ShmConsumer consumer_;
-  const std::unique_ptr<CudaConsumer> cuda_;  // cuda:// only
+  const bool cuda_;
+  const std::shared_ptr<ZeroCopyEnds> ends_;
   const std::string probe_;                    // cuda:// only: the probe file beside the socket
   const int wake_;
   Mutex close_mu_;

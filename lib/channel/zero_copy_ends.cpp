@@ -4,7 +4,6 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
-#include <thread>
 
 namespace blockflow::detail {
 
@@ -99,96 +98,6 @@ absl::Status ZeroCopyEnds::take_releases(const wire::Header& message) {
   if (!handles.ok()) return handles.status();
   for (const auto& h : *handles) (void)release(h);  // a stale or forged one is counted there
   return absl::OkStatus();
-}
-
-wire::Header release_message(const wire::ShmHandle* first, std::size_t count) {
-  wire::Header h;
-  h.kind = wire::MessageKind::kRelease;
-  h.message = wire::encode_releases({first, first + count});
-  return h;
-}
-
-std::size_t send_releases(PacketLink& link, const std::vector<wire::ShmHandle>& handles) {
-  for (std::size_t at = 0; at < handles.size(); at += kReleasesPerMessage) {
-    const std::size_t n = std::min(handles.size() - at, kReleasesPerMessage);
-    if (!send_packet(link, release_message(handles.data() + at, n), {}).ok()) return at;
-  }
-  return handles.size();
-}
-
-void run_detached_until_done(std::function<bool()> step, absl::Duration period) {
-  std::thread([step = std::move(step), period] {
-    while (step()) absl::SleepFor(period);
-  }).detach();
-}
-
-namespace {
-
-// The outboxes whose releases wait for room, retried every kRetryMs by one thread while any does.
-class OutboxRetries {
- public:
-  static OutboxRetries& get() {
-    static auto* retries = new OutboxRetries;  // never destroyed: its thread may outlive main()
-    return *retries;
-  }
-  void add(std::weak_ptr<ReleaseOutbox> outbox) {
-    blockflow::detail::MutexLock lock(&mu_);
-    waiting_.push_back(std::move(outbox));
-    if (running_) return;
-    running_ = true;
-    run_detached_until_done([this] { return retry(); }, absl::Milliseconds(kRetryMs));
-  }
-
- private:
-  static constexpr int kRetryMs = 2;
-  bool retry() {
-    std::vector<std::weak_ptr<ReleaseOutbox>> now;
-    {
-      blockflow::detail::MutexLock lock(&mu_);
-      now.swap(waiting_);
-    }
-    for (auto& weak : now) {
-      if (auto outbox = weak.lock()) outbox->flush();  // lists itself again if some still wait
-    }
-    blockflow::detail::MutexLock lock(&mu_);
-    running_ = !waiting_.empty();
-    return running_;
-  }
-  blockflow::detail::Mutex mu_;
-  std::vector<std::weak_ptr<ReleaseOutbox>> waiting_ ABSL_GUARDED_BY(mu_);
-  bool running_ ABSL_GUARDED_BY(mu_) = false;
-};
-
-}  // namespace
-
-void ReleaseOutbox::give(const wire::ShmHandle& handle) {
-  blockflow::detail::MutexLock lock(&mu_);
-  waiting_.push_back(handle);
-  send_locked();
-}
-
-void ReleaseOutbox::flush() {
-  retrying_.store(false);
-  blockflow::detail::MutexLock lock(&mu_);
-  send_locked();
-}
-
-void ReleaseOutbox::send_locked() {
-  std::size_t sent = 0;
-  while (sent < waiting_.size()) {
-    const std::size_t n = std::min(waiting_.size() - sent, kReleasesPerMessage);
-    const absl::Status status = send_packet(*link_, release_message(waiting_.data() + sent, n), {}, nullptr, nullptr, nullptr,
-                                            /*wait=*/false);
-    if (status.ok()) {
-      sent += n;
-      continue;
-    }
-    if (status.code() == absl::StatusCode::kUnavailable) sent = waiting_.size();  // the producer is gone
-    break;  // else its queue is full (or this packet failed): they wait for the next try
-  }
-  waiting_.erase(waiting_.begin(), waiting_.begin() + static_cast<std::ptrdiff_t>(sent));
-  waiting_count_.store(waiting_.size(), std::memory_order_relaxed);
-  if (!waiting_.empty() && !retrying_.exchange(true)) OutboxRetries::get().add(weak_from_this());
 }
 
 std::size_t ZeroCopyEnds::reclaim_all() {

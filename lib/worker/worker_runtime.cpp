@@ -10,6 +10,7 @@
 #include <blockflow/channel/detail/slot_allocator.hpp>
 #include <blockflow/worker/worker_site.hpp>
 #include <blockflow/channel/detail/zero_copy_ends.hpp>
+#include <blockflow/channel/detail/zero_copy_link.hpp>
 #include <blockflow/channel/detail/tensor_codec.hpp>
 #include <blockflow/deploy/detail/deployment_json.hpp>
 #include <blockflow/core/detail/log.hpp>
@@ -133,13 +134,12 @@ class Worker {
       bf::detail::ShmPoolOptions pool;
       pool.slots_per_pool = config->value("shm_slots_per_pool", pool.slots_per_pool);
       pool.max_total_bytes = config->value("shm_max_bytes", pool.max_total_bytes);
-      ends_ = std::make_unique<bf::detail::ZeroCopyEnds>(pool, channel == "cuda");
+      ends_ = std::make_shared<bf::detail::ZeroCopyEnds>(pool, channel == "cuda");
       if (config->value("shm_outputs_in_slots", bf::WorkerOptions{}.shm_outputs_in_slots)) {
         bf::detail::install_slot_allocator(ends_->shared_host_pool(), pool.min_slot_bytes / 2);
         outputs_in_slots_ = true;
       }
       stager_ = ends_->stager(absl::Seconds(10));
-      unstage_ = [ends = ends_.get()](const bf::wire::ShmHandle& h) { (void)ends->release(h); };
       // Handles and releases travel on the data link, not on the ZeroMQ data sockets.
       auto link = bf::detail::PacketLink::connect(config->value("data_link", ""));
       if (!link.ok()) {
@@ -147,12 +147,10 @@ class Worker {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let the message leave
         return 1;
       }
-      link_ = *std::move(link);
+      // A request's input that dies here gives its slot back to the host on this link (any thread).
+      link_ = std::make_shared<bf::detail::ZeroCopyLink>(*std::move(link), ends_);
       receive_spin_ = absl::Microseconds(
           config->value("receive_spin_us", absl::ToInt64Microseconds(bf::WorkerOptions{}.receive_spin)));
-      // A request's input died here: give its slot back to the host (through the one sender).
-      resolver_ = ends_->resolver(
-          [replies = replies_](const bf::wire::ShmHandle& h) { replies->push({bf::detail::release_message(&h, 1), {}}); });
     }
     peer_endpoint_ = config->value("peer_endpoint", "");
     if (!peer_endpoint_.empty()) {
@@ -168,7 +166,8 @@ class Worker {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let the message leave
       return 1;
     }
-    std::thread sender([this] { sender_main(); });
+    std::thread sender;  // channel "zmq": the one thread owning the PUSH socket
+    if (!link_) sender = std::thread([this] { sender_main(); });
     std::thread receiver([this] { receiver_main(); });
     send_control({{"type", bf::detail::kLoaded},
                   {"rss_bytes", bf::detail::settled_rss_bytes()},  // as the host's profiles measure
@@ -181,7 +180,7 @@ class Worker {
     receiver.join();
     if (session_) session_->shutdown(absl::Seconds(1));
     replies_->close();
-    sender.join();
+    if (sender.joinable()) sender.join();
     bf::detail::uninstall_slot_allocator();
     return 0;
   }
@@ -341,20 +340,36 @@ class Worker {
     }
   }
 
-  // One message's frames: from the data link (zero-copy channels) or the PULL socket (zmq).
-  std::optional<absl::StatusOr<std::vector<zmq::message_t>>> next_request(zmq::socket_t& pull) {
+  // The next message: from the data link (zero-copy channels; the host's releases are taken there)
+  // or the PULL socket (zmq). `id`: the request a malformed one names, when readable.
+  struct Incoming {
+    std::optional<std::uint64_t> id;
+    absl::StatusOr<bf::detail::DecodedMessage> message;
+  };
+  std::optional<Incoming> next_request() {
     if (link_) {
-      auto received = link_->receive(100, receive_spin_);
-      if (!received) return std::nullopt;
-      if (received->closed) {  // the host is gone: the control loop notices and stops us
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
-        return std::nullopt;
+      auto packet = link_->read(100, receive_spin_, &parked_resolver_);
+      switch (packet.kind) {
+        case bf::detail::ZeroCopyLink::Packet::Kind::kNothing:
+          return std::nullopt;
+        case bf::detail::ZeroCopyLink::Packet::Kind::kClosed:  // the host is gone: the control loop notices and stops us
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+          return std::nullopt;
+        case bf::detail::ZeroCopyLink::Packet::Kind::kMalformed:
+          return Incoming{packet.request_id, std::move(packet.malformed)};
+        case bf::detail::ZeroCopyLink::Packet::Kind::kMessage:
+          return Incoming{std::nullopt, std::move(packet.message)};
       }
-      return std::move(received->frames);
     }
     std::vector<zmq::message_t> frames;
-    if (!zmq::recv_multipart(pull, std::back_inserter(frames))) return std::nullopt;
-    return frames;
+    if (!zmq::recv_multipart(pull_, std::back_inserter(frames))) return std::nullopt;
+    Incoming in;
+    if (!frames.empty()) in.id = bf::wire::peek_request_id(frames[0].data(), frames[0].size());
+    in.message = bf::detail::decode_message(std::move(frames), nullptr, &parked_resolver_);
+    if (in.message.ok() && in.message->header.kind == bf::wire::MessageKind::kRelease) {
+      in.message = absl::InvalidArgumentError("a release on channel 'zmq', which has no shared memory");
+    }
+    return in;
   }
 
   // Channel "zmq": the PULL socket for requests, from the host and (direct edges) from the other
@@ -377,33 +392,19 @@ class Worker {
 
   void receiver_main() {
     while (!stopping_) {
-      auto next = next_request(pull_);
+      forwarded_ids_.clear();  // filled by parked_resolver_ while a kForward is decoded
+      forward_problem_.clear();
+      auto next = next_request();
       if (!next) continue;
       const std::int64_t arrived = now_ns();
-      if (!next->ok()) {
-        noisy_.log(bf::LogLevel::kWarning, fmt::format("worker {}: malformed packet dropped: {}", args_.name,
-                                                       std::string(next->status().message())));
-        continue;
-      }
-      std::vector<zmq::message_t> frames = *std::move(*next);
-      std::optional<std::uint64_t> id;
-      if (!frames.empty()) id = bf::wire::peek_request_id(frames[0].data(), frames[0].size());
-      forwarded_ids_.clear();
-      forward_problem_.clear();
-      auto message = bf::detail::decode_message(std::move(frames), ends_ ? &resolver_ : nullptr, &parked_resolver_);
+      auto& message = next->message;
       if (!message.ok()) {
         noisy_.log(bf::LogLevel::kWarning, fmt::format("worker {}: malformed request frame dropped: {}", args_.name,
                                                        std::string(message.status().message())));
-        if (id) reply({error_header(*id, 0, absl::InvalidArgumentError(fmt::format(
-                                                    "malformed request frame: {}", std::string(message.status().message())))),
-                               {}});
-        continue;
-      }
-      if (message->header.kind == bf::wire::MessageKind::kRelease) {
-        auto status = ends_ ? ends_->take_releases(message->header) : absl::InvalidArgumentError("release without shared memory");
-        if (!status.ok()) {
-          noisy_.log(bf::LogLevel::kWarning, fmt::format("worker {}: bad release message dropped: {}", args_.name,
-                                                         std::string(status.message())));
+        if (next->id) {
+          reply({error_header(*next->id, 0, absl::InvalidArgumentError(fmt::format(
+                                                  "malformed request frame: {}", std::string(message.status().message())))),
+                 {}});
         }
         continue;
       }
@@ -530,7 +531,7 @@ class Worker {
   void reply(Reply&& r) {
     if (!link_) return replies_->push(std::move(r));
     transmit(r, [&](const bf::wire::Header& h, const bf::Tensors& t, const bf::detail::ShmStager* stager) {
-      return bf::detail::send_packet(*link_, h, t, nullptr, stager, &unstage_);
+      return link_->send(h, t, stager);
     });
   }
 
@@ -545,17 +546,14 @@ class Worker {
     }
   }
 
-  // Replies on the zmq channel; releases (queued by tensors' deleters, on any thread) on both.
+  // Channel "zmq": the replies, on the PUSH socket.
   void sender_main() {
     zmq::socket_t push(context_, zmq::socket_type::push);
-    if (!link_) {
-      push.set(zmq::sockopt::linger, 1000);
-      secure(push);
-      push.connect(args_.results);
-    }
+    push.set(zmq::sockopt::linger, 1000);
+    secure(push);
+    push.connect(args_.results);
     while (auto next = replies_->pop()) {
       transmit(*next, [&](const bf::wire::Header& h, const bf::Tensors& t, const bf::detail::ShmStager* stager) {
-        if (link_) return bf::detail::send_packet(*link_, h, t, nullptr, stager, &unstage_);
         auto sent = next->references.empty()
                         ? bf::detail::send_message(push, h, t, zmq::send_flags::none, nullptr, stager)
                         : bf::detail::send_references(push, h, t, next->references);
@@ -589,16 +587,13 @@ class Worker {
   std::uint64_t update_seq_ = 0;
   std::mutex update_mu_;
   std::optional<absl::Status> update_status_;
-  // Shared with the deleters of tensors over the host's slots, which may outlive this object.
-  std::shared_ptr<ReplyQueue> replies_ = std::make_shared<ReplyQueue>();
+  std::shared_ptr<ReplyQueue> replies_ = std::make_shared<ReplyQueue>();  // channel "zmq": for the sender thread
   // The zero-copy channel: results go into our pools, requests are views of the host's.
-  std::unique_ptr<bf::detail::ZeroCopyEnds> ends_;  // channels "shm" and "cuda"
+  std::shared_ptr<bf::detail::ZeroCopyEnds> ends_;  // channels "shm" and "cuda"
   bool outputs_in_slots_ = false;                    // the slot allocator is installed
-  std::shared_ptr<bf::detail::PacketLink> link_;     // their data link (set before the threads start)
+  std::shared_ptr<bf::detail::ZeroCopyLink> link_;   // their data link (set before the threads start)
   absl::Duration receive_spin_;
   bf::detail::ShmStager stager_;
-  bf::detail::ShmUnstager unstage_;  // staged for a reply that was not sent: back to our pool
-  bf::detail::ShmResolver resolver_;
   bf::KpiSampler sampler_;  // off unless the session switches sampling on
   // Direct edges (channel "zmq", a child worker): our endpoint for other workers' requests, the
   // outputs kept for them, and the sockets to them (receiver thread only).

@@ -28,13 +28,11 @@ absl::Status WorkerSite::Impl::resolve_channel() {
     detail::ShmPoolOptions pool;
     pool.slots_per_pool = options.shm_slots_per_pool;
     pool.max_total_bytes = options.shm_max_bytes;
-    ends = std::make_unique<detail::ZeroCopyEnds>(pool, c == "cuda");
+    ends = std::make_shared<detail::ZeroCopyEnds>(pool, c == "cuda");
     // Without a free slot, the target block's full policy decides: kBlock waits for a release (up
     // to 10 s, then the request fails, named), kReject and kDropOldest fail the request at once.
     stager = ends->stager(absl::Seconds(10));
     stager_no_wait = ends->stager(absl::ZeroDuration());
-    resolver = ends->resolver([queue = releases](const wire::ShmHandle& h) { queue->push(h); });
-    unstage = [this](const wire::ShmHandle& h) { (void)ends->release(h); };
   }
   return absl::OkStatus();
 }
@@ -134,7 +132,7 @@ void WorkerSite::run(const std::string& block, Envelope&& envelope) {
   if (s.can_send_now_locked()) {
     // The data link takes any thread's packets: send from here, without waking the sender thread
     // (staging may wait for a credit: run() may block).
-    std::shared_ptr<detail::PacketLink> to;
+    std::shared_ptr<detail::ZeroCopyLink> to;
     const detail::ShmStager* stager = s.admit_locked(next, to);
     lock.unlock();
     s.transmit(std::move(next), stager, to);
@@ -159,7 +157,7 @@ bool WorkerSite::try_run(const std::string& block, Envelope& envelope) {
     }
     envelope.local.reset();  // never crosses the process boundary
     Impl::Outbound next{block, std::move(envelope), std::move(parked)};
-    std::shared_ptr<detail::PacketLink> unused;
+    std::shared_ptr<detail::ZeroCopyLink> unused;
     (void)s.admit_locked(next, unused);
     lock.unlock();
     s.transmit(std::move(next), nullptr, nullptr);
@@ -171,7 +169,7 @@ bool WorkerSite::try_run(const std::string& block, Envelope& envelope) {
   std::unique_lock lock(s.mu);
   if (s.stopping || !s.can_send_now_locked()) return false;
   Impl::Outbound next = Impl::make_outbound(block, std::move(envelope));
-  std::shared_ptr<detail::PacketLink> to;
+  std::shared_ptr<detail::ZeroCopyLink> to;
   const detail::ShmStager* stager = s.admit_locked(next, to);
   lock.unlock();
   s.transmit(std::move(next), stager, to);

@@ -14,6 +14,7 @@
 #include <blockflow/channel/detail/curve_auth.hpp>
 #include <blockflow/channel/detail/runtime_dir.hpp>
 #include <blockflow/channel/detail/zero_copy_ends.hpp>
+#include <blockflow/channel/detail/zero_copy_link.hpp>
 #include <blockflow/channel/detail/tensor_codec.hpp>
 #include <blockflow/observe/detail/metrics_json.hpp>
 #include <blockflow/channel/detail/packet_link.hpp>
@@ -47,23 +48,12 @@
 namespace blockflow {
 namespace detail {
 
-// Handles of the worker's slots whose tensors died here, waiting for the sender to return them.
-// Shared with the tensors' deleters, which may run after the site is gone. Also the sender
-// thread's doorbell: whatever gives the sender work rings it (deleters cannot take the site's
-// mutex, so the sender sleeps on this one), and the sender sleeps until then.
-struct ReleaseQueue {
+// The sender thread's doorbell: whatever gives the sender work rings it (placeholders' deleters
+// cannot take the site's mutex, so the sender sleeps on this one), and the sender sleeps until then.
+struct Doorbell {
   std::mutex mu;
   std::condition_variable rung_cv;
   bool rung = false;
-  std::vector<wire::ShmHandle> handles;
-  void push(const wire::ShmHandle& h) {
-    {
-      std::lock_guard lock(mu);
-      handles.push_back(h);
-      rung = true;
-    }
-    rung_cv.notify_one();
-  }
   void ring() {
     {
       std::lock_guard lock(mu);
@@ -77,14 +67,6 @@ struct ReleaseQueue {
     std::unique_lock lock(mu);
     rung_cv.wait_for(lock, backstop, [&] { return rung; });
     rung = false;
-  }
-  std::vector<wire::ShmHandle> take() {
-    std::lock_guard lock(mu);
-    return std::exchange(handles, {});
-  }
-  void put_back(std::vector<wire::ShmHandle>&& back) {
-    std::lock_guard lock(mu);
-    handles.insert(handles.end(), back.begin(), back.end());
   }
 };
 
@@ -201,7 +183,7 @@ struct WorkerSite::Impl {
   std::uint64_t restarts = 0, failed_requests = 0, malformed = 0, sent = 0, received = 0;
   std::int64_t rss_idle = 0, rss = 0;
   bool loaded = false;              // the worker said "loaded"; ready once its data link is up too
-  std::shared_ptr<detail::PacketLink> link;  // zero-copy channels: the live worker's data link
+  std::shared_ptr<detail::ZeroCopyLink> link;  // zero-copy channels: the live worker's data link
   std::int64_t link_lost_ns = 0;             // when it closed while the worker was still ready
   // A joined worker's death moves push and pull to fresh ports (each by its own thread): a worker
   // declared dead that still holds TCP connections to them (stopped, cut off from the control
@@ -227,12 +209,12 @@ struct WorkerSite::Impl {
   std::vector<std::pair<std::uint64_t, pid_t>> drops;
   std::atomic<bool> drops_pending{false};
   std::uint64_t bytes_copied = 0;
-  // The zero-copy channels ("shm", "cuda"): our pools for requests, the worker's pools mapped here.
-  std::unique_ptr<detail::ZeroCopyEnds> ends;
+  // The zero-copy channels ("shm", "cuda"): our pools for requests, the worker's pools mapped here;
+  // each worker's data link reads and sends through them (a result's tensors, dying here, give
+  // their handles back on the link they came by).
+  std::shared_ptr<detail::ZeroCopyEnds> ends;
   detail::ShmStager stager, stager_no_wait;
-  detail::ShmResolver resolver;
-  detail::ShmUnstager unstage;  // staged for a request that was not sent: back to our pool
-  std::shared_ptr<detail::ReleaseQueue> releases = std::make_shared<detail::ReleaseQueue>();
+  detail::Doorbell doorbell;
   ShmEdgeStats shm_results, cuda_results;
   KpiSample kpi;
   bool sampling = false, sampling_sent = true;  // sampling_sent: the worker has the current setting
@@ -253,7 +235,7 @@ struct WorkerSite::Impl {
   // Wakes whoever waits on `changed` (run(), start(), update()) and the sender thread.
   void wake() {
     changed.notify_all();
-    releases->ring();
+    doorbell.ring();
   }
 
   std::string prefix() const { return fmt::format("worker {}", options.name); }
@@ -269,10 +251,6 @@ struct WorkerSite::Impl {
 
   // With mu held (update() replaces `blocks`).
   const detail::ShmStager* stager_for(const std::string& block) const;
-
-  // Returns the worker's slots whose tensors died here (only to a live worker; one that went away
-  // meanwhile gets them back as reclaimed anyway).
-  void flush_releases();
 
   absl::Status spawn_locked();
   // Marks the site lost for good and takes the session's callback (to call outside mu; once).
@@ -332,11 +310,11 @@ struct WorkerSite::Impl {
 
   // With mu held, for a ready worker with a credit: `next` counts as in flight from now on. Returns
   // its stager (zero-copy channels) and sets `to`, the data link to send it on.
-  const detail::ShmStager* admit_locked(const Outbound& next, std::shared_ptr<detail::PacketLink>& to);
+  const detail::ShmStager* admit_locked(const Outbound& next, std::shared_ptr<detail::ZeroCopyLink>& to);
 
   // Sends one admitted request: on the data link for the zero-copy channels (any thread), else on
   // the PUSH socket (the sender thread only). A request that cannot be sent fails, named.
-  void transmit(Outbound&& next, const detail::ShmStager* stager, const std::shared_ptr<detail::PacketLink>& to);
+  void transmit(Outbound&& next, const detail::ShmStager* stager, const std::shared_ptr<detail::ZeroCopyLink>& to);
 
   // Direct edges: our request's input is parked in `owner`'s worker: that site tells its worker to
   // send it to ours (kForward). Any thread (the owner's sender thread does the sending).
@@ -348,9 +326,9 @@ struct WorkerSite::Impl {
 
   void receiver_main();
 
-  // Zero-copy channels: waits up to 100 ms for the worker's connection or a packet from it. True
-  // with a packet's frames; a malformed packet is counted and dropped here.
-  bool receive_from_link(std::vector<zmq::message_t>& frames);
+  // Zero-copy channels: waits up to 100 ms for the worker's connection or a packet from it, and
+  // delivers a result; a malformed packet is counted and dropped (on_malformed()).
+  void receive_from_link();
 
   // The live worker's data link; a connection from any other process is refused (and counted).
   void accept_link();

@@ -43,48 +43,50 @@ void WorkerSite::Impl::receiver_main() {
       std::lock_guard lock(mu);
       if (stopping) return;
     }
-    std::vector<zmq::message_t> frames;
     if (listener) {
-      if (!receive_from_link(frames)) continue;
-    } else {
-      if (joined()) move_data_socket(pull, result_endpoint, pull_epoch);
-      if (!zmq::recv_multipart(pull, std::back_inserter(frames))) continue;  // timeout
+      receive_from_link();
+      continue;
     }
+    if (joined()) move_data_socket(pull, result_endpoint, pull_epoch);
+    std::vector<zmq::message_t> frames;
+    if (!zmq::recv_multipart(pull, std::back_inserter(frames))) continue;  // timeout
     handle_frames(std::move(frames));
   }
 }
 
-bool WorkerSite::Impl::receive_from_link(std::vector<zmq::message_t>& frames) {
-  std::shared_ptr<detail::PacketLink> current;
+void WorkerSite::Impl::receive_from_link() {
+  std::shared_ptr<detail::ZeroCopyLink> current;
   {
     std::lock_guard lock(mu);
     current = link;
   }
   // A packet now, or within the spin; else sleep on both the link and the listener.
-  std::optional<detail::PacketLink::Received> received;
-  if (current) received = current->receive(0, options.receive_spin);
-  if (!received) {
+  using Kind = detail::ZeroCopyLink::Packet::Kind;
+  detail::ZeroCopyLink::Packet packet;
+  if (current) packet = current->read(0, options.receive_spin, peer.empty() ? nullptr : &parked_resolver);
+  if (packet.kind == Kind::kNothing) {
     pollfd items[2] = {{listener->fd(), POLLIN, 0}, {current ? current->fd() : -1, POLLIN, 0}};
-    if (::poll(items, 2, 100) <= 0) return false;
+    if (::poll(items, 2, 100) <= 0) return;
     if ((items[0].revents & POLLIN) != 0) accept_link();
-    if (!current || items[1].revents == 0) return false;
-    received = current->receive(0);
+    if (!current || items[1].revents == 0) return;
+    packet = current->read(0, absl::ZeroDuration(), peer.empty() ? nullptr : &parked_resolver);
   }
-  if (!received) return false;
-  if (received->closed) {  // the worker is going away; supervision tells how (or kills it)
-    std::lock_guard lock(mu);
-    if (link == current) {
-      link.reset();
-      link_lost_ns = detail::now_ns();
+  switch (packet.kind) {
+    case Kind::kNothing:
+      return;
+    case Kind::kClosed: {  // the worker is going away; supervision tells how (or kills it)
+      std::lock_guard lock(mu);
+      if (link == current) {
+        link.reset();
+        link_lost_ns = detail::now_ns();
+      }
+      return;
     }
-    return false;
+    case Kind::kMalformed:
+      return on_malformed(packet.request_id, packet.malformed);
+    case Kind::kMessage:
+      return deliver(std::move(packet.message));
   }
-  if (!received->frames.ok()) {
-    on_malformed(std::nullopt, received->frames.status());
-    return false;
-  }
-  frames = *std::move(received->frames);
-  return true;
 }
 
 void WorkerSite::Impl::accept_link() {
@@ -98,7 +100,7 @@ void WorkerSite::Impl::accept_link() {
                                                  prefix(), accepted->peer_pid, expected));
       continue;
     }
-    link = std::move(accepted->link);
+    link = std::make_shared<detail::ZeroCopyLink>(std::move(accepted->link), ends);
     become_ready_locked();
     lock.unlock();
     wake();
@@ -108,12 +110,10 @@ void WorkerSite::Impl::accept_link() {
 void WorkerSite::Impl::handle_frames(std::vector<zmq::message_t>&& frames) {
   std::optional<std::uint64_t> id;
   if (!frames.empty()) id = wire::peek_request_id(frames[0].data(), frames[0].size());
-  auto decoded = detail::decode_message(std::move(frames), shm() ? &resolver : nullptr, peer.empty() ? nullptr : &parked_resolver);
+  auto decoded = detail::decode_message(std::move(frames), nullptr, peer.empty() ? nullptr : &parked_resolver);
   if (!decoded.ok()) return on_malformed(id, decoded.status());
   if (decoded->header.kind == wire::MessageKind::kRelease) {
-    auto status = ends ? ends->take_releases(decoded->header) : absl::InvalidArgumentError("release without shared memory");
-    if (!status.ok()) on_malformed(std::nullopt, status);
-    return;
+    return on_malformed(std::nullopt, absl::InvalidArgumentError("a release on channel 'zmq', which has no shared memory"));
   }
   deliver(std::move(*decoded));
 }

@@ -4,20 +4,6 @@
 
 namespace blockflow {
 
-void WorkerSite::Impl::flush_releases() {
-  if (!shm()) return;
-  std::shared_ptr<detail::PacketLink> to;
-  {
-    std::lock_guard lock(mu);
-    if (state != State::kReady) return;
-    to = link;
-  }
-  if (!to) return;  // the worker's end closed; supervision is about to see it (its slots are reclaimed)
-  std::vector<wire::ShmHandle> all = releases->take();
-  const std::size_t sent = detail::send_releases(*to, all);
-  if (sent < all.size()) releases->put_back({all.begin() + static_cast<std::ptrdiff_t>(sent), all.end()});
-}
-
 void WorkerSite::Impl::fail_forwarded(const std::vector<std::pair<Key, std::weak_ptr<Impl>>>& forwarded, const absl::Status& why) {
   for (const auto& [key, consumer] : forwarded) {
     if (auto c = consumer.lock()) {
@@ -154,10 +140,9 @@ void WorkerSite::Impl::sender_main() {
   name_thread("snd");
   while (true) {
     if (joined()) move_data_socket(push, request_endpoint, push_epoch);
-    flush_releases();
     Outbound next;
     const detail::ShmStager* stager_of_next = nullptr;
-    std::shared_ptr<detail::PacketLink> to;
+    std::shared_ptr<detail::ZeroCopyLink> to;
     {
       std::unique_lock lock(mu);
       auto ready = [&] {
@@ -171,9 +156,9 @@ void WorkerSite::Impl::sender_main() {
       if (stopping) return;
       if (!ready()) {
         // Asleep until something rings: run(), a state change, a reply (room in flight), a
-        // released slot or a drop (their deleters run anywhere and ring without mu).
+        // released slot (a credit) or a drop (its deleter runs anywhere and rings without mu).
         lock.unlock();
-        releases->wait(std::chrono::milliseconds(1000));
+        doorbell.wait(std::chrono::milliseconds(1000));
         continue;
       }
       if (!forwards.empty() || drops_pending.load(std::memory_order_acquire)) {
@@ -194,14 +179,14 @@ bool WorkerSite::Impl::can_send_now_locked() const {
   return shm() && link && outbound.empty() && state == State::kReady && in_flight.size() < options.max_in_flight;
 }
 
-const detail::ShmStager* WorkerSite::Impl::admit_locked(const Outbound& next, std::shared_ptr<detail::PacketLink>& to) {
+const detail::ShmStager* WorkerSite::Impl::admit_locked(const Outbound& next, std::shared_ptr<detail::ZeroCopyLink>& to) {
   in_flight[{next.envelope.request_id, next.envelope.node}] = {next.block, next.parked.site};
   ++sent;
   to = link;
   return shm() ? stager_for(next.block) : nullptr;  // `blocks` changes with update()
 }
 
-void WorkerSite::Impl::transmit(Outbound&& next, const detail::ShmStager* stager, const std::shared_ptr<detail::PacketLink>& to) {
+void WorkerSite::Impl::transmit(Outbound&& next, const detail::ShmStager* stager, const std::shared_ptr<detail::ZeroCopyLink>& to) {
   wire::Header header;
   header.kind = wire::MessageKind::kData;
   header.request_id = next.envelope.request_id;
@@ -211,7 +196,7 @@ void WorkerSite::Impl::transmit(Outbound&& next, const detail::ShmStager* stager
   absl::Status status;
   std::uint64_t copied = 0;
   if (shm()) {
-    status = to ? detail::send_packet(*to, header, next.envelope.tensors, &copied, stager, &unstage)
+    status = to ? to->send(header, next.envelope.tensors, stager, /*wait=*/true, &copied)
                 : absl::UnavailableError("its data link is down");
   } else if (next.parked.any) {
     // Not on `push`: this may be any thread (try_run()).

@@ -21,48 +21,6 @@
 
 namespace blockflow::detail {
 
-/// The release protocol of every zero-copy data link (a shm:// channel, a worker's "shm" or "cuda"
-/// channel): a consumer gives the producer's handles back in kRelease messages of at most this
-/// many handles (the longest message), and the producer's ZeroCopyEnds::take_releases() frees them.
-inline constexpr std::size_t kReleasesPerMessage = wire::kMaxMessageBytes / wire::kShmHandleBytes;
-
-/// The kRelease message for `count` handles from `first` (at most kReleasesPerMessage).
-wire::Header release_message(const wire::ShmHandle* first, std::size_t count);
-
-/// Sends `handles` back to their producer on `link`, kReleasesPerMessage a packet, from any thread.
-/// Returns how many went out; when the link is down, the rest are the caller's (to send again on
-/// the next link, or to drop: a producer whose consumer went away reclaims what it held).
-std::size_t send_releases(PacketLink& link, const std::vector<wire::ShmHandle>& handles);
-
-/// Runs `step` every `period` on a thread of its own, detached, until it returns false: the
-/// process-wide helpers that finish what an object gone or going left behind.
-void run_detached_until_done(std::function<bool()> step, absl::Duration period);
-
-/// Releases on their way back to one producer over `link`, for a consumer whose tensors die on any
-/// thread (a block's, a CUDA callback's): give() never blocks. What the link cannot take now (the
-/// producer's queue holds a few packets) waits here and leaves in one packet with the next give(),
-/// or within milliseconds from a process-wide retrying thread (bounded: one handle per slot the
-/// consumer holds); once the producer is gone it is dropped (the producer reclaimed every slot).
-/// Tensors hold their outbox, and the outbox its link: the link stays open while any tensor over
-/// the producer's memory lives here, so the producer takes their slots back only once they are all
-/// gone (or this process is), never under them. Thread-safe; made by std::make_shared.
-class ReleaseOutbox : public std::enable_shared_from_this<ReleaseOutbox> {
- public:
-  explicit ReleaseOutbox(std::shared_ptr<PacketLink> link) : link_(std::move(link)) {}
-  void give(const wire::ShmHandle& handle);
-  void flush();
-  /// Releases wait for room on the link.
-  [[nodiscard]] bool pending() const { return waiting_count_.load(std::memory_order_relaxed) > 0; }
-
- private:
-  void send_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  const std::shared_ptr<PacketLink> link_;
-  blockflow::detail::Mutex mu_;
-  std::vector<wire::ShmHandle> waiting_ ABSL_GUARDED_BY(mu_);
-  std::atomic<std::size_t> waiting_count_{0};
-  std::atomic<bool> retrying_{false};  // listed for the retrying thread
-};
-
 /// Builds tensors over a producer's memory: host slots through `host`, CUDA handles through `cuda`
 /// (null: refused, naming the channel); `release` runs with each handle when its tensor dies.
 ShmResolver make_zero_copy_resolver(ShmConsumer& host, CudaConsumer* cuda, std::function<void(const wire::ShmHandle&)> release);

@@ -1,0 +1,153 @@
+// One process's end of a zero-copy data link (include/blockflow/channel/detail/zero_copy_link.hpp):
+// the release protocol, and what is read from the link sorted.
+#include <blockflow/channel/detail/zero_copy_link.hpp>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <string>
+#include <thread>
+#include <utility>
+
+namespace blockflow::detail {
+
+wire::Header release_message(const wire::ShmHandle* first, std::size_t count) {
+  wire::Header h;
+  h.kind = wire::MessageKind::kRelease;
+  h.message = wire::encode_releases({first, first + count});
+  return h;
+}
+
+std::size_t send_releases(PacketLink& link, const wire::ShmHandle* first, std::size_t count, bool wait, absl::Status* why) {
+  for (std::size_t at = 0; at < count; at += kReleasesPerMessage) {
+    const std::size_t n = std::min(count - at, kReleasesPerMessage);
+    absl::Status status = send_packet(link, release_message(first + at, n), {}, nullptr, nullptr, nullptr, wait);
+    if (!status.ok()) {
+      if (why != nullptr) *why = std::move(status);
+      return at;
+    }
+  }
+  return count;
+}
+
+void run_detached_until_done(std::function<bool()> step, absl::Duration period) {
+  std::thread([step = std::move(step), period] {
+    while (step()) absl::SleepFor(period);
+  }).detach();
+}
+
+namespace {
+
+// The outboxes whose releases wait for room, retried every kRetryMs by one thread while any does.
+class OutboxRetries {
+ public:
+  static OutboxRetries& get() {
+    static auto* retries = new OutboxRetries;  // never destroyed: its thread may outlive main()
+    return *retries;
+  }
+  void add(std::weak_ptr<ReleaseOutbox> outbox) {
+    blockflow::detail::MutexLock lock(&mu_);
+    waiting_.push_back(std::move(outbox));
+    if (running_) return;
+    running_ = true;
+    run_detached_until_done([this] { return retry(); }, absl::Milliseconds(kRetryMs));
+  }
+
+ private:
+  static constexpr int kRetryMs = 2;
+  bool retry() {
+    std::vector<std::weak_ptr<ReleaseOutbox>> now;
+    {
+      blockflow::detail::MutexLock lock(&mu_);
+      now.swap(waiting_);
+    }
+    for (auto& weak : now) {
+      if (auto outbox = weak.lock()) outbox->flush();  // lists itself again if some still wait
+    }
+    blockflow::detail::MutexLock lock(&mu_);
+    running_ = !waiting_.empty();
+    return running_;
+  }
+  blockflow::detail::Mutex mu_;
+  std::vector<std::weak_ptr<ReleaseOutbox>> waiting_ ABSL_GUARDED_BY(mu_);
+  bool running_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace
+
+void ReleaseOutbox::give(const wire::ShmHandle& handle) {
+  blockflow::detail::MutexLock lock(&mu_);
+  waiting_.push_back(handle);
+  send_locked();
+}
+
+void ReleaseOutbox::flush() {
+  retrying_.store(false);
+  blockflow::detail::MutexLock lock(&mu_);
+  send_locked();
+}
+
+void ReleaseOutbox::send_locked() {
+  absl::Status why;
+  std::size_t sent = send_releases(*link_, waiting_.data(), waiting_.size(), /*wait=*/false, &why);
+  // The producer is gone (it reclaimed every slot): drop them. Else its queue is full (or this
+  // packet failed): they wait for the next try.
+  if (sent < waiting_.size() && why.code() == absl::StatusCode::kUnavailable) sent = waiting_.size();
+  waiting_.erase(waiting_.begin(), waiting_.begin() + static_cast<std::ptrdiff_t>(sent));
+  waiting_count_.store(waiting_.size(), std::memory_order_relaxed);
+  if (!waiting_.empty() && !retrying_.exchange(true)) OutboxRetries::get().add(weak_from_this());
+}
+
+ZeroCopyLink::ZeroCopyLink(std::shared_ptr<PacketLink> link, std::shared_ptr<ZeroCopyEnds> ends)
+    : link_(std::move(link)),
+      ends_(std::move(ends)),
+      outbox_(std::make_shared<ReleaseOutbox>(link_)),
+      resolver_(ends_->resolver([outbox = outbox_](const wire::ShmHandle& h) { outbox->give(h); })),  // any thread
+      unstage_([ends = ends_](const wire::ShmHandle& h) { (void)ends->release(h); }) {}
+
+ZeroCopyLink::Packet ZeroCopyLink::read(int timeout_ms, absl::Duration spin, const ParkedResolver* parked) {
+  Packet out;
+  for (bool first = true;; first = false) {
+    auto received = first ? link_->receive(timeout_ms, spin) : link_->receive(0);
+    if (!received) return out;
+    if (received->closed) {
+      out.kind = Packet::Kind::kClosed;
+      return out;
+    }
+    if (!received->frames.ok()) {
+      out.kind = Packet::Kind::kMalformed;
+      out.malformed = received->frames.status();
+      return out;
+    }
+    std::vector<zmq::message_t>& frames = *received->frames;
+    if (!frames.empty()) out.request_id = wire::peek_request_id(frames[0].data(), frames[0].size());
+    auto message = decode_message(std::move(frames), &resolver_, parked);
+    if (!message.ok()) {
+      out.kind = Packet::Kind::kMalformed;
+      out.malformed = message.status();
+      return out;
+    }
+    if (message->header.kind != wire::MessageKind::kRelease) {
+      out.kind = Packet::Kind::kMessage;
+      out.message = *std::move(message);
+      return out;
+    }
+    out.request_id.reset();
+    if (auto status = ends_->take_releases(message->header); !status.ok()) {
+      out.kind = Packet::Kind::kMalformed;
+      out.malformed = absl::InvalidArgumentError(fmt::format("a release: {}", std::string(status.message())));
+      return out;
+    }
+  }
+}
+
+absl::Status ZeroCopyLink::send(const wire::Header& header, const Tensors& tensors, const ShmStager* stager, bool wait,
+                                std::uint64_t* bytes_copied) {
+  return send_packet(*link_, header, tensors, bytes_copied, stager, &unstage_, wait);
+}
+
+void ZeroCopyLink::flush_releases() {
+  if (outbox_->pending()) outbox_->flush();
+}
+
+}  // namespace blockflow::detail

@@ -1,0 +1,208 @@
+// One process's end of a zero-copy data link (detail/zero_copy_link.hpp), the transport under the
+// shm:// and cuda:// channels and under every worker's "shm" and "cuda" channel: the release
+// protocol (handles go back in packets of at most kReleasesPerMessage, each freed once), what read()
+// sorts (releases taken, data as views of the peer's memory, malformed packets and a closed peer
+// reported), and a live view keeping its link open.
+#include <blockflow/channel/detail/packet_link.hpp>
+#include <blockflow/channel/detail/tensor_codec.hpp>
+#include <blockflow/channel/detail/zero_copy_ends.hpp>
+#include <blockflow/channel/detail/zero_copy_link.hpp>
+
+#include <ATen/ATen.h>
+
+#include <catch2/catch.hpp>
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+using namespace blockflow::detail;
+namespace wire = blockflow::wire;
+using Catch::Matchers::Contains;
+using Kind = ZeroCopyLink::Packet::Kind;
+
+namespace {
+
+ShmPoolOptions small_pools() {
+  ShmPoolOptions pools;
+  pools.min_slot_bytes = 4096;
+  pools.slots_per_pool = 8;
+  pools.max_total_bytes = std::size_t{64} << 20;
+  return pools;
+}
+
+wire::Header data_to(const std::string& target, std::uint64_t id) {
+  wire::Header h;
+  h.kind = wire::MessageKind::kData;
+  h.request_id = id;
+  h.target = target;
+  return h;
+}
+
+}  // namespace
+
+TEST_CASE("the release protocol: handles go back in packets of at most kReleasesPerMessage; the producer frees each once",
+          "[link]") {
+  ShmPoolOptions pools;
+  pools.min_slot_bytes = 4096;
+  pools.slots_per_pool = kReleasesPerMessage + 8;  // one pool: every handle below leases a slot of it
+  pools.max_total_bytes = std::size_t{64} << 20;
+  ZeroCopyEnds ends(pools, false);
+  const auto allocate = make_shm_allocator(ends.host_pool(), absl::ZeroDuration());
+  const ShmStager stage = ends.stager(absl::ZeroDuration());
+  std::vector<wire::ShmHandle> handles;
+  for (std::size_t i = 0; i < kReleasesPerMessage + 5; ++i) {
+    auto t = allocate({16}, at::kFloat);
+    REQUIRE(t.ok());
+    auto h = stage(*t);  // our own slot: shared as it lies, leased until the consumer releases it
+    REQUIRE(h.ok());
+    handles.push_back(*h);
+  }
+  REQUIRE(ends.host_stats().slots_in_use == handles.size());
+
+  auto pair = PacketLink::pair();
+  REQUIRE(pair.ok());
+  auto& [consumer, producer] = *pair;
+  CHECK(send_releases(*consumer, handles.data(), handles.size()) == handles.size());
+  std::vector<std::size_t> per_packet;
+  while (per_packet.size() < 2) {
+    auto received = producer->receive(1000);
+    REQUIRE(received.has_value());
+    REQUIRE(received->frames.ok());
+    auto message = decode_message(std::move(*received->frames));
+    REQUIRE(message.ok());
+    CHECK(message->header.kind == wire::MessageKind::kRelease);
+    per_packet.push_back(message->header.message.size() / wire::kShmHandleBytes);
+    CHECK(ends.take_releases(message->header).ok());
+  }
+  CHECK(per_packet == std::vector<std::size_t>{kReleasesPerMessage, 5});
+  CHECK(ends.host_stats().slots_in_use == 0);
+  CHECK(ends.host_stats().releases == handles.size());
+
+  // The same handles again are stale: counted, nothing freed twice.
+  CHECK(ends.take_releases(release_message(handles.data(), 3)).ok());
+  CHECK(ends.host_stats().stale_releases == 3);
+  // Not whole handles, or not a release: refused, named.
+  wire::Header torn = release_message(handles.data(), 1);
+  torn.message.pop_back();
+  CHECK(ends.take_releases(torn).code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(ends.take_releases(torn).message()), Contains("whole number"));
+  wire::Header data;
+  data.kind = wire::MessageKind::kData;
+  CHECK(ends.take_releases(data).code() == absl::StatusCode::kInvalidArgument);
+
+  // A link whose peer has gone takes nothing: the caller keeps every handle.
+  producer.reset();
+  CHECK(send_releases(*consumer, handles.data(), handles.size()) == 0);
+}
+
+TEST_CASE("a zero-copy link's read() takes the peer's releases and returns its data as views of its memory, each view's "
+          "death giving its handle back on the same link",
+          "[link]") {
+  auto pair = PacketLink::pair();
+  REQUIRE(pair.ok());
+  auto producer_ends = std::make_shared<ZeroCopyEnds>(small_pools(), false);
+  ZeroCopyLink producer(pair->first, producer_ends);
+  ZeroCopyLink consumer(pair->second, std::make_shared<ZeroCopyEnds>(small_pools(), false));
+  const ShmStager stage = producer_ends->stager(absl::ZeroDuration());
+
+  const at::Tensor x = at::arange(1024, at::kFloat);
+  REQUIRE(producer.send(data_to("blk", 7), {x}, &stage).ok());
+  CHECK(producer_ends->host_stats().slots_in_use == 1);  // x's copy, lent to the consumer
+
+  auto packet = consumer.read(1000);
+  REQUIRE(packet.kind == Kind::kMessage);
+  CHECK(packet.message.header.kind == wire::MessageKind::kData);
+  CHECK(packet.message.header.request_id == 7);
+  CHECK(packet.message.header.target == "blk");
+  REQUIRE(packet.message.tensors.size() == 1);
+  at::Tensor view = packet.message.tensors[0];
+  packet.message.tensors.clear();
+  CHECK(at::equal(view, x));
+  CHECK(view.data_ptr() != x.data_ptr());
+
+  // While the view lives, nothing comes back and the slot stays lent.
+  CHECK(producer.read(0).kind == Kind::kNothing);
+  CHECK(producer_ends->host_stats().slots_in_use == 1);
+
+  view.reset();  // its release leaves now, on this link
+  const auto back = producer.read(1000);
+  CHECK(back.kind == Kind::kNothing);  // a release is taken, not returned
+  CHECK(producer_ends->host_stats().slots_in_use == 0);
+  CHECK(producer_ends->host_stats().releases == 1);
+  CHECK(producer_ends->host_stats().stale_releases == 0);
+
+  // Data and releases in one stream: the release is taken on the way to the data behind it.
+  REQUIRE(producer.send(data_to("blk", 8), {x}, &stage).ok());
+  auto second = consumer.read(1000);
+  REQUIRE(second.kind == Kind::kMessage);
+  second.message.tensors.clear();  // released
+  REQUIRE(consumer.send(data_to("back", 9), {}).ok());
+  const auto reply = producer.read(1000);
+  REQUIRE(reply.kind == Kind::kMessage);
+  CHECK(reply.message.header.request_id == 9);
+  CHECK(producer_ends->host_stats().slots_in_use == 0);
+  CHECK(producer_ends->host_stats().releases == 2);
+}
+
+TEST_CASE("a zero-copy link reports a malformed release and a closed peer, and gives back what a failed send staged",
+          "[link]") {
+  auto pair = PacketLink::pair();
+  REQUIRE(pair.ok());
+  auto& [ours, theirs] = *pair;
+  auto ends = std::make_shared<ZeroCopyEnds>(small_pools(), false);
+  ZeroCopyLink link(ours, ends);
+
+  wire::ShmHandle handle;
+  wire::Header torn = release_message(&handle, 1);
+  torn.message.pop_back();
+  REQUIRE(send_packet(*theirs, torn, {}).ok());
+  const auto malformed = link.read(1000);
+  CHECK(malformed.kind == Kind::kMalformed);
+  CHECK_FALSE(malformed.request_id.has_value());
+  CHECK_THAT(std::string(malformed.malformed.message()), Contains("a release"));
+  CHECK_THAT(std::string(malformed.malformed.message()), Contains("whole number"));
+
+  REQUIRE(theirs->send({std::string_view("not a header")}).ok());  // a packet that is no message
+  const auto garbage = link.read(1000);
+  CHECK(garbage.kind == Kind::kMalformed);
+  CHECK_FALSE(garbage.malformed.ok());
+
+  theirs.reset();
+  CHECK(link.read(1000).kind == Kind::kClosed);
+
+  const ShmStager stage = ends->stager(absl::ZeroDuration());
+  const auto sent = link.send(data_to("blk", 1), {at::ones({256})}, &stage);
+  CHECK(sent.code() == absl::StatusCode::kUnavailable);
+  CHECK(ends->host_stats().slots_in_use == 0);  // the slot staged for it is free again
+}
+
+TEST_CASE("a view keeps its link open: the producer sees the consumer's end close only once its last view has died",
+          "[link]") {
+  auto pair = PacketLink::pair();
+  REQUIRE(pair.ok());
+  auto& [ours, theirs] = *pair;
+  auto ends = std::make_shared<ZeroCopyEnds>(small_pools(), false);
+  ZeroCopyLink producer(std::move(ours), ends);
+  const ShmStager stage = ends->stager(absl::ZeroDuration());
+  REQUIRE(producer.send(data_to("blk", 1), {at::full({512}, 3.0)}, &stage).ok());
+
+  at::Tensor view;
+  {
+    ZeroCopyLink consumer(std::move(theirs), std::make_shared<ZeroCopyEnds>(small_pools(), false));
+    auto packet = consumer.read(1000);
+    REQUIRE(packet.kind == Kind::kMessage);
+    view = packet.message.tensors.at(0);
+  }  // the consumer's end is gone; the view holds its link
+  CHECK(producer.read(50).kind == Kind::kNothing);
+  CHECK(ends->host_stats().slots_in_use == 1);
+  CHECK(view[0].item<float>() == 3.0F);
+
+  view.reset();  // the release, then the end of the link
+  auto last = producer.read(1000);
+  if (last.kind == Kind::kNothing) last = producer.read(1000);  // the close came after the release was taken
+  CHECK(last.kind == Kind::kClosed);
+  CHECK(ends->host_stats().slots_in_use == 0);
+  CHECK(ends->host_stats().releases == 1);
+}
