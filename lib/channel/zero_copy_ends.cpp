@@ -4,7 +4,6 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
-
 namespace blockflow::detail {
 
 ZeroCopyEnds::ZeroCopyEnds(const ShmPoolOptions& pools, bool cuda) : host_out_(std::make_shared<ShmProducer>(pools)) {

@@ -1,6 +1,7 @@
 // One process's end of a zero-copy data link (include/blockflow/channel/detail/zero_copy_link.hpp):
 // the release protocol, and what is read from the link sorted.
 #include <blockflow/channel/detail/zero_copy_link.hpp>
+#include <blockflow/core/detail/clock.hpp>
 
 #include <fmt/format.h>
 
@@ -108,8 +109,9 @@ ZeroCopyLink::ZeroCopyLink(std::shared_ptr<PacketLink> link, std::shared_ptr<Zer
 ZeroCopyLink::Packet ZeroCopyLink::read(int timeout_ms, absl::Duration spin, const ParkedResolver* parked) {
   Packet out;
   for (bool first = true;; first = false) {
-    auto received = first ? link_->receive(timeout_ms, spin) : link_->receive(0);
+    auto received = link_->receive(first ? timeout_ms : 0, spin);
     if (!received) return out;
+    out.received_ns = now_ns();
     if (received->closed) {
       out.kind = Packet::Kind::kClosed;
       return out;

@@ -179,7 +179,7 @@ class Worker {
     stopping_ = true;
     receiver.join();
     if (session_) session_->shutdown(absl::Seconds(1));
-    replies_->close();
+    replies_.close();
     if (sender.joinable()) sender.join();
     bf::detail::uninstall_slot_allocator();
     return 0;
@@ -341,10 +341,12 @@ class Worker {
   }
 
   // The next message: from the data link (zero-copy channels; the host's releases are taken there)
-  // or the PULL socket (zmq). `id`: the request a malformed one names, when readable.
+  // or the PULL socket (zmq). `id`: the request a malformed one names, when readable; `arrived`:
+  // when it was received, before decoding (mapping the host's pools counts as the request's wait).
   struct Incoming {
     std::optional<std::uint64_t> id;
     absl::StatusOr<bf::detail::DecodedMessage> message;
+    std::int64_t arrived = 0;
   };
   std::optional<Incoming> next_request() {
     if (link_) {
@@ -356,17 +358,19 @@ class Worker {
           std::this_thread::sleep_for(std::chrono::milliseconds(100));
           return std::nullopt;
         case bf::detail::ZeroCopyLink::Packet::Kind::kMalformed:
-          return Incoming{packet.request_id, std::move(packet.malformed)};
+          return Incoming{packet.request_id, std::move(packet.malformed), packet.received_ns};
         case bf::detail::ZeroCopyLink::Packet::Kind::kMessage:
-          return Incoming{std::nullopt, std::move(packet.message)};
+          return Incoming{std::nullopt, std::move(packet.message), packet.received_ns};
       }
     }
     std::vector<zmq::message_t> frames;
     if (!zmq::recv_multipart(pull_, std::back_inserter(frames))) return std::nullopt;
     Incoming in;
+    in.arrived = now_ns();
     if (!frames.empty()) in.id = bf::wire::peek_request_id(frames[0].data(), frames[0].size());
     in.message = bf::detail::decode_message(std::move(frames), nullptr, &parked_resolver_);
     if (in.message.ok() && in.message->header.kind == bf::wire::MessageKind::kRelease) {
+      in.id.reset();  // a stray release names no request
       in.message = absl::InvalidArgumentError("a release on channel 'zmq', which has no shared memory");
     }
     return in;
@@ -396,7 +400,7 @@ class Worker {
       forward_problem_.clear();
       auto next = next_request();
       if (!next) continue;
-      const std::int64_t arrived = now_ns();
+      const std::int64_t arrived = next->arrived;
       auto& message = next->message;
       if (!message.ok()) {
         noisy_.log(bf::LogLevel::kWarning, fmt::format("worker {}: malformed request frame dropped: {}", args_.name,
@@ -529,7 +533,7 @@ class Worker {
   // On the data link, from the calling thread (a block's, for results): one wake-up, the host's
   // receiver. Otherwise through the thread owning the PUSH socket.
   void reply(Reply&& r) {
-    if (!link_) return replies_->push(std::move(r));
+    if (!link_) return replies_.push(std::move(r));
     transmit(r, [&](const bf::wire::Header& h, const bf::Tensors& t, const bf::detail::ShmStager* stager) {
       return link_->send(h, t, stager);
     });
@@ -552,7 +556,7 @@ class Worker {
     push.set(zmq::sockopt::linger, 1000);
     secure(push);
     push.connect(args_.results);
-    while (auto next = replies_->pop()) {
+    while (auto next = replies_.pop()) {
       transmit(*next, [&](const bf::wire::Header& h, const bf::Tensors& t, const bf::detail::ShmStager* stager) {
         auto sent = next->references.empty()
                         ? bf::detail::send_message(push, h, t, zmq::send_flags::none, nullptr, stager)
@@ -587,7 +591,7 @@ class Worker {
   std::uint64_t update_seq_ = 0;
   std::mutex update_mu_;
   std::optional<absl::Status> update_status_;
-  std::shared_ptr<ReplyQueue> replies_ = std::make_shared<ReplyQueue>();  // channel "zmq": for the sender thread
+  ReplyQueue replies_;  // channel "zmq": for the sender thread
   // The zero-copy channel: results go into our pools, requests are views of the host's.
   std::shared_ptr<bf::detail::ZeroCopyEnds> ends_;  // channels "shm" and "cuda"
   bool outputs_in_slots_ = false;                    // the slot allocator is installed

@@ -1,8 +1,8 @@
 #pragma once
-// Internal to lib/zmq: WorkerSite::Impl, shared by the files that implement a worker site:
+// Internal to lib/worker: WorkerSite::Impl, shared by the files that implement a worker site:
 //   worker_site.cpp          the public WorkerSite API (start, run, try_run, stop, stats, update)
 //   worker_site_process.cpp  the worker process: spawn, control messages, supervision, death, sockets
-//   worker_site_outbound.cpp the sender thread: requests, releases, direct edges (forwards, drops)
+//   worker_site_outbound.cpp the sender thread: requests, direct edges (forwards, drops)
 //   worker_site_inbound.cpp  the receiver thread: results from the data link or ZeroMQ, malformed frames
 // Locking: `mu` guards the state below it (functions named *_locked expect it held); `drops_mu`
 // is taken by placeholders' deleters on any thread and never with `mu`.

@@ -1,5 +1,6 @@
 // The sender thread of a WorkerSite: requests to the worker (zero-copy handles over the data link,
-// or ZeroMQ frames), slot releases, and the direct edges' forwards and drops.
+// or ZeroMQ frames) and the direct edges' forwards and drops. (Releases of the worker's slots leave
+// from whichever thread their tensor dies on: detail::ZeroCopyLink.)
 #include "worker_site_impl.hpp"
 
 namespace blockflow {
@@ -155,8 +156,8 @@ void WorkerSite::Impl::sender_main() {
       };
       if (stopping) return;
       if (!ready()) {
-        // Asleep until something rings: run(), a state change, a reply (room in flight), a
-        // released slot (a credit) or a drop (its deleter runs anywhere and rings without mu).
+        // Asleep until something rings: run(), a state change, a reply (room in flight) or a drop
+        // (its deleter runs anywhere and rings without mu).
         lock.unlock();
         doorbell.wait(std::chrono::milliseconds(1000));
         continue;

@@ -13,7 +13,6 @@
 #include <absl/status/status.h>
 #include <blockflow/core/detail/mutex.hpp>
 
-#include <atomic>
 #include <functional>
 #include <memory>
 #include <tuple>

@@ -87,12 +87,14 @@ class ZeroCopyLink {
     absl::Status malformed;
     std::optional<std::uint64_t> request_id;  ///< kMalformed: the request it names, when readable
     DecodedMessage message;
+    std::int64_t received_ns = 0;  ///< kMessage, kMalformed: when it was taken off the link (before decoding)
   };
   /// Reads what the peer sent, one thread at a time: releases are taken as they come (our slots
   /// free again) and the first other packet is returned, its tensors views of the peer's memory.
   /// Waits up to `timeout_ms` for the first packet, polling for up to `spin` first while packets
-  /// stream (PacketLink::receive()); no longer once a release came. `parked`: for messages that
-  /// carry parked references (a worker's direct edges); without one they are malformed.
+  /// stream (PacketLink::receive()); after a release, only for up to `spin` again (the message a
+  /// release precedes is often right behind it). `parked`: for messages that carry parked
+  /// references (a worker's direct edges); without one they are malformed.
   Packet read(int timeout_ms, absl::Duration spin = absl::ZeroDuration(), const ParkedResolver* parked = nullptr);
 
   /// Sends one message, its tensors as the handles `stager` makes (send_packet()); a handle staged
@@ -104,7 +106,6 @@ class ZeroCopyLink {
   /// them too, within milliseconds).
   void flush_releases();
 
-  [[nodiscard]] PacketLink& packets() const { return *link_; }
   [[nodiscard]] int fd() const { return link_->fd(); }
   [[nodiscard]] ZeroCopyEnds& ends() const { return *ends_; }
 
