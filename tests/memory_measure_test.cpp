@@ -116,3 +116,59 @@ TEST_CASE("kProcess: a prefetch loads only when idle blocks make room for the gr
   CHECK(t.resident() == std::vector<bool>{false, true, true});
   CHECK(t.set.totals().prefetches == 1);
 }
+
+TEST_CASE("in a session, metrics() say what the budget bounds and, measuring the process, the growth its last load saw",
+          "[memory]") {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    BlockRegistry::global().add("measure_add_one", [](const std::string& name, const BlockOptions& options) {
+      return Block::callable(name, [](Tensors&& in) -> absl::StatusOr<Tensors> { return Tensors{in.at(0) + 1}; }, options);
+    });
+  });
+  // Two blocks of 2 MB (profiled) under 3 MB: one is loaded at a time, so each task's request loads its block.
+  const auto make_session = [](SessionOptions::MemoryMeasure measure) {
+    SessionOptions o;
+    o.memory_budget = 3 * kMB;
+    o.memory_policy = SessionOptions::MemoryPolicy::kOnDemand;
+    o.memory_measure = measure;
+    o.lanes = 1;
+    auto session = std::make_unique<Session>(o);
+    for (const std::string name : {"m_a", "m_b"}) {
+      BlockDescription d;
+      d.name = name;
+      d.factory = "measure_add_one";
+      d.options.memory_bytes = 2 * kMB;
+      session->add_block(d).add_path(Path::chain("t_" + name, {name}));
+    }
+    return session;
+  };
+
+  SECTION("kBlocks") {
+    auto session = make_session(SessionOptions::MemoryMeasure::kBlocks);
+    REQUIRE(session->start().ok());
+    std::vector<char> ballast(std::size_t{48} * kMB, 1);  // the process grows; the budget does not see it
+    for (const std::string task : {"t_m_a", "t_m_b"}) REQUIRE(session->submit(task, at::zeros({2})).get().ok());
+    const SiteMemory threads = test::site_memory(session->metrics(), "threads");
+    CHECK(threads.measure == "blocks");
+    CHECK(threads.unaccounted_bytes == 0);
+    CHECK(ballast[ballast.size() - 1] == 1);
+  }
+  SECTION("kProcess") {
+    auto session = make_session(SessionOptions::MemoryMeasure::kProcess);
+    REQUIRE(session->start().ok());
+    std::vector<char> ballast(std::size_t{48} * kMB, 1);  // 48 MB touched after start(): growth no block accounts for
+    for (const std::string task : {"t_m_a", "t_m_b"}) {
+      const Result r = session->submit(task, at::zeros({2})).get();
+      REQUIRE(r.ok());
+      CHECK(r.output()[0].item<float>() == 1.0F);
+    }
+    const MetricsSnapshot m = session->metrics();
+    const SiteMemory threads = test::site_memory(m, "threads");
+    CHECK(threads.measure == "process");
+    CHECK(threads.unaccounted_bytes >= 40 * kMB);  // the ballast, less what the blocks' footprints cover
+    CHECK(threads.unaccounted_bytes < 200 * kMB);
+    CHECK_THAT(m.to_prometheus(), Catch::Matchers::Contains("blockflow_site_memory_unaccounted_bytes{site=\"threads\"}"));
+    CHECK_THAT(m.to_json(), Catch::Matchers::Contains("\"measure\":\"process\""));
+    CHECK(ballast[ballast.size() - 1] == 1);
+  }
+}

@@ -473,11 +473,13 @@ TEST_CASE("on demand in a worker process: a block larger than its budget is refu
   CHECK_THAT(std::string(no_budget.start().message()), Contains("worker w1: WorkerOptions::memory_policy kOnDemand needs a memory_budget"));
 }
 
-TEST_CASE("on demand in a worker process, set by the deployment's sites: the worker it starts loads on demand", "[memory]") {
+TEST_CASE("on demand in a worker process, set by the deployment's sites: the worker it starts loads on demand, measuring "
+          "the process",
+          "[memory]") {
   auto d = Deployment::parse(R"({"blocks": [{"name": "a", "factory": "affine", "placement": "w1", "memory_bytes": 6291456},
                                             {"name": "b", "factory": "affine", "placement": "w1", "memory_bytes": 6291456}],
                                  "tasks": {"ta": ["a"], "tb": ["b"]},
-                                 "sites": {"w1": {"memory": {"budget": 10485760, "policy": "on_demand"}}}})");
+                                 "sites": {"w1": {"memory": {"budget": 10485760, "policy": "on_demand", "measure": "process"}}}})");
   REQUIRE(d.ok());
   Session session;
   add_deployment(session, *d, test::test_worker(""));  // the defaults admit; the deployment says on demand
@@ -486,5 +488,6 @@ TEST_CASE("on demand in a worker process, set by the deployment's sites: the wor
   const auto m = session.metrics();
   bool on_demand = false;
   for (const auto& s : m.memory) on_demand = on_demand || (s.site == "w1" && s.policy == "on_demand" && s.budget_bytes == 10 * kMB);
-  CHECK(on_demand);
+  CHECK(on_demand);  // The worker's heartbeats say what its budget bounds.
+  CHECK(test::eventually([&] { return test::site_memory(session.metrics(), "w1").measure == "process"; }));
 }

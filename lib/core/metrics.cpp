@@ -250,6 +250,9 @@ std::string MetricsSnapshot::to_prometheus() const {
           static_cast<double>(m.swap_ins));
     e.add("blockflow_site_swapped_bytes", "gauge", "On demand: the weights of unloaded blocks that wait in swap files.", l,
           static_cast<double>(m.swapped_bytes));
+    e.add("blockflow_site_memory_unaccounted_bytes", "gauge",
+          "On demand, measuring the process: its growth beyond the loaded blocks' footprints at the last load decision.", l,
+          static_cast<double>(m.unaccounted_bytes));
   }
   for (const auto& lane : lanes) {
     const Exposition::Labels l = {{"lane", std::to_string(lane.index)}};

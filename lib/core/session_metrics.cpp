@@ -119,6 +119,8 @@ MetricsSnapshot SessionCore::metrics() const {
     threads.prefetches = t.prefetches;
     threads.swap_ins = t.swap_ins;
     threads.swapped_bytes = t.swapped_bytes;
+    threads.measure = options_.memory_measure == SessionOptions::MemoryMeasure::kProcess ? "process" : "blocks";
+    threads.unaccounted_bytes = t.unaccounted_bytes;
   }
   for (std::size_t i = 0; i < sites_.size(); ++i) {
     if (!sites_[i]->site->loads_on_demand()) continue;
@@ -131,6 +133,8 @@ MetricsSnapshot SessionCore::metrics() const {
     m.load_s = st.block_load_s;
     m.swap_ins = st.block_swap_ins;
     m.swapped_bytes = st.swapped_bytes;
+    if (!st.memory_measure.empty()) m.measure = st.memory_measure;
+    m.unaccounted_bytes = st.unaccounted_bytes;
   }
   snapshot.sampling = sampler_.enabled();
   snapshot.sampling_period_s = absl::ToDoubleSeconds(sampler_.period());

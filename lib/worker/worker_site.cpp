@@ -259,6 +259,8 @@ SiteStats WorkerSite::stats() const {
   out.block_load_s = s.on_demand.block_load_s;
   out.block_swap_ins = s.on_demand.block_swap_ins;
   out.swapped_bytes = s.on_demand.swapped_bytes;
+  out.memory_measure = s.on_demand.memory_measure;
+  out.unaccounted_bytes = s.on_demand.unaccounted_bytes;
   out.cuda_graphs = s.on_demand.cuda_graphs;
   out.failed_requests = s.failed_requests;
   out.in_flight = s.in_flight.size();

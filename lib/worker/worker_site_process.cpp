@@ -278,6 +278,8 @@ void WorkerSite::Impl::handle_control(zmq::socket_t& router, const std::string& 
       on_demand.block_load_s = it->value("block_load_s", 0.0);
       on_demand.block_swap_ins = it->value("block_swap_ins", std::uint64_t{0});
       on_demand.swapped_bytes = it->value("swapped_bytes", std::int64_t{0});
+      on_demand.memory_measure = it->value("measure", std::string());
+      on_demand.unaccounted_bytes = it->value("unaccounted_bytes", std::int64_t{0});
     }
   }
 }

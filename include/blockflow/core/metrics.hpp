@@ -92,6 +92,15 @@ struct SiteMemory {
   /// in swap files now (a worker's as of its last heartbeat).
   std::uint64_t swap_ins = 0;
   std::int64_t swapped_bytes = 0;
+  /// On demand: what the budget bounds (SessionOptions::memory_measure, WorkerOptions::memory_measure):
+  /// "blocks" (the loaded blocks' footprints) or "process" (also what the process grew by beyond
+  /// them since start()).
+  std::string measure = "blocks";
+  /// On demand, "process": what the process had grown by beyond the loaded blocks' footprints when
+  /// it last decided a load (the working memory of running blocks, what swapping leaves behind,
+  /// the application's own allocations); it takes room in the budget as the footprints do. 0 for
+  /// "blocks".
+  std::int64_t unaccounted_bytes = 0;
 };
 
 /// @brief Per-path (task) aggregates since the session started.

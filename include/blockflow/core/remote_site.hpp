@@ -88,13 +88,16 @@ struct SiteStats {
   /// A site that loads on demand (RemoteSite::loads_on_demand()), as of its last heartbeat: the
   /// footprints of the blocks loaded now, loads, evictions, the footprints of every load, and the
   /// time spent loading; with swapping (SessionOptions::swap), the loads that were swap-ins and the
-  /// weights waiting in swap files now.
+  /// weights waiting in swap files now; what its budget bounds ("blocks" or "process") and, for
+  /// "process", its growth beyond the loaded blocks (SiteMemory::unaccounted_bytes).
   std::int64_t blocks_resident_bytes = 0;
   std::uint64_t block_loads = 0, block_evictions = 0;
   std::int64_t block_bytes_loaded = 0;
   double block_load_s = 0;
   std::uint64_t block_swap_ins = 0;
   std::int64_t swapped_bytes = 0;
+  std::string memory_measure;  ///< "" when the site does not load on demand
+  std::int64_t unaccounted_bytes = 0;
   /// Per block with BlockOptions::cuda_graph in the site, as of its last heartbeat.
   std::map<std::string, CudaGraphStats> cuda_graphs;
 };

@@ -29,7 +29,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteStats, name, kind, pid, fork
                                                 computing_block, computing_s, data, shm_requests,
                                                 shm_results, cuda_requests, cuda_results, kpi, blocks_resident_bytes, block_loads,
                                                 block_evictions, block_bytes_loaded, block_load_s, block_swap_ins,
-                                                swapped_bytes, cuda_graphs)
+                                                swapped_bytes, memory_measure, unaccounted_bytes, cuda_graphs)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(BlockMetrics, name, kind, device, placement, workers,
                                                 intra_op_threads, processed, failed, batches, batched_requests, layout_kept,
                                                 computing_s, on_demand, resident, footprint_bytes, loads, evictions, last_use_s, cuda_graph, wait,
@@ -40,7 +40,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(PathMetrics, task, active, submi
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(LaneMetrics, index, runs, tasks, inline_continuations, one_thread_runs, threads, busy_s, utilisation)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteMemory, site, budget_bytes, profiled_bytes, measured_bytes, policy,
                                                 resident_bytes, loads, evictions, bytes_loaded, load_s, prefetches,
-                                                swap_ins, swapped_bytes)
+                                                swap_ins, swapped_bytes, measure, unaccounted_bytes)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(UpdateStats, version, blocks_added, blocks_removed, sites_started,
                                                 sites_stopped, load_ms, route_ms, drain_ms, total_ms,
                                                 time_to_first_result_ms)
