@@ -41,8 +41,9 @@
 //                  [--cuda-graph 0|1] [--receive-spin-us US] [--outputs-in-slots 0|1] [--optimize 0|1] [--direct-edges 0|1]
 // --optimize 1: every block and the monolithic model also go through
 // torch::jit::optimize_for_inference after freezing (TorchScriptOptions); lines say which.
-// --outputs-in-slots 0: workers copy each block output into a slot when they send it
-// (WorkerOptions::shm_outputs_in_slots false) instead of allocating it there; lines say which.
+// --outputs-in-slots 1: workers allocate their blocks' activations in their result slots, so that an
+// output crosses as it lies (WorkerOptions::shm_outputs_in_slots true), instead of copying each
+// output into a slot when they send it (the default); lines say which.
 // --direct-edges 0 (channel zmq): every block output comes back to the session, which sends it on
 // to the next worker (WorkerOptions::direct_edges false), instead of going from worker to worker;
 // lines say which ("direct_edges", true only for zmq).

@@ -324,7 +324,8 @@ TEST_CASE("WorkerOptions::heartbeat_interval and max_parked_bytes reach the work
   CHECK(WEXITSTATUS(*status) == 0);
 }
 
-TEST_CASE("a zero-copy worker makes its result pools at start (one primed run after warm-up), not on a first request",
+TEST_CASE("a zero-copy worker with outputs in slots makes its result pools at start (one primed run after warm-up), not on "
+          "a first request",
           "[worker]") {
   // Two workers started together warm up with cores / workers threads, the last run too
   // (SessionOptions::warm_up_last_narrow): the primed run is then the first with the team's.
@@ -334,7 +335,9 @@ TEST_CASE("a zero-copy worker makes its result pools at start (one primed run af
       std::vector<std::shared_ptr<RemoteSite>> sites;
       for (int w = 1; w <= workers; ++w) {
         const std::string name = "w" + std::to_string(w), block = "b" + std::to_string(w);
-        sites.push_back(make_worker(test::test_worker(name, "shm")));
+        WorkerOptions options = test::test_worker(name, "shm");
+        options.shm_outputs_in_slots = true;  // off by default
+        sites.push_back(make_worker(options));
         session.add_site(sites.back())
             .add_block(test::model_block(block, "cnn_block1.pt", name, {-1, 3, 256, 256}))  // activations of 2 MB: in slots
             .add_path(Path::chain("t" + std::to_string(w), {block}));

@@ -81,8 +81,10 @@ struct WorkerOptions {
   /// slots of its result pools (not while it builds blocks: weights stay out of the slots), so that
   /// a block's output is shared as it lies instead of copied into a slot when it is sent
   /// (intermediate activations take free slots too while they live; when none is free, libtorch's
-  /// allocator serves). false: outputs are copied into a slot.
-  bool shm_outputs_in_slots = true;
+  /// allocator serves). Off by default: each output is copied into a slot once (~50 us for 3.2 MB),
+  /// while blocks computing in slot memory ran 20-25% slower in a 4-worker pipeline on an AMD EPYC
+  /// (docs/workers.md, "Outputs in slots"). Worth it for outputs of tens of MB and more.
+  bool shm_outputs_in_slots = false;
   int max_restarts = 5;                                  ///< per session; then the worker stays down
   absl::Duration restart_backoff = absl::Milliseconds(100);  ///< doubled after each restart
   /// How often the session pings the worker; the worker answers each ping with a heartbeat (its
