@@ -6,11 +6,13 @@
 #include "joined_util.hpp"
 
 #include <fmt/format.h>
+#include <zmq.hpp>
 
 #include <csignal>
 #include <cstdlib>
 #include <future>
 #include <mutex>
+#include <thread>
 
 using namespace blockflow;
 using Catch::Matchers::Contains;
@@ -149,6 +151,28 @@ TEST_CASE("nobody joins: start() fails naming the endpoint; a worker with anothe
   other.add_site(make_worker(bad)).add_block(test::plugin_block("affine", "affine", "x")).add_path(Path::chain("t", {"affine"}));
   const absl::Status not_tcp = other.start();
   CHECK_THAT(std::string(not_tcp.message()), Contains("worker x: listen 'ipc:///tmp/nope' is not a tcp://ADDR:PORT"));
+}
+
+TEST_CASE("a control message with a field of the wrong type is dropped and counted; the site still takes its worker",
+          "[joined]") {
+  const std::string listen = fmt::format("tcp://127.0.0.1:{}", test::free_port());
+  Session session;
+  auto site = make_worker(joined("far", listen));
+  session.add_site(site).add_block(test::plugin_block("affine", "affine", "far")).add_path(Path::chain("t", {"affine"}));
+  auto started = std::async(std::launch::async, [&] { return session.start(); });
+  zmq::context_t context;
+  zmq::socket_t dealer(context, zmq::socket_type::dealer);
+  dealer.set(zmq::sockopt::linger, 0);
+  dealer.connect(listen);
+  // A hello whose name is a number, until the site has bound its endpoint and read one.
+  for (int i = 0; i < 50 && site->stats().malformed_frames == 0; ++i) {
+    (void)dealer.send(zmq::str_buffer(R"({"type": "hello", "name": 5})"), zmq::send_flags::dontwait);
+    std::this_thread::sleep_for(100ms);
+  }
+  CHECK(site->stats().malformed_frames >= 1);
+  WorkerProcess far(far_args(listen));
+  REQUIRE(started.get().ok());
+  check_serves(session);
 }
 
 TEST_CASE("two hosts: a worker in another network namespace serves over TCP", "[.two-host]") {

@@ -166,9 +166,13 @@ TEST_CASE("in a session, metrics() say what the budget bounds and, measuring the
     const SiteMemory threads = test::site_memory(m, "threads");
     CHECK(threads.measure == "process");
     CHECK(threads.unaccounted_bytes >= 40 * kMB);  // the ballast, less what the blocks' footprints cover
-    CHECK(threads.unaccounted_bytes < 200 * kMB);
+    CHECK(threads.unaccounted_bytes < 256 * kMB);  // not the whole process (under TSan, 2 bytes of shadow per byte)
     CHECK_THAT(m.to_prometheus(), Catch::Matchers::Contains("blockflow_site_memory_unaccounted_bytes{site=\"threads\"}"));
     CHECK_THAT(m.to_json(), Catch::Matchers::Contains("\"measure\":\"process\""));
+    auto back = MetricsSnapshot::from_json(m.to_json());
+    REQUIRE(back.ok());
+    CHECK(test::site_memory(*back, "threads").measure == "process");
+    CHECK(test::site_memory(*back, "threads").unaccounted_bytes == threads.unaccounted_bytes);
     CHECK(ballast[ballast.size() - 1] == 1);
   }
 }

@@ -277,7 +277,7 @@ TEST_CASE("split small CNN: threads, shm workers and zmq workers give equal outp
   CHECK(sessions["zmq"]->metrics().sites.at(0).data.kind == "zmq-ipc");
 }
 
-TEST_CASE("shm workers: a block's output is allocated in a result slot (not copied in); off by option it is copied",
+TEST_CASE("shm workers: a block's output is copied into a result slot; with outputs in slots it is allocated there",
           "[shm]") {
   for (const bool in_slots : {true, false}) {
     WorkerOptions options = test::test_worker("w1", "shm");
@@ -314,9 +314,11 @@ TEST_CASE("shm workers: a block's output is allocated in a result slot (not copi
   }
 }
 
-TEST_CASE("shm workers: a block's weights, made when it is built, stay out of the result slots", "[shm]") {
+TEST_CASE("shm workers with outputs in slots: a block's weights, made when it is built, stay out of the result slots", "[shm]") {
+  WorkerOptions options = test::test_worker("w1", "shm");
+  options.shm_outputs_in_slots = true;  // off by default: then nothing at all is allocated in slots
   Session session;
-  session.add_site(make_worker(test::test_worker("w1", "shm")))
+  session.add_site(make_worker(options))
       .add_block(test::plugin_block("weighted", "weighted", "w1"))
       .add_path(Path::chain("t", {"weighted"}));
   test::require_started(session);

@@ -35,7 +35,7 @@ nlohmann::json on_demand_totals(const MetricsSnapshot& m) {
     if (site.site != "threads") continue;
     return {{"blocks_resident_bytes", site.resident_bytes}, {"block_loads", site.loads}, {"block_evictions", site.evictions},
             {"block_bytes_loaded", site.bytes_loaded}, {"block_load_s", site.load_s}, {"block_swap_ins", site.swap_ins},
-            {"swapped_bytes", site.swapped_bytes}, {"measure", site.measure}, {"unaccounted_bytes", site.unaccounted_bytes}};
+            {"swapped_bytes", site.swapped_bytes}, {"unaccounted_bytes", site.unaccounted_bytes}};
   }
   return nlohmann::json::object();
 }

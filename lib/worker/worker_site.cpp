@@ -259,7 +259,9 @@ SiteStats WorkerSite::stats() const {
   out.block_load_s = s.on_demand.block_load_s;
   out.block_swap_ins = s.on_demand.block_swap_ins;
   out.swapped_bytes = s.on_demand.swapped_bytes;
-  out.memory_measure = s.on_demand.memory_measure;
+  if (s.options.memory_policy == SessionOptions::MemoryPolicy::kOnDemand) {  // as configured: known before any heartbeat
+    out.memory_measure = s.options.memory_measure == SessionOptions::MemoryMeasure::kProcess ? "process" : "blocks";
+  }
   out.unaccounted_bytes = s.on_demand.unaccounted_bytes;
   out.cuda_graphs = s.on_demand.cuda_graphs;
   out.failed_requests = s.failed_requests;

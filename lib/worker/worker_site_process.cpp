@@ -278,7 +278,6 @@ void WorkerSite::Impl::handle_control(zmq::socket_t& router, const std::string& 
       on_demand.block_load_s = it->value("block_load_s", 0.0);
       on_demand.block_swap_ins = it->value("block_swap_ins", std::uint64_t{0});
       on_demand.swapped_bytes = it->value("swapped_bytes", std::int64_t{0});
-      on_demand.memory_measure = it->value("measure", std::string());
       on_demand.unaccounted_bytes = it->value("unaccounted_bytes", std::int64_t{0});
     }
   }
@@ -388,7 +387,15 @@ void WorkerSite::Impl::control_main() {
     if ((item.revents & ZMQ_POLLIN) != 0) {
       std::vector<zmq::message_t> parts;
       if (zmq::recv_multipart(router, std::back_inserter(parts), zmq::recv_flags::dontwait) && parts.size() == 2) {
-        handle_control(router, parts[0].to_string(), parts[1].to_string());
+        try {
+          handle_control(router, parts[0].to_string(), parts[1].to_string());
+        } catch (const nlohmann::json::exception& e) {  // a field of the wrong type: the message is dropped, not the site
+          {
+            std::lock_guard lock(mu);
+            ++malformed;
+          }
+          noisy.log(LogLevel::kWarning, fmt::format("{}: malformed control message dropped: {}", prefix(), e.what()));
+        }
       }
     }
     supervise();

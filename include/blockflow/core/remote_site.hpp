@@ -96,7 +96,7 @@ struct SiteStats {
   double block_load_s = 0;
   std::uint64_t block_swap_ins = 0;
   std::int64_t swapped_bytes = 0;
-  std::string memory_measure;  ///< "" when the site does not load on demand
+  std::string memory_measure;  ///< "blocks" or "process"; "" when the site does not load on demand
   std::int64_t unaccounted_bytes = 0;
   /// Per block with BlockOptions::cuda_graph in the site, as of its last heartbeat.
   std::map<std::string, CudaGraphStats> cuda_graphs;
