@@ -149,6 +149,7 @@ TEST_CASE("in a session, metrics() say what the budget bounds and, measuring the
     std::vector<char> ballast(std::size_t{48} * kMB, 1);  // the process grows; the budget does not see it
     for (const std::string task : {"t_m_a", "t_m_b"}) REQUIRE(session->submit(task, at::zeros({2})).get().ok());
     const SiteMemory threads = test::site_memory(session->metrics(), "threads");
+    REQUIRE(threads.policy == "on_demand");  // the entry is there (site_memory() gives defaults when not)
     CHECK(threads.measure == "blocks");
     CHECK(threads.unaccounted_bytes == 0);
     CHECK(ballast[ballast.size() - 1] == 1);
@@ -164,6 +165,7 @@ TEST_CASE("in a session, metrics() say what the budget bounds and, measuring the
     }
     const MetricsSnapshot m = session->metrics();
     const SiteMemory threads = test::site_memory(m, "threads");
+    REQUIRE(threads.policy == "on_demand");
     CHECK(threads.measure == "process");
     CHECK(threads.unaccounted_bytes >= 40 * kMB);  // the ballast, less what the blocks' footprints cover
     CHECK(threads.unaccounted_bytes < 256 * kMB);  // not the whole process (under TSan, 2 bytes of shadow per byte)

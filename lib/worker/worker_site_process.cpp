@@ -193,6 +193,10 @@ void WorkerSite::Impl::send_control(zmq::socket_t& router, const std::string& to
 void WorkerSite::Impl::handle_control(zmq::socket_t& router, const std::string& from, const std::string& payload) {
   auto message = nlohmann::json::parse(payload, nullptr, false);
   if (message.is_discarded() || !message.contains("type")) {
+    {
+      std::lock_guard lock(mu);
+      ++malformed;
+    }
     noisy.log(LogLevel::kWarning, fmt::format("{}: malformed control message dropped", prefix()));
     return;
   }
@@ -245,13 +249,16 @@ void WorkerSite::Impl::handle_control(zmq::socket_t& router, const std::string& 
     if (joined()) death_pending = true;
     else process.kill();
   } else if (type == detail::kUpdated || type == detail::kUpdateError) {
-    update_answered = message.value("seq", std::uint64_t{0});
-    update_error = type == detail::kUpdated ? "" : message.value("message", "update failed");
-    rss = message.value("rss_bytes", rss);
+    // Every field read before any is taken: one of the wrong type drops the whole answer.
+    const auto seq = message.value("seq", std::uint64_t{0});
+    std::string error = type == detail::kUpdated ? "" : message.value("message", "update failed");
+    const auto rss_now = message.value("rss_bytes", rss);
+    update_answered = seq;
+    update_error = std::move(error);
+    rss = rss_now;
     lock.unlock();
     wake();
   } else if (type == detail::kHeartbeat) {
-    last_heartbeat_ns = detail::now_ns();
     rss = message.value("rss_bytes", rss);
     if (message.contains("shm") && message["shm"].is_object()) shm_results = message["shm"].get<ShmEdgeStats>();
     if (message.contains("cuda") && message["cuda"].is_object()) cuda_results = message["cuda"].get<ShmEdgeStats>();
@@ -280,6 +287,7 @@ void WorkerSite::Impl::handle_control(zmq::socket_t& router, const std::string& 
       on_demand.swapped_bytes = it->value("swapped_bytes", std::int64_t{0});
       on_demand.unaccounted_bytes = it->value("unaccounted_bytes", std::int64_t{0});
     }
+    last_heartbeat_ns = detail::now_ns();  // last: a heartbeat with a field of the wrong type does not count
   }
 }
 

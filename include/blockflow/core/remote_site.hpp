@@ -88,8 +88,9 @@ struct SiteStats {
   /// A site that loads on demand (RemoteSite::loads_on_demand()), as of its last heartbeat: the
   /// footprints of the blocks loaded now, loads, evictions, the footprints of every load, and the
   /// time spent loading; with swapping (SessionOptions::swap), the loads that were swap-ins and the
-  /// weights waiting in swap files now; what its budget bounds ("blocks" or "process") and, for
-  /// "process", its growth beyond the loaded blocks (SiteMemory::unaccounted_bytes).
+  /// weights waiting in swap files now; for "process", its growth beyond the loaded blocks
+  /// (SiteMemory::unaccounted_bytes). `memory_measure`, what its budget bounds, is its
+  /// configuration's (WorkerOptions::memory_measure), not a heartbeat's.
   std::int64_t blocks_resident_bytes = 0;
   std::uint64_t block_loads = 0, block_evictions = 0;
   std::int64_t block_bytes_loaded = 0;

@@ -68,6 +68,8 @@ class ReleaseOutbox : public std::enable_shared_from_this<ReleaseOutbox> {
   std::atomic<bool> retrying_{false};  // listed for the retrying thread
 };
 
+/// Thread safety: read() from one thread at a time; send() and flush_releases() from any; the
+/// releases of the tensors read() made leave from whatever thread those die on.
 class ZeroCopyLink {
  public:
   /// `ends`: this process's pools, whose slots the peer's releases free, and the peer's, which its
