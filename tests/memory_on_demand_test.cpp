@@ -491,3 +491,33 @@ TEST_CASE("on demand in a worker process, set by the deployment's sites: the wor
   CHECK(on_demand);  // What the worker's budget bounds, as its site was configured.
   CHECK(test::site_memory(session.metrics(), "w1").measure == "process");
 }
+
+TEST_CASE("on demand in a worker process measuring the process: its growth beyond the blocks' footprints reaches the "
+          "host in its heartbeats",
+          "[memory]") {
+  WorkerOptions o = on_demand_worker(10 * kMB);
+  o.memory_measure = SessionOptions::MemoryMeasure::kProcess;
+  BlockDescription grow = test::plugin_block("grow", "ballast", "w1");  // 48 MB at its first forward
+  grow.options.memory_bytes = 5 * kMB;  // with a's 6 MB, over the 10 MB budget: they take turns
+  Session session;
+  session.add_site(std::make_shared<WorkerSite>(o));
+  session.add_block(six_mb("a")).add_block(grow);
+  session.add_path(Path::chain("ta", {"a"})).add_path(Path::chain("tg", {"grow"}));
+  REQUIRE(session.start().ok());
+  CHECK(test::site_memory(session.metrics(), "w1").unaccounted_bytes < 40 * kMB);  // nothing grown yet
+  // The worker grows, then loads a block: the load decision samples the growth (and, finding no
+  // room, loads it all the same once every idle block is gone). Each load unloads the other block.
+  for (const std::string task : {"tg", "ta", "tg", "ta"}) {
+    const Result r = session.submit(task, at::full({1, 4}, 2.0f)).get();
+    INFO(r.status);
+    REQUIRE(r.ok());
+    CHECK(r.output().eq(task == "ta" ? 7.0f : 3.0f).all().item<bool>());
+  }
+  CHECK(test::eventually([&] { return test::site_memory(session.metrics(), "w1").unaccounted_bytes >= 40 * kMB; }));
+  const MetricsSnapshot m = session.metrics();
+  const SiteMemory w1 = test::site_memory(m, "w1");
+  CHECK(w1.measure == "process");
+  CHECK(w1.loads >= 4);
+  CHECK(w1.unaccounted_bytes < 256 * kMB);  // the ballast, not the whole process (sanitizers' shadow included)
+  CHECK_THAT(m.to_prometheus(), Contains("blockflow_site_memory_unaccounted_bytes{site=\"w1\"}"));
+}

@@ -178,6 +178,29 @@ TEST_CASE("a zero-copy link reports a malformed release and a closed peer, and g
   CHECK(ends->host_stats().slots_in_use == 0);  // the slot staged for it is free again
 }
 
+TEST_CASE("a zero-copy link's read() takes at most kReleasePacketsPerRead release packets a call", "[link]") {
+  auto pair = PacketLink::pair();
+  REQUIRE(pair.ok());
+  auto& [ours, theirs] = *pair;
+  auto ends = std::make_shared<ZeroCopyEnds>(small_pools(), false);
+  ZeroCopyLink link(ours, ends);
+
+  // A peer streaming releases (stale ones: counted and ignored), then one message.
+  const int streamed = kReleasePacketsPerRead + kReleasePacketsPerRead / 2;
+  wire::ShmHandle stale;
+  stale.pool_id = 42;
+  for (int i = 0; i < streamed; ++i) REQUIRE(send_packet(*theirs, release_message(&stale, 1), {}).ok());
+  REQUIRE(send_packet(*theirs, data_to("blk", 7), {}).ok());
+
+  const auto first = link.read(1000);
+  CHECK(first.kind == Kind::kNothing);  // back to its caller with releases still queued
+  CHECK(ends->host_stats().stale_releases == static_cast<std::uint64_t>(kReleasePacketsPerRead));
+  const auto second = link.read(1000);
+  REQUIRE(second.kind == Kind::kMessage);
+  CHECK(second.message.header.request_id == 7);
+  CHECK(ends->host_stats().stale_releases == static_cast<std::uint64_t>(streamed));
+}
+
 TEST_CASE("a view keeps its link open: the producer sees the consumer's end close only once its last view has died",
           "[link]") {
   auto pair = PacketLink::pair();

@@ -458,7 +458,16 @@ class ShmReceiver final : public ProcessChannel {
     for (auto& s : senders_) {
       if (!s.link) continue;
       ::shutdown(s.link->fd(), SHUT_RD);
-      while (take_one(s)) dropped_.fetch_add(1);  // until it reports the end of what was queued
+      // Until it reports the end of what was queued (readable until then: data, then the end);
+      // take_one() also stops after a run of releases (kReleasePacketsPerRead).
+      while (s.link) {
+        if (take_one(s)) {
+          dropped_.fetch_add(1);
+          continue;
+        }
+        pollfd readable{s.link ? s.link->fd() : -1, POLLIN, 0};
+        if (!s.link || ::poll(&readable, 1, 0) <= 0) break;
+      }
     }
     senders_.clear();  // each link stays open while tensors from it live
     sender_count_.store(0);

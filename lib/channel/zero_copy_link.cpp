@@ -108,8 +108,8 @@ ZeroCopyLink::ZeroCopyLink(std::shared_ptr<PacketLink> link, std::shared_ptr<Zer
 
 ZeroCopyLink::Packet ZeroCopyLink::read(int timeout_ms, absl::Duration spin, const ParkedResolver* parked) {
   Packet out;
-  for (bool first = true;; first = false) {
-    auto received = link_->receive(first ? timeout_ms : 0, spin);
+  for (int releases = 0; releases < kReleasePacketsPerRead; ++releases) {
+    auto received = link_->receive(releases == 0 ? timeout_ms : 0, spin);
     if (!received) return out;
     out.received_ns = now_ns();
     if (received->closed) {
@@ -141,6 +141,8 @@ ZeroCopyLink::Packet ZeroCopyLink::read(int timeout_ms, absl::Duration spin, con
       return out;
     }
   }
+  out.received_ns = 0;
+  return out;  // kNothing: the caller reads again after its own checks
 }
 
 absl::Status ZeroCopyLink::send(const wire::Header& header, const Tensors& tensors, const ShmStager* stager, bool wait,

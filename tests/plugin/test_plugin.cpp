@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <vector>
 
 #ifdef BLOCKFLOW_TEST_TORCH_CUDA
 #include <ATen/cuda/Sleep.h>
@@ -82,6 +83,17 @@ extern "C" void blockflow_register_blocks(blockflow::BlockRegistry& registry) {
         [](blockflow::Tensors&& in) -> absl::StatusOr<blockflow::Tensors> {
           if (in.at(0).flatten()[0].item<double>() < 0) std::this_thread::sleep_for(std::chrono::hours(1));
           return blockflow::Tensors{in.at(0)};
+        },
+        options);
+  });
+  // Grows its process by 48 MB (touched) at its first forward and keeps it: memory that no block's
+  // footprint accounts for, as a worker measuring its process (MemoryMeasure::kProcess) sees it.
+  registry.add("ballast", [](const std::string& name, const blockflow::BlockOptions& options) {
+    return blockflow::Block::callable(
+        name,
+        [](blockflow::Tensors&& in) -> absl::StatusOr<blockflow::Tensors> {
+          static const auto* kept = new std::vector<char>(std::size_t{48} << 20, 1);
+          return blockflow::Tensors{in.at(0) + kept->back()};
         },
         options);
   });

@@ -68,6 +68,10 @@ class ReleaseOutbox : public std::enable_shared_from_this<ReleaseOutbox> {
   std::atomic<bool> retrying_{false};  // listed for the retrying thread
 };
 
+/// read() takes at most this many release packets in one call before it returns kNothing, so that
+/// a peer streaming releases cannot keep its caller from its other duties (stop flags, heartbeats).
+inline constexpr int kReleasePacketsPerRead = 64;
+
 /// Thread safety: read() from one thread at a time; send() and flush_releases() from any; the
 /// releases of the tensors read() made leave from whatever thread those die on.
 class ZeroCopyLink {
@@ -80,7 +84,7 @@ class ZeroCopyLink {
 
   struct Packet {
     enum class Kind {
-      kNothing,    ///< nothing but releases came in time
+      kNothing,    ///< nothing but releases came in time (or kReleasePacketsPerRead of them)
       kClosed,     ///< the peer closed its end (or shut its sending side down): nothing more comes
       kMalformed,  ///< a packet or message that could not be read, dropped; `malformed` says why
       kMessage,    ///< `message`: anything but a release
@@ -92,7 +96,8 @@ class ZeroCopyLink {
     std::int64_t received_ns = 0;  ///< kMessage, kMalformed: when it was taken off the link (before decoding)
   };
   /// Reads what the peer sent, one thread at a time: releases are taken as they come (our slots
-  /// free again) and the first other packet is returned, its tensors views of the peer's memory.
+  /// free again, up to kReleasePacketsPerRead packets a call) and the first other packet is
+  /// returned, its tensors views of the peer's memory.
   /// Waits up to `timeout_ms` for the first packet, polling for up to `spin` first while packets
   /// stream (PacketLink::receive()); after a release, only for up to `spin` again (the message a
   /// release precedes is often right behind it). `parked`: for messages that carry parked
