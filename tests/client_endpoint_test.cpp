@@ -114,6 +114,29 @@ TEST_CASE("a remote client submits over TCP and gets outputs or the named error"
   CHECK(endpoint.served() == 4);
 }
 
+TEST_CASE("outputs the wire cannot carry come back as an error naming why; the endpoint keeps serving", "[client]") {
+  Session session;
+  session.add_block(test::unary("grow", [](const Tensor& x) { return x.unsqueeze(0); }))
+      .add_block(test::unary("complex", [](const Tensor& x) { return at::zeros({x.numel()}, at::kComplexFloat); }))
+      .add_block(test::unary("twice", [](const Tensor& x) { return x * 2; }))
+      .add_path(Path::chain("grow", {"grow"}))
+      .add_path(Path::chain("complex", {"complex"}))
+      .add_path(Path::chain("double", {"twice"}));
+  test::require_started(session);
+  ClientEndpoint endpoint(session, "tcp://127.0.0.1:*");
+  RemoteClient client(endpoint.endpoint());
+  // An 8-dimensional input is fine; its output has 9 dimensions, one more than the format carries.
+  auto nine = client.submit("grow", {at::ones({1, 1, 1, 1, 1, 1, 1, 2})});
+  CHECK(absl::IsInvalidArgument(nine.status()));
+  CHECK_THAT(std::string(nine.status().message()), Contains("the outputs cannot be sent") && Contains("ndim 9 exceeds 8"));
+  auto complex = client.submit("complex", {at::ones({2})});
+  CHECK(absl::IsInvalidArgument(complex.status()));
+  CHECK_THAT(std::string(complex.status().message()), Contains("has no wire code"));
+  auto fine = client.submit("double", {at::ones({2})});  // the same connection, served on
+  REQUIRE(fine.ok());
+  CHECK(at::equal(fine->at(0), at::full({2}, 2.0F)));
+}
+
 TEST_CASE("malformed frames to the client endpoint: dropped, counted, answered when the id is readable", "[client]") {
   Session session;
   serve_basic(session);

@@ -89,6 +89,12 @@ TEST_CASE("plain TCP beyond the loopback is refused unless insecure; keys or loo
   } catch (const std::runtime_error& e) {
     CHECK_THAT(std::string(e.what()), Contains("control endpoint") && Contains("tcp://*:*"));
   }
+  try {  // a loopback source address, then every interface: what ZeroMQ binds is the second
+    ClientEndpoint sourced(session, "tcp://127.0.0.1:1;0.0.0.0:*");
+    FAIL("bound every interface through a source address");
+  } catch (const std::runtime_error& e) {
+    CHECK_THAT(std::string(e.what()), Contains("tcp://127.0.0.1:1;0.0.0.0:*") && Contains("source address"));
+  }
   ClientEndpointOptions insecure;
   insecure.security.insecure = true;
   ClientEndpoint open(session, "tcp://0.0.0.0:*", insecure);

@@ -210,7 +210,8 @@ TEST_CASE("confined to the models directory: no path leads out, and the error do
   REQUIRE(inside.ok());
   CHECK(inside->blocks[0].torchscript == (root / "sub" / "m.pt").string());
   CHECK(confined((root / "sub" / "m.pt").string()).ok());  // absolute, but inside
-  for (const std::string file : {"../etc/passwd", "/etc/passwd", "/etc/no-such-file", "out/passwd", "sub/../../x.pt"}) {
+  for (const std::string file : {"../etc/passwd", "/etc/passwd", "/etc/no-such-file", "out/passwd", "sub/../../x.pt",
+                                 "nope/../out/passwd", "sub/../sub/m.pt"}) {
     auto refused = confined(file);
     INFO(file);
     REQUIRE_FALSE(refused.ok());
@@ -219,7 +220,53 @@ TEST_CASE("confined to the models directory: no path leads out, and the error do
   }
   CHECK(Deployment::parse(R"({"blocks": [{"name": "a", "torchscript": "/etc/passwd"}], "tasks": {"t": ["a"]}})", root.string())
             .ok());  // the application's own deployments are not confined unless asked
+  // A bare block name stands for NAME.pt in the directory, which may be a link out of it.
+  fs::create_symlink("/etc/passwd", root / "ln.pt");
+  std::ofstream(root / "plain.pt") << "x";
+  auto bare = [&](const std::string& name) {
+    return Deployment::parse(R"({"blocks": [")" + name + R"("], "tasks": {"t": [")" + name + R"("]}})", root.string(), true);
+  };
+  auto linked = bare("ln");
+  REQUIRE_FALSE(linked.ok());
+  CHECK_THAT(std::string(linked.status().message()), Contains("block 'ln': TorchScript path 'ln.pt' is not inside"));
+  auto plain = bare("plain");
+  REQUIRE(plain.ok());
+  CHECK(plain->blocks[0].torchscript == (root / "plain.pt").string());
   test::remove_tree(root.string());
+}
+
+TEST_CASE("confined: a deployment from the wire may not ask for warm-ups beyond its bounds", "[deployment]") {
+  auto confined = [](const std::string& options) {
+    return Deployment::parse(R"({"blocks": [{"name": "a", "factory": "f", )" + options + R"(}], "tasks": {"t": ["a"]}})",
+                             ".", /*confine_to_models_dir=*/true);
+  };
+  CHECK(confined(R"("input_shapes": [[1, 3, 224, 224]], "warmup_runs": 3)").ok());
+  auto huge = confined(R"("input_shapes": [[200000, 100000]])");
+  REQUIRE_FALSE(huge.ok());
+  CHECK_THAT(std::string(huge.status().message()),
+             Contains("block 'a': input_shapes[0] is beyond what a deployment from the wire may warm up"));
+  CHECK_FALSE(confined(R"("input_shapes": [[1, 1, 1, 1, 1, 1, 1, 1, 1]])").ok());  // 9 dimensions
+  auto runs = confined(R"("warmup_runs": 2147483647)");
+  REQUIRE_FALSE(runs.ok());
+  CHECK_THAT(std::string(runs.status().message()), Contains("warmup_runs 2147483647 is above 16"));
+  // Everywhere: a count of elements beyond 64 bits.
+  auto wide = Deployment::parse(
+      R"({"blocks": [{"name": "a", "factory": "f", "input_shapes": [[4611686018427387904, 4]]}], "tasks": {"t": ["a"]}})");
+  REQUIRE_FALSE(wide.ok());
+  CHECK_THAT(std::string(wide.status().message()), Contains("more elements than 64 bits count"));
+  CHECK(Deployment::parse(R"({"blocks": [{"name": "a", "factory": "f", "input_shapes": [[200000, 100000]]}], "tasks": {"t": ["a"]}})")
+            .ok());  // the application's own: its choice
+}
+
+TEST_CASE("a malformed concat rule is an error naming it, never an exception", "[deployment]") {
+  for (const std::string rule : {"concat:-", "concat:---", "concat:1-2", "concat:", "concat:x"}) {
+    INFO(rule);
+    absl::StatusOr<Deployment> d = absl::InternalError("not parsed");
+    REQUIRE_NOTHROW(d = Deployment::parse(
+                        R"({"blocks": ["a"], "tasks": {"t": {"nodes": [{"block": "a", "combine": ")" + rule + R"("}]}}})"));
+    REQUIRE_FALSE(d.ok());
+    CHECK_THAT(std::string(d.status().message()), Contains("unknown combine rule '" + rule + "'"));
+  }
 }
 
 TEST_CASE("JSON nested deeper than the limit is refused before it is parsed", "[deployment]") {

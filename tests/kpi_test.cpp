@@ -329,6 +329,9 @@ TEST_CASE("the metrics endpoint serves Prometheus text and JSON on loopback; the
   CHECK_THAT(http_get(server.port(), "/nope"), StartsWith("HTTP/1.1 404"));
   CHECK(server.requests_served() == 3);
   CHECK_THROWS_WITH(MetricsHttpServer(session, "localhost:1"), Contains("'localhost' is not an IPv4 address"));
+  for (const std::string port : {"70000", "-1", "", "8o", "123456"}) {  // never wrapped to another port
+    CHECK_THROWS_WITH(MetricsHttpServer(session, "127.0.0.1:" + port), Contains("bad port (0-65535)"));
+  }
 
   const std::string file = "/tmp/blockflow-kpi-test-" + std::to_string(::getpid()) + ".prom";
   REQUIRE(write_prometheus_file(session.metrics(), file).ok());

@@ -373,7 +373,16 @@ TEST_CASE("zero and overlapping strides are refused: 130 bytes never decode as 1
              Contains("elements may not overlap"));                                 // a broadcast along dim 0
   CHECK_THAT(rejection(encode_header(one_tensor(strided(DType::kUInt8, {4, 4}, {2, 1}, 10)))),
              Contains("elements may not overlap"));                                 // rows overlapping
+  // Overlapping elements in as many bytes as elements: (0, 1) and (1, 0) share byte 3.
+  CHECK_THAT(rejection(encode_header(one_tensor(strided(DType::kUInt8, {2, 2}, {3, 3}, 7)))),
+             Contains("elements may not overlap"));
+  // A count that wraps 64 bits once multiplied by the element size: 2^62 floats in 4 bytes.
+  CHECK_THAT(rejection(encode_header(one_tensor(strided(DType::kFloat32, {std::int64_t{1} << 62}, {0}, 4)))),
+             Contains("elements may not overlap"));
+  CHECK_THAT(rejection(encode_header(one_tensor(strided(DType::kFloat32, {std::int64_t{1} << 61, 2}, {0, 1}, 8)))),
+             Contains("elements may not overlap"));
   CHECK(decode(encode_header(one_tensor(strided(DType::kUInt8, {4, 4}, {8, 1}, 28)))).ok());  // rows with gaps
+  CHECK(decode(encode_header(one_tensor(strided(DType::kUInt8, {2, 3, 4}, {1, 8, 2}, 24)))).ok());  // a permutation
   CHECK(decode(encode_header(one_tensor(strided(DType::kUInt8, {4, 1}, {1, 0}, 4)))).ok());   // stride 0 on a size-1 dim
 }
 

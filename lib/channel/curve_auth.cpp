@@ -25,6 +25,11 @@ namespace blockflow::detail {
 
 absl::Status check_tcp_bind(const std::string& endpoint, const ServerSecurity& security, std::string_view what) {
   if (endpoint.rfind("tcp://", 0) != 0) return absl::OkStatus();
+  // ZeroMQ reads "tcp://SOURCE;ADDRESS" as a source address, then the one to use: what is bound is
+  // not the host this check would read.
+  if (endpoint.find(';') != std::string::npos) {
+    return absl::InvalidArgumentError(fmt::format("{} '{}': a source address (';') is not supported", what, endpoint));
+  }
   const auto colon = endpoint.rfind(':');
   std::string host = endpoint.substr(6, colon == std::string::npos || colon < 6 ? std::string::npos : colon - 6);
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);

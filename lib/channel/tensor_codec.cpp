@@ -66,6 +66,9 @@ absl::StatusOr<EncodedMessage> encode_message(wire::Header header, const Tensors
     header.tensors.push_back(std::move(desc));
     out.tensors.push_back(std::move(c));
   }
+  // Over a limit of the format (more than kMaxTensors outputs, more than kMaxDims dimensions): an
+  // error for the caller to report, before any slot is staged.
+  if (auto status = wire::encodable(header); !status.ok()) return status;
   if (stager != nullptr) {
     header.flags |= wire::kFlagShmHandles;
     for (std::size_t i = 0; i < out.tensors.size(); ++i) {

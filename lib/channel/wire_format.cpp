@@ -4,6 +4,8 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <utility>
+#include <vector>
 #include <limits>
 #include <stdexcept>
 #include <type_traits>
@@ -123,10 +125,22 @@ absl::Status validate_layout(std::size_t index, const TensorDesc& desc) {
                                            describe_layout(desc), *need));
   }
   // Elements may not share bytes (a zero or overlapping stride): a 4-byte frame must not decode as
-  // 2^28 floats that every later copy materialises (the amplification of a broadcast view).
+  // 2^28 floats that every later copy materialises (the amplification of a broadcast view). The
+  // dims of more than one element, by stride, must each step past the span of those before it
+  // (what every view a permutation or slice of a dense tensor gives satisfies).
   std::uint64_t numel = 1;
   for (std::int64_t d : desc.shape) numel *= static_cast<std::uint64_t>(d);  // no overflow: checked above
-  if (numel > 0 && numel * element_size(desc.dtype) > desc.byte_count) {
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> dims;  // (stride, size), in elements
+  for (std::size_t d = 0; d < desc.shape.size(); ++d) {
+    if (desc.shape[d] > 1) dims.emplace_back(static_cast<std::uint64_t>(desc.strides[d]), static_cast<std::uint64_t>(desc.shape[d]));
+  }
+  std::sort(dims.begin(), dims.end());
+  bool overlap = false;
+  std::uint64_t spanned = 1;  // elements the dims so far step over
+  for (const auto& [stride, size] : dims) {
+    overlap = overlap || stride < spanned || __builtin_mul_overflow(stride, size, &spanned);
+  }
+  if (numel > 0 && overlap) {
     return tensor_error(index, fmt::format("{} holds {} elements in {} bytes: elements may not overlap (zero or "
                                            "overlapping strides are refused)", describe_layout(desc), numel,
                                            desc.byte_count));
@@ -207,31 +221,34 @@ absl::Status check_fixed(const unsigned char* p) {
 }
 
 void check_encodable(const Header& header) {
-  if (header.target.size() > kMaxNameBytes) {
-    throw std::invalid_argument(
-        fmt::format("encode_header: target is {} bytes, limit {}", header.target.size(), kMaxNameBytes));
-  }
-  if (header.message.size() > kMaxMessageBytes) {
-    throw std::invalid_argument(
-        fmt::format("encode_header: message is {} bytes, limit {}", header.message.size(), kMaxMessageBytes));
-  }
-  if (header.tensors.size() > static_cast<std::size_t>(kMaxTensors)) {
-    throw std::invalid_argument(fmt::format("encode_header: {} tensors, limit {}", header.tensors.size(), kMaxTensors));
-  }
-  for (std::size_t i = 0; i < header.tensors.size(); ++i) {
-    const auto& t = header.tensors[i];
-    if (t.shape.size() > static_cast<std::size_t>(kMaxDims)) {
-      throw std::invalid_argument(
-          fmt::format("encode_header: tensor {}: ndim {} exceeds {}", i, t.shape.size(), kMaxDims));
-    }
-    if (t.strides.size() != t.shape.size()) {
-      throw std::invalid_argument(
-          fmt::format("encode_header: tensor {}: {} strides for {} dimensions", i, t.strides.size(), t.shape.size()));
-    }
+  if (auto status = encodable(header); !status.ok()) {
+    throw std::invalid_argument(fmt::format("encode_header: {}", std::string(status.message())));
   }
 }
 
 }  // namespace
+
+absl::Status encodable(const Header& header) {
+  if (header.target.size() > kMaxNameBytes) {
+    return absl::InvalidArgumentError(fmt::format("target is {} bytes, limit {}", header.target.size(), kMaxNameBytes));
+  }
+  if (header.message.size() > kMaxMessageBytes) {
+    return absl::InvalidArgumentError(fmt::format("message is {} bytes, limit {}", header.message.size(), kMaxMessageBytes));
+  }
+  if (header.tensors.size() > static_cast<std::size_t>(kMaxTensors)) {
+    return absl::InvalidArgumentError(fmt::format("{} tensors, limit {}", header.tensors.size(), kMaxTensors));
+  }
+  for (std::size_t i = 0; i < header.tensors.size(); ++i) {
+    const auto& t = header.tensors[i];
+    if (t.shape.size() > static_cast<std::size_t>(kMaxDims)) {
+      return absl::InvalidArgumentError(fmt::format("tensor {}: ndim {} exceeds {}", i, t.shape.size(), kMaxDims));
+    }
+    if (t.strides.size() != t.shape.size()) {
+      return absl::InvalidArgumentError(fmt::format("tensor {}: {} strides for {} dimensions", i, t.strides.size(), t.shape.size()));
+    }
+  }
+  return absl::OkStatus();
+}
 
 std::size_t element_size(DType dtype) {
   switch (dtype) {

@@ -172,9 +172,11 @@ class ZmqReceiver final : public ZmqEnd {
     return out;
   }
  private:
-  // The next well-formed message, if one is there; malformed ones are dropped (logged).
+  // The next well-formed message, if one is there; malformed ones are dropped (logged), up to
+  // kMalformedPerTake a call, so that a peer sending only those cannot hold receive() past its deadline.
   std::optional<Envelope> take(zmq::recv_flags flags) {
-    while (true) {
+    constexpr int kMalformedPerTake = 64;
+    for (int dropped = 0; dropped < kMalformedPerTake; ++dropped) {
       std::vector<zmq::message_t> frames;
       {
         MutexLock lock(&mu_);
@@ -194,6 +196,7 @@ class ZmqReceiver final : public ZmqEnd {
       received_.fetch_add(1);
       return envelope_of(std::move(*message));
     }
+    return std::nullopt;
   }
 
   std::unique_ptr<CurveServer> curve_;  // destroyed after the socket, before the context

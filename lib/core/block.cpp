@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <stdexcept>
 
 namespace blockflow {
@@ -47,6 +48,14 @@ absl::Status validate(const std::string& block, const BlockOptions& o) {
   if (o.max_batch < 1) return bad("max_batch must be >= 1");
   if (!(o.max_batch_delay_ms >= 0)) return bad("max_batch_delay_ms must be >= 0");
   if (o.warmup_runs < 0) return bad("warmup_runs must be >= 0");
+  for (std::size_t i = 0; i < o.input_shapes.size(); ++i) {
+    std::int64_t numel = 1;
+    for (const std::int64_t d : o.input_shapes[i]) {  // a negative dimension (any size) warms up as 1
+      if (__builtin_mul_overflow(numel, std::max<std::int64_t>(d, 1), &numel)) {
+        return bad(fmt::format("input_shapes[{}] has more elements than 64 bits count", i));
+      }
+    }
+  }
   if (o.memory_bytes < 0) return bad("memory_bytes must be >= 0");
   if (o.cuda_graph && o.device.rfind("cuda", 0) != 0) {
     return bad(fmt::format("cuda_graph needs a CUDA device (device is '{}')", o.device));

@@ -2,6 +2,7 @@
 #include <blockflow/deploy/detail/deployment_json.hpp>
 #include <blockflow/core/names.hpp>
 
+#include <absl/strings/numbers.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -22,6 +23,12 @@ absl::StatusOr<FullPolicy> policy_from(const std::string& name) {
   return absl::InvalidArgumentError(fmt::format("unknown full_policy '{}' (block, reject, drop-oldest)", name));
 }
 
+// Bounds on a confined (wire) deployment's warm-up: what zeros of its input_shapes allocate (2^28
+// elements: 1 GiB of float32) and how often a block runs before serving.
+constexpr std::size_t kConfinedMaxDims = 8;
+constexpr std::int64_t kConfinedMaxElements = std::int64_t{1} << 28;
+constexpr int kConfinedMaxWarmupRuns = 16;
+
 std::string resolve(const std::string& file, const std::string& models_dir) {
   if (file.empty() || file.front() == '/' || models_dir.empty()) return file;
   return models_dir + "/" + file;
@@ -31,6 +38,14 @@ std::string resolve(const std::string& file, const std::string& models_dir) {
 // symbolic links are resolved; else an error that says nothing about the file (nor whether it exists).
 absl::StatusOr<std::string> resolve_inside(const std::string& block, const std::string& file, const std::string& models_dir) {
   namespace fs = std::filesystem;
+  // No `..` at all: weakly_canonical() resolves links only along the part of a path that exists, and
+  // then `..` lexically, so "missing/../link/file" would pass through `link` unresolved.
+  for (const auto& part : fs::path(file)) {
+    if (part == "..") {
+      return absl::InvalidArgumentError(fmt::format("block '{}': TorchScript path '{}' is not inside the models directory",
+                                                    block, file));
+    }
+  }
   std::error_code ec;
   const fs::path root = fs::weakly_canonical(fs::absolute(models_dir.empty() ? "." : models_dir, ec), ec);
   const fs::path wanted = fs::path(file).is_absolute() ? fs::path(file) : root / file;
@@ -95,6 +110,12 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
   if (json.is_string()) {  // the reference's form: a name, its model file beside the others
     d.name = json.get<std::string>();
     if (auto status = check_name("block", d.name); !status.ok()) return status;
+    if (confine) {  // NAME.pt may be a link out of the directory
+      auto inside = resolve_inside(d.name, d.name + ".pt", models_dir);
+      if (!inside.ok()) return inside.status();
+      d.torchscript = *std::move(inside);
+      return d;
+    }
     d.torchscript = resolve(d.name + ".pt", models_dir);
     return d;
   }
@@ -153,6 +174,21 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
         fmt::format("block '{}': optimize_for_inference needs \"freeze\": true (it works on the frozen module)", d.name));
   }
   if (auto status = validate(d.name, o); !status.ok()) return status;
+  if (confine) {  // from the wire: what a warm-up may allocate and repeat is bounded
+    for (std::size_t i = 0; i < o.input_shapes.size(); ++i) {
+      std::int64_t numel = 1;
+      for (const std::int64_t dim : o.input_shapes[i]) numel *= std::max<std::int64_t>(dim, 1);  // validate(): no overflow
+      if (o.input_shapes[i].size() > kConfinedMaxDims || numel > kConfinedMaxElements) {
+        return absl::InvalidArgumentError(fmt::format(
+            "block '{}': input_shapes[{}] is beyond what a deployment from the wire may warm up ({} dimensions and {} "
+            "elements at most)", d.name, i, kConfinedMaxDims, kConfinedMaxElements));
+      }
+    }
+    if (o.warmup_runs > kConfinedMaxWarmupRuns) {
+      return absl::InvalidArgumentError(fmt::format("block '{}': warmup_runs {} is above {}, the most a deployment from "
+                                                    "the wire may ask for", d.name, o.warmup_runs, kConfinedMaxWarmupRuns));
+    }
+  }
   if (!d.placement.empty()) {
     if (auto status = check_name("placement", d.placement); !status.ok()) {
       return absl::InvalidArgumentError(fmt::format("block '{}': {}", d.name, std::string(status.message())));
@@ -175,9 +211,7 @@ absl::StatusOr<Combine> combine_from_name(const std::string& name) {
   if (name == "concat") return Combine::concat();
   if (name.rfind("concat:", 0) == 0) {
     const std::string dim = name.substr(7);
-    if (!dim.empty() && dim.find_first_not_of("-0123456789") == std::string::npos && dim.size() < 4) {
-      return Combine::concat(std::stoll(dim));
-    }
+    if (std::int64_t d = 0; dim.size() < 4 && absl::SimpleAtoi(dim, &d)) return Combine::concat(d);
   }
   return absl::InvalidArgumentError(fmt::format("unknown combine rule '{}' (pack, mean, concat, concat:DIM)", name));
 }

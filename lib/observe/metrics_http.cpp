@@ -143,11 +143,11 @@ MetricsHttpServer::MetricsHttpServer(const Session& session, const std::string& 
   const auto colon = address.rfind(':');
   if (colon == std::string::npos) throw std::runtime_error(fmt::format("metrics endpoint '{}': expected HOST:PORT", address));
   const std::string host = address.substr(0, colon);
-  int port = 0;
-  try {
-    port = std::stoi(address.substr(colon + 1));
-  } catch (const std::exception&) {
-    throw std::runtime_error(fmt::format("metrics endpoint '{}': bad port", address));
+  const std::string port_text = address.substr(colon + 1);
+  int port = -1;
+  if (port_text.empty() || port_text.size() > 5 || port_text.find_first_not_of("0123456789") != std::string::npos ||
+      (port = std::stoi(port_text)) > 65535) {
+    throw std::runtime_error(fmt::format("metrics endpoint '{}': bad port (0-65535)", address));
   }
   sockaddr_in sa{};
   sa.sin_family = AF_INET;

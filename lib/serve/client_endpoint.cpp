@@ -177,16 +177,26 @@ struct ClientEndpoint::Impl {
 
   // Sends one reply without waiting: false when the client's pipe is full (try again later).
   bool try_send(const Reply& reply) {
+    // Encoded before anything is sent: outputs the wire cannot carry (a dtype without a code, more
+    // than kMaxDims dimensions or kMaxTensors outputs) become an error reply telling the client why.
+    auto encoded = detail::encode_for_socket(reply.header, reply.tensors, nullptr, nullptr);
+    if (!encoded.ok()) {
+      encoded = detail::encode_for_socket(
+          reply_header(reply.header.request_id,
+                       absl::Status(encoded.status().code(), fmt::format("the outputs cannot be sent: {}",
+                                                                         std::string(encoded.status().message())))),
+          {}, nullptr, nullptr);
+      if (!encoded.ok()) {
+        drop(reply, std::string(encoded.status().message()));
+        return true;
+      }
+    }
     try {
       if (!router.send(zmq::buffer(reply.peer), zmq::send_flags::sndmore | zmq::send_flags::dontwait)) return false;
       // Counted before the rest: the client may read the reply before this thread goes on.
       ++served;
       // The first frame passed the pipe's limit, so the rest of the message goes whole.
-      auto sent = detail::send_message(router, reply.header, reply.tensors);
-      if (!sent.ok()) {  // outputs the wire cannot carry: tell the client why
-        (void)router.send(zmq::buffer(reply.peer), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
-        (void)detail::send_message(router, reply_header(reply.header.request_id, sent.status()), {});
-      }
+      (void)detail::send_encoded(router, *encoded, zmq::send_flags::none);
     } catch (const zmq::error_t& e) {  // EHOSTUNREACH: the client went away (ROUTER_MANDATORY)
       drop(reply, fmt::format("client gone ({})", e.what()));
     }
@@ -222,6 +232,12 @@ struct ClientEndpoint::Impl {
       const std::size_t bytes = size_of(reply);
       if (!b.replies.empty() && b.bytes + bytes > options.max_backlog_bytes_per_client) {
         drop(reply, fmt::format("its client does not read its replies ({} bytes wait for it already)", b.bytes));
+        continue;
+      }
+      if (backlog_bytes_total > 0 && backlog_bytes_total + bytes > options.max_backlog_bytes) {
+        drop(reply, fmt::format("clients that do not read hold {} bytes of replies already (max_backlog_bytes)",
+                                backlog_bytes_total));
+        if (b.replies.empty()) backlogs.erase(reply.peer);
         continue;
       }
       b.bytes += bytes;

@@ -170,6 +170,10 @@ inline bool operator!=(const Header& a, const Header& b) {
   return !(a == b);
 }
 
+/// @brief OK when encode_header() can encode `header`; otherwise InvalidArgument naming the field
+/// over its limit (what encode_header() would throw).
+[[nodiscard]] absl::Status encodable(const Header& header);
+
 /**
  * @brief Encodes a header as frame 0.
  *

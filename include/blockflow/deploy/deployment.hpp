@@ -86,8 +86,10 @@ struct Deployment {
   /// names.hpp. Files are not opened here (start() does).
   ///
   /// With `confine_to_models_dir` (what the control endpoint does with deployments from the wire),
-  /// every TorchScript path must lie inside `models_dir` once `..` and symbolic links are resolved;
-  /// one outside is refused with a message that does not say whether the file exists.
+  /// every TorchScript path (a bare block name's NAME.pt too) must lie inside `models_dir` once
+  /// symbolic links are resolved, and may not contain `..`; one outside is refused with a message
+  /// that does not say whether the file exists. A confined block's warm-up is bounded too: each of
+  /// its input_shapes at most 8 dimensions and 2^28 elements, warmup_runs at most 16.
   static absl::StatusOr<Deployment> parse(const std::string& json, const std::string& models_dir = ".",
                                           bool confine_to_models_dir = false);
 

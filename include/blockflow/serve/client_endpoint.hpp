@@ -25,7 +25,9 @@ struct ClientEndpointOptions {
   /// A request larger than this (all its frames together) is refused with an InvalidArgument reply
   /// naming the limit; a single frame above it is dropped by ZeroMQ before it is read whole, and the
   /// connection closed. No tensor decodes to more elements than its bytes hold (docs/wire-format.md),
-  /// so this bounds the elements of a request too.
+  /// so this bounds the elements of a request too. Not bounded: ZeroMQ holds the frames of one
+  /// message until its last has come, and has no limit on how many frames a message has, so a peer
+  /// allowed to connect can make it buffer many frames below this size before the request is refused.
   std::size_t max_request_bytes = std::size_t{256} << 20;
   /// Requests of one client inside the session at once; more get ResourceExhausted at once.
   std::size_t max_in_flight_per_client = 1024;
@@ -33,6 +35,9 @@ struct ClientEndpointOptions {
   /// 16 replies). Replies that would go beyond are dropped and counted (dropped_replies()); the
   /// client's requests time out, and no other client waits for it.
   std::size_t max_backlog_bytes_per_client = std::size_t{64} << 20;
+  /// The same for every client together: while replies of this many bytes wait for clients that do
+  /// not read, new ones that cannot go at once are dropped and counted too.
+  std::size_t max_backlog_bytes = std::size_t{512} << 20;
 };
 
 /// @brief Serves a session to remote clients on a ROUTER socket.
