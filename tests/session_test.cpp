@@ -284,6 +284,42 @@ TEST_CASE("a block on a device this machine does not have is rejected at start()
                                                  Contains("not present"));
 }
 
+TEST_CASE("a completion callback that throws keeps no other request from resolving: shutdown with requests queued",
+          "[session]") {
+  SessionOptions one_lane;
+  one_lane.lanes = 1;
+  Session session(one_lane);
+  std::atomic<bool> go{false};
+  session.add_block(Block::callable("gate", [&go](Tensors&& in) -> absl::StatusOr<Tensors> {
+    while (!go) std::this_thread::sleep_for(1ms);
+    return std::move(in);
+  })).add_path(Path::chain("t", {"gate"}));
+  test::require_started(session);
+  auto running = session.submit("t", at::ones({1}));
+  REQUIRE(test::eventually([&] { return session.metrics().blocks.at(0).computing_s > 0; }));
+  // Queued behind it: one whose callback throws, then two more.
+  std::atomic<int> thrown{0};
+  session.submit("t", Tensors{at::ones({1})}, [&thrown](Result&&) {
+    ++thrown;
+    throw std::runtime_error("callback bug");
+  });
+  auto second = session.submit("t", at::ones({1}));
+  auto third = session.submit("t", at::ones({1}));
+  std::thread opener([&go] {
+    std::this_thread::sleep_for(50ms);
+    go = true;
+  });
+  CHECK_NOTHROW(session.shutdown(absl::ZeroDuration()));  // the queued ones fail, each resolved
+  opener.join();
+  CHECK(thrown == 1);
+  for (auto* f : {&second, &third}) {
+    Result r;
+    REQUIRE_NOTHROW(r = f->get());  // before: a broken promise
+    CHECK(absl::IsCancelled(r.status));
+  }
+  CHECK(running.get().status.code() != absl::StatusCode::kUnknown);
+}
+
 TEST_CASE("an exception thrown by a done callback does not take the worker down", "[session]") {
   Session session;
   session.add_block(test::unary("a", [](const Tensor& x) { return x + 1; })).add_path(Path::chain("t", {"a"}));

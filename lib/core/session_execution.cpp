@@ -2,6 +2,7 @@
 // hand-off to the next block (inline on the same lane, or queued), joins of DAG paths, full
 // queues, and the resolution of each request exactly once.
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 
 #include <ATen/ops/cat.h>
@@ -445,7 +446,22 @@ void SessionCore::resolve(const StatePtr& state, absl::Status status, Tensors ou
       core->leave_entry(state);  // after done(), thrown or not: the next request waiting at the entry starts
     }
   } restore{this, state, outer};
-  done(std::move(result));
+  // The application's callback: whatever it throws stays here, so that a caller resolving several
+  // requests (a shutdown, an update's drain, a batch, an evicted request) resolves the others too.
+  try {
+    done(std::move(result));
+  } catch (const std::exception& e) {
+    callback_thrown(state->id, state->path->task, e.what());
+  } catch (...) {
+    callback_thrown(state->id, state->path->task, "an exception of unknown type");
+  }
+}
+
+void SessionCore::callback_thrown(std::uint64_t id, const std::string& task, std::string_view what) {
+  static RateLimitedLog noisy;
+  noisy.log(LogLevel::kWarning,
+            fmt::format("request {} of task '{}': its completion callback threw ({}); dropped, the session goes on", id,
+                        task, what));
 }
 
 bool SessionCore::on_own_thread() const { return calling_back == this || (lanes_ && lanes_->current_lane() >= 0); }

@@ -255,6 +255,8 @@ class SessionCore {
   void run_admissions(EntryGate::Waiting&& first);
   void fail(const StatePtr& state, absl::Status status);
   void resolve(const StatePtr& state, absl::Status status, Tensors outputs);
+  // A completion callback threw: logged (rate-limited), never passed on to the resolving thread.
+  static void callback_thrown(std::uint64_t id, const std::string& task, std::string_view what);
   void reject_now(const std::string& task, absl::Status status, const std::function<void(Result&&)>& done);
   std::shared_ptr<const RoutingTable> routing() const;
 
