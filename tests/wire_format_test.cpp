@@ -436,6 +436,15 @@ TEST_CASE("peek_request_id reads the id of an otherwise malformed header", "[wir
   bad = bytes;
   poke<std::uint16_t>(bad, 4, 1);
   CHECK_FALSE(peek_request_id(bad.data(), bad.size()).has_value());
+  CHECK_FALSE(peek_node(bad.data(), bad.size()).has_value());  // no node without a readable header
+
+  Header at_node = one_tensor(contiguous(DType::kFloat32, {2, 3}));
+  at_node.node = 7;
+  std::string torn = encode_header(at_node);
+  poke<std::uint8_t>(torn, kTensor0, 77);
+  CHECK(peek_node(torn.data(), torn.size()) == std::optional<std::uint32_t>(7));
+  CHECK(peek_node(torn.data(), 24) == std::optional<std::uint32_t>(7));
+  CHECK_FALSE(peek_node(torn.data(), 23).has_value());
 }
 
 TEST_CASE("check_frames compares frame count and sizes with the header", "[wire]") {

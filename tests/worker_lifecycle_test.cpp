@@ -4,6 +4,9 @@
 #include "worker_util.hpp"
 
 #include <blockflow/channel/detail/runtime_dir.hpp>
+#include <blockflow/channel/wire_format.hpp>
+
+#include <zmq.hpp>
 
 #include <dirent.h>
 
@@ -11,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <mutex>
 
 using namespace blockflow;
 using namespace std::chrono_literals;
@@ -66,6 +70,47 @@ TEST_CASE("a stopped WorkerSite never calls its completion callback again", "[wo
   after.tensors = {at::ones({2})};
   site->run("x", std::move(after));  // used to be failed through the callback of a session maybe gone
   CHECK(calls->load() == 1);
+}
+
+TEST_CASE("a request frame a worker cannot decode is answered at the node it names: no other request of the same id "
+          "fails",
+          "[worker_lifecycle]") {
+  std::mutex mu;
+  std::vector<SiteCompletion> done;
+  auto site = std::make_shared<WorkerSite>(test::test_worker("wl4", "zmq"));  // direct edges: a peer endpoint
+  REQUIRE(site->start({test::plugin_block("x", "slow_identity", "wl4")}, [&](SiteCompletion&& c) {
+                std::lock_guard lock(mu);
+                done.push_back(std::move(c));
+              }).ok());
+  REQUIRE_FALSE(site->peer_endpoint().empty());
+  Envelope e;
+  e.request_id = 5;
+  e.tensors = {at::ones({2})};
+  site->run("x", std::move(e));
+  // The header of a request 5 for node 3, without its tensor frame: malformed, its id and node readable.
+  wire::Header h;
+  h.kind = wire::MessageKind::kData;
+  h.request_id = 5;
+  h.node = 3;
+  h.target = "x";
+  h.tensors.push_back({wire::DType::kFloat32, {2}, {1}, 8});
+  zmq::context_t context;
+  zmq::socket_t push(context, zmq::socket_type::push);
+  push.set(zmq::sockopt::linger, 1000);
+  push.connect(site->peer_endpoint());
+  REQUIRE(push.send(zmq::buffer(wire::encode_header(h)), zmq::send_flags::none));
+  REQUIRE(test::eventually([&] {
+    std::lock_guard lock(mu);
+    return !done.empty();
+  }));
+  std::this_thread::sleep_for(200ms);  // the error reply for node 3 has come back by now, and was not ours
+  std::lock_guard lock(mu);
+  REQUIRE(done.size() == 1);
+  CHECK(done[0].request_id == 5);
+  CHECK(done[0].node == 0);
+  INFO(done[0].outputs.status().ToString());
+  CHECK(done[0].outputs.ok());  // before: "malformed request frame" (the reply named node 0)
+  site->stop();
 }
 
 TEST_CASE("WorkerSite::cancel_update() ends an update that is loading", "[worker_lifecycle]") {

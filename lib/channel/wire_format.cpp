@@ -486,6 +486,11 @@ std::optional<std::uint64_t> peek_request_id(const void* data, std::size_t size)
   return load<std::uint64_t>(p + kOffRequestId);
 }
 
+std::optional<std::uint32_t> peek_node(const void* data, std::size_t size) {
+  if (size < kOffNode + 4 || !peek_request_id(data, size)) return std::nullopt;
+  return load<std::uint32_t>(static_cast<const unsigned char*>(data) + kOffNode);
+}
+
 std::vector<std::int64_t> contiguous_strides(const std::vector<std::int64_t>& shape) {
   std::vector<std::int64_t> strides(shape.size());
   std::int64_t running = 1;

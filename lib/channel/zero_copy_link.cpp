@@ -122,7 +122,10 @@ ZeroCopyLink::Packet ZeroCopyLink::read(int timeout_ms, absl::Duration spin, con
       return out;
     }
     std::vector<zmq::message_t>& frames = *received->frames;
-    if (!frames.empty()) out.request_id = wire::peek_request_id(frames[0].data(), frames[0].size());
+    if (!frames.empty()) {
+      out.request_id = wire::peek_request_id(frames[0].data(), frames[0].size());
+      out.node = wire::peek_node(frames[0].data(), frames[0].size()).value_or(0);
+    }
     auto message = decode_message(std::move(frames), &resolver_, parked);
     if (!message.ok()) {
       out.kind = Packet::Kind::kMalformed;

@@ -345,6 +345,7 @@ class Worker {
   // when it was received, before decoding (mapping the host's pools counts as the request's wait).
   struct Incoming {
     std::optional<std::uint64_t> id;
+    std::uint32_t node = 0;  // with `id`: the node a malformed one names
     absl::StatusOr<bf::detail::DecodedMessage> message;
     std::int64_t arrived = 0;
   };
@@ -358,16 +359,19 @@ class Worker {
           std::this_thread::sleep_for(std::chrono::milliseconds(100));
           return std::nullopt;
         case bf::detail::ZeroCopyLink::Packet::Kind::kMalformed:
-          return Incoming{packet.request_id, std::move(packet.malformed), packet.received_ns};
+          return Incoming{packet.request_id, packet.node, std::move(packet.malformed), packet.received_ns};
         case bf::detail::ZeroCopyLink::Packet::Kind::kMessage:
-          return Incoming{std::nullopt, std::move(packet.message), packet.received_ns};
+          return Incoming{std::nullopt, 0, std::move(packet.message), packet.received_ns};
       }
     }
     std::vector<zmq::message_t> frames;
     if (!zmq::recv_multipart(pull_, std::back_inserter(frames))) return std::nullopt;
     Incoming in;
     in.arrived = now_ns();
-    if (!frames.empty()) in.id = bf::wire::peek_request_id(frames[0].data(), frames[0].size());
+    if (!frames.empty()) {
+      in.id = bf::wire::peek_request_id(frames[0].data(), frames[0].size());
+      in.node = bf::wire::peek_node(frames[0].data(), frames[0].size()).value_or(0);
+    }
     in.message = bf::detail::decode_message(std::move(frames), nullptr, &parked_resolver_);
     if (in.message.ok() && in.message->header.kind == bf::wire::MessageKind::kRelease) {
       in.id.reset();  // a stray release names no request
@@ -406,7 +410,7 @@ class Worker {
         noisy_.log(bf::LogLevel::kWarning, fmt::format("worker {}: malformed request frame dropped: {}", args_.name,
                                                        std::string(message.status().message())));
         if (next->id) {
-          reply({error_header(*next->id, 0, absl::InvalidArgumentError(fmt::format(
+          reply({error_header(*next->id, next->node, absl::InvalidArgumentError(fmt::format(
                                                   "malformed request frame: {}", std::string(message.status().message())))),
                  {}});
         }

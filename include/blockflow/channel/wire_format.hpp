@@ -204,6 +204,9 @@ inline bool operator!=(const Header& a, const Header& b) {
 /// failed with a clear error. nullopt unless the magic and version are right and the id is inside
 /// the frame (bytes 8..16).
 [[nodiscard]] std::optional<std::uint64_t> peek_request_id(const void* data, std::size_t size);
+/// @brief The same for the node the frame is for (bytes 20..24): with its request id, what an error
+/// reply to a frame that cannot be decoded must name, so that it fails that request's node only.
+[[nodiscard]] std::optional<std::uint32_t> peek_node(const void* data, std::size_t size);
 
 /// @brief Contiguous row-major strides (in elements) for `shape`; a 0 dimension counts as 1, as in
 /// libtorch. Throws std::invalid_argument for a negative dimension or a stride that overflows i64.
