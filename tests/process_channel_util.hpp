@@ -24,6 +24,13 @@ inline std::unique_ptr<ProcessChannel> open_or_fail(const std::string& uri, Chan
   return *std::move(ch);
 }
 
+/// Options of a sender that never waits (FullPolicy::kReject).
+inline ProcessChannelOptions no_wait() {
+  ProcessChannelOptions o;
+  o.full_policy = FullPolicy::kReject;
+  return o;
+}
+
 /// An envelope with request id `id`, node id % 7 and `tensors`.
 inline Envelope envelope_of(std::uint64_t id, Tensors tensors) {
   Envelope e;

@@ -8,17 +8,13 @@
 using namespace blockflow;
 using Catch::Matchers::Contains;
 using test::envelope_of;
+using test::no_wait;
 using test::open_or_fail;
 using test::round_trip;
 using test::unique_name;
 
 namespace {
 
-ProcessChannelOptions no_wait() {
-  ProcessChannelOptions o;
-  o.full_policy = FullPolicy::kReject;
-  return o;
-}
 
 std::vector<Envelope> receive_n(ProcessChannel& receiver, int n) {
   std::vector<Envelope> out;

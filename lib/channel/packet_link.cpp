@@ -86,12 +86,22 @@ PacketLink::~PacketLink() { ::close(fd_); }
 absl::StatusOr<std::shared_ptr<PacketLink>> PacketLink::connect(const std::string& path) {
   auto address = address_of(path);
   if (!address.ok()) return address.status();
-  const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  // Non-blocking while it connects: a listener whose backlog is full (it is not accepting now)
+  // refuses at once (EAGAIN) instead of holding the caller for as long as it does not accept.
+  const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return absl::UnavailableError(fmt::format("data link: socket: {}", std::strerror(errno)));
   if (::connect(fd, reinterpret_cast<const sockaddr*>(&*address), sizeof(*address)) != 0) {
     const int e = errno;
     ::close(fd);
-    return absl::UnavailableError(fmt::format("data link: cannot connect to '{}': {}", path, std::strerror(e)));
+    return absl::UnavailableError(fmt::format("data link: cannot connect to '{}': {}", path,
+                                              e == EAGAIN ? "it accepts no connection now (its backlog is full)"
+                                                          : std::strerror(e)));
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {  // blocking from here, as links are
+    const int e = errno;
+    ::close(fd);
+    return absl::UnavailableError(fmt::format("data link: fcntl: {}", std::strerror(e)));
   }
   return std::make_shared<PacketLink>(fd);
 }

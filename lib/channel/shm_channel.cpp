@@ -88,9 +88,14 @@ class RelayOrphans {
     std::shared_ptr<ZeroCopyLink> link;
   };
   // Reads the releases that came; true once nothing is held any more or the receiver has gone.
+  // At most kReadsPerSweep reads a sweep: a receiver that keeps sending cannot hold the sweep (and
+  // with it every sender that adopts an orphan meanwhile).
   static bool done(const Orphan& o) {
-    for (auto packet = o.link->read(0); packet.kind != ZeroCopyLink::Packet::Kind::kNothing; packet = o.link->read(0)) {
-      if (packet.kind == ZeroCopyLink::Packet::Kind::kClosed) return true;
+    constexpr int kReadsPerSweep = 64;
+    for (int reads = 0; reads < kReadsPerSweep; ++reads) {
+      const auto kind = o.link->read(0).kind;
+      if (kind == ZeroCopyLink::Packet::Kind::kClosed) return true;
+      if (kind == ZeroCopyLink::Packet::Kind::kNothing) break;
     }
     return !o.link->ends().holds_for_peer();
   }
@@ -112,6 +117,9 @@ class ShmSender final : public ProcessChannel {
   }
   ~ShmSender() override {
     close();
+    stopping_.store(true);
+    const std::uint64_t one = 1;
+    (void)!::write(wake_, &one, sizeof(one));
     reader_.join();
     ::close(wake_);
     std::shared_ptr<ZeroCopyLink> link;
@@ -162,8 +170,8 @@ class ShmSender final : public ProcessChannel {
     }
     if (link) ::shutdown(link->fd(), SHUT_WR);  // the receiver reads what was sent, then the end
     ends_->stop_waiting();                      // a send() waiting for a slot or record ends
-    const std::uint64_t one = 1;
-    (void)!::write(wake_, &one, sizeof(one));  // and so does the reader
+    // The reader goes on taking the receiver's releases (flush() waits for them) until the
+    // receiver's end closes, or this end is destroyed.
   }
   bool closed() const override { return closed_.load(); }
 
@@ -289,7 +297,7 @@ class ShmSender final : public ProcessChannel {
   }
 
   void read_releases() {
-    while (!closed_.load()) {
+    while (!stopping_.load()) {
       std::shared_ptr<ZeroCopyLink> link;
       {
         MutexLock lock(&mu_);
@@ -297,7 +305,12 @@ class ShmSender final : public ProcessChannel {
       }
       std::vector<pollfd> fds = {{wake_, POLLIN, 0}};
       if (link) fds.push_back({link->fd(), POLLIN, 0});
-      (void)::poll(fds.data(), fds.size(), link ? kPollMs : 10);  // without a link: until send() makes one
+      // Without a link: until send() makes one; closed, none will come (the destructor wakes us).
+      (void)::poll(fds.data(), fds.size(), link ? kPollMs : (closed_.load() ? -1 : 10));
+      if ((fds[0].revents & POLLIN) != 0) {
+        std::uint64_t woken = 0;
+        (void)!::read(wake_, &woken, sizeof(woken));
+      }
       if (!link || fds[1].revents == 0) continue;
       auto packet = link->read(0);  // takes the releases; the receiver sends nothing else
       if (packet.kind == ZeroCopyLink::Packet::Kind::kClosed) drop_link(link);
@@ -316,6 +329,7 @@ class ShmSender final : public ProcessChannel {
   std::shared_ptr<ZeroCopyLink> link_ ABSL_GUARDED_BY(mu_);
   bool retiring_ ABSL_GUARDED_BY(mu_) = false;  // link_'s receiver no longer reads
   std::atomic<bool> closed_{false};
+  std::atomic<bool> stopping_{false};  // the destructor: the reader ends
   std::atomic<std::uint64_t> sent_{0}, contiguous_copies_{0};
   RateLimitedLog noisy_;
   std::thread reader_;
@@ -367,13 +381,22 @@ class ShmReceiver final : public ProcessChannel {
         gaps_.streaming(options_.receive_spin) ? now_ns() + absl::ToInt64Nanoseconds(options_.receive_spin) : 0;
     std::optional<Envelope> newest;
     while (!closed_.load()) {
+      // New senders are accepted while others stream too (below, only when nothing is there).
+      if (const std::int64_t now = now_ns(); now - last_accept_ns_ >= kAcceptEveryNs) {
+        last_accept_ns_ = now;
+        accept_senders();
+      }
       for (const auto& s : senders_) {
         if (s.link) s.link->flush_releases();  // releases a full link could not take at once
       }
       // Everything that is there now: the first envelope found, or with kDropOldest the newest.
       for (std::size_t k = 0; k < senders_.size(); ++k) {
         Sender& s = senders_[(next_ + k) % senders_.size()];
-        while (auto e = take_one(s)) {
+        // kDropOldest: what is there now, up to a bound (a sender that keeps its queue full cannot
+        // hold this call past its deadline).
+        for (int taken = 0; taken < kTakesPerSender; ++taken) {
+          auto e = take_one(s);
+          if (!e) break;
           if (newest) dropped_.fetch_add(1);  // dies here: its slots go back
           newest = std::move(e);
           if (options_.full_policy != FullPolicy::kDropOldest) break;
@@ -479,8 +502,10 @@ class ShmReceiver final : public ProcessChannel {
   }
 
   // The next envelope a sender has sent, if one is there now; a sender that has gone loses its link.
+  // Skips at most kSkipsPerTake malformed or non-data packets a call (a peer sending only those
+  // cannot hold receive() past its deadline or close()).
   std::optional<Envelope> take_one(Sender& s) {
-    while (s.link) {
+    for (int skipped = 0; s.link && skipped < kSkipsPerTake; ++skipped) {
       auto packet = s.link->read(0);
       switch (packet.kind) {
         case ZeroCopyLink::Packet::Kind::kNothing:
@@ -500,6 +525,10 @@ class ShmReceiver final : public ProcessChannel {
     return std::nullopt;
   }
 
+  static constexpr int kSkipsPerTake = 64;
+  static constexpr int kTakesPerSender = 1024;
+  static constexpr std::int64_t kAcceptEveryNs = 1'000'000;
+
   const std::string uri_;
   std::unique_ptr<PacketListener> listener_;  // until close()
   const ProcessChannelOptions options_;
@@ -512,6 +541,7 @@ class ShmReceiver final : public ProcessChannel {
   bool reading_ ABSL_GUARDED_BY(turn_mu_) = false;  // a receive() has the turn; it alone uses the fields below
   std::vector<Sender> senders_;
   std::size_t next_ = 0;
+  std::int64_t last_accept_ns_ = 0;  // the turn's: when receive() last accepted new senders
   ArrivalGaps gaps_;
   std::atomic<bool> closed_{false};
   std::atomic<std::size_t> sender_count_{0};
