@@ -90,7 +90,7 @@ void SessionCore::add_block(BlockDescription description) {
 void SessionCore::add_site(std::shared_ptr<RemoteSite> site, bool stop_when_empty) {
   if (started_) throw std::logic_error("Session::add_site() after start()");
   if (!site) throw std::invalid_argument("Session::add_site(): null site");
-  auto runtime = std::make_unique<SiteRuntime>();
+  auto runtime = std::make_shared<SiteRuntime>();
   runtime->site = std::move(site);
   runtime->stop_when_empty = stop_when_empty;
   sites_.push_back(std::move(runtime));

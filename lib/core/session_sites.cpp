@@ -18,10 +18,12 @@ std::vector<BlockDescription> SessionCore::descriptions_of(const SiteRuntime& si
 }
 
 absl::Status SessionCore::start_site(SiteRuntime& site) {
-  SiteRuntime* raw = &site;
   site.site->on_lost([this, name = site.site->name()](const std::string& cause) { losses_->report(name, cause); });
-  auto status = site.site->start(descriptions_of(site),
-                                 [this, raw](SiteCompletion&& c) { on_site_completion(*raw, std::move(c)); });
+  // Weakly: a site may still be reporting (a request another site's thread fails) as an update
+  // retires it and collect_retired() frees it; such a late completion is then dropped.
+  auto status = site.site->start(descriptions_of(site), [this, weak = site.weak_from_this()](SiteCompletion&& c) {
+    if (auto alive = weak.lock()) on_site_completion(*alive, std::move(c));
+  });
   if (status.ok()) site.peer_endpoint = site.site->peer_endpoint();
   return status;
 }

@@ -37,7 +37,7 @@ struct SessionCore::UpdateWork {
   std::vector<BlockDescription> added;      // new blocks, and new versions of changed ones
   std::vector<BlockRuntime*> removed;       // running blocks that go (changed ones included)
   std::vector<std::unique_ptr<BlockRuntime>> fresh;
-  std::vector<std::unique_ptr<SiteRuntime>> new_sites;
+  std::vector<std::shared_ptr<SiteRuntime>> new_sites;
   std::vector<BlockRuntime*> starting;      // fresh blocks of this process, started in step 4
   std::vector<std::pair<SiteRuntime*, std::vector<BlockDescription>>> grown;  // running sites, their blocks before
   absl::flat_hash_map<std::string, BlockRuntime*> next_by_name;
@@ -258,7 +258,7 @@ absl::Status SessionCore::update_load(UpdateWork& u) {
         if (made->site->name() == d.placement) site = made.get();
       }
       if (site == nullptr) {
-        auto made = std::make_unique<SiteRuntime>();
+        auto made = std::make_shared<SiteRuntime>();
         made->site = u.factory(u.wanted.site(d.placement));
         made->stop_when_empty = true;
         if (!made->site) return u.invalid(fmt::format("block '{}': the site factory made no site '{}'", d.name, d.placement));
@@ -564,7 +564,7 @@ void SessionCore::collect_retired() {
   // Every plan not yet destroyed, expired or not, keeps what it reaches.
   for (const auto& published : published_plans_) held_blocks.insert(published.blocks.begin(), published.blocks.end());
   std::vector<std::unique_ptr<BlockRuntime>> freed;
-  std::vector<std::unique_ptr<SiteRuntime>> freed_sites;
+  std::vector<std::shared_ptr<SiteRuntime>> freed_sites;
   std::vector<std::shared_ptr<PathRuntime>> freed_paths;  // the session's references only
   blockflow::detail::MutexLock lock(&state_mu_);
   auto keep_block = [&](const auto& runtime) { return held_blocks.count(runtime.get()) != 0; };

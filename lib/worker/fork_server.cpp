@@ -43,6 +43,7 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <thread>
 
 namespace blockflow {
 namespace detail {
@@ -324,6 +325,21 @@ ForkServer::~ForkServer() {
   if (state_->socket >= 0) ::close(state_->socket);
 }
 
+namespace {
+
+// The server's socket hung up: it has exited or is exiting. Reaped on a thread of its own, which
+// waits for as long as that takes (a WNOHANG look right after the hang-up may come too early and
+// leave a zombie).
+void reap_server(pid_t server) {
+  std::thread([server] {
+    int status = 0;
+    while (::waitpid(server, &status, 0) < 0 && errno == EINTR) {
+    }
+  }).detach();
+}
+
+}  // namespace
+
 ForkServer* ForkServer::get() {
   ForkServer* s = the_server.load(std::memory_order_acquire);
   if (s == nullptr) return nullptr;
@@ -331,8 +347,7 @@ ForkServer* ForkServer::get() {
   if (!s->state_->gone) {  // a server that died shows as a hung-up socket
     pollfd p{s->state_->socket, 0, 0};
     s->state_->gone = ::poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLERR)) != 0;
-    int status = 0;
-    if (s->state_->gone) (void)::waitpid(s->state_->server, &status, WNOHANG);  // no zombie left
+    if (s->state_->gone) reap_server(s->state_->server);  // no zombie left
   }
   return s->state_->gone ? nullptr : s;
 }
@@ -393,6 +408,7 @@ absl::StatusOr<ForkServer::Forked> ForkServer::fork_worker(const std::vector<std
     }
     if (take_one(s.socket, static_cast<int>(left.count()), s.exits, &reply, &fd) == Received::kClosed) {
       s.gone = true;
+      reap_server(s.server);
       return absl::UnavailableError("the fork server is gone");
     }
   }
@@ -428,7 +444,10 @@ std::optional<int> ForkServer::exit_status(std::uint64_t id, std::chrono::millis
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     // Past the deadline: only what has arrived already (a zero wait reads without blocking).
     const Received r = take_one(s.socket, static_cast<int>(std::max<std::int64_t>(0, left.count())), s.exits, nullptr, nullptr);
-    if (r == Received::kClosed) s.gone = true;
+    if (r == Received::kClosed) {
+      s.gone = true;
+      reap_server(s.server);
+    }
     if (r == Received::kNone && left.count() <= 0) return std::nullopt;
   }
 }

@@ -244,7 +244,11 @@ int serve_once(const Args& args, const std::filesystem::path& launcher_dir, int 
   // be busy with another worker of the same name) until the configuration arrives.
   std::optional<std::string> config;
   std::int64_t next_hello = 0;
-  while (!config && (args.join || ::getppid() == args.parent)) {
+  // A child whose configuration never comes gives up (its site may have moved on: a fork server
+  // that answered too late forks a worker nobody waits for any more).
+  constexpr std::int64_t kConfigWaitNs = std::int64_t{300} * 1'000'000'000;
+  const std::int64_t give_up = now_ns() + kConfigWaitNs;
+  while (!config && (args.join || (::getppid() == args.parent && now_ns() < give_up))) {
     if (now_ns() >= next_hello) {
       send({{"type", "hello"}, {"pid", ::getpid()}, {"name", args.name}, {"rss_bytes", rss_bytes()}});
       next_hello = args.join ? now_ns() + 1'000'000'000 : std::numeric_limits<std::int64_t>::max();
@@ -259,7 +263,7 @@ int serve_once(const Args& args, const std::filesystem::path& launcher_dir, int 
     const auto json = nlohmann::json::parse(message.to_string(), nullptr, false);
     if (!json.is_discarded() && json.value("type", "") == "config") config = message.to_string();
   }
-  if (!config) return 1;  // the parent died while we waited
+  if (!config) return 1;  // the parent died while we waited (or nobody configured us in time)
   BlockflowWorkerServeFn serve = nullptr;
   try {
     serve = load_runtime(launcher_dir);

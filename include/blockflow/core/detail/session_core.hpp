@@ -99,7 +99,9 @@ struct BlockRuntime final : LaneWork {
 };
 
 /// A remote site and the requests the session has handed to it, keyed by (request id, node).
-struct SiteRuntime {
+/// Shared, so that a completion a site reports while it is being stopped (from another site's
+/// thread) finds it alive or not at all: the site's callback holds it weakly (start_site()).
+struct SiteRuntime : std::enable_shared_from_this<SiteRuntime> {
   std::shared_ptr<RemoteSite> site;
   bool stop_when_empty = false;  ///< apply() stops it once it holds no block (factory and deployment sites)
   std::string peer_endpoint;     ///< RemoteSite::peer_endpoint() once started (direct edges)
@@ -266,9 +268,9 @@ class SessionCore {
   KpiSampler sampler_;  // this process's figures, off until set_sampling()
   std::unique_ptr<ComputeLanes> lanes_;  // made and started by start(), stopped by shutdown()
   // Changed by start() and apply() under state_mu_ too; read by metrics() and set_sampling().
-  std::vector<std::unique_ptr<SiteRuntime>> sites_;
+  std::vector<std::shared_ptr<SiteRuntime>> sites_;
   // Sites stopped by apply() once their last block went: kept for late references.
-  std::vector<std::unique_ptr<SiteRuntime>> retired_sites_;
+  std::vector<std::shared_ptr<SiteRuntime>> retired_sites_;
   blockflow::detail::Mutex factory_mu_;
   Session::SiteFactoryWithSettings site_factory_ ABSL_GUARDED_BY(factory_mu_);
   std::vector<Path> pending_paths_;
