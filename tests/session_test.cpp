@@ -305,8 +305,8 @@ TEST_CASE("a completion callback that throws keeps no other request from resolvi
   });
   auto second = session.submit("t", at::ones({1}));
   auto third = session.submit("t", at::ones({1}));
-  std::thread opener([&go] {
-    std::this_thread::sleep_for(50ms);
+  std::thread opener([&go] {  // long after shutdown() has closed the queue, on a loaded machine too
+    std::this_thread::sleep_for(500ms);
     go = true;
   });
   CHECK_NOTHROW(session.shutdown(absl::ZeroDuration()));  // the queued ones fail, each resolved

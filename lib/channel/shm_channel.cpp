@@ -305,8 +305,9 @@ class ShmSender final : public ProcessChannel {
       }
       std::vector<pollfd> fds = {{wake_, POLLIN, 0}};
       if (link) fds.push_back({link->fd(), POLLIN, 0});
-      // Without a link: until send() makes one; closed, none will come (the destructor wakes us).
-      (void)::poll(fds.data(), fds.size(), link ? kPollMs : (closed_.load() ? -1 : 10));
+      // Without a link: until send() makes one (closed: one a send made just before may still
+      // come, so the reader keeps looking; the destructor wakes it).
+      (void)::poll(fds.data(), fds.size(), link || closed_.load() ? kPollMs : 10);
       if ((fds[0].revents & POLLIN) != 0) {
         std::uint64_t woken = 0;
         (void)!::read(wake_, &woken, sizeof(woken));

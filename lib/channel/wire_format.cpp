@@ -127,7 +127,8 @@ absl::Status validate_layout(std::size_t index, const TensorDesc& desc) {
   // Elements may not share bytes (a zero or overlapping stride): a 4-byte frame must not decode as
   // 2^28 floats that every later copy materialises (the amplification of a broadcast view). The
   // dims of more than one element, by stride, must each step past the span of those before it
-  // (what every view a permutation or slice of a dense tensor gives satisfies).
+  // (what permutations and unit-step slices of a dense tensor satisfy; a few layouts that do not
+  // overlap, stepped slices among them, are refused too).
   std::uint64_t numel = 1;
   for (std::int64_t d : desc.shape) numel *= static_cast<std::uint64_t>(d);  // no overflow: checked above
   std::vector<std::pair<std::uint64_t, std::uint64_t>> dims;  // (stride, size), in elements

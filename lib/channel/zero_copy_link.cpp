@@ -124,7 +124,7 @@ ZeroCopyLink::Packet ZeroCopyLink::read(int timeout_ms, absl::Duration spin, con
     std::vector<zmq::message_t>& frames = *received->frames;
     if (!frames.empty()) {
       out.request_id = wire::peek_request_id(frames[0].data(), frames[0].size());
-      out.node = wire::peek_node(frames[0].data(), frames[0].size()).value_or(0);
+      out.node = wire::peek_node(frames[0].data(), frames[0].size());
     }
     auto message = decode_message(std::move(frames), &resolver_, parked);
     if (!message.ok()) {

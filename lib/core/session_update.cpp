@@ -511,7 +511,8 @@ void SessionCore::update_drain(UpdateWork& u, absl::Duration drain) {
   last_update_ = u.timing;
   for (auto it = sites_.begin(); it != sites_.end();) {
     if (std::find(emptied.begin(), emptied.end(), it->get()) != emptied.end()) {
-      // Stopped: no callback can come any more. It keeps its (stopped) site until collect_retired()
+      // Stopped: its own threads report nothing more (another site's thread may still be failing a
+      // request through it: its callback holds this runtime weakly). It keeps its (stopped) site until collect_retired()
       // frees it outside state_mu_: a request that read its block's inbox open just before the
       // drain closed it may still knock (try_run() refuses, the closed inbox fails the request).
       retired_sites_.push_back(std::move(*it));

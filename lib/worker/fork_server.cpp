@@ -394,8 +394,12 @@ absl::StatusOr<ForkServer::Forked> ForkServer::fork_worker(const std::vector<std
     return absl::InvalidArgumentError(fmt::format("its command line or environment cannot be sent: {}", e.what()));
   }
   if (!send_message(s.socket, request)) {
-    s.gone = errno != EMSGSIZE;
-    return absl::UnavailableError(fmt::format("cannot reach the fork server: {}", std::strerror(errno)));
+    const int error = errno;
+    if (error != EMSGSIZE) {
+      s.gone = true;
+      reap_server(s.server);
+    }
+    return absl::UnavailableError(fmt::format("cannot reach the fork server: {}", std::strerror(error)));
   }
   std::optional<nlohmann::json> reply;
   int fd = -1;
@@ -404,6 +408,7 @@ absl::StatusOr<ForkServer::Forked> ForkServer::fork_worker(const std::vector<std
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) {
       s.gone = true;  // a server that does not answer is not asked again
+      reap_server(s.server);  // whenever it exits (its workers go with it)
       return absl::UnavailableError("the fork server did not answer within 10 s");
     }
     if (take_one(s.socket, static_cast<int>(left.count()), s.exits, &reply, &fd) == Received::kClosed) {

@@ -345,7 +345,7 @@ class Worker {
   // when it was received, before decoding (mapping the host's pools counts as the request's wait).
   struct Incoming {
     std::optional<std::uint64_t> id;
-    std::uint32_t node = 0;  // with `id`: the node a malformed one names
+    std::optional<std::uint32_t> node;  // with `id`: the node a malformed one names, when readable
     absl::StatusOr<bf::detail::DecodedMessage> message;
     std::int64_t arrived = 0;
   };
@@ -361,7 +361,7 @@ class Worker {
         case bf::detail::ZeroCopyLink::Packet::Kind::kMalformed:
           return Incoming{packet.request_id, packet.node, std::move(packet.malformed), packet.received_ns};
         case bf::detail::ZeroCopyLink::Packet::Kind::kMessage:
-          return Incoming{std::nullopt, 0, std::move(packet.message), packet.received_ns};
+          return Incoming{std::nullopt, std::nullopt, std::move(packet.message), packet.received_ns};
       }
     }
     std::vector<zmq::message_t> frames;
@@ -370,7 +370,7 @@ class Worker {
     in.arrived = now_ns();
     if (!frames.empty()) {
       in.id = bf::wire::peek_request_id(frames[0].data(), frames[0].size());
-      in.node = bf::wire::peek_node(frames[0].data(), frames[0].size()).value_or(0);
+      in.node = bf::wire::peek_node(frames[0].data(), frames[0].size());
     }
     in.message = bf::detail::decode_message(std::move(frames), nullptr, &parked_resolver_);
     if (in.message.ok() && in.message->header.kind == bf::wire::MessageKind::kRelease) {
@@ -409,8 +409,8 @@ class Worker {
       if (!message.ok()) {
         noisy_.log(bf::LogLevel::kWarning, fmt::format("worker {}: malformed request frame dropped: {}", args_.name,
                                                        std::string(message.status().message())));
-        if (next->id) {
-          reply({error_header(*next->id, next->node, absl::InvalidArgumentError(fmt::format(
+        if (next->id && next->node) {  // both read: the reply fails that request's node, no other
+          reply({error_header(*next->id, *next->node, absl::InvalidArgumentError(fmt::format(
                                                   "malformed request frame: {}", std::string(message.status().message())))),
                  {}});
         }

@@ -37,7 +37,9 @@
 ///   drops the older ones (counted in `dropped`; their slots go back): a consumer that wants the
 ///   latest frame. An ipc:// or tcp:// receiver queues up to `capacity` envelopes (ZeroMQ's
 ///   high-water mark), then pushes back. drain() returns nothing: nothing is queued in this process.
-/// - the **sender** connects on its first send() and again after the receiver went away; with
+/// - the **sender** connects on its first send() and again after the receiver went away (a shm://
+///   or cuda:// receiver accepts senders while a receive() runs, and lets 8 wait meanwhile: past
+///   those, a connect is refused at once, and kBlock tries again until `send_timeout`); with
 ///   kBlock, send() waits up to `send_timeout` for a receiver and (shm) for a free slot, then fails
 ///   with DeadlineExceeded; with kReject or kDropOldest it does not wait (Unavailable without a
 ///   receiver, ResourceExhausted without a slot or room in the receiver's queue). Internal: the

@@ -92,7 +92,7 @@ class ZeroCopyLink {
     Kind kind = Kind::kNothing;
     absl::Status malformed;
     std::optional<std::uint64_t> request_id;  ///< kMalformed: the request it names, when readable
-    std::uint32_t node = 0;                    ///< kMalformed: with request_id, the node it names
+    std::optional<std::uint32_t> node;         ///< kMalformed: with request_id, the node it names
     DecodedMessage message;
     std::int64_t received_ns = 0;  ///< kMessage, kMalformed: when it was taken off the link (before decoding)
   };
