@@ -1,9 +1,9 @@
 #include <blockflow/channel/detail/slot_allocator.hpp>
 
 #include <absl/container/flat_hash_map.h>
+#include <blockflow/core/detail/cpu_allocator_override.hpp>
 #include <blockflow/core/detail/mutex.hpp>
 #include <c10/core/CPUAllocator.h>
-#include <torch/version.h>
 #include <cstring>
 
 #include <atomic>
@@ -42,13 +42,6 @@ void delete_slot_or_fallback(void* data) {
   lease.drop();  // the slot is free once the consumer's views are released too
 }
 
-// libtorch 2.3 made allocate() non-const and added the pure copy_data().
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-#define BLOCKFLOW_ALLOCATE_CONST
-#else
-#define BLOCKFLOW_ALLOCATE_CONST const
-#endif
-
 class SlotAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(std::size_t bytes) BLOCKFLOW_ALLOCATE_CONST override {
@@ -68,9 +61,7 @@ class SlotAllocator final : public c10::Allocator {
     }
     return s.fallback->allocate(bytes);
   }
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
-#endif
+  BLOCKFLOW_CPU_COPY_DATA
   c10::DeleterFnPtr raw_deleter() const override {
     return s_has_raw_fallback() ? &delete_slot_or_fallback : nullptr;
   }

@@ -1,4 +1,5 @@
 // Paging a block's weights out to a file and back in (include/blockflow/core/detail/weight_swap.hpp).
+#include <blockflow/core/detail/cpu_allocator_override.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/weight_swap.hpp>
 
@@ -134,13 +135,14 @@ void* map_captured(State& s, std::size_t n) {
 class CapturingAllocator final : public c10::Allocator {
  public:
   explicit CapturingAllocator(c10::Allocator* next) : next_(next) {}
-  c10::DataPtr allocate(size_t n) const override {
+  c10::DataPtr allocate(size_t n) BLOCKFLOW_ALLOCATE_CONST override {
     State* s = t_capture;
     if (s != nullptr && n >= page_size()) {
       if (void* p = map_captured(*s, n)) return {p, p, &free_any, c10::Device(c10::DeviceType::CPU)};
     }
     return next_->allocate(n);
   }
+  BLOCKFLOW_CPU_COPY_DATA
   c10::DeleterFnPtr raw_deleter() const override { return &free_any; }
 
  private:
