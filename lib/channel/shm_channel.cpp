@@ -489,8 +489,9 @@ class ShmReceiver final : public ProcessChannel {
           dropped_.fetch_add(1);
           continue;
         }
-        pollfd readable{s.link ? s.link->fd() : -1, POLLIN, 0};
-        if (!s.link || ::poll(&readable, 1, 0) <= 0) break;
+        if (!s.link) break;  // take_one() saw the end
+        pollfd readable{s.link->fd(), POLLIN, 0};
+        if (::poll(&readable, 1, 0) <= 0) break;
       }
     }
     senders_.clear();  // each link stays open while tensors from it live
