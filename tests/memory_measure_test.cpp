@@ -117,6 +117,46 @@ TEST_CASE("kProcess: a prefetch loads only when idle blocks make room for the gr
   CHECK(t.set.totals().prefetches == 1);
 }
 
+TEST_CASE("kProcess: a block an update removed is resident until it is freed, not growth", "[memory]") {
+  ThreeBlocks t(/*process=*/true);
+  // 'gone' frees its memory slowly: its callable's last reference waits for the gate.
+  struct SlowFree {
+    std::shared_future<void> gate;
+    std::atomic<bool>* freeing = nullptr;
+    ~SlowFree() {
+      if (freeing == nullptr) return;
+      *freeing = true;
+      gate.wait();
+    }
+  };
+  std::promise<void> open;
+  std::atomic<bool> freeing{false};
+  auto slow = std::make_shared<SlowFree>();
+  slow->gate = open.get_future().share();
+  slow->freeing = &freeing;
+  const int gone = t.set.add("gone", 10 * kMB, [&slow]() -> absl::StatusOr<std::shared_ptr<Block>> {
+    return test::unary("gone", [s = std::exchange(slow, nullptr)](const Tensor& x) { return x; });
+  }, [] { return false; });
+  t.use(gone);
+  t.use(t.b);
+  t.rss = t.rss + 20 * kMB + 5 * kMB;  // 'gone', b, and 5 MB that none accounts for
+  std::thread retiring([&] { t.set.retire(gone); });  // frees 'gone' on this thread: waits at the gate
+  struct Join {  // the gate opens however the test ends
+    std::promise<void>& open;
+    std::thread& thread;
+    ~Join() {
+      open.set_value();
+      thread.join();
+    }
+  } join{open, retiring};
+  REQUIRE(test::eventually([&] { return freeing.load(); }));
+  // c needs 10 MB: 30 - 10 (b) = 20 free, 5 of it growth. Counted as growth, 'gone' would make b go.
+  t.use(t.c);
+  CHECK(t.resident() == std::vector<bool>{false, true, true});
+  CHECK(t.set.totals().evictions == 0);
+  CHECK(t.set.totals().unaccounted_bytes == 5 * kMB);
+}
+
 TEST_CASE("in a session, metrics() say what the budget bounds and, measuring the process, the growth its last load saw",
           "[memory]") {
   static std::once_flag once;

@@ -52,6 +52,7 @@ struct ResidentSet::Entry {
   bool loading = false;
   bool prefetch_posted = false;  // want_prefetch() said yes; prefetch() has not run yet
   bool retired = false;          // removed by an update: never loaded again
+  bool claimed = false;          // the first waiting load will unload it: no new holds
   int holders = 0;
   std::uint64_t loads = 0, evictions = 0;
   std::int64_t last_use_ns = 0;
@@ -123,6 +124,7 @@ bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloa
     candidates.push_back({&e, queued});
   }
   std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    if (a.entry->claimed != b.entry->claimed) return a.entry->claimed;  // what the waiting load claimed
     if (a.queued != b.queued) return !a.queued;  // idle blocks go first
     return a.entry->last_use_ns < b.entry->last_use_ns;
   });
@@ -162,6 +164,43 @@ bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloa
   return true;
 }
 
+void ResidentSet::claim_locked(std::int64_t need, int except) {
+  std::int64_t room = budget_ - resident_;
+  std::vector<Entry*> candidates;
+  for (std::size_t i = 0; i < entries_.size(); ++i) {
+    Entry& e = *entries_[i];
+    if (static_cast<int>(i) == except || !e.block || e.loading) continue;
+    if (e.claimed) {
+      room += e.footprint;
+    } else {
+      candidates.push_back(&e);
+    }
+  }
+  if (room >= need) return;
+  // Idle blocks first (they cannot be held any more once claimed), then running ones; each least
+  // recently used first.
+  std::sort(candidates.begin(), candidates.end(), [](const Entry* a, const Entry* b) {
+    if ((a->holders > 0) != (b->holders > 0)) return a->holders == 0;
+    return a->last_use_ns < b->last_use_ns;
+  });
+  for (Entry* e : candidates) {
+    if (room >= need) break;
+    e->claimed = true;
+    room += e->footprint;
+  }
+}
+
+void ResidentSet::leave_queue_locked(std::uint64_t ticket) {
+  if (ticket == 0) return;
+  const auto it = std::find(waiting_.begin(), waiting_.end(), ticket);
+  if (it == waiting_.end()) return;
+  if (it == waiting_.begin()) {
+    for (auto& e : entries_) e->claimed = false;
+  }
+  waiting_.erase(it);
+  ++generation_;  // the next one's turn
+}
+
 absl::StatusOr<ResidentSet::Hold> ResidentSet::hold(int id) {
   Evicted unloaded;  // finished once the lock is let go
   Entry* entry = nullptr;
@@ -169,9 +208,14 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::hold(int id) {
   {
     MutexLock lock(&mu_);
     entry = entries_.at(static_cast<std::size_t>(id)).get();
+    std::uint64_t ticket = 0;  // this load's place among those waiting for room (0: none yet)
     for (;;) {
-      if (entry->retired) return absl::FailedPreconditionError(fmt::format("block '{}' was removed by an update", entry->name));
-      if (entry->block) {
+      if (entry->retired) {
+        leave_queue_locked(ticket);
+        return absl::FailedPreconditionError(fmt::format("block '{}' was removed by an update", entry->name));
+      }
+      if (entry->block && !entry->claimed) {
+        leave_queue_locked(ticket);
         ++entry->holders;
         entry->last_use_ns = now_ns();
         Hold h;
@@ -180,11 +224,25 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::hold(int id) {
         h.block_ = entry->block;
         return h;
       }
-      if (entry->footprint > budget_) {
+      if (!entry->block && entry->footprint > budget_) {
+        leave_queue_locked(ticket);
         return absl::ResourceExhaustedError(fmt::format("block '{}': it takes {:.1f} MB, over the memory budget of {:.1f} MB",
                                                         entry->name, to_mb(entry->footprint), to_mb(budget_)));
       }
-      if (!entry->loading && make_room_locked(entry->footprint, id, unloaded)) break;
+      // Not loaded (a claimed block waits to be unloaded, then loads again in its turn): loads that
+      // wait for room go in order, the first one claiming its victims.
+      if (!entry->block && !entry->loading) {
+        const bool first = waiting_.empty() || waiting_.front() == ticket;
+        if (first && make_room_locked(entry->footprint, id, unloaded)) {
+          leave_queue_locked(ticket);
+          break;
+        }
+        if (ticket == 0) {
+          ticket = ++tickets_;
+          waiting_.push_back(ticket);
+        }
+        if (waiting_.front() == ticket) claim_locked(entry->footprint, id);
+      }
       ChangeSince since{&generation_, generation_};
       (void)mu_.AwaitWithDeadline(absl::Condition(&changed, &since), absl::Now() + absl::Milliseconds(100));
     }
@@ -217,7 +275,8 @@ void ResidentSet::prefetch(int id, const std::vector<int>& keep) {
     MutexLock lock(&mu_);
     entry = entries_.at(static_cast<std::size_t>(id)).get();
     entry->prefetch_posted = false;
-    if (entry->retired || entry->block || entry->loading || entry->footprint <= 0 || entry->footprint > budget_ ||
+    // Loads waiting for room come first: a prefetch takes none of it.
+    if (!waiting_.empty() || entry->retired || entry->block || entry->loading || entry->footprint <= 0 || entry->footprint > budget_ ||
         !make_room_locked(entry->footprint, id, unloaded, &keep)) {
       return;
     }
@@ -274,6 +333,7 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
     MutexLock lock(&mu_);
     entry->loading = false;
     ++generation_;
+    if (entry->retired) entry->loader = nullptr;  // retired while it loaded: never called again
     if (!made.ok()) {
       entry->swap.reset();
       resident_ -= reserved;
@@ -336,7 +396,7 @@ void ResidentSet::finish(Evicted& evicted) {
 }
 
 void ResidentSet::release(int id) {
-  std::vector<std::shared_ptr<Block>> gone;  // a retired block's last hold frees it
+  Evicted gone;  // a retired block's last hold frees it
   {
     MutexLock lock(&mu_);
     Entry& e = *entries_.at(static_cast<std::size_t>(id));
@@ -345,34 +405,38 @@ void ResidentSet::release(int id) {
     ++generation_;
     if (e.retired) unload_locked(e, gone);
   }
-  free_blocks(gone);
+  finish(gone);
 }
 
-void ResidentSet::unload_locked(Entry& e, std::vector<std::shared_ptr<Block>>& gone) {
+void ResidentSet::unload_locked(Entry& e, Evicted& gone) {
   if (e.loading) return;  // its loader or finish() owns parked and swap now, and frees it if retired
+  e.loader = nullptr;     // never loaded again: what it holds (the block's description) goes now
   if (e.parked) {  // paged out: freed for good
-    gone.push_back(std::move(e.parked));
+    gone.freed.push_back(std::move(e.parked));
     e.swap.reset();
     return;
   }
   if (!e.block || e.holders > 0) return;
   e.swap.reset();
-  gone.push_back(std::move(e.block));
+  gone.freed.push_back(std::move(e.block));
   e.block = nullptr;
   resident_ -= e.footprint;
+  unloading_ += e.footprint;  // resident until finish() frees it: not growth (kProcess)
+  gone.bytes += e.footprint;
   ++generation_;
 }
 
 void ResidentSet::retire(int id) {
-  std::vector<std::shared_ptr<Block>> gone;
+  Evicted gone;
   {
     MutexLock lock(&mu_);
     Entry& e = *entries_.at(static_cast<std::size_t>(id));
     e.retired = true;
     e.queued = nullptr;  // it reads the block's queue, which goes with the block's runtime
+    ++generation_;  // a load waiting for it gives up now
     unload_locked(e, gone);
   }
-  free_blocks(gone);
+  finish(gone);
 }
 
 ResidentSet::BlockState ResidentSet::state(int id) const {
@@ -401,6 +465,7 @@ ResidentSet::Totals ResidentSet::totals() const {
   t.load_s = static_cast<double>(load_ns_) * 1e-9;
   t.prefetches = prefetches_;
   t.swap_ins = swap_ins_;
+  t.waiting_loads = waiting_.size();
   for (const auto& e : entries_) {
     if (!e->loading && e->parked) t.swapped_bytes += e->swap_bytes;
   }

@@ -107,11 +107,25 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
     blockflow::detail::MutexLock lock(&factory_mu_);
     u.factory = site_factory_;
   }
+  // An update rejected before it published: the on-demand blocks it registered are never loaded (the
+  // resident set lets go of their loaders); those it started were retired by stop_runtime() already.
+  struct Unpublished {
+    SessionCore* core;
+    UpdateWork* u;
+    bool published = false;
+    ~Unpublished() {
+      if (published) return;
+      for (const auto& runtime : u->fresh) {
+        if (runtime->resident_id >= 0) core->resident_->retire(runtime->resident_id);
+      }
+    }
+  } unpublished{this, &u};
   if (auto status = update_diff(u); !status.ok()) return status;
   if (auto status = update_load(u); !status.ok()) return status;
   if (auto status = update_route(u); !status.ok()) return status;
   if (auto status = update_start(u); !status.ok()) return status;
   update_publish(u);
+  unpublished.published = true;
   update_drain(u, drain);
   collect_retired();
   note_memory();

@@ -3,6 +3,8 @@
 // kOnDemand, docs/memory.md). A block is loaded when a request needs it; to make room, idle blocks
 // are unloaded, least recently used first. A block that is running (held) is never unloaded; one with
 // requests queued only when no idle block is left to unload (the site could not go on otherwise).
+// Loads that wait for room are served in order, and the first of them claims its victims: a claimed
+// block takes no new holds, so it is free once its running holds end, however busy it is.
 // With swapping (SessionOptions::swap), a swappable block's load captures the memory it allocates
 // (WeightSwap): unloading it pages that memory out to a file and keeps the block, and loading it
 // again pages it back in instead of building it anew.
@@ -15,6 +17,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -73,6 +76,7 @@ class ResidentSet {
     std::uint64_t prefetches = 0;     ///< loads made ahead of their requests (prefetch())
     std::uint64_t swap_ins = 0;       ///< loads that paged a block's weights back in (swapping)
     std::int64_t swapped_bytes = 0;   ///< the weights of unloaded blocks that wait in swap files
+    std::size_t waiting_loads = 0;    ///< loads waiting for room now (hold())
   };
 
   /// `swap`: unloading pages a swappable block's weights out to a file (WeightSwap) instead of
@@ -90,8 +94,11 @@ class ResidentSet {
   /// allocator gives it (a TorchScript module on the CPU), so swapping may page it out.
   int add(std::string name, std::int64_t footprint, Loader loader, std::function<bool()> queued, bool swappable = false);
   /// Loads the block if it is not (making room first), and keeps it loaded until the Hold goes.
-  /// Waits while the loaded blocks that are running leave too little room. The error of a failed
-  /// load names the block; ResourceExhausted for a block whose footprint exceeds the whole budget.
+  /// Waits while the loaded blocks that are running leave too little room: such loads wait in the
+  /// order they came, and the first one claims the blocks it will unload (a hold on a claimed block
+  /// waits until it is unloaded, then loads it again in its turn). A thread must not hold one block
+  /// while it asks for another. The error of a failed load names the block; ResourceExhausted for a
+  /// block whose footprint exceeds the whole budget.
   absl::StatusOr<Hold> hold(int id);
   /// Prefetching (SessionOptions::prefetch): true, once until prefetch() runs, when block `id` is
   /// worth loading ahead (not loaded, not loading, of known footprint). A loaded one counts as used
@@ -120,12 +127,19 @@ class ResidentSet {
   };
   void finish(Evicted& evicted);
   void release(int id);
-  void unload_locked(Entry& e, std::vector<std::shared_ptr<Block>>& gone) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A retired block: unloaded now unless it is held or loading (into `gone`, for finish()).
+  void unload_locked(Entry& e, Evicted& gone) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Picks blocks to unload so that `need` more bytes fit (idle ones first, least recently used
   // first; then ones with queued requests); false when the running ones leave too little room.
   // `keep` (a prefetch): only idle blocks not listed there.
   bool make_room_locked(std::int64_t need, int except, Evicted& unloaded, const std::vector<int>* keep = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The first waiting load (make_room_locked() said no): claims loaded blocks, idle ones first, then
+  // running ones least recently used first, until unloading them all would make `need` fit. Claims
+  // only grow until that load leaves the queue (leave_queue_locked()).
+  void claim_locked(std::int64_t need, int except) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A waiting load is served or gives up: out of the queue; the first one's claims end with it.
+  void leave_queue_locked(std::uint64_t ticket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Loads a block whose room (`reserved`, 0 when its footprint is measured now) is taken, and holds it.
   absl::StatusOr<Hold> load_reserved(int id, Entry& entry, std::int64_t reserved);
 
@@ -137,6 +151,8 @@ class ResidentSet {
   std::atomic<bool> swap_failed_{false};  // a swap file could not be written: unloaded blocks are freed from then on
   mutable Mutex mu_;
   std::uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // +1 whenever a block is released, loaded or unloaded
+  std::deque<std::uint64_t> waiting_ ABSL_GUARDED_BY(mu_);  // tickets of the loads waiting for room, first first
+  std::uint64_t tickets_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::unique_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
   std::int64_t resident_ ABSL_GUARDED_BY(mu_) = 0;  // footprints of loaded blocks and of loads under way
   std::int64_t unaccounted_ ABSL_GUARDED_BY(mu_) = 0;  // kProcess: growth beyond resident_, last sampled
