@@ -139,7 +139,8 @@ class ShmSender final : public ProcessChannel {
       if (closed_.load()) return refused(std::move(envelope), absl::CancelledError(fmt::format("{}: closed", uri_)));
       auto link = ensure_link(deadline);
       if (!link.ok()) return refused(std::move(envelope), link.status());
-      const ShmStager stager = ends_->stager(std::max(absl::ZeroDuration(), deadline - absl::Now()));
+      // One deadline for the whole send, however many tensors wait for a slot.
+      const ShmStager stager = ends_->stager(StageWait::until_deadline(deadline));
       std::uint64_t copied = 0;
       status = (*link)->send(data_header(envelope), envelope.tensors, &stager, wait, &copied);
       if (copied > 0) contiguous_copies_.fetch_add(copied);

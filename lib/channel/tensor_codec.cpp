@@ -241,7 +241,7 @@ absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& fram
 
 namespace blockflow::detail {
 
-ShmStager make_stager(ShmProducer& producer, absl::Duration wait) {
+ShmStager make_stager(ShmProducer& producer, StageWait wait) {
   return [&producer, wait](const at::Tensor& contiguous) -> absl::StatusOr<wire::ShmHandle> {
     if (!contiguous.device().is_cpu()) {
       return absl::InvalidArgumentError(fmt::format(
@@ -249,7 +249,7 @@ ShmStager make_stager(ShmProducer& producer, absl::Duration wait) {
     }
     const std::size_t bytes = byte_size(contiguous);
     if (auto shared = producer.share(contiguous.data_ptr(), bytes)) return *shared;
-    return producer.stage(contiguous.data_ptr(), bytes, absl::Now() + wait);
+    return producer.stage(contiguous.data_ptr(), bytes, wait.deadline());
   };
 }
 

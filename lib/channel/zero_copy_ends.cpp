@@ -14,7 +14,7 @@ ZeroCopyEnds::ZeroCopyEnds(const ShmPoolOptions& pools, bool cuda) : host_out_(s
   }
 }
 
-ShmStager ZeroCopyEnds::stager(absl::Duration wait) {
+ShmStager ZeroCopyEnds::stager(StageWait wait) {
   // make_stager()'s order (our own slot: shared; otherwise copied), with a relayed tensor in between.
   ShmStager host = [copy = make_stager(*host_out_, wait), forwarded = forwarded_, own = host_out_.get()](
                        const at::Tensor& contiguous) -> absl::StatusOr<wire::ShmHandle> {
@@ -33,7 +33,7 @@ ShmStager ZeroCopyEnds::stager(absl::Duration wait) {
   };
   if (!cuda_out_) return host;
   return [cuda = cuda_out_.get(), host = std::move(host), wait](const at::Tensor& contiguous) {
-    return contiguous.is_cuda() ? cuda->share(contiguous, absl::Now() + wait) : host(contiguous);
+    return contiguous.is_cuda() ? cuda->share(contiguous, wait.deadline()) : host(contiguous);
   };
 }
 

@@ -8,9 +8,11 @@
 #include <blockflow/core/tensor.hpp>
 #include <blockflow/channel/wire_format.hpp>
 
+#include <absl/time/time.h>
 #include <absl/status/statusor.h>
 #include <zmq.hpp>
 
+#include <algorithm>
 #include <functional>
 #include <vector>
 
@@ -65,10 +67,25 @@ absl::StatusOr<bool> send_references(zmq::socket_t& socket, wire::Header header,
                                      const std::vector<std::string>& frames,
                                      zmq::send_flags flags = zmq::send_flags::none);
 
+/// How long a stager waits for a free slot (or CUDA record): up to `each` per tensor, and never past
+/// `until`. A stager made for one send takes the send's deadline (until_deadline()), so that a send
+/// of several tensors waits no longer than one; a stager kept for many sends takes `each` alone.
+struct StageWait {
+  absl::Duration each = absl::ZeroDuration();
+  absl::Time until = absl::InfiniteFuture();
+  StageWait(absl::Duration each_tensor) : each(each_tensor) {}  // NOLINT(google-explicit-constructor)
+  static StageWait until_deadline(absl::Time deadline) {
+    StageWait w(absl::InfiniteDuration());
+    w.until = deadline;
+    return w;
+  }
+  [[nodiscard]] absl::Time deadline() const { return std::min(absl::Now() + each, until); }
+};
+
 /// A stager for `producer`: a tensor that already lies in a slot it leased (make_shm_allocator())
-/// crosses as its handle, nothing copied; any other is copied into a free slot, waiting up to
-/// `wait` for a credit.
-ShmStager make_stager(ShmProducer& producer, absl::Duration wait);
+/// crosses as its handle, nothing copied; any other is copied into a free slot, waiting as `wait`
+/// says for a credit.
+ShmStager make_stager(ShmProducer& producer, StageWait wait);
 
 /// Allocates a contiguous CPU tensor directly in one of `producer`'s slots: write the output there
 /// and send it, and the hand-off copies nothing (ShmEdgeStats::bytes_staged stays put). The slot

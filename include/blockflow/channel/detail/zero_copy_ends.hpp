@@ -35,9 +35,9 @@ class ZeroCopyEnds {
   /// Turns each tensor into a handle: CUDA tensors (channel "cuda") are shared where they lie; CPU
   /// tensors lying in a slot we leased are shared; CPU tensors lying in another process's slot (a
   /// tensor received from one worker, relayed to the next) are passed on as that slot, kept alive
-  /// here until the peer releases it (no copy); others are copied into a slot. Waits up to `wait`
-  /// for a credit.
-  [[nodiscard]] ShmStager stager(absl::Duration wait);
+  /// here until the peer releases it (no copy); others are copied into a slot. Waits as `wait`
+  /// says for a credit.
+  [[nodiscard]] ShmStager stager(StageWait wait);
   /// Builds tensors over the peer's memory; `release` runs with each handle when its tensor dies.
   [[nodiscard]] ShmResolver resolver(std::function<void(const wire::ShmHandle&)> release);
   /// True when the stager hands `t` on without a copy or a credit: a contiguous CPU tensor lying in
