@@ -142,3 +142,79 @@ TEST_CASE("a waiting load that gives up (its block removed by an update) lets th
   CHECK_FALSE(t.resident("a"));
   CHECK(t.set.totals().waiting_loads == 0);
 }
+
+TEST_CASE("a load whose block another load is bringing in does not hold up the loads behind it", "[memory]") {
+  ResidentSet set(20 * kMB, [] { return std::int64_t{0}; });
+  std::promise<void> open;
+  std::shared_future<void> gate = open.get_future().share();
+  std::atomic<bool> building{false};
+  auto quick = [](const std::string& name) {
+    return [name]() -> absl::StatusOr<std::shared_ptr<Block>> { return test::unary(name, [](const Tensor& x) { return x; }); };
+  };
+  const int a = set.add("a", 10 * kMB, quick("a"), [] { return false; });
+  const int y = set.add("y", 15 * kMB, [&]() -> absl::StatusOr<std::shared_ptr<Block>> {
+    building = true;
+    gate.wait();  // a slow build
+    return test::unary("y", [](const Tensor& x) { return x; });
+  }, [] { return false; });
+  const int z = set.add("z", 5 * kMB, quick("z"), [] { return false; });
+  struct Open {  // the build ends however the test does
+    std::promise<void>& open;
+    ~Open() {
+      try {
+        open.set_value();
+      } catch (const std::future_error&) {
+      }
+    }
+  } opener{open};
+  auto held = set.hold(a);
+  REQUIRE(held.ok());
+  auto first = std::async(std::launch::async, [&] { return set.hold(y).ok(); });  // waits for a's room
+  REQUIRE(test::eventually([&] { return set.totals().waiting_loads == 1; }, std::chrono::seconds(10)));
+  auto second = std::async(std::launch::async, [&] { return set.hold(y).ok(); });  // waits behind it
+  REQUIRE(test::eventually([&] { return set.totals().waiting_loads == 2; }, std::chrono::seconds(10)));
+  held->reset();  // 'first' unloads a and builds y; 'second' now waits only for that build
+  REQUIRE(test::eventually([&] { return building.load(); }, std::chrono::seconds(10)));
+  // z fits beside y's reservation (15 + 5 of 20): it loads while y is still being built.
+  auto third = std::async(std::launch::async, [&] { return set.hold(z).ok(); });
+  CHECK(third.wait_for(std::chrono::seconds(10)) == std::future_status::ready);
+  CHECK(building.load());
+  CHECK_FALSE(set.state(y).resident);
+  open.set_value();
+  CHECK(first.get());
+  CHECK(second.get());
+  CHECK(third.get());
+  CHECK(set.state(y).loads == 1);
+  CHECK(set.totals().waiting_loads == 0);
+}
+
+TEST_CASE("a load that waits for room and fails with an exception leaves the queue: the next load is not held up",
+          "[memory]") {
+  ResidentSet set(10 * kMB, [] { return std::int64_t{0}; });
+  std::atomic<bool> fail{false};
+  auto quick = [](const std::string& name) {
+    return [name]() -> absl::StatusOr<std::shared_ptr<Block>> { return test::unary(name, [](const Tensor& x) { return x; }); };
+  };
+  // 'idle' answers whether requests wait for it by throwing, once told to: what make_room reads.
+  const int idle = set.add("idle", 5 * kMB, quick("idle"), [&fail] {
+    if (fail.load()) throw std::runtime_error("queue gone");
+    return false;
+  });
+  const int running = set.add("running", 5 * kMB, quick("running"), [] { return false; });
+  const int big = set.add("big", 10 * kMB, quick("big"), [] { return false; });
+  REQUIRE(set.hold(idle).ok());  // loaded, then idle
+  auto held = set.hold(running);
+  REQUIRE(held.ok());
+  // Room for 'big' needs both: 'running' is held, so the load waits, its ticket first in the queue.
+  auto failing = std::async(std::launch::async, [&] { return set.hold(big).ok(); });
+  REQUIRE(test::eventually([&] { return set.totals().waiting_loads == 1; }, std::chrono::seconds(10)));
+  fail = true;  // its next look at 'idle' (within 100 ms) throws
+  CHECK_THROWS_AS(failing.get(), std::runtime_error);
+  CHECK(set.totals().waiting_loads == 0);
+  fail = false;
+  held->reset();
+  auto next = std::async(std::launch::async, [&] { return set.hold(big).ok(); });
+  REQUIRE(next.wait_for(std::chrono::seconds(10)) == std::future_status::ready);
+  CHECK(next.get());
+  CHECK(set.state(big).resident);
+}

@@ -56,6 +56,9 @@ struct ResidentSet::Entry {
   int holders = 0;
   std::uint64_t loads = 0, evictions = 0;
   std::int64_t last_use_ns = 0;
+  // Its last load: when it ended, and what it took. A running block is claimed only once it has
+  // been loaded that long, so that a load under contention serves more than the request that made it.
+  std::int64_t loaded_ns = 0, load_cost_ns = 0;
 };
 
 ResidentSet::Hold::Hold(Hold&& other) noexcept
@@ -75,8 +78,10 @@ ResidentSet::Hold& ResidentSet::Hold::operator=(Hold&& other) noexcept {
 ResidentSet::Hold::~Hold() { reset(); }
 
 void ResidentSet::Hold::reset() {
+  // The block goes first (the set keeps it while it is held): the release may unload it, and then
+  // frees it there, accounted as unloading until it is freed (kProcess: not growth).
+  block_.reset();
   if (set_ != nullptr) std::exchange(set_, nullptr)->release(id_);
-  block_.reset();  // after the release: an eviction may follow, and frees the model when this goes
 }
 
 ResidentSet::ResidentSet(std::int64_t budget_bytes, MemoryProbe probe, std::optional<WeightSwap::Options> swap, bool process)
@@ -123,9 +128,11 @@ bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloa
     if (keep != nullptr && (queued || std::find(keep->begin(), keep->end(), static_cast<int>(i)) != keep->end())) continue;
     candidates.push_back({&e, queued});
   }
-  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
-    if (a.entry->claimed != b.entry->claimed) return a.entry->claimed;  // what the waiting load claimed
-    if (a.queued != b.queued) return !a.queued;  // idle blocks go first
+  // Blocks with no request queued first; then those the first waiting load claimed; then the
+  // others with requests queued; each least recently used first.
+  const auto rank = [](const Candidate& c) { return !c.queued ? 0 : c.entry->claimed ? 1 : 2; };
+  std::sort(candidates.begin(), candidates.end(), [&rank](const Candidate& a, const Candidate& b) {
+    if (rank(a) != rank(b)) return rank(a) < rank(b);
     return a.entry->last_use_ns < b.entry->last_use_ns;
   });
   std::size_t taken = 0;
@@ -167,12 +174,13 @@ bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloa
 void ResidentSet::claim_locked(std::int64_t need, int except) {
   std::int64_t room = budget_ - resident_;
   std::vector<Entry*> candidates;
+  const std::int64_t now = now_ns();
   for (std::size_t i = 0; i < entries_.size(); ++i) {
     Entry& e = *entries_[i];
     if (static_cast<int>(i) == except || !e.block || e.loading) continue;
     if (e.claimed) {
       room += e.footprint;
-    } else {
+    } else if (e.holders == 0 || now - e.loaded_ns >= e.load_cost_ns) {  // a running block: once it paid off its load
       candidates.push_back(&e);
     }
   }
@@ -208,14 +216,23 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::hold(int id) {
   {
     MutexLock lock(&mu_);
     entry = entries_.at(static_cast<std::size_t>(id)).get();
-    std::uint64_t ticket = 0;  // this load's place among those waiting for room (0: none yet)
+    // This load's place among those waiting for room (0: none), given up on every way out of the
+    // loop, an exception's included.
+    struct Ticket {
+      ResidentSet* set;
+      std::uint64_t number = 0;
+      void leave() ABSL_NO_THREAD_SAFETY_ANALYSIS {  // mu_ is held: the ticket lives inside the lock's scope
+        set->leave_queue_locked(std::exchange(number, 0));
+      }
+      ~Ticket() { leave(); }
+    } ticket{this};
     for (;;) {
       if (entry->retired) {
-        leave_queue_locked(ticket);
+        ticket.leave();
         return absl::FailedPreconditionError(fmt::format("block '{}' was removed by an update", entry->name));
       }
       if (entry->block && !entry->claimed) {
-        leave_queue_locked(ticket);
+        ticket.leave();
         ++entry->holders;
         entry->last_use_ns = now_ns();
         Hold h;
@@ -225,23 +242,25 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::hold(int id) {
         return h;
       }
       if (!entry->block && entry->footprint > budget_) {
-        leave_queue_locked(ticket);
+        ticket.leave();
         return absl::ResourceExhaustedError(fmt::format("block '{}': it takes {:.1f} MB, over the memory budget of {:.1f} MB",
                                                         entry->name, to_mb(entry->footprint), to_mb(budget_)));
       }
       // Not loaded (a claimed block waits to be unloaded, then loads again in its turn): loads that
       // wait for room go in order, the first one claiming its victims.
       if (!entry->block && !entry->loading) {
-        const bool first = waiting_.empty() || waiting_.front() == ticket;
+        const bool first = waiting_.empty() || waiting_.front() == ticket.number;
         if (first && make_room_locked(entry->footprint, id, unloaded)) {
-          leave_queue_locked(ticket);
+          ticket.leave();
           break;
         }
-        if (ticket == 0) {
-          ticket = ++tickets_;
-          waiting_.push_back(ticket);
+        if (ticket.number == 0) {
+          ticket.number = ++tickets_;
+          waiting_.push_back(ticket.number);
         }
-        if (waiting_.front() == ticket) claim_locked(entry->footprint, id);
+        if (waiting_.front() == ticket.number) claim_locked(entry->footprint, id);
+      } else if (entry->loading) {
+        ticket.leave();  // another load brings it: no room to wait for, no turn to hold up the others
       }
       ChangeSince since{&generation_, generation_};
       (void)mu_.AwaitWithDeadline(absl::Condition(&changed, &since), absl::Now() + absl::Milliseconds(100));
@@ -313,8 +332,9 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
   }
   if (!swapped_in) {
     const bool capturing = entry->swappable && !swap_failed_.load();
-    std::shared_ptr<WeightSwap> swap = capturing ? std::make_shared<WeightSwap>(entry->name, *swap_) : nullptr;
+    std::shared_ptr<WeightSwap> swap;
     try {
+      if (capturing) swap = std::make_shared<WeightSwap>(entry->name, *swap_);
       std::optional<WeightSwap::Capture> capture;
       if (swap) capture.emplace(*swap);
       made = entry->loader();
@@ -356,6 +376,8 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
       ++entry->holders;
       ++entry->loads;
       entry->last_use_ns = end;
+      entry->loaded_ns = end;
+      entry->load_cost_ns = end - start;
       ++loads_;
       if (swapped_in) ++swap_ins_;
       bytes_loaded_ += entry->footprint;
@@ -385,6 +407,7 @@ void ResidentSet::finish(Evicted& evicted) {
     ++generation_;
     if (!status.ok() || e->retired) {
       e->swap.reset();
+      if (e->retired) e->loader = nullptr;
       evicted.freed.push_back(std::move(e->parked));
     }
   }

@@ -100,6 +100,15 @@ void WorkerSite::Impl::accept_link() {
                                                  prefix(), accepted->peer_pid, expected));
       continue;
     }
+    if (link) {
+      // The worker connects once; a second connection from its pid (a plugin's code, say) would
+      // drop the live link and what is on it: refused, the live one kept.
+      ++malformed;
+      lock.unlock();
+      noisy.log(LogLevel::kWarning, fmt::format("{}: a second data link connection from the worker (pid {}) refused: its "
+                                                 "link is live", prefix(), accepted->peer_pid));
+      continue;
+    }
     link = std::make_shared<detail::ZeroCopyLink>(std::move(accepted->link), ends);
     become_ready_locked();
     lock.unlock();
