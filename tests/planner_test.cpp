@@ -93,6 +93,53 @@ TEST_CASE("SLOs and devices: a task predicted over its SLO, and a block no site 
   p = planned(input({block("gpu", 100, 10, 1024, 4.0, "cuda:0")}, {{"t", {"gpu"}, 10, 50}}, {site("w1")}));
   CHECK_FALSE(verdict(p, "t").admitted);
   CHECK_THAT(verdict(p, "t").reason, Contains("no site has that device"));
+
+  // A block no site can run after one that has a site: the placement's swaps pass over it.
+  p = planned(input({block("A", 100), block("gpu", 100, 10, 1024, 4.0, "cuda:0")}, {{"t", {"A", "gpu"}, 10, 50}},
+                    {site("w1"), site("w2")}));
+  CHECK_FALSE(verdict(p, "t").admitted);
+  CHECK_THAT(verdict(p, "t").reason, Contains("'gpu'"));
+  CHECK_THAT(verdict(p, "t").reason, Contains("no site has that device"));
+}
+
+TEST_CASE("graph tasks: joins of joins count each source block once; a node naming an input twice is refused",
+          "[planner]") {
+  // 24 levels of joins over the same two branches: doubling its sources at each level, the graph
+  // would count 2^24 of them.
+  Path deep("deep");
+  deep.node("A", {}).node("B", {}).join("j0", {"A", "B"}, Combine::pack());
+  for (int k = 1; k <= 24; ++k) {
+    const std::string prev = fmt::format("j{}", k - 1);
+    deep.join(fmt::format("x{}", k), {prev, "A"}, Combine::pack())
+        .join(fmt::format("y{}", k), {prev, "B"}, Combine::pack())
+        .join(fmt::format("j{}", k), {fmt::format("x{}", k), fmt::format("y{}", k)}, Combine::pack());
+  }
+  auto p = plan(input({block("A", 100), block("B", 100)}, {PlanTask::graph(deep, 10, 500)}, {site("w1"), site("w2")}));
+  INFO(p.status());
+  REQUIRE(p.ok());
+  CHECK(verdict(*p, "deep").admitted);
+
+  Path twice("twice");
+  twice.node("A", {}).join("j", {"A", "A"}, Combine::pack());
+  auto refused = plan(input({block("A", 100)}, {PlanTask::graph(twice, 10, 500)}, {site("w1")}));
+  REQUIRE_FALSE(refused.ok());
+  CHECK_THAT(std::string(refused.status().message()), Contains("names input 'A' twice"));
+}
+
+TEST_CASE("an exhaustive search is refused, naming its size, when the sites' placements are too many", "[planner]") {
+  std::vector<BlockProfile> blocks;
+  std::vector<std::string> path;
+  for (int i = 0; i < 10; ++i) {
+    blocks.push_back(block(fmt::format("b{}", i), 1000));
+    path.push_back(fmt::format("b{}", i));
+  }
+  std::vector<PlanSite> sites;
+  for (int i = 0; i < 6; ++i) sites.push_back(site(fmt::format("w{}", i)));
+  PlanOptions options;
+  options.exhaustive = true;
+  auto p = plan(input(blocks, {{"t", path, 10, 500}}, sites), options);  // 6^10 > 4^12
+  REQUIRE_FALSE(p.ok());
+  CHECK_THAT(std::string(p.status().message()), Contains("10 blocks on 6 sites"));
 }
 
 TEST_CASE("plans are deterministic, and the deployment they write is one Session::apply() takes", "[planner]") {
@@ -135,6 +182,10 @@ TEST_CASE("inputs that cannot be planned are errors naming the task, block, site
   CHECK_THAT(std::string(parse_plan_sites("{\"sites\": [{\"name\": \"w\", \"kind\": \"worker\"}]}", "sites.json").status().message()),
              Contains("sites.json: sites[0].lanes: missing"));
   CHECK_THAT(std::string(parse_plan_sites("[]", "sites.json").status().message()), Contains("sites.json: expected a JSON object"));
+  // Past what the field's type holds (or 2^53): refused, not cast.
+  CHECK_THAT(std::string(parse_plan_sites("{\"sites\": [{\"name\": \"w\", \"kind\": \"worker\", \"lanes\": 3000000000}]}",
+                                          "sites.json").status().message()),
+             Contains("sites.json: sites[0].lanes: expected a whole number <= 2147483647"));
 }
 
 TEST_CASE("blockflow-plan reads the three files and writes the deployment and the report", "[planner]") {

@@ -89,6 +89,31 @@ TEST_CASE("a task that does not fit the remaining sites even alone is demoted, t
   CHECK(d->tasks[0].first == "small");
 }
 
+TEST_CASE("when no single task's room lets the refused one in, the loosest of all makes room, not the refused one",
+          "[replan]") {
+  // Four one-lane sites: 'loose' and 'mid' at 0.6 of a lane each, 'tight' a chain of two blocks at 0.8
+  // each. Losing both of tight's sites leaves it room only once both others have made room.
+  auto in = input({block("L", 100), block("M", 100), block("T1", 100), block("T2", 100)},
+                  {{"loose", {"L"}, 60, 5000}, {"mid", {"M"}, 60, 4000}, {"tight", {"T1", "T2"}, 80, 1000}},
+                  {site("w1"), site("w2"), site("w3"), site("w4")});
+  in.profile.channels = {{"inproc", 0, 0}, {"shm", 0, 0}};  // hand-offs cost no lane here
+  const Plan before = planned(in);
+  for (const auto& v : before.tasks) REQUIRE(v.admitted);
+  REQUIRE(site_of(before, "T1") != site_of(before, "T2"));
+  auto r = replan(in, before, {site_of(before, "T1"), site_of(before, "T2")});
+  INFO(r.status());
+  REQUIRE(r.ok());
+  CHECK(change_of(*r, "tight") == nullptr);  // the tightest SLO keeps its rate
+  const TaskChange* loose = change_of(*r, "loose");
+  REQUIRE(loose != nullptr);
+  CHECK(loose->rate_after < 60);
+  CHECK_THAT(loose->reason, Contains("no single task's room lets in the others"));
+  const TaskChange* mid = change_of(*r, "mid");
+  REQUIRE(mid != nullptr);
+  CHECK(mid->rate_after < 60);
+  CHECK(verdict(r->plan, "tight").admitted);
+}
+
 TEST_CASE("a re-plan names a lost site it does not know, and refuses to lose every site", "[replan]") {
   const PlanInput in = three_tasks();
   const Plan before = planned(in);

@@ -7,7 +7,10 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -60,7 +63,10 @@ class JsonReader {
   absl::Status integer(const std::string& field, Int& out) const {
     double d = 0;
     if (auto status = number(field, d); !status.ok()) return status;
-    if (d != static_cast<double>(static_cast<std::int64_t>(d))) return error(field, "expected a whole number");
+    if (std::floor(d) != d) return error(field, "expected a whole number");
+    // Past 2^53 a JSON number is no longer exact, and past the type's range the cast is undefined.
+    const double limit = std::min(std::ldexp(1.0, 53), std::ldexp(1.0, std::numeric_limits<Int>::digits) - 1);
+    if (d > limit) return error(field, fmt::format("expected a whole number <= {:.0f}", limit));
     out = static_cast<Int>(d);
     return absl::OkStatus();
   }

@@ -86,7 +86,9 @@ class Model {
     return f;
   }
   double lanes_used(int b) const { return demand(b) / capacity(b, batch(b)); }
-  int workers(int b) const { return std::max(1, static_cast<int>(std::ceil(lanes_used(b) - kEps))); }
+  int workers(int b) const {  // a rate beyond any site's lanes stays a count an int holds
+    return std::max(1, static_cast<int>(std::min(1e6, std::ceil(lanes_used(b) - kEps))));
+  }
 
   // The hand-off of block a's outputs to b: shared memory between two processes (workers' default
   // channel), a reference inside one.
@@ -330,7 +332,11 @@ void place(Model& m, const std::vector<PlanSite>& sites, bool exhaustive) {
           }
         }
         for (int c = b + 1; c < static_cast<int>(m.blocks()); ++c) {
-          if (m.site(b) == m.site(c) || !m.device_fits(b, m.site(c)) || !m.device_fits(c, m.site(b))) continue;
+          // A block of no site (-1: none of its device) swaps with nothing.
+          if (m.site(b) < 0 || m.site(c) < 0 || m.site(b) == m.site(c) || !m.device_fits(b, m.site(c)) ||
+              !m.device_fits(c, m.site(b))) {
+            continue;
+          }
           std::swap(m.site(b), m.site(c));
           const Model::Score sc = m.score();
           if (sc < current) {
@@ -521,6 +527,12 @@ absl::StatusOr<Plan> plan(const PlanInput& in, const PlanOptions& options) {
     }
     if (blocks.size() > 12) {
       return absl::InvalidArgumentError(fmt::format("plan: an exhaustive search over {} blocks is too long (12 at most)", blocks.size()));
+    }
+    // sites^blocks placements, each scored at every batching step: 4^12 at most.
+    if (std::pow(static_cast<double>(in.sites.size()), static_cast<double>(blocks.size())) > std::pow(4.0, 12.0)) {
+      return absl::InvalidArgumentError(fmt::format("plan: an exhaustive search over {} blocks on {} sites is too long "
+                                                    "({}^{} placements; at most 4^12)", blocks.size(), in.sites.size(),
+                                                    in.sites.size(), blocks.size()));
     }
   }
   Plan out;

@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include <blockflow/core/detail/malloc_settings.hpp>
+#include <blockflow/core/detail/warm_up_shapes.hpp>
 #include <unistd.h>
 
 #include <algorithm>
@@ -244,9 +245,8 @@ absl::StatusOr<BlockProfile> profile_block(const BlockDescription& d, const Prof
       if (!b.ok()) return b.status();
       load_ms = ms_since(t0);
       block = *std::move(b);
-      for (auto shape : d.options.input_shapes) {
-        for (auto& dim : shape) dim = dim < 0 ? 1 : dim;
-        inputs.push_back(at::zeros(shape, at::TensorOptions().device(block->device())));
+      for (const auto& shape : d.options.input_shapes) {
+        inputs.push_back(at::zeros(detail::warm_up_shape(shape), at::TensorOptions().device(block->device())));
       }
       const std::int64_t t1 = detail::now_ns();
       auto ms = time_forward(*block, inputs, 0, std::max(1, options.quick ? 1 : options.warmup));

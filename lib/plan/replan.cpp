@@ -58,7 +58,7 @@ absl::StatusOr<std::pair<std::size_t, std::string>> pick_victim(const PlanInput&
   for (std::size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;
   std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return in.tasks[a].slo_ms > in.tasks[b].slo_ms; });
   for (const std::size_t i : order) {
-    if (i == r) return std::pair{i, fmt::format("it has the loosest SLO ({:.1f} ms) of the tasks that can make room, and {}", in.tasks[i].slo_ms, refused.reason)};
+    if (i == r) continue;  // its own room is what it needs: not a removal that lets it in
     auto helps = admits_without(in, i, refused.task, options);
     if (!helps.ok()) return helps.status();
     if (*helps) {
@@ -66,7 +66,9 @@ absl::StatusOr<std::pair<std::size_t, std::string>> pick_victim(const PlanInput&
                                       in.tasks[i].slo_ms, refused.reason)};
     }
   }
-  return std::pair{order.front(), fmt::format("it has the loosest SLO ({:.1f} ms), and {}", in.tasks[order.front()].slo_ms, refused.reason)};
+  // No single removal lets it in: the loosest of all (the refused task itself when it is the loosest).
+  return std::pair{order.front(), fmt::format("it has the loosest SLO ({:.1f} ms) and no single task's room lets in the "
+                                              "others ({})", in.tasks[order.front()].slo_ms, refused.reason)};
 }
 
 }  // namespace
@@ -167,12 +169,22 @@ SiteLostFn replanner(PlanInput input, PlanOptions options, std::string models_di
       if (!first.ok()) return first.status();
       state->deployed = std::make_unique<Plan>(*std::move(first));
     }
-    auto r = replan(state->input, *state->deployed, {loss.site}, state->options);
+    // Every site lost so far that the plans still count (one whose re-plan failed included).
+    std::vector<std::string> gone;
+    for (const auto& site : loss.lost.empty() ? std::vector<std::string>{loss.site} : loss.lost) {
+      const bool known = std::any_of(state->input.sites.begin(), state->input.sites.end(),
+                                     [&](const PlanSite& s) { return s.name == site; });
+      if (known && std::find(gone.begin(), gone.end(), site) == gone.end()) gone.push_back(site);
+    }
+    if (std::find(gone.begin(), gone.end(), loss.site) == gone.end()) gone.push_back(loss.site);
+    auto r = replan(state->input, *state->deployed, gone, state->options);
     if (!r.ok()) return r.status();
     for (const auto& c : r->changes) detail::log(LogLevel::kWarning, c.reason);
     auto wanted = Deployment::parse(r->deployment_json(), state->models_dir);
     if (!wanted.ok()) return wanted.status();
-    state->lost.push_back(loss.site);
+    for (const auto& site : gone) {
+      if (std::find(state->lost.begin(), state->lost.end(), site) == state->lost.end()) state->lost.push_back(site);
+    }
     state->input = r->input;
     state->deployed = std::make_unique<Plan>(r->plan);
     detail::log(LogLevel::kInfo, fmt::format("replan {}: {}", fmt::join(state->lost, ", "), r->report_json(state->lost)));

@@ -29,9 +29,13 @@ absl::StatusOr<TaskGraph> task_graph(const PlanTask& t) {
     if (n.inputs.size() > 1 && !detail::has_deployment_form(n.combine)) {
       return bad(fmt::format("node '{}': combine rule '{}' has no deployment form (pack, mean, concat)", n.name, n.combine.name()));
     }
-    for (const auto& input : n.inputs) {
+    for (std::size_t k = 0; k < n.inputs.size(); ++k) {
+      const auto& input = n.inputs[k];
       if (std::none_of(nodes.begin(), nodes.end(), [&](const PathNode& m) { return m.name == input; })) {
         return bad(fmt::format("node '{}': unknown input '{}'", n.name, input));
+      }
+      if (std::find(n.inputs.begin(), n.inputs.begin() + static_cast<std::ptrdiff_t>(k), input) != n.inputs.begin() + static_cast<std::ptrdiff_t>(k)) {
+        return bad(fmt::format("node '{}' names input '{}' twice", n.name, input));
       }
     }
   }
@@ -55,8 +59,10 @@ absl::StatusOr<TaskGraph> task_graph(const PlanTask& t) {
       const int from = position[static_cast<std::size_t>(index.at(input))];
       out.inputs.push_back(from);
       if (n.block.empty()) {
-        const auto& through = g.nodes[static_cast<std::size_t>(from)].sources;
-        out.sources.insert(out.sources.end(), through.begin(), through.end());
+        // Each source once: joins of joins that share sources would otherwise double them at each level.
+        for (const auto& source : g.nodes[static_cast<std::size_t>(from)].sources) {
+          if (std::find(out.sources.begin(), out.sources.end(), source) == out.sources.end()) out.sources.push_back(source);
+        }
       }
     }
     if (!n.block.empty()) out.sources = {n.block};
