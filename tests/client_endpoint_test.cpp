@@ -325,6 +325,52 @@ TEST_CASE("a client that never reads its replies loses them, counted; the other 
   CHECK(first->request_id == 1000);
 }
 
+TEST_CASE("replies waiting for clients that do not read are bounded in all by max_backlog_bytes", "[client]") {
+  Session session;
+  serve_basic(session);
+  ClientEndpointOptions options;
+  options.max_backlog_bytes_per_client = std::size_t{64} << 20;  // never reached here: 12.8 MB each
+  options.max_backlog_bytes = 1 << 20;                            // 16 replies of 64 KiB, for both
+  ClientEndpoint endpoint(session, "tcp://127.0.0.1:*", options);
+
+  zmq::context_t context;
+  std::vector<zmq::socket_t> sloths;
+  for (int s = 0; s < 2; ++s) {
+    sloths.emplace_back(context, zmq::socket_type::dealer);
+    sloths.back().set(zmq::sockopt::linger, 0);
+    sloths.back().set(zmq::sockopt::rcvhwm, 1);
+    sloths.back().set(zmq::sockopt::rcvbuf, 4096);
+    sloths.back().connect(endpoint.endpoint());
+  }
+  const std::string payload(64 << 10, '\1');  // 16,384 float32
+  constexpr int kRequests = 200;                // per sloth
+  for (int i = 0; i < 2 * kRequests; ++i) {
+    wire::Header h = *wire::decode_header(valid_header(1000 + i).data(), valid_header(1000 + i).size());
+    h.tensors[0].shape = {16384};
+    h.tensors[0].byte_count = payload.size();
+    zmq::socket_t& sloth = sloths[static_cast<std::size_t>(i % 2)];
+    (void)sloth.send(zmq::buffer(wire::encode_header(h)), zmq::send_flags::sndmore);
+    (void)sloth.send(zmq::buffer(payload), zmq::send_flags::none);
+  }
+  // Each sloth's own bound is far off: what is dropped, the bound on both together dropped.
+  REQUIRE(test::eventually([&] { return endpoint.dropped_replies() >= kRequests; }, std::chrono::seconds(60)));
+  // The two read at last: what the bound kept, and what ZeroMQ and the kernel buffered before the
+  // pipes filled; the rest was dropped.
+  int received = 0;
+  for (auto& sloth : sloths) {
+    for (;;) {
+      zmq::pollitem_t item{sloth.handle(), 0, ZMQ_POLLIN, 0};
+      zmq::poll(&item, 1, std::chrono::milliseconds(500));
+      if ((item.revents & ZMQ_POLLIN) == 0) break;
+      std::vector<zmq::message_t> reply;
+      REQUIRE(zmq::recv_multipart(sloth, std::back_inserter(reply)));
+      ++received;
+    }
+  }
+  CHECK(received + static_cast<int>(endpoint.dropped_replies()) == 2 * kRequests);
+  CHECK(received <= kRequests);
+}
+
 TEST_CASE("requests above max_request_bytes are refused naming the limit; a frame above it is never read whole",
           "[client]") {
   Session session;

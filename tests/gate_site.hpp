@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -65,6 +66,9 @@ class GateSite final : public RemoteSite {
     waiting_ = false;
     if (open_) {
       loaded_ = blocks.size();
+      const auto after = after_loading_;
+      lock.unlock();
+      if (after) after();
       return absl::OkStatus();
     }
     cancelled_ = false;
@@ -88,12 +92,23 @@ class GateSite final : public RemoteSite {
     std::lock_guard lock(mu_);
     fail_removals_ = true;
   }
+  /// Runs `fn` when an update that adds blocks has loaded them, just before it returns OK.
+  void after_loading(std::function<void()> fn) {
+    std::lock_guard lock(mu_);
+    after_loading_ = std::move(fn);
+  }
+  /// How many blocks it has loaded now.
+  std::size_t loaded() {
+    std::lock_guard lock(mu_);
+    return loaded_;
+  }
 
  private:
   const std::string name_;
   std::mutex mu_;
   std::condition_variable cv_;
   CompletionFn done_;
+  std::function<void()> after_loading_;
   std::size_t loaded_ = 0;
   bool waiting_ = false, cancelled_ = false, stopped_ = false, open_ = false, fail_removals_ = false;
 };

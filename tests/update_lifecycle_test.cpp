@@ -25,6 +25,15 @@ namespace {
 using test::parse;
 
 
+// Block "held": adds 10, once `latch` is released.
+std::shared_ptr<Block> held_at(test::Latch& latch) {
+  return test::unary("held", [&latch](const Tensor& x) {
+    ++latch.entered;
+    latch.wait();
+    return x + 10;
+  });
+}
+
 template <typename T>
 bool ready_within(std::future<T>& f, std::chrono::seconds s) {
   return f.wait_for(s) == std::future_status::ready;
@@ -86,28 +95,63 @@ TEST_CASE("cancel_update() ends an apply() before it publishes: nothing changed"
   CHECK(session.submit("t", at::zeros({1})).get().output().item<double>() == 2);
 }
 
+TEST_CASE("a cancel that comes after a running site loaded the update's block: the site unloads it again",
+          "[update_lifecycle]") {
+  Session session;
+  auto gate = test::start_with_gate(session);
+  gate->open();  // the site loads at once...
+  gate->after_loading([&session] { session.cancel_update(); });  // ...and the cancel comes right after
+  auto version = session.apply(parse(test::kThroughGate));
+  CHECK(absl::IsCancelled(version.status()));
+  CHECK(session.metrics().version == 0);
+  CHECK(gate->loaded() == 0);  // it answered: asked to unload what it loaded, cancel or not
+  CHECK(absl::IsNotFound(session.submit("t2", at::zeros({1})).get().status));
+}
+
+TEST_CASE("a cancel during the drain ends the wait, not the unload: the site sheds the removed block",
+          "[update_lifecycle]") {
+  test::Latch latch;
+  Session session;
+  test::register_update_factories();
+  auto gate = std::make_shared<test::GateSite>("gate");
+  session.add_site(gate);
+  session.add_block(held_at(latch));
+  session.add_path(Path::chain("t", {"held"}));
+  test::require_started(session);
+  gate->open();
+  auto added = session.apply(parse(R"({"blocks": ["held", {"name": "g", "factory": "upd_add_1", "placement": "gate"}],
+                                       "tasks": {"t": ["held"], "slow": ["held", "g"]}})"));
+  INFO(added.status().ToString());
+  REQUIRE(added.ok());
+  REQUIRE(gate->loaded() == 1);
+  auto inside = session.submit("slow", at::zeros({1}));  // holds a plan through g while 'held' runs
+  REQUIRE(test::eventually([&] { return latch.entered.load() == 1; }, 30s));
+  const Deployment without_g = parse(R"({"blocks": ["held"], "tasks": {"t": ["held"]}})");  // Catch2 only on this thread
+  auto update = std::async(std::launch::async, [&] { return session.apply(without_g, absl::Hours(1)); });
+  CHECK(update.wait_for(100ms) == std::future_status::timeout);  // draining
+  session.cancel_update();
+  REQUIRE(ready_within(update, 30s));
+  auto version = update.get();
+  REQUIRE(version.ok());
+  CHECK(*version == 2);
+  CHECK(gate->loaded() == 0);  // unloaded although the cancel came first
+  latch.release();
+  Result r = inside.get();  // its next block is gone: a named error
+  CHECK_FALSE(r.ok());
+  CHECK_THAT(std::string(r.status.message()), Contains("'g'"));
+}
+
 TEST_CASE("cancel_update() during the drain ends the wait: what still queues for a removed block fails now",
           "[update_lifecycle]") {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool entered = false, release = false;
+  test::Latch latch;
   Session session;
-  session.add_block(test::unary("held", [&](const Tensor& x) {
-    std::unique_lock lock(mu);
-    entered = true;
-    cv.notify_all();
-    cv.wait(lock, [&] { return release; });
-    return x + 10;
-  }));
+  session.add_block(held_at(latch));
   session.add_block(test::unary("a", [](const Tensor& x) { return x + 1; }));
   session.add_path(Path::chain("slow", {"held"}));
   session.add_path(Path::chain("t", {"a"}));
   test::require_started(session);
   auto inside = session.submit("slow", at::zeros({1}));
-  {
-    std::unique_lock lock(mu);
-    REQUIRE(cv.wait_for(lock, 30s, [&] { return entered; }));
-  }
+  REQUIRE(test::eventually([&] { return latch.entered.load() == 1; }, 30s));
   auto queued = session.submit("slow", at::zeros({1}));  // waits in held's queue
   // Removes task "slow" and block "held", with a drain long enough to hang the test.
   const Deployment only_a = parse(R"({"blocks": ["a"], "tasks": {"t": ["a"]}})");  // Catch2 only on this thread
@@ -118,11 +162,7 @@ TEST_CASE("cancel_update() during the drain ends the wait: what still queues for
   Result failed = queued.get();
   CHECK(absl::IsCancelled(failed.status));
   CHECK_THAT(std::string(failed.status.message()), Contains("block 'held': removed by update 1"));
-  {
-    std::lock_guard lock(mu);
-    release = true;
-  }
-  cv.notify_all();
+  latch.release();
   Result r = inside.get();  // the forward in progress was not interrupted
   INFO(r.status.ToString());
   CHECK(r.ok());

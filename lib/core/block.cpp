@@ -1,4 +1,5 @@
 #include <blockflow/core/block.hpp>
+#include <blockflow/core/detail/warm_up_shapes.hpp>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -49,11 +50,8 @@ absl::Status validate(const std::string& block, const BlockOptions& o) {
   if (!(o.max_batch_delay_ms >= 0)) return bad("max_batch_delay_ms must be >= 0");
   if (o.warmup_runs < 0) return bad("warmup_runs must be >= 0");
   for (std::size_t i = 0; i < o.input_shapes.size(); ++i) {
-    std::int64_t numel = 1;
-    for (const std::int64_t d : o.input_shapes[i]) {  // a negative dimension (any size) warms up as 1
-      if (__builtin_mul_overflow(numel, std::max<std::int64_t>(d, 1), &numel)) {
-        return bad(fmt::format("input_shapes[{}] has more elements than 64 bits count", i));
-      }
+    if (!detail::warm_up_elements(o.input_shapes[i])) {
+      return bad(fmt::format("input_shapes[{}] has more elements than 64 bits count", i));
     }
   }
   if (o.memory_bytes < 0) return bad("memory_bytes must be >= 0");

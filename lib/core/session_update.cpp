@@ -39,7 +39,14 @@ struct SessionCore::UpdateWork {
   std::vector<std::unique_ptr<BlockRuntime>> fresh;
   std::vector<std::shared_ptr<SiteRuntime>> new_sites;
   std::vector<BlockRuntime*> starting;      // fresh blocks of this process, started in step 4
-  std::vector<std::pair<SiteRuntime*, std::vector<BlockDescription>>> grown;  // running sites, their blocks before
+  // Running sites that may have loaded this update's blocks: their blocks before, and whether the
+  // site answered (its update returned OK; else it was cancelled or did not answer in time).
+  struct Grown {
+    SiteRuntime* site;
+    std::vector<BlockDescription> before;
+    bool answered;
+  };
+  std::vector<Grown> grown;
   absl::flat_hash_map<std::string, BlockRuntime*> next_by_name;
   std::vector<std::shared_ptr<PathRuntime>> new_paths;
   std::shared_ptr<RoutingTable> table;
@@ -116,7 +123,7 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
     ~Unpublished() {
       if (published) return;
       for (const auto& runtime : u->fresh) {
-        if (runtime->resident_id >= 0) core->resident_->retire(runtime->resident_id);
+        if (runtime != nullptr && runtime->resident_id >= 0) core->resident_->retire(runtime->resident_id);
       }
     }
   } unpublished{this, &u};
@@ -152,11 +159,13 @@ void SessionCore::cancel_update() {
   }
 }
 
-// Runs `step` against `site` so that cancel_update() can interrupt it; not at all once cancelled.
-absl::Status SessionCore::at_site(SiteRuntime& site, bool is_new, const std::function<absl::Status()>& step) {
+// Runs `step` against `site` so that cancel_update() can interrupt it; not at all once cancelled,
+// unless `even_if_cancelled`.
+absl::Status SessionCore::at_site(SiteRuntime& site, bool is_new, const std::function<absl::Status()>& step,
+                                  bool even_if_cancelled) {
   {
     blockflow::detail::MutexLock lock(&busy_mu_);
-    if (cancelled_) return absl::CancelledError("cancelled");
+    if (cancelled_ && !even_if_cancelled) return absl::CancelledError("cancelled");
     busy_sites_.emplace_back(site.site, is_new);
   }
   absl::Status status = step();
@@ -385,7 +394,7 @@ absl::Status SessionCore::update_start(UpdateWork& u) {
     // What a running site may have loaded is unloaded if the update is undone: it loaded it, or it
     // did not answer and may load it yet (one that died restarts with its old list).
     if (!step.is_new && (step.status.ok() || absl::IsDeadlineExceeded(step.status) || absl::IsCancelled(step.status))) {
-      u.grown.emplace_back(step.site, step.before);
+      u.grown.push_back({step.site, step.before, step.status.ok()});
     }
     if (step.status.ok()) continue;
     if (step.is_new) step.site->blocks.clear();
@@ -413,17 +422,18 @@ absl::Status SessionCore::update_start(UpdateWork& u) {
   return absl::OkStatus();
 }
 
-// Takes back what update_start() did: new sites stop, running ones unload what they loaded (not
-// after a cancel: a cancelled site would not answer in time either, and the blocks it may have
-// loaded are never routed to), this process's new blocks stop.
+// Takes back what update_start() did: new sites stop, running ones unload what they loaded, this
+// process's new blocks stop. After a cancel, only the running sites that answered their update
+// are asked (a cancelled one would not answer in time either; the blocks it may have loaded are
+// never routed to, and its next update lists what it keeps).
 void SessionCore::update_undo(UpdateWork& u) {
   for (auto& site : u.new_sites) site->site->stop();
-  if (!update_cancelled()) {
-    for (auto& [site, before] : u.grown) {
-      if (auto status = site->site->update(before); !status.ok()) {
-        detail::log(LogLevel::kWarning, fmt::format("update {} rejected; site '{}' could not unload what it loaded: {}",
-                                            u.version, site->site->name(), std::string(status.message())));
-      }
+  const bool cancelled = update_cancelled();
+  for (const auto& grown : u.grown) {
+    if (cancelled && !grown.answered) continue;
+    if (auto status = grown.site->site->update(grown.before); !status.ok()) {
+      detail::log(LogLevel::kWarning, fmt::format("update {} rejected; site '{}' could not unload what it loaded: {}",
+                                                  u.version, grown.site->site->name(), std::string(status.message())));
     }
   }
   for (auto* runtime : u.starting) stop_runtime(*runtime, "update rejected");
@@ -445,7 +455,6 @@ void SessionCore::update_publish(UpdateWork& u) {
     }
     for (auto& p : u.new_paths) paths_.push_back(std::move(p));
     block_by_name_ = u.next_by_name;
-    version_.store(u.version);
     u.timing.total_ms = ms_since(u.t_begin);
     last_update_ = u.timing;  // drain figures follow once it is done
     update_called_ns_ = u.t_begin;
@@ -458,6 +467,7 @@ void SessionCore::update_publish(UpdateWork& u) {
     old = std::exchange(routing_, std::move(u.table));
   }
   u.old_table = old;
+  version_.store(u.version);  // after the switch: metrics() never shows a version submit() does not route by yet
   note_active();  // the tasks it adds: their blocks have loaded
   u.timing.route_ms += ms_since(t_publish);
 }
@@ -510,7 +520,10 @@ void SessionCore::update_drain(UpdateWork& u, absl::Duration drain) {
       site->site->stop();
       emptied.push_back(site);
     } else if (!stopped_.load()) {
-      const auto status = at_site(*site, false, [&] { return site->site->update(descriptions_of(*site)); });
+      // A cancel ended the drain's wait, not the unload: the site sheds what it no longer serves
+      // (a cancel that comes during the unload still interrupts it).
+      const auto status = at_site(*site, false, [&] { return site->site->update(descriptions_of(*site)); },
+                                  /*even_if_cancelled=*/true);
       if (!status.ok()) {
         // Drained and unrouted already: the site just keeps the model loaded.
         detail::log(LogLevel::kWarning, fmt::format("update {}: site '{}' could not unload removed blocks: {}", u.version,

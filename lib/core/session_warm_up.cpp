@@ -7,6 +7,7 @@
 #include <blockflow/core/detail/cuda_graph_block.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 #include <blockflow/core/detail/weight_swap.hpp>
+#include <blockflow/core/detail/warm_up_shapes.hpp>
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/zeros.h>
@@ -97,9 +98,8 @@ std::vector<std::size_t> build_order(const std::vector<const BlockDescription*>&
 
 Tensors warm_up_inputs(const BlockOptions& options, c10::Device device) {
   Tensors zeros;
-  for (auto shape : options.input_shapes) {
-    for (auto& d : shape) d = d < 0 ? 1 : d;
-    zeros.push_back(at::zeros(shape, at::TensorOptions().device(device)));
+  for (const auto& shape : options.input_shapes) {
+    zeros.push_back(at::zeros(warm_up_shape(shape), at::TensorOptions().device(device)));
   }
   return zeros;
 }

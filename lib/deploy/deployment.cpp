@@ -1,6 +1,7 @@
 #include <blockflow/deploy/deployment.hpp>
 #include <blockflow/deploy/detail/deployment_json.hpp>
 #include <blockflow/core/names.hpp>
+#include <blockflow/core/detail/warm_up_shapes.hpp>
 
 #include <absl/strings/numbers.h>
 #include <fmt/format.h>
@@ -176,8 +177,7 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
   if (auto status = validate(d.name, o); !status.ok()) return status;
   if (confine) {  // from the wire: what a warm-up may allocate and repeat is bounded
     for (std::size_t i = 0; i < o.input_shapes.size(); ++i) {
-      std::int64_t numel = 1;
-      for (const std::int64_t dim : o.input_shapes[i]) numel *= std::max<std::int64_t>(dim, 1);  // validate(): no overflow
+      const std::int64_t numel = detail::warm_up_elements(o.input_shapes[i]).value_or(0);  // validate(): counted
       if (o.input_shapes[i].size() > kConfinedMaxDims || numel > kConfinedMaxElements) {
         return absl::InvalidArgumentError(fmt::format(
             "block '{}': input_shapes[{}] is beyond what a deployment from the wire may warm up ({} dimensions and {} "

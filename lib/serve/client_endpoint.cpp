@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <thread>
 
@@ -39,6 +40,9 @@ struct Reply {
   wire::Header header;
   Tensors tensors;
   bool from_session = false;  // the reply of a request the session ran (counted in flight)
+  // Encoded at its first try, kept for the next ones while it waits in its client's backlog (a
+  // non-contiguous output is copied once, not once per try).
+  std::optional<detail::EncodedMessage> encoded;
 };
 
 // What the completion callbacks given to Session::submit() reach: the replies waiting for the socket
@@ -125,7 +129,7 @@ struct ClientEndpoint::Impl {
   void post(Reply&& reply) { outbox->post(std::move(reply)); }
 
   void refuse(std::string peer, std::uint64_t id, absl::Status status) {
-    post({std::move(peer), reply_header(id, status), {}, false});
+    post({std::move(peer), reply_header(id, status), {}, false, std::nullopt});
   }
 
   void on_request(std::string peer, std::vector<zmq::message_t>&& frames) {
@@ -165,7 +169,7 @@ struct ClientEndpoint::Impl {
     // The callback may run after stop() or after this object is gone: it holds the outbox, not `this`.
     session.submit(message->header.target, std::move(message->tensors),
                    [outbox = outbox, peer = std::move(peer), request](Result&& r) mutable {
-                     outbox->post({std::move(peer), reply_header(request, r.status), std::move(r.outputs), true});
+                     outbox->post({std::move(peer), reply_header(request, r.status), std::move(r.outputs), true, std::nullopt});
                    });
   }
 
@@ -176,27 +180,30 @@ struct ClientEndpoint::Impl {
   }
 
   // Sends one reply without waiting: false when the client's pipe is full (try again later).
-  bool try_send(const Reply& reply) {
+  bool try_send(Reply& reply) {
     // Encoded before anything is sent: outputs the wire cannot carry (a dtype without a code, more
     // than kMaxDims dimensions or kMaxTensors outputs) become an error reply telling the client why.
-    auto encoded = detail::encode_for_socket(reply.header, reply.tensors, nullptr, nullptr);
-    if (!encoded.ok()) {
-      encoded = detail::encode_for_socket(
-          reply_header(reply.header.request_id,
-                       absl::Status(encoded.status().code(), fmt::format("the outputs cannot be sent: {}",
-                                                                         std::string(encoded.status().message())))),
-          {}, nullptr, nullptr);
+    if (!reply.encoded) {
+      auto encoded = detail::encode_for_socket(reply.header, reply.tensors, nullptr, nullptr);
       if (!encoded.ok()) {
-        drop(reply, std::string(encoded.status().message()));
-        return true;
+        encoded = detail::encode_for_socket(
+            reply_header(reply.header.request_id,
+                         absl::Status(encoded.status().code(), fmt::format("the outputs cannot be sent: {}",
+                                                                           std::string(encoded.status().message())))),
+            {}, nullptr, nullptr);
+        if (!encoded.ok()) {
+          drop(reply, std::string(encoded.status().message()));
+          return true;
+        }
       }
+      reply.encoded = *std::move(encoded);
     }
     try {
       if (!router.send(zmq::buffer(reply.peer), zmq::send_flags::sndmore | zmq::send_flags::dontwait)) return false;
       // Counted before the rest: the client may read the reply before this thread goes on.
       ++served;
       // The first frame passed the pipe's limit, so the rest of the message goes whole.
-      (void)detail::send_encoded(router, *encoded, zmq::send_flags::none);
+      (void)detail::send_encoded(router, *reply.encoded, zmq::send_flags::none);
     } catch (const zmq::error_t& e) {  // EHOSTUNREACH: the client went away (ROUTER_MANDATORY)
       drop(reply, fmt::format("client gone ({})", e.what()));
     }

@@ -187,7 +187,8 @@ class SessionCore {
   void collect_retired();
   std::vector<std::shared_ptr<const PathPlan>> live_plans();
   bool update_cancelled() const;
-  absl::Status at_site(SiteRuntime& site, bool is_new, const std::function<absl::Status()>& step);
+  absl::Status at_site(SiteRuntime& site, bool is_new, const std::function<absl::Status()>& step,
+                       bool even_if_cancelled = false);
   SiteRuntime* site_named(const std::string& name) const;
   absl::StatusOr<std::shared_ptr<RoutingTable>> compile_table(
       const std::vector<Path>& paths, const std::function<BlockRuntime*(const std::string&)>& lookup,
