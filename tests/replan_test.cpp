@@ -114,6 +114,29 @@ TEST_CASE("when no single task's room lets the refused one in, the loosest of al
   CHECK(verdict(r->plan, "tight").admitted);
 }
 
+TEST_CASE("a block that stays keeps its max_batch: the re-plan's prediction uses it, and makes room when it must",
+          "[replan]") {
+  // 'S' stays on its site; at batch 4 it takes twice its batch-1 time (twice the rate per lane). 'X'
+  // gains nothing from batching. Losing X's site, the plan fits X next to S by batching S to 4: S
+  // cannot change its batch in place, so that plan does not hold.
+  auto in = input({block("S", 100, 10, 1024, 2.0), block("X", 100)}, {{"s", {"S"}, 60, 1000}, {"x", {"X"}, 60, 2000}},
+                  {site("w1"), site("w2")});
+  const Plan before = planned(in);
+  REQUIRE(site_of(before, "S") != site_of(before, "X"));
+  auto r = replan(in, before, {site_of(before, "X")});
+  INFO(r.status());
+  REQUIRE(r.ok());
+  for (const auto& b : r->plan.blocks) {
+    if (b.block == "S") CHECK(b.max_batch == 1);  // as deployed
+  }
+  for (const auto& l : r->plan.sites) CHECK(l.lanes_used <= l.lanes + 1e-9);  // no site over-committed
+  const TaskChange* x = change_of(*r, "x");  // refused by the prediction, and the loosest: it makes room
+  REQUIRE(x != nullptr);
+  CHECK(x->rate_after < 60);
+  CHECK(change_of(*r, "s") == nullptr);  // never for a looser task
+  for (const auto& v : r->plan.tasks) CHECK(v.admitted);
+}
+
 TEST_CASE("a re-plan names a lost site it does not know, and refuses to lose every site", "[replan]") {
   const PlanInput in = three_tasks();
   const Plan before = planned(in);

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 
 namespace blockflow {
@@ -26,6 +27,18 @@ const TaskVerdict* first_refused(const Plan& p) {
     if (!v.admitted) return &v;
   }
   return nullptr;
+}
+
+// A block of `p` that stays on the site `deployed` has it on keeps its workers and max_batch.
+void keep_deployed(Plan& p, const Plan& deployed) {
+  for (auto& b : p.blocks) {
+    for (const auto& d : deployed.blocks) {
+      if (d.block == b.block && d.site == b.site) {
+        b.workers = d.workers;
+        b.max_batch = d.max_batch;
+      }
+    }
+  }
 }
 
 std::size_t index_of(const std::vector<PlanTask>& tasks, const std::string& name) {
@@ -57,8 +70,11 @@ absl::StatusOr<std::pair<std::size_t, std::string>> pick_victim(const PlanInput&
   std::vector<std::size_t> order(in.tasks.size());
   for (std::size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;
   std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return in.tasks[a].slo_ms > in.tasks[b].slo_ms; });
+  // Only tasks looser than it (before it in that order) make room for it: the loosest whose removal
+  // lets it in; when no single removal does, the loosest of them all the same (demotions add up);
+  // when none is looser, the task itself.
   for (const std::size_t i : order) {
-    if (i == r) continue;  // its own room is what it needs: not a removal that lets it in
+    if (i == r) break;
     auto helps = admits_without(in, i, refused.task, options);
     if (!helps.ok()) return helps.status();
     if (*helps) {
@@ -66,9 +82,12 @@ absl::StatusOr<std::pair<std::size_t, std::string>> pick_victim(const PlanInput&
                                       in.tasks[i].slo_ms, refused.reason)};
     }
   }
-  // No single removal lets it in: the loosest of all (the refused task itself when it is the loosest).
-  return std::pair{order.front(), fmt::format("it has the loosest SLO ({:.1f} ms) and no single task's room lets in the "
-                                              "others ({})", in.tasks[order.front()].slo_ms, refused.reason)};
+  if (order.front() != r) {
+    return std::pair{order.front(), fmt::format("it has the loosest SLO ({:.1f} ms), and no single task's room lets in the "
+                                                "others ({})", in.tasks[order.front()].slo_ms, refused.reason)};
+  }
+  return std::pair{r, fmt::format("it has the loosest SLO ({:.1f} ms) of the tasks that can make room, and {}",
+                                  in.tasks[r].slo_ms, refused.reason)};
 }
 
 }  // namespace
@@ -98,9 +117,25 @@ absl::StatusOr<Replan> replan(const PlanInput& input, const Plan& deployed, cons
     auto p = plan(in, options);
     if (!p.ok()) return p.status();
     const TaskVerdict* refused = first_refused(*p);
+    std::optional<Plan> kept;  // the plan with what its staying blocks keep, predicted again
     if (refused == nullptr) {
-      out.plan = *std::move(p);
-      break;
+      // A block that stays on its site keeps its workers and max_batch: a site cannot change it in
+      // place. The plan may have chosen another batch size for it (to fit the lost site's blocks),
+      // so the tasks are predicted again with the kept ones; one that no longer fits is refused as
+      // plan() would, and room is made for it like for any other.
+      keep_deployed(*p, deployed);
+      auto again = predict(in, p->blocks);
+      if (!again.ok()) return again.status();
+      kept = *std::move(again);
+      refused = first_refused(*kept);
+      if (refused == nullptr) {
+        out.plan = *std::move(p);
+        out.plan.tasks = std::move(kept->tasks);
+        out.plan.sites = std::move(kept->sites);
+        out.plan.hosts = std::move(kept->hosts);
+        out.plan.bottleneck_utilisation = kept->bottleneck_utilisation;
+        break;
+      }
     }
     auto victim = pick_victim(in, *refused, options);
     if (!victim.ok()) return victim.status();
@@ -117,15 +152,6 @@ absl::StatusOr<Replan> replan(const PlanInput& input, const Plan& deployed, cons
       c.rate_after = 0;
       c.reason = fmt::format("task '{}': refused {}: {}", t.name, after, victim->second);
       in.tasks.erase(in.tasks.begin() + static_cast<std::ptrdiff_t>(victim->first));
-    }
-  }
-  // A block that stays on its site keeps its workers and max_batch: a site cannot change it in place.
-  for (auto& b : out.plan.blocks) {
-    for (const auto& d : deployed.blocks) {
-      if (d.block == b.block && d.site == b.site) {
-        b.workers = d.workers;
-        b.max_batch = d.max_batch;
-      }
     }
   }
   for (const auto& t : input.tasks) {
