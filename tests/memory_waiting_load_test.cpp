@@ -135,6 +135,10 @@ TEST_CASE("a waiting load that gives up (its block removed by an update) lets th
   const absl::Status gone = b.get();
   CHECK(absl::IsFailedPrecondition(gone));
   CHECK_THAT(gone.ToString(), Catch::Contains("'b'"));
+  // Nothing asks for 'b' any more: the set forgets it, and its id finds nothing.
+  CHECK(t.set.totals().entries == 2);
+  CHECK(absl::IsFailedPrecondition(t.set.hold(t.id.at("b")).status()));
+  CHECK(t.set.state(t.id.at("b")).name.empty());
   CHECK(c.wait_for(std::chrono::milliseconds(200)) == std::future_status::timeout);  // 'a' still runs
   held->reset();
   CHECK(c.get().ok());
@@ -217,4 +221,24 @@ TEST_CASE("a load that waits for room and fails with an exception leaves the que
   REQUIRE(next.wait_for(std::chrono::seconds(10)) == std::future_status::ready);
   CHECK(next.get());
   CHECK(set.state(big).resident);
+}
+
+TEST_CASE("blocks added and removed by updates, again and again: the set forgets each once nothing uses it", "[memory]") {
+  ResidentSet set(10 * kMB, [] { return std::int64_t{0}; });
+  const int keep = set.add("keep", 5 * kMB, [] { return test::unary("keep", [](const Tensor& x) { return x; }); },
+                           [] { return false; });
+  REQUIRE(set.hold(keep).ok());
+  for (int i = 0; i < 1000; ++i) {
+    const std::string name = "b" + std::to_string(i);
+    const int id = set.add(name, 5 * kMB, [name] { return test::unary(name, [](const Tensor& x) { return x; }); },
+                           [] { return false; });
+    auto hold = set.hold(id);
+    REQUIRE(hold.ok());
+    set.retire(id);                            // held: unloaded when the hold goes
+    CHECK(set.totals().entries == 2);
+    hold->reset();
+    CHECK(set.totals().entries == 1);          // then forgotten
+    CHECK(set.totals().resident_bytes == 5 * kMB);
+  }
+  CHECK(set.state(keep).resident);
 }

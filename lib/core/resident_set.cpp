@@ -37,6 +37,7 @@ void free_blocks(std::vector<std::shared_ptr<Block>>& blocks) {
 }  // namespace
 
 struct ResidentSet::Entry {
+  int id = -1;
   std::string name;
   std::int64_t footprint = 0;
   Loader loader;
@@ -54,6 +55,7 @@ struct ResidentSet::Entry {
   bool retired = false;          // removed by an update: never loaded again
   bool claimed = false;          // the first waiting load will unload it: no new holds
   int holders = 0;
+  int askers = 0;                // hold() calls inside their loop (they keep a pointer to it)
   std::uint64_t loads = 0, evictions = 0;
   std::int64_t last_use_ns = 0;
   // Its last load: when it ended, and what it took. A running block is claimed only once it has
@@ -103,8 +105,22 @@ int ResidentSet::add(std::string name, std::int64_t footprint, Loader loader, st
   entry->queued = std::move(queued);
   entry->swappable = swappable && swap_.has_value() && WeightSwap::available();
   MutexLock lock(&mu_);
-  entries_.push_back(std::move(entry));
-  return static_cast<int>(entries_.size()) - 1;
+  const int id = next_id_++;
+  entry->id = id;
+  entries_.emplace(id, std::move(entry));
+  return id;
+}
+
+ResidentSet::Entry* ResidentSet::find_locked(int id) const {
+  const auto it = entries_.find(id);
+  return it == entries_.end() ? nullptr : it->second.get();
+}
+
+void ResidentSet::erase_if_done_locked(const Entry& e) {
+  // A retired entry nothing holds, loads, pages out or asks for any more: its id is never used
+  // again (a late lookup finds none), so the set does not grow with updates.
+  if (!e.retired || e.holders > 0 || e.loading || e.askers > 0 || e.block || e.parked) return;
+  entries_.erase(e.id);
 }
 
 bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloaded, const std::vector<int>* keep) {
@@ -120,12 +136,12 @@ bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloa
     bool queued;
   };
   std::vector<Candidate> candidates;
-  for (std::size_t i = 0; i < entries_.size(); ++i) {
-    Entry& e = *entries_[i];
-    if (static_cast<int>(i) == except || !e.block || e.holders > 0 || e.loading) continue;
+  for (auto& [i, entry] : entries_) {
+    Entry& e = *entry;
+    if (i == except || !e.block || e.holders > 0 || e.loading) continue;
     const bool queued = e.queued && e.queued();
     // A prefetch makes room only from idle blocks off the request's path.
-    if (keep != nullptr && (queued || std::find(keep->begin(), keep->end(), static_cast<int>(i)) != keep->end())) continue;
+    if (keep != nullptr && (queued || std::find(keep->begin(), keep->end(), i) != keep->end())) continue;
     candidates.push_back({&e, queued});
   }
   // Blocks with no request queued first; then those the first waiting load claimed; then the
@@ -175,9 +191,9 @@ void ResidentSet::claim_locked(std::int64_t need, int except) {
   std::int64_t room = budget_ - resident_;
   std::vector<Entry*> candidates;
   const std::int64_t now = now_ns();
-  for (std::size_t i = 0; i < entries_.size(); ++i) {
-    Entry& e = *entries_[i];
-    if (static_cast<int>(i) == except || !e.block || e.loading) continue;
+  for (auto& [i, entry] : entries_) {
+    Entry& e = *entry;
+    if (i == except || !e.block || e.loading) continue;
     if (e.claimed) {
       room += e.footprint;
     } else if (e.holders == 0 || now - e.loaded_ns >= e.load_cost_ns) {  // a running block: once it paid off its load
@@ -203,7 +219,7 @@ void ResidentSet::leave_queue_locked(std::uint64_t ticket) {
   const auto it = std::find(waiting_.begin(), waiting_.end(), ticket);
   if (it == waiting_.end()) return;
   if (it == waiting_.begin()) {
-    for (auto& e : entries_) e->claimed = false;
+    for (auto& [i, e] : entries_) e->claimed = false;
   }
   waiting_.erase(it);
   ++generation_;  // the next one's turn
@@ -215,7 +231,18 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::hold(int id) {
   std::int64_t reserved = 0;
   {
     MutexLock lock(&mu_);
-    entry = entries_.at(static_cast<std::size_t>(id)).get();
+    entry = find_locked(id);
+    if (entry == nullptr) return absl::FailedPreconditionError("the block was removed by an update");
+    // While this call asks, the entry stays (erase_if_done_locked()).
+    struct Asking {
+      ResidentSet* set;
+      Entry* e;
+      ~Asking() ABSL_NO_THREAD_SAFETY_ANALYSIS {  // mu_ is held: it lives inside the lock's scope
+        --e->askers;
+        set->erase_if_done_locked(*e);
+      }
+    } asking{this, entry};
+    ++entry->askers;
     // This load's place among those waiting for room (0: none), given up on every way out of the
     // loop, an exception's included.
     struct Ticket {
@@ -275,7 +302,9 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::hold(int id) {
 
 bool ResidentSet::want_prefetch(int id) {
   MutexLock lock(&mu_);
-  Entry& e = *entries_.at(static_cast<std::size_t>(id));
+  Entry* found = find_locked(id);
+  if (found == nullptr) return false;
+  Entry& e = *found;
   if (e.block) {
     e.last_use_ns = now_ns();  // about to be used: not the one to make room for this request's others
     return false;
@@ -292,7 +321,8 @@ void ResidentSet::prefetch(int id, const std::vector<int>& keep) {
   std::int64_t reserved = 0;
   {
     MutexLock lock(&mu_);
-    entry = entries_.at(static_cast<std::size_t>(id)).get();
+    entry = find_locked(id);
+    if (entry == nullptr) return;  // removed by an update
     entry->prefetch_posted = false;
     // Loads waiting for room come first: a prefetch takes none of it.
     if (!waiting_.empty() || entry->retired || entry->block || entry->loading || entry->footprint <= 0 || entry->footprint > budget_ ||
@@ -358,6 +388,7 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
       entry->swap.reset();
       resident_ -= reserved;
       result = made.status();
+      erase_if_done_locked(*entry);  // retired meanwhile: nothing holds it now
     } else if (reserved == 0 && measured > budget_) {
       entry->footprint = measured;  // from now on refused at once
       entry->swap.reset();
@@ -409,6 +440,7 @@ void ResidentSet::finish(Evicted& evicted) {
       e->swap.reset();
       if (e->retired) e->loader = nullptr;
       evicted.freed.push_back(std::move(e->parked));
+      erase_if_done_locked(*e);  // e is not used after this
     }
   }
   free_blocks(evicted.freed);
@@ -422,11 +454,14 @@ void ResidentSet::release(int id) {
   Evicted gone;  // a retired block's last hold frees it
   {
     MutexLock lock(&mu_);
-    Entry& e = *entries_.at(static_cast<std::size_t>(id));
+    Entry& e = *find_locked(id);  // held: never erased
     --e.holders;
     e.last_use_ns = now_ns();
     ++generation_;
-    if (e.retired) unload_locked(e, gone);
+    if (e.retired) {
+      unload_locked(e, gone);
+      erase_if_done_locked(e);
+    }
   }
   finish(gone);
 }
@@ -453,19 +488,24 @@ void ResidentSet::retire(int id) {
   Evicted gone;
   {
     MutexLock lock(&mu_);
-    Entry& e = *entries_.at(static_cast<std::size_t>(id));
+    Entry* found = find_locked(id);
+    if (found == nullptr) return;  // retired and gone already
+    Entry& e = *found;
     e.retired = true;
     e.queued = nullptr;  // it reads the block's queue, which goes with the block's runtime
     ++generation_;  // a load waiting for it gives up now
     unload_locked(e, gone);
+    erase_if_done_locked(e);
   }
   finish(gone);
 }
 
 ResidentSet::BlockState ResidentSet::state(int id) const {
   MutexLock lock(&mu_);
-  const Entry& e = *entries_.at(static_cast<std::size_t>(id));
   BlockState s;
+  const Entry* found = find_locked(id);
+  if (found == nullptr) return s;  // removed by an update
+  const Entry& e = *found;
   s.name = e.name;
   s.resident = e.block != nullptr;
   s.footprint_bytes = e.footprint;
@@ -489,9 +529,10 @@ ResidentSet::Totals ResidentSet::totals() const {
   t.prefetches = prefetches_;
   t.swap_ins = swap_ins_;
   t.waiting_loads = waiting_.size();
-  for (const auto& e : entries_) {
+  for (const auto& [i, e] : entries_) {
     if (!e->loading && e->parked) t.swapped_bytes += e->swap_bytes;
   }
+  t.entries = entries_.size();
   return t;
 }
 

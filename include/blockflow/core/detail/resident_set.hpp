@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -77,6 +78,7 @@ class ResidentSet {
     std::uint64_t swap_ins = 0;       ///< loads that paged a block's weights back in (swapping)
     std::int64_t swapped_bytes = 0;   ///< the weights of unloaded blocks that wait in swap files
     std::size_t waiting_loads = 0;    ///< loads waiting for room now (hold())
+    std::size_t entries = 0;          ///< blocks it keeps track of (a removed one goes once nothing uses it)
   };
 
   /// `swap`: unloading pages a swappable block's weights out to a file (WeightSwap) instead of
@@ -109,7 +111,9 @@ class ResidentSet {
   void prefetch(int id, const std::vector<int>& keep);
   /// The block was removed by an update: unloaded now, or when its last hold goes; never loaded
   /// again (hold() returns FailedPrecondition naming it); its `queued` function is dropped (it may
-  /// read a queue that is about to be freed).
+  /// read a queue that is about to be freed). Once nothing holds, loads or asks for it, the set
+  /// forgets it: its id finds nothing (hold(): FailedPrecondition; state(): an empty BlockState;
+  /// prefetch(), retire(): nothing).
   void retire(int id);
 
   [[nodiscard]] std::int64_t budget() const { return budget_; }
@@ -153,7 +157,10 @@ class ResidentSet {
   std::uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // +1 whenever a block is released, loaded or unloaded
   std::deque<std::uint64_t> waiting_ ABSL_GUARDED_BY(mu_);  // tickets of the loads waiting for room, first first
   std::uint64_t tickets_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<std::unique_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+  Entry* find_locked(int id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // nullptr: none (forgotten)
+  void erase_if_done_locked(const Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::map<int, std::unique_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+  int next_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t resident_ ABSL_GUARDED_BY(mu_) = 0;  // footprints of loaded blocks and of loads under way
   std::int64_t unaccounted_ ABSL_GUARDED_BY(mu_) = 0;  // kProcess: growth beyond resident_, last sampled
   std::int64_t unloading_ ABSL_GUARDED_BY(mu_) = 0;    // footprints of unloads not finished yet
