@@ -242,3 +242,27 @@ TEST_CASE("blocks added and removed by updates, again and again: the set forgets
   }
   CHECK(set.state(keep).resident);
 }
+
+TEST_CASE("a block removed while its first load measures it over the budget is forgotten all the same", "[memory]") {
+  std::atomic<std::int64_t> rss{100 * kMB};
+  ResidentSet set(10 * kMB, [&rss] { return rss.load(); });
+  std::promise<void> open;
+  std::shared_future<void> gate = open.get_future().share();
+  std::atomic<bool> building{false};
+  const int id = set.add("unmeasured", 0, [&]() -> absl::StatusOr<std::shared_ptr<Block>> {
+    building = true;
+    gate.wait();
+    rss += 20 * kMB;  // what the load leaves resident: twice the budget
+    return test::unary("unmeasured", [](const Tensor& x) { return x; });
+  }, [] { return false; });
+  auto load = std::async(std::launch::async, [&] { return set.hold(id).status(); });
+  REQUIRE(test::eventually([&] { return building.load(); }, std::chrono::seconds(10)));
+  set.retire(id);  // while it loads
+  CHECK(set.totals().entries == 1);
+  open.set_value();
+  const absl::Status status = load.get();
+  CHECK(absl::IsResourceExhausted(status));
+  CHECK_THAT(status.ToString(), Catch::Contains("over the memory budget"));
+  CHECK(set.totals().entries == 0);
+  CHECK(set.totals().resident_bytes == 0);
+}

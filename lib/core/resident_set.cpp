@@ -388,7 +388,6 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
       entry->swap.reset();
       resident_ -= reserved;
       result = made.status();
-      erase_if_done_locked(*entry);  // retired meanwhile: nothing holds it now
     } else if (reserved == 0 && measured > budget_) {
       entry->footprint = measured;  // from now on refused at once
       entry->swap.reset();
@@ -420,6 +419,7 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
       h.loaded_now_ = true;
       result = std::move(h);
     }
+    erase_if_done_locked(*entry);  // retired while it loaded, and nothing holds it: forgotten (not used below)
   }
   finish(unloaded);
   return result;
@@ -545,6 +545,9 @@ class OnDemandBlock final : public Block {
   std::string_view kind() const override { return kind_; }
   absl::StatusOr<Tensors> forward(Tensors&& inputs) override {
     auto hold = set_.hold(id_);
+    if (absl::IsFailedPrecondition(hold.status())) {  // removed (the set may have forgotten its name)
+      return absl::FailedPreconditionError(fmt::format("block '{}' was removed by an update", name()));
+    }
     if (!hold.ok()) return hold.status();
     return hold->block()->forward(std::move(inputs));
   }

@@ -216,6 +216,9 @@ void SessionCore::process_group(BlockRuntime& runtime, std::vector<Envelope>&& g
 
 absl::Status SessionCore::hold_resident(BlockRuntime& runtime, ResidentSet::Hold& hold, Block*& compute) {
   auto held = resident_->hold(runtime.resident_id);
+  if (absl::IsFailedPrecondition(held.status())) {  // removed (the set may have forgotten its name)
+    return absl::FailedPreconditionError(fmt::format("block '{}' was removed by an update", runtime.name()));
+  }
   if (!held.ok()) return held.status();
   hold = *std::move(held);
   compute = hold.block();

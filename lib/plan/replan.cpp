@@ -14,7 +14,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <set>
 
 namespace blockflow {
@@ -41,27 +40,45 @@ void keep_deployed(Plan& p, const Plan& deployed) {
   }
 }
 
+// What the re-plan can run: plan() of `in`; when it admits every task, its blocks that stay keep
+// their workers and max_batch and the tasks are predicted again with them (predict()), the plan's
+// verdicts, loads and blocks then being that prediction's (each block with the plan's workers).
+absl::StatusOr<Plan> evaluate(const PlanInput& in, const Plan& deployed, const PlanOptions& options) {
+  auto p = plan(in, options);
+  if (!p.ok() || first_refused(*p) != nullptr) return p;
+  keep_deployed(*p, deployed);
+  auto again = predict(in, p->blocks);
+  if (!again.ok()) return again.status();
+  for (auto& b : again->blocks) {
+    for (const auto& chosen : p->blocks) {
+      if (chosen.block == b.block) b.workers = chosen.workers;
+    }
+  }
+  return again;
+}
+
 std::size_t index_of(const std::vector<PlanTask>& tasks, const std::string& name) {
   return static_cast<std::size_t>(std::find_if(tasks.begin(), tasks.end(), [&](const PlanTask& t) { return t.name == name; }) -
                                   tasks.begin());
 }
 
-// Whether the plan of `in` without task `skip` admits task `want`.
-absl::StatusOr<bool> admits_without(const PlanInput& in, std::size_t skip, const std::string& want, const PlanOptions& options) {
+// Whether what the re-plan can run of `in` without task `skip` admits task `want` (evaluate()).
+absl::StatusOr<bool> admits_without(const PlanInput& in, const Plan& deployed, std::size_t skip, const std::string& want,
+                                    const PlanOptions& options) {
   PlanInput trial = in;
   trial.tasks.erase(trial.tasks.begin() + static_cast<std::ptrdiff_t>(skip));
-  auto p = plan(trial, options);
+  auto p = evaluate(trial, deployed, options);
   if (!p.ok()) return p.status();
   return std::any_of(p->tasks.begin(), p->tasks.end(), [&](const TaskVerdict& v) { return v.task == want && v.admitted; });
 }
 
 // The task that makes room for `refused`, and why (docs/replan.md, "Algorithm").
-absl::StatusOr<std::pair<std::size_t, std::string>> pick_victim(const PlanInput& in, const TaskVerdict& refused,
-                                                                 const PlanOptions& options) {
+absl::StatusOr<std::pair<std::size_t, std::string>> pick_victim(const PlanInput& in, const Plan& deployed,
+                                                                 const TaskVerdict& refused, const PlanOptions& options) {
   const std::size_t r = index_of(in.tasks, refused.task);
   PlanInput alone = in;
   alone.tasks = {in.tasks[r]};
-  auto a = plan(alone, options);
+  auto a = evaluate(alone, deployed, options);
   if (!a.ok()) return a.status();
   if (!a->tasks.front().admitted) {
     return std::pair{r, fmt::format("it does not fit on the remaining sites even alone ({})", a->tasks.front().reason)};
@@ -75,7 +92,7 @@ absl::StatusOr<std::pair<std::size_t, std::string>> pick_victim(const PlanInput&
   // when none is looser, the task itself.
   for (const std::size_t i : order) {
     if (i == r) break;
-    auto helps = admits_without(in, i, refused.task, options);
+    auto helps = admits_without(in, deployed, i, refused.task, options);
     if (!helps.ok()) return helps.status();
     if (*helps) {
       return std::pair{i, fmt::format("it has the loosest SLO ({:.1f} ms) of the tasks whose room lets in the others ({})",
@@ -114,30 +131,18 @@ absl::StatusOr<Replan> replan(const PlanInput& input, const Plan& deployed, cons
   std::map<std::string, TaskChange> changes;
   std::map<std::string, int> demotions;
   while (true) {
-    auto p = plan(in, options);
+    // A block that stays on its site keeps its workers and max_batch (a site cannot change it in
+    // place), while the plan may have chosen another batch size for it to fit the lost site's
+    // blocks: evaluate() predicts the tasks again with the kept ones, and a task that no longer fits
+    // is refused there, room being made for it like for any other.
+    auto p = evaluate(in, deployed, options);
     if (!p.ok()) return p.status();
     const TaskVerdict* refused = first_refused(*p);
-    std::optional<Plan> kept;  // the plan with what its staying blocks keep, predicted again
     if (refused == nullptr) {
-      // A block that stays on its site keeps its workers and max_batch: a site cannot change it in
-      // place. The plan may have chosen another batch size for it (to fit the lost site's blocks),
-      // so the tasks are predicted again with the kept ones; one that no longer fits is refused as
-      // plan() would, and room is made for it like for any other.
-      keep_deployed(*p, deployed);
-      auto again = predict(in, p->blocks);
-      if (!again.ok()) return again.status();
-      kept = *std::move(again);
-      refused = first_refused(*kept);
-      if (refused == nullptr) {
-        out.plan = *std::move(p);
-        out.plan.tasks = std::move(kept->tasks);
-        out.plan.sites = std::move(kept->sites);
-        out.plan.hosts = std::move(kept->hosts);
-        out.plan.bottleneck_utilisation = kept->bottleneck_utilisation;
-        break;
-      }
+      out.plan = *std::move(p);
+      break;
     }
-    auto victim = pick_victim(in, *refused, options);
+    auto victim = pick_victim(in, deployed, *refused, options);
     if (!victim.ok()) return victim.status();
     PlanTask& t = in.tasks[victim->first];
     TaskChange& c = changes[t.name];

@@ -112,8 +112,8 @@ class ResidentSet {
   /// The block was removed by an update: unloaded now, or when its last hold goes; never loaded
   /// again (hold() returns FailedPrecondition naming it); its `queued` function is dropped (it may
   /// read a queue that is about to be freed). Once nothing holds, loads or asks for it, the set
-  /// forgets it: its id finds nothing (hold(): FailedPrecondition; state(): an empty BlockState;
-  /// prefetch(), retire(): nothing).
+  /// forgets it: its id finds nothing (hold(): FailedPrecondition, no longer naming it; state(): an
+  /// empty BlockState; prefetch(), retire(): nothing).
   void retire(int id);
 
   [[nodiscard]] std::int64_t budget() const { return budget_; }
