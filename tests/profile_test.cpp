@@ -93,6 +93,24 @@ TEST_CASE("profile_block without the rate sweep: latencies only, max_rate_rps 0"
   for (const auto& line : progress) CHECK_THAT(line, !Catch::Matchers::Contains("offered"));  // no sweep step ran
 }
 
+TEST_CASE("batch sizes given out of order or twice are profiled in increasing order, once: the profile parses",
+          "[profile]") {
+  ProfileOptions o = quick();
+  o.rate_sweep = false;
+  o.batch_sizes = {2, 1, 2};
+  auto p = profile_block(sleeper("sleepy", 1), {at::ones({1, 4})}, o);
+  INFO(p.status());
+  REQUIRE(p.ok());
+  REQUIRE(p->latency.size() == 2);
+  CHECK(p->latency[0].batch == 1);
+  CHECK(p->latency[1].batch == 2);
+  Profile doc;
+  doc.blocks = {*p};
+  auto back = Profile::parse(doc.to_json());
+  INFO(back.status());
+  CHECK(back.ok());
+}
+
 TEST_CASE("a rate-sweep step that grows under the service rate runs again: one disturbance does not set the rate",
           "[profile]") {
   // The block sleeps 20 ms a request; once armed (when the latency rounds are done), its 12th call

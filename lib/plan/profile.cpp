@@ -174,6 +174,10 @@ const BatchLatency* BlockProfile::at_batch(int batch) const {
 absl::StatusOr<BlockProfile> profile_block(const std::shared_ptr<Block>& block, const Tensors& inputs,
                                            const ProfileOptions& options) {
   if (!block) return absl::InvalidArgumentError("profile_block: no block");
+  // A profile lists its batch sizes increasing, each once (Profile::parse() refuses others).
+  std::vector<int> batch_sizes = options.batch_sizes;
+  std::sort(batch_sizes.begin(), batch_sizes.end());
+  batch_sizes.erase(std::unique(batch_sizes.begin(), batch_sizes.end()), batch_sizes.end());
   const int iterations = options.quick ? 8 : std::max(1, options.iterations);
   const int warmup = options.quick ? 1 : std::max(0, options.warmup);
   try {
@@ -189,8 +193,8 @@ absl::StatusOr<BlockProfile> profile_block(const std::shared_ptr<Block>& block, 
       // pessimistic by as much (measured: block1 at batch 1, 37.6 ms in one pass, 10 in the next).
       const int rounds = options.quick ? 1 : 2;
       for (int round = 0; round < rounds; ++round) {
-        for (std::size_t b = 0; b < options.batch_sizes.size(); ++b) {
-          const int batch = options.batch_sizes[b];
+        for (std::size_t b = 0; b < batch_sizes.size(); ++b) {
+          const int batch = batch_sizes[b];
           if (batch < 1) return absl::InvalidArgumentError(fmt::format("block '{}': batch size {} < 1", p.name, batch));
           auto ms = time_forward(*block, batched(inputs, batch), warmup, std::max(1, iterations / rounds));
           if (!ms.ok()) {

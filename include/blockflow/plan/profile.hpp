@@ -36,7 +36,8 @@ inline constexpr int kProfileVersion = 1;
 
 /// @brief How to profile.
 struct ProfileOptions {
-  /// Batch sizes to time (dimension 0 of every input scaled by it).
+  /// Batch sizes to time (dimension 0 of every input scaled by it); timed and listed in increasing
+  /// order, each once, whatever order they are given in.
   std::vector<int> batch_sizes = {1, 2, 4, 8};
   /// Timed forward passes per batch size, after `warmup` untimed ones, in two rounds over the batch
   /// sizes (half each; the round with the lower p50 is kept; one round with `quick`).
