@@ -354,6 +354,8 @@ TEST_CASE("replies waiting for clients that do not read are bounded in all by ma
   }
   // Each sloth's own bound is far off: what is dropped, the bound on both together dropped.
   REQUIRE(test::eventually([&] { return endpoint.dropped_replies() >= kRequests; }, std::chrono::seconds(60)));
+  // Every reply has left the session: sent to its client's pipe, waiting in a backlog, or dropped.
+  REQUIRE(test::eventually([&] { return session.metrics().in_flight == 0; }, std::chrono::seconds(60)));
   // The two read at last: what the bound kept, and what ZeroMQ and the kernel buffered before the
   // pipes filled; the rest was dropped.
   int received = 0;

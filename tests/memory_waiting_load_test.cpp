@@ -110,6 +110,7 @@ TEST_CASE("loads waiting for room are served in the order they came; a block cla
   REQUIRE(test::eventually([&] { return t.set.totals().waiting_loads == 1; }, std::chrono::seconds(10)));
   auto c = use("c");  // waits behind 'b'
   REQUIRE(test::eventually([&] { return t.set.totals().waiting_loads == 2; }, std::chrono::seconds(10)));
+  REQUIRE(test::eventually([&] { return t.set.state(t.id.at("a")).claimed; }, std::chrono::seconds(10)));
   auto a = use("a");  // 'a' is loaded, but claimed: this hold waits for it to go, then loads it again
   CHECK(a.wait_for(std::chrono::milliseconds(200)) == std::future_status::timeout);
   CHECK(t.resident("a"));

@@ -128,7 +128,8 @@ TEST_CASE("a cancel during the drain ends the wait, not the unload: the site she
   REQUIRE(test::eventually([&] { return latch.entered.load() == 1; }, 30s));
   const Deployment without_g = parse(R"({"blocks": ["held"], "tasks": {"t": ["held"]}})");  // Catch2 only on this thread
   auto update = std::async(std::launch::async, [&] { return session.apply(without_g, absl::Hours(1)); });
-  CHECK(update.wait_for(100ms) == std::future_status::timeout);  // draining
+  REQUIRE(test::eventually([&] { return session.metrics().version == 2; }, 30s));  // published: draining
+  CHECK(update.wait_for(100ms) == std::future_status::timeout);
   session.cancel_update();
   REQUIRE(ready_within(update, 30s));
   auto version = update.get();
@@ -156,7 +157,8 @@ TEST_CASE("cancel_update() during the drain ends the wait: what still queues for
   // Removes task "slow" and block "held", with a drain long enough to hang the test.
   const Deployment only_a = parse(R"({"blocks": ["a"], "tasks": {"t": ["a"]}})");  // Catch2 only on this thread
   auto update = std::async(std::launch::async, [&] { return session.apply(only_a, absl::Hours(1)); });
-  CHECK(queued.wait_for(100ms) == std::future_status::timeout);  // draining: it may still run
+  REQUIRE(test::eventually([&] { return session.metrics().version == 1; }, 30s));  // published: draining
+  CHECK(queued.wait_for(100ms) == std::future_status::timeout);  // it may still run
   session.cancel_update();
   REQUIRE(ready_within(queued, 30s));  // failed by the cancelled drain while "held" still runs
   Result failed = queued.get();

@@ -120,7 +120,8 @@ void ResidentSet::erase_if_done_locked(const Entry& e) {
   // A retired entry nothing holds, loads, pages out or asks for any more: its id is never used
   // again (a late lookup finds none), so the set does not grow with updates.
   if (!e.retired || e.holders > 0 || e.loading || e.askers > 0 || e.block || e.parked) return;
-  entries_.erase(e.id);
+  const int id = e.id;  // not a reference into what the erase destroys
+  entries_.erase(id);
 }
 
 bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloaded, const std::vector<int>* keep) {
@@ -232,7 +233,7 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::hold(int id) {
   {
     MutexLock lock(&mu_);
     entry = find_locked(id);
-    if (entry == nullptr) return absl::FailedPreconditionError("the block was removed by an update");
+    if (entry == nullptr) return absl::FailedPreconditionError(kForgotten);
     // While this call asks, the entry stays (erase_if_done_locked()).
     struct Asking {
       ResidentSet* set;
@@ -508,6 +509,7 @@ ResidentSet::BlockState ResidentSet::state(int id) const {
   const Entry& e = *found;
   s.name = e.name;
   s.resident = e.block != nullptr;
+  s.claimed = e.claimed;
   s.footprint_bytes = e.footprint;
   s.loads = e.loads;
   s.evictions = e.evictions;
@@ -545,7 +547,7 @@ class OnDemandBlock final : public Block {
   std::string_view kind() const override { return kind_; }
   absl::StatusOr<Tensors> forward(Tensors&& inputs) override {
     auto hold = set_.hold(id_);
-    if (absl::IsFailedPrecondition(hold.status())) {  // removed (the set may have forgotten its name)
+    if (absl::IsFailedPrecondition(hold.status()) && hold.status().message() == ResidentSet::kForgotten) {
       return absl::FailedPreconditionError(fmt::format("block '{}' was removed by an update", name()));
     }
     if (!hold.ok()) return hold.status();

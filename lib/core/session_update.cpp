@@ -455,8 +455,6 @@ void SessionCore::update_publish(UpdateWork& u) {
     }
     for (auto& p : u.new_paths) paths_.push_back(std::move(p));
     block_by_name_ = u.next_by_name;
-    u.timing.total_ms = ms_since(u.t_begin);
-    last_update_ = u.timing;  // drain figures follow once it is done
     update_called_ns_ = u.t_begin;
     update_first_result_ns_.store(0, std::memory_order_relaxed);  // before the new table is published
   }
@@ -467,7 +465,14 @@ void SessionCore::update_publish(UpdateWork& u) {
     old = std::exchange(routing_, std::move(u.table));
   }
   u.old_table = old;
-  version_.store(u.version);  // after the switch: metrics() never shows a version submit() does not route by yet
+  {
+    // After the switch: metrics() never shows a version submit() does not route by yet, and shows
+    // the version and its figures together.
+    blockflow::detail::MutexLock lock(&state_mu_);
+    u.timing.total_ms = ms_since(u.t_begin);
+    last_update_ = u.timing;  // drain figures follow once it is done
+    version_.store(u.version);
+  }
   note_active();  // the tasks it adds: their blocks have loaded
   u.timing.route_ms += ms_since(t_publish);
 }

@@ -197,6 +197,7 @@ struct ClientEndpoint::Impl {
         }
       }
       reply.encoded = *std::move(encoded);
+      reply.tensors.clear();  // the encoded message keeps what is sent (a contiguous copy of any other)
     }
     try {
       if (!router.send(zmq::buffer(reply.peer), zmq::send_flags::sndmore | zmq::send_flags::dontwait)) return false;
@@ -210,9 +211,9 @@ struct ClientEndpoint::Impl {
     return true;
   }
 
-  static std::size_t size_of(const Reply& reply) {
+  static std::size_t size_of(const Reply& reply) {  // what it holds: its encoded message, once encoded
     std::size_t bytes = 256;
-    for (const auto& t : reply.tensors) bytes += t.nbytes();
+    for (const auto& t : reply.encoded ? reply.encoded->tensors : reply.tensors) bytes += t.nbytes();
     return bytes;
   }
 

@@ -138,7 +138,7 @@ struct Plan {
 
 /// @brief How to search for placements.
 struct PlanOptions {
-  /// Try every placement of the blocks (sites^blocks, at most 12 blocks) instead of the heuristic:
+  /// Try every placement of the blocks (sites^blocks: at most 12 blocks and 4^12 placements) instead of the heuristic:
   /// the optimum of the same objective, for small deployments and to measure the heuristic against.
   bool exhaustive = false;
 };

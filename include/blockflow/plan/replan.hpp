@@ -44,10 +44,11 @@ struct Replan {
 /// @brief Plans `input` without the `lost` sites (docs/replan.md, "Algorithm"). `deployed` is the
 /// plan running now (plan(input) for the first loss): its blocks stay on their sites while the plan
 /// fits (PlanInput::current), and a block that stays keeps its workers and max_batch (a site cannot
-/// change a block in place). When some task does not fit, tasks make room one step at a time, the
-/// loosest SLO first among those whose removal would let it in: a task's rate is halved (demoted,
-/// at most 3 times: 1/8 of its rate), then it is refused. A task that does not fit even alone
-/// makes room itself. InvalidArgument for a lost site that `input` does not have, when no site
+/// change a block in place; the tasks are predicted again with them). When some task does not fit,
+/// tasks with a looser SLO make room for it one step at a time: the loosest whose removal would let
+/// it in, else the loosest of them, else the task itself; a task's rate is halved (demoted, at most
+/// 3 times: 1/8 of its rate), then it is refused. A task that does not fit even alone makes room
+/// itself. InvalidArgument for a lost site that `input` does not have, when no site
 /// remains, or for an input plan() refuses.
 absl::StatusOr<Replan> replan(const PlanInput& input, const Plan& deployed, const std::vector<std::string>& lost,
                               const PlanOptions& options = {});

@@ -14,6 +14,7 @@
 #include <blockflow/core/detail/weight_swap.hpp>
 
 #include <absl/status/statusor.h>
+#include <absl/strings/string_view.h>
 
 #include <atomic>
 #include <cstdint>
@@ -34,6 +35,9 @@ class ResidentSet {
   /// The resident memory of this process, in bytes: a block of unknown footprint is measured by it
   /// across its first load.
   using MemoryProbe = std::function<std::int64_t()>;
+
+  /// hold()'s message for an id the set has forgotten (a removed block): callers add the name.
+  static constexpr absl::string_view kForgotten = "the block was removed by an update";
 
   /// A loaded block, kept loaded while the Hold lives. Move-only.
   class Hold {
@@ -60,6 +64,7 @@ class ResidentSet {
   struct BlockState {
     std::string name;
     bool resident = false;
+    bool claimed = false;  ///< the first waiting load will unload it (it takes no new hold)
     std::int64_t footprint_bytes = 0;  ///< profiled, or measured at its first load (0: not yet known)
     std::uint64_t loads = 0, evictions = 0;
     std::int64_t last_use_ns = 0;       ///< steady clock; 0: never used
@@ -139,7 +144,7 @@ class ResidentSet {
   bool make_room_locked(std::int64_t need, int except, Evicted& unloaded, const std::vector<int>* keep = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The first waiting load (make_room_locked() said no): claims loaded blocks, idle ones first, then
-  // running ones least recently used first, until unloading them all would make `need` fit. Claims
+  // running ones (each once it has been loaded as long as its load took) least recently used first, until unloading them all would make `need` fit. Claims
   // only grow until that load leaves the queue (leave_queue_locked()).
   void claim_locked(std::int64_t need, int except) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A waiting load is served or gives up: out of the queue; the first one's claims end with it.
