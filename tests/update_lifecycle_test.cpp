@@ -34,6 +34,19 @@ std::shared_ptr<Block> held_at(test::Latch& latch) {
   });
 }
 
+// Starts `session` with `block` (task `task` through it, watched through the weak pointer returned)
+// and block "a" (x + 1, task "t").
+std::weak_ptr<Block> start_watched(Session& session, std::shared_ptr<Block> block, const std::string& task) {
+  std::weak_ptr<Block> watched = block;
+  const std::string name = block->name();
+  session.add_block(std::move(block));
+  session.add_block(test::unary("a", [](const Tensor& x) { return x + 1; }));
+  session.add_path(Path::chain(task, {name}));
+  session.add_path(Path::chain("t", {"a"}));
+  test::require_started(session);
+  return watched;
+}
+
 template <typename T>
 bool ready_within(std::future<T>& f, std::chrono::seconds s) {
   return f.wait_for(s) == std::future_status::ready;
@@ -173,6 +186,43 @@ TEST_CASE("cancel_update() during the drain ends the wait: what still queues for
   auto version = update.get();
   REQUIRE(version.ok());  // published before the cancel: the update stands
   CHECK(*version == 1);
+}
+
+TEST_CASE("a call into a removed block that does not return holds apply() for the drain only; the block is freed "
+          "once it returns", "[update_lifecycle]") {
+  test::Latch latch;
+  Session session;
+  const std::weak_ptr<Block> held_block = start_watched(session, held_at(latch), "slow");
+  auto inside = session.submit("slow", at::zeros({1}));
+  REQUIRE(test::eventually([&] { return latch.entered.load() == 1; }, 30s));
+  const Deployment only_a = parse(R"({"blocks": ["a"], "tasks": {"t": ["a"]}})");
+  auto update = std::async(std::launch::async, [&] { return session.apply(only_a, absl::Milliseconds(50)); });
+  const bool returned = ready_within(update, 30s);
+  CHECK(returned);
+  CHECK_FALSE(held_block.expired());  // a lane is still inside it
+  CHECK(inside.wait_for(0s) == std::future_status::timeout);
+  latch.release();
+  REQUIRE(ready_within(update, 30s));
+  auto version = update.get();
+  INFO(version.status().ToString());
+  REQUIRE(version.ok());
+  Result r = inside.get();  // never interrupted
+  INFO(r.status.ToString());
+  CHECK(r.ok());
+  CHECK(r.output().item<double>() == 10);
+  // The next update frees it, once nothing holds it (the request's last references go after its result).
+  CHECK(test::eventually([&] { return session.apply(only_a).ok() && held_block.expired(); }));
+  CHECK(session.submit("t", at::zeros({1})).get().output().item<double>() == 1);
+}
+
+TEST_CASE("a C++ block given to add_block() and removed by an update is freed", "[update_lifecycle]") {
+  Session session;
+  const std::weak_ptr<Block> gone = start_watched(session, test::unary("b", [](const Tensor& x) { return x + 2; }), "u");
+  CHECK(session.submit("u", at::zeros({1})).get().output().item<double>() == 2);
+  auto version = session.apply(parse(R"({"blocks": ["a"], "tasks": {"t": ["a"]}})"));
+  INFO(version.status().ToString());
+  REQUIRE(version.ok());
+  CHECK(gone.expired());  // the session kept every block given to add_block() for good
 }
 
 TEST_CASE("1,000 updates: removed blocks and tasks are freed, memory stays flat", "[update_lifecycle]") {

@@ -192,3 +192,52 @@ TEST_CASE("stop() from two threads at once: one stops the site, the other waits;
   CHECK(failed->load() > 0);
   CHECK(site->stats().failed_requests == static_cast<std::uint64_t>(failed->load()));
 }
+
+TEST_CASE("a worker whose block never returns holds neither apply() nor shutdown(): requests waiting for its room give up",
+          "[worker_lifecycle]") {
+  // One request hangs in the worker (never killed: compute_timeout 0); with max_in_flight 1 the next
+  // waits in the site's queue, the one after it in the session's forwarder, inside run(), for room
+  // that never comes; the rest wait in the block's input queue.
+  WorkerOptions o = test::test_worker("wl5");
+  o.compute_timeout = absl::ZeroDuration();
+  o.max_in_flight = 1;
+  auto site = make_worker(o);
+  Session session;
+  session.add_site(site).add_block(test::plugin_block("h", "hang_on_negative", "wl5")).add_path(Path::chain("t", {"h"}));
+  test::require_started(session);
+  auto stuck = session.submit("t", -at::ones({4}));
+  std::vector<std::future<Result>> waiting;
+  for (int i = 0; i < 4; ++i) waiting.push_back(session.submit("t", at::ones({4})));
+  REQUIRE(test::eventually([&] { return session.metrics().blocks.at(0).queue.depth == 2; }));
+  std::vector<std::future<Result>> all;
+  all.push_back(std::move(stuck));
+  for (auto& f : waiting) all.push_back(std::move(f));
+
+  std::string expected;
+  SECTION("apply() removing the block") {
+    auto v = session.apply(test::parse(R"({"blocks": [], "tasks": {}})"), absl::Milliseconds(200));
+    INFO(v.status().ToString());
+    REQUIRE(v.ok());
+    expected = "block 'h': removed by update 1";
+  }
+  SECTION("shutdown()") {
+    session.shutdown(absl::Milliseconds(200));
+    expected = "block 'h': session shut down";
+  }
+  // The one the forwarder held names the site it waited at; each resolves (the hung one when the
+  // session stops its site, at the latest).
+  int gave_up = 0;
+  session.shutdown(absl::Milliseconds(200));
+  for (auto& f : all) {
+    REQUIRE(f.wait_for(30s) == std::future_status::ready);
+    const Result r = f.get();
+    CHECK_FALSE(r.ok());
+    const std::string message(r.status.message());
+    if (message.find("waited for room at site 'wl5'") != std::string::npos) {
+      ++gave_up;
+      CHECK(absl::IsCancelled(r.status));
+      CHECK_THAT(message, Catch::Matchers::StartsWith(expected));
+    }
+  }
+  CHECK(gave_up == 1);
+}

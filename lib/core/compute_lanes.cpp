@@ -232,15 +232,25 @@ void ComputeLanes::release(LaneWork& work) {
   if (idle) idle_cv_.notify_all();
 }
 
-void ComputeLanes::quiesce(LaneWork& work) {
+bool ComputeLanes::quiesce(LaneWork& work, absl::Time deadline) {
   std::unique_lock lock(mu_);
   work.closed_ = true;
-  idle_cv_.wait(lock, [&] { return work.running_ == 0; });
   for (auto it = ready_.begin(); it != ready_.end();) {
     it = it->work == &work ? ready_.erase(it) : std::next(it);
   }
   work.queued_ = false;
   pending_.store(ready_.size(), std::memory_order_release);
+  auto idle = [&] { return work.running_ == 0; };
+  if (deadline == absl::InfiniteFuture()) {
+    idle_cv_.wait(lock, idle);
+    return true;
+  }
+  return idle_cv_.wait_until(lock, absl::ToChronoTime(deadline), idle);
+}
+
+bool ComputeLanes::idle(const LaneWork& work) const {
+  std::lock_guard lock(mu_);
+  return work.running_ == 0;
 }
 
 void ComputeLanes::run_entry(Lane& lane, Entry&& entry) {

@@ -198,6 +198,7 @@ absl::Status SessionCore::build() {
   std::vector<MemoryClaim> claims;
   for (const auto& block : pending_blocks_) claims.push_back({"", block->name(), block->options().memory_bytes});
   for (const auto& d : pending_descriptions_) claims.push_back({d.placement, d.name, d.options.memory_bytes});
+  pending_blocks_.clear();  // their runtimes hold them now: a block an update removes is freed
   if (auto status = check_memory(claims, [this](const std::string& site) { return memory_budget_of(site); }); !status.ok()) {
     return status;
   }
@@ -358,7 +359,10 @@ void SessionCore::shutdown(absl::Duration drain) {
   blockflow::detail::MutexLock update(&update_mu_);  // and is over once this is held
   const absl::Time deadline = absl::Now() + drain;
   while (in_flight_.load(std::memory_order_acquire) > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
-  for (auto& runtime : blocks_) runtime->inbox->close();
+  for (auto& runtime : blocks_) {
+    runtime->stop_feeding.store(true, std::memory_order_release);  // a site that makes no room holds no one
+    runtime->inbox->close();
+  }
   for (auto& runtime : blocks_) {
     if (runtime->forwarder.joinable()) runtime->forwarder.join();
     if (runtime->site == nullptr && lanes_) lanes_->quiesce(*runtime);

@@ -91,7 +91,18 @@ void SessionCore::forward_to_site(BlockRuntime& runtime) {
       runtime.site->in_flight[{envelope->request_id, envelope->node}] = {state, &runtime};
     }
     envelope->outputs_may_stay = outputs_may_stay(*state->plan, envelope->node);
-    runtime.site->site->run(runtime.name(), std::move(*envelope));
+    if (runtime.site->site->run_unless(runtime.name(), *envelope, runtime.stop_feeding)) continue;
+    // The site made no room before the session stopped feeding the block: the request is ours again.
+    {
+      blockflow::detail::MutexLock lock(&runtime.site->mu);
+      runtime.site->in_flight.erase({envelope->request_id, envelope->node});
+    }
+    const std::string* removed = runtime.removed_why.load(std::memory_order_acquire);
+    runtime.failed.fetch_add(1, std::memory_order_relaxed);
+    fail(state, absl::CancelledError(fmt::format(
+                    "block '{}': {} (the request waited for room at site '{}', which made none)", runtime.name(),
+                    removed != nullptr ? *removed : std::string("session shut down before the request reached it"),
+                    runtime.site->site->name())));
   }
 }
 

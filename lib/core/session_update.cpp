@@ -68,18 +68,21 @@ struct SessionCore::UpdateWork {
 };
 
 // Closes a block's queue, fails what was still queued, naming `why`, then waits for a lane still
-// running the block to finish (a forward in progress is never interrupted).
-void SessionCore::stop_runtime(BlockRuntime& runtime, const std::string& why) {
+// running the block to finish (a forward in progress is never interrupted), until `deadline`: false
+// when one still runs it then.
+bool SessionCore::stop_runtime(BlockRuntime& runtime, const std::string& why, absl::Time deadline) {
   runtime.removed_reason = why;  // before close(): whoever finds the queue closed reads it
   runtime.removed_why.store(&runtime.removed_reason, std::memory_order_release);
+  runtime.stop_feeding.store(true, std::memory_order_release);  // a forwarder waiting at its site gives up
   runtime.inbox->close();
   if (runtime.forwarder.joinable()) runtime.forwarder.join();
   for (auto& envelope : runtime.inbox->drain()) {
     runtime.failed.fetch_add(1, std::memory_order_relaxed);
     fail(envelope.local, absl::CancelledError(fmt::format("block '{}': {}", runtime.name(), why)));
   }
-  if (runtime.site == nullptr && lanes_) lanes_->quiesce(runtime);
+  const bool idle = runtime.site != nullptr || !lanes_ || lanes_->quiesce(runtime, deadline);
   if (runtime.resident_id >= 0) resident_->retire(runtime.resident_id);  // an on-demand block's memory goes now
+  return idle;
 }
 
 absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl::Duration drain) {
@@ -501,15 +504,25 @@ void SessionCore::update_drain(UpdateWork& u, absl::Duration drain) {
     absl::SleepFor(absl::Milliseconds(1));
   }
   through_removed.clear();
+  // A call still in progress once the drain is over is waited for a little longer, not for ever: a
+  // block that never returns must not hold the update (its lane stays with it).
+  const absl::Time soon = absl::Now() + absl::Milliseconds(100);
+  const absl::Time calls_deadline = update_cancelled() || stopped_.load() ? soon : std::max(deadline, soon);
   std::set<SiteRuntime*> shrinking;
   for (auto* runtime : u.removed) {
-    stop_runtime(*runtime, fmt::format("removed by update {} before the request reached it", u.version));
-    {
+    if (stop_runtime(*runtime, fmt::format("removed by update {} before the request reached it", u.version),
+                     calls_deadline)) {
       // Its model's memory goes now; the runtime stays for late plans. Under state_mu_: metrics()
       // reads `block` there.
       std::shared_ptr<Block> gone;
       blockflow::detail::MutexLock lock(&state_mu_);
       gone = std::move(runtime->block);
+    } else {
+      // The block goes with its runtime, once the call returns (collect_retired()).
+      detail::log(LogLevel::kWarning,
+                  fmt::format("update {}: block '{}' was removed while a call into it had not returned after the drain; "
+                              "its lane stays with that call, and its memory is freed once it returns",
+                              u.version, runtime->name()));
     }
     if (runtime->site != nullptr) {
       auto& list = runtime->site->blocks;
@@ -600,7 +613,10 @@ void SessionCore::collect_retired() {
   std::vector<std::shared_ptr<SiteRuntime>> freed_sites;
   std::vector<std::shared_ptr<PathRuntime>> freed_paths;  // the session's references only
   blockflow::detail::MutexLock lock(&state_mu_);
-  auto keep_block = [&](const auto& runtime) { return held_blocks.count(runtime.get()) != 0; };
+  auto keep_block = [&](const auto& runtime) {
+    // A lane may still be inside a call into it (stop_runtime() gave up waiting).
+    return held_blocks.count(runtime.get()) != 0 || (runtime->site == nullptr && lanes_ && !lanes_->idle(*runtime));
+  };
   auto split = std::stable_partition(retired_.begin(), retired_.end(), keep_block);
   std::move(split, retired_.end(), std::back_inserter(freed));
   retired_.erase(split, retired_.end());

@@ -115,19 +115,29 @@ absl::Status WorkerSite::start(const std::vector<BlockDescription>& blocks, Comp
 }
 
 void WorkerSite::run(const std::string& block, Envelope&& envelope) {
+  static const std::atomic<bool> never{false};
+  (void)run_unless(block, envelope, never);
+}
+
+bool WorkerSite::run_unless(const std::string& block, Envelope& envelope, const std::atomic<bool>& give_up) {
   Impl& s = *impl_;
-  Impl::Outbound next = Impl::make_outbound(block, std::move(envelope));
   std::unique_lock lock(s.mu);
-  s.changed.wait(lock, [&] {
+  auto room = [&] {
     return s.stopping || s.state == Impl::State::kFailed || s.outbound.size() < s.options.max_in_flight;
-  });
+  };
+  while (!room()) {
+    if (give_up.load(std::memory_order_acquire)) return false;
+    // Woken by every change; the slice only bounds how late a give-up is seen.
+    s.changed.wait_for(lock, std::chrono::milliseconds(10));
+  }
+  Impl::Outbound next = Impl::make_outbound(block, std::move(envelope));
   if (s.stopping || s.state == Impl::State::kFailed) {
     const std::string why = s.stopping ? "stopped" : "down: " + s.cause;
     ++s.failed_requests;
     lock.unlock();
     s.fail_all({{next.envelope.request_id, next.envelope.node}},
                absl::UnavailableError(fmt::format("{} is {}", s.prefix(), why)));
-    return;
+    return true;
   }
   if (s.can_send_now_locked()) {
     // The data link takes any thread's packets: send from here, without waking the sender thread
@@ -136,11 +146,12 @@ void WorkerSite::run(const std::string& block, Envelope&& envelope) {
     const detail::ShmStager* stager = s.admit_locked(next, to);
     lock.unlock();
     s.transmit(std::move(next), stager, to);
-    return;
+    return true;
   }
   s.outbound.push_back(std::move(next));
   lock.unlock();
   s.wake();
+  return true;
 }
 
 bool WorkerSite::try_run(const std::string& block, Envelope& envelope) {

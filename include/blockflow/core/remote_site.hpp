@@ -11,6 +11,7 @@
 #include <absl/status/statusor.h>
 #include <absl/time/time.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -130,6 +131,17 @@ class RemoteSite {
     (void)block;
     (void)envelope;
     return false;
+  }
+  /// @brief run() for a caller that may stop feeding `block`: while the site waits for room (for
+  /// backpressure: a worker whose block never returns keeps it full), it checks `give_up` every
+  /// few milliseconds and, once it is set, returns false with `envelope` untouched; the caller then
+  /// owns the request again. true: taken, as by run(). The session sets `give_up` when it stops
+  /// feeding a block (apply() removing it, shutdown()), so that neither waits on a site that makes
+  /// no room. The default ignores `give_up` and calls run().
+  virtual bool run_unless(const std::string& block, Envelope& envelope, const std::atomic<bool>& give_up) {
+    (void)give_up;
+    run(block, std::move(envelope));
+    return true;
   }
   virtual void stop() = 0;
   /// Called before start() when the session starts `sites` sites at once (start(), apply()): a site

@@ -195,6 +195,9 @@ class Session {
   [[nodiscard]] std::future<Result> submit(const std::string& task, Tensor input);
   /// @brief Callback flavour: `done` runs exactly once, on a compute lane or a site's
   /// thread (or inline when the request is refused at once). It must not block for long: it holds a lane.
+  /// Nor may it wait for apply() or shutdown() to return, or for anything its caller does after
+  /// them: an apply() may need a lane (to warm new blocks up) or stop the worker whose thread runs
+  /// the callback, and shutdown() joins the session's threads.
   void submit(const std::string& task, Tensors inputs, std::function<void(Result&&)> done);
 
   /// @brief A snapshot of the built-in measurements.
@@ -207,7 +210,10 @@ class Session {
   /// routed to them; then every task is re-routed at once (new requests take the new paths, a
   /// request in flight finishes on the path it started with); then blocks no longer wanted are
   /// drained (up to `drain`: requests still holding them after that fail with an error naming the
-  /// removed block) and stopped. Blocks that stay the same (same file or factory, placement and
+  /// removed block) and stopped. A call into a removed block that has not returned by then is waited
+  /// for 100 ms more, not for ever: its lane stays with it, and the block's memory is freed once it
+  /// returns. A forwarder waiting for room at a site that makes none (a worker whose block never
+  /// returns) gives its request up, failed with an error naming the block and the site. Blocks that stay the same (same file or factory, placement and
   /// options; or listed by bare name) are left untouched: no reload, no restart. A block whose
   /// description changed is replaced. Tasks not in `wanted` are removed.
   ///

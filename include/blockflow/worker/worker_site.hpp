@@ -154,6 +154,7 @@ class WorkerSite final : public RemoteSite {
   const std::string& name() const override;
   absl::Status start(const std::vector<BlockDescription>& blocks, CompletionFn done) override;
   void run(const std::string& block, Envelope&& envelope) override;
+  bool run_unless(const std::string& block, Envelope& envelope, const std::atomic<bool>& give_up) override;
   /// @brief Takes the envelope at once on a zero-copy channel when the worker is ready, nothing is
   /// queued before it, a credit is free and every tensor crosses without a copy (it lies in another
   /// worker's slot: a relay). The calling thread sends the handles itself.

@@ -131,8 +131,12 @@ class ComputeLanes {
   /// first: another lane's progress (the one emptying that queue) may need the block it claimed.
   /// False when none is pending.
   bool run_claimed();
-  /// Refuses further claims of `work`, waits until no lane runs it and takes it off the ready queue.
-  void quiesce(LaneWork& work);
+  /// Refuses further claims of `work`, takes it off the ready queue and waits until no lane runs it,
+  /// or until `deadline`: false when a lane still runs it then (a call that has not returned; the
+  /// work must then live until idle() says so).
+  bool quiesce(LaneWork& work, absl::Time deadline = absl::InfiniteFuture());
+  /// True when no lane runs `work`.
+  [[nodiscard]] bool idle(const LaneWork& work) const;
 
   /// Entries (blocks with work, tasks) waiting in the ready queue now, read without the lock.
   [[nodiscard]] std::size_t pending() const { return pending_.load(std::memory_order_acquire); }
@@ -179,7 +183,7 @@ class ComputeLanes {
   const Options options_;
   const bool elastic_;
   std::vector<std::unique_ptr<Lane>> lanes_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable work_cv_;   // team lanes wait for entries
   std::condition_variable one_cv_;    // one-thread lanes wait for entries and a free core
   std::condition_variable idle_cv_;   // quiesce() waits for a work's last claim to go

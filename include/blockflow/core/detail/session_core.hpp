@@ -77,6 +77,9 @@ struct BlockRuntime final : LaneWork {
   SessionCore* core = nullptr;
   std::unique_ptr<InProcessChannel> inbox;
   std::thread forwarder;            ///< site blocks only
+  /// Set when the session stops feeding the block (removed, shut down): a forwarder waiting for
+  /// room at its site gives its request up (RemoteSite::run_unless()).
+  std::atomic<bool> stop_feeding{false};
   Histogram wait, compute, overhead;
   std::atomic<std::uint64_t> processed{0};
   std::atomic<std::uint64_t> failed{0};
@@ -174,7 +177,7 @@ class SessionCore {
   enum class WarmUpRuns { kAll, kEarly, kLast };
   absl::Status warm_up_block(BlockRuntime& runtime, unsigned layouts, WarmUpRuns runs, bool one_thread);
   ComputeLanes::Options lane_options() const;
-  void stop_runtime(BlockRuntime& runtime, const std::string& why);
+  bool stop_runtime(BlockRuntime& runtime, const std::string& why, absl::Time deadline = absl::InfiniteFuture());
   // apply(), step by step (lib/core/session_update.cpp).
   struct UpdateWork;
   absl::Status update_diff(UpdateWork& u);
