@@ -78,6 +78,32 @@ TEST_CASE("apply() refuses an update over a budget, and the session goes on as i
   CHECK_THAT(std::string(refused.status().message()), Contains("110.0 MB"));
   CHECK(session.metrics().version == 0);
   CHECK(session.submit("t", at::zeros({1})).get().ok());
+
+  // Replacing a (60 MB) by b (50 MB) fits once a is drained, not while both are held: applied, and
+  // the switch's peak is said.
+  test::register_update_factories();
+  std::mutex mu;
+  std::vector<std::string> warnings;
+  set_log_sink([&](LogLevel level, std::string_view message) {
+    std::lock_guard lock(mu);
+    if (level == LogLevel::kWarning) warnings.emplace_back(message);
+  });
+  auto swap = Deployment::parse(R"({"blocks": [{"name": "b", "factory": "upd_add_2", "memory_bytes": 52428800}],
+                                    "tasks": {"u": ["b"]}})");
+  REQUIRE(swap.ok());
+  const auto applied = session.apply(*swap);
+  set_log_sink(nullptr);
+  INFO(applied.status().ToString());
+  REQUIRE(applied.ok());
+  CHECK(session.submit("u", at::zeros({1})).get().output().item<float>() == 2.0f);
+  std::lock_guard lock(mu);
+  bool said = false;
+  for (const auto& w : warnings) {
+    said = said || (w.find("update 1: during the switch, while the removed blocks drain, the session's threads: its "
+                           "blocks' profiled memory is 110.0 MB") != std::string::npos &&
+                    w.find("remove them in an update of their own first") != std::string::npos);
+  }
+  CHECK(said);
 }
 
 TEST_CASE("after loading, a site whose memory growth is far from its blocks' profiles is reported", "[admission]") {

@@ -82,6 +82,25 @@ TEST_CASE("greedy batch sizes: a block that cannot keep up at batch 1 takes a la
   CHECK_FALSE(verdict(p, "t").admitted);
 }
 
+TEST_CASE("greedy batch sizes: the batch that lowers the over-commitment is taken, not the one that frees most lanes "
+          "elsewhere", "[planner]") {
+  // B fills w2 (3 lanes at batch 1); A needs 1.1 lanes, 0.1 more than w1 keeps usable (2 lanes, half
+  // in reserve). B's batch 4 would free the most lanes (2.25, where nothing is short); A's frees
+  // 0.55, and is the one that lowers the over-commitment.
+  PlanSite w1 = site("w1", 2);
+  w1.reserve = 0.5;
+  auto in = input({block("A", 100, 10, 1024, 2.0), block("B", 100, 10, 1024, 1.0)},
+                  {{"ta", {"A"}, 110, 500}, {"tb", {"B"}, 300, 500}}, {w1, site("w2", 3)});
+  auto p = planned(in);
+  CHECK(site_of(p, "A") == "w1");
+  CHECK(verdict(p, "ta").admitted);
+  CHECK(verdict(p, "tb").admitted);
+  for (const auto& b : p.blocks) {
+    INFO(b.block << " on " << b.site << " at max_batch " << b.max_batch);
+    CHECK(b.max_batch == (b.block == "A" ? 4 : 1));
+  }
+}
+
 TEST_CASE("SLOs and devices: a task predicted over its SLO, and a block no site can run, are refused", "[planner]") {
   auto p = planned(input({block("A", 100)}, {{"fast", {"A"}, 10, 5}, {"ok", {"A"}, 10, 50}}, {site("w1")}));
   CHECK_FALSE(verdict(p, "fast").admitted);

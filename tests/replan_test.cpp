@@ -247,6 +247,7 @@ TEST_CASE("without a re-plan function, a lost worker shows in the metrics and th
   CHECK(eventually([&] { return !session.metrics().replan.lost_sites.empty(); }));
   const auto m = session.metrics();
   CHECK(m.replan.lost_sites == std::vector<std::string>{lost});
+  CHECK(m.replan.losses == 1);
   CHECK(m.replan.applied == 0);
   CHECK(m.version == 0);
   bool reported = false;
@@ -260,4 +261,31 @@ TEST_CASE("without a re-plan function, a lost worker shows in the metrics and th
   INFO(other.status);
   REQUIRE(other.ok());
   CHECK(other.output().eq(7.0f).all().item<bool>());
+
+  // An update without the lost site stops it; one that names it again starts a new worker of its
+  // name, which is not lost, until it is.
+  auto original = Deployment::parse(planned(in).deployment_json(in));
+  REQUIRE(original.ok());
+  Deployment without = *original;
+  without.blocks.erase(std::remove_if(without.blocks.begin(), without.blocks.end(),
+                                      [&](const BlockDescription& b) { return b.placement == lost; }),
+                       without.blocks.end());
+  without.tasks.erase(std::remove_if(without.tasks.begin(), without.tasks.end(),
+                                     [](const auto& t) { return t.first == "mid"; }),
+                      without.tasks.end());
+  auto v1 = session.apply(without);
+  INFO(v1.status().ToString());
+  REQUIRE(v1.ok());
+  for (const auto& s : session.metrics().sites) CHECK(s.name != lost);  // stopped, gone
+  auto v2 = session.apply(*original);
+  INFO(v2.status().ToString());
+  REQUIRE(v2.ok());
+  const std::int64_t again = pid_of(session, lost);
+  REQUIRE(again > 0);
+  CHECK(session.metrics().replan.lost_sites.empty());
+  CHECK(session.submit("mid", at::full({1, 8}, 2.0f)).get().ok());
+  REQUIRE(::kill(static_cast<pid_t>(again), SIGKILL) == 0);
+  CHECK(eventually([&] { return session.metrics().replan.lost_sites == std::vector<std::string>{lost}; }));
+  CHECK(session.metrics().replan.losses == 2);
+  CHECK_THAT(session.metrics().to_prometheus(), Contains("blockflow_sites_lost_total 2"));
 }

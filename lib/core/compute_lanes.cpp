@@ -245,7 +245,7 @@ bool ComputeLanes::quiesce(LaneWork& work, absl::Time deadline) {
     idle_cv_.wait(lock, idle);
     return true;
   }
-  return idle_cv_.wait_until(lock, absl::ToChronoTime(deadline), idle);
+  return idle_cv_.wait_for(lock, absl::ToChronoNanoseconds(std::max(absl::ZeroDuration(), deadline - absl::Now())), idle);
 }
 
 bool ComputeLanes::idle(const LaneWork& work) const {

@@ -22,6 +22,7 @@ void LossResponder::report(const std::string& site, const std::string& cause) {
     auto& lost = stats_.lost_sites;
     if (stopping_ || std::find(lost.begin(), lost.end(), site) != lost.end()) return;
     lost.push_back(site);
+    ++stats_.losses;
     if (replan_) {
       pending_.push_back({SiteLoss{site, cause, lost}, now_ns()});
       if (!thread_.joinable()) thread_ = std::thread([this] { main(); });
@@ -33,6 +34,12 @@ void LossResponder::report(const std::string& site, const std::string& cause) {
                                 : fmt::format("site '{}' is lost ({}); no re-plan is configured (SessionOptions::on_site_lost): "
                                               "its blocks stay unreachable until a new deployment is applied",
                                               site, cause));
+}
+
+void LossResponder::restored(const std::string& site) {
+  std::lock_guard lock(mu_);
+  auto& lost = stats_.lost_sites;
+  lost.erase(std::remove(lost.begin(), lost.end(), site), lost.end());
 }
 
 void LossResponder::stop() {

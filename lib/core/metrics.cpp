@@ -166,7 +166,7 @@ std::string MetricsSnapshot::to_prometheus() const {
   e.add("blockflow_retired_blocks", "gauge", "Blocks removed by updates, kept while a request in flight may reach them.",
         {}, static_cast<double>(retired_blocks));
   e.add("blockflow_sites_lost_total", "counter", "Sites lost for good (a worker that died after its last restart).", {},
-        static_cast<double>(replan.lost_sites.size()));
+        static_cast<double>(replan.losses));
   for (const auto& [result, n] : {std::pair{"applied", replan.applied}, std::pair{"failed", replan.failed}}) {
     e.add("blockflow_replans_total", "counter", "Re-plans after a lost site, by result.", {{"result", result}},
           static_cast<double>(n));

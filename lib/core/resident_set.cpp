@@ -226,6 +226,14 @@ void ResidentSet::leave_queue_locked(std::uint64_t ticket) {
   ++generation_;  // the next one's turn
 }
 
+absl::StatusOr<ResidentSet::Hold> ResidentSet::hold_named(int id, std::string_view name) {
+  auto held = hold(id);
+  if (absl::IsFailedPrecondition(held.status()) && held.status().message() == kForgotten) {
+    return absl::FailedPreconditionError(fmt::format("block '{}' was removed by an update", name));
+  }
+  return held;
+}
+
 absl::StatusOr<ResidentSet::Hold> ResidentSet::hold(int id) {
   Evicted unloaded;  // finished once the lock is let go
   Entry* entry = nullptr;
@@ -546,10 +554,7 @@ class OnDemandBlock final : public Block {
       : Block(std::move(name), std::move(options)), set_(set), id_(id), kind_(std::move(kind)) {}
   std::string_view kind() const override { return kind_; }
   absl::StatusOr<Tensors> forward(Tensors&& inputs) override {
-    auto hold = set_.hold(id_);
-    if (absl::IsFailedPrecondition(hold.status()) && hold.status().message() == ResidentSet::kForgotten) {
-      return absl::FailedPreconditionError(fmt::format("block '{}' was removed by an update", name()));
-    }
+    auto hold = set_.hold_named(id_, name());
     if (!hold.ok()) return hold.status();
     return hold->block()->forward(std::move(inputs));
   }

@@ -215,10 +215,7 @@ void SessionCore::process_group(BlockRuntime& runtime, std::vector<Envelope>&& g
 }
 
 absl::Status SessionCore::hold_resident(BlockRuntime& runtime, ResidentSet::Hold& hold, Block*& compute) {
-  auto held = resident_->hold(runtime.resident_id);
-  if (absl::IsFailedPrecondition(held.status()) && held.status().message() == ResidentSet::kForgotten) {  // removed: named here
-    return absl::FailedPreconditionError(fmt::format("block '{}' was removed by an update", runtime.name()));
-  }
+  auto held = resident_->hold_named(runtime.resident_id, runtime.name());
   if (!held.ok()) return held.status();
   hold = *std::move(held);
   compute = hold.block();

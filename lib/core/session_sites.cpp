@@ -18,6 +18,8 @@ std::vector<BlockDescription> SessionCore::descriptions_of(const SiteRuntime& si
 }
 
 absl::Status SessionCore::start_site(SiteRuntime& site) {
+  // A site of a lost one's name (an update brought it back) is not lost: its own loss is reported anew.
+  losses_->restored(site.site->name());
   site.site->on_lost([this, name = site.site->name()](const std::string& cause) { losses_->report(name, cause); });
   // Weakly: a site may still be reporting (a request another site's thread fails) as an update
   // retires it and collect_retired() frees it; such a late completion is then dropped.
@@ -93,6 +95,7 @@ void SessionCore::forward_to_site(BlockRuntime& runtime) {
     envelope->outputs_may_stay = outputs_may_stay(*state->plan, envelope->node);
     if (runtime.site->site->run_unless(runtime.name(), *envelope, runtime.stop_feeding)) continue;
     // The site made no room before the session stopped feeding the block: the request is ours again.
+    // What still queues is failed by whoever set stop_feeding, once this thread is joined.
     {
       blockflow::detail::MutexLock lock(&runtime.site->mu);
       runtime.site->in_flight.erase({envelope->request_id, envelope->node});
@@ -103,6 +106,7 @@ void SessionCore::forward_to_site(BlockRuntime& runtime) {
                     "block '{}': {} (the request waited for room at site '{}', which made none)", runtime.name(),
                     removed != nullptr ? *removed : std::string("session shut down before the request reached it"),
                     runtime.site->site->name())));
+    break;
   }
 }
 

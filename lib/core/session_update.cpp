@@ -236,18 +236,24 @@ absl::Status SessionCore::update_diff(UpdateWork& u) {
     }
   }
   // Memory budgets of the sites there are (new ones are checked once made, in update_load()).
-  if (auto status = check_memory(memory_claims(u), [this](const std::string& site) { return memory_budget_of(site); });
-      !status.ok()) {
-    return u.refused(status);
+  const auto budget_of = [this](const std::string& site) { return memory_budget_of(site); };
+  if (auto status = check_memory(memory_claims(u), budget_of); !status.ok()) return u.refused(status);
+  // The added blocks load before the removed ones drain (no task stops serving): said, not refused.
+  if (auto status = check_memory(memory_claims(u, /*with_removed=*/true), budget_of); !status.ok()) {
+    detail::log(LogLevel::kWarning,
+                fmt::format("update {}: during the switch, while the removed blocks drain, {}; to stay within the budget "
+                            "throughout, remove them in an update of their own first",
+                            u.version, std::string(status.message())));
   }
   return absl::OkStatus();
 }
 
-// The blocks the update leaves on each site: those that stay, and the added ones.
-std::vector<SessionCore::MemoryClaim> SessionCore::memory_claims(const UpdateWork& u) const {
+// The blocks the update leaves on each site: those that stay, and the added ones; `with_removed`:
+// and the removed ones, which a site holds until they are drained.
+std::vector<SessionCore::MemoryClaim> SessionCore::memory_claims(const UpdateWork& u, bool with_removed) const {
   std::vector<MemoryClaim> claims;
   for (const auto& runtime : blocks_) {
-    if (std::find(u.removed.begin(), u.removed.end(), runtime.get()) != u.removed.end()) continue;
+    if (!with_removed && std::find(u.removed.begin(), u.removed.end(), runtime.get()) != u.removed.end()) continue;
     claims.push_back({runtime->site ? runtime->site->site->name() : "",
                       runtime->name(),
                       runtime->block ? runtime->block->options().memory_bytes : runtime->description.options.memory_bytes});
@@ -518,10 +524,10 @@ void SessionCore::update_drain(UpdateWork& u, absl::Duration drain) {
       blockflow::detail::MutexLock lock(&state_mu_);
       gone = std::move(runtime->block);
     } else {
-      // The block goes with its runtime, once the call returns (collect_retired()).
+      // The block goes with its runtime: collect_retired() of the first update after the call returns.
       detail::log(LogLevel::kWarning,
                   fmt::format("update {}: block '{}' was removed while a call into it had not returned after the drain; "
-                              "its lane stays with that call, and its memory is freed once it returns",
+                              "its lane stays with that call, and the next update after it returns frees its memory",
                               u.version, runtime->name()));
     }
     if (runtime->site != nullptr) {

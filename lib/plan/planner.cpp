@@ -352,11 +352,13 @@ void place(Model& m, const std::vector<PlanSite>& sites, bool exhaustive) {
     return current;
   };
   Model::Score sc = improve();
-  // Greedy max_batch: while a site is over-committed, the block there whose larger batch frees the
-  // most lanes takes it.
+  // Greedy max_batch: while sites are over-committed, the next larger batch of the block that lowers
+  // the over-commitment most; when none lowers it as it stands, of the block that frees the most
+  // lanes (room that lets improve() move another block). A block whose batch changes nothing keeps
+  // its batch (and its latency).
   while (sc.overflow > kEps) {
     int pick = -1, to = 1;
-    double freed = 0;
+    double lowered = 0, freed = 0;
     for (int b = 0; b < static_cast<int>(m.blocks()); ++b) {
       for (const auto& l : m.profile(b).latency) {
         if (l.batch <= m.batch(b)) continue;
@@ -364,10 +366,12 @@ void place(Model& m, const std::vector<PlanSite>& sites, bool exhaustive) {
         const int was = m.batch(b);
         m.batch(b) = l.batch;
         const double gain = before - m.lanes_used(b);
+        const double lower = sc.overflow - m.score().overflow;
         m.batch(b) = was;
-        if (gain > freed + kEps) {
+        if (lower > lowered + kEps || (lowered <= kEps && lower <= kEps && gain > freed + kEps)) {
           pick = b;
           to = l.batch;
+          lowered = std::max(lowered, lower);
           freed = gain;
         }
         break;  // one step at a time: the next larger batch size

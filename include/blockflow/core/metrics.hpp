@@ -142,7 +142,9 @@ struct StartStats {
 
 /// @brief Sites lost for good and the re-plans that followed (SessionOptions::on_site_lost).
 struct ReplanStats {
-  std::vector<std::string> lost_sites;  ///< in the order they were lost
+  /// Lost now, in the order they were lost; a site an update starts again under a lost name leaves the list.
+  std::vector<std::string> lost_sites;
+  std::uint64_t losses = 0;             ///< sites lost so far (a name lost, started again and lost again counts twice)
   std::uint64_t applied = 0;            ///< re-planned deployments applied
   std::uint64_t failed = 0;             ///< re-plans that failed (the function's error or apply()'s)
   double last_ms = 0;                   ///< the last loss to its re-planned deployment applied (0: none)

@@ -27,8 +27,11 @@ class LossResponder {
   LossResponder(const LossResponder&) = delete;
   LossResponder& operator=(const LossResponder&) = delete;
 
-  /// Any thread, returns at once: `site` is gone for good. A second report of one site is ignored.
+  /// Any thread, returns at once: `site` is gone for good. A second report of one site is ignored
+  /// until restored() names it.
   void report(const std::string& site, const std::string& cause);
+  /// A site of that name starts (again): it is no longer listed as lost, and its loss is reported anew.
+  void restored(const std::string& site);
   /// No re-plan starts after this; waits for the one in progress (cancel the apply() first).
   void stop();
   [[nodiscard]] ReplanStats stats() const;

@@ -24,6 +24,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace blockflow::detail {
@@ -107,6 +108,9 @@ class ResidentSet {
   /// while it asks for another. The error of a failed load names the block; ResourceExhausted for a
   /// block whose footprint exceeds the whole budget.
   absl::StatusOr<Hold> hold(int id);
+  /// hold(), except that a forgotten id's error names the block: "block '<name>' was removed by an
+  /// update" (FailedPrecondition); other errors as they are.
+  absl::StatusOr<Hold> hold_named(int id, std::string_view name);
   /// Prefetching (SessionOptions::prefetch): true, once until prefetch() runs, when block `id` is
   /// worth loading ahead (not loaded, not loading, of known footprint). A loaded one counts as used
   /// now, so that loads for the same request evict others first.

@@ -235,7 +235,7 @@ class SessionCore {
                                    const std::function<std::int64_t(const std::string& site)>& budget_of);
   std::int64_t memory_budget_of(const std::string& site) const;
   bool loads_on_demand(const std::string& site) const;  // "threads" or a site's name
-  std::vector<MemoryClaim> memory_claims(const UpdateWork& u) const;
+  std::vector<MemoryClaim> memory_claims(const UpdateWork& u, bool with_removed = false) const;
   // After start() and apply(): each site's growth against its blocks' profiles, logged when off by
   // more than 20%, kept for metrics().
   void note_memory();

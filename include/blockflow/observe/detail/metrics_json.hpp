@@ -44,7 +44,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteMemory, site, budget_bytes, 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(UpdateStats, version, blocks_added, blocks_removed, sites_started,
                                                 sites_stopped, load_ms, route_ms, drain_ms, total_ms,
                                                 time_to_first_result_ms)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(ReplanStats, lost_sites, applied, failed, last_ms, last_version, last_error)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(ReplanStats, lost_sites, losses, applied, failed, last_ms, last_version, last_error)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(StartStats, process_to_start_ms, start_ms, time_to_first_result_ms)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(MetricsSnapshot, uptime_s, in_flight, version, last_update, start, retired_blocks, auth_failures, sampling, sampling_period_s,
                                                 host, blocks, paths, sites, lanes, lane_intra_op_threads, memory, replan)
