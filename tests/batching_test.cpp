@@ -120,6 +120,42 @@ TEST_CASE("incompatible shapes are never merged; every request gets its own rows
   CHECK(session.metrics().blocks.at(0).batches >= 1);
 }
 
+TEST_CASE("requests without inputs, or whose inputs differ in rows, are never stacked: each runs alone", "[batching]") {
+  // No input_shapes: the block takes whatever it is given; it answers with its inputs' row counts.
+  Session session(one_lane());
+  std::atomic<int> calls{0};
+  session
+      .add_block(Block::callable("rows",
+                                 [&](Tensors&& in) -> absl::StatusOr<Tensors> {
+                                   ++calls;
+                                   std::vector<double> rows;
+                                   for (const auto& t : in) rows.push_back(static_cast<double>(t.size(0)));
+                                   if (rows.empty()) rows.push_back(-1);
+                                   return Tensors{at::tensor(rows, at::kDouble)};
+                                 },
+                                 batching(16, 50)))
+      .add_path(Path::chain("t", {"rows"}));
+  test::require_started(session);
+  std::vector<std::future<Result>> empty, uneven;
+  for (int i = 0; i < 4; ++i) {
+    empty.push_back(session.submit("t", Tensors{}));
+    uneven.push_back(session.submit("t", Tensors{at::zeros({1, 3}), at::zeros({2, 3})}));
+  }
+  for (auto& f : empty) {
+    const Result r = f.get();
+    INFO(r.status.ToString());
+    REQUIRE(r.ok());
+    CHECK(r.output().item<double>() == -1);
+  }
+  for (auto& f : uneven) {
+    const Result r = f.get();
+    INFO(r.status.ToString());
+    REQUIRE(r.ok());
+    CHECK(at::equal(r.output(), at::tensor(std::vector<double>{1, 2}, at::kDouble)));
+  }
+  CHECK(calls.load() == 8);
+}
+
 TEST_CASE("a lone request is not held for a batch that never fills", "[batching]") {
   Session session;
   session.add_block(test::unary("double", [](const Tensor& x) { return x * 2; }, batching(64, 30)))

@@ -155,9 +155,7 @@ TEST_CASE("one lane and a full queue (policy block) do not deadlock: the lane he
   SessionOptions options;
   options.lanes = 1;
   Session session(options);
-  BlockOptions tiny;
-  tiny.queue_capacity = 1;
-  tiny.full_policy = FullPolicy::kBlock;
+  const BlockOptions tiny = test::queue_of_one();
   // Requests of "direct" fill sink's queue of one from an application thread; the lane, finishing
   // "fan", finds it full: it must run sink itself rather than sleep (nobody else would run sink).
   session.add_block(test::unary("fan", [](const Tensor& x) { return x * 2; }))
@@ -184,6 +182,60 @@ TEST_CASE("one lane and a full queue (policy block) do not deadlock: the lane he
     CHECK(d.output().item<double>() == i + 1.0);
   }
   CHECK(session.metrics().blocks[1].queue.high_watermark == 1);
+}
+
+TEST_CASE("a block one lane at a time may run (workers 1) never runs on two, even while lanes help its full queue",
+          "[lanes]") {
+  SessionOptions options;
+  options.lanes = 2;
+  options.intra_op_threads = 1;
+  Session session(options);
+  const BlockOptions tiny = test::queue_of_one();
+  std::atomic<int> inside{0}, most{0};
+  // A lane finishing "fan" finds sink's queue full for a while (the other lane runs "solo") and helps
+  // sink, claiming it, while sink's entry in the ready queue is still there: the other lane, done
+  // with solo, must not take it.
+  session.add_block(test::unary("fan", [](const Tensor& x) { return x * 2; }))
+      .add_block(test::slow_plus_one("solo", 2ms))
+      .add_path(Path::chain("other", {"solo"}))
+      .add_block(test::unary("sink",
+                             [&](const Tensor& x) {
+                               const int now = ++inside;
+                               int seen = most.load();
+                               while (now > seen && !most.compare_exchange_weak(seen, now)) {
+                               }
+                               std::this_thread::sleep_for(200us);
+                               --inside;
+                               return x + 1;
+                             },
+                             tiny))
+      .add_path(Path::chain("t", {"fan", "sink"}))
+      .add_path(Path::chain("direct", {"sink"}));
+  test::require_started(session);
+  constexpr int kEach = 400;
+  std::vector<std::future<Result>> via_fan(kEach), direct(kEach);
+  std::thread a([&] {
+    for (int i = 0; i < kEach; ++i) via_fan[i] = session.submit("t", at::full({1}, static_cast<double>(i)));
+  });
+  std::thread b([&] {
+    for (int i = 0; i < kEach; ++i) direct[i] = session.submit("direct", at::full({1}, static_cast<double>(i)));
+  });
+  std::atomic<bool> done{false};
+  std::thread c([&] {
+    while (!done) (void)session.submit("other", at::zeros({1})).get();
+  });
+  a.join();
+  b.join();
+  int wrong = 0;
+  for (int i = 0; i < kEach; ++i) {
+    const Result r = via_fan[static_cast<std::size_t>(i)].get();
+    const Result d = direct[static_cast<std::size_t>(i)].get();
+    if (!r.ok() || r.output().item<double>() != 2.0 * i + 1 || !d.ok() || d.output().item<double>() != i + 1.0) ++wrong;
+  }
+  done = true;
+  c.join();
+  CHECK(wrong == 0);
+  CHECK(most.load() == 1);
 }
 
 TEST_CASE("run_on_lane runs the application's work on a lane and returns its value or exception", "[lanes]") {

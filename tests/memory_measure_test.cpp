@@ -218,3 +218,37 @@ TEST_CASE("in a session, metrics() say what the budget bounds and, measuring the
     CHECK(ballast[ballast.size() - 1] == 1);
   }
 }
+
+TEST_CASE("a loader that throws something other than a std::exception fails the load, and the next one loads",
+          "[memory]") {
+  std::atomic<std::int64_t> rss{1000 * kMB};
+  ResidentSet set(30 * kMB, [&] { return rss.load(); }, std::nullopt, false);
+  std::atomic<int> tries{0};
+  const int id = set.add("odd", 0, [&]() -> absl::StatusOr<std::shared_ptr<Block>> {
+    if (++tries == 1) throw 42;
+    rss += 5 * kMB;
+    return test::unary("odd", [](const Tensor& x) { return x; });
+  }, [] { return false; });
+  auto first = set.hold(id);
+  REQUIRE_FALSE(first.ok());
+  CHECK_THAT(std::string(first.status().message()), Catch::Matchers::Contains("block 'odd': loading failed: an exception of unknown type"));
+  CHECK(set.totals().resident_bytes == 0);
+  auto second = std::async(std::launch::async, [&] { return set.hold(id).ok(); });  // used to wait for good
+  REQUIRE(second.wait_for(std::chrono::seconds(30)) == std::future_status::ready);
+  CHECK(second.get());
+  CHECK(set.state(id).footprint_bytes == 5 * kMB);
+}
+
+TEST_CASE("a probe that cannot read (0) measures nothing: the block is neither refused nor charged the process",
+          "[memory]") {
+  std::atomic<std::int64_t> rss{0};  // /proc could not be read before the load
+  ResidentSet set(30 * kMB, [&] { return rss.load(); }, std::nullopt, false);
+  const int id = set.add("b", 0, [&]() -> absl::StatusOr<std::shared_ptr<Block>> {
+    rss = 1005 * kMB;  // and could after it
+    return test::unary("b", [](const Tensor& x) { return x; });
+  }, [] { return false; });
+  auto held = set.hold(id);
+  INFO(held.status().ToString());
+  REQUIRE(held.ok());  // was: measured as 1005 MB, over the budget, and refused for good
+  CHECK(set.state(id).footprint_bytes == 0);
+}

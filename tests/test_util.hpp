@@ -66,6 +66,14 @@ inline std::shared_ptr<Block> slow_plus_one(const std::string& name, std::chrono
   }, std::move(options));
 }
 
+// Block options with an input queue of one that blocks its senders when full (FullPolicy::kBlock).
+inline BlockOptions queue_of_one() {
+  BlockOptions o;
+  o.queue_capacity = 1;
+  o.full_policy = FullPolicy::kBlock;
+  return o;
+}
+
 inline void require_started(Session& session) {
   auto status = session.start();
   INFO(status.ToString());

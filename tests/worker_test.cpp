@@ -355,3 +355,41 @@ TEST_CASE("a zero-copy worker with outputs in slots makes its result pools at st
     }
   }
 }
+
+TEST_CASE("threads -> worker -> threads with full queues (policy block) and one lane does not deadlock", "[worker]") {
+  // The lane may wait for room in the worker block's queue (the application fills it too) while the
+  // worker's results wait for room in "after"'s queue, which only the lane empties: neither the lane
+  // nor the site's thread may wait for good.
+  WorkerOptions w = test::test_worker("wq");
+  w.max_in_flight = 1;
+  SessionOptions options;
+  options.lanes = 1;
+  Session session(options);
+  const BlockOptions tiny = test::queue_of_one();
+  BlockDescription mid = test::plugin_block("mid", "affine", "wq");
+  mid.options = tiny;
+  session.add_site(make_worker(w))
+      .add_block(test::unary("before", [](const Tensor& x) { return x + 0; }, tiny))
+      .add_block(mid)
+      .add_block(test::slow_plus_one("after", 2ms, tiny))
+      .add_path(Path::chain("t", {"before", "mid", "after"}))
+      .add_path(Path::chain("t2", {"mid", "after"}));  // the application fills mid's queue too
+  test::require_started(session);
+  constexpr int kThreads = 4, kEach = 50;
+  std::atomic<int> ok{0}, wrong{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kThreads; ++c) {
+    clients.emplace_back([&, c] {
+      for (int i = 0; i < kEach; ++i) {
+        session.submit(c % 2 == 0 ? "t" : "t2", {at::full({1}, 1.0)}, [&](Result&& r) {
+          (r.ok() && r.output().item<double>() == 5 ? ok : wrong)++;  // (1 x 3 + 1) + 1
+        });
+      }
+    });
+  }
+  const bool all = test::eventually([&] { return ok + wrong == kThreads * kEach; }, std::chrono::seconds(60));
+  CHECK(all);
+  CHECK(wrong == 0);
+  session.shutdown(absl::ZeroDuration());  // a deadlock's submits are blocked: this lets them go
+  for (auto& t : clients) t.join();
+}

@@ -112,7 +112,7 @@ std::optional<Envelope> InProcessChannel::receive(absl::Time deadline) {
       not_empty_.wait(lock);
     } else if (not_empty_.wait_until(lock, absl::ToChronoTime(deadline)) == std::cv_status::timeout) {
       --sleeping_receivers_;
-      return pop_locked();
+      break;  // what came meanwhile is taken below, and a sender waiting for room is woken
     }
     --sleeping_receivers_;
   }

@@ -300,10 +300,19 @@ std::deque<ComputeLanes::Entry>::iterator ComputeLanes::takeable_locked(const La
     // A one-thread lane takes only what the idle team lanes leave (a unit alone runs on a team).
     if (!lane.team && !stopping && static_cast<int>(ready_.size()) <= options_.lanes - busy_team_) return ready_.end();
   }
-  for (auto it = ready_.begin(); it != ready_.end(); ++it) {
+  for (auto it = ready_.begin(); it != ready_.end();) {
+    if (it->work != nullptr && it->work->running_ >= it->work->max_lanes) {
+      // Fully claimed since it was queued (help(), claim_next()): release() queues it again.
+      it->work->queued_ = false;
+      it = ready_.erase(it);
+      pending_.store(ready_.size(), std::memory_order_release);
+      continue;
+    }
     // Stopping: posted tasks still run (their futures must resolve); block work stays queued.
-    if (stopping && it->work != nullptr) continue;
-    if (!lane.team && it->team_lane) continue;
+    if ((stopping && it->work != nullptr) || (!lane.team && it->team_lane)) {
+      ++it;
+      continue;
+    }
     return it;
   }
   return ready_.end();

@@ -129,7 +129,12 @@ bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloa
   // kProcess: what the process grew by beyond the loaded blocks' footprints takes room too. Only
   // idle blocks are unloaded for it: it is never a reason to wait (see the loop's end).
   // Blocks being paged out or freed (finish()) still hold their memory: not growth.
-  if (process_) unaccounted_ = std::max<std::int64_t>(0, probe_() - baseline_ - resident_ - unloading_);
+  // A probe that could not read (0) leaves the last figure; without a baseline there is none.
+  if (process_ && baseline_ > 0) {
+    if (const std::int64_t rss = probe_(); rss > 0) {
+      unaccounted_ = std::max<std::int64_t>(0, rss - baseline_ - resident_ - unloading_);
+    }
+  }
   const std::int64_t unaccounted = process_ ? unaccounted_ : 0;
   if (need <= free - unaccounted) return true;
   struct Candidate {
@@ -379,13 +384,18 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
       made = entry->loader();
     } catch (const std::exception& e) {
       made = absl::InternalError(fmt::format("block '{}': loading failed: {}", entry->name, e.what()));
+    } catch (...) {  // the entry must leave `loading` whatever the loader throws
+      made = absl::InternalError(fmt::format("block '{}': loading failed: an exception of unknown type", entry->name));
     }
     entry->swap = made.ok() && swap && swap->bytes() > 0 ? std::move(swap) : nullptr;
     entry->swap_bytes = entry->swap ? entry->swap->bytes() : 0;
   }
   const std::int64_t end = now_ns();
   if (measure) trim_heap();
-  const std::int64_t measured = measure && made.ok() ? std::max<std::int64_t>(0, probe_() - before) : 0;
+  // A probe that could not read (0) measures nothing: the footprint stays unknown, and the next
+  // load measures again.
+  const std::int64_t after = measure && made.ok() && before > 0 ? probe_() : 0;
+  const std::int64_t measured = after > 0 ? std::max<std::int64_t>(0, after - before) : 0;
 
   absl::StatusOr<Hold> result = absl::InternalError("not loaded");
   {

@@ -18,6 +18,13 @@ namespace {
 // The session whose completion callback this thread is running, if any.
 thread_local const SessionCore* calling_back = nullptr;
 
+}  // namespace
+
+// Set while a site's thread hands a result on (SessionCore::on_site_completion()).
+thread_local bool delivering_for_site = false;
+
+namespace {
+
 // A call into a block in progress, listed for BlockMetrics::computing_s while it runs.
 class ComputingCall {
  public:
@@ -61,7 +68,7 @@ void SessionCore::run_block(BlockRuntime& runtime, std::optional<Envelope> first
         continue;
       }
       const std::int64_t left = deadline_ns - now_ns();
-      if (left <= 0 || lanes_->pending() > 0) break;
+      if (left <= 0 || lanes_->pending() > 0 || runtime.inbox->closed()) break;
       // In slices, so that work arriving for another block ends the wait.
       auto more = runtime.inbox->receive(absl::Now() + absl::Nanoseconds(std::min<std::int64_t>(left, 200'000)));
       if (more) batch.push_back(std::move(*more));
@@ -69,25 +76,34 @@ void SessionCore::run_block(BlockRuntime& runtime, std::optional<Envelope> first
     if (batch.size() > 1) {
       std::vector<StatePtr> states;
       for (const auto& e : batch) states.push_back(e.local);
+      auto fail_all = [&](std::string_view what) {
+        for (auto& state : states) {
+          runtime.failed.fetch_add(1, std::memory_order_relaxed);
+          fail(state, absl::InternalError(fmt::format("block '{}': {}", block.name(), what)));
+        }
+      };
       try {
         process_batch(runtime, std::move(batch));
       } catch (const std::exception& e) {
-        for (auto& state : states) {
-          runtime.failed.fetch_add(1, std::memory_order_relaxed);
-          fail(state, absl::InternalError(fmt::format("block '{}': {}", block.name(), e.what())));
-        }
+        fail_all(e.what());
+      } catch (...) {
+        fail_all("an exception of unknown type");
       }
       return;
     }
     first = std::move(batch.front());
   }
   StatePtr state = first->local;
+  auto fail_one = [&](std::string_view what) {
+    runtime.failed.fetch_add(1, std::memory_order_relaxed);
+    fail(state, absl::InternalError(fmt::format("block '{}': {}", block.name(), what)));
+  };
   try {
     process(runtime, std::move(*first));
-  } catch (const std::exception& e) {
-    // Nothing may escape a lane: the request fails, the lane keeps serving.
-    runtime.failed.fetch_add(1, std::memory_order_relaxed);
-    fail(state, absl::InternalError(fmt::format("block '{}': {}", block.name(), e.what())));
+  } catch (const std::exception& e) {  // nothing may escape a lane: the request fails, the lane keeps serving
+    fail_one(e.what());
+  } catch (...) {
+    fail_one("an exception of unknown type");
   }
 }
 
@@ -97,9 +113,12 @@ void SessionCore::process_batch(BlockRuntime& runtime, std::vector<Envelope>&& b
   Block& block = *runtime.block;
   // Requests agree when their inputs have the same count, dtypes, devices and sizes past dim 0.
   auto key = [](const Tensors& inputs) {
+    // Rows are counted on the first input: every input must have as many.
+    if (inputs.empty()) return std::string();
     std::string k = std::to_string(inputs.size());
     for (const auto& t : inputs) {
       if (!t.defined() || t.dim() == 0) return std::string();  // nothing to stack along
+      if (t.size(0) != inputs.front().size(0)) return std::string();
       k += fmt::format("|{}|{}", c10::toString(t.scalar_type()), t.device().str());
       for (std::int64_t d = 1; d < t.dim(); ++d) k += fmt::format(",{}", t.size(d));
     }
@@ -210,7 +229,11 @@ void SessionCore::process_group(BlockRuntime& runtime, std::vector<Envelope>&& g
     offset += rows[r];
     runtime.processed.fetch_add(1, std::memory_order_relaxed);
     ++settled;  // from here on, it is the next block's
-    forward_outputs(state, node, std::move(mine), &runtime);
+    try {
+      forward_outputs(state, node, std::move(mine), &runtime);
+    } catch (const std::exception& e) {  // not handed on: failed here (a request resolves once)
+      fail(state, absl::InternalError(fmt::format("block '{}': handing the output on: {}", block.name(), e.what())));
+    }
   }
 }
 
@@ -327,6 +350,18 @@ void SessionCore::hand_over(const PlanNode& target, Envelope&& envelope) {
 }
 
 void SessionCore::queue_on_lanes(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target) {
+  // A site's thread must not sleep on a full queue either: the lane that would empty it may be
+  // waiting for room at that very site. A lane takes the request over and helps the full block.
+  if (delivering_for_site && runtime.inbox->full_policy() == FullPolicy::kBlock && lanes_->current_lane() < 0) {
+    SendOutcome outcome = runtime.inbox->send(std::move(envelope), absl::Now());
+    if (!absl::IsDeadlineExceeded(outcome.status)) {
+      lanes_->notify(runtime);
+      return handle_displaced(std::move(outcome), target);
+    }
+    auto later = std::make_shared<Envelope>(std::move(*outcome.displaced));
+    if (lanes_->post([this, &runtime, &target, later] { queue_on_lanes(runtime, std::move(*later), target); })) return;
+    envelope = std::move(*later);  // lanes stopped (shutdown): the closed queue fails it below
+  }
   // A lane must not sleep on a full queue (with one lane nobody would empty it): it runs the full
   // block's requests itself until there is room. Nested helping is bounded; beyond, it waits.
   thread_local int helping = 0;

@@ -224,8 +224,23 @@ absl::Status map_copy(const State& s, char* base, std::size_t len, std::int64_t 
 
 // /proc/self/pagemap's entries for [base, base + len): bit 63 present, 62 swapped, 61 a file page.
 absl::Status page_entries(const State& s, const char* base, std::size_t len, std::vector<std::uint64_t>& out) {
-  static const int pagemap = ::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
-  if (pagemap < 0) return absl::UnavailableError(fmt::format("block '{}': /proc/self/pagemap cannot be read", s.owner));
+  // Opened once it opens (a failure, say out of descriptors, is tried again next time, not kept).
+  static std::atomic<int> opened{-1};
+  int pagemap = opened.load(std::memory_order_acquire);
+  if (pagemap < 0) {
+    const int fd = ::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      return absl::UnavailableError(
+          fmt::format("block '{}': /proc/self/pagemap cannot be read: {}", s.owner, errno_text(errno)));
+    }
+    int none = -1;
+    if (opened.compare_exchange_strong(none, fd, std::memory_order_acq_rel)) {
+      pagemap = fd;
+    } else {
+      ::close(fd);  // another thread's is kept
+      pagemap = none;
+    }
+  }
   out.resize(len / page_size());
   const auto offset = static_cast<off_t>(reinterpret_cast<std::uintptr_t>(base) / page_size() * sizeof(std::uint64_t));
   const auto want = static_cast<ssize_t>(out.size() * sizeof(std::uint64_t));

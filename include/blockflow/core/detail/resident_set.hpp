@@ -159,7 +159,7 @@ class ResidentSet {
   const std::int64_t budget_;
   const MemoryProbe probe_;
   const bool process_;              // the budget bounds the process's growth too (kProcess)
-  const std::int64_t baseline_;     // probe_() when made: the growth is over it (kProcess)
+  const std::int64_t baseline_;     // probe_() when made: the growth is over it (kProcess; 0: unread, none counted)
   const std::optional<WeightSwap::Options> swap_;
   std::atomic<bool> swap_failed_{false};  // a swap file could not be written: unloaded blocks are freed from then on
   mutable Mutex mu_;

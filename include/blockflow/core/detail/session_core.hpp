@@ -36,6 +36,10 @@ struct SiteRuntime;
 
 class SessionCore;
 
+/// True while a site's thread hands a result on (SessionCore::on_site_completion()): it never waits
+/// for room in a full queue (a lane takes the request over).
+extern thread_local bool delivering_for_site;
+
 /// A block placed on a GPU this process cannot see is a configuration error (InvalidArgument).
 absl::Status check_device(const Block& block);
 /// Names the calling thread after a block ("bf-<block>/<index>", cut to 15 characters).
