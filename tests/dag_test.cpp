@@ -118,6 +118,22 @@ TEST_CASE("a fan-in with mismatched shapes fails naming the path and the join", 
   CHECK_THAT(std::string(r.status.message()), Contains("path 'bad'") && Contains("join 'avg'") && Contains("shapes differ"));
 }
 
+TEST_CASE("a combine rule that throws something other than a std::exception fails its request, named", "[dag]") {
+  Session session;
+  session.add_block(test::unary("same", [](const Tensor& x) { return x; }))
+      .add_block(test::unary("twice", [](const Tensor& x) { return x * 2; }))
+      .add_path(Path("odd").node("same", {}).node("twice", {}).join(
+          "throws", {"same", "twice"}, Combine::custom("throws", [](std::vector<Tensors>&&) -> absl::StatusOr<Tensors> {
+            throw 42;
+          })));
+  test::require_started(session);
+  Result r = session.submit("odd", at::ones({2})).get();
+  CHECK(absl::IsInternal(r.status));
+  CHECK_THAT(std::string(r.status.message()),
+             Contains("path 'odd', join 'throws'") && Contains("combine rule 'throws' raised an exception of unknown type"));
+  CHECK(session.submit("odd", at::ones({2})).get().status.code() == absl::StatusCode::kInternal);  // the lane lives on
+}
+
 TEST_CASE("a failing branch fails the request once; the sibling branch does not resolve it again", "[dag]") {
   Session session;
   session.add_block(test::slow_plus_one("slow", std::chrono::milliseconds(20)))

@@ -67,6 +67,8 @@ absl::StatusOr<Tensors> Combine::apply(std::vector<Tensors>&& inputs) const {
     return absl::InternalError(fmt::format("combine rule '{}' raised: {}", name_, e.what_without_backtrace()));
   } catch (const std::exception& e) {
     return absl::InternalError(fmt::format("combine rule '{}' raised: {}", name_, e.what()));
+  } catch (...) {
+    return absl::InternalError(fmt::format("combine rule '{}' raised an exception of unknown type", name_));
   }
 }
 
