@@ -33,10 +33,12 @@ import torch
 import torch.nn as nn
 
 # Bump whenever the exported models or the manifest layout change.
-SCRIPT_VERSION = 1
+SCRIPT_VERSION = 2
 SEED = 0
 HEAD_A_SEED = 1
 HEAD_B_SEED = 2
+QUANTIZED_SEED = 3
+QUANTIZED_WIDTH = 256
 TOLERANCE = 1e-5
 
 CNN_INPUT = [1, 3, 16, 16]
@@ -113,6 +115,14 @@ def make_head(seed):
     torch.manual_seed(seed)
     return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(1),
                          nn.Linear(16, 5))
+
+
+def make_quantized(seed):
+    """Two linear layers with dynamically quantized int8 weights: fbgemm packs them in memory of
+    its own (not libtorch's allocator)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(QUANTIZED_WIDTH, 512), nn.ReLU(), nn.Linear(512, QUANTIZED_WIDTH)).eval()
+    return torch.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
 
 
 def script(module):
@@ -195,6 +205,7 @@ def main(argv=None):
         "two_input_block": script(TwoInputBlock()),
         "list_block": script(ListBlock()),
         "raise_block": script(RaiseBlock()),
+        "quantized_block": script(make_quantized(QUANTIZED_SEED)),
     }
 
     # --- Verification -----------------------------------------------------------
@@ -221,6 +232,7 @@ def main(argv=None):
         "two_input_block": [a, b],
         "list_block": [a],
         "raise_block": [a],
+        "quantized_block": [torch.randn(1, QUANTIZED_WIDTH, generator=gen)],
     }
     outputs = {}
     with torch.no_grad():
@@ -273,6 +285,8 @@ def main(argv=None):
               "list_block output wrong")
         outputs["list_block"] = t
 
+        outputs["quantized_block"] = modules["quantized_block"](inputs["quantized_block"][0])
+
         raised = False
         try:
             modules["raise_block"](a)
@@ -287,6 +301,7 @@ def main(argv=None):
         "cnn_monolithic": [[1, 5]],
         "head_a": [[1, 5]],
         "head_b": [[1, 5]],
+        "quantized_block": [[1, QUANTIZED_WIDTH]],
     }
     for name, shape in expected.items():
         got = shape_of(outputs[name])

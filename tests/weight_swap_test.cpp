@@ -222,3 +222,48 @@ TEST_CASE("on demand with swapping: an update that removes a block while it is p
   CHECK_FALSE(session.submit("ta", at::ones({1, 1024})).get().ok());
   session.shutdown();
 }
+
+TEST_CASE("on demand with swapping: a block holding quantized packed weights is freed and built again, not swapped",
+          "[memory]") {
+  // fbgemm packs the int8 weights in memory of its own: swapped, the block would keep it resident
+  // while the budget counted the block as unloaded.
+  auto quantized = load_torchscript_block("q", test::model_path("quantized_block.pt"));
+  REQUIRE(quantized.ok());
+  CHECK_FALSE(blockflow::detail::swaps_whole(**quantized));
+  auto plain = load_torchscript_block("p", test::model_path("cnn_block1.pt"));
+  REQUIRE(plain.ok());
+  CHECK(blockflow::detail::swaps_whole(**plain));
+
+  SessionOptions options;
+  options.memory_policy = SessionOptions::MemoryPolicy::kOnDemand;
+  options.memory_budget = 3 * test::kMB / 2;  // room for one of the two
+  options.lanes = 1;
+  options.swap.enabled = true;
+  Session session(options);
+  for (const char* name : {"a", "b"}) {
+    BlockDescription d;
+    d.name = name;
+    d.torchscript = test::model_path("quantized_block.pt");
+    d.options.input_shapes = {{1, 256}};
+    d.options.memory_bytes = test::kMB;
+    session.add_block(d).add_path(Path::chain(std::string("t") + name, {name}));
+  }
+  test::require_started(session);
+  const at::Tensor x = at::ones({1, 256});
+  const Result first = session.submit("ta", x).get();
+  REQUIRE(first.ok());
+  for (int i = 0; i < 3; ++i) {
+    const Result rb = session.submit("tb", x).get();
+    INFO(rb.status);
+    REQUIRE(rb.ok());
+    const Result ra = session.submit("ta", x).get();
+    INFO(ra.status);
+    REQUIRE(ra.ok());
+    CHECK(at::equal(ra.output(), first.output()));  // built again: the same weights
+    CHECK(at::equal(rb.output(), first.output()));
+  }
+  const SiteMemory m = test::site_memory(session.metrics(), "threads");
+  CHECK(m.evictions >= 6);
+  CHECK(m.swap_ins == 0);
+  CHECK(m.swapped_bytes == 0);
+}

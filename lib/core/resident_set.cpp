@@ -387,6 +387,13 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
     } catch (...) {  // the entry must leave `loading` whatever the loader throws
       made = absl::InternalError(fmt::format("block '{}': loading failed: an exception of unknown type", entry->name));
     }
+    if (made.ok() && swap && swap->bytes() > 0 && !swaps_whole(**made)) {
+      // Swapped, it would keep the rest resident while counted as unloaded: freed and rebuilt.
+      log(LogLevel::kInfo, fmt::format("block '{}' holds memory libtorch's allocator did not give (quantized packed "
+                                       "weights): it is freed and built again when unloaded, not swapped", entry->name));
+      entry->swappable = false;
+      swap.reset();
+    }
     entry->swap = made.ok() && swap && swap->bytes() > 0 ? std::move(swap) : nullptr;
     entry->swap_bytes = entry->swap ? entry->swap->bytes() : 0;
   }

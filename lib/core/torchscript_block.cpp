@@ -1,8 +1,10 @@
 #include <blockflow/core/torchscript_block.hpp>
 #include <blockflow/core/detail/opaque_layout.hpp>
+#include <blockflow/core/detail/weight_swap.hpp>
 
 #include <fmt/format.h>
 #include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/runtime/graph_iterator.h>
 #include <torch/script.h>
 
 #include <array>
@@ -56,6 +58,28 @@ torch::jit::Node* exit_reorder(torch::jit::Graph& graph) {
   return node;
 }
 
+// Whether `module` holds quantized packed weights (a custom class of torch.classes.quantized), as
+// an attribute of it or of a submodule, or as a constant of a method's graph (a frozen module).
+bool holds_quantized_packed(const torch::jit::Module& module) {
+  auto quantized = [](const c10::TypePtr& type) {
+    return type != nullptr && type->str().rfind("__torch__.torch.classes.quantized.", 0) == 0;
+  };
+  for (const auto& m : module.modules()) {
+    for (const auto& attribute : m.named_attributes(/*recurse=*/false)) {
+      if (quantized(attribute.value.type())) return true;
+    }
+  }
+  for (const auto& method : module.get_methods()) {
+    std::shared_ptr<torch::jit::Graph> graph = method.graph();
+    for (torch::jit::DepthFirstGraphNodeIterator it(graph); auto* node = it.next();) {
+      for (const auto* output : node->outputs()) {
+        if (quantized(output->type())) return true;
+      }
+    }
+  }
+  return false;
+}
+
 // A copy of `graph` without its entry reorder (opaque_in) and/or its exit reorder (opaque_out).
 std::shared_ptr<torch::jit::Graph> without_reorders(torch::jit::Graph& graph, bool opaque_in, bool opaque_out) {
   auto copy = graph.copy();
@@ -77,7 +101,12 @@ std::shared_ptr<torch::jit::Graph> without_reorders(torch::jit::Graph& graph, bo
 class TorchScriptBlock final : public Block, public detail::OpaqueLayout {
  public:
   TorchScriptBlock(std::string name, BlockOptions options, torch::jit::Module module)
-      : Block(std::move(name), std::move(options)), module_(std::move(module)) {}
+      : Block(std::move(name), std::move(options)),
+        module_(std::move(module)),
+        quantized_packed_(holds_quantized_packed(module_)) {}
+
+  // Its packed int8 weights come from fbgemm's (or qnnpack's) own allocations.
+  [[nodiscard]] bool quantized_packed() const { return quantized_packed_; }
 
   std::string_view kind() const override { return "torchscript"; }
 
@@ -129,11 +158,19 @@ class TorchScriptBlock final : public Block, public detail::OpaqueLayout {
 
  private:
   torch::jit::Module module_;
+  const bool quantized_packed_;
   // Indexed by (opaque input ? 2 : 0) + (opaque output ? 1 : 0); [0] is the module's forward().
   std::array<std::unique_ptr<torch::jit::GraphFunction>, 4> variants_;
 };
 
 }  // namespace
+
+namespace detail {
+bool swaps_whole(const Block& block) {
+  const auto* module = dynamic_cast<const TorchScriptBlock*>(&block);
+  return module == nullptr || !module->quantized_packed();
+}
+}  // namespace detail
 
 absl::StatusOr<std::shared_ptr<Block>> load_torchscript_block(std::string name, const std::string& file,
                                                               BlockOptions options, TorchScriptOptions ts_options) {

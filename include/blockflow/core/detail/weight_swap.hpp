@@ -22,7 +22,17 @@
 #include <memory>
 #include <string>
 
+namespace blockflow {
+class Block;
+}
+
 namespace blockflow::detail {
+
+/// False for a block some of whose memory libtorch's CPU allocator does not give, so that swapping
+/// it out would leave that memory resident: a TorchScript module holding quantized packed weights
+/// (fbgemm and qnnpack allocate them themselves). Such a block is freed and rebuilt instead.
+/// Defined with the TorchScript block.
+bool swaps_whole(const Block& block);
 
 class WeightSwap {
  public:
