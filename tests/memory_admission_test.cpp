@@ -63,7 +63,8 @@ TEST_CASE("a worker's budget refuses its blocks at start() before the worker is 
   CHECK(site->pid() == 0);
 }
 
-TEST_CASE("apply() refuses an update over a budget, and the session goes on as it was", "[admission]") {
+TEST_CASE("apply() refuses an update over a budget, and the session goes on as it was; one over it only during the "
+          "switch is applied, and said", "[admission]") {
   SessionOptions o;
   o.memory_budget = 100 * kMB;
   Session session(o);

@@ -236,7 +236,8 @@ TEST_CASE("a session re-plans when a worker is lost for good, under traffic: eve
   CHECK(demoted);
 }
 
-TEST_CASE("without a re-plan function, a lost worker shows in the metrics and the deployment stays", "[replan]") {
+TEST_CASE("without a re-plan function, a lost worker shows in the metrics and the deployment stays; one started again "
+          "under its name is not lost, until it is", "[replan]") {
   const PlanInput in = plugin_tasks();
   Session session;
   const std::string lost = deploy(session, in, planned(in));

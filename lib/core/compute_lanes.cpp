@@ -266,6 +266,8 @@ void ComputeLanes::run_entry(Lane& lane, Entry&& entry) {
       entry.task();
     } catch (const std::exception& e) {  // tasks report through their own futures; never kill a lane
       detail::log(LogLevel::kError, fmt::format("a task on a compute lane raised: {}", e.what()));
+    } catch (...) {
+      detail::log(LogLevel::kError, "a task on a compute lane raised an exception of unknown type");
     }
   }
   // Run-to-completion: the next block of the request, claimed while the unit above ran.

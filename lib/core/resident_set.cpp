@@ -389,8 +389,9 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
     }
     if (made.ok() && swap && swap->bytes() > 0 && !swaps_whole(**made)) {
       // Swapped, it would keep the rest resident while counted as unloaded: freed and rebuilt.
-      log(LogLevel::kInfo, fmt::format("block '{}' holds memory libtorch's allocator did not give (quantized packed "
-                                       "weights): it is freed and built again when unloaded, not swapped", entry->name));
+      log(LogLevel::kInfo, fmt::format("block '{}' holds memory libtorch's allocator did not give (prepacked weights "
+                                       "of fbgemm, qnnpack or XNNPACK): it is freed and built again when unloaded, not "
+                                       "swapped", entry->name));
       entry->swappable = false;
       swap.reset();
     }

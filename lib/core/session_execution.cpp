@@ -78,8 +78,7 @@ void SessionCore::run_block(BlockRuntime& runtime, std::optional<Envelope> first
       for (const auto& e : batch) states.push_back(e.local);
       auto fail_all = [&](std::string_view what) {
         for (auto& state : states) {
-          runtime.failed.fetch_add(1, std::memory_order_relaxed);
-          fail(state, absl::InternalError(fmt::format("block '{}': {}", block.name(), what)));
+          fail_in_block(runtime, state, what);
         }
       };
       try {
@@ -95,8 +94,7 @@ void SessionCore::run_block(BlockRuntime& runtime, std::optional<Envelope> first
   }
   StatePtr state = first->local;
   auto fail_one = [&](std::string_view what) {
-    runtime.failed.fetch_add(1, std::memory_order_relaxed);
-    fail(state, absl::InternalError(fmt::format("block '{}': {}", block.name(), what)));
+    fail_in_block(runtime, state, what);
   };
   try {
     process(runtime, std::move(*first));
@@ -153,8 +151,7 @@ void SessionCore::process_batch(BlockRuntime& runtime, std::vector<Envelope>&& b
       }
     } catch (const std::exception& e) {
       for (std::size_t i = settled; i < states.size(); ++i) {
-        runtime.failed.fetch_add(1, std::memory_order_relaxed);
-        fail(states[i], absl::InternalError(fmt::format("block '{}': {}", block.name(), e.what())));
+        fail_in_block(runtime, states[i], e.what());
       }
     }
   }
@@ -359,7 +356,12 @@ void SessionCore::queue_on_lanes(BlockRuntime& runtime, Envelope&& envelope, con
       return handle_displaced(std::move(outcome), target);
     }
     auto later = std::make_shared<Envelope>(std::move(*outcome.displaced));
-    if (lanes_->post([this, &runtime, &target, later] { queue_on_lanes(runtime, std::move(*later), target); })) return;
+    // The request keeps its plan, and so the runtime and the node, until the lane is done with them.
+    if (lanes_->post([this, &runtime, &target, later, keep = later->local] {
+          queue_on_lanes(runtime, std::move(*later), target);
+        })) {
+      return;
+    }
     envelope = std::move(*later);  // lanes stopped (shutdown): the closed queue fails it below
   }
   // A lane must not sleep on a full queue (with one lane nobody would empty it): it runs the full
@@ -430,6 +432,11 @@ void SessionCore::handle_displaced(SendOutcome&& outcome, const PlanNode& target
 
 void SessionCore::fail(const StatePtr& state, absl::Status status) { resolve(state, std::move(status), {}); }
 
+void SessionCore::fail_in_block(BlockRuntime& runtime, const StatePtr& state, std::string_view what) {
+  runtime.failed.fetch_add(1, std::memory_order_relaxed);
+  fail(state, absl::InternalError(fmt::format("block '{}': {}", runtime.name(), what)));
+}
+
 void SessionCore::resolve(const StatePtr& state, absl::Status status, Tensors outputs) {
   if (state->resolved.exchange(true, std::memory_order_acq_rel)) return;
   Result result;
@@ -472,15 +479,20 @@ void SessionCore::resolve(const StatePtr& state, absl::Status status, Tensors ou
   auto done = std::move(state->done);
   in_flight_.fetch_sub(1, std::memory_order_acq_rel);  // before done(): its caller may read metrics
   const SessionCore* outer = std::exchange(calling_back, this);
+  // The application's callback is not the site's delivery: a submit() it makes waits for room as
+  // the application's own do.
+  const bool outer_delivering = std::exchange(delivering_for_site, false);
   struct Restore {
     SessionCore* core;
     const StatePtr& state;
     const SessionCore* outer;
+    bool outer_delivering;
     ~Restore() {
       calling_back = outer;
+      delivering_for_site = outer_delivering;
       core->leave_entry(state);  // after done(), thrown or not: the next request waiting at the entry starts
     }
-  } restore{this, state, outer};
+  } restore{this, state, outer, outer_delivering};
   // The application's callback: whatever it throws stays here, so that a caller resolving several
   // requests (a shutdown, an update's drain, a batch, an evicted request) resolves the others too.
   try {

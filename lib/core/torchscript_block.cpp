@@ -9,6 +9,8 @@
 
 #include <array>
 #include <filesystem>
+#include <functional>
+#include <mutex>
 
 namespace blockflow {
 namespace {
@@ -58,11 +60,22 @@ torch::jit::Node* exit_reorder(torch::jit::Graph& graph) {
   return node;
 }
 
-// Whether `module` holds quantized packed weights (a custom class of torch.classes.quantized), as
-// an attribute of it or of a submodule, or as a constant of a method's graph (a frozen module).
-bool holds_quantized_packed(const torch::jit::Module& module) {
-  auto quantized = [](const c10::TypePtr& type) {
-    return type != nullptr && type->str().rfind("__torch__.torch.classes.quantized.", 0) == 0;
+// Whether `module` holds prepacked weights that their library allocates itself: quantized ones
+// (fbgemm, qnnpack) or XNNPACK's, custom classes of torch.classes.quantized / .xnnpack, as an
+// attribute of it or of a submodule, or as a constant of a method's graph (a frozen module), alone
+// or inside a list, tuple or optional. (oneDNN's op contexts, torch.classes.mkldnn, allocate through
+// libtorch: they are captured.)
+bool holds_own_packed(const torch::jit::Module& module) {
+  std::function<bool(const c10::TypePtr&)> quantized = [&](const c10::TypePtr& type) {
+    if (type == nullptr) return false;
+    const std::string name = type->str();
+    if (name.rfind("__torch__.torch.classes.quantized.", 0) == 0 || name.rfind("__torch__.torch.classes.xnnpack.", 0) == 0) {
+      return true;
+    }
+    for (const auto& contained : type->containedTypes()) {
+      if (quantized(contained)) return true;
+    }
+    return false;
   };
   for (const auto& m : module.modules()) {
     for (const auto& attribute : m.named_attributes(/*recurse=*/false)) {
@@ -101,12 +114,14 @@ std::shared_ptr<torch::jit::Graph> without_reorders(torch::jit::Graph& graph, bo
 class TorchScriptBlock final : public Block, public detail::OpaqueLayout {
  public:
   TorchScriptBlock(std::string name, BlockOptions options, torch::jit::Module module)
-      : Block(std::move(name), std::move(options)),
-        module_(std::move(module)),
-        quantized_packed_(holds_quantized_packed(module_)) {}
+      : Block(std::move(name), std::move(options)), module_(std::move(module)) {}
 
-  // Its packed int8 weights come from fbgemm's (or qnnpack's) own allocations.
-  [[nodiscard]] bool quantized_packed() const { return quantized_packed_; }
+  // Whether it holds prepacked weights that their library allocates itself. Looked for once, when
+  // first asked (only a load that swapping captured asks).
+  [[nodiscard]] bool own_packed_weights() const {
+    std::call_once(packed_checked_, [this] { own_packed_ = holds_own_packed(module_); });
+    return own_packed_;
+  }
 
   std::string_view kind() const override { return "torchscript"; }
 
@@ -158,7 +173,8 @@ class TorchScriptBlock final : public Block, public detail::OpaqueLayout {
 
  private:
   torch::jit::Module module_;
-  const bool quantized_packed_;
+  mutable std::once_flag packed_checked_;
+  mutable bool own_packed_ = false;
   // Indexed by (opaque input ? 2 : 0) + (opaque output ? 1 : 0); [0] is the module's forward().
   std::array<std::unique_ptr<torch::jit::GraphFunction>, 4> variants_;
 };
@@ -168,7 +184,7 @@ class TorchScriptBlock final : public Block, public detail::OpaqueLayout {
 namespace detail {
 bool swaps_whole(const Block& block) {
   const auto* module = dynamic_cast<const TorchScriptBlock*>(&block);
-  return module == nullptr || !module->quantized_packed();
+  return module == nullptr || !module->own_packed_weights();
 }
 }  // namespace detail
 

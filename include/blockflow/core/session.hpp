@@ -212,9 +212,11 @@ class Session {
   /// drained (up to `drain`: requests still holding them after that fail with an error naming the
   /// removed block) and stopped. A call into a removed block that has not returned by then is waited
   /// for 100 ms more, not for ever: its lane stays with it, and the block's memory is freed by the
-  /// first apply() after it returns. (shutdown() still waits for such a call: it joins the lanes.) A forwarder waiting for room at a site that makes none (a worker whose block never
-  /// returns) gives its request up, failed with an error naming the block and the site. Blocks that stay the same (same file or factory, placement and
-  /// options; or listed by bare name) are left untouched: no reload, no restart. A block whose
+  /// first apply() after it returns. (shutdown() still waits for such a call: it joins the lanes.)
+  /// A forwarder waiting for room at a site that makes none (a worker whose block never returns)
+  /// gives its request up, failed with an error naming the block and the site. Blocks that stay the
+  /// same (same file or factory, placement and options; or listed by bare name) are left untouched:
+  /// no reload, no restart. A block whose
   /// description changed is replaced. Tasks not in `wanted` are removed.
   ///
   /// An invalid update (a model that does not load, an unknown block in a task, a cycle, a device

@@ -138,7 +138,8 @@ class ComputeLanes {
   /// True when no lane runs `work`.
   [[nodiscard]] bool idle(const LaneWork& work) const;
 
-  /// Entries (blocks with work, tasks) waiting in the ready queue now, read without the lock.
+  /// Entries (blocks with work, tasks) waiting in the ready queue now, read without the lock (an
+  /// entry of a block claimed meanwhile counts until a lane drops it).
   [[nodiscard]] std::size_t pending() const { return pending_.load(std::memory_order_acquire); }
   /// The lane index of the calling thread in this executor, or -1.
   [[nodiscard]] int current_lane() const;

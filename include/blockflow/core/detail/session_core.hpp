@@ -264,6 +264,8 @@ class SessionCore {
   void schedule_admission(EntryGate::Waiting&& waiting);
   void run_admissions(EntryGate::Waiting&& first);
   void fail(const StatePtr& state, absl::Status status);
+  // Counts a failure of `runtime` and fails the request: InternalError "block '<name>': <what>".
+  void fail_in_block(BlockRuntime& runtime, const StatePtr& state, std::string_view what);
   void resolve(const StatePtr& state, absl::Status status, Tensors outputs);
   // A completion callback threw: logged (rate-limited), never passed on to the resolving thread.
   static void callback_thrown(std::uint64_t id, const std::string& task, std::string_view what);

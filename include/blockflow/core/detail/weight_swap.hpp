@@ -29,8 +29,9 @@ class Block;
 namespace blockflow::detail {
 
 /// False for a block some of whose memory libtorch's CPU allocator does not give, so that swapping
-/// it out would leave that memory resident: a TorchScript module holding quantized packed weights
-/// (fbgemm and qnnpack allocate them themselves). Such a block is freed and rebuilt instead.
+/// it out would leave that memory resident: a TorchScript module holding prepacked weights that
+/// their library allocates itself (quantized: fbgemm, qnnpack; XNNPACK). Such a block is freed and
+/// rebuilt instead.
 /// Defined with the TorchScript block.
 bool swaps_whole(const Block& block);
 
