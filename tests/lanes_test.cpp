@@ -60,6 +60,22 @@ int threads_added_by_session(int blocks, int lanes, int intra_op_threads) {
   return process_threads() - before;
 }
 
+// Tasks "t" (fan then sink) and "direct" (sink) get `each` requests, i on the i-th, from two threads
+// at once; returns their futures once both threads have submitted.
+std::pair<std::vector<std::future<Result>>, std::vector<std::future<Result>>> submit_via_fan_and_direct(Session& session,
+                                                                                                         int each) {
+  std::vector<std::future<Result>> via_fan(static_cast<std::size_t>(each)), direct(static_cast<std::size_t>(each));
+  std::thread a([&] {
+    for (int i = 0; i < each; ++i) via_fan[static_cast<std::size_t>(i)] = session.submit("t", at::full({1}, static_cast<double>(i)));
+  });
+  std::thread b([&] {
+    for (int i = 0; i < each; ++i) direct[static_cast<std::size_t>(i)] = session.submit("direct", at::full({1}, static_cast<double>(i)));
+  });
+  a.join();
+  b.join();
+  return {std::move(via_fan), std::move(direct)};
+}
+
 }  // namespace
 
 TEST_CASE("the process's threads are bounded by lanes x intra-op threads, whatever the number of blocks", "[lanes]") {
@@ -164,15 +180,7 @@ TEST_CASE("one lane and a full queue (policy block) do not deadlock: the lane he
       .add_path(Path::chain("direct", {"sink"}));
   test::require_started(session);
   constexpr int kEach = 30;
-  std::vector<std::future<Result>> via_fan(kEach), direct(kEach);
-  std::thread a([&] {
-    for (int i = 0; i < kEach; ++i) via_fan[i] = session.submit("t", at::full({1}, static_cast<double>(i)));
-  });
-  std::thread b([&] {
-    for (int i = 0; i < kEach; ++i) direct[i] = session.submit("direct", at::full({1}, static_cast<double>(i)));
-  });
-  a.join();
-  b.join();
+  auto [via_fan, direct] = submit_via_fan_and_direct(session, kEach);
   for (int i = 0; i < kEach; ++i) {
     const Result r = via_fan[static_cast<std::size_t>(i)].get();
     REQUIRE(r.ok());
@@ -213,19 +221,11 @@ TEST_CASE("a block one lane at a time may run (workers 1) never runs on two, eve
       .add_path(Path::chain("direct", {"sink"}));
   test::require_started(session);
   constexpr int kEach = 400;
-  std::vector<std::future<Result>> via_fan(kEach), direct(kEach);
-  std::thread a([&] {
-    for (int i = 0; i < kEach; ++i) via_fan[i] = session.submit("t", at::full({1}, static_cast<double>(i)));
-  });
-  std::thread b([&] {
-    for (int i = 0; i < kEach; ++i) direct[i] = session.submit("direct", at::full({1}, static_cast<double>(i)));
-  });
   std::atomic<bool> done{false};
   std::thread c([&] {
     while (!done) (void)session.submit("other", at::zeros({1})).get();
   });
-  a.join();
-  b.join();
+  auto [via_fan, direct] = submit_via_fan_and_direct(session, kEach);
   int wrong = 0;
   for (int i = 0; i < kEach; ++i) {
     const Result r = via_fan[static_cast<std::size_t>(i)].get();
