@@ -143,3 +143,40 @@ TEST_CASE("many producers and consumers: every envelope is received exactly once
   CHECK(send_failures.load() == 0);
   for (auto& s : seen) REQUIRE(s.load() == 1);
 }
+
+TEST_CASE("exchange on a full queue takes the oldest as it queues, in one step; send_past_capacity passes the bound",
+          "[channel]") {
+  auto channel = make_channel(2, FullPolicy::kBlock);
+  std::optional<Envelope> oldest;
+  // Not full: queued, nothing taken.
+  REQUIRE(channel.exchange(envelope_with(1), oldest).status.ok());
+  CHECK_FALSE(oldest.has_value());
+  REQUIRE(channel.send(envelope_with(2)).status.ok());
+  // Full: 1 comes out, 3 goes in; the depth stays at the bound.
+  REQUIRE(channel.exchange(envelope_with(3), oldest).status.ok());
+  REQUIRE(oldest.has_value());
+  CHECK(oldest->request_id == 1);
+  CHECK(channel.stats().depth == 2);
+  CHECK(channel.stats().high_watermark == 2);
+  // Past the bound: queued at once, counted; a sender that waits for room waits until under it.
+  REQUIRE(channel.send_past_capacity(envelope_with(4)).status.ok());
+  auto stats = channel.stats();
+  CHECK(stats.depth == 3);
+  CHECK(stats.past_capacity == 1);
+  CHECK(absl::IsDeadlineExceeded(channel.send(envelope_with(5), absl::Now()).status));
+  CHECK(channel.receive(absl::Now())->request_id == 2);
+  CHECK(absl::IsDeadlineExceeded(channel.send(envelope_with(5), absl::Now()).status));  // 2 queued: still full
+  CHECK(channel.receive(absl::Now())->request_id == 3);
+  CHECK(channel.send(envelope_with(5), absl::Now()).status.ok());
+  CHECK(channel.receive(absl::Now())->request_id == 4);
+  CHECK(channel.receive(absl::Now())->request_id == 5);
+  // Closed: nothing taken, the envelope comes back.
+  channel.close();
+  oldest.reset();
+  auto outcome = channel.exchange(envelope_with(6), oldest);
+  CHECK(absl::IsCancelled(outcome.status));
+  REQUIRE(outcome.displaced.has_value());
+  CHECK(outcome.displaced->request_id == 6);
+  CHECK_FALSE(oldest.has_value());
+  CHECK(absl::IsCancelled(channel.send_past_capacity(envelope_with(7)).status));
+}

@@ -63,6 +63,38 @@ SendOutcome InProcessChannel::send(Envelope&& envelope, absl::Time deadline) {
     outcome.displaced = std::move(envelope);
     return outcome;
   }
+  push_locked(std::move(envelope), lock);
+  return outcome;  // with drop-oldest's victim, if any
+}
+
+namespace {
+
+SendOutcome closed_outcome(Envelope&& envelope) {
+  SendOutcome outcome;
+  outcome.status = absl::CancelledError("channel closed");
+  outcome.displaced = std::move(envelope);
+  return outcome;
+}
+
+}  // namespace
+
+SendOutcome InProcessChannel::send_past_capacity(Envelope&& envelope) {
+  std::unique_lock lock(mu_);
+  if (closed_) return closed_outcome(std::move(envelope));
+  if (queue_.size() >= options_.capacity) ++stats_.past_capacity;
+  push_locked(std::move(envelope), lock);
+  return {};
+}
+
+SendOutcome InProcessChannel::exchange(Envelope&& envelope, std::optional<Envelope>& oldest) {
+  std::unique_lock lock(mu_);
+  if (closed_) return closed_outcome(std::move(envelope));
+  if (queue_.size() >= options_.capacity) oldest = pop_locked();
+  push_locked(std::move(envelope), lock);
+  return {};
+}
+
+void InProcessChannel::push_locked(Envelope&& envelope, std::unique_lock<std::mutex>& lock) {
   envelope.sent_ns = detail::now_ns();
   queue_.push_back(std::move(envelope));
   ++stats_.sent;
@@ -71,7 +103,6 @@ SendOutcome InProcessChannel::send(Envelope&& envelope, absl::Time deadline) {
   const bool wake = sleeping_receivers_ > 0;
   lock.unlock();
   if (wake) not_empty_.notify_one();
-  return outcome;
 }
 
 std::optional<Envelope> InProcessChannel::pop_locked() {

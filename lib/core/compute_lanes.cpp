@@ -7,6 +7,7 @@
 #include <omp.h>
 #include <pthread.h>
 
+#include <algorithm>
 #include <stdexcept>
 
 namespace blockflow::detail {
@@ -180,6 +181,7 @@ bool ComputeLanes::claim_next(LaneWork& work) {
   std::lock_guard lock(mu_);
   if (work.closed_ || work.running_ >= work.max_lanes) return false;
   ++work.running_;
+  lanes_[static_cast<std::size_t>(index)]->claims.push_back(&work);
   lanes_[static_cast<std::size_t>(index)]->continuation_work = &work;
   return true;
 }
@@ -188,16 +190,23 @@ void ComputeLanes::run_next(std::function<void()> run) {
   lanes_[static_cast<std::size_t>(current_lane())]->continuation = std::move(run);
 }
 
-bool ComputeLanes::help(LaneWork& work) {
+bool ComputeLanes::help(LaneWork& work, const std::function<void()>& run) {
   if (current_lane() < 0) return false;
+  Lane& lane = *lanes_[static_cast<std::size_t>(this_lane.index)];
   {
     std::lock_guard lock(mu_);
     if (work.closed_ || work.running_ >= work.max_lanes) return false;
     ++work.running_;
+    lane.claims.push_back(&work);
+    lane.waiting_for = nullptr;  // a lane that helps waits for nothing
   }
-  Lane& lane = *lanes_[static_cast<std::size_t>(this_lane.index)];
   lane.runs.fetch_add(1, std::memory_order_relaxed);
-  work.run_one();  // busy time: counted in the unit this help interrupts
+  // Busy time: counted in the unit this help interrupts.
+  if (run) {
+    run();
+  } else {
+    work.run_one();
+  }
   release(work);
   return true;
 }
@@ -207,6 +216,10 @@ bool ComputeLanes::run_claimed() {
   if (index < 0) return false;
   Lane& lane = *lanes_[static_cast<std::size_t>(index)];
   if (!lane.continuation) return false;
+  {
+    std::lock_guard lock(mu_);
+    lane.waiting_for = nullptr;  // a lane that runs work waits for nothing
+  }
   auto run = std::move(lane.continuation);
   lane.continuation = nullptr;
   LaneWork* work = std::exchange(lane.continuation_work, nullptr);
@@ -217,12 +230,48 @@ bool ComputeLanes::run_claimed() {
   return true;
 }
 
+bool ComputeLanes::progresses_locked(int index, std::vector<char>& seen) const {
+  if (seen[static_cast<std::size_t>(index)] != 0) return false;
+  seen[static_cast<std::size_t>(index)] = 1;
+  const LaneWork* work = lanes_[static_cast<std::size_t>(index)]->waiting_for;
+  if (work == nullptr) return true;
+  // Fully claimed: only the lanes holding a claim can empty it. Else any other lane may take it
+  // from the ready queue (this one may not: it helps no deeper).
+  const bool claimed = work->running_ >= work->max_lanes;
+  for (int i = 0; i < size(); ++i) {
+    if (i == index) continue;
+    const auto& claims = lanes_[static_cast<std::size_t>(i)]->claims;
+    if (claimed && std::find(claims.begin(), claims.end(), work) == claims.end()) continue;
+    if (progresses_locked(i, seen)) return true;
+  }
+  return false;
+}
+
+bool ComputeLanes::wait_can_end(const LaneWork& work) {
+  const int index = current_lane();
+  if (index < 0) return true;
+  std::lock_guard lock(mu_);
+  lanes_[static_cast<std::size_t>(index)]->waiting_for = &work;
+  std::vector<char> seen(lanes_.size(), 0);
+  return progresses_locked(index, seen);
+}
+
+void ComputeLanes::stop_waiting() {
+  const int index = current_lane();
+  if (index < 0) return;
+  std::lock_guard lock(mu_);
+  lanes_[static_cast<std::size_t>(index)]->waiting_for = nullptr;
+}
+
 void ComputeLanes::release(LaneWork& work) {
   Wakes w;
   bool idle = false;
   {
     std::lock_guard lock(mu_);
     --work.running_;
+    // Always called on the lane that holds the claim.
+    auto& claims = lanes_[static_cast<std::size_t>(this_lane.index)]->claims;
+    if (auto it = std::find(claims.begin(), claims.end(), &work); it != claims.end()) claims.erase(it);
     const std::size_t before = ready_.size();
     enqueue_locked(work);
     if (ready_.size() > before) w = wakes_locked();
@@ -363,6 +412,7 @@ void ComputeLanes::lane_main(int index) {
       if (entry.work != nullptr) {
         entry.work->queued_ = false;
         ++entry.work->running_;
+        lane.claims.push_back(entry.work);
         // More than one lane may run it: leave it ready for the next free lane.
         enqueue_locked(*entry.work);
       }

@@ -226,6 +226,9 @@ std::string MetricsSnapshot::to_prometheus() const {
           static_cast<double>(b.queue.rejected));
     e.add("blockflow_block_queue_dropped_total", "counter", "Requests evicted from a full queue (policy drop-oldest).", l,
           static_cast<double>(b.queue.dropped));
+    e.add("blockflow_block_queue_past_capacity_total", "counter",
+          "Requests a compute lane queued past a full queue's bound (lanes that would wait on each other).", l,
+          static_cast<double>(b.queue.past_capacity));
   }
   for (const auto& m : memory) {
     const Exposition::Labels l = {{"site", m.site}};

@@ -364,23 +364,52 @@ void SessionCore::queue_on_lanes(BlockRuntime& runtime, Envelope&& envelope, con
     }
     envelope = std::move(*later);  // lanes stopped (shutdown): the closed queue fails it below
   }
-  // A lane must not sleep on a full queue (with one lane nobody would empty it): it runs the full
-  // block's requests itself until there is room. Nested helping is bounded; beyond, it waits.
+  // A lane must not sleep on a full queue (with one lane nobody would empty it): it helps, taking
+  // the oldest request out as it queues its own, and runs the one it took. Nested helping is
+  // bounded; beyond, or when other lanes hold the block, it waits for them, unless they wait too
+  // (docs/lanes.md, "Full queues").
   thread_local int helping = 0;
   constexpr int kMaxHelpDepth = 8;
-  if (lanes_->current_lane() >= 0 && runtime.inbox->full_policy() == FullPolicy::kBlock && helping < kMaxHelpDepth) {
+  if (lanes_->current_lane() >= 0 && runtime.inbox->full_policy() == FullPolicy::kBlock) {
+    struct ClearMark {
+      ComputeLanes& lanes;
+      ~ClearMark() { lanes.stop_waiting(); }
+    } clear{*lanes_};
+    absl::Duration wait = absl::ZeroDuration();  // 1 ms once the lane can do nothing for the queue
     for (;;) {
-      SendOutcome outcome = runtime.inbox->send(std::move(envelope), absl::Now() + absl::Milliseconds(1));
+      SendOutcome outcome = runtime.inbox->send(std::move(envelope), absl::Now() + wait);
       if (!absl::IsDeadlineExceeded(outcome.status)) {
         lanes_->notify(runtime);
         return handle_displaced(std::move(outcome), target);
       }
       envelope = std::move(*outcome.displaced);
-      ++helping;
-      // The next block of a request this lane claimed may be what the lane emptying this queue
-      // waits for (its own full queue, whose block only our claim lets run): run it first.
-      if (!lanes_->run_claimed()) (void)lanes_->help(runtime);
-      --helping;
+      if (helping < kMaxHelpDepth) {
+        ++helping;
+        // The next block of a request this lane claimed may be what the lane emptying this queue
+        // waits for (its own full queue, whose block only our claim lets run): run it first.
+        const bool ran_claimed = lanes_->run_claimed();
+        std::optional<SendOutcome> queued;
+        if (!ran_claimed) {
+          (void)lanes_->help(runtime, [&] {
+            std::optional<Envelope> oldest;
+            queued = runtime.inbox->exchange(std::move(envelope), oldest);
+            if (oldest) run_block(runtime, std::move(oldest));
+          });
+        }
+        --helping;
+        if (queued) return handle_displaced(std::move(*queued), target);
+        if (ran_claimed) {
+          wait = absl::ZeroDuration();
+          continue;
+        }
+      }
+      wait = absl::Milliseconds(1);
+      // Every lane that could make room waits on another (paths that cross): nobody ever would.
+      if (!lanes_->wait_can_end(runtime)) {
+        SendOutcome past = runtime.inbox->send_past_capacity(std::move(envelope));
+        lanes_->notify(runtime);
+        return handle_displaced(std::move(past), target);
+      }
     }
   }
   SendOutcome outcome = runtime.inbox->send(std::move(envelope));

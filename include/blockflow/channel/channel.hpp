@@ -69,6 +69,9 @@ struct ChannelStats {
   std::size_t depth = 0;
   std::size_t capacity = 0;
   std::size_t high_watermark = 0;
+  /// Envelopes queued while the queue was full, by InProcessChannel::send_past_capacity() (a
+  /// session's compute lanes that would otherwise wait on each other, docs/lanes.md).
+  std::uint64_t past_capacity = 0;
 };
 
 /// @brief The outcome of TensorChannel::send().

@@ -33,6 +33,17 @@ class InProcessChannel final : public TensorChannel {
   /// @brief send() that, with kBlock on a full queue, waits only until `deadline`: then
   /// DeadlineExceeded, with the envelope back in `displaced`.
   SendOutcome send(Envelope&& envelope, absl::Time deadline);
+  /// @brief Queues the envelope even when the queue is full (whatever the policy); fails only on a
+  /// closed channel (Cancelled, the envelope in `displaced`). For an executor whose threads would
+  /// otherwise wait on each other for room (docs/lanes.md): the depth passes the capacity until
+  /// receivers catch up, and senders that wait for room wait until it is below the capacity again.
+  /// Counted in stats().past_capacity when the queue was full.
+  SendOutcome send_past_capacity(Envelope&& envelope);
+  /// @brief Queues `envelope` without waiting and, when the queue is full, takes its oldest
+  /// envelope out into `oldest` in the same step: the depth never passes the capacity, and no
+  /// other sender takes the room in between (a lane that helps empty a full queue keeps the room it
+  /// makes, docs/lanes.md). A closed channel takes nothing: Cancelled, `envelope` in `displaced`.
+  SendOutcome exchange(Envelope&& envelope, std::optional<Envelope>& oldest);
   std::optional<Envelope> receive(absl::Time deadline) override;
   /// @brief The next envelope if one is queued (and the channel is open); never waits.
   [[nodiscard]] std::optional<Envelope> try_receive();
@@ -48,6 +59,7 @@ class InProcessChannel final : public TensorChannel {
 
  private:
   std::optional<Envelope> pop_locked();
+  void push_locked(Envelope&& envelope, std::unique_lock<std::mutex>& lock);  // unlocks
 
   const InProcessChannelOptions options_;
   mutable std::mutex mu_;

@@ -124,13 +124,24 @@ class ComputeLanes {
   /// done (no queue, no wake-up), then releases the claim.
   void run_next(std::function<void()> run);
   /// On a lane: runs one unit of `work` here if it can be claimed (a lane that would wait for room
-  /// in a full queue helps empty it instead). False when it is fully claimed elsewhere.
-  bool help(LaneWork& work);
+  /// in a full queue helps empty it instead): `run` under the claim, or work.run_one() without one.
+  /// False, nothing run, when it is fully claimed elsewhere (or quiesced).
+  bool help(LaneWork& work, const std::function<void()>& run = nullptr);
   /// On a lane with a continuation pending (claim_next() + run_next()): runs it now, inside the
   /// current unit, and releases its claim. A lane about to wait for room in a full queue calls it
   /// first: another lane's progress (the one emptying that queue) may need the block it claimed.
   /// False when none is pending.
   bool run_claimed();
+  /// On a lane that can neither queue into `work`'s full queue nor help empty it (fully claimed, or
+  /// its helping nested too deep): marks the lane as waiting for room in `work` and says whether
+  /// the wait can end, i.e. whether some lane that could empty the queue, directly or through the
+  /// lanes it waits for, is not waiting itself. False: every such lane waits on another (tasks
+  /// whose paths cross, x -> y and y -> x), and nobody would ever make room; the caller then queues
+  /// past the capacity (InProcessChannel::send_past_capacity()). The mark stays until the lane
+  /// helps (help(), run_claimed()) or calls stop_waiting().
+  bool wait_can_end(const LaneWork& work);
+  /// On a lane: clears wait_can_end()'s mark (the lane helps, or has queued).
+  void stop_waiting();
   /// Refuses further claims of `work`, takes it off the ready queue and waits until no lane runs it,
   /// or until `deadline`: false when a lane still runs it then (a call that has not returned; the
   /// work must then live until idle() says so).
@@ -158,6 +169,8 @@ class ComputeLanes {
     int threads = 0;   // the OpenMP threads it runs with now (elastic; this lane only)
     std::thread thread;
     LaneWork* continuation_work = nullptr;  // this lane only
+    std::vector<const LaneWork*> claims;    // the works this lane holds a claim on (under mu_)
+    const LaneWork* waiting_for = nullptr;  // wait_can_end()'s mark (under mu_)
     std::function<void()> continuation;
     std::atomic<std::uint64_t> runs{0}, tasks{0}, inline_continuations{0}, one_thread_runs{0};
     std::atomic<std::int64_t> busy_ns{0};
@@ -174,6 +187,9 @@ class ComputeLanes {
   void book_width_locked(Lane& lane, bool one_thread);
   void set_threads(Lane& lane, int threads);
   std::size_t backlog_locked() const;  // units waiting in ready_
+  // Whether lane `index` makes progress: it waits for nothing, or some lane that could make room
+  // where it waits does (depth-first over the lanes not in `seen`).
+  bool progresses_locked(int index, std::vector<char>& seen) const;
   // Wakes the lane that should take what is ready (a team lane first); call without mu_.
   void wake(bool team, bool one_thread);
   struct Wakes {
