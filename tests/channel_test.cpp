@@ -163,6 +163,7 @@ TEST_CASE("exchange on a full queue takes the oldest as it queues, in one step; 
   auto stats = channel.stats();
   CHECK(stats.depth == 3);
   CHECK(stats.past_capacity == 1);
+  CHECK(stats.high_watermark == 3);
   CHECK(absl::IsDeadlineExceeded(channel.send(envelope_with(5), absl::Now()).status));
   CHECK(channel.receive(absl::Now())->request_id == 2);
   CHECK(absl::IsDeadlineExceeded(channel.send(envelope_with(5), absl::Now()).status));  // 2 queued: still full
@@ -170,6 +171,9 @@ TEST_CASE("exchange on a full queue takes the oldest as it queues, in one step; 
   CHECK(channel.send(envelope_with(5), absl::Now()).status.ok());
   CHECK(channel.receive(absl::Now())->request_id == 4);
   CHECK(channel.receive(absl::Now())->request_id == 5);
+  REQUIRE(channel.send_past_capacity(envelope_with(8)).status.ok());  // room: not past the bound
+  CHECK(channel.stats().past_capacity == 1);
+  CHECK(channel.receive(absl::Now())->request_id == 8);
   // Closed: nothing taken, the envelope comes back.
   channel.close();
   oldest.reset();

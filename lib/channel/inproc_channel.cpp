@@ -89,8 +89,16 @@ SendOutcome InProcessChannel::send_past_capacity(Envelope&& envelope) {
 SendOutcome InProcessChannel::exchange(Envelope&& envelope, std::optional<Envelope>& oldest) {
   std::unique_lock lock(mu_);
   if (closed_) return closed_outcome(std::move(envelope));
-  if (queue_.size() >= options_.capacity) oldest = pop_locked();
-  push_locked(std::move(envelope), lock);
+  const bool full = queue_.size() >= options_.capacity;
+  envelope.sent_ns = detail::now_ns();
+  queue_.push_back(std::move(envelope));  // first: if it throws, nothing was taken
+  ++stats_.sent;
+  if (full) oldest = pop_locked();
+  stats_.high_watermark = std::max(stats_.high_watermark, queue_.size());
+  size_.store(queue_.size(), std::memory_order_release);
+  const bool wake = sleeping_receivers_ > 0;
+  lock.unlock();
+  if (wake) not_empty_.notify_one();
   return {};
 }
 

@@ -1,4 +1,5 @@
 #include <blockflow/core/detail/compute_lanes.hpp>
+#include <blockflow/core/detail/exception_text.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/clock.hpp>
 
@@ -201,13 +202,17 @@ bool ComputeLanes::help(LaneWork& work, const std::function<void()>& run) {
     lane.waiting_for = nullptr;  // a lane that helps waits for nothing
   }
   lane.runs.fetch_add(1, std::memory_order_relaxed);
+  struct Release {  // also when `run` throws: the claim must go, or quiesce() waits for ever
+    ComputeLanes& lanes;
+    LaneWork& work;
+    ~Release() { lanes.release(work); }
+  } release_claim{*this, work};
   // Busy time: counted in the unit this help interrupts.
   if (run) {
     run();
   } else {
     work.run_one();
   }
-  release(work);
   return true;
 }
 
@@ -233,26 +238,30 @@ bool ComputeLanes::run_claimed() {
 bool ComputeLanes::progresses_locked(int index, std::vector<char>& seen) const {
   if (seen[static_cast<std::size_t>(index)] != 0) return false;
   seen[static_cast<std::size_t>(index)] = 1;
-  const LaneWork* work = lanes_[static_cast<std::size_t>(index)]->waiting_for;
+  const Lane& lane = *lanes_[static_cast<std::size_t>(index)];
+  const LaneWork* work = lane.waiting_for;
   if (work == nullptr) return true;
-  // Fully claimed: only the lanes holding a claim can empty it. Else any other lane may take it
-  // from the ready queue (this one may not: it helps no deeper).
   const bool claimed = work->running_ >= work->max_lanes;
+  if (!claimed && lane.may_help) return true;  // it claims the work at its next try
+  // Fully claimed: only the lanes holding a claim can empty it. Else a lane running a unit takes it
+  // from the ready queue once done (this one may not: it helps no deeper).
   for (int i = 0; i < size(); ++i) {
     if (i == index) continue;
-    const auto& claims = lanes_[static_cast<std::size_t>(i)]->claims;
-    if (claimed && std::find(claims.begin(), claims.end(), work) == claims.end()) continue;
+    const Lane& other = *lanes_[static_cast<std::size_t>(i)];
+    if (claimed ? std::find(other.claims.begin(), other.claims.end(), work) == other.claims.end() : !other.busy) continue;
     if (progresses_locked(i, seen)) return true;
   }
   return false;
 }
 
-bool ComputeLanes::wait_can_end(const LaneWork& work) {
+bool ComputeLanes::wait_can_end(const LaneWork& work, bool may_help) {
   const int index = current_lane();
   if (index < 0) return true;
-  std::lock_guard lock(mu_);
-  lanes_[static_cast<std::size_t>(index)]->waiting_for = &work;
   std::vector<char> seen(lanes_.size(), 0);
+  std::lock_guard lock(mu_);
+  Lane& lane = *lanes_[static_cast<std::size_t>(index)];
+  lane.waiting_for = &work;
+  lane.may_help = may_help;
   return progresses_locked(index, seen);
 }
 
@@ -313,10 +322,8 @@ void ComputeLanes::run_entry(Lane& lane, Entry&& entry) {
     lane.tasks.fetch_add(1, std::memory_order_relaxed);
     try {
       entry.task();
-    } catch (const std::exception& e) {  // tasks report through their own futures; never kill a lane
-      detail::log(LogLevel::kError, fmt::format("a task on a compute lane raised: {}", e.what()));
-    } catch (...) {
-      detail::log(LogLevel::kError, "a task on a compute lane raised an exception of unknown type");
+    } catch (...) {  // tasks report through their own futures; never kill a lane
+      detail::log(LogLevel::kError, fmt::format("a task on a compute lane raised: {}", current_exception_text()));
     }
   }
   // Run-to-completion: the next block of the request, claimed while the unit above ran.
@@ -417,6 +424,7 @@ void ComputeLanes::lane_main(int index) {
         enqueue_locked(*entry.work);
       }
       pending_.store(ready_.size(), std::memory_order_release);
+      lane.busy = true;
       if (lane.team) ++busy_team_;
       if (elastic_) book_width_locked(lane, entry.work == nullptr && entry.one_thread);
       w = wakes_locked();  // more is ready: another lane may take it
@@ -426,6 +434,7 @@ void ComputeLanes::lane_main(int index) {
     run_entry(lane, std::move(entry));
     {
       std::lock_guard lock(mu_);
+      lane.busy = false;
       if (lane.team) --busy_team_;
       cores_used_ -= lane.width;
       lane.width = 0;

@@ -1,4 +1,5 @@
 #include <blockflow/core/path.hpp>
+#include <blockflow/core/detail/exception_text.hpp>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -63,12 +64,8 @@ Combine Combine::custom(std::string name, Fn fn) {
 absl::StatusOr<Tensors> Combine::apply(std::vector<Tensors>&& inputs) const {
   try {
     return fn_(std::move(inputs));
-  } catch (const c10::Error& e) {
-    return absl::InternalError(fmt::format("combine rule '{}' raised: {}", name_, e.what_without_backtrace()));
-  } catch (const std::exception& e) {
-    return absl::InternalError(fmt::format("combine rule '{}' raised: {}", name_, e.what()));
   } catch (...) {
-    return absl::InternalError(fmt::format("combine rule '{}' raised an exception of unknown type", name_));
+    return absl::InternalError(fmt::format("combine rule '{}' raised: {}", name_, detail::current_exception_text()));
   }
 }
 

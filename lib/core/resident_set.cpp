@@ -1,5 +1,6 @@
 // On-demand residency under a memory budget (include/blockflow/core/detail/resident_set.hpp).
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/exception_text.hpp>
 #include <blockflow/core/detail/cuda_graph_block.hpp>
 #include <blockflow/core/detail/units.hpp>
 #include <blockflow/core/detail/log.hpp>
@@ -382,10 +383,8 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
       std::optional<WeightSwap::Capture> capture;
       if (swap) capture.emplace(*swap);
       made = entry->loader();
-    } catch (const std::exception& e) {
-      made = absl::InternalError(fmt::format("block '{}': loading failed: {}", entry->name, e.what()));
     } catch (...) {  // the entry must leave `loading` whatever the loader throws
-      made = absl::InternalError(fmt::format("block '{}': loading failed: an exception of unknown type", entry->name));
+      made = absl::InternalError(fmt::format("block '{}': loading failed: {}", entry->name, current_exception_text()));
     }
     if (made.ok() && swap && swap->bytes() > 0 && !swaps_whole(**made)) {
       // Swapped, it would keep the rest resident while counted as unloaded: freed and rebuilt.

@@ -132,10 +132,23 @@ void SessionCore::admit(EntryGate::Waiting&& waiting, bool& handed_on) {
 void SessionCore::leave_entry(const StatePtr& state) noexcept {
   if (options_.max_in_flight_per_task <= 0) return;  // no window: no place was taken
   if (state->place.exchange(RequestState::kPlaceReturned, std::memory_order_acq_rel) != RequestState::kPlaceHeld) return;
+  std::optional<EntryGate::Waiting> next;
   try {
-    if (auto next = state->path->gate.leave()) schedule_admission(std::move(*next));
+    next = state->path->gate.leave();
+    if (next) schedule_admission(std::move(*next));
   } catch (...) {
-    log(LogLevel::kError, fmt::format("task '{}': a request waiting at its entry could not be started", state->path->task));
+    // Scheduling it failed (out of memory) before it was moved on: the waiting request fails
+    // rather than wait for ever, and the place handed to it goes back (take_place() after resolve).
+    try {
+      log(LogLevel::kError, fmt::format("task '{}': a request waiting at its entry could not be started", state->path->task));
+      if (next && next->state) {
+        const StatePtr waiter = std::move(next->state);
+        fail(waiter, absl::ResourceExhaustedError(fmt::format(
+                         "task '{}': the request could not be started after waiting at its entry", waiter->path->task)));
+        (void)take_place(waiter);
+      }
+    } catch (...) {
+    }
   }
 }
 

@@ -2,6 +2,7 @@
 // hand-off to the next block (inline on the same lane, or queued), joins of DAG paths, full
 // queues, and the resolution of each request exactly once.
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/exception_text.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 
@@ -76,32 +77,21 @@ void SessionCore::run_block(BlockRuntime& runtime, std::optional<Envelope> first
     if (batch.size() > 1) {
       std::vector<StatePtr> states;
       for (const auto& e : batch) states.push_back(e.local);
-      auto fail_all = [&](std::string_view what) {
-        for (auto& state : states) {
-          fail_in_block(runtime, state, what);
-        }
-      };
       try {
         process_batch(runtime, std::move(batch));
-      } catch (const std::exception& e) {
-        fail_all(e.what());
-      } catch (...) {
-        fail_all("an exception of unknown type");
+      } catch (...) {  // nothing may escape a lane: the batch's requests fail, the lane keeps serving
+        const std::string what = current_exception_text();
+        for (auto& state : states) fail_in_block(runtime, state, what);
       }
       return;
     }
     first = std::move(batch.front());
   }
   StatePtr state = first->local;
-  auto fail_one = [&](std::string_view what) {
-    fail_in_block(runtime, state, what);
-  };
   try {
     process(runtime, std::move(*first));
-  } catch (const std::exception& e) {  // nothing may escape a lane: the request fails, the lane keeps serving
-    fail_one(e.what());
-  } catch (...) {
-    fail_one("an exception of unknown type");
+  } catch (...) {  // nothing may escape a lane: the request fails, the lane keeps serving
+    fail_in_block(runtime, state, current_exception_text());
   }
 }
 
@@ -364,57 +354,62 @@ void SessionCore::queue_on_lanes(BlockRuntime& runtime, Envelope&& envelope, con
     }
     envelope = std::move(*later);  // lanes stopped (shutdown): the closed queue fails it below
   }
-  // A lane must not sleep on a full queue (with one lane nobody would empty it): it helps, taking
-  // the oldest request out as it queues its own, and runs the one it took. Nested helping is
-  // bounded; beyond, or when other lanes hold the block, it waits for them, unless they wait too
-  // (docs/lanes.md, "Full queues").
-  thread_local int helping = 0;
-  constexpr int kMaxHelpDepth = 8;
-  if (lanes_->current_lane() >= 0 && runtime.inbox->full_policy() == FullPolicy::kBlock) {
-    struct ClearMark {
-      ComputeLanes& lanes;
-      ~ClearMark() { lanes.stop_waiting(); }
-    } clear{*lanes_};
-    absl::Duration wait = absl::ZeroDuration();  // 1 ms once the lane can do nothing for the queue
-    for (;;) {
-      SendOutcome outcome = runtime.inbox->send(std::move(envelope), absl::Now() + wait);
-      if (!absl::IsDeadlineExceeded(outcome.status)) {
-        lanes_->notify(runtime);
-        return handle_displaced(std::move(outcome), target);
-      }
-      envelope = std::move(*outcome.displaced);
-      if (helping < kMaxHelpDepth) {
-        ++helping;
-        // The next block of a request this lane claimed may be what the lane emptying this queue
-        // waits for (its own full queue, whose block only our claim lets run): run it first.
-        const bool ran_claimed = lanes_->run_claimed();
-        std::optional<SendOutcome> queued;
-        if (!ran_claimed) {
-          (void)lanes_->help(runtime, [&] {
-            std::optional<Envelope> oldest;
-            queued = runtime.inbox->exchange(std::move(envelope), oldest);
-            if (oldest) run_block(runtime, std::move(oldest));
-          });
-        }
-        --helping;
-        if (queued) return handle_displaced(std::move(*queued), target);
-        if (ran_claimed) {
-          wait = absl::ZeroDuration();
-          continue;
-        }
-      }
-      wait = absl::Milliseconds(1);
-      // Every lane that could make room waits on another (paths that cross): nobody ever would.
-      if (!lanes_->wait_can_end(runtime)) {
-        SendOutcome past = runtime.inbox->send_past_capacity(std::move(envelope));
-        lanes_->notify(runtime);
-        return handle_displaced(std::move(past), target);
-      }
-    }
-  }
-  SendOutcome outcome = runtime.inbox->send(std::move(envelope));
+  SendOutcome outcome = lanes_->current_lane() >= 0 && runtime.inbox->full_policy() == FullPolicy::kBlock
+                            ? send_from_lane(runtime, std::move(envelope))
+                            : runtime.inbox->send(std::move(envelope));
   lanes_->notify(runtime);
   handle_displaced(std::move(outcome), target);
+}
+
+// A lane must not sleep on a full queue (with one lane nobody would empty it): it helps, queueing
+// its request as it takes the oldest out (no application thread takes the room it makes), and runs
+// the one it took. Helping nests up to kMaxHelpDepth; beyond, or when other lanes hold the block,
+// the lane waits for them, unless they wait too, directly or through others: then nobody ever
+// would make room (tasks whose paths cross), and it queues past the bound, up to a limit.
+SendOutcome SessionCore::send_from_lane(BlockRuntime& runtime, Envelope&& envelope) {
+  thread_local int helping = 0;
+  constexpr int kMaxHelpDepth = 8;
+  struct ClearMark {  // the lane waits for nothing once this returns
+    ComputeLanes& lanes;
+    ~ClearMark() { lanes.stop_waiting(); }
+  } clear{*lanes_};
+  absl::Duration wait = absl::ZeroDuration();  // 1 ms once the lane can do nothing for the queue
+  for (;;) {
+    SendOutcome outcome = runtime.inbox->send(std::move(envelope), absl::Now() + wait);
+    if (!absl::IsDeadlineExceeded(outcome.status)) return outcome;
+    envelope = std::move(*outcome.displaced);
+    const bool may_help = helping < kMaxHelpDepth;
+    if (may_help) {
+      ++helping;
+      // The next block of a request this lane claimed may be what the lane emptying this queue
+      // waits for (its own full queue, whose block only our claim lets run): run it first.
+      const bool ran_claimed = lanes_->run_claimed();
+      std::optional<SendOutcome> queued;
+      if (!ran_claimed) {
+        (void)lanes_->help(runtime, [&] {
+          std::optional<Envelope> oldest;
+          queued = runtime.inbox->exchange(std::move(envelope), oldest);
+          if (oldest) run_block(runtime, std::move(oldest));
+        });
+      }
+      --helping;
+      if (queued) return std::move(*queued);
+      if (ran_claimed) {
+        wait = absl::ZeroDuration();
+        continue;
+      }
+    }
+    wait = absl::Milliseconds(1);
+    if (lanes_->wait_can_end(runtime, may_help)) continue;
+    // Past the bound by at most what every lane could hold at every depth: beyond, the request
+    // fails rather than grow the queue without limit.
+    const std::size_t limit = runtime.inbox->capacity() + static_cast<std::size_t>(lanes_->size() * kMaxHelpDepth);
+    if (runtime.inbox->depth() < limit) return runtime.inbox->send_past_capacity(std::move(envelope));
+    return SendOutcome{absl::ResourceExhaustedError(fmt::format("queue full ({} queued, capacity {}) and every lane "
+                                                                "that could empty it waits on another (paths that cross)",
+                                                                runtime.inbox->depth(), runtime.inbox->capacity())),
+                       std::move(envelope)};
+  }
 }
 
 void SessionCore::run_join(const StatePtr& state, int node, std::vector<Tensors>&& inputs, std::int64_t ready_ns) {
@@ -526,10 +521,8 @@ void SessionCore::resolve(const StatePtr& state, absl::Status status, Tensors ou
   // requests (a shutdown, an update's drain, a batch, an evicted request) resolves the others too.
   try {
     done(std::move(result));
-  } catch (const std::exception& e) {
-    callback_thrown(state->id, state->path->task, e.what());
   } catch (...) {
-    callback_thrown(state->id, state->path->task, "an exception of unknown type");
+    callback_thrown(state->id, state->path->task, current_exception_text());
   }
 }
 

@@ -49,6 +49,8 @@ class InProcessChannel final : public TensorChannel {
   [[nodiscard]] std::optional<Envelope> try_receive();
   /// @brief Envelopes queued now (no lock taken).
   [[nodiscard]] std::size_t depth() const { return size_.load(std::memory_order_acquire); }
+  /// @brief The queue's bound.
+  [[nodiscard]] std::size_t capacity() const { return options_.capacity; }
   /// @brief What the queue does when it is full.
   [[nodiscard]] FullPolicy full_policy() const { return options_.full_policy; }
   void close() override;

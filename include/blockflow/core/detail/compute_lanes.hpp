@@ -132,14 +132,17 @@ class ComputeLanes {
   /// first: another lane's progress (the one emptying that queue) may need the block it claimed.
   /// False when none is pending.
   bool run_claimed();
-  /// On a lane that can neither queue into `work`'s full queue nor help empty it (fully claimed, or
-  /// its helping nested too deep): marks the lane as waiting for room in `work` and says whether
-  /// the wait can end, i.e. whether some lane that could empty the queue, directly or through the
-  /// lanes it waits for, is not waiting itself. False: every such lane waits on another (tasks
-  /// whose paths cross, x -> y and y -> x), and nobody would ever make room; the caller then queues
-  /// past the capacity (InProcessChannel::send_past_capacity()). The mark stays until the lane
-  /// helps (help(), run_claimed()) or calls stop_waiting().
-  bool wait_can_end(const LaneWork& work);
+  /// On a lane that can neither queue into `work`'s full queue nor help empty it now (fully
+  /// claimed; or, `may_help` false, its helping nested too deep): marks the lane as waiting for
+  /// room in `work` and says whether the wait can end, i.e. whether some lane that could empty the
+  /// queue, directly or through the lanes it waits for, is not waiting itself. A lane that may help
+  /// counts as making progress once `work` is no longer fully claimed; a lane that may not, only
+  /// through the lanes running a unit (an idle lane may not take the work at once: elastic lanes
+  /// book cores). False: every such lane waits on another (tasks whose paths cross, x -> y and
+  /// y -> x), and nobody would ever make room; the caller then queues past the capacity
+  /// (InProcessChannel::send_past_capacity()). The mark stays until the lane helps (help(),
+  /// run_claimed()) or calls stop_waiting().
+  bool wait_can_end(const LaneWork& work, bool may_help);
   /// On a lane: clears wait_can_end()'s mark (the lane helps, or has queued).
   void stop_waiting();
   /// Refuses further claims of `work`, takes it off the ready queue and waits until no lane runs it,
@@ -171,6 +174,8 @@ class ComputeLanes {
     LaneWork* continuation_work = nullptr;  // this lane only
     std::vector<const LaneWork*> claims;    // the works this lane holds a claim on (under mu_)
     const LaneWork* waiting_for = nullptr;  // wait_can_end()'s mark (under mu_)
+    bool may_help = false;                  // and whether the lane may still help it (under mu_)
+    bool busy = false;                      // running an entry of the ready queue (under mu_)
     std::function<void()> continuation;
     std::atomic<std::uint64_t> runs{0}, tasks{0}, inline_continuations{0}, one_thread_runs{0};
     std::atomic<std::int64_t> busy_ns{0};

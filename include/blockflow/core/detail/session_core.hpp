@@ -205,6 +205,9 @@ class SessionCore {
   // request, with what else waits when the block batches.
   void run_block(BlockRuntime& runtime, std::optional<Envelope> first);
   void queue_on_lanes(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target);
+  // On a lane, into a block's full queue (policy block): helps, waits, or queues past the bound
+  // (docs/lanes.md, "Full queues"). The outcome as InProcessChannel::send()'s.
+  SendOutcome send_from_lane(BlockRuntime& runtime, Envelope&& envelope);
   void process(BlockRuntime& runtime, Envelope&& envelope);
   // SessionOptions::prefetch: posts loads of the on-demand blocks after `node` on `plan`.
   void prefetch_next(const PathPlan& plan, std::uint32_t node);
