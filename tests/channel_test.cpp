@@ -164,6 +164,11 @@ TEST_CASE("exchange on a full queue takes the oldest as it queues, in one step; 
   CHECK(stats.depth == 3);
   CHECK(stats.past_capacity == 1);
   CHECK(stats.high_watermark == 3);
+  auto refused = channel.send_past_capacity(envelope_with(9), 3);  // 3 queued: the limit
+  CHECK(absl::IsResourceExhausted(refused.status));
+  REQUIRE(refused.displaced.has_value());
+  CHECK(refused.displaced->request_id == 9);
+  CHECK(channel.stats().depth == 3);
   CHECK(absl::IsDeadlineExceeded(channel.send(envelope_with(5), absl::Now()).status));
   CHECK(channel.receive(absl::Now())->request_id == 2);
   CHECK(absl::IsDeadlineExceeded(channel.send(envelope_with(5), absl::Now()).status));  // 2 queued: still full

@@ -78,9 +78,13 @@ SendOutcome closed_outcome(Envelope&& envelope) {
 
 }  // namespace
 
-SendOutcome InProcessChannel::send_past_capacity(Envelope&& envelope) {
+SendOutcome InProcessChannel::send_past_capacity(Envelope&& envelope, std::size_t limit) {
   std::unique_lock lock(mu_);
   if (closed_) return closed_outcome(std::move(envelope));
+  if (queue_.size() >= limit) {
+    return SendOutcome{absl::ResourceExhaustedError(fmt::format("queue full ({} queued, the limit past its capacity)", limit)),
+                       std::move(envelope)};
+  }
   if (queue_.size() >= options_.capacity) ++stats_.past_capacity;
   push_locked(std::move(envelope), lock);
   return {};

@@ -30,6 +30,7 @@ ComputeLanes::ComputeLanes(Options options)
   for (int i = 0; i < total; ++i) {
     lanes_.push_back(std::make_unique<Lane>());
     lanes_.back()->team = i < options_.lanes;
+    lanes_.back()->claims.reserve(32);  // a unit, its continuation, nested helps: no allocation on a lane
   }
 }
 
@@ -181,8 +182,8 @@ bool ComputeLanes::claim_next(LaneWork& work) {
   if (index < 0 || lanes_[static_cast<std::size_t>(index)]->continuation_work != nullptr) return false;
   std::lock_guard lock(mu_);
   if (work.closed_ || work.running_ >= work.max_lanes) return false;
+  lanes_[static_cast<std::size_t>(index)]->claims.push_back(&work);  // first: if it throws, nothing is claimed
   ++work.running_;
-  lanes_[static_cast<std::size_t>(index)]->claims.push_back(&work);
   lanes_[static_cast<std::size_t>(index)]->continuation_work = &work;
   return true;
 }
@@ -197,8 +198,8 @@ bool ComputeLanes::help(LaneWork& work, const std::function<void()>& run) {
   {
     std::lock_guard lock(mu_);
     if (work.closed_ || work.running_ >= work.max_lanes) return false;
+    lane.claims.push_back(&work);  // first: if it throws, nothing is claimed
     ++work.running_;
-    lane.claims.push_back(&work);
     lane.waiting_for = nullptr;  // a lane that helps waits for nothing
   }
   lane.runs.fetch_add(1, std::memory_order_relaxed);

@@ -140,13 +140,12 @@ void SessionCore::leave_entry(const StatePtr& state) noexcept {
     // Scheduling it failed (out of memory) before it was moved on: the waiting request fails
     // rather than wait for ever, and the place handed to it goes back (take_place() after resolve).
     try {
-      log(LogLevel::kError, fmt::format("task '{}': a request waiting at its entry could not be started", state->path->task));
       if (next && next->state) {
         const StatePtr waiter = std::move(next->state);
-        fail(waiter, absl::ResourceExhaustedError(fmt::format(
-                         "task '{}': the request could not be started after waiting at its entry", waiter->path->task)));
+        fail(waiter, absl::ResourceExhaustedError("the request could not be started after waiting at its task's entry"));
         (void)take_place(waiter);
       }
+      log(LogLevel::kError, fmt::format("task '{}': a request waiting at its entry could not be started", state->path->task));
     } catch (...) {
     }
   }
@@ -159,7 +158,14 @@ void SessionCore::schedule_admission(EntryGate::Waiting&& waiting) {
   }
   if (lanes_) {
     auto shared = std::make_shared<EntryGate::Waiting>(std::move(waiting));
-    if (lanes_->post([this, shared] { run_admissions(std::move(*shared)); })) return;
+    bool posted = false;
+    try {
+      posted = lanes_->post([this, shared] { run_admissions(std::move(*shared)); });
+    } catch (...) {
+      waiting = std::move(*shared);  // back to the caller, which fails it (leave_entry())
+      throw;
+    }
+    if (posted) return;
     waiting = std::move(*shared);  // the lanes have stopped: run it here (every queue is closed)
   }
   run_admissions(std::move(waiting));

@@ -139,10 +139,9 @@ void SessionCore::process_batch(BlockRuntime& runtime, std::vector<Envelope>&& b
       } else {
         process_group(runtime, std::move(group), settled);
       }
-    } catch (const std::exception& e) {
-      for (std::size_t i = settled; i < states.size(); ++i) {
-        fail_in_block(runtime, states[i], e.what());
-      }
+    } catch (...) {  // only the requests not yet handed on fail here (a request resolves once)
+      const std::string what = current_exception_text();
+      for (std::size_t i = settled; i < states.size(); ++i) fail_in_block(runtime, states[i], what);
     }
   }
 }
@@ -218,8 +217,8 @@ void SessionCore::process_group(BlockRuntime& runtime, std::vector<Envelope>&& g
     ++settled;  // from here on, it is the next block's
     try {
       forward_outputs(state, node, std::move(mine), &runtime);
-    } catch (const std::exception& e) {  // not handed on: failed here (a request resolves once)
-      fail(state, absl::InternalError(fmt::format("block '{}': handing the output on: {}", block.name(), e.what())));
+    } catch (...) {  // not handed on: failed here (a request resolves once)
+      fail(state, absl::InternalError(fmt::format("block '{}': handing the output on: {}", block.name(), current_exception_text())));
     }
   }
 }
@@ -380,7 +379,12 @@ SendOutcome SessionCore::send_from_lane(BlockRuntime& runtime, Envelope&& envelo
     envelope = std::move(*outcome.displaced);
     const bool may_help = helping < kMaxHelpDepth;
     if (may_help) {
-      ++helping;
+      struct Nested {  // restored when the work it runs throws too
+        int& depth;
+        explicit Nested(int& d) : depth(++d) {}
+        ~Nested() { --depth; }
+      };
+      std::optional<Nested> nested(std::in_place, helping);
       // The next block of a request this lane claimed may be what the lane emptying this queue
       // waits for (its own full queue, whose block only our claim lets run): run it first.
       const bool ran_claimed = lanes_->run_claimed();
@@ -392,7 +396,7 @@ SendOutcome SessionCore::send_from_lane(BlockRuntime& runtime, Envelope&& envelo
           if (oldest) run_block(runtime, std::move(oldest));
         });
       }
-      --helping;
+      nested.reset();
       if (queued) return std::move(*queued);
       if (ran_claimed) {
         wait = absl::ZeroDuration();
@@ -404,11 +408,14 @@ SendOutcome SessionCore::send_from_lane(BlockRuntime& runtime, Envelope&& envelo
     // Past the bound by at most what every lane could hold at every depth: beyond, the request
     // fails rather than grow the queue without limit.
     const std::size_t limit = runtime.inbox->capacity() + static_cast<std::size_t>(lanes_->size() * kMaxHelpDepth);
-    if (runtime.inbox->depth() < limit) return runtime.inbox->send_past_capacity(std::move(envelope));
-    return SendOutcome{absl::ResourceExhaustedError(fmt::format("queue full ({} queued, capacity {}) and every lane "
-                                                                "that could empty it waits on another (paths that cross)",
-                                                                runtime.inbox->depth(), runtime.inbox->capacity())),
-                       std::move(envelope)};
+    SendOutcome past = runtime.inbox->send_past_capacity(std::move(envelope), limit);
+    if (absl::IsResourceExhausted(past.status)) {
+      past.status = absl::ResourceExhaustedError(
+          fmt::format("queue full ({} queued past its capacity of {}) and no lane that could empty it is free: each waits "
+                      "for room itself (tasks whose paths cross, or a request handed back to a block its lane holds)",
+                      limit, runtime.inbox->capacity()));
+    }
+    return past;
   }
 }
 

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <limits>
 #include <mutex>
 
 namespace blockflow {
@@ -37,8 +38,9 @@ class InProcessChannel final : public TensorChannel {
   /// closed channel (Cancelled, the envelope in `displaced`). For an executor whose threads would
   /// otherwise wait on each other for room (docs/lanes.md): the depth passes the capacity until
   /// receivers catch up, and senders that wait for room wait until it is below the capacity again.
-  /// Counted in stats().past_capacity when the queue was full.
-  SendOutcome send_past_capacity(Envelope&& envelope);
+  /// Counted in stats().past_capacity when the queue was full. With `limit`: not once `limit`
+  /// envelopes are queued (ResourceExhausted, `envelope` in `displaced`).
+  SendOutcome send_past_capacity(Envelope&& envelope, std::size_t limit = std::numeric_limits<std::size_t>::max());
   /// @brief Queues `envelope` without waiting and, when the queue is full, takes its oldest
   /// envelope out into `oldest` in the same step: the depth never passes the capacity, and no
   /// other sender takes the room in between (a lane that helps empty a full queue keeps the room it

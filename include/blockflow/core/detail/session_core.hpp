@@ -191,6 +191,7 @@ class SessionCore {
   void update_undo(UpdateWork& u);
   void update_publish(UpdateWork& u);
   void update_drain(UpdateWork& u, absl::Duration drain);
+  // What updates removed, freed once no live plan reaches it (lib/core/session_retire.cpp).
   void collect_retired();
   std::vector<std::shared_ptr<const PathPlan>> live_plans();
   bool update_cancelled() const;
