@@ -2,10 +2,10 @@
 #include <blockflow/core/detail/exception_text.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/omp_width.hpp>
 
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
-#include <omp.h>
 #include <pthread.h>
 
 #include <algorithm>
@@ -110,7 +110,7 @@ bool ComputeLanes::post(std::function<void()> task, bool team_lane, bool one_thr
 
 void ComputeLanes::set_threads(Lane& lane, int threads) {
   if (lane.threads == threads) return;
-  omp_set_num_threads(threads);  // this thread's setting only (at::set_num_threads is process-wide)
+  set_thread_omp_width(threads);  // this thread's setting only (at::set_num_threads is process-wide)
   lane.threads = threads;
 }
 
@@ -151,7 +151,7 @@ void ComputeLanes::with_at_most(int threads, const std::function<void()>& fn) {
       if (before > 0) {
         lanes.set_threads(lane, before);
       } else {
-        omp_set_num_threads(width);
+        set_thread_omp_width(width);
         lane.threads = 0;
       }
     }

@@ -6,6 +6,7 @@
 #include <blockflow/core/detail/session_core.hpp>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <deque>

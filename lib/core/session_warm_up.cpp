@@ -5,6 +5,7 @@
 #include <blockflow/core/detail/mutex.hpp>
 #include <blockflow/core/detail/build_scope.hpp>
 #include <blockflow/core/detail/cuda_graph_block.hpp>
+#include <blockflow/core/detail/omp_width.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 #include <blockflow/core/detail/weight_swap.hpp>
 #include <blockflow/core/detail/warm_up_shapes.hpp>
@@ -13,7 +14,6 @@
 #include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
 #include <fmt/format.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -56,7 +56,7 @@ void on_core_threads(const std::vector<std::function<void()>>& tasks, int thread
   auto take = [&] {
     if (one_thread) {
       (void)at::get_num_threads();  // libtorch sets a thread's width at its first call: before ours
-      omp_set_num_threads(1);
+      set_thread_omp_width(1);
     }
     for (std::size_t i = next++; i < tasks.size(); i = next++) tasks[i]();
   };
@@ -73,7 +73,7 @@ void on_core_threads(const std::vector<std::function<void()>>& tasks, int thread
     struct Restore {
       int width;
       ~Restore() {
-        if (width > 0) omp_set_num_threads(width);
+        if (width > 0) set_thread_omp_width(width);
       }
     } restore{width};
     take();

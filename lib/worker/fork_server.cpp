@@ -5,6 +5,7 @@
 //   application -> server  {"argv": [...], "environment": [...], "launcher_dir": "..."}
 //   server -> application  {"pid": N} with the worker's pidfd (SCM_RIGHTS), or {"error": "..."};
 //                          {"exited": N, "status": WAIT_STATUS} whenever it has reaped a worker.
+#include <blockflow/core/detail/omp_width.hpp>
 #include <blockflow/worker/fork_server.hpp>
 #include <blockflow/worker/detail/fork_server.hpp>
 #include <blockflow/worker/detail/launch_worker.hpp>
@@ -22,7 +23,6 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <malloc.h>
-#include <omp.h>
 #include <pthread.h>
 #include <poll.h>
 #include <signal.h>
@@ -234,10 +234,10 @@ void prepare_libtorch() noexcept {
   try {
     (void)at::get_num_threads();  // this thread's lazy setting of its OpenMP width first, so that the next line holds
     struct Width {  // restored however this ends: forked workers' main threads inherit it
-      int width = omp_get_max_threads();
-      ~Width() { omp_set_num_threads(width); }
+      int width = detail::thread_omp_width();
+      ~Width() { detail::set_thread_omp_width(width); }
     } restore;
-    omp_set_num_threads(1);
+    detail::set_thread_omp_width(1);
     {
       torch::jit::Module module("blockflow_prepare");
       module.register_parameter("w", at::ones({8, 3, 3, 3}), /*is_buffer=*/false);
