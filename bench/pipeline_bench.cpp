@@ -152,6 +152,7 @@ int main(int argc, char** argv) try {
   bool outputs_in_slots = bf::WorkerOptions{}.shm_outputs_in_slots;
   bool direct_edges = bf::WorkerOptions{}.direct_edges;
   bool optimize = bf::TorchScriptOptions{}.optimize_for_inference;
+  bool busy_poll = false;   // --busy-poll 1: WorkerOptions::busy_poll
   bool cuda_graph = false;  // --cuda-graph 1 (with --device cuda): the split's blocks replay CUDA graphs
   bf::bench::parse_options(argc, argv, [&](const std::string& a, const std::string& v) {
     if (a == "--models") models = v;
@@ -168,6 +169,7 @@ int main(int argc, char** argv) try {
     else if (a == "--direct-edges") direct_edges = std::stoi(v) != 0;
     else if (a == "--optimize") optimize = std::stoi(v) != 0;
     else if (a == "--cuda-graph") cuda_graph = std::stoi(v) != 0;
+    else if (a == "--busy-poll") busy_poll = std::stoi(v) != 0;
     else if (a == "--model") model = v;      // --mode alone (the baseline process), stage
     else if (a == "--shape") shape = v;      // --mode alone, stage
     else if (a == "--app-on") app_on = v;    // --mode host_app: lane | thread
@@ -210,6 +212,7 @@ int main(int argc, char** argv) try {
     o.channel = channel;
     o.environment = worker_environment;
     if (spin_us) o.receive_spin = absl::Microseconds(*spin_us);
+    o.busy_poll = busy_poll;
     o.shm_outputs_in_slots = outputs_in_slots;
     o.direct_edges = direct_edges;
     session.add_site(bf::make_worker(o));
@@ -340,9 +343,9 @@ int main(int argc, char** argv) try {
     fmt::print(
         "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"device\":\"{}\",\"threads_per_block\":{},"
         "\"requests\":{},\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},"
-        "\"saturation_rps\":{:.1f},\"monolithic_saturation_rps\":{:.1f},\"cuda_graph\":{},\"hops_us\":[{}]}}\n",
+        "\"saturation_rps\":{:.1f},\"monolithic_saturation_rps\":{:.1f},\"cuda_graph\":{},\"busy_poll\":{},\"hops_us\":[{}]}}\n",
         mode, channel_label, bf::bench::gpu_name(), threads, requests, sum.e2e, sum.mono, sum.e2e / sum.mono, sum.overhead,
-        split_rps, mono_rps, cuda_graph, hops_json());
+        split_rps, mono_rps, cuda_graph, busy_poll, hops_json());
     return 0;
   }
   // Alternating rounds: `round` split requests, then `round` monolithic ones in this session, then

@@ -51,9 +51,13 @@ bench() {
     for graph in ${BENCH_CUDA_GRAPH:-0 1}; do
       "$BUILD_DIR/bench/pipeline_bench" --models "$models" --mode threads --device cuda --cuda-graph "$graph" \
         --requests "${BENCH_REQUESTS:-100}"
-      BENCH_METRICS=1 BLOCKFLOW_COPY_WITNESS="$OUT/witness-pipeline-graph$graph.txt" LD_PRELOAD="$witness" \
-        "$BUILD_DIR/bench/pipeline_bench" --models "$models" --mode workers --channel cuda --device cuda \
-        --cuda-graph "$graph" --requests "${BENCH_REQUESTS:-100}" 2> "$OUT/metrics-cuda-graph$graph.txt"
+      # Four cuda workers, their data links' receivers sleeping between packets, then busy polling.
+      for poll in ${BENCH_BUSY_POLL:-0 1}; do
+        BENCH_METRICS=1 BLOCKFLOW_COPY_WITNESS="$OUT/witness-pipeline-graph$graph-poll$poll.txt" LD_PRELOAD="$witness" \
+          "$BUILD_DIR/bench/pipeline_bench" --models "$models" --mode workers --channel cuda --device cuda \
+          --cuda-graph "$graph" --busy-poll "$poll" --requests "${BENCH_REQUESTS:-100}" \
+          2> "$OUT/metrics-cuda-graph$graph-poll$poll.txt"
+      done
     done
   } | tee "$OUT/bench.jsonl"
   echo "--- host<->device copies per process (witness) ---"

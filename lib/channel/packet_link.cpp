@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 
 namespace blockflow::detail {
 namespace {
@@ -158,8 +159,12 @@ void PacketLink::set_send_timeout(absl::Duration timeout) {
 
 std::optional<PacketLink::Received> PacketLink::receive(int timeout_ms, absl::Duration spin) {
   if (buffer_.empty()) buffer_.resize(kMaxPacketBytes);
-  const bool stream = gaps_.streaming(spin);
-  const std::int64_t spin_end_ns = stream ? now_ns() + absl::ToInt64Nanoseconds(spin) : 0;
+  // An infinite spin (WorkerOptions::busy_poll): poll for the whole timeout and never sleep.
+  const bool busy = spin == absl::InfiniteDuration();
+  const std::int64_t spin_end_ns =
+      busy ? (timeout_ms < 0 ? std::numeric_limits<std::int64_t>::max() : now_ns() + std::int64_t{timeout_ms} * 1000000)
+      : gaps_.streaming(spin) ? now_ns() + absl::ToInt64Nanoseconds(spin)
+                              : 0;
   bool waited = false;
   while (true) {
     iovec part{buffer_.data(), buffer_.size()};
@@ -171,6 +176,7 @@ std::optional<PacketLink::Received> PacketLink::receive(int timeout_ms, absl::Du
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       if (waited) return std::nullopt;
       if (spin_end_ns != 0 && now_ns() < spin_end_ns) continue;
+      if (busy) return std::nullopt;
       pollfd item{fd_, POLLIN, 0};
       if (::poll(&item, 1, timeout_ms) <= 0) return std::nullopt;  // timeout (or EINTR: the caller loops)
       waited = true;

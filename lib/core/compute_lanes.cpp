@@ -382,8 +382,11 @@ void ComputeLanes::lane_main(int index) {
   Lane& lane = *lanes_[static_cast<std::size_t>(index)];
   pthread_setname_np(pthread_self(), fmt::format("bf-lane/{}", index % 1000).c_str());
   if (options_.intra_op_threads > 0) {
-    // After the lazy initialisation, so that this thread's OpenMP team keeps this size.
-    at::internal::lazy_init_num_threads();
+    // After libtorch's lazy initialisation of this thread's width, so that its team keeps this size.
+    // Through at::get_num_threads(), not the inline at::internal::lazy_init_num_threads(): where
+    // libtorch keeps its own copy of that function's per-thread flag (a PyTorch wheel's libtorch),
+    // ours would not set it, and libtorch's first op on this thread would reset the width.
+    (void)at::get_num_threads();
     if (lane.team) {
       at::set_num_threads(options_.intra_op_threads);
       lane.threads = options_.intra_op_threads;

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 
 namespace blockflow::detail {
 namespace {
@@ -371,7 +372,10 @@ SendOutcome SessionCore::send_from_lane(BlockRuntime& runtime, Envelope&& envelo
   struct ClearMark {  // the lane waits for nothing once this returns
     ComputeLanes& lanes;
     ~ClearMark() { lanes.stop_waiting(); }
-  } clear{*lanes_};
+  };
+  // Made at the first wait_can_end(), which marks what the lane waits for: a send that finds room
+  // (the usual case) takes no lock of the lanes'.
+  std::optional<ClearMark> clear;
   absl::Duration wait = absl::ZeroDuration();  // 1 ms once the lane can do nothing for the queue
   for (;;) {
     SendOutcome outcome = runtime.inbox->send(std::move(envelope), absl::Now() + wait);
@@ -404,6 +408,7 @@ SendOutcome SessionCore::send_from_lane(BlockRuntime& runtime, Envelope&& envelo
       }
     }
     wait = absl::Milliseconds(1);
+    if (!clear) clear.emplace(ClearMark{*lanes_});
     if (lanes_->wait_can_end(runtime, may_help)) continue;
     // Past the bound by at most what every lane could hold at every depth: beyond, the request
     // fails rather than grow the queue without limit.

@@ -37,7 +37,7 @@ auto on_profiling_thread(int threads, Fn&& fn) -> decltype(fn()) {
   std::exception_ptr failure;
   std::thread worker([&] {
     try {
-      at::internal::lazy_init_num_threads();
+      (void)at::get_num_threads();  // libtorch's lazy width first (see ComputeLanes::lane_main())
       if (threads > 0) at::set_num_threads(threads);
       c10::InferenceMode inference;
       out.emplace(fn());

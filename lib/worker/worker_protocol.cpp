@@ -19,6 +19,7 @@ nlohmann::json make_config(const std::vector<BlockDescription>& blocks, const Wo
           {"shm_max_bytes", options.shm_max_bytes},
           {"shm_outputs_in_slots", options.shm_outputs_in_slots},
           {"receive_spin_us", absl::ToInt64Microseconds(options.receive_spin)},
+          {"busy_poll", options.busy_poll},
           {"max_parked_bytes", options.max_parked_bytes},
           {"lanes", options.lanes},
           // On demand the worker's own session keeps its blocks under the budget (kAdmit: the

@@ -29,6 +29,7 @@
 #include <zmq_addon.hpp>
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <sys/prctl.h>
 #include <unistd.h>
 
@@ -149,8 +150,10 @@ class Worker {
       }
       // A request's input that dies here gives its slot back to the host on this link (any thread).
       link_ = std::make_shared<bf::detail::ZeroCopyLink>(*std::move(link), ends_);
-      receive_spin_ = absl::Microseconds(
-          config->value("receive_spin_us", absl::ToInt64Microseconds(bf::WorkerOptions{}.receive_spin)));
+      receive_spin_ = config->value("busy_poll", false)  // WorkerOptions::busy_poll: poll, never sleep
+                          ? absl::InfiniteDuration()
+                          : absl::Microseconds(config->value(
+                                "receive_spin_us", absl::ToInt64Microseconds(bf::WorkerOptions{}.receive_spin)));
     }
     peer_endpoint_ = config->value("peer_endpoint", "");
     if (!peer_endpoint_.empty()) {
@@ -399,6 +402,7 @@ class Worker {
   }
 
   void receiver_main() {
+    pthread_setname_np(pthread_self(), "bf-worker:rcv");  // as top -H shows it
     while (!stopping_) {
       forwarded_ids_.clear();  // filled by parked_resolver_ while a kForward is decoded
       forward_problem_.clear();

@@ -60,13 +60,18 @@ void WorkerSite::Impl::receive_from_link() {
     std::lock_guard lock(mu);
     current = link;
   }
-  // A packet now, or within the spin; else sleep on both the link and the listener.
+  // A packet now, or within the spin; else sleep on both the link and the listener. Busy polling
+  // (WorkerOptions::busy_poll) polls the link for 10 ms at a time and only looks at the listener.
   using Kind = detail::ZeroCopyLink::Packet::Kind;
   detail::ZeroCopyLink::Packet packet;
-  if (current) packet = current->read(0, options.receive_spin, peer.empty() ? nullptr : &parked_resolver);
+  const bool busy = options.busy_poll && current;
+  if (current) {
+    packet = current->read(busy ? 10 : 0, busy ? absl::InfiniteDuration() : options.receive_spin,
+                           peer.empty() ? nullptr : &parked_resolver);
+  }
   if (packet.kind == Kind::kNothing) {
     pollfd items[2] = {{listener->fd(), POLLIN, 0}, {current ? current->fd() : -1, POLLIN, 0}};
-    if (::poll(items, 2, 100) <= 0) return;
+    if (::poll(items, 2, busy ? 0 : 100) <= 0) return;
     if ((items[0].revents & POLLIN) != 0) accept_link();
     if (!current || items[1].revents == 0) return;
     packet = current->read(0, absl::ZeroDuration(), peer.empty() ? nullptr : &parked_resolver);

@@ -110,6 +110,13 @@ struct WorkerOptions {
   /// milliseconds apart, as in a pipeline of DNN blocks, never spins, so the spin takes no core from
   /// a block that starts computing. 0: never spin.
   absl::Duration receive_spin = absl::Microseconds(50);
+  /// Zero-copy channels: the data link's receiving threads (the session's for this worker, and the
+  /// worker's) poll for the next packet without ever sleeping, whatever the traffic: a packet is
+  /// taken without a thread's wake-up, at the cost of one core per polling thread, all the time
+  /// (two per worker). For hosts with cores to spare and a latency to keep, such as a GPU server
+  /// whose blocks' kernels leave the CPU mostly idle (docs/gpu.md, "Busy polling"); never on a
+  /// machine whose cores the blocks need.
+  bool busy_poll = false;
   /// Channel "zmq", a child worker: direct edges. When the next block of a request's path runs in
   /// another such worker (or this one), this worker keeps the block's outputs and the session gets
   /// references to them; the session then tells it to send them straight to that worker, so each

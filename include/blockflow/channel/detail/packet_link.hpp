@@ -90,7 +90,8 @@ class PacketLink {
   /// between them average under kStreamGapFactor x `spin`), it polls for up to `spin` first, so a
   /// packet that follows closely is taken without a sleep and a wake-up; otherwise, and after the
   /// spin, it sleeps, up to `timeout_ms` (-1: forever). A link whose packets come milliseconds apart
-  /// (a pipeline stage) therefore never spins and takes no core from the blocks. nullopt when
+  /// (a pipeline stage) therefore never spins and takes no core from the blocks. An infinite `spin`
+  /// (WorkerOptions::busy_poll) polls for the whole `timeout_ms` and never sleeps. nullopt when
   /// nothing came.
   std::optional<Received> receive(int timeout_ms, absl::Duration spin = absl::ZeroDuration());
   /// How far apart, in units of the spin, packets may come on average for the link to spin.
