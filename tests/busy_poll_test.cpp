@@ -79,3 +79,13 @@ TEST_CASE("WorkerOptions::busy_poll: the session's receiver takes a worker's res
     }
   }
 }
+
+TEST_CASE("WorkerOptions::busy_poll on channel zmq is refused at start(), naming the worker and the option", "[shm]") {
+  WorkerOptions options = test::test_worker("w1", "zmq");
+  options.busy_poll = true;
+  Session session;
+  session.add_site(make_worker(options)).add_block(test::plugin_block("affine", "affine", "w1")).add_path(Path::chain("t", {"affine"}));
+  const absl::Status status = session.start();
+  CHECK(absl::IsInvalidArgument(status));
+  CHECK_THAT(std::string(status.message()), Contains("worker w1") && Contains("busy_poll") && Contains("'zmq'"));
+}

@@ -13,6 +13,10 @@ absl::Status WorkerSite::Impl::resolve_channel() {
     return absl::InvalidArgumentError(fmt::format("{}: channel '{}' needs a worker on this host, but it joins over TCP ({})",
                                                   prefix(), c, options.listen));
   }
+  if (options.busy_poll && c == "zmq") {
+    return absl::InvalidArgumentError(fmt::format(
+        "{}: busy_poll applies to the data link of the zero-copy channels (shm, cuda), not to channel 'zmq'", prefix()));
+  }
   if (c == "cuda") {
     if (auto usable = detail::cuda_ipc_usable(); !usable.ok()) {
       return absl::Status(usable.code(), fmt::format("{}: channel 'cuda': {}", prefix(), std::string(usable.message())));

@@ -115,7 +115,7 @@ struct WorkerOptions {
   /// taken without a thread's wake-up, at the cost of one core per polling thread, all the time
   /// (two per worker). For hosts with cores to spare and a latency to keep, such as a GPU server
   /// whose blocks' kernels leave the CPU mostly idle (docs/gpu.md, "Busy polling"); never on a
-  /// machine whose cores the blocks need.
+  /// machine whose cores the blocks need. Channel "zmq" has no data link: refused there at start().
   bool busy_poll = false;
   /// Channel "zmq", a child worker: direct edges. When the next block of a request's path runs in
   /// another such worker (or this one), this worker keeps the block's outputs and the session gets
