@@ -1,6 +1,8 @@
 // One thread's OpenMP width in libtorch's OpenMP runtime (include/blockflow/core/detail/omp_width.hpp).
 #include <blockflow/core/detail/omp_width.hpp>
 
+#include <ATen/Parallel.h>
+
 #include <dlfcn.h>
 #include <link.h>
 #include <omp.h>
@@ -37,21 +39,32 @@ std::string loaded_libtorch() {
   return path;
 }
 
+// Whether a width set with `set` on this thread is the one libtorch reads (at::get_num_threads()
+// asks libtorch's runtime); the thread's width is given back.
+bool libtorch_reads(void (*set)(int)) {
+  const int before = at::get_num_threads();  // also libtorch's lazy setting of this thread's width
+  const int probe = before == 1 ? 2 : 1;
+  set(probe);
+  const bool reads = at::get_num_threads() == probe;
+  set(before);
+  return reads;
+}
+
 OmpRuntime resolve() {
-  OmpRuntime runtime;
+  OmpRuntime linked;
   const std::string path = loaded_libtorch();
-  if (path.empty()) return runtime;
+  if (path.empty()) return linked;
   // RTLD_NOLOAD: only a handle on what is loaded (never closed: libtorch stays for the process).
-  // dlsym() on it searches libtorch and its dependencies, in the order its loader bound them.
+  // dlsym() on it searches libtorch and its dependencies only; the loader may have bound libtorch
+  // to another copy found earlier in the process (same symbol versions), so the candidate is kept
+  // only where libtorch reads what it sets.
   void* handle = ::dlopen(path.c_str(), RTLD_LAZY | RTLD_NOLOAD);
-  if (handle == nullptr) return runtime;
+  if (handle == nullptr) return linked;
   auto* set = reinterpret_cast<void (*)(int)>(::dlsym(handle, "omp_set_num_threads"));
   auto* get = reinterpret_cast<int (*)()>(::dlsym(handle, "omp_get_max_threads"));
-  if (set == nullptr || get == nullptr) return runtime;
-  runtime.own = set != &::omp_set_num_threads;
-  runtime.set = set;
-  runtime.get = get;
-  return runtime;
+  if (set == nullptr || get == nullptr || set == linked.set) return linked;
+  if (libtorch_reads(linked.set) || !libtorch_reads(set)) return linked;
+  return OmpRuntime{set, get, true};
 }
 
 const OmpRuntime& runtime() {

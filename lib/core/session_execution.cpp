@@ -371,6 +371,9 @@ SendOutcome SessionCore::send_from_lane(BlockRuntime& runtime, Envelope&& envelo
   constexpr int kMaxHelpDepth = 8;
   struct ClearMark {  // the lane waits for nothing once this returns
     ComputeLanes& lanes;
+    explicit ClearMark(ComputeLanes& l) : lanes(l) {}
+    ClearMark(const ClearMark&) = delete;
+    ClearMark& operator=(const ClearMark&) = delete;
     ~ClearMark() { lanes.stop_waiting(); }
   };
   // Made at the first wait_can_end(), which marks what the lane waits for: a send that finds room
@@ -408,7 +411,7 @@ SendOutcome SessionCore::send_from_lane(BlockRuntime& runtime, Envelope&& envelo
       }
     }
     wait = absl::Milliseconds(1);
-    if (!clear) clear.emplace(ClearMark{*lanes_});
+    if (!clear) clear.emplace(*lanes_);
     if (lanes_->wait_can_end(runtime, may_help)) continue;
     // Past the bound by at most what every lane could hold at every depth: beyond, the request
     // fails rather than grow the queue without limit.

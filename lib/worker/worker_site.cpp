@@ -13,6 +13,11 @@ absl::Status WorkerSite::Impl::resolve_channel() {
     return absl::InvalidArgumentError(fmt::format("{}: channel '{}' needs a worker on this host, but it joins over TCP ({})",
                                                   prefix(), c, options.listen));
   }
+  if (options.receive_spin < absl::ZeroDuration() || options.receive_spin > absl::Seconds(1)) {
+    return absl::InvalidArgumentError(fmt::format(
+        "{}: receive_spin must be from 0 to 1 s (it is {}); busy_poll polls without sleeping", prefix(),
+        absl::FormatDuration(options.receive_spin)));
+  }
   if (options.busy_poll && c == "zmq") {
     return absl::InvalidArgumentError(fmt::format(
         "{}: busy_poll applies to the data link of the zero-copy channels (shm, cuda), not to channel 'zmq'", prefix()));

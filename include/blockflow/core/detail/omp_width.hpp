@@ -6,7 +6,8 @@
 // `omp_set_num_threads` this library links would set a width in a runtime libtorch never reads,
 // and a lane meant to run one thread would run libtorch's default team (every core). These
 // functions call the runtime that libtorch_cpu resolves, found once through libtorch_cpu's own
-// dependencies, and fall back to the linked one.
+// dependencies and kept only where libtorch reads the width it sets (at::get_num_threads()); else
+// the linked one.
 
 namespace blockflow::detail {
 

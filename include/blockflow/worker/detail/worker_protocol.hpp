@@ -39,7 +39,7 @@ inline constexpr const char* kUpdateError = "update_error";   // worker -> host:
 // Blocks travel in the deployment format: detail/deployment_json.hpp.
 
 // The config message's part that follows from the options: blocks, plugins, heartbeat_ms, channel,
-// shm_*, receive_spin_us, max_parked_bytes, lanes. Also the body of an update message.
+// shm_*, receive_spin_us, busy_poll, max_parked_bytes, lanes. Also the body of an update message.
 nlohmann::json make_config(const std::vector<BlockDescription>& blocks, const WorkerOptions& options);
 
 // What a worker makes of the config's heartbeat_ms. The host pings every `interval`; a joined
