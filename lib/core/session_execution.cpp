@@ -386,12 +386,11 @@ SendOutcome SessionCore::send_from_lane(BlockRuntime& runtime, Envelope&& envelo
     envelope = std::move(*outcome.displaced);
     const bool may_help = helping < kMaxHelpDepth;
     if (may_help) {
-      struct Nested {  // restored when the work it runs throws too
+      struct Nested {  // the depth is restored however this block is left (a throw included)
         int& depth;
         explicit Nested(int& d) : depth(++d) {}
         ~Nested() { --depth; }
-      };
-      std::optional<Nested> nested(std::in_place, helping);
+      } nested(helping);
       // The next block of a request this lane claimed may be what the lane emptying this queue
       // waits for (its own full queue, whose block only our claim lets run): run it first.
       const bool ran_claimed = lanes_->run_claimed();
@@ -403,7 +402,6 @@ SendOutcome SessionCore::send_from_lane(BlockRuntime& runtime, Envelope&& envelo
           if (oldest) run_block(runtime, std::move(oldest));
         });
       }
-      nested.reset();
       if (queued) return std::move(*queued);
       if (ran_claimed) {
         wait = absl::ZeroDuration();
