@@ -356,6 +356,43 @@ TEST_CASE("a zero-copy worker with outputs in slots makes its result pools at st
   }
 }
 
+TEST_CASE("a worker's results reach the next block in the worker's order while that block's queue is full (policy block)",
+          "[worker]") {
+  // The site's thread may not wait for room in "after"'s queue: a result that finds it full is
+  // handed to a lane, and the results behind it must queue behind it, not overtake it.
+  WorkerOptions w = test::test_worker("wo");
+  w.max_in_flight = 8;
+  SessionOptions options;
+  options.lanes = GENERATE(1, 2);
+  Session session(options);
+  std::mutex mu;
+  std::vector<double> seen;
+  session.add_site(make_worker(w))
+      .add_block(test::plugin_block("mid", "affine", "wo"))
+      .add_block(test::unary("after", [&](const Tensor& x) {
+        std::this_thread::sleep_for(1ms);
+        std::lock_guard<std::mutex> lock(mu);
+        seen.push_back(x.item<double>());
+        return x;
+      }, test::queue_of_one()))
+      .add_path(Path::chain("t", {"mid", "after"}));
+  test::require_started(session);
+  constexpr int kRequests = 300;
+  std::atomic<int> ok{0}, wrong{0};
+  for (int i = 0; i < kRequests; ++i) {
+    session.submit("t", {at::full({1}, static_cast<double>(i))}, [&, i](Result&& r) {
+      (r.ok() && r.output().item<double>() == 3.0 * i + 1 ? ok : wrong)++;
+    });
+  }
+  REQUIRE(test::eventually([&] { return ok + wrong == kRequests; }, std::chrono::seconds(60)));
+  CHECK(wrong == 0);
+  std::lock_guard<std::mutex> lock(mu);
+  REQUIRE(seen.size() == static_cast<std::size_t>(kRequests));
+  std::size_t out_of_order = 0;
+  for (std::size_t i = 1; i < seen.size(); ++i) out_of_order += seen[i] < seen[i - 1] ? 1 : 0;
+  CHECK(out_of_order == 0);
+}
+
 TEST_CASE("threads -> worker -> threads with full queues (policy block) and one lane does not deadlock", "[worker]") {
   // The lane may wait for room in the worker block's queue (the application fills it too) while the
   // worker's results wait for room in "after"'s queue, which only the lane empties: neither the lane

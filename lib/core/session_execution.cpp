@@ -337,28 +337,66 @@ void SessionCore::hand_over(const PlanNode& target, Envelope&& envelope) {
 }
 
 void SessionCore::queue_on_lanes(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target) {
-  // A site's thread must not sleep on a full queue either: the lane that would empty it may be
-  // waiting for room at that very site. A lane takes the request over and helps the full block.
   if (delivering_for_site && runtime.inbox->full_policy() == FullPolicy::kBlock && lanes_->current_lane() < 0) {
-    SendOutcome outcome = runtime.inbox->send(std::move(envelope), absl::Now());
-    if (!absl::IsDeadlineExceeded(outcome.status)) {
-      lanes_->notify(runtime);
-      return handle_displaced(std::move(outcome), target);
-    }
-    auto later = std::make_shared<Envelope>(std::move(*outcome.displaced));
-    // The request keeps its plan, and so the runtime and the node, until the lane is done with them.
-    if (lanes_->post([this, &runtime, &target, later, keep = later->local] {
-          queue_on_lanes(runtime, std::move(*later), target);
-        })) {
-      return;
-    }
-    envelope = std::move(*later);  // lanes stopped (shutdown): the closed queue fails it below
+    return queue_from_site(runtime, std::move(envelope), target);
   }
+  queue_now(runtime, std::move(envelope), target);
+}
+
+void SessionCore::queue_now(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target) {
   SendOutcome outcome = lanes_->current_lane() >= 0 && runtime.inbox->full_policy() == FullPolicy::kBlock
                             ? send_from_lane(runtime, std::move(envelope))
                             : runtime.inbox->send(std::move(envelope));
   lanes_->notify(runtime);
   handle_displaced(std::move(outcome), target);
+}
+
+// A site's thread must not sleep on a full queue either: the lane that would empty it may be
+// waiting for room at that very site. A request that finds the queue full is handed over to a lane,
+// which helps the full block; the site's later requests for the block queue behind it until the
+// lane has queued them all, so that none overtakes another (a block's results leave it in order).
+void SessionCore::queue_from_site(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target) {
+  {
+    blockflow::detail::MutexLock lock(&runtime.handover_mu);
+    if (runtime.handover_posted) {
+      runtime.handover.push_back(std::move(envelope));
+      return;
+    }
+  }
+  SendOutcome outcome = runtime.inbox->send(std::move(envelope), absl::Now());
+  if (!absl::IsDeadlineExceeded(outcome.status)) {
+    lanes_->notify(runtime);
+    return handle_displaced(std::move(outcome), target);
+  }
+  {
+    blockflow::detail::MutexLock lock(&runtime.handover_mu);
+    runtime.handover.push_back(std::move(*outcome.displaced));
+    if (runtime.handover_posted) return;  // another site's thread posted the task meanwhile
+    runtime.handover_posted = true;
+  }
+  // The requests waiting in `handover` keep their plans, and so the runtime, alive until the task
+  // has queued the last of them.
+  if (lanes_->post([this, &runtime] { queue_handed_over(runtime); })) return;
+  queue_handed_over(runtime);  // lanes stopped (shutdown): the closed queue fails them here
+}
+
+void SessionCore::queue_handed_over(BlockRuntime& runtime) {
+  StatePtr keep;  // the request last queued keeps the runtime alive until the line is found empty
+  for (;;) {
+    Envelope next;
+    {
+      blockflow::detail::MutexLock lock(&runtime.handover_mu);
+      if (runtime.handover.empty()) {
+        runtime.handover_posted = false;
+        return;
+      }
+      next = std::move(runtime.handover.front());
+      runtime.handover.pop_front();
+    }
+    keep = next.local;
+    const PlanNode& target = keep->plan->nodes[static_cast<std::size_t>(next.node)];
+    queue_now(runtime, std::move(next), target);
+  }
 }
 
 // A lane must not sleep on a full queue (with one lane nobody would empty it): it helps, queueing

@@ -22,6 +22,7 @@
 #include <blockflow/core/detail/mutex.hpp>
 
 #include <atomic>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -98,6 +99,12 @@ struct BlockRuntime final : LaneWork {
   /// When each call into the block now in progress began (BlockMetrics::computing_s).
   blockflow::detail::Mutex computing_mu;
   std::vector<std::int64_t> computing_since ABSL_GUARDED_BY(computing_mu);
+  /// Requests a site's thread found no room for (policy block), and those delivered behind them
+  /// while they wait: one posted task at a time queues them, in order, on a lane
+  /// (SessionCore::queue_from_site()), so that a worker's results keep the worker's order.
+  blockflow::detail::Mutex handover_mu;
+  std::deque<Envelope> handover ABSL_GUARDED_BY(handover_mu);
+  bool handover_posted ABSL_GUARDED_BY(handover_mu) = false;
 
   [[nodiscard]] const std::string& name() const { return description.name; }
   [[nodiscard]] bool has_work() const override { return inbox->depth() > 0 && !inbox->closed(); }
@@ -206,6 +213,13 @@ class SessionCore {
   // request, with what else waits when the block batches.
   void run_block(BlockRuntime& runtime, std::optional<Envelope> first);
   void queue_on_lanes(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target);
+  // From a site's thread, into a block of this process with policy block: queues the request if
+  // there is room and nothing handed over waits, else hands it over to a lane, behind the others.
+  void queue_from_site(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target);
+  // Queues the block's handed-over requests in order until none is left (a posted task).
+  void queue_handed_over(BlockRuntime& runtime);
+  // Queues now: helping a full queue on a lane (send_from_lane()), waiting for room elsewhere.
+  void queue_now(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target);
   // On a lane, into a block's full queue (policy block): helps, waits, or queues past the bound
   // (docs/lanes.md, "Full queues"). The outcome as InProcessChannel::send()'s.
   SendOutcome send_from_lane(BlockRuntime& runtime, Envelope&& envelope);
