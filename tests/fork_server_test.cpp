@@ -20,28 +20,6 @@ namespace {
 pid_t parent_of(std::int64_t pid) { return static_cast<pid_t>(blockflow::detail::process_parent(pid)); }
 int threads_of(pid_t pid) { return blockflow::detail::process_threads(pid); }
 
-// Log messages of the process while it lives.
-class LogLines {
- public:
-  LogLines() {
-    set_log_sink([this](LogLevel, std::string_view message) {
-      std::lock_guard lock(mu_);
-      lines_.emplace_back(message);
-    });
-  }
-  ~LogLines() { set_log_sink(nullptr); }
-  bool contains(const std::string& text) {
-    std::lock_guard lock(mu_);
-    for (const auto& line : lines_) {
-      if (line.find(text) != std::string::npos) return true;
-    }
-    return false;
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<std::string> lines_;
-};
 
 }  // namespace
 
@@ -100,7 +78,7 @@ TEST_CASE("kill -9 of a forked worker under load: named by its signal, restarted
 
 TEST_CASE("a worker whose environment changes a variable read at load is started as a program, saying why",
           "[.][fork_server]") {
-  LogLines log;
+  test::LogLines log;
   WorkerOptions spin = test::test_worker("w3");
   spin.environment.push_back("GOMP_SPINCOUNT=12345");  // the later entry wins
   WorkerOptions off = test::test_worker("w4");

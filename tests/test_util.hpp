@@ -16,6 +16,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace blockflow::test {
 
@@ -30,6 +31,31 @@ inline void remove_tree(const std::string& dir) {
       }, 16,
       FTW_DEPTH | FTW_PHYS);
 }
+
+/// The process's log messages while it lives (set_log_sink()).
+class LogLines {
+ public:
+  LogLines() {
+    set_log_sink([this](LogLevel, std::string_view message) {
+      std::lock_guard lock(mu_);
+      lines_.emplace_back(message);
+    });
+  }
+  ~LogLines() { set_log_sink(nullptr); }
+  LogLines(const LogLines&) = delete;
+  LogLines& operator=(const LogLines&) = delete;
+  bool contains(const std::string& text) {
+    std::lock_guard lock(mu_);
+    for (const auto& line : lines_) {
+      if (line.find(text) != std::string::npos) return true;
+    }
+    return false;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::string> lines_;
+};
 
 inline std::string model_path(const std::string& file) { return std::string(BLOCKFLOW_TEST_MODELS_DIR) + "/" + file; }
 

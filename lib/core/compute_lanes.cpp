@@ -34,7 +34,7 @@ ComputeLanes::ComputeLanes(Options options)
   }
 }
 
-ComputeLanes::~ComputeLanes() { stop(); }
+ComputeLanes::~ComputeLanes() { (void)stop(); }
 
 void ComputeLanes::start() {
   if (started_.exchange(true)) return;
@@ -44,17 +44,29 @@ void ComputeLanes::start() {
   }
 }
 
-void ComputeLanes::stop() {
-  {
-    std::lock_guard lock(mu_);
-    if (stopping_.exchange(true)) return;
+bool ComputeLanes::stop(absl::Time deadline) {
+  std::unique_lock lock(mu_);
+  if (!stopping_.exchange(true)) {
     stopped_ns_.store(now_ns());
+    work_cv_.notify_all();
+    one_cv_.notify_all();
   }
-  work_cv_.notify_all();
-  one_cv_.notify_all();
+  auto exited = [&] {
+    return std::all_of(lanes_.begin(), lanes_.end(), [](const auto& lane) { return !lane->thread.joinable() || lane->exited; });
+  };
+  bool all = true;
+  if (deadline == absl::InfiniteFuture()) {
+    exit_cv_.wait(lock, exited);
+  } else {
+    all = exit_cv_.wait_for(lock, absl::ToChronoNanoseconds(std::max(absl::ZeroDuration(), deadline - absl::Now())), exited);
+  }
+  std::vector<std::thread> done;
   for (auto& lane : lanes_) {
-    if (lane->thread.joinable()) lane->thread.join();
+    if (lane->thread.joinable() && lane->exited) done.push_back(std::move(lane->thread));
   }
+  lock.unlock();
+  for (auto& thread : done) thread.join();
+  return all;
 }
 
 int ComputeLanes::current_lane() const { return this_lane.owner == this ? this_lane.index : -1; }
@@ -380,6 +392,17 @@ std::deque<ComputeLanes::Entry>::iterator ComputeLanes::takeable_locked(const La
 void ComputeLanes::lane_main(int index) {
   this_lane = ThisLane{this, index};
   Lane& lane = *lanes_[static_cast<std::size_t>(index)];
+  struct Exit {  // however lane_main() ends: stop() then joins without waiting
+    ComputeLanes& lanes;
+    Lane& lane;
+    ~Exit() {
+      {
+        std::lock_guard lock(lanes.mu_);
+        lane.exited = true;
+      }
+      lanes.exit_cv_.notify_all();
+    }
+  } exit_mark{*this, lane};
   pthread_setname_np(pthread_self(), fmt::format("bf-lane/{}", index % 1000).c_str());
   if (options_.intra_op_threads > 0) {
     // After libtorch's lazy initialisation of this thread's width, so that its team keeps this size.

@@ -363,11 +363,14 @@ void SessionCore::shutdown(absl::Duration drain) {
     runtime->stop_feeding.store(true, std::memory_order_release);  // a site that makes no room holds no one
     runtime->inbox->close();
   }
+  // A call into a block of this process still running now is given kCallGrace more; one that has not
+  // returned by then does not hold the other requests: they all fail below, and shutdown() returns.
+  const absl::Time calls_deadline = std::max(deadline, absl::Now()) + kCallGrace;
   for (auto& runtime : blocks_) {
     if (runtime->forwarder.joinable()) runtime->forwarder.join();
-    if (runtime->site == nullptr && lanes_) lanes_->quiesce(*runtime);
+    if (runtime->site == nullptr && lanes_) (void)lanes_->quiesce(*runtime, calls_deadline);
   }
-  if (lanes_) lanes_->stop();  // runs what run_on_lane() still had queued
+  const bool lanes_joined = !lanes_ || lanes_->stop(calls_deadline);  // runs what run_on_lane() still had queued
   for (auto& site : sites_) site->site->stop();  // fails, through completions, what is still inside
   for (auto& runtime : blocks_) {
     for (auto& envelope : runtime->inbox->drain()) {
@@ -388,12 +391,73 @@ void SessionCore::shutdown(absl::Duration drain) {
   // request holds its task's counters, which hold the gate: a cycle).
   for (auto& state : leftovers) (void)state->path->gate.take_all();
   for (auto& state : leftovers) fail(state, absl::CancelledError("session shut down while the request was in flight"));
+  if (!lanes_joined) {
+    std::vector<std::string> calling;
+    for (auto& runtime : blocks_) {
+      blockflow::detail::MutexLock lock(&runtime->computing_mu);
+      if (!runtime->computing_since.empty()) calling.push_back(fmt::format("'{}'", runtime->name()));
+    }
+    log(LogLevel::kError,
+        fmt::format("shutdown(): {} not returned {} ms after the drain; every request is resolved, and the lane "
+                    "running it is joined once it returns (the Session's destructor leaves the session's internals to "
+                    "it if it has not returned within {} ms)",
+                    calling.empty() ? std::string("a run_on_lane() task has")
+                                    : fmt::format("a call into block {} has", fmt::join(calling, ", ")),
+                    absl::ToInt64Milliseconds(kCallGrace), absl::ToInt64Milliseconds(kCallGrace)));
+  }
 }
+
+bool SessionCore::lanes_joined(absl::Time deadline) { return !lanes_ || lanes_->stop(deadline); }
 
 }  // namespace detail
 
 Session::Session(SessionOptions options) : core_(std::make_unique<detail::SessionCore>(options)) {}
-Session::~Session() = default;
+namespace {
+
+// Sessions destroyed while a lane was still in a call that did not return: kept (reachable, never
+// destroyed at exit, where such a lane may still run) and freed by a later Session's destructor
+// once their lanes have all been joined.
+struct ParkedCores {
+  blockflow::detail::Mutex mu;
+  std::vector<std::unique_ptr<detail::SessionCore>> cores ABSL_GUARDED_BY(mu);
+};
+
+ParkedCores& parked_cores() {
+  static auto* parked = new ParkedCores;
+  return *parked;
+}
+
+void free_joined_parked_cores() {
+  std::vector<std::unique_ptr<detail::SessionCore>> joined;
+  ParkedCores& parked = parked_cores();
+  {
+    blockflow::detail::MutexLock lock(&parked.mu);
+    auto& cores = parked.cores;
+    for (auto it = cores.begin(); it != cores.end();) {
+      if ((*it)->lanes_joined(absl::Now())) {
+        joined.push_back(std::move(*it));
+        it = cores.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  joined.clear();  // outside the lock: ~SessionCore() may take a while
+}
+
+}  // namespace
+
+Session::~Session() {
+  core_->shutdown(absl::ZeroDuration());
+  if (!core_->lanes_joined(absl::Now() + detail::SessionCore::kCallGrace)) {
+    detail::log(LogLevel::kError, "~Session(): a lane is still in a call that has not returned: the session's internals (lanes, "
+                          "blocks, counters) are left to it, and freed by a Session destroyed after it returns");
+    ParkedCores& parked = parked_cores();
+    blockflow::detail::MutexLock lock(&parked.mu);
+    parked.cores.push_back(std::move(core_));
+  }
+  free_joined_parked_cores();
+}
 
 Session& Session::add_block(std::shared_ptr<Block> block) {
   core_->add_block(std::move(block));

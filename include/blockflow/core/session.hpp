@@ -212,7 +212,7 @@ class Session {
   /// drained (up to `drain`: requests still holding them after that fail with an error naming the
   /// removed block) and stopped. A call into a removed block that has not returned by then is waited
   /// for 100 ms more, not for ever: its lane stays with it, and the block's memory is freed by the
-  /// first apply() after it returns. (shutdown() still waits for such a call: it joins the lanes.)
+  /// first apply() after it returns. (shutdown() gives such a call 1 s: see there.)
   /// A forwarder waiting for room at a site that makes none (a worker whose block never returns)
   /// gives its request up, failed with an error naming the block and the site. Blocks that stay the
   /// same (same file or factory, placement and options; or listed by bare name) are left untouched:
@@ -258,7 +258,12 @@ class Session {
 
   /// @brief Stops admissions, cancels an apply() in progress, waits up to `drain` for in-flight
   /// requests, then cancels the rest (each fails with Cancelled naming the block it was at), stops
-  /// the lanes and the sites.
+  /// the lanes and the sites. A call into a block of this process still running after `drain` is
+  /// given 1 s more; if it has not returned by then, its request fails like the others, an error is
+  /// logged naming the block, and shutdown() returns without that call's lane, which is joined once
+  /// the call returns. The destructor does the same with no drain; if the call has still not
+  /// returned 1 s later, the session's internals (lanes, blocks, counters) are left to it and freed
+  /// by a Session destroyed after it returns: a thread cannot be stopped from outside.
   /// Idempotent. Called from a completion callback or a block of this session, it only stops
   /// admissions (logged as an error: it would join the thread it runs on); the rest is done by the
   /// next call from another thread, or by the destructor.

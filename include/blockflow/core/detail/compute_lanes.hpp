@@ -93,8 +93,10 @@ class ComputeLanes {
   /// Starts the lane threads. Once.
   void start();
   /// Runs the tasks still posted, lets each lane finish its unit, joins the lanes. Queued block
-  /// work stays queued (its owner fails it). Idempotent. Must not be called on a lane.
-  void stop();
+  /// work stays queued (its owner fails it). Waits until `deadline` at most: false when a lane has
+  /// not finished by then (a call that does not return); a later call joins what has finished
+  /// since. Idempotent. Must not be called on a lane.
+  bool stop(absl::Time deadline = absl::InfiniteFuture());
   /// Every lane, team and one-thread lanes.
   [[nodiscard]] int size() const { return static_cast<int>(lanes_.size()); }
   [[nodiscard]] int intra_op_threads() const { return options_.intra_op_threads; }
@@ -180,6 +182,7 @@ class ComputeLanes {
     std::atomic<std::uint64_t> runs{0}, tasks{0}, inline_continuations{0}, one_thread_runs{0};
     std::atomic<std::int64_t> busy_ns{0};
     std::int64_t started_ns = 0;
+    bool exited = false;  // lane_main() has returned (under mu_): join() will not wait
   };
 
   void lane_main(int index);
@@ -209,6 +212,7 @@ class ComputeLanes {
   std::condition_variable work_cv_;   // team lanes wait for entries
   std::condition_variable one_cv_;    // one-thread lanes wait for entries and a free core
   std::condition_variable idle_cv_;   // quiesce() waits for a work's last claim to go
+  std::condition_variable exit_cv_;   // stop() waits for the lanes to leave lane_main()
   std::deque<Entry> ready_;           // under mu_
   int sleeping_ = 0, sleeping_one_ = 0;  // team and one-thread lanes asleep (under mu_)
   int busy_team_ = 0;                 // team lanes running an entry (under mu_)

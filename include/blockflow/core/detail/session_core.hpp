@@ -152,6 +152,12 @@ class SessionCore {
   void cancel_update();
   void set_site_factory(Session::SiteFactoryWithSettings factory);
   void shutdown(absl::Duration drain);
+  /// How long shutdown() gives a call into a block of this process that is still running once
+  /// the drain is over, before it fails the requests and returns without that call's lane.
+  static constexpr absl::Duration kCallGrace = absl::Seconds(1);
+  /// After shutdown(): whether every lane has been joined, waiting until `deadline` at most (a
+  /// lane still in a call that does not return is not).
+  bool lanes_joined(absl::Time deadline);
   bool post_to_lane(std::function<void()> task);
   /// True on a thread apply() and shutdown() would wait for: one of this session's lanes (a block,
   /// a completion callback run there), or any thread inside one of its completion callbacks (a

@@ -1,0 +1,85 @@
+// Shutdown with a call into a block of this process that does not return: every request resolves,
+// shutdown() and the Session's destructor return, and what the call holds is freed once it returns.
+#include "test_util.hpp"
+
+#include <future>
+#include <memory>
+
+using namespace blockflow;
+using namespace std::chrono_literals;
+
+namespace {
+
+// A block whose first call after arm() waits until open() (a call that "never returns").
+struct StuckCall {
+  std::atomic<bool> armed{false}, entered{false};
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  void open() { gate.set_value(); }
+};
+
+std::shared_ptr<Block> stuck_block(const std::shared_ptr<StuckCall>& call) {
+  BlockOptions queue;
+  queue.queue_capacity = 8;
+  return test::unary("stuck", [call](const Tensor& x) {
+    if (call->armed.load() && !call->entered.exchange(true)) call->opened.wait();
+    return x + 1;
+  }, queue);
+}
+
+bool cancelled_naming(std::future<Result>& future, const std::string& text) {
+  if (future.wait_for(0s) != std::future_status::ready) return false;
+  const Result r = future.get();
+  INFO(r.status.ToString());
+  return absl::IsCancelled(r.status) && std::string(r.status.message()).find(text) != std::string::npos;
+}
+
+}  // namespace
+
+TEST_CASE("a call into a block that does not return holds neither shutdown() nor the other requests",
+          "[session]") {
+  auto call = std::make_shared<StuckCall>();
+  std::shared_ptr<Block> stuck = stuck_block(call);
+  SessionOptions options;
+  options.lanes = 2;
+  auto session = std::make_unique<Session>(options);
+  session->add_block(stuck)
+      .add_block(test::unary("other", [](const Tensor& x) { return x * 2; }))
+      .add_path(Path::chain("t", {"stuck"}))
+      .add_path(Path::chain("u", {"other"}));
+  test::require_started(*session);
+  call->armed = true;
+  auto first = session->submit("t", at::zeros({1}));
+  REQUIRE(test::eventually([&] { return call->entered.load(); }, std::chrono::seconds(30)));
+  std::vector<std::future<Result>> queued;
+  for (int i = 0; i < 3; ++i) queued.push_back(session->submit("t", at::zeros({1})));
+  CHECK(session->submit("u", at::ones({1})).get().output().item<float>() == 2.0f);  // the other lane serves u
+  test::LogLines log;
+
+  SECTION("shutdown() returns with every request resolved; the lane is joined once the call returns") {
+    auto shut = std::async(std::launch::async, [&] { session->shutdown(absl::Milliseconds(10)); });
+    const bool returned = shut.wait_for(60s) == std::future_status::ready;
+    CHECK(returned);  // while the call still waits: the gate is opened below
+    CHECK(cancelled_naming(first, "session shut down while the request was in flight"));
+    for (auto& f : queued) CHECK(cancelled_naming(f, "block 'stuck': session shut down while the request waited in its queue"));
+    CHECK(log.contains("shutdown(): a call into block 'stuck' has not returned"));
+    call->open();
+    shut.wait();
+    session.reset();  // joins the lane, which the call has left
+    CHECK_FALSE(log.contains("~Session(): a lane is still in a call"));
+    CHECK(stuck.use_count() == 1);
+  }
+
+  SECTION("the destructor returns too; what the call holds is freed by a Session destroyed after it returns") {
+    session.reset();
+    CHECK(log.contains("~Session(): a lane is still in a call that has not returned"));
+    CHECK(cancelled_naming(first, "session shut down while the request was in flight"));
+    for (auto& f : queued) CHECK(cancelled_naming(f, "block 'stuck'"));
+    CHECK(stuck.use_count() > 1);  // the parked session still holds the block
+    call->open();
+    CHECK(test::eventually([&] {
+      { Session later; }  // frees parked sessions whose lanes have all returned
+      return stuck.use_count() == 1;
+    }, std::chrono::seconds(30)));
+  }
+}
