@@ -75,13 +75,19 @@ inline pid_t spawn_self(const std::vector<std::string>& args, int in, int out, c
 /// The parent's handle on the child. Not thread-safe.
 class AloneProcess {
  public:
-  /// Starts `/proc/self/exe --mode alone --model FILE[,FILE...] --threads T --shape a,b,c,d --optimize 0|1`.
-  AloneProcess(const std::string& model, int threads, const std::vector<std::int64_t>& shape, bool optimize) {
+  /// Starts `/proc/self/exe --mode alone --model FILE[,FILE...] --threads T --shape a,b,c,d --optimize 0|1
+  /// --device cpu|cuda`. On cuda each timed pass is what a user's own code does: the host input to
+  /// the GPU, the forward, the result back to the host (as the bench's client times a request).
+  AloneProcess(const std::string& model, int threads, const std::vector<std::int64_t>& shape, bool optimize,
+               const std::string& device = "cpu") {
     int to_child[2], from_child[2];
     if (::pipe2(to_child, O_CLOEXEC) != 0 || ::pipe2(from_child, O_CLOEXEC) != 0) throw std::runtime_error("alone: pipe() failed");
     pid_ = spawn_self({"--mode", "alone", "--model", model, "--threads", std::to_string(threads), "--shape", dims_arg(shape),
-                       "--optimize", optimize ? "1" : "0"},
-                      to_child[0], from_child[1], {});
+                       "--optimize", optimize ? "1" : "0", "--device", device},
+                      // On the GPU, scripts/gpu.sh's copy witness (LD_PRELOAD) counts the session's
+                      // processes only: the baseline's copies in and out are its own.
+                      to_child[0], from_child[1], device == "cuda" ? std::vector<std::string>{"LD_PRELOAD="}
+                                                                   : std::vector<std::string>{});
     ::close(to_child[0]);
     ::close(from_child[1]);
     in_ = ::fdopen(to_child[1], "w");
@@ -109,7 +115,9 @@ class AloneProcess {
   }
 
   /// The child's side: `main` calls this for --mode alone.
-  static int serve(const std::string& model, int threads, const std::vector<std::int64_t>& shape, bool optimize) {
+  static int serve(const std::string& model, int threads, const std::vector<std::int64_t>& shape, bool optimize,
+                   const std::string& device = "cpu") {
+    const bool cuda = device == "cuda";
     at::internal::lazy_init_num_threads();
     at::set_num_threads(threads);
     std::vector<std::shared_ptr<Block>> chain;
@@ -119,6 +127,7 @@ class AloneProcess {
       d.name = "alone";
       d.torchscript = model.substr(from, comma - from);
       d.torchscript_options.optimize_for_inference = optimize;
+      if (cuda) d.options.device = "cuda:0";
       auto block = make_block(d);
       if (!block.ok()) {
         std::cerr << block.status() << "\n";
@@ -130,12 +139,13 @@ class AloneProcess {
     c10::InferenceMode inference_mode;
     const at::Tensor x = at::randn(shape);
     auto forward = [&] {
-      Tensors t{x};
+      Tensors t{cuda ? x.to(c10::Device("cuda:0")) : x};
       for (auto& block : chain) {
         auto out = block->forward(std::move(t));
         if (!out.ok()) return false;
         t = *std::move(out);
       }
+      if (cuda) (void)t.at(0).cpu();  // waits for the GPU, as the client's result does
       return true;
     };
     for (int i = 0; i < 3; ++i) (void)forward();

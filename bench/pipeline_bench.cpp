@@ -26,7 +26,9 @@
 // monolithic times are taken by the client up to the result's copy to the host (the same for
 // both); overhead_p50_ms stays the trace's own (time outside compute and waits). The line adds
 // "device" (the GPU's name), "saturation_rps" and "monolithic_saturation_rps": completed requests
-// per second with 16 requests kept in flight.
+// per second with 16 requests kept in flight, and "monolithic_alone_p50_ms" with "ratio_alone": the
+// eager monolithic model in a clean process of its own on the same GPU (input to the GPU, forward,
+// result to the host), one pass between each pair of the session's requests.
 // In workers mode (CPU) the line adds the floor of any one-block-per-process pipeline, measured in
 // the same alternating rounds (bench/process_chain.hpp: the four blocks in four clean processes, one
 // after the other, nothing moved): "split_processes_p50_ms", "split_processes_over_monolithic_alone"
@@ -180,7 +182,7 @@ int main(int argc, char** argv) try {
     std::vector<std::int64_t> dims;
     for (const auto& d : absl::StrSplit(shape, ',')) dims.push_back(std::stoll(std::string(d)));
     return mode == "stage" ? bf::bench::ProcessChain::serve(model, threads, dims, optimize)
-                           : bf::bench::AloneProcess::serve(model, threads, dims, optimize);
+                           : bf::bench::AloneProcess::serve(model, threads, dims, optimize, device);
   }
   if (models.empty()) throw std::invalid_argument("usage: pipeline_bench --models DIR [--requests N] [--threads T]");
   if (mode == "host_app") return host_app(models, requests, threads, round, optimize, app_on);
@@ -309,13 +311,19 @@ int main(int argc, char** argv) try {
       ms = static_cast<double>(bf::detail::now_ns() - t0) / 1e6;
       return r;
     };
+    // The baseline a user would run instead: the eager monolithic model in a clean process of its
+    // own, on the same GPU, one pass between each pair of the session's requests.
+    bf::bench::AloneProcess alone(models + "/monolithic.pt", threads, {1, 3, 224, 224}, optimize, "cuda");
+    std::vector<double> alone_ms;
     for (int i = -warmup; i < requests; ++i) {
       double split = 0, mono = 0;
       const bf::Result r = timed("split", split);
       (void)timed("whole", mono);
+      const double clean = alone.run(1).at(0);
       if (i < 0) continue;
       e2e_ms.push_back(split);
       mono_ms.push_back(mono);
+      alone_ms.push_back(clean);
       overhead_ms.push_back(r.trace.overhead_ms());
       record_hops(r);
     }
@@ -340,11 +348,14 @@ int main(int argc, char** argv) try {
     };
     const double split_rps = saturation("split"), mono_rps = saturation("whole");
     const Summary sum = summarize();
+    const double mono_alone = bf::bench::percentile(alone_ms, 0.5);
     fmt::print(
         "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"device\":\"{}\",\"threads_per_block\":{},"
-        "\"requests\":{},\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},\"overhead_p50_ms\":{:.4f},"
+        "\"requests\":{},\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},"
+        "\"monolithic_alone_p50_ms\":{:.3f},\"ratio_alone\":{:.4f},\"overhead_p50_ms\":{:.4f},"
         "\"saturation_rps\":{:.1f},\"monolithic_saturation_rps\":{:.1f},\"cuda_graph\":{},\"busy_poll\":{},\"hops_us\":[{}]}}\n",
-        mode, channel_label, bf::bench::gpu_name(), threads, requests, sum.e2e, sum.mono, sum.e2e / sum.mono, sum.overhead,
+        mode, channel_label, bf::bench::gpu_name(), threads, requests, sum.e2e, sum.mono, sum.e2e / sum.mono, mono_alone,
+        sum.e2e / mono_alone, sum.overhead,
         split_rps, mono_rps, cuda_graph, busy_poll, hops_json());
     return 0;
   }
