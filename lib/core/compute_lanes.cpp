@@ -9,6 +9,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <limits>
 #include <stdexcept>
 
 namespace blockflow::detail {
@@ -417,10 +418,13 @@ void ComputeLanes::lane_main(int index) {
       set_threads(lane, 1);  // never makes a team
     }
   }
+  // Options::poll_first_lane: this lane polls until work comes (or the executor stops).
+  const bool polls = options_.poll_first_lane && index == 0;
   for (;;) {
-    if (options_.spin > absl::ZeroDuration() && pending_.load(std::memory_order_acquire) == 0) {
+    if ((polls || options_.spin > absl::ZeroDuration()) && pending_.load(std::memory_order_acquire) == 0) {
       // Poll briefly: a hand-off to an awake lane costs well under a microsecond, a wake-up tens.
-      const std::int64_t until = now_ns() + absl::ToInt64Nanoseconds(options_.spin);
+      const std::int64_t until =
+          polls ? std::numeric_limits<std::int64_t>::max() : now_ns() + absl::ToInt64Nanoseconds(options_.spin);
       while (pending_.load(std::memory_order_acquire) == 0 && !stopping_.load(std::memory_order_acquire) &&
              now_ns() < until) {
 #if defined(__x86_64__)
@@ -433,10 +437,14 @@ void ComputeLanes::lane_main(int index) {
     {
       std::unique_lock lock(mu_);
       auto it = takeable_locked(lane);
+      // The polling lane sleeps only on work ready that is not for it (elastic): when another lane
+      // took what it saw, it polls again.
+      if (it == ready_.end() && polls && ready_.empty() && !stopping_.load()) continue;
       while (it == ready_.end()) {
         if (stopping_.load()) return;
         int& sleeping = lane.team ? sleeping_ : sleeping_one_;
         ++sleeping;
+        lane.sleeps.fetch_add(1, std::memory_order_relaxed);
         (lane.team ? work_cv_ : one_cv_).wait(lock);
         --sleeping;
         it = takeable_locked(lane);
@@ -481,6 +489,7 @@ std::vector<LaneCounters> ComputeLanes::counters() const {
     c.tasks = lane->tasks.load(std::memory_order_relaxed);
     c.inline_continuations = lane->inline_continuations.load(std::memory_order_relaxed);
     c.one_thread_runs = lane->one_thread_runs.load(std::memory_order_relaxed);
+    c.sleeps = lane->sleeps.load(std::memory_order_relaxed);
     c.threads = lane->team ? options_.intra_op_threads : 1;
     c.busy_ns = lane->busy_ns.load(std::memory_order_relaxed);
     c.alive_ns = lane->started_ns == 0 ? 0 : now - lane->started_ns;

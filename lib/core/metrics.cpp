@@ -269,6 +269,8 @@ std::string MetricsSnapshot::to_prometheus() const {
     e.add("blockflow_lane_one_thread_runs_total", "counter",
           "Units a compute lane ran with one thread (a one-thread lane, or a team lane under load).", l,
           static_cast<double>(lane.one_thread_runs));
+    e.add("blockflow_lane_sleeps_total", "counter", "Times a compute lane slept waiting for work (each ended by a wake-up).",
+          l, static_cast<double>(lane.sleeps));
     e.add("blockflow_lane_threads", "gauge", "OpenMP threads of a compute lane's team (1: a one-thread lane).", l,
           static_cast<double>(lane.threads));
     e.add("blockflow_lane_busy_seconds_total", "counter", "Time a compute lane spent running work.", l, lane.busy_s);

@@ -323,6 +323,7 @@ ComputeLanes::Options SessionCore::lane_options() const {
   // load every core runs a unit of its own.
   if (options_.lanes == 0 && options_.elastic_lanes && o.intra_op_threads > 1) o.one_thread_lanes = std::max(0, cores - o.lanes);
   o.spin = options_.receive_spin;
+  o.poll_first_lane = options_.poll_lane;
   return o;
 }
 

@@ -90,6 +90,7 @@ MetricsSnapshot SessionCore::metrics() const {
       lane.tasks = c.tasks;
       lane.inline_continuations = c.inline_continuations;
       lane.one_thread_runs = c.one_thread_runs;
+      lane.sleeps = c.sleeps;
       lane.threads = c.threads;
       lane.busy_s = static_cast<double>(c.busy_ns) / 1e9;
       lane.utilisation = c.alive_ns > 0 ? static_cast<double>(c.busy_ns) / static_cast<double>(c.alive_ns) : 0.0;

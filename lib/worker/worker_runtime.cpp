@@ -207,6 +207,9 @@ class Worker {
     // Starting beside other workers: the last warm-up run too with those threads; prime_slots()
     // below then runs each block with the team's, as its requests will.
     options.warm_up_last_narrow = outputs_in_slots_;
+    // WorkerOptions::busy_poll: a lane polls for the requests its receiver polls for, so that neither
+    // hand-off waits for a wake-up.
+    options.poll_lane = config.value("busy_poll", false);
     if (const std::int64_t budget = config.value("on_demand_budget", std::int64_t{0}); budget > 0) {
       options.memory_budget = budget;
       options.memory_policy = bf::SessionOptions::MemoryPolicy::kOnDemand;

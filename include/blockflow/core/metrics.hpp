@@ -64,6 +64,9 @@ struct LaneMetrics {
   /// Units and tasks run with one thread: every one of a one-thread lane's, and a team lane's while
   /// more work waited than the teams could take (SessionOptions::elastic_lanes).
   std::uint64_t one_thread_runs = 0;
+  /// Times the lane slept waiting for work, each ended by a wake-up (0 for a lane that polls,
+  /// SessionOptions::poll_lane).
+  std::uint64_t sleeps = 0;
   int threads = 0;                         ///< its OpenMP team (1: a one-thread lane; 0: libtorch's default)
   double busy_s = 0;                       ///< seconds spent running work
   double utilisation = 0;                  ///< busy_s / the lane's lifetime

@@ -59,6 +59,11 @@ struct SessionOptions {
   bool warm_up_last_narrow = false;
   /// How long an idle lane polls for work before it sleeps.
   absl::Duration receive_spin = absl::Microseconds(50);
+  /// One lane polls for work whenever it is idle and never sleeps: a request that reaches an idle
+  /// session starts on it without a thread's wake-up (tens of microseconds, more on a busy host), at
+  /// the cost of one core all the time. A worker with WorkerOptions::busy_poll sets it in its own
+  /// session. For hosts with a core to spare and a latency to keep (docs/gpu.md, "Busy polling").
+  bool poll_lane = false;
   /// Bytes of resident memory the blocks of this process (the "threads" site) may take. 0: no budget.
   std::int64_t memory_budget = 0;
   /// What the budget does (docs/memory.md).

@@ -113,7 +113,8 @@ struct WorkerOptions {
   /// Zero-copy channels: the data link's receiving threads (the session's for this worker, and the
   /// worker's) poll for the next packet without ever sleeping, whatever the traffic: a packet is
   /// taken without a thread's wake-up, at the cost of one core per polling thread, all the time
-  /// (two per worker). For hosts with cores to spare and a latency to keep, such as a GPU server
+  /// (three per worker: the worker's session polls with one lane too, SessionOptions::poll_lane,
+  /// so that a request it receives starts on it without a wake-up). For hosts with cores to spare and a latency to keep, such as a GPU server
   /// whose blocks' kernels leave the CPU mostly idle (docs/gpu.md, "Busy polling"); never on a
   /// machine whose cores the blocks need. Channel "zmq" has no data link: refused there at start().
   bool busy_poll = false;

@@ -62,6 +62,7 @@ struct LaneCounters {
   std::uint64_t tasks = 0;                 ///< posted tasks run (warm-ups, run_on_lane())
   std::uint64_t inline_continuations = 0;  ///< next blocks run at once by the lane that ran the previous one
   std::uint64_t one_thread_runs = 0;       ///< units and tasks run with one thread (elastic lanes)
+  std::uint64_t sleeps = 0;                ///< times the lane slept waiting for work (each ended by a wake-up)
   int threads = 0;                         ///< the lane's OpenMP team (1: a one-thread lane; 0: libtorch's default)
   std::int64_t busy_ns = 0;                ///< time spent running work
   std::int64_t alive_ns = 0;               ///< time since the lane started
@@ -83,6 +84,10 @@ class ComputeLanes {
     /// throughput; from two, every core has work of its own.
     int one_thread_backlog = 2;
     absl::Duration spin = absl::Microseconds(50);  ///< an idle lane polls this long before sleeping
+    /// Lane 0 polls for work whenever it is idle, never sleeping until stop() (unless the work that
+    /// is ready is not for it): a unit handed to an idle executor starts without a thread's wake-up,
+    /// at the cost of one core, all the time (SessionOptions::poll_lane).
+    bool poll_first_lane = false;
   };
 
   explicit ComputeLanes(Options options);
@@ -179,7 +184,7 @@ class ComputeLanes {
     bool may_help = false;                  // and whether the lane may still help it (under mu_)
     bool busy = false;                      // running an entry of the ready queue (under mu_)
     std::function<void()> continuation;
-    std::atomic<std::uint64_t> runs{0}, tasks{0}, inline_continuations{0}, one_thread_runs{0};
+    std::atomic<std::uint64_t> runs{0}, tasks{0}, inline_continuations{0}, one_thread_runs{0}, sleeps{0};
     std::atomic<std::int64_t> busy_ns{0};
     std::int64_t started_ns = 0;
     bool exited = false;  // lane_main() has returned (under mu_): join() will not wait
