@@ -1,5 +1,6 @@
 // Shutdown with a call into a block of this process that does not return: every request resolves,
-// shutdown() and the Session's destructor return, and what the call holds is freed once it returns.
+// shutdown() and the Session's destructor return, and what the call holds is freed once it returns;
+// a Session destroyed in its own completion callback is shut down and freed all the same.
 #include "test_util.hpp"
 
 #include <future>
@@ -70,16 +71,31 @@ TEST_CASE("a call into a block that does not return holds neither shutdown() nor
     CHECK(stuck.use_count() == 1);
   }
 
-  SECTION("the destructor returns too; what the call holds is freed by a Session destroyed after it returns") {
+  SECTION("the destructor returns too; what the call holds is freed once it returns") {
     session.reset();
     CHECK(log.contains("~Session(): a lane is still in a call that has not returned"));
+    CHECK(log.contains("shutdown(): a call into block 'stuck' has not returned"));
     CHECK(cancelled_naming(first, "session shut down while the request was in flight"));
     for (auto& f : queued) CHECK(cancelled_naming(f, "block 'stuck'"));
     CHECK(stuck.use_count() > 1);  // the parked session still holds the block
     call->open();
-    CHECK(test::eventually([&] {
-      { Session later; }  // frees parked sessions whose lanes have all returned
-      return stuck.use_count() == 1;
-    }, std::chrono::seconds(30)));
+    CHECK(test::eventually([&] { return stuck.use_count() == 1; }, std::chrono::seconds(30)));
   }
+}
+
+TEST_CASE("a Session destroyed in its own completion callback is shut down and freed on a thread of its own",
+          "[session]") {
+  std::shared_ptr<Block> block = test::unary("b", [](const Tensor& x) { return x + 1; });
+  auto* session = new Session();
+  session->add_block(block).add_path(Path::chain("t", {"b"}));
+  test::require_started(*session);
+  test::LogLines log;
+  std::promise<float> result;
+  session->submit("t", {at::zeros({1})}, [&](Result&& r) {
+    result.set_value(r.ok() ? r.output().item<float>() : -1.0f);
+    delete session;  // on the lane that resolved the request
+  });
+  CHECK(result.get_future().get() == 1.0f);
+  CHECK(test::eventually([&] { return block.use_count() == 1; }, std::chrono::seconds(30)));  // freed
+  CHECK(log.contains("~Session() on a thread of the session"));
 }

@@ -359,7 +359,8 @@ TEST_CASE("a zero-copy worker with outputs in slots makes its result pools at st
 TEST_CASE("a worker's results reach the next block in the worker's order while that block's queue is full (policy block)",
           "[worker]") {
   // The site's thread may not wait for room in "after"'s queue: a result that finds it full is
-  // handed to a lane, and the results behind it must queue behind it, not overtake it.
+  // handed to a lane, and the results behind it must queue behind it, not overtake it. "mid" returns
+  // the order in which the worker ran it (so the order of the requests into the worker is not tested).
   WorkerOptions w = test::test_worker("wo");
   w.max_in_flight = 8;
   SessionOptions options;
@@ -368,7 +369,7 @@ TEST_CASE("a worker's results reach the next block in the worker's order while t
   std::mutex mu;
   std::vector<double> seen;
   session.add_site(make_worker(w))
-      .add_block(test::plugin_block("mid", "affine", "wo"))
+      .add_block(test::plugin_block("mid", "sequence", "wo"))
       .add_block(test::unary("after", [&](const Tensor& x) {
         std::this_thread::sleep_for(1ms);
         std::lock_guard<std::mutex> lock(mu);
@@ -380,9 +381,7 @@ TEST_CASE("a worker's results reach the next block in the worker's order while t
   constexpr int kRequests = 300;
   std::atomic<int> ok{0}, wrong{0};
   for (int i = 0; i < kRequests; ++i) {
-    session.submit("t", {at::full({1}, static_cast<double>(i))}, [&, i](Result&& r) {
-      (r.ok() && r.output().item<double>() == 3.0 * i + 1 ? ok : wrong)++;
-    });
+    session.submit("t", {at::full({1}, static_cast<double>(i))}, [&](Result&& r) { (r.ok() ? ok : wrong)++; });
   }
   REQUIRE(test::eventually([&] { return ok + wrong == kRequests; }, std::chrono::seconds(60)));
   CHECK(wrong == 0);

@@ -19,6 +19,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <thread>
 #include <numeric>
 #include <set>
 #include <future>
@@ -394,14 +395,16 @@ void SessionCore::shutdown(absl::Duration drain) {
   for (auto& state : leftovers) fail(state, absl::CancelledError("session shut down while the request was in flight"));
   if (!lanes_joined) {
     std::vector<std::string> calling;
-    for (auto& runtime : blocks_) {
-      blockflow::detail::MutexLock lock(&runtime->computing_mu);
-      if (!runtime->computing_since.empty()) calling.push_back(fmt::format("'{}'", runtime->name()));
+    for (const auto* list : {&blocks_, &retired_}) {  // removed by an update, still in its call
+      for (const auto& runtime : *list) {
+        blockflow::detail::MutexLock lock(&runtime->computing_mu);
+        if (!runtime->computing_since.empty()) calling.push_back(fmt::format("'{}'", runtime->name()));
+      }
     }
     log(LogLevel::kError,
         fmt::format("shutdown(): {} not returned {} ms after the drain; every request is resolved, and the lane "
-                    "running it is joined once it returns (the Session's destructor leaves the session's internals to "
-                    "it if it has not returned within {} ms)",
+                    "running it is joined once it returns (if the Session is destroyed before, {} ms later at most, "
+                    "its internals are freed on a thread of their own once it returns)",
                     calling.empty() ? std::string("a run_on_lane() task has")
                                     : fmt::format("a call into block {} has", fmt::join(calling, ", ")),
                     absl::ToInt64Milliseconds(kCallGrace), absl::ToInt64Milliseconds(kCallGrace)));
@@ -415,9 +418,9 @@ bool SessionCore::lanes_joined(absl::Time deadline) { return !lanes_ || lanes_->
 Session::Session(SessionOptions options) : core_(std::make_unique<detail::SessionCore>(options)) {}
 namespace {
 
-// Sessions destroyed while a lane was still in a call that did not return: kept (reachable, never
-// destroyed at exit, where such a lane may still run) and freed by a later Session's destructor
-// once their lanes have all been joined.
+// Sessions whose lane was still in a call when the Session was destroyed, or destroyed on one of
+// their own threads: kept here (reachable, and never destroyed at exit, where such a lane may still
+// run) until a thread of their own has shut them down and joined their lanes, then freed by it.
 struct ParkedCores {
   blockflow::detail::Mutex mu;
   std::vector<std::unique_ptr<detail::SessionCore>> cores ABSL_GUARDED_BY(mu);
@@ -428,36 +431,47 @@ ParkedCores& parked_cores() {
   return *parked;
 }
 
-void free_joined_parked_cores() {
-  std::vector<std::unique_ptr<detail::SessionCore>> joined;
+void park(std::unique_ptr<detail::SessionCore> core, bool shut_down) {
+  detail::SessionCore* const raw = core.get();
   ParkedCores& parked = parked_cores();
   {
     blockflow::detail::MutexLock lock(&parked.mu);
-    auto& cores = parked.cores;
-    for (auto it = cores.begin(); it != cores.end();) {
-      if ((*it)->lanes_joined(absl::Now())) {
-        joined.push_back(std::move(*it));
-        it = cores.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    parked.cores.push_back(std::move(core));
   }
-  joined.clear();  // outside the lock: ~SessionCore() may take a while
+  try {
+    std::thread([raw, shut_down] {
+      if (!shut_down) raw->shutdown(absl::ZeroDuration());  // the whole of it: this is not the session's thread
+      (void)raw->lanes_joined(absl::InfiniteFuture());
+      std::unique_ptr<detail::SessionCore> done;
+      {
+        ParkedCores& parked = parked_cores();
+        blockflow::detail::MutexLock lock(&parked.mu);
+        auto it = std::find_if(parked.cores.begin(), parked.cores.end(), [raw](const auto& c) { return c.get() == raw; });
+        done = std::move(*it);
+        parked.cores.erase(it);
+      }
+    }).detach();  // `done` is freed on that thread, outside the lock
+  } catch (const std::exception& e) {
+    detail::log(LogLevel::kError, fmt::format("~Session(): no thread to free the session once its lanes return ({}): "
+                                              "it stays in memory", e.what()));
+  }
 }
 
 }  // namespace
 
 Session::~Session() {
-  core_->shutdown(absl::ZeroDuration());
-  if (!core_->lanes_joined(absl::Now() + detail::SessionCore::kCallGrace)) {
-    detail::log(LogLevel::kError, "~Session(): a lane is still in a call that has not returned: the session's internals (lanes, "
-                          "blocks, counters) are left to it, and freed by a Session destroyed after it returns");
-    ParkedCores& parked = parked_cores();
-    blockflow::detail::MutexLock lock(&parked.mu);
-    parked.cores.push_back(std::move(core_));
+  if (core_->on_own_thread()) {
+    // shutdown() here would wait for this very thread: a thread of its own does it once this returns.
+    detail::log(LogLevel::kWarning, "~Session() on a thread of the session (a completion callback or a block): it "
+                                    "is shut down and freed on a thread of its own once that thread is done");
+    park(std::move(core_), /*shut_down=*/false);
+    return;
   }
-  free_joined_parked_cores();
+  core_->shutdown(absl::ZeroDuration());
+  if (core_->lanes_joined(absl::Now() + detail::SessionCore::kCallGrace)) return;
+  detail::log(LogLevel::kError, "~Session(): a lane is still in a call that has not returned: the session's internals "
+                                "(lanes, blocks, counters) are freed on a thread of their own once it returns");
+  park(std::move(core_), /*shut_down=*/true);
 }
 
 Session& Session::add_block(std::shared_ptr<Block> block) {

@@ -395,7 +395,18 @@ void SessionCore::queue_handed_over(BlockRuntime& runtime) {
     }
     keep = next.local;
     const PlanNode& target = keep->plan->nodes[static_cast<std::size_t>(next.node)];
-    queue_now(runtime, std::move(next), target);
+    try {
+      queue_now(runtime, std::move(next), target);
+    } catch (...) {
+      // (Out of memory, say.) This request fails; the line goes on, or the site's later requests for
+      // the block would wait behind it for good.
+      runtime.failed.fetch_add(1, std::memory_order_relaxed);
+      try {
+        fail(keep, absl::ResourceExhaustedError(fmt::format("block '{}': the request could not be queued: {}",
+                                                            runtime.name(), current_exception_text())));
+      } catch (...) {
+      }
+    }
   }
 }
 

@@ -6,7 +6,9 @@
 #include <dirent.h>
 #include <sys/socket.h>
 
+#include <atomic>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +21,16 @@ extern "C" void blockflow_register_blocks(blockflow::BlockRegistry& registry) {
   registry.add("affine", [](const std::string& name, const blockflow::BlockOptions& options) {
     return blockflow::Block::callable(
         name, [](blockflow::Tensors&& in) -> absl::StatusOr<blockflow::Tensors> { return blockflow::Tensors{in.at(0) * 3 + 1}; },
+        options);
+  });
+  // The order in which the worker ran its requests: the n-th call returns n (from 0), whatever its input.
+  registry.add("sequence", [](const std::string& name, const blockflow::BlockOptions& options) {
+    auto calls = std::make_shared<std::atomic<std::int64_t>>(0);
+    return blockflow::Block::callable(
+        name,
+        [calls](blockflow::Tensors&&) -> absl::StatusOr<blockflow::Tensors> {
+          return blockflow::Tensors{at::full({1}, static_cast<double>(calls->fetch_add(1)))};
+        },
         options);
   });
   // A block with a 1 MB "weight" made when it is built (as a model's weights are when loaded).

@@ -267,8 +267,10 @@ class Session {
   /// given 1 s more; if it has not returned by then, its request fails like the others, an error is
   /// logged naming the block, and shutdown() returns without that call's lane, which is joined once
   /// the call returns. The destructor does the same with no drain; if the call has still not
-  /// returned 1 s later, the session's internals (lanes, blocks, counters) are left to it and freed
-  /// by a Session destroyed after it returns: a thread cannot be stopped from outside.
+  /// returned 1 s later, it returns too, and the session's internals (lanes, blocks, counters) are
+  /// freed on a thread of their own once the call returns: a thread cannot be stopped from outside.
+  /// (Destroyed on one of its own threads, a completion callback or a block, the session is shut
+  /// down and freed on a thread of its own once that thread is done.)
   /// Idempotent. Called from a completion callback or a block of this session, it only stops
   /// admissions (logged as an error: it would join the thread it runs on); the rest is done by the
   /// next call from another thread, or by the destructor.
