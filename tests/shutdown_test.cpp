@@ -71,6 +71,16 @@ TEST_CASE("a call into a block that does not return holds neither shutdown() nor
     CHECK(stuck.use_count() == 1);
   }
 
+  SECTION("the destructor after shutdown() neither waits for the call again nor logs it twice") {
+    session->shutdown(absl::Milliseconds(10));
+    session.reset();
+    CHECK(log.count("shutdown(): a call into block 'stuck' has not returned") == 1);
+    CHECK(log.count("~Session(): a lane is still in a call that has not returned") == 1);
+    CHECK(stuck.use_count() > 1);  // parked until the call returns
+    call->open();
+    CHECK(test::eventually([&] { return stuck.use_count() == 1; }, std::chrono::seconds(30)));
+  }
+
   SECTION("the destructor returns too; what the call holds is freed once it returns") {
     session.reset();
     CHECK(log.contains("~Session(): a lane is still in a call that has not returned"));

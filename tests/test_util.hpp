@@ -44,12 +44,13 @@ class LogLines {
   ~LogLines() { set_log_sink(nullptr); }
   LogLines(const LogLines&) = delete;
   LogLines& operator=(const LogLines&) = delete;
-  bool contains(const std::string& text) {
+  bool contains(const std::string& text) { return count(text) > 0; }
+  /// How many lines logged so far contain `text`.
+  int count(const std::string& text) {
     std::lock_guard lock(mu_);
-    for (const auto& line : lines_) {
-      if (line.find(text) != std::string::npos) return true;
-    }
-    return false;
+    int n = 0;
+    for (const auto& line : lines_) n += line.find(text) != std::string::npos ? 1 : 0;
+    return n;
   }
 
  private:

@@ -354,6 +354,7 @@ void SessionCore::shutdown(absl::Duration drain) {
     return;
   }
   blockflow::detail::MutexLock serial(&shutdown_mu_);
+  if (shut_down_.load(std::memory_order_acquire)) return;  // the lanes left in a call are lanes_joined()'s
   stopped_ = true;
   admitting_ = false;
   cancel_update();                      // an apply() in progress stops at its next step
@@ -393,6 +394,7 @@ void SessionCore::shutdown(absl::Duration drain) {
   // request holds its task's counters, which hold the gate: a cycle).
   for (auto& state : leftovers) (void)state->path->gate.take_all();
   for (auto& state : leftovers) fail(state, absl::CancelledError("session shut down while the request was in flight"));
+  shut_down_.store(true, std::memory_order_release);
   if (!lanes_joined) {
     std::vector<std::string> calling;
     for (const auto* list : {&blocks_, &retired_}) {  // removed by an update, still in its call
@@ -467,8 +469,10 @@ Session::~Session() {
     park(std::move(core_), /*shut_down=*/false);
     return;
   }
+  // After an explicit shutdown() the grace for a stuck call has been given: it is not given twice.
+  const bool shut_down = core_->shut_down();
   core_->shutdown(absl::ZeroDuration());
-  if (core_->lanes_joined(absl::Now() + detail::SessionCore::kCallGrace)) return;
+  if (core_->lanes_joined(shut_down ? absl::Now() : absl::Now() + detail::SessionCore::kCallGrace)) return;
   detail::log(LogLevel::kError, "~Session(): a lane is still in a call that has not returned: the session's internals "
                                 "(lanes, blocks, counters) are freed on a thread of their own once it returns");
   park(std::move(core_), /*shut_down=*/true);

@@ -351,65 +351,6 @@ void SessionCore::queue_now(BlockRuntime& runtime, Envelope&& envelope, const Pl
   handle_displaced(std::move(outcome), target);
 }
 
-// A site's thread must not sleep on a full queue either: the lane that would empty it may be
-// waiting for room at that very site. A request that finds the queue full is handed over to a lane,
-// which helps the full block; the site's later requests for the block queue behind it until the
-// lane has queued them all, so that none overtakes another (a block's results leave it in order).
-void SessionCore::queue_from_site(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target) {
-  {
-    blockflow::detail::MutexLock lock(&runtime.handover_mu);
-    if (runtime.handover_posted) {
-      runtime.handover.push_back(std::move(envelope));
-      return;
-    }
-  }
-  SendOutcome outcome = runtime.inbox->send(std::move(envelope), absl::Now());
-  if (!absl::IsDeadlineExceeded(outcome.status)) {
-    lanes_->notify(runtime);
-    return handle_displaced(std::move(outcome), target);
-  }
-  {
-    blockflow::detail::MutexLock lock(&runtime.handover_mu);
-    runtime.handover.push_back(std::move(*outcome.displaced));
-    if (runtime.handover_posted) return;  // another site's thread posted the task meanwhile
-    runtime.handover_posted = true;
-  }
-  // The requests waiting in `handover` keep their plans, and so the runtime, alive until the task
-  // has queued the last of them.
-  if (lanes_->post([this, &runtime] { queue_handed_over(runtime); })) return;
-  queue_handed_over(runtime);  // lanes stopped (shutdown): the closed queue fails them here
-}
-
-void SessionCore::queue_handed_over(BlockRuntime& runtime) {
-  StatePtr keep;  // the request last queued keeps the runtime alive until the line is found empty
-  for (;;) {
-    Envelope next;
-    {
-      blockflow::detail::MutexLock lock(&runtime.handover_mu);
-      if (runtime.handover.empty()) {
-        runtime.handover_posted = false;
-        return;
-      }
-      next = std::move(runtime.handover.front());
-      runtime.handover.pop_front();
-    }
-    keep = next.local;
-    const PlanNode& target = keep->plan->nodes[static_cast<std::size_t>(next.node)];
-    try {
-      queue_now(runtime, std::move(next), target);
-    } catch (...) {
-      // (Out of memory, say.) This request fails; the line goes on, or the site's later requests for
-      // the block would wait behind it for good.
-      runtime.failed.fetch_add(1, std::memory_order_relaxed);
-      try {
-        fail(keep, absl::ResourceExhaustedError(fmt::format("block '{}': the request could not be queued: {}",
-                                                            runtime.name(), current_exception_text())));
-      } catch (...) {
-      }
-    }
-  }
-}
-
 // A lane must not sleep on a full queue (with one lane nobody would empty it): it helps, queueing
 // its request as it takes the oldest out (no application thread takes the room it makes), and runs
 // the one it took. Helping nests up to kMaxHelpDepth; beyond, or when other lanes hold the block,

@@ -158,6 +158,9 @@ class SessionCore {
   /// After shutdown(): whether every lane has been joined, waiting until `deadline` at most (a
   /// lane still in a call that does not return is not).
   bool lanes_joined(absl::Time deadline);
+  /// Whether a shutdown() from outside the session's threads has run to its end (a later one
+  /// returns at once: the grace for a stuck call is given, and its error logged, once).
+  [[nodiscard]] bool shut_down() const { return shut_down_.load(std::memory_order_acquire); }
   bool post_to_lane(std::function<void()> task);
   /// True on a thread apply() and shutdown() would wait for: one of this session's lanes (a block,
   /// a completion callback run there), or any thread inside one of its completion callbacks (a
@@ -344,6 +347,7 @@ class SessionCore {
   std::atomic<bool> admitting_{false};
   std::atomic<bool> started_{false};
   std::atomic<bool> stopped_{false};
+  std::atomic<bool> shut_down_{false};  // set (under shutdown_mu_) once shutdown() has run to its end
   std::int64_t started_ns_ = 0;
   // Cold start (StartStats): when the process started, start() was called and returned, in now_ns().
   std::atomic<std::int64_t> process_start_ns_{0}, start_called_ns_{0}, start_done_ns_{0};
