@@ -392,6 +392,38 @@ TEST_CASE("a worker's results reach the next block in the worker's order while t
   CHECK(out_of_order == 0);
 }
 
+TEST_CASE("a worker's results reach the next worker block in the order they came back", "[worker]") {
+  // While worker "wj" is full, a request waits in "seq"'s queue and the session's forwarding thread
+  // waits for room with it; the next result from "wi" must not be taken by "wj" first (from the
+  // site's receiving thread, RemoteSite::try_run()) when room appears. "wi" runs its requests in
+  // order (one lane); "wj" runs one at a time, and "seq" returns the order in which it ran them.
+  const bool zmq = GENERATE(false, true);
+  WorkerOptions wi = test::test_worker("wi", zmq ? "zmq" : "shm");
+  WorkerOptions wj = test::test_worker("wj", zmq ? "zmq" : "shm");
+  wi.lanes = wj.lanes = 1;
+  wi.max_in_flight = wj.max_in_flight = 1;  // in step: a result of wi's often meets the forwarder waiting
+  wi.direct_edges = wj.direct_edges = zmq;  // zmq: a parked output's handle; shm: a slot's, relayed as is
+  Session session;
+  session.add_site(make_worker(wi))
+      .add_site(make_worker(wj))
+      .add_block(test::plugin_block("first", "affine", "wi"))
+      .add_block(test::plugin_block("seq", "sequence", "wj"))
+      .add_path(Path::chain("t", {"first", "seq"}));
+  test::require_started(session);
+  constexpr int kRequests = 400;
+  std::vector<std::future<Result>> results;
+  for (int i = 0; i < kRequests; ++i) results.push_back(session.submit("t", at::zeros({16384})));
+  std::vector<double> order;
+  for (auto& f : results) {
+    Result r = f.get();
+    REQUIRE(r.ok());
+    order.push_back(r.output().item<double>());
+  }
+  std::size_t out_of_order = 0;
+  for (std::size_t i = 1; i < order.size(); ++i) out_of_order += order[i] < order[i - 1] ? 1 : 0;
+  CHECK(out_of_order == 0);
+}
+
 TEST_CASE("threads -> worker -> threads with full queues (policy block) and one lane does not deadlock", "[worker]") {
   // The lane may wait for room in the worker block's queue (the application fills it too) while the
   // worker's results wait for room in "after"'s queue, which only the lane empties: neither the lane

@@ -322,8 +322,15 @@ void SessionCore::hand_over(const PlanNode& target, Envelope&& envelope) {
     // A block at a site with nothing queued before this request: the site may take it from this
     // thread, sparing the forwarding thread's wake-up (RemoteSite::try_run()).
     // A closed inbox (the block was removed by an update) fails the request in send() below.
-    if (runtime->inbox->depth() == 0 && !runtime->inbox->closed() && try_site_now(*runtime, envelope)) return;
-    return handle_displaced(runtime->inbox->send(std::move(envelope)), target);
+    if (runtime->to_forward.load(std::memory_order_acquire) == 0 && !runtime->inbox->closed() &&
+        try_site_now(*runtime, envelope)) {
+      return;
+    }
+    runtime->to_forward.fetch_add(1, std::memory_order_acq_rel);
+    SendOutcome outcome = runtime->inbox->send(std::move(envelope));
+    // One envelope did not stay: this one (refused, closed queue) or the oldest (displaced by it).
+    if (outcome.displaced) runtime->to_forward.fetch_sub(1, std::memory_order_acq_rel);
+    return handle_displaced(std::move(outcome), target);
   }
   // Run to completion: on a lane, a block with nothing queued before this request runs next on
   // this same lane, once the current block is done (no queue, no wake-up, warm caches).

@@ -82,6 +82,10 @@ absl::Status SessionCore::start_sites() {
 void SessionCore::forward_to_site(BlockRuntime& runtime) {
   name_thread(runtime.name(), 0);
   while (auto envelope = runtime.inbox->receive(absl::InfiniteFuture())) {
+    struct Forwarded {  // handed to the site, or given up: a later request may bypass the queue
+      BlockRuntime& runtime;
+      ~Forwarded() { runtime.to_forward.fetch_sub(1, std::memory_order_acq_rel); }
+    } forwarded{runtime};
     const std::int64_t dequeued = now_ns();
     StatePtr state = std::move(envelope->local);
     if (state->resolved.load(std::memory_order_acquire)) continue;

@@ -171,7 +171,7 @@ bool WorkerSite::try_run(const std::string& block, Envelope& envelope) {
     Impl::ParkedInput parked = Impl::parked_input(envelope.tensors);
     if (s.peer.empty() || parked.site.expired()) return false;
     std::unique_lock lock(s.mu);
-    if (s.stopping || !s.outbound.empty() || s.state != Impl::State::kReady ||
+    if (s.stopping || !s.outbound.empty() || s.transmitting_locked() || s.state != Impl::State::kReady ||
         s.in_flight.size() >= s.options.max_in_flight) {
       return false;
     }
@@ -187,7 +187,7 @@ bool WorkerSite::try_run(const std::string& block, Envelope& envelope) {
     if (!detail::ZeroCopyEnds::relays_as_is(t)) return false;  // staging could wait for a credit
   }
   std::unique_lock lock(s.mu);
-  if (s.stopping || !s.can_send_now_locked()) return false;
+  if (s.stopping || !s.can_send_now_locked() || s.transmitting_locked()) return false;  // it would wait its turn
   Impl::Outbound next = Impl::make_outbound(block, std::move(envelope));
   std::shared_ptr<detail::ZeroCopyLink> to;
   const detail::ShmStager* stager = s.admit_locked(next, to);

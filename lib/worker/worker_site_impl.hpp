@@ -142,6 +142,7 @@ struct WorkerSite::Impl {
     std::string block;
     Envelope envelope;
     ParkedInput parked;
+    std::uint64_t turn = 0;  // set by admit_locked(): its place in the order of transmit()s
   };
   static Outbound make_outbound(std::string block, Envelope&& envelope) {
     envelope.local.reset();  // never crosses the process boundary
@@ -197,6 +198,15 @@ struct WorkerSite::Impl {
   static constexpr int kPushTimeoutMs = 100;  // one blocking try of a request send (channel zmq)
   std::deque<Outbound> outbound;
   absl::flat_hash_map<Key, InFlight> in_flight;
+  // Requests leave in the order they were admitted, whichever threads transmit them (the sender
+  // thread, a forwarder in run_unless(), a site's thread in try_run()): admit_locked() hands out
+  // turns (next_turn, under mu) and transmit() waits for its own (serving, under turn_mu). A block's
+  // requests are admitted in the order the session hands them over, so they reach the worker so.
+  std::uint64_t next_turn = 0;
+  std::mutex turn_mu;
+  std::condition_variable turn_cv;
+  std::atomic<std::uint64_t> serving{0};
+  [[nodiscard]] bool transmitting_locked() const { return serving.load(std::memory_order_acquire) != next_turn; }
   // Direct edges. `peer`: our worker's endpoint for other workers (empty: none). As the site whose
   // worker holds parked outputs: kForwards for the sender thread, and the forwarded requests not
   // yet answered by the site that runs them (failed if our worker dies with their input).
@@ -310,7 +320,7 @@ struct WorkerSite::Impl {
 
   // With mu held, for a ready worker with a credit: `next` counts as in flight from now on. Returns
   // its stager (zero-copy channels) and sets `to`, the data link to send it on.
-  const detail::ShmStager* admit_locked(const Outbound& next, std::shared_ptr<detail::ZeroCopyLink>& to);
+  const detail::ShmStager* admit_locked(Outbound& next, std::shared_ptr<detail::ZeroCopyLink>& to);
 
   // Sends one admitted request: on the data link for the zero-copy channels (any thread), else on
   // the PUSH socket (the sender thread only). A request that cannot be sent fails, named.

@@ -180,14 +180,29 @@ bool WorkerSite::Impl::can_send_now_locked() const {
   return shm() && link && outbound.empty() && state == State::kReady && in_flight.size() < options.max_in_flight;
 }
 
-const detail::ShmStager* WorkerSite::Impl::admit_locked(const Outbound& next, std::shared_ptr<detail::ZeroCopyLink>& to) {
+const detail::ShmStager* WorkerSite::Impl::admit_locked(Outbound& next, std::shared_ptr<detail::ZeroCopyLink>& to) {
   in_flight[{next.envelope.request_id, next.envelope.node}] = {next.block, next.parked.site};
+  next.turn = next_turn++;
   ++sent;
   to = link;
   return shm() ? stager_for(next.block) : nullptr;  // `blocks` changes with update()
 }
 
 void WorkerSite::Impl::transmit(Outbound&& next, const detail::ShmStager* stager, const std::shared_ptr<detail::ZeroCopyLink>& to) {
+  if (serving.load(std::memory_order_acquire) != next.turn) {  // a request admitted before is still being sent
+    std::unique_lock lock(turn_mu);
+    turn_cv.wait(lock, [&] { return serving.load(std::memory_order_acquire) == next.turn; });
+  }
+  struct NextTurn {  // however this returns
+    Impl& site;
+    ~NextTurn() {
+      {
+        std::lock_guard lock(site.turn_mu);
+        site.serving.fetch_add(1, std::memory_order_acq_rel);
+      }
+      site.turn_cv.notify_all();
+    }
+  } next_turn_on_return{*this};
   wire::Header header;
   header.kind = wire::MessageKind::kData;
   header.request_id = next.envelope.request_id;

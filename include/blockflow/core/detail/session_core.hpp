@@ -82,6 +82,10 @@ struct BlockRuntime final : LaneWork {
   SessionCore* core = nullptr;
   std::unique_ptr<InProcessChannel> inbox;
   std::thread forwarder;            ///< site blocks only
+  /// Site blocks: requests queued for the forwarder and not yet handed to the site by it (queued,
+  /// or held while it waits for room). Only while there are none may a request bypass the queue
+  /// (RemoteSite::try_run()): it would overtake them.
+  std::atomic<std::int64_t> to_forward{0};
   /// Set when the session stops feeding the block (removed, shut down): a forwarder waiting for
   /// room at its site gives its request up (RemoteSite::run_unless()).
   std::atomic<bool> stop_feeding{false};
