@@ -23,6 +23,7 @@ TEST_CASE("poll_lane: lane 0 polls for work and never sleeps; without it, idle l
     Session session(options);
     session.add_block(test::unary("b", [](const Tensor& x) { return x + 1; })).add_path(Path::chain("t", {"b"}));
     test::require_started(session);
+    std::this_thread::sleep_for(20ms);  // lane 1 is past its spin, asleep
     const MetricsSnapshot started = session.metrics();
     REQUIRE(started.lanes.size() == 2);
     first_after_start = started.lanes[0].sleeps;
@@ -45,6 +46,7 @@ TEST_CASE("poll_lane: lane 0 polls for work and never sleeps; without it, idle l
   if (poll) {
     CHECK(first_after_start == 0);
     CHECK(first_after_requests == 0);
+    CHECK(all_after_requests == all_after_start);  // nor is lane 1 woken for what the polling lane takes
   } else {
     CHECK(all_after_requests >= all_after_start + 5);  // the lanes slept between requests
   }

@@ -81,6 +81,10 @@ void ComputeLanes::enqueue_locked(LaneWork& work) {
 
 ComputeLanes::Wakes ComputeLanes::wakes_locked() const {
   if (ready_.empty()) return {};
+  // The polling lane, idle and awake, takes a unit alone at once (or, when every core is taken,
+  // the lane that frees one does): waking another lane for it would only cost a futex call here
+  // and a thread that finds nothing.
+  if (options_.poll_first_lane && !poller_asleep_ && !lanes_[0]->busy && ready_.size() == 1) return {};
   if (sleeping_ > 0) return {true, false};  // a team lane first: a unit alone runs on its team
   if (!elastic_ || sleeping_one_ == 0 || cores_used_ >= size()) return {};
   // A one-thread lane only for what the idle team lanes leave.
@@ -445,7 +449,9 @@ void ComputeLanes::lane_main(int index) {
         int& sleeping = lane.team ? sleeping_ : sleeping_one_;
         ++sleeping;
         lane.sleeps.fetch_add(1, std::memory_order_relaxed);
+        if (polls) poller_asleep_ = true;
         (lane.team ? work_cv_ : one_cv_).wait(lock);
+        if (polls) poller_asleep_ = false;
         --sleeping;
         it = takeable_locked(lane);
       }

@@ -220,6 +220,7 @@ class ComputeLanes {
   std::condition_variable exit_cv_;   // stop() waits for the lanes to leave lane_main()
   std::deque<Entry> ready_;           // under mu_
   int sleeping_ = 0, sleeping_one_ = 0;  // team and one-thread lanes asleep (under mu_)
+  bool poller_asleep_ = false;            // Options::poll_first_lane: lane 0 sleeps (under mu_)
   int busy_team_ = 0;                 // team lanes running an entry (under mu_)
   int cores_used_ = 0;                // elastic: cores booked by running units (under mu_)
   std::atomic<std::size_t> pending_{0};  // ready_.size(), for the lock-free spin
