@@ -71,7 +71,7 @@ TEST_CASE("a call into a block that does not return holds neither shutdown() nor
     CHECK(stuck.use_count() == 1);
   }
 
-  SECTION("the destructor after shutdown() neither waits for the call again nor logs it twice") {
+  SECTION("the destructor after shutdown() does not quiesce the stuck call again nor log it twice") {
     session->shutdown(absl::Milliseconds(10));
     session.reset();
     CHECK(log.count("shutdown(): a call into block 'stuck' has not returned") == 1);

@@ -469,10 +469,9 @@ Session::~Session() {
     park(std::move(core_), /*shut_down=*/false);
     return;
   }
-  // After an explicit shutdown() the grace for a stuck call has been given: it is not given twice.
-  const bool shut_down = core_->shut_down();
-  core_->shutdown(absl::ZeroDuration());
-  if (core_->lanes_joined(shut_down ? absl::Now() : absl::Now() + detail::SessionCore::kCallGrace)) return;
+  core_->shutdown(absl::ZeroDuration());  // after an explicit one: returns at once
+  // A call that has just returned (its lane not yet joined) is waited for, kCallGrace at most.
+  if (core_->lanes_joined(absl::Now() + detail::SessionCore::kCallGrace)) return;
   detail::log(LogLevel::kError, "~Session(): a lane is still in a call that has not returned: the session's internals "
                                 "(lanes, blocks, counters) are freed on a thread of their own once it returns");
   park(std::move(core_), /*shut_down=*/true);

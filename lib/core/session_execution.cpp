@@ -326,10 +326,17 @@ void SessionCore::hand_over(const PlanNode& target, Envelope&& envelope) {
         try_site_now(*runtime, envelope)) {
       return;
     }
-    runtime->to_forward.fetch_add(1, std::memory_order_acq_rel);
+    struct Counted {  // unless it stays queued (or another does in its place): not to forward
+      std::atomic<std::int64_t>& to_forward;
+      bool stays = false;
+      ~Counted() {
+        if (!stays) to_forward.fetch_sub(1, std::memory_order_acq_rel);
+      }
+    } counted{runtime->to_forward};
+    counted.to_forward.fetch_add(1, std::memory_order_acq_rel);
     SendOutcome outcome = runtime->inbox->send(std::move(envelope));
-    // One envelope did not stay: this one (refused, closed queue) or the oldest (displaced by it).
-    if (outcome.displaced) runtime->to_forward.fetch_sub(1, std::memory_order_acq_rel);
+    // None stays when one comes back: this one (refused, closed queue) or the oldest (displaced by it).
+    counted.stays = !outcome.displaced.has_value();
     return handle_displaced(std::move(outcome), target);
   }
   // Run to completion: on a lane, a block with nothing queued before this request runs next on

@@ -47,11 +47,22 @@ void SessionCore::queue_from_site(BlockRuntime& runtime, Envelope&& envelope, co
       line.swap(runtime.handover);
       runtime.handover_posted = false;
     }
-    const std::string why = current_exception_text();
+    std::string why;
+    try {
+      why = current_exception_text();
+    } catch (...) {
+    }
     for (auto& waiting : line) {
       runtime.failed.fetch_add(1, std::memory_order_relaxed);
-      fail(waiting.local, absl::ResourceExhaustedError(fmt::format(
-                              "block '{}': the request could not be handed to a lane: {}", runtime.name(), why)));
+      try {
+        fail(waiting.local, absl::ResourceExhaustedError(fmt::format(
+                                "block '{}': the request could not be handed to a lane: {}", runtime.name(), why)));
+      } catch (...) {  // no memory even for the message: a shorter one, and the next request in any case
+        try {
+          fail(waiting.local, absl::ResourceExhaustedError("the request could not be handed to a lane (out of memory)"));
+        } catch (...) {
+        }
+      }
     }
     return;
   }

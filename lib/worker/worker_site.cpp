@@ -148,9 +148,10 @@ bool WorkerSite::run_unless(const std::string& block, Envelope& envelope, const 
                absl::UnavailableError(fmt::format("{} is {}", s.prefix(), why)));
     return true;
   }
-  if (s.can_send_now_locked()) {
+  if (s.can_send_now_locked() && !s.transmitting_locked(block)) {
     // The data link takes any thread's packets: send from here, without waking the sender thread
-    // (staging may wait for a credit: run() may block).
+    // (staging may wait for a credit: run() may block). Not while another thread sends one of the
+    // block's requests (try_run()): the sender thread waits for that turn, not the forwarder.
     std::shared_ptr<detail::ZeroCopyLink> to;
     const detail::ShmStager* stager = s.admit_locked(next, to);
     lock.unlock();
@@ -171,7 +172,7 @@ bool WorkerSite::try_run(const std::string& block, Envelope& envelope) {
     Impl::ParkedInput parked = Impl::parked_input(envelope.tensors);
     if (s.peer.empty() || parked.site.expired()) return false;
     std::unique_lock lock(s.mu);
-    if (s.stopping || !s.outbound.empty() || s.transmitting_locked() || s.state != Impl::State::kReady ||
+    if (s.stopping || !s.outbound.empty() || s.transmitting_locked(block) || s.state != Impl::State::kReady ||
         s.in_flight.size() >= s.options.max_in_flight) {
       return false;
     }
@@ -187,7 +188,7 @@ bool WorkerSite::try_run(const std::string& block, Envelope& envelope) {
     if (!detail::ZeroCopyEnds::relays_as_is(t)) return false;  // staging could wait for a credit
   }
   std::unique_lock lock(s.mu);
-  if (s.stopping || !s.can_send_now_locked() || s.transmitting_locked()) return false;  // it would wait its turn
+  if (s.stopping || !s.can_send_now_locked() || s.transmitting_locked(block)) return false;  // it would wait its turn
   Impl::Outbound next = Impl::make_outbound(block, std::move(envelope));
   std::shared_ptr<detail::ZeroCopyLink> to;
   const detail::ShmStager* stager = s.admit_locked(next, to);

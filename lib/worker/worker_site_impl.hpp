@@ -138,11 +138,16 @@ struct WorkerSite::Impl {
     return in;
   }
   // A request waiting for (or being given to) the worker.
+  struct Turns {
+    std::uint64_t next = 0;                // the turn the next admitted request gets (under mu)
+    std::atomic<std::uint64_t> serving{0};  // the turn being sent (advanced under turn_mu)
+  };
   struct Outbound {
     std::string block;
     Envelope envelope;
     ParkedInput parked;
-    std::uint64_t turn = 0;  // set by admit_locked(): its place in the order of transmit()s
+    std::shared_ptr<Turns> turns;  // set by admit_locked(): its block's, and its place among them
+    std::uint64_t turn = 0;
   };
   static Outbound make_outbound(std::string block, Envelope&& envelope) {
     envelope.local.reset();  // never crosses the process boundary
@@ -198,15 +203,20 @@ struct WorkerSite::Impl {
   static constexpr int kPushTimeoutMs = 100;  // one blocking try of a request send (channel zmq)
   std::deque<Outbound> outbound;
   absl::flat_hash_map<Key, InFlight> in_flight;
-  // Requests leave in the order they were admitted, whichever threads transmit them (the sender
-  // thread, a forwarder in run_unless(), a site's thread in try_run()): admit_locked() hands out
-  // turns (next_turn, under mu) and transmit() waits for its own (serving, under turn_mu). A block's
-  // requests are admitted in the order the session hands them over, so they reach the worker so.
-  std::uint64_t next_turn = 0;
+  // A block's requests leave in the order they were admitted, whichever threads transmit them (the
+  // sender thread, the block's forwarder in run_unless(), a site's thread in try_run()): admit_locked()
+  // hands out the block's turns and transmit() waits for its own (a turn is given back before the
+  // request's failure is reported). The session hands a block's requests over in order, so they
+  // reach the worker in that order. Per block: one waiting for a slot holds up no other block.
+  absl::flat_hash_map<std::string, std::shared_ptr<Turns>> turns;  // under mu
   std::mutex turn_mu;
   std::condition_variable turn_cv;
-  std::atomic<std::uint64_t> serving{0};
-  [[nodiscard]] bool transmitting_locked() const { return serving.load(std::memory_order_acquire) != next_turn; }
+  // With mu held: whether a request for `block` admitted before is still being sent (one admitted
+  // now would wait for it).
+  [[nodiscard]] bool transmitting_locked(const std::string& block) const {
+    auto it = turns.find(block);
+    return it != turns.end() && it->second->serving.load(std::memory_order_acquire) != it->second->next;
+  }
   // Direct edges. `peer`: our worker's endpoint for other workers (empty: none). As the site whose
   // worker holds parked outputs: kForwards for the sender thread, and the forwarded requests not
   // yet answered by the site that runs them (failed if our worker dies with their input).

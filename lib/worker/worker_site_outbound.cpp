@@ -182,27 +182,35 @@ bool WorkerSite::Impl::can_send_now_locked() const {
 
 const detail::ShmStager* WorkerSite::Impl::admit_locked(Outbound& next, std::shared_ptr<detail::ZeroCopyLink>& to) {
   in_flight[{next.envelope.request_id, next.envelope.node}] = {next.block, next.parked.site};
-  next.turn = next_turn++;
+  std::shared_ptr<Turns>& turns_of_block = turns[next.block];
+  if (!turns_of_block) turns_of_block = std::make_shared<Turns>();
+  next.turns = turns_of_block;
+  next.turn = turns_of_block->next++;
   ++sent;
   to = link;
   return shm() ? stager_for(next.block) : nullptr;  // `blocks` changes with update()
 }
 
 void WorkerSite::Impl::transmit(Outbound&& next, const detail::ShmStager* stager, const std::shared_ptr<detail::ZeroCopyLink>& to) {
-  if (serving.load(std::memory_order_acquire) != next.turn) {  // a request admitted before is still being sent
+  Turns& turns_of_block = *next.turns;
+  if (turns_of_block.serving.load(std::memory_order_acquire) != next.turn) {  // one admitted before is being sent
     std::unique_lock lock(turn_mu);
-    turn_cv.wait(lock, [&] { return serving.load(std::memory_order_acquire) == next.turn; });
+    turn_cv.wait(lock, [&] { return turns_of_block.serving.load(std::memory_order_acquire) == next.turn; });
   }
-  struct NextTurn {  // however this returns
+  struct NextTurn {  // once sent, or however this returns
     Impl& site;
-    ~NextTurn() {
+    Turns& turns;
+    bool given = false;
+    void give() {
+      if (std::exchange(given, true)) return;
       {
         std::lock_guard lock(site.turn_mu);
-        site.serving.fetch_add(1, std::memory_order_acq_rel);
+        turns.serving.fetch_add(1, std::memory_order_acq_rel);
       }
       site.turn_cv.notify_all();
     }
-  } next_turn_on_return{*this};
+    ~NextTurn() { give(); }
+  } next_turn{*this, turns_of_block};
   wire::Header header;
   header.kind = wire::MessageKind::kData;
   header.request_id = next.envelope.request_id;
@@ -243,6 +251,9 @@ void WorkerSite::Impl::transmit(Outbound&& next, const detail::ShmStager* stager
       }
     }
   }
+  // Given back before a failure is reported: the report may run the application's callback, which
+  // may submit again and wait for room that this block's next request (waiting for this turn) makes.
+  next_turn.give();
   if (copied > 0) {
     std::lock_guard lock(mu);
     bytes_copied += copied;

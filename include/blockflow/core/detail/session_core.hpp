@@ -162,9 +162,6 @@ class SessionCore {
   /// After shutdown(): whether every lane has been joined, waiting until `deadline` at most (a
   /// lane still in a call that does not return is not).
   bool lanes_joined(absl::Time deadline);
-  /// Whether a shutdown() from outside the session's threads has run to its end (a later one
-  /// returns at once: the grace for a stuck call is given, and its error logged, once).
-  [[nodiscard]] bool shut_down() const { return shut_down_.load(std::memory_order_acquire); }
   bool post_to_lane(std::function<void()> task);
   /// True on a thread apply() and shutdown() would wait for: one of this session's lanes (a block,
   /// a completion callback run there), or any thread inside one of its completion callbacks (a
