@@ -177,7 +177,7 @@ bool WorkerSite::try_run(const std::string& block, Envelope& envelope) {
       return false;
     }
     envelope.local.reset();  // never crosses the process boundary
-    Impl::Outbound next{block, std::move(envelope), std::move(parked)};
+    Impl::Outbound next{block, std::move(envelope), std::move(parked), nullptr, 0};
     std::shared_ptr<detail::ZeroCopyLink> unused;
     (void)s.admit_locked(next, unused);
     lock.unlock();

@@ -152,7 +152,7 @@ struct WorkerSite::Impl {
   static Outbound make_outbound(std::string block, Envelope&& envelope) {
     envelope.local.reset();  // never crosses the process boundary
     ParkedInput parked = parked_input(envelope.tensors);
-    return Outbound{std::move(block), std::move(envelope), std::move(parked)};
+    return Outbound{std::move(block), std::move(envelope), std::move(parked), nullptr, 0};
   }
 
   WorkerOptions options;
