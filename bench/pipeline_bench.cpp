@@ -32,7 +32,10 @@
 // In workers mode (CPU) the line adds the floor of any one-block-per-process pipeline, measured in
 // the same alternating rounds (bench/process_chain.hpp: the four blocks in four clean processes, one
 // after the other, nothing moved): "split_processes_p50_ms", "split_processes_over_monolithic_alone"
-// and "ratio_split_processes" = e2e p50 / that floor.
+// and "ratio_split_processes" = e2e p50 / that floor. Over channel zmq the line adds the floor of any
+// serialized channel, the same chain with each request's tensors crossing Unix sockets as raw bytes:
+// "split_processes_serialized_p50_ms", "split_processes_serialized_over_monolithic_alone" and
+// "ratio_split_processes_serialized".
 // CPU lines also give "session_start_ms": Session::start() (sites started at once, blocks loaded and
 // warmed up).
 // Every pipeline line ends with "hops_us": per block, the p50 in microseconds of [hand-off in,
@@ -155,6 +158,7 @@ int main(int argc, char** argv) try {
   bool direct_edges = bf::WorkerOptions{}.direct_edges;
   bool optimize = bf::TorchScriptOptions{}.optimize_for_inference;
   bool busy_poll = false;   // --busy-poll 1: WorkerOptions::busy_poll
+  bool serialized = false;  // --mode stage: the chain carries the tensors' bytes (ProcessChain)
   bool cuda_graph = false;  // --cuda-graph 1 (with --device cuda): the split's blocks replay CUDA graphs
   bf::bench::parse_options(argc, argv, [&](const std::string& a, const std::string& v) {
     if (a == "--models") models = v;
@@ -175,13 +179,14 @@ int main(int argc, char** argv) try {
     else if (a == "--model") model = v;      // --mode alone (the baseline process), stage
     else if (a == "--shape") shape = v;      // --mode alone, stage
     else if (a == "--app-on") app_on = v;    // --mode host_app: lane | thread
+    else if (a == "--serialized") serialized = std::stoi(v) != 0;  // --mode stage
     else return false;
     return true;
   });
   if (mode == "alone" || mode == "stage") {
     std::vector<std::int64_t> dims;
     for (const auto& d : absl::StrSplit(shape, ',')) dims.push_back(std::stoll(std::string(d)));
-    return mode == "stage" ? bf::bench::ProcessChain::serve(model, threads, dims, optimize)
+    return mode == "stage" ? bf::bench::ProcessChain::serve(model, threads, dims, optimize, serialized)
                            : bf::bench::AloneProcess::serve(model, threads, dims, optimize, device);
   }
   if (models.empty()) throw std::invalid_argument("usage: pipeline_bench --models DIR [--requests N] [--threads T]");
@@ -368,13 +373,15 @@ int main(int argc, char** argv) try {
   const std::string chain = fmt::format("{0}/block1.pt,{0}/block2.pt,{0}/block3.pt,{0}/block4.pt", models);
   bf::bench::AloneProcess split_alone(chain, threads, {1, 3, 224, 224}, optimize);
   // Workers mode: the floor of running one block per process (bench/process_chain.hpp).
-  std::optional<bf::bench::ProcessChain> processes;
+  // Channel zmq: also the floor of any serialized channel (the tensors' bytes through Unix sockets).
+  std::optional<bf::bench::ProcessChain> processes, processes_serialized;
   if (workers) {
     std::vector<bf::bench::ProcessChain::Stage> stages;
     for (std::size_t i = 0; i < 4; ++i) stages.push_back({fmt::format("{}/{}.pt", models, blocks[i].first), blocks[i].second});
     processes.emplace(stages, threads, optimize, worker_environment);
+    if (channel == "zmq") processes_serialized.emplace(stages, threads, optimize, worker_environment, /*serialized=*/true);
   }
-  std::vector<double> alone_ms, split_alone_ms, processes_ms;
+  std::vector<double> alone_ms, split_alone_ms, processes_ms, serialized_ms;
   for (int i = 0; i < warmup; ++i) {
     (void)session.submit("split", x).get();
     (void)session.submit("whole", x).get();
@@ -405,6 +412,10 @@ int main(int argc, char** argv) try {
       const auto chain_ms = processes->run(round);
       for (int j = 0; j < round; ++j) keep(processes_ms, j, chain_ms[static_cast<std::size_t>(j)]);
     }
+    if (processes_serialized) {
+      const auto chain_ms = processes_serialized->run(round);
+      for (int j = 0; j < round; ++j) keep(serialized_ms, j, chain_ms[static_cast<std::size_t>(j)]);
+    }
   }
   const Summary sum = summarize();
   const double mono_alone = bf::bench::percentile(alone_ms, 0.5);
@@ -415,6 +426,13 @@ int main(int argc, char** argv) try {
     processes_json = fmt::format("\"split_processes_p50_ms\":{:.3f},\"split_processes_over_monolithic_alone\":{:.4f},"
                                  "\"ratio_split_processes\":{:.4f},",
                                  p, p / mono_alone, sum.e2e / p);
+  }
+  if (processes_serialized) {
+    const double p = bf::bench::percentile(serialized_ms, 0.5);
+    processes_json += fmt::format("\"split_processes_serialized_p50_ms\":{:.3f},"
+                                  "\"split_processes_serialized_over_monolithic_alone\":{:.4f},"
+                                  "\"ratio_split_processes_serialized\":{:.4f},",
+                                  p, p / mono_alone, sum.e2e / p);
   }
   const auto m = session.metrics();
   fmt::print(

@@ -361,7 +361,9 @@ TEST_CASE("a worker's results reach the next block in the worker's order while t
   // The site's thread may not wait for room in "after"'s queue: a result that finds it full is
   // handed to a lane, and the results behind it must queue behind it, not overtake it. "mid" returns
   // the order in which the worker ran it (so the order of the requests into the worker is not tested).
-  WorkerOptions w = test::test_worker("wo");
+  // Over zmq the worker's results leave from its lanes or its sending thread (ReplyQueue), in order.
+  WorkerOptions w = test::test_worker("wo", GENERATE(as<std::string>{}, "shm", "zmq"));
+  w.lanes = 2;
   w.max_in_flight = 8;
   SessionOptions options;
   options.lanes = GENERATE(1, 2);

@@ -354,7 +354,7 @@ void SessionCore::shutdown(absl::Duration drain) {
     return;
   }
   blockflow::detail::MutexLock serial(&shutdown_mu_);
-  if (shut_down_.load(std::memory_order_acquire)) return;  // the lanes left in a call are lanes_joined()'s
+  if (shut_down_) return;  // the lanes left in a call are lanes_joined()'s
   stopped_ = true;
   admitting_ = false;
   cancel_update();                      // an apply() in progress stops at its next step
@@ -394,7 +394,7 @@ void SessionCore::shutdown(absl::Duration drain) {
   // request holds its task's counters, which hold the gate: a cycle).
   for (auto& state : leftovers) (void)state->path->gate.take_all();
   for (auto& state : leftovers) fail(state, absl::CancelledError("session shut down while the request was in flight"));
-  shut_down_.store(true, std::memory_order_release);
+  shut_down_ = true;
   if (!lanes_joined) {
     std::vector<std::string> calling;
     for (const auto* list : {&blocks_, &retired_}) {  // removed by an update, still in its call

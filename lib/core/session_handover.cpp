@@ -10,6 +10,26 @@
 #include <string>
 
 namespace blockflow::detail {
+namespace {
+
+// From a catch handler: fails one request that could not be queued or handed to a lane (`what`
+// says which), naming the block and the exception, and never throws. With no memory even for that
+// message, `short_what` (a literal) instead; with none for that either, nothing more can be done.
+template <typename Fail>
+void fail_unqueued(BlockRuntime& runtime, Fail&& fail, const char* what, const char* short_what) noexcept {
+  runtime.failed.fetch_add(1, std::memory_order_relaxed);
+  try {
+    fail(absl::ResourceExhaustedError(
+        fmt::format("block '{}': the request {}: {}", runtime.name(), what, current_exception_text())));
+  } catch (...) {
+    try {
+      fail(absl::ResourceExhaustedError(short_what));
+    } catch (...) {
+    }
+  }
+}
+
+}  // namespace
 
 // A site's thread must not sleep on a full queue either: the lane that would empty it may be
 // waiting for room at that very site. A request that finds the queue full is handed over to a lane,
@@ -47,22 +67,9 @@ void SessionCore::queue_from_site(BlockRuntime& runtime, Envelope&& envelope, co
       line.swap(runtime.handover);
       runtime.handover_posted = false;
     }
-    std::string why;
-    try {
-      why = current_exception_text();
-    } catch (...) {
-    }
     for (auto& waiting : line) {
-      runtime.failed.fetch_add(1, std::memory_order_relaxed);
-      try {
-        fail(waiting.local, absl::ResourceExhaustedError(fmt::format(
-                                "block '{}': the request could not be handed to a lane: {}", runtime.name(), why)));
-      } catch (...) {  // no memory even for the message: a shorter one, and the next request in any case
-        try {
-          fail(waiting.local, absl::ResourceExhaustedError("the request could not be handed to a lane (out of memory)"));
-        } catch (...) {
-        }
-      }
+      fail_unqueued(runtime, [&](absl::Status why) { fail(waiting.local, std::move(why)); },
+                    "could not be handed to a lane", "the request could not be handed to a lane (out of memory)");
     }
     return;
   }
@@ -89,12 +96,8 @@ void SessionCore::queue_handed_over(BlockRuntime& runtime) {
     } catch (...) {
       // (Out of memory, say.) This request fails; the line goes on, or the site's later requests for
       // the block would wait behind it for good.
-      runtime.failed.fetch_add(1, std::memory_order_relaxed);
-      try {
-        fail(keep, absl::ResourceExhaustedError(fmt::format("block '{}': the request could not be queued: {}",
-                                                            runtime.name(), current_exception_text())));
-      } catch (...) {
-      }
+      fail_unqueued(runtime, [&](absl::Status why) { fail(keep, std::move(why)); }, "could not be queued",
+                    "the request could not be queued (out of memory)");
     }
   }
 }

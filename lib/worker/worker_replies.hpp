@@ -7,10 +7,13 @@
 #include <blockflow/core/detail/clock.hpp>
 
 #include <ATen/core/Tensor.h>
+#include <absl/status/status.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -19,6 +22,17 @@
 #include <vector>
 
 namespace blockflow::detail {
+
+// The reply that fails request `id`'s node `node` with `status` (its message cut to the wire's bound).
+inline wire::Header error_header(std::uint64_t id, std::uint32_t node, const absl::Status& status) {
+  wire::Header h;
+  h.kind = wire::MessageKind::kError;
+  h.request_id = id;
+  h.node = node;
+  h.status_code = static_cast<std::int32_t>(status.code());
+  h.message = std::string(status.message()).substr(0, wire::kMaxMessageBytes);
+  return h;
+}
 
 // One reply on its way back to the host.
 struct Reply {
@@ -102,25 +116,70 @@ class ParkedOutputs {
   std::size_t max_count_ = 0;
 };
 
-// A small blocking queue: worker threads produce replies, the one thread owning the PUSH socket
-// consumes them.
+// Replies on their way to the one PUSH socket, in the order they are handed in. The thread that
+// hands one in sends it itself when the socket is free, no reply waits before it and the socket
+// takes it at once (no wake-up of the sending thread on the way back: one fewer per block run);
+// otherwise it queues it for the thread that owns the socket, which sends the queued ones in order
+// and is the only one that waits for the socket.
 class ReplyQueue {
  public:
+  // Sends one reply; `wait` false: returns false, having sent nothing, if the socket would block.
+  using Send = std::function<bool(Reply&, bool wait)>;
+
+  // The sending thread, once its socket exists: `send` sends one reply on it, with the send lock
+  // held (by whichever thread calls it). detach() before the socket goes.
+  void attach(Send send) {
+    std::lock_guard sending(send_mu_);
+    send_ = std::move(send);
+  }
+  void detach() {
+    std::lock_guard sending(send_mu_);
+    send_ = nullptr;
+  }
+
   void push(Reply&& r) {
+    // Counted before the try: a reply handed in meanwhile sees this one and queues behind it.
+    bool first = false;  // before every reply queued meanwhile
+    if (pending_.fetch_add(1) == 0) {
+      std::unique_lock sending(send_mu_, std::try_to_lock);
+      if (sending.owns_lock() && send_ && pending_.load() == 1) {
+        if (send_(r, /*wait=*/false)) {
+          pending_.fetch_sub(1);
+          return;
+        }
+        first = true;
+      }
+    }
     {
       std::lock_guard lock(mu_);
-      queue_.push_back(std::move(r));
+      if (closed_) {  // the sending thread is gone: nobody would send it
+        pending_.fetch_sub(1);
+        return;
+      }
+      if (first) queue_.push_front(std::move(r));
+      else queue_.push_back(std::move(r));
     }
     cv_.notify_one();
   }
-  std::optional<Reply> pop() {  // nullopt once closed and empty
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return closed_ || !queue_.empty(); });
-    if (queue_.empty()) return std::nullopt;
-    Reply r = std::move(queue_.front());
-    queue_.pop_front();
-    return r;
+
+  // The sending thread: waits for the next queued reply and sends it; false once closed and empty.
+  bool send_next() {
+    std::optional<Reply> r;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return closed_ || !queue_.empty(); });
+      if (queue_.empty()) return false;
+      r = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    {
+      std::lock_guard sending(send_mu_);  // after a reply being sent directly, which came first
+      if (send_) (void)send_(*r, /*wait=*/true);
+    }
+    pending_.fetch_sub(1);
+    return true;
   }
+
   void close() {
     {
       std::lock_guard lock(mu_);
@@ -129,11 +188,17 @@ class ReplyQueue {
     cv_.notify_all();
   }
 
+  // Handed in and not yet sent.
+  int pending() const { return pending_.load(); }
+
  private:
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Reply> queue_;
   bool closed_ = false;
+  std::mutex send_mu_;  // whoever sends on the socket holds it
+  Send send_;
+  std::atomic<int> pending_{0};  // handed in and not yet sent: queued, or being sent
 };
 
 }  // namespace blockflow::detail

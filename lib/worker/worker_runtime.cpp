@@ -51,6 +51,7 @@
 namespace bf = blockflow;
 using bf::detail::now_ns;
 using bf::detail::ParkedOutputs;
+using bf::detail::error_header;
 using bf::detail::Reply;
 using bf::detail::ReplyQueue;
 
@@ -64,17 +65,6 @@ struct Args {
 };
 
 std::int64_t rss_bytes() { return bf::sample_process().rss_bytes; }
-
-
-bf::wire::Header error_header(std::uint64_t id, std::uint32_t node, const absl::Status& status) {
-  bf::wire::Header h;
-  h.kind = bf::wire::MessageKind::kError;
-  h.request_id = id;
-  h.node = node;
-  h.status_code = static_cast<std::int32_t>(status.code());
-  h.message = std::string(std::string(status.message())).substr(0, bf::wire::kMaxMessageBytes);
-  return h;
-}
 
 // "tcp://HOST:PORT" with another port.
 std::string with_port(const std::string& endpoint, int port) {
@@ -542,7 +532,8 @@ class Worker {
   }
 
   // On the data link, from the calling thread (a block's, for results): one wake-up, the host's
-  // receiver. Otherwise through the thread owning the PUSH socket.
+  // receiver. Otherwise on the PUSH socket: from the calling thread too while no other reply waits
+  // (ReplyQueue), else through the thread owning the socket.
   void reply(Reply&& r) {
     if (!link_) return replies_.push(std::move(r));
     transmit(r, [&](const bf::wire::Header& h, const bf::Tensors& t, const bf::detail::ShmStager* stager) {
@@ -567,14 +558,21 @@ class Worker {
     push.set(zmq::sockopt::linger, 1000);
     secure(push);
     push.connect(args_.results);
-    while (auto next = replies_.pop()) {
-      transmit(*next, [&](const bf::wire::Header& h, const bf::Tensors& t, const bf::detail::ShmStager* stager) {
-        auto sent = next->references.empty()
-                        ? bf::detail::send_message(push, h, t, zmq::send_flags::none, nullptr, stager)
-                        : bf::detail::send_references(push, h, t, next->references);
-        return sent.ok() ? absl::OkStatus() : sent.status();
+    replies_.attach([&](Reply& r, bool wait) {
+      bool taken = true;
+      transmit(r, [&](const bf::wire::Header& h, const bf::Tensors& t, const bf::detail::ShmStager* stager) {
+        const auto flags = wait ? zmq::send_flags::none : zmq::send_flags::dontwait;
+        auto sent = r.references.empty() ? bf::detail::send_message(push, h, t, flags, nullptr, stager)
+                                         : bf::detail::send_references(push, h, t, r.references, flags);
+        if (!sent.ok()) return sent.status();
+        taken = taken && *sent;  // not taken: sent later by the sending thread, which waits
+        return absl::OkStatus();
       });
+      return taken;
+    });
+    while (replies_.send_next()) {
     }
+    replies_.detach();
   }
 
  public:

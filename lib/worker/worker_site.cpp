@@ -46,6 +46,17 @@ absl::Status WorkerSite::Impl::resolve_channel() {
   return absl::OkStatus();
 }
 
+void WorkerSite::Impl::set_blocks_locked(const std::vector<BlockDescription>& now) {
+  blocks = now;
+  // A removed block's turns go unless one of its requests is still being sent (that one holds them).
+  for (auto it = turns.begin(); it != turns.end();) {
+    const bool hosted = std::any_of(blocks.begin(), blocks.end(), [&](const BlockDescription& b) { return b.name == it->first; });
+    const bool idle = it->second->serving.load(std::memory_order_acquire) == it->second->next;
+    if (!hosted && idle) turns.erase(it++);
+    else ++it;
+  }
+}
+
 const detail::ShmStager* WorkerSite::Impl::stager_for(const std::string& block) const {
   for (const auto& b : blocks) {
     if (b.name == block && b.options.full_policy != FullPolicy::kBlock) return &stager_no_wait;
@@ -330,7 +341,7 @@ absl::Status WorkerSite::update(const std::vector<BlockDescription>& blocks) {
   const bool only_removals = std::all_of(blocks.begin(), blocks.end(), [&](const BlockDescription& b) {
     return std::any_of(s.blocks.begin(), s.blocks.end(), [&](const BlockDescription& c) { return c.name == b.name; });
   });
-  if (only_removals) s.blocks = blocks;
+  if (only_removals) s.set_blocks_locked(blocks);
   const std::uint64_t seq = ++s.update_seq;
   nlohmann::json message = detail::make_config(blocks, s.options);
   message["type"] = detail::kUpdate;
@@ -341,7 +352,7 @@ absl::Status WorkerSite::update(const std::vector<BlockDescription>& blocks) {
   });
   if (s.update_answered == seq) {
     if (!s.update_error.empty()) return absl::InvalidArgumentError(fmt::format("{}: {}", s.prefix(), s.update_error));
-    s.blocks = blocks;  // what a restart loads from now on
+    s.set_blocks_locked(blocks);  // what a restart loads from now on
     return absl::OkStatus();
   }
   s.pending_update.reset();

@@ -86,7 +86,8 @@ struct WorkerSite::Impl {
     pid_t pid = 0;                      // the worker process that holds it
     std::atomic<bool> consumed{false};  // forwarded with kFlagReleaseAfter: nothing to drop
   };
-  // A kForward waiting for the sender thread of the worker that holds the outputs.
+  // A kForward for the worker that holds the outputs (sent by the thread that makes it, or queued
+  // for the sender thread).
   struct Forward {
     wire::Header header;
     Tensors described;
@@ -167,9 +168,12 @@ struct WorkerSite::Impl {
   std::string dir, control_endpoint, request_endpoint, result_endpoint;  // the last two under mu once started
   zmq::context_t context{1};
   std::unique_ptr<detail::CurveServer> curve;  // joined over CURVE; after the sockets, before the context
-  // Bound in start() on the caller's thread, then each used by exactly one thread. push and pull
-  // carry the data of channel "zmq"; the zero-copy channels use the data link instead.
+  // Bound in start() on the caller's thread. push and pull carry the data of channel "zmq"; the
+  // zero-copy channels use the data link instead. router and pull are each used by one thread;
+  // push by whichever thread holds push_mu (the sender thread, or a thread sending a kForward
+  // itself: enqueue_forward()).
   zmq::socket_t router, push, pull;
+  std::mutex push_mu;  // before mu where both are taken
   std::unique_ptr<detail::PacketListener> listener;  // zero-copy channels: the worker connects here
 
   mutable std::mutex mu;
@@ -271,6 +275,9 @@ struct WorkerSite::Impl {
 
   // With mu held (update() replaces `blocks`).
   const detail::ShmStager* stager_for(const std::string& block) const;
+  // With mu held: the blocks the worker hosts from now on (update()); the turns of a block no
+  // longer hosted are forgotten once none of its requests is being sent.
+  void set_blocks_locked(const std::vector<BlockDescription>& now);
 
   absl::Status spawn_locked();
   // Marks the site lost for good and takes the session's callback (to call outside mu; once).
@@ -293,6 +300,11 @@ struct WorkerSite::Impl {
   void queue_drop(std::uint64_t id, pid_t holder);
   // Consumer side: asks the site whose worker holds `f`'s tensors to send them to our worker.
   absl::Status enqueue_forward(Forward&& f, pid_t holder, std::weak_ptr<Impl> consumer);
+  // With push_mu held: sends one kForward for the live worker `live` (status: why it failed).
+  // false: the socket takes nothing now (the caller keeps it, first in line).
+  bool send_forward(Forward& f, pid_t live, absl::Status& status);
+  // A kForward not sent: its outputs are still the worker's to drop.
+  static void unconsume(const Forward& f);
   // Sender thread: kForwards, then drops for the live worker (the others' outputs died with them).
   // Never blocks: a message the socket does not take now waits for the next round (1 ms later),
   // and a kForward for a worker process that is gone fails its request instead of reaching the
@@ -325,15 +337,17 @@ struct WorkerSite::Impl {
   void sender_main();
 
   // With mu held: a request may skip the sender thread (zero-copy channels: the data link takes
-  // packets from any thread) when nothing waits before it and a credit is free.
+  // packets from any thread) when nothing waits before it and a credit is free. (Not on "zmq":
+  // a send there waits while the worker is not connected, which may be seconds for a joined one.)
   bool can_send_now_locked() const;
 
   // With mu held, for a ready worker with a credit: `next` counts as in flight from now on. Returns
   // its stager (zero-copy channels) and sets `to`, the data link to send it on.
   const detail::ShmStager* admit_locked(Outbound& next, std::shared_ptr<detail::ZeroCopyLink>& to);
 
-  // Sends one admitted request: on the data link for the zero-copy channels (any thread), else on
-  // the PUSH socket (the sender thread only). A request that cannot be sent fails, named.
+  // Sends one admitted request, from any thread: on the data link for the zero-copy channels, else
+  // on the PUSH socket (under push_mu) or as a kForward to the site holding its input. A request
+  // that cannot be sent fails, named.
   void transmit(Outbound&& next, const detail::ShmStager* stager, const std::shared_ptr<detail::ZeroCopyLink>& to);
 
   // Direct edges: our request's input is parked in `owner`'s worker: that site tells its worker to

@@ -34,21 +34,73 @@ void WorkerSite::Impl::queue_drop(std::uint64_t id, pid_t holder) {
 }
 
 absl::Status WorkerSite::Impl::enqueue_forward(Forward&& f, pid_t holder, std::weak_ptr<Impl> consumer) {
+  // Sent from this thread when nobody sends on `push` and no kForward waits before this one: the
+  // sender thread's wake-up is not on the request's way. Otherwise queued for the sender thread.
+  std::unique_lock sending(push_mu, std::try_to_lock);
+  const Key key{f.header.request_id, f.header.node};
   {
     std::lock_guard lock(mu);
     if (stopping || pid != holder || state != State::kReady) {
       return absl::UnavailableError(fmt::format("{}, which held it, {}", prefix(),
                                                 stopping ? "stopped" : pid != holder ? "restarted" : "is down"));
     }
-    pending_forwards[{f.header.request_id, f.header.node}] = std::move(consumer);
+    pending_forwards[key] = std::move(consumer);
     f.holder = holder;
-    forwards.push_back(std::move(f));
+    if (!sending.owns_lock() || !forwards.empty()) {
+      forwards.push_back(std::move(f));
+      sending = {};
+    }
   }
-  wake();
-  return absl::OkStatus();
+  if (!sending.owns_lock()) {
+    wake();
+    return absl::OkStatus();
+  }
+  absl::Status status;
+  if (!send_forward(f, holder, status)) {  // full: first in line for the sender thread
+    {
+      std::lock_guard lock(mu);
+      forwards.push_front(std::move(f));
+    }
+    sending.unlock();
+    wake();
+    return absl::OkStatus();
+  }
+  sending.unlock();
+  {
+    std::lock_guard lock(mu);
+    if (status.ok()) ++forwards_sent;
+    else pending_forwards.erase(key);
+  }
+  if (status.ok()) return status;
+  unconsume(f);
+  // The caller fails its request (after its turn: the report may run a callback that submits).
+  return absl::Status(status.code(), fmt::format("{}: cannot forward its parked output: {}", prefix(), std::string(status.message())));
+}
+
+bool WorkerSite::Impl::send_forward(Forward& f, pid_t live, absl::Status& status) {
+  if (f.holder != live || live == 0) {
+    status = absl::UnavailableError(fmt::format("{} restarted or stopped", prefix()));
+    return true;
+  }
+  try {
+    auto sent = detail::send_references(push, f.header, f.described, f.references, zmq::send_flags::dontwait);
+    if (!sent.ok()) status = sent.status();
+    return !sent.ok() || *sent;
+  } catch (const zmq::error_t& e) {
+    status = absl::UnavailableError(e.what());
+    return true;
+  }
+}
+
+void WorkerSite::Impl::unconsume(const Forward& f) {
+  if ((f.header.flags & wire::kFlagReleaseAfter) == 0) return;
+  for (const auto& t : f.described) {  // not sent: the worker still holds them
+    if (ParkedRef* ref = parked_ref_of(t)) ref->consumed.store(false, std::memory_order_release);
+  }
 }
 
 void WorkerSite::Impl::send_direct_edge_messages() {
+  std::unique_lock sending(push_mu);  // after a kForward being sent directly (enqueue_forward())
   std::deque<Forward> now;
   pid_t live = 0;
   {
@@ -59,24 +111,13 @@ void WorkerSite::Impl::send_direct_edge_messages() {
   while (!now.empty()) {
     Forward& f = now.front();
     absl::Status status;
-    if (f.holder != live || live == 0) {
-      status = absl::UnavailableError(fmt::format("{} restarted or stopped", prefix()));
-    } else {
-      try {
-        auto sent = detail::send_references(push, f.header, f.described, f.references, zmq::send_flags::dontwait);
-        if (!sent.ok()) {
-          status = sent.status();
-        } else if (!*sent) {  // full: keep the order, try again shortly
-          std::lock_guard lock(mu);
-          while (!now.empty()) {
-            forwards.push_front(std::move(now.back()));
-            now.pop_back();
-          }
-          break;
-        }
-      } catch (const zmq::error_t& e) {
-        status = absl::UnavailableError(e.what());
+    if (!send_forward(f, live, status)) {  // full: keep the order, try again shortly
+      std::lock_guard lock(mu);
+      while (!now.empty()) {
+        forwards.push_front(std::move(now.back()));
+        now.pop_back();
       }
+      break;
     }
     std::shared_ptr<Impl> consumer;
     {
@@ -90,11 +131,7 @@ void WorkerSite::Impl::send_direct_edge_messages() {
         }
       }
     }
-    if (!status.ok() && (f.header.flags & wire::kFlagReleaseAfter) != 0) {
-      for (const auto& t : f.described) {  // not sent: the worker still holds them
-        if (ParkedRef* ref = parked_ref_of(t)) ref->consumed.store(false, std::memory_order_release);
-      }
-    }
+    if (!status.ok()) unconsume(f);
     const Key key{f.header.request_id, f.header.node};
     now.pop_front();  // placeholders die here (drops queued unless consumed)
     if (consumer) {
@@ -109,7 +146,11 @@ void WorkerSite::Impl::send_direct_edge_messages() {
     std::lock_guard lock(mu);
     blocked = !forwards.empty();
   }
-  if (blocked) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (blocked) {  // a direct sender meanwhile finds `forwards` non-empty and queues behind them
+    sending.unlock();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    sending.lock();
+  }
   if (!drops_pending.exchange(false, std::memory_order_acq_rel)) return;
   std::vector<std::pair<std::uint64_t, pid_t>> taken;
   {
@@ -140,7 +181,10 @@ void WorkerSite::Impl::send_direct_edge_messages() {
 void WorkerSite::Impl::sender_main() {
   name_thread("snd");
   while (true) {
-    if (joined()) move_data_socket(push, request_endpoint, push_epoch);
+    if (joined()) {
+      std::lock_guard sending(push_mu);
+      move_data_socket(push, request_endpoint, push_epoch);
+    }
     Outbound next;
     const detail::ShmStager* stager_of_next = nullptr;
     std::shared_ptr<detail::ZeroCopyLink> to;
@@ -239,6 +283,7 @@ void WorkerSite::Impl::transmit(Outbound&& next, const detail::ShmStager* stager
     if (!encoded.ok()) status = encoded.status();
     while (encoded.ok()) {
       try {
+        std::lock_guard sending(push_mu);  // one try at a time: kForwards may go between them
         if (detail::send_encoded(push, *encoded, zmq::send_flags::none)) break;
       } catch (const zmq::error_t& e) {
         status = absl::UnavailableError(e.what());

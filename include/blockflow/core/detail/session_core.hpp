@@ -348,7 +348,7 @@ class SessionCore {
   std::atomic<bool> admitting_{false};
   std::atomic<bool> started_{false};
   std::atomic<bool> stopped_{false};
-  std::atomic<bool> shut_down_{false};  // set (under shutdown_mu_) once shutdown() has run to its end
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;  // shutdown() has run to its end
   std::int64_t started_ns_ = 0;
   // Cold start (StartStats): when the process started, start() was called and returned, in now_ns().
   std::atomic<std::int64_t> process_start_ns_{0}, start_called_ns_{0}, start_done_ns_{0};
