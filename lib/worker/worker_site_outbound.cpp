@@ -3,6 +3,8 @@
 // from whichever thread their tensor dies on: detail::ZeroCopyLink.)
 #include "worker_site_impl.hpp"
 
+#include <tuple>
+
 namespace blockflow {
 
 void WorkerSite::Impl::fail_forwarded(const std::vector<std::pair<Key, std::weak_ptr<Impl>>>& forwarded, const absl::Status& why) {
@@ -102,6 +104,9 @@ void WorkerSite::Impl::unconsume(const Forward& f) {
 void WorkerSite::Impl::send_direct_edge_messages() {
   std::unique_lock sending(push_mu);  // after a kForward being sent directly (enqueue_forward())
   std::deque<Forward> now;
+  // Failed forwards, reported once push_mu is let go: a report runs callbacks, which may route
+  // another request through this site.
+  std::vector<std::tuple<std::shared_ptr<Impl>, Key, absl::Status>> failed;
   pid_t live = 0;
   {
     std::lock_guard lock(mu);
@@ -135,10 +140,9 @@ void WorkerSite::Impl::send_direct_edge_messages() {
     const Key key{f.header.request_id, f.header.node};
     now.pop_front();  // placeholders die here (drops queued unless consumed)
     if (consumer) {
-      consumer->complete_error(key.first, key.second,
-                               absl::UnavailableError(fmt::format("{}: cannot forward its parked output: {}", prefix(),
-                                                                  std::string(status.message()))),
-                               /*site_failure=*/true);
+      failed.emplace_back(std::move(consumer), key,
+                          absl::UnavailableError(fmt::format("{}: cannot forward its parked output: {}", prefix(),
+                                                             std::string(status.message()))));
     }
   }
   bool blocked = false;
@@ -146,12 +150,11 @@ void WorkerSite::Impl::send_direct_edge_messages() {
     std::lock_guard lock(mu);
     blocked = !forwards.empty();
   }
-  if (blocked) {  // a direct sender meanwhile finds `forwards` non-empty and queues behind them
-    sending.unlock();
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    sending.lock();
-  }
+  sending.unlock();  // a direct sender meanwhile finds `forwards` non-empty (if blocked) and queues behind them
+  for (auto& [consumer, key, why] : failed) consumer->complete_error(key.first, key.second, std::move(why), /*site_failure=*/true);
+  if (blocked) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   if (!drops_pending.exchange(false, std::memory_order_acq_rel)) return;
+  sending.lock();
   std::vector<std::pair<std::uint64_t, pid_t>> taken;
   {
     std::lock_guard lock(drops_mu);
