@@ -121,6 +121,25 @@ TEST_CASE("direct edges: two blocks in one worker, fan-out to two workers, a hos
   for (const auto& s : m.sites) CHECK(s.in_flight == 0);
 }
 
+TEST_CASE("direct edges: an output the wire cannot carry fails its request, named, whether parked or not", "[direct]") {
+  // "c" returns complex numbers, which no wire format carries. Parked (direct edges), the worker's
+  // result names the output it keeps; the failure must come back as an error reply, not be lost.
+  const bool direct = GENERATE(true, false);
+  Session session;
+  session.add_site(make_worker(zmq_worker("w1", direct)))
+      .add_site(make_worker(zmq_worker("w2", direct)))
+      .add_block(test::plugin_block("c", "complex", "w1"))
+      .add_block(test::plugin_block("next", "affine", "w2"))
+      .add_path(Path::chain("t", {"c", "next"}));
+  test::require_started(session);
+  for (int i = 0; i < 3; ++i) {
+    Result r = session.submit("t", at::zeros({4})).get();
+    REQUIRE_FALSE(r.ok());
+    CHECK_THAT(r.status.ToString(), Contains("ComplexFloat") && Contains("no wire code"));
+  }
+  for (const auto& s : session.metrics().sites) CHECK(s.in_flight == 0);
+}
+
 TEST_CASE("direct edges: kill -9 of a worker holding or receiving parked outputs; every request resolves", "[direct]") {
   for (const std::string victim : {"w1", "w2"}) {
     DYNAMIC_SECTION("kill " << victim) {

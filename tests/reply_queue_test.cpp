@@ -64,6 +64,9 @@ struct SendingThread {
     replies.close();
     thread.join();
   }
+  ~SendingThread() {  // a failed REQUIRE leaves it running
+    if (thread.joinable()) finish();
+  }
 };
 
 }  // namespace reply_queue_test

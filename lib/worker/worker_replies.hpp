@@ -138,19 +138,20 @@ class ReplyQueue {
   }
 
   void push(Reply&& r) {
-    // Counted before the try: a reply handed in meanwhile sees this one and queues behind it.
-    bool first = false;  // before every reply queued meanwhile
-    if (pending_.fetch_add(1) == 0) {
-      std::unique_lock sending(send_mu_, std::try_to_lock);
-      if (sending.owns_lock() && send_ && pending_.load() == 1) {
+    // Counted before anything else: a reply handed in meanwhile sees this one and queues behind it.
+    const bool first = pending_.fetch_add(1) == 0;
+    std::unique_lock sending(send_mu_, std::defer_lock);
+    if (first && sending.try_lock() && send_ && pending_.load() == 1) {
+      try {
         if (send_(r, /*wait=*/false)) {
           pending_.fetch_sub(1);
           return;
         }
-        first = true;
+      } catch (...) {  // (out of memory, say) the sending thread tries again, waiting
       }
     }
     {
+      // Still holding the send lock if it was taken: the sending thread pops nothing before this one.
       std::lock_guard lock(mu_);
       if (closed_) {  // the sending thread is gone: nobody would send it
         pending_.fetch_sub(1);
@@ -164,18 +165,21 @@ class ReplyQueue {
 
   // The sending thread: waits for the next queued reply and sends it; false once closed and empty.
   bool send_next() {
-    std::optional<Reply> r;
     {
       std::unique_lock lock(mu_);
       cv_.wait(lock, [&] { return closed_ || !queue_.empty(); });
       if (queue_.empty()) return false;
-      r = std::move(queue_.front());
+    }
+    // The send lock first: a reply being sent directly came first, and one that could not be is
+    // put at the front before that lock is let go.
+    std::lock_guard sending(send_mu_);
+    std::optional<Reply> r;
+    {
+      std::lock_guard lock(mu_);
+      r = std::move(queue_.front());  // only this thread pops
       queue_.pop_front();
     }
-    {
-      std::lock_guard sending(send_mu_);  // after a reply being sent directly, which came first
-      if (send_) (void)send_(*r, /*wait=*/true);
-    }
+    if (send_) (void)send_(*r, /*wait=*/true);
     pending_.fetch_sub(1);
     return true;
   }

@@ -562,8 +562,9 @@ class Worker {
       bool taken = true;
       transmit(r, [&](const bf::wire::Header& h, const bf::Tensors& t, const bf::detail::ShmStager* stager) {
         const auto flags = wait ? zmq::send_flags::none : zmq::send_flags::dontwait;
-        auto sent = r.references.empty() ? bf::detail::send_message(push, h, t, flags, nullptr, stager)
-                                         : bf::detail::send_references(push, h, t, r.references, flags);
+        // An error reply in place of a parked result (t empty) carries no references.
+        auto sent = r.references.empty() || t.empty() ? bf::detail::send_message(push, h, t, flags, nullptr, stager)
+                                                      : bf::detail::send_references(push, h, t, r.references, flags);
         if (!sent.ok()) return sent.status();
         taken = taken && *sent;  // not taken: sent later by the sending thread, which waits
         return absl::OkStatus();

@@ -59,13 +59,15 @@ absl::Status WorkerSite::Impl::enqueue_forward(Forward&& f, pid_t holder, std::w
   }
   absl::Status status;
   if (!send_forward(f, holder, status)) {  // full: first in line for the sender thread
-    {
-      std::lock_guard lock(mu);
+    std::unique_lock lock(mu);
+    if (!stopping) {
       forwards.push_front(std::move(f));
+      lock.unlock();
+      sending.unlock();
+      wake();
+      return absl::OkStatus();
     }
-    sending.unlock();
-    wake();
-    return absl::OkStatus();
+    status = absl::UnavailableError("the site stopped");  // stop() has taken the sender thread's queue
   }
   sending.unlock();
   {

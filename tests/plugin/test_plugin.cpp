@@ -23,6 +23,15 @@ extern "C" void blockflow_register_blocks(blockflow::BlockRegistry& registry) {
         name, [](blockflow::Tensors&& in) -> absl::StatusOr<blockflow::Tensors> { return blockflow::Tensors{in.at(0) * 3 + 1}; },
         options);
   });
+  // Its input as complex numbers (pairs of floats): a dtype no wire format carries.
+  registry.add("complex", [](const std::string& name, const blockflow::BlockOptions& options) {
+    return blockflow::Block::callable(
+        name,
+        [](blockflow::Tensors&& in) -> absl::StatusOr<blockflow::Tensors> {
+          return blockflow::Tensors{at::view_as_complex(in.at(0).reshape({-1, 2}).contiguous())};
+        },
+        options);
+  });
   // The order in which the worker ran its requests: the n-th call returns n (from 0), whatever its input.
   registry.add("sequence", [](const std::string& name, const blockflow::BlockOptions& options) {
     auto calls = std::make_shared<std::atomic<std::int64_t>>(0);
