@@ -96,6 +96,13 @@ class ParkedOutputs {
     std::lock_guard lock(mu_);
     drop_locked(ids);
   }
+  // The outputs a reply's reference frames name (wire::encode_parked_ids()): the host never got
+  // that reply, so it will neither forward nor drop them.
+  void drop_referenced(const std::vector<std::string>& references) {
+    for (const auto& frame : references) {
+      if (auto ids = wire::decode_parked_ids(frame.data(), frame.size()); ids.ok()) drop(*ids);
+    }
+  }
 
  private:
   void drop_locked(const std::vector<std::uint64_t>& ids) {
@@ -140,10 +147,14 @@ class ReplyQueue {
   void push(Reply&& r) {
     // Counted before anything else: a reply handed in meanwhile sees this one and queues behind it.
     const bool first = pending_.fetch_add(1) == 0;
+    // With none pending, nobody holds the send lock across a send (the count falls only after the
+    // lock is let go): waiting for it is short, and keeps this one ahead of any handed in meanwhile.
     std::unique_lock sending(send_mu_, std::defer_lock);
-    if (first && sending.try_lock() && send_ && pending_.load() == 1) {
+    if (first) sending.lock();
+    if (first && send_ && pending_.load() == 1) {
       try {
         if (send_(r, /*wait=*/false)) {
+          sending.unlock();
           pending_.fetch_sub(1);
           return;
         }
@@ -170,16 +181,18 @@ class ReplyQueue {
       cv_.wait(lock, [&] { return closed_ || !queue_.empty(); });
       if (queue_.empty()) return false;
     }
-    // The send lock first: a reply being sent directly came first, and one that could not be is
-    // put at the front before that lock is let go.
-    std::lock_guard sending(send_mu_);
-    std::optional<Reply> r;
     {
-      std::lock_guard lock(mu_);
-      r = std::move(queue_.front());  // only this thread pops
-      queue_.pop_front();
+      // The send lock first: a reply being sent directly came first, and one that could not be is
+      // put at the front before that lock is let go.
+      std::lock_guard sending(send_mu_);
+      std::optional<Reply> r;
+      {
+        std::lock_guard lock(mu_);
+        r = std::move(queue_.front());  // only this thread pops
+        queue_.pop_front();
+      }
+      if (send_) (void)send_(*r, /*wait=*/true);
     }
-    if (send_) (void)send_(*r, /*wait=*/true);
     pending_.fetch_sub(1);
     return true;
   }

@@ -565,6 +565,7 @@ class Worker {
         // An error reply in place of a parked result (t empty) carries no references.
         auto sent = r.references.empty() || t.empty() ? bf::detail::send_message(push, h, t, flags, nullptr, stager)
                                                       : bf::detail::send_references(push, h, t, r.references, flags);
+        if (!sent.ok() && !t.empty()) parked_.drop_referenced(r.references);  // the host never learns them
         if (!sent.ok()) return sent.status();
         taken = taken && *sent;  // not taken: sent later by the sending thread, which waits
         return absl::OkStatus();
