@@ -8,7 +8,17 @@
 #include <blockflow/worker/detail/process_state.hpp>
 #include <blockflow/worker/fork_server.hpp>
 
+#include <fmt/format.h>
+
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
 #include <fstream>
+#include <future>
 #include <sstream>
 #include <thread>
 
@@ -141,4 +151,71 @@ TEST_CASE("the fork server's environment check: variables read at load must matc
   CHECK(blockflow::detail::read_when_loaded("GOMP_SPINCOUNT"));
   CHECK(blockflow::detail::read_when_loaded("ASAN_OPTIONS"));
   CHECK_FALSE(blockflow::detail::read_when_loaded("BLOCKFLOW_WORKER"));
+}
+
+namespace fork_server_test {
+
+// A process that stands for a forked worker: this test process is its parent.
+pid_t spawn_sleeper() {
+  pid_t pid = 0;
+  char sleep_path[] = "/bin/sleep";
+  char seconds[] = "120";
+  char* argv[] = {sleep_path, seconds, nullptr};
+  char* envp[] = {nullptr};
+  return ::posix_spawn(&pid, sleep_path, nullptr, nullptr, argv, envp) == 0 ? pid : -1;
+}
+
+// One answer of the server, with `fd` attached when it is not -1 (closed here).
+void answer(int socket, const std::string& text, int fd) {
+  (void)blockflow::detail::send_datagram(socket, text, fd);
+  if (fd >= 0) ::close(fd);
+}
+
+}  // namespace fork_server_test
+
+TEST_CASE("a fork the server answers too late is killed when its answer comes; statuses are still read", "[worker]") {
+  using namespace fork_server_test;
+  int pair[2];
+  REQUIRE(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) == 0);
+  const pid_t on_time = spawn_sleeper(), late = spawn_sleeper();
+  REQUIRE(on_time > 0);
+  REQUIRE(late > 0);
+  auto pidfd_of = [](pid_t pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); };
+  std::promise<void> gave_up;
+  // The server's end, played by this thread: it answers the first fork at once, and the second
+  // only after the application gave up on it; then it reports the first worker killed by signal 9.
+  std::thread server([&, application_gave_up = gave_up.get_future()]() mutable {
+    std::string request(65536, '\0');
+    (void)::recv(pair[1], request.data(), request.size(), 0);
+    answer(pair[1], fmt::format(R"({{"pid":{},"id":1}})", on_time), pidfd_of(on_time));
+    (void)::recv(pair[1], request.data(), request.size(), 0);
+    application_gave_up.wait();
+    answer(pair[1], fmt::format(R"({{"pid":{},"id":2}})", late), pidfd_of(late));
+    answer(pair[1], fmt::format(R"({{"exited":{},"id":1,"status":9}})", on_time), -1);
+  });
+  blockflow::detail::ForkServer forks(pair[0], /*server=*/0, {}, std::chrono::milliseconds(2000));
+  auto first = forks.fork_worker({"blockflow-worker"}, {}, "/nonexistent");
+  auto second = forks.fork_worker({"blockflow-worker"}, {}, "/nonexistent");
+  gave_up.set_value();
+  ::shutdown(pair[0], SHUT_WR);  // a server still waiting for a request (a test gone wrong) stops
+  server.join();
+  REQUIRE(first.ok());
+  CHECK(first->pid == on_time);
+  CHECK(first->id == 1);
+  REQUIRE_FALSE(second.ok());
+  CHECK_THAT(std::string(second.status().message()), Contains("did not answer within 2000 ms"));
+  // The first worker's status is still read; on the way, the late answer's worker is killed.
+  CHECK(forks.exit_status(1, std::chrono::seconds(30)) == std::optional<int>(9));
+  int status = 0;
+  REQUIRE(::waitpid(late, &status, 0) == late);
+  CHECK(WIFSIGNALED(status));
+  CHECK(WTERMSIG(status) == SIGKILL);
+  // Not asked again.
+  auto third = forks.fork_worker({"blockflow-worker"}, {}, "/nonexistent");
+  REQUIRE_FALSE(third.ok());
+  CHECK_THAT(std::string(third.status().message()), Contains("left a fork unanswered"));
+  ::kill(on_time, SIGKILL);
+  (void)::waitpid(on_time, &status, 0);
+  ::close(first->pidfd);
+  ::close(pair[1]);
 }

@@ -8,19 +8,24 @@
 #include <blockflow/observe/metrics_http.hpp>
 
 #include <arpa/inet.h>
+#include <fmt/format.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
 #include <regex>
 #include <set>
 #include <sstream>
+#include <thread>
 
 using namespace blockflow;
 using Catch::Matchers::Contains;
@@ -340,6 +345,42 @@ TEST_CASE("the metrics endpoint serves Prometheus text and JSON on loopback; the
   CHECK(parse_prometheus(text).count("blockflow_block_processed_total") == 1);
   std::remove(file.c_str());
   CHECK_FALSE(write_prometheus_file(session.metrics(), "/nonexistent-dir/x.prom").ok());
+}
+
+TEST_CASE("textfile writers in parallel each replace the file whole, and leave no temporary behind", "[kpi]") {
+  Session session;
+  busy_session(session);
+  const MetricsSnapshot snapshot = session.metrics();
+  const std::string expected = snapshot.to_prometheus();
+  char dir_template[] = "/tmp/blockflow-textfile-XXXXXX";
+  REQUIRE(::mkdtemp(dir_template) != nullptr);
+  const std::string dir = dir_template;
+  const std::string file = dir + "/blockflow.prom";
+  // A file planted where a writer once put its temporary ("<path>.tmp.<pid>") is not written to.
+  const std::string planted = fmt::format("{}.tmp.{}", file, ::getpid());
+  { std::ofstream(planted) << "planted\n"; }
+  std::atomic<int> failed{0};
+  auto write_many = [&] {
+    for (int i = 0; i < 200; ++i) failed += write_prometheus_file(snapshot, file).ok() ? 0 : 1;
+  };
+  std::thread a(write_many), b(write_many);
+  a.join();
+  b.join();
+  CHECK(failed.load() == 0);
+  std::ifstream in(file);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(text == expected);
+  struct stat st {};
+  REQUIRE(::stat(file.c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0644);
+  std::ifstream planted_in(planted);
+  const std::string planted_text((std::istreambuf_iterator<char>(planted_in)), std::istreambuf_iterator<char>());
+  CHECK(planted_text == "planted\n");
+  std::remove(planted.c_str());
+  std::vector<std::string> left;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) left.push_back(entry.path().filename().string());
+  CHECK(left == std::vector<std::string>{"blockflow.prom"});
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("a slow metrics client holds no scrape back; it is closed at its deadline", "[kpi]") {

@@ -292,3 +292,16 @@ TEST_CASE("URIs are checked: names, schemes, directories and a URI held by a liv
   }
   test::remove_tree(dir);
 }
+
+TEST_CASE("a receive() that waits with no deadline ends when its channel is closed, on every kind", "[process_channel]") {
+  for (const std::string& uri : {"shm://" + unique_name("forever"), "ipc://" + unique_name("forever")}) {
+    INFO(uri);
+    auto receiver = open_or_fail(uri, ChannelRole::kReceiver);
+    auto waiting = std::async(std::launch::async, [&] { return receiver->receive(absl::InfiniteFuture()); });
+    // Give it time to be waiting (the test holds either way: a close() first ends it at once).
+    CHECK(waiting.wait_for(std::chrono::milliseconds(200)) == std::future_status::timeout);
+    receiver->close();
+    REQUIRE(waiting.wait_for(std::chrono::seconds(30)) == std::future_status::ready);
+    CHECK_FALSE(waiting.get().has_value());
+  }
+}

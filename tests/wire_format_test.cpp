@@ -407,8 +407,13 @@ TEST_CASE("sizes that overflow 64 bits or exceed the tensor limit are rejected",
              Contains("size overflow"));
   CHECK_THAT(rejection(encode_header(one_tensor(strided(DType::kInt64, {std::int64_t{1} << 61}, {1}, 0)))),
              Contains("size overflow"));
-  // An empty tensor is not an overflow, whatever its other dimensions.
-  CHECK(decode(encode_header(one_tensor(strided(DType::kFloat32, {big, big, 0}, {0, 0, 0}, 0)))).ok());
+  // An empty tensor whose other dimensions multiply past i64 is one libtorch cannot make (it
+  // multiplies them in order), wherever the zero is; within i64 it is fine.
+  CHECK_THAT(rejection(encode_header(one_tensor(strided(DType::kFloat32, {big, big, 0}, {0, 0, 0}, 0)))),
+             Contains("tensor 0: size overflow"));
+  CHECK_THAT(rejection(encode_header(one_tensor(strided(DType::kFloat32, {0, big, big}, {0, 0, 0}, 0)))),
+             Contains("tensor 0: size overflow"));
+  CHECK(decode(encode_header(one_tensor(strided(DType::kFloat32, {big, 0, 1}, {0, 0, 0}, 0)))).ok());
 
   const std::uint64_t over = kMaxTensorBytes + 1;
   CHECK_THAT(rejection(encode_header(one_tensor(contiguous(DType::kUInt8, {static_cast<std::int64_t>(over)})))),

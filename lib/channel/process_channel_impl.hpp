@@ -6,6 +6,7 @@
 #include <blockflow/channel/process_channel.hpp>
 
 #include <absl/status/statusor.h>
+#include <absl/time/time.h>
 
 #include <memory>
 #include <string>
@@ -32,6 +33,13 @@ absl::StatusOr<std::unique_ptr<ProcessChannel>> open_shm_channel(const std::stri
 /// ipc:// and tcp://: `endpoint` as ZeroMQ spells it.
 absl::StatusOr<std::unique_ptr<ProcessChannel>> open_zmq_channel(const std::string& uri, const std::string& endpoint,
                                                                  ChannelRole role, const ProcessChannelOptions& options);
+
+/// How long one wait of a receive() may last: `left` rounded up to a millisecond, at most `slice_ms`
+/// (an infinite `left` included: the wait still wakes to notice close()).
+inline int poll_slice_ms(absl::Duration left, int slice_ms) {
+  if (left >= absl::Milliseconds(slice_ms)) return slice_ms;
+  return left <= absl::ZeroDuration() ? 0 : static_cast<int>(absl::ToInt64Milliseconds(left)) + 1;
+}
 
 /// The kData header of an envelope to send (stamped now).
 wire::Header data_header(const Envelope& envelope);

@@ -412,14 +412,14 @@ class ShmReceiver final : public ProcessChannel {
         gaps_.note(now_ns());
         return newest;
       }
-      if (now_ns() < spin_until) continue;  // packets are streaming: one may follow at once
       const absl::Duration left = deadline - absl::Now();
       if (left <= absl::ZeroDuration()) return std::nullopt;
+      if (now_ns() < spin_until) continue;  // packets are streaming: one may follow at once
       std::vector<pollfd> fds = {{wake_, POLLIN, 0}, {listener_->fd(), POLLIN, 0}};
       for (const auto& s : senders_) {
         if (s.link) fds.push_back({s.link->fd(), POLLIN, 0});
       }
-      (void)::poll(fds.data(), fds.size(), static_cast<int>(std::min<std::int64_t>(kPollMs, absl::ToInt64Milliseconds(left) + 1)));
+      (void)::poll(fds.data(), fds.size(), poll_slice_ms(left, kPollMs));
       if ((fds[1].revents & POLLIN) != 0) accept_senders();
     }
     return std::nullopt;

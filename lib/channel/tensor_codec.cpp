@@ -4,9 +4,12 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
+#include <fmt/ostream.h>
 #include <fmt/ranges.h>
 
+#include <memory>
 #include <new>
+#include <stdexcept>
 
 namespace blockflow::detail {
 
@@ -50,21 +53,35 @@ absl::StatusOr<EncodedMessage> encode_message(wire::Header header, const Tensors
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     if (!t.defined()) return absl::InvalidArgumentError(fmt::format("tensor {} is undefined", i));
+    if (t.layout() != at::kStrided) {  // sparse, mkldnn: no bytes of their own to send
+      return absl::InvalidArgumentError(
+          fmt::format("tensor {} has layout {}: channels carry dense (strided) tensors", i, fmt::streamed(t.layout())));
+    }
     if (!t.device().is_cpu() && !t.device().is_meta() && stager == nullptr) {
       return absl::InvalidArgumentError(
           fmt::format("tensor {} is on {}: the serialized channel carries CPU tensors", i, t.device().str()));
     }
     auto dtype = to_wire_dtype(t.scalar_type());
     if (!dtype.ok()) return absl::InvalidArgumentError(fmt::format("tensor {}: {}", i, std::string(dtype.status().message())));
-    at::Tensor c = t.contiguous();
-    if (bytes_copied != nullptr && c.data_ptr() != t.data_ptr()) *bytes_copied += byte_size(c);
-    wire::TensorDesc desc;
-    desc.dtype = *dtype;
-    desc.shape.assign(c.sizes().begin(), c.sizes().end());
-    desc.strides = wire::contiguous_strides(desc.shape);
-    desc.byte_count = byte_size(c);
-    header.tensors.push_back(std::move(desc));
-    out.tensors.push_back(std::move(c));
+    // libtorch may refuse (a sparse tensor has no contiguous form), memory may run out, and an empty
+    // tensor whose other dimensions overflow i64 has no contiguous strides: errors, never thrown out.
+    try {
+      at::Tensor c = t.contiguous();
+      if (bytes_copied != nullptr && c.data_ptr() != t.data_ptr()) *bytes_copied += byte_size(c);
+      wire::TensorDesc desc;
+      desc.dtype = *dtype;
+      desc.shape.assign(c.sizes().begin(), c.sizes().end());
+      desc.strides = wire::contiguous_strides(desc.shape);
+      desc.byte_count = byte_size(c);
+      header.tensors.push_back(std::move(desc));
+      out.tensors.push_back(std::move(c));
+    } catch (const std::bad_alloc&) {
+      return absl::ResourceExhaustedError(fmt::format("tensor {}: out of memory", i));
+    } catch (const c10::Error& e) {
+      return absl::InvalidArgumentError(fmt::format("tensor {}: {}", i, e.what_without_backtrace()));
+    } catch (const std::exception& e) {
+      return absl::InvalidArgumentError(fmt::format("tensor {}: {}", i, e.what()));
+    }
   }
   // Over a limit of the format (more than kMaxTensors outputs, more than kMaxDims dimensions): an
   // error for the caller to report, before any slot is staged.
@@ -218,21 +235,30 @@ absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& fram
       out.tensors.push_back(*std::move(tensor));
       continue;
     }
-    auto* frame = new zmq::message_t(std::move(frames[i + 1]));
+    auto frame = std::make_unique<zmq::message_t>(std::move(frames[i + 1]));
     const auto options = at::TensorOptions().dtype(*type);
     const auto element = wire::element_size(desc.dtype);
     void* data = frame->data();
-    if (desc.byte_count == 0 || reinterpret_cast<std::uintptr_t>(data) % element != 0) {
-      // Empty or misaligned for its dtype: copy into an aligned tensor.
-      at::Tensor t = at::empty_strided(desc.shape, desc.strides, options);
-      if (desc.byte_count > 0) std::memcpy(t.data_ptr(), data, desc.byte_count);
-      out.bytes_copied += desc.byte_count;
-      delete frame;
-      out.tensors.push_back(std::move(t));
-      continue;
+    // The header was checked (sizes within i64, bytes matching the layout), so libtorch should take
+    // it; should it still refuse (or memory run out), the message is refused, never thrown out of.
+    try {
+      if (desc.byte_count == 0 || reinterpret_cast<std::uintptr_t>(data) % element != 0) {
+        // Empty or misaligned for its dtype: copy into an aligned tensor.
+        at::Tensor t = at::empty_strided(desc.shape, desc.strides, options);
+        if (desc.byte_count > 0) std::memcpy(t.data_ptr(), data, desc.byte_count);
+        out.bytes_copied += desc.byte_count;
+        out.tensors.push_back(std::move(t));
+        continue;
+      }
+      zmq::message_t* kept = frame.get();
+      out.tensors.push_back(at::from_blob(
+          data, desc.shape, desc.strides, [kept](void*) { delete kept; }, options));
+      (void)frame.release();  // the tensor's now
+    } catch (const c10::Error& e) {
+      return absl::InvalidArgumentError(fmt::format("tensor {}: {}", i, e.what_without_backtrace()));
+    } catch (const std::exception& e) {
+      return absl::InvalidArgumentError(fmt::format("tensor {}: {}", i, e.what()));
     }
-    out.tensors.push_back(at::from_blob(
-        data, desc.shape, desc.strides, [frame](void*) { delete frame; }, options));
   }
   return out;
 }

@@ -67,9 +67,15 @@ bool known_kind(std::uint8_t code) {
 
 // Bytes a tensor with this layout spans, or nullopt if a product or sum overflows. The element count
 // must also fit in i64 (libtorch counts elements in i64), even when zero strides keep the span small.
+// So must the product of the dimensions with zeros counted as ones: libtorch multiplies them left to
+// right when it makes the tensor (and contiguous_strides() does), so [2^62, 2^62, 0] would throw there.
 std::optional<std::uint64_t> required_bytes(const TensorDesc& desc) {
+  std::int64_t extent = 1;
   for (std::int64_t d : desc.shape) {
-    if (d == 0) return 0;  // checked first: [2^62, 2^62, 0] is empty, not an overflow
+    if (__builtin_mul_overflow(extent, std::max<std::int64_t>(d, 1), &extent)) return std::nullopt;
+  }
+  for (std::int64_t d : desc.shape) {
+    if (d == 0) return 0;
   }
   std::uint64_t numel = 1;
   for (std::int64_t d : desc.shape) {

@@ -162,7 +162,10 @@ class ZmqReceiver final : public ZmqEnd {
       if (left <= absl::ZeroDuration()) return std::nullopt;
       MutexLock lock(&mu_);
       zmq::pollitem_t item{static_cast<void*>(socket_), 0, ZMQ_POLLIN, 0};
-      (void)zmq::poll(&item, 1, std::chrono::milliseconds(std::min<std::int64_t>(kPollSliceMs, absl::ToInt64Milliseconds(left) + 1)));
+      try {
+        (void)zmq::poll(&item, 1, std::chrono::milliseconds(poll_slice_ms(left, kPollSliceMs)));
+      } catch (const zmq::error_t&) {  // EINTR: a signal handler ran on this thread; look again
+      }
     }
     return std::nullopt;
   }

@@ -86,11 +86,12 @@ bool SessionCore::take_place(const StatePtr& state) {
   // A resolve() from now on gives the place back. One that came first (shutdown fails waiting
   // requests) found no place to give: give it back here, and start nothing.
   if (state->place.exchange(RequestState::kPlaceHeld, std::memory_order_acq_rel) != RequestState::kPlaceReturned) return true;
-  if (auto next = state->path->gate.leave()) schedule_admission(std::move(*next));
+  hand_place_on(state);
   return false;
 }
 
-void SessionCore::begin(const StatePtr& state, std::shared_ptr<const PathPlan> plan_ptr, Tensors&& inputs, bool waited) {
+void SessionCore::begin(const StatePtr& state, std::shared_ptr<const PathPlan> plan_ptr, Tensors&& inputs, bool waited,
+                        bool* handed_on) {
   state->plan = std::move(plan_ptr);
   const PathPlan& plan = *state->plan;
   state->hops.resize(plan.nodes.size());
@@ -108,6 +109,7 @@ void SessionCore::begin(const StatePtr& state, std::shared_ptr<const PathPlan> p
   // A request that waited at the entry starts now: the wait is its entry hops' entry_wait_ns (wait,
   // in the trace), so the blocks' own wait and overhead do not count it.
   const std::int64_t started = waited ? now_ns() : state->submitted_ns;
+  if (handed_on != nullptr) *handed_on = true;  // from here on its blocks resolve it, should this throw
   for (std::size_t i = 0; i < plan.entries.size(); ++i) {
     const bool last = i + 1 == plan.entries.size();
     state->hops[static_cast<std::size_t>(plan.entries[i])].entry_wait_ns = started - state->submitted_ns;
@@ -126,13 +128,16 @@ void SessionCore::admit(EntryGate::Waiting&& waiting, bool& handed_on) {
     return fail(state, absl::NotFoundError(fmt::format(
                            "task '{}' was removed by an update while the request waited at its entry", state->path->task)));
   }
-  handed_on = true;
-  begin(state, it->second, std::move(waiting.inputs), /*waited=*/true);  // the task's path as it is now
+  begin(state, it->second, std::move(waiting.inputs), /*waited=*/true, &handed_on);  // the task's path as it is now
 }
 
 void SessionCore::leave_entry(const StatePtr& state) noexcept {
   if (options_.max_in_flight_per_task <= 0) return;  // no window: no place was taken
   if (state->place.exchange(RequestState::kPlaceReturned, std::memory_order_acq_rel) != RequestState::kPlaceHeld) return;
+  hand_place_on(state);
+}
+
+void SessionCore::hand_place_on(const StatePtr& state) noexcept {
   std::optional<EntryGate::Waiting> next;
   try {
     next = state->path->gate.leave();

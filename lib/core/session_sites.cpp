@@ -3,6 +3,7 @@
 #include <blockflow/core/detail/clock.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/mutex.hpp>
+#include <blockflow/core/detail/run_in_threads.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 
 #include <fmt/format.h>
@@ -57,15 +58,7 @@ bool outputs_may_stay(const PathPlan& plan, std::uint32_t node) {
 absl::Status SessionCore::start_sites() {
   std::vector<absl::Status> results(sites_.size());
   for (auto& site : sites_) site->site->starting_together(static_cast<int>(sites_.size()));
-  if (sites_.size() == 1) {
-    results[0] = start_site(*sites_[0]);
-  } else {
-    std::vector<std::thread> starting;
-    for (std::size_t i = 0; i < sites_.size(); ++i) {
-      starting.emplace_back([this, &results, i] { results[i] = start_site(*sites_[i]); });
-    }
-    for (auto& t : starting) t.join();
-  }
+  run_in_threads(sites_.size(), [&](std::size_t i) { results[i] = start_site(*sites_[i]); });
   absl::Status first;
   for (const auto& status : results) {
     if (status.ok()) continue;
@@ -74,7 +67,12 @@ absl::Status SessionCore::start_sites() {
   }
   if (!first.ok()) return first;
   for (auto& runtime : blocks_) {
-    if (runtime->site != nullptr) runtime->forwarder = std::thread([this, rt = runtime.get()] { forward_to_site(*rt); });
+    if (runtime->site == nullptr) continue;
+    try {
+      runtime->forwarder = std::thread([this, rt = runtime.get()] { forward_to_site(*rt); });
+    } catch (const std::exception& e) {  // no thread to be had; start() shuts down what started
+      return absl::ResourceExhaustedError(fmt::format("block '{}': no thread to feed its site: {}", runtime->name(), e.what()));
+    }
   }
   return absl::OkStatus();
 }

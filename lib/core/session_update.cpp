@@ -5,6 +5,7 @@
 #include <blockflow/core/detail/mutex.hpp>
 #include <blockflow/deploy/detail/deployment_json.hpp>
 #include <blockflow/core/detail/log.hpp>
+#include <blockflow/core/detail/run_in_threads.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 
 #include <fmt/format.h>
@@ -136,12 +137,15 @@ void SessionCore::cancel_update() {
     if (!updating_) return;
     cancelled_ = true;
     sites = busy_sites_;
+    ++cancelling_;  // each site's step waits for these calls before it ends (at_site())
   }
   for (const auto& [site, is_new] : sites) {
     // A site this update was starting serves nothing yet: stopping it is how its start() ends.
     if (is_new) site->stop();
     else site->cancel_update();
   }
+  blockflow::detail::MutexLock lock(&busy_mu_);
+  --cancelling_;
 }
 
 // Runs `step` against `site` so that cancel_update() can interrupt it; not at all once cancelled,
@@ -155,6 +159,9 @@ absl::Status SessionCore::at_site(SiteRuntime& site, bool is_new, const std::fun
   }
   absl::Status status = step();
   blockflow::detail::MutexLock lock(&busy_mu_);
+  // A cancel that listed this site may not have reached it yet: it must not land on what comes
+  // next there (the undo of this update, or the next update's step).
+  busy_mu_.Await(absl::Condition(+[](int* n) { return *n == 0; }, &cancelling_));
   busy_sites_.erase(std::find_if(busy_sites_.begin(), busy_sites_.end(), [&](const auto& s) { return s.first == site.site; }));
   if (cancelled_ && !status.ok()) return absl::CancelledError("cancelled");
   return status;
@@ -373,13 +380,7 @@ absl::Status SessionCore::update_start(UpdateWork& u) {
   for (auto& step : steps) {
     if (step.is_new) step.site->site->starting_together(starting);
   }
-  if (steps.size() == 1) {
-    run_step(steps.front());
-  } else {
-    std::vector<std::thread> threads;
-    for (auto& step : steps) threads.emplace_back([&run_step, &step] { run_step(step); });
-    for (auto& t : threads) t.join();
-  }
+  run_in_threads(steps.size(), [&](std::size_t i) { run_step(steps[i]); });
   const SiteStep* failed = nullptr;
   for (const auto& step : steps) {
     // What a running site may have loaded is unloaded if the update is undone: it loaded it, or it
@@ -405,9 +406,22 @@ absl::Status SessionCore::update_start(UpdateWork& u) {
     update_undo(u);
     return u.cancelled();
   }
+  std::vector<BlockRuntime*> forwarding;
+  for (auto& [site, runtimes] : incoming) {
+    for (auto* runtime : runtimes) {
+      try {
+        runtime->forwarder = std::thread([this, runtime] { forward_to_site(*runtime); });
+        forwarding.push_back(runtime);
+      } catch (const std::exception& e) {  // no thread to be had: the update is undone
+        for (auto* started : forwarding) stop_runtime(*started, "update rejected");
+        update_undo(u);
+        return absl::ResourceExhaustedError(fmt::format("update {} rejected, nothing changed: no thread for block '{}': {}",
+                                                        u.version, runtime->name(), e.what()));
+      }
+    }
+  }
   for (auto& [site, runtimes] : incoming) {
     if (!u.is_new(site)) site->blocks.insert(site->blocks.end(), runtimes.begin(), runtimes.end());
-    for (auto* runtime : runtimes) runtime->forwarder = std::thread([this, runtime] { forward_to_site(*runtime); });
   }
   u.timing.load_ms += ms_since(t_warm);
   return absl::OkStatus();

@@ -4,17 +4,19 @@
 #include <fmt/format.h>
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -26,6 +28,7 @@ namespace {
 constexpr std::size_t kMaxConnections = 64;         // more wait in the listen backlog
 constexpr std::size_t kMaxRequestHead = 8192;
 constexpr std::int64_t kDeadlineMs = 2000;          // per connection, whole request; then whole reply
+constexpr std::int64_t kAcceptBackoffMs = 100;      // after accept() found no descriptor free
 
 std::int64_t now_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -108,9 +111,13 @@ struct MetricsHttpServer::Impl {
   void main() {
     std::vector<Connection> open;
     std::vector<pollfd> polled;
+    // While accept() fails for want of descriptors (or memory), the pending connection keeps the
+    // listener readable: it is left unpolled for a while instead of spinning.
+    std::int64_t accept_after_ms = 0;
     while (!stopping) {
       polled.clear();
-      polled.push_back({open.size() < kMaxConnections ? fd : -1, POLLIN, 0});
+      const bool accepting = open.size() < kMaxConnections && now_ms() >= accept_after_ms;
+      polled.push_back({accepting ? fd : -1, POLLIN, 0});
       for (const auto& c : open) polled.push_back({c.fd, static_cast<short>(c.replying ? POLLOUT : POLLIN), 0});
       (void)::poll(polled.data(), polled.size(), 100);
       const std::int64_t now = now_ms();
@@ -131,7 +138,11 @@ struct MetricsHttpServer::Impl {
       open.swap(kept);
       if ((polled[0].revents & POLLIN) != 0) {
         const int client = ::accept4(fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-        if (client >= 0) open.push_back({client, {}, {}, 0, now + kDeadlineMs, false});
+        if (client >= 0) {
+          open.push_back({client, {}, {}, 0, now + kDeadlineMs, false});
+        } else if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          accept_after_ms = now + kAcceptBackoffMs;
+        }
       }
     }
     for (const auto& c : open) ::close(c.fd);
@@ -180,15 +191,33 @@ int MetricsHttpServer::port() const { return impl_->port; }
 std::uint64_t MetricsHttpServer::requests_served() const { return impl_->served.load(); }
 
 absl::Status write_prometheus_file(const MetricsSnapshot& snapshot, const std::string& path) {
-  const std::string temporary = fmt::format("{}.tmp.{}", path, ::getpid());
-  {
-    std::ofstream out(temporary, std::ios::trunc);
-    out << snapshot.to_prometheus();
-    if (!out.flush()) return absl::UnavailableError(fmt::format("cannot write '{}'", temporary));
+  // A temporary of its own (a random name made with O_EXCL, so no planted file or link is followed,
+  // and two writers never share one), renamed over `path`; removed on every error.
+  std::string temporary = path + ".tmp.XXXXXX";
+  const int fd = ::mkostemp(temporary.data(), O_CLOEXEC);
+  if (fd < 0) return absl::UnavailableError(fmt::format("cannot create a temporary next to '{}': {}", path, std::strerror(errno)));
+  auto fail = [&](const std::string& what) {
+    const std::string why = std::strerror(errno);
+    ::close(fd);
+    ::unlink(temporary.c_str());
+    return absl::UnavailableError(fmt::format("{} '{}': {}", what, temporary, why));
+  };
+  if (::fchmod(fd, 0644) != 0) return fail("cannot set the mode of");  // read by node_exporter's user
+  const std::string text = snapshot.to_prometheus();
+  for (std::size_t written = 0; written < text.size();) {
+    const ssize_t n = ::write(fd, text.data() + written, text.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return fail("cannot write");
+    written += static_cast<std::size_t>(n);
+  }
+  if (::close(fd) != 0) {
+    const std::string why = std::strerror(errno);
+    ::unlink(temporary.c_str());
+    return absl::UnavailableError(fmt::format("cannot write '{}': {}", temporary, why));
   }
   if (std::rename(temporary.c_str(), path.c_str()) != 0) {
     const std::string why = std::strerror(errno);
-    std::remove(temporary.c_str());
+    ::unlink(temporary.c_str());
     return absl::UnavailableError(fmt::format("cannot rename '{}' to '{}': {}", temporary, path, why));
   }
   return absl::OkStatus();

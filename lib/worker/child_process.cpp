@@ -20,6 +20,10 @@
 
 namespace blockflow::detail {
 
+namespace {
+constexpr int kPidfdIdType = 3;  // P_PIDFD (Linux 5.4), which older C libraries do not name
+}  // namespace
+
 std::string describe_exit(int status) {
   if (WIFSIGNALED(status)) return fmt::format("killed by signal {}", WTERMSIG(status));
   if (WIFEXITED(status)) return fmt::format("exited with status {}", WEXITSTATUS(status));
@@ -53,6 +57,10 @@ absl::StatusOr<ChildProcess> ChildProcess::start(const Spec& spec, std::string* 
   const int rc = ::posix_spawn(&child, spec.executable.c_str(), nullptr, nullptr, argv.data(), envp.data());
   if (rc != 0) return absl::UnavailableError(fmt::format("cannot start '{}': {}", spec.executable, std::strerror(rc)));
   out.pid_ = child;
+  // Our unreaped child keeps its pid, but an application that ignores SIGCHLD (or reaps on its
+  // own) lets the kernel give it to another process the moment it exits: signals and waits go
+  // through a pidfd, which names this process only. Without one (an old kernel), by pid as before.
+  out.pidfd_ = static_cast<int>(::syscall(SYS_pidfd_open, child, 0));  // close-on-exec
   return out;
 }
 
@@ -83,6 +91,19 @@ void ChildProcess::reset() {
 
 std::optional<std::string> ChildProcess::exited() {
   if (pid_ == 0) return std::nullopt;
+  if (fork_id_ == 0 && pidfd_ >= 0) {  // spawned: reap this very process, whatever its pid is now
+    siginfo_t info{};
+    if (::waitid(static_cast<idtype_t>(kPidfdIdType), static_cast<id_t>(pidfd_), &info, WEXITED | WNOHANG) == 0) {
+      if (info.si_pid == 0) return std::nullopt;  // still running
+      std::string how = info.si_code == CLD_EXITED ? fmt::format("exited with status {}", info.si_status)
+                                                   : fmt::format("killed by signal {}", info.si_status);
+      reset();
+      return how;
+    }
+    if (errno != ECHILD) return std::nullopt;
+    reset();  // reaped by someone else (the application ignores SIGCHLD): how is not known
+    return std::string("exited");
+  }
   if (pidfd_ < 0) {
     int status = 0;
     const pid_t r = ::waitpid(pid_, &status, WNOHANG);
@@ -98,7 +119,7 @@ std::optional<std::string> ChildProcess::exited() {
   // true meanwhile), nothing waits for it here. A server gone, or silent for 10 s, leaves it unknown.
   const auto now = std::chrono::steady_clock::now();
   if (!gone_since_) gone_since_ = now;
-  ForkServer* server = ForkServer::get();
+  ForkServer* server = ForkServer::reporting();
   const auto status = server != nullptr ? server->exit_status(fork_id_, std::chrono::milliseconds(0)) : std::nullopt;
   if (!status && server != nullptr && now - *gone_since_ < std::chrono::seconds(10)) return std::nullopt;
   reset();

@@ -44,15 +44,16 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 namespace blockflow {
 namespace detail {
+
 namespace {
-
 constexpr std::size_t kMaxMessage = 256 * 1024;
+}  // namespace
 
-// Sends one datagram, with `fd` attached when it is not -1.
-bool send_message(int socket, const std::string& text, int fd = -1) {
+bool send_datagram(int socket, const std::string& text, int fd) {
   if (text.size() > kMaxMessage) {
     errno = EMSGSIZE;
     return false;
@@ -76,6 +77,8 @@ bool send_message(int socket, const std::string& text, int fd = -1) {
     if (errno != EINTR) return false;
   }
 }
+
+namespace {
 
 enum class Received { kMessage, kNone, kClosed };
 
@@ -191,7 +194,7 @@ void fork_one(int socket, int signals, const std::string& text, const sigset_t& 
   nlohmann::json request = nlohmann::json::parse(text, nullptr, false);
   if (request.is_discarded() || !request.contains("argv") || !request.contains("environment") ||
       !request.contains("launcher_dir")) {
-    (void)send_message(socket, nlohmann::json{{"error", "malformed request"}}.dump());
+    (void)send_datagram(socket, nlohmann::json{{"error", "malformed request"}}.dump(), -1);
     return;
   }
   auto& argv = request["argv"];
@@ -205,19 +208,19 @@ void fork_one(int socket, int signals, const std::string& text, const sigset_t& 
     run_worker(request, mask);
   }
   if (child < 0) {
-    (void)send_message(socket, nlohmann::json{{"error", fmt::format("fork: {}", std::strerror(errno))}}.dump());
+    (void)send_datagram(socket, nlohmann::json{{"error", fmt::format("fork: {}", std::strerror(errno))}}.dump(), -1);
     return;
   }
   const int pidfd = pidfd_open(child);  // not reaped before this: only this thread reaps
   if (pidfd < 0) {  // unreachable without it: it must not live on beside the worker started instead
     const int error = errno;
     ::kill(child, SIGKILL);
-    (void)send_message(socket, nlohmann::json{{"error", fmt::format("pidfd_open: {}", std::strerror(error))}}.dump());
+    (void)send_datagram(socket, nlohmann::json{{"error", fmt::format("pidfd_open: {}", std::strerror(error))}}.dump(), -1);
     return;
   }
   const std::uint64_t id = ++children.forks;
   children.ids[child] = id;
-  if (!send_message(socket, nlohmann::json{{"pid", child}, {"id", id}}.dump(), pidfd)) ::kill(child, SIGKILL);  // nobody knows of it
+  if (!send_datagram(socket, nlohmann::json{{"pid", child}, {"id", id}}.dump(), pidfd)) ::kill(child, SIGKILL);  // nobody knows of it
   ::close(pidfd);
 }
 
@@ -289,7 +292,7 @@ void prepare_libtorch() noexcept {
       for (pid_t p; (p = ::waitpid(-1, &status, WNOHANG)) > 0;) {
         const auto it = children.ids.find(p);
         if (it == children.ids.end()) continue;  // not a worker (none else is forked here)
-        (void)send_message(socket, nlohmann::json{{"exited", p}, {"id", it->second}, {"status", status}}.dump());
+        (void)send_datagram(socket, nlohmann::json{{"exited", p}, {"id", it->second}, {"status", status}}.dump(), -1);
         children.ids.erase(it);
       }
     }
@@ -312,10 +315,18 @@ struct ForkServer::State {
   std::map<std::string, std::string> environment;  // the server's, by name
   std::mutex mu;
   bool gone = false;                  // the server closed its end
+  // It let a fork go unanswered past answer_timeout: asked for no more forks, but still read (its
+  // statuses, and the late answers, whose workers nobody supervises and are killed).
+  bool unanswered = false;
+  int abandoned = 0;  // forks asked for whose answers nobody waits for (the server answers in order)
+  std::chrono::milliseconds answer_timeout{10'000};
   std::map<std::uint64_t, int> exits;  // wait statuses reported and not yet asked for, by fork number
 };
 
-ForkServer::ForkServer(int socket, pid_t server, std::vector<std::string> environment) : state_(std::make_unique<State>()) {
+ForkServer::ForkServer(int socket, pid_t server, std::vector<std::string> environment,
+                       std::chrono::milliseconds answer_timeout)
+    : state_(std::make_unique<State>()) {
+  state_->answer_timeout = answer_timeout;
   state_->socket = socket;
   state_->server = server;
   state_->environment = by_name(environment);
@@ -340,7 +351,7 @@ void reap_server(pid_t server) {
 
 }  // namespace
 
-ForkServer* ForkServer::get() {
+ForkServer* ForkServer::reporting() {
   ForkServer* s = the_server.load(std::memory_order_acquire);
   if (s == nullptr) return nullptr;
   std::lock_guard lock(s->state_->mu);
@@ -352,13 +363,21 @@ ForkServer* ForkServer::get() {
   return s->state_->gone ? nullptr : s;
 }
 
+ForkServer* ForkServer::get() {
+  ForkServer* s = reporting();
+  if (s == nullptr) return nullptr;
+  std::lock_guard lock(s->state_->mu);
+  return s->state_->unanswered ? nullptr : s;
+}
+
 namespace {
 
 // Takes in one message (waiting up to `timeout_ms`, -1: until one comes); the reply of a fork goes
 // to `reply` (and its pidfd to `fd`), reaped workers' statuses to `exits` (by fork number). kClosed
 // once the server is gone; kNone when nothing came in time.
-Received take_one(int socket, int timeout_ms, std::map<std::uint64_t, int>& exits, std::optional<nlohmann::json>* reply,
-                  int* fd) {
+// An answer that comes while `abandoned` > 0 is one whose fork timed out: its worker is killed.
+Received take_one(int socket, int timeout_ms, std::map<std::uint64_t, int>& exits, int& abandoned,
+                  std::optional<nlohmann::json>* reply, int* fd) {
   pollfd p{socket, POLLIN, 0};
   int ready = 0;
   do {
@@ -366,16 +385,21 @@ Received take_one(int socket, int timeout_ms, std::map<std::uint64_t, int>& exit
   } while (ready < 0 && errno == EINTR);
   if (ready <= 0) return Received::kNone;
   std::string text;
-  const Received r = receive_message(socket, MSG_DONTWAIT, text, fd);
+  int received_fd = -1;
+  const Received r = receive_message(socket, MSG_DONTWAIT, text, &received_fd);
   if (r != Received::kMessage) return r;
   const auto m = nlohmann::json::parse(text, nullptr, false);
-  if (m.is_discarded()) return Received::kMessage;
-  if (m.contains("exited")) {
+  if (!m.is_discarded() && m.contains("exited")) {
     exits[m.value("id", std::uint64_t{0})] = m.value("status", 0);
     if (exits.size() > 4096) exits.erase(exits.begin());  // statuses nobody asked for stay bounded
-  } else if (reply != nullptr) {
+  } else if (!m.is_discarded() && abandoned > 0) {
+    --abandoned;
+    if (received_fd >= 0) (void)::syscall(SYS_pidfd_send_signal, received_fd, SIGKILL, nullptr, 0);
+  } else if (!m.is_discarded() && reply != nullptr) {
     *reply = m;
+    if (fd != nullptr) *fd = std::exchange(received_fd, -1);
   }
+  if (received_fd >= 0) ::close(received_fd);
   return Received::kMessage;
 }
 
@@ -387,13 +411,14 @@ absl::StatusOr<ForkServer::Forked> ForkServer::fork_worker(const std::vector<std
   State& s = *state_;
   std::lock_guard lock(s.mu);
   if (s.gone) return absl::UnavailableError("the fork server is gone");
+  if (s.unanswered) return absl::UnavailableError("the fork server left a fork unanswered");
   std::string request;
   try {
     request = nlohmann::json{{"argv", argv}, {"environment", environment}, {"launcher_dir", launcher_dir}}.dump();
   } catch (const nlohmann::json::exception& e) {  // e.g. a variable whose value is not UTF-8
     return absl::InvalidArgumentError(fmt::format("its command line or environment cannot be sent: {}", e.what()));
   }
-  if (!send_message(s.socket, request)) {
+  if (!send_datagram(s.socket, request, -1)) {
     const int error = errno;
     if (error != EMSGSIZE) {
       s.gone = true;
@@ -403,15 +428,18 @@ absl::StatusOr<ForkServer::Forked> ForkServer::fork_worker(const std::vector<std
   }
   std::optional<nlohmann::json> reply;
   int fd = -1;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  const auto deadline = std::chrono::steady_clock::now() + s.answer_timeout;
   while (!reply) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) {
-      s.gone = true;  // a server that does not answer is not asked again
-      reap_server(s.server);  // whenever it exits (its workers go with it)
-      return absl::UnavailableError("the fork server did not answer within 10 s");
+      // A server that does not answer is not asked again; its answer, should it come, is read and
+      // its worker killed (nobody supervises it), and its workers' statuses are still read.
+      s.unanswered = true;
+      ++s.abandoned;
+      return absl::UnavailableError(
+          fmt::format("the fork server did not answer within {} ms", s.answer_timeout.count()));
     }
-    if (take_one(s.socket, static_cast<int>(left.count()), s.exits, &reply, &fd) == Received::kClosed) {
+    if (take_one(s.socket, static_cast<int>(left.count()), s.exits, s.abandoned, &reply, &fd) == Received::kClosed) {
       s.gone = true;
       reap_server(s.server);
       return absl::UnavailableError("the fork server is gone");
@@ -448,7 +476,8 @@ std::optional<int> ForkServer::exit_status(std::uint64_t id, std::chrono::millis
     if (s.gone) return std::nullopt;
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     // Past the deadline: only what has arrived already (a zero wait reads without blocking).
-    const Received r = take_one(s.socket, static_cast<int>(std::max<std::int64_t>(0, left.count())), s.exits, nullptr, nullptr);
+    const Received r =
+        take_one(s.socket, static_cast<int>(std::max<std::int64_t>(0, left.count())), s.exits, s.abandoned, nullptr, nullptr);
     if (r == Received::kClosed) {
       s.gone = true;
       reap_server(s.server);

@@ -151,7 +151,7 @@ class ReplyQueue {
     // lock is let go): waiting for it is short, and keeps this one ahead of any handed in meanwhile.
     std::unique_lock sending(send_mu_, std::defer_lock);
     if (first) sending.lock();
-    if (first && send_ && pending_.load() == 1) {
+    if (first && send_) {  // replies handed in meanwhile queue behind this one
       try {
         if (send_(r, /*wait=*/false)) {
           sending.unlock();

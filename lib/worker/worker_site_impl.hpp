@@ -305,6 +305,10 @@ struct WorkerSite::Impl {
   bool send_forward(Forward& f, pid_t live, absl::Status& status);
   // A kForward not sent: its outputs are still the worker's to drop.
   static void unconsume(const Forward& f);
+  // What a request whose parked input could not be forwarded fails with: `why`, named.
+  absl::Status forward_failed(const absl::Status& why) const {
+    return absl::Status(why.code(), fmt::format("{}: cannot forward its parked output: {}", prefix(), std::string(why.message())));
+  }
   // Sender thread: kForwards, then drops for the live worker (the others' outputs died with them).
   // Never blocks: a message the socket does not take now waits for the next round (1 ms later),
   // and a kForward for a worker process that is gone fails its request instead of reaching the

@@ -78,7 +78,7 @@ absl::Status WorkerSite::Impl::enqueue_forward(Forward&& f, pid_t holder, std::w
   if (status.ok()) return status;
   unconsume(f);
   // The caller fails its request (after its turn: the report may run a callback that submits).
-  return absl::Status(status.code(), fmt::format("{}: cannot forward its parked output: {}", prefix(), std::string(status.message())));
+  return forward_failed(status);
 }
 
 bool WorkerSite::Impl::send_forward(Forward& f, pid_t live, absl::Status& status) {
@@ -142,9 +142,7 @@ void WorkerSite::Impl::send_direct_edge_messages() {
     const Key key{f.header.request_id, f.header.node};
     now.pop_front();  // placeholders die here (drops queued unless consumed)
     if (consumer) {
-      failed.emplace_back(std::move(consumer), key,
-                          absl::UnavailableError(fmt::format("{}: cannot forward its parked output: {}", prefix(),
-                                                             std::string(status.message()))));
+      failed.emplace_back(std::move(consumer), key, forward_failed(status));
     }
   }
   bool blocked = false;

@@ -276,15 +276,20 @@ class SessionCore {
   // its task's entry window, or waits there; begin() starts it on `plan` (the task's current plan;
   // `waited`: it waited at the entry, which its trace then shows).
   void enter(const StatePtr& state, std::shared_ptr<const PathPlan> plan, Tensors&& inputs);
-  void begin(const StatePtr& state, std::shared_ptr<const PathPlan> plan, Tensors&& inputs, bool waited);
+  // `handed_on` (if given) is set once the request is on its way (its blocks resolve it).
+  void begin(const StatePtr& state, std::shared_ptr<const PathPlan> plan, Tensors&& inputs, bool waited,
+             bool* handed_on = nullptr);
   // A waiting request inherited a place in its gate: routes it on the task's plan as it is now (an
   // update may have re-routed or removed the task while it waited) and begins it. `handed_on`: set
-  // once it began or failed (an exception after that is not its own).
+  // once it failed or is on its way (an exception after that is not its own).
   void admit(EntryGate::Waiting&& waiting, bool& handed_on);
   // After resolve()'s done(): gives the request's place back; the next waiting request is admitted.
   void leave_entry(const StatePtr& state) noexcept;
   // Marks the place held; false (and the place given back) when the request was resolved first.
   bool take_place(const StatePtr& state);
+  // The place `state` held goes to the next request waiting at its task's entry, if any; one that
+  // cannot be scheduled (out of memory) fails rather than wait for ever.
+  void hand_place_on(const StatePtr& state) noexcept;
   // Admissions run as tasks posted to this session's lanes: never inside a block's unit (the lane
   // holds that block's claim, and the entry block's queue may be full), never on a site's or the
   // application's thread. Inside such a task, after the admissions it is already running (no
@@ -369,6 +374,7 @@ class SessionCore {
   mutable blockflow::detail::Mutex busy_mu_;
   bool updating_ ABSL_GUARDED_BY(busy_mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(busy_mu_) = false;
+  int cancelling_ ABSL_GUARDED_BY(busy_mu_) = 0;  // cancel_update() calls still reaching sites
   std::vector<std::pair<std::shared_ptr<RemoteSite>, bool>> busy_sites_ ABSL_GUARDED_BY(busy_mu_);  // (site, is new)
 };
 

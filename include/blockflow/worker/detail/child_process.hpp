@@ -40,7 +40,7 @@ class ChildProcess {
   ~ChildProcess();  ///< lets go of the process (does not kill it)
 
   [[nodiscard]] pid_t pid() const { return pid_; }
-  [[nodiscard]] bool forked() const { return pidfd_ >= 0; }
+  [[nodiscard]] bool forked() const { return fork_id_ != 0; }
   /// How it ended ("killed by signal 9", "exited with status 1") once it has, reaping it; nullopt
   /// while it runs (and, for a forked worker, until the fork server's report of its status has
   /// come: exiting() is true meanwhile). Does not wait for that report (it may wait for the fork
@@ -56,7 +56,7 @@ class ChildProcess {
  private:
   void reset();
   pid_t pid_ = 0;
-  int pidfd_ = -1;               // a forked worker's
+  int pidfd_ = -1;               // signals and waits go through it: never to a process that reused the pid
   std::uint64_t fork_id_ = 0;    // a forked worker's: the fork server's number for it (its status's key)
   std::optional<std::chrono::steady_clock::time_point> gone_since_;  // a forked worker's exit seen, its status not yet read
 };

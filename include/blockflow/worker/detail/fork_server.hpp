@@ -22,8 +22,12 @@ namespace blockflow::detail {
 
 class ForkServer {
  public:
-  /// This process's fork server; null when none was started or it is gone.
+  /// This process's fork server, to fork from; null when none was started, it is gone, or it left
+  /// a fork unanswered (asked for no more).
   static ForkServer* get();
+  /// This process's fork server while its socket is open: its workers' statuses may still come
+  /// (exit_status()), even after it left a fork unanswered.
+  static ForkServer* reporting();
 
   struct Forked {
     pid_t pid = 0;
@@ -45,8 +49,10 @@ class ForkServer {
   [[nodiscard]] std::string unforkable(const std::vector<std::string>& environment) const;
 
   /// The application's end: `socket` (owned; -1: none, for tests of unforkable()), the server's
-  /// pid, and the environment the server has. The process's one (get()) is never destroyed.
-  ForkServer(int socket, pid_t server, std::vector<std::string> environment);
+  /// pid, and the environment the server has. The process's one (get()) is never destroyed. A fork
+  /// not answered within `answer_timeout` fails, and no fork is asked for again.
+  ForkServer(int socket, pid_t server, std::vector<std::string> environment,
+             std::chrono::milliseconds answer_timeout = std::chrono::seconds(10));
   ~ForkServer();
   ForkServer(const ForkServer&) = delete;
   ForkServer& operator=(const ForkServer&) = delete;
@@ -55,6 +61,10 @@ class ForkServer {
   struct State;
   std::unique_ptr<State> state_;
 };
+
+/// One datagram of the fork server's protocol on `socket` (SOCK_SEQPACKET), with `fd` attached
+/// (SCM_RIGHTS) when it is not -1 (the caller keeps it); false, errno set, when it was not sent.
+bool send_datagram(int socket, const std::string& text, int fd);
 
 /// True for an environment variable that a library reads when it loads (so a forked process keeps
 /// its parent's value), except glibc's MALLOC_* settings that mallopt() can apply afterwards.
