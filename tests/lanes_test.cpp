@@ -180,6 +180,42 @@ TEST_CASE("blocks take turns on a lane: a fast task waits for at most one run of
   CHECK(fast_at <= 1);  // behind the slow run that held the lane, never behind the slow queue
 }
 
+TEST_CASE("a completion callback that resubmits as each result comes does not keep the lane from other tasks",
+          "[lanes]") {
+  SessionOptions options;
+  options.lanes = 1;
+  Session session(options);
+  BlockOptions two_at_once;  // the run in progress does not hold the block's one claim
+  two_at_once.workers = 2;
+  session.add_block(test::unary("a", [](const Tensor& x) { return x + 1; }, two_at_once));
+  session.add_block(test::unary("b", [](const Tensor& x) { return x * 10; }));
+  session.add_path(Path::chain("loop", {"a"})).add_path(Path::chain("other", {"b"}));
+  test::require_started(session);
+  // A closed loop on one lane: each result submits the next request, until the other task's
+  // request has resolved (or a bound that a starved lane would reach first).
+  constexpr int kBound = 200'000;
+  std::atomic<int> loops{0}, loops_when_other_done{-1}, loop_failures{0};
+  std::atomic<bool> loop_over{false};
+  std::function<void(Result&&)> again = [&](Result&& r) {
+    if (!r.ok()) ++loop_failures;
+    if (++loops < kBound && loops_when_other_done.load() < 0) {
+      session.submit("loop", {at::zeros({1})}, again);
+    } else {
+      loop_over = true;
+    }
+  };
+  session.submit("loop", {at::zeros({1})}, again);
+  REQUIRE(test::eventually([&] { return loops.load() >= 5; }));
+  auto other = session.submit("other", at::ones({1}));
+  const Result r = other.get();
+  loops_when_other_done = loops.load();
+  REQUIRE(test::eventually([&] { return loop_over.load(); }, 120s));
+  CHECK(r.ok());
+  CHECK(loop_failures.load() == 0);
+  INFO("loop requests resolved when the other task's request had: " << loops_when_other_done.load());
+  CHECK(loops_when_other_done.load() < kBound);  // served beside the loop, not after it
+}
+
 TEST_CASE("a lane runs a request's next blocks itself, and the trace still adds up", "[lanes]") {
   SessionOptions options;
   options.lanes = 1;

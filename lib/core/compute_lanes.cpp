@@ -209,6 +209,11 @@ void ComputeLanes::run_next(std::function<void()> run) {
   lanes_[static_cast<std::size_t>(current_lane())]->continuation = std::move(run);
 }
 
+void ComputeLanes::unclaim_next(LaneWork& work) {
+  lanes_[static_cast<std::size_t>(current_lane())]->continuation_work = nullptr;
+  release(work);
+}
+
 bool ComputeLanes::help(LaneWork& work, const std::function<void()>& run) {
   if (current_lane() < 0) return false;
   Lane& lane = *lanes_[static_cast<std::size_t>(this_lane.index)];

@@ -57,11 +57,21 @@ void SessionCore::run_block(BlockRuntime& runtime, std::optional<Envelope> first
   c10::InferenceMode inference_mode;
   Block& block = *runtime.block;
   const auto& options = block.options();
-  if (options.max_batch > 1) {
+  std::vector<Envelope> batch;
+  std::vector<StatePtr> states;
+  bool batching = options.max_batch > 1;
+  if (batching) {
+    try {  // room for the whole batch first: nothing taken below can then be lost to an exception
+      batch.reserve(static_cast<std::size_t>(options.max_batch));
+      states.reserve(static_cast<std::size_t>(options.max_batch));
+    } catch (...) {
+      batching = false;  // out of memory: this one runs alone
+    }
+  }
+  if (batching) {
     // Take what else waits, up to max_batch. Wait for more (until max_batch_delay_ms after the first
     // arrived) only while no other block has work ready: a lane never idles on a short batch while
     // work it could run waits (with one lane, the next block's inputs come from this very lane).
-    std::vector<Envelope> batch;
     const std::int64_t deadline_ns = first->sent_ns + static_cast<std::int64_t>(options.max_batch_delay_ms * 1e6);
     batch.push_back(std::move(*first));
     while (static_cast<int>(batch.size()) < options.max_batch) {
@@ -76,7 +86,6 @@ void SessionCore::run_block(BlockRuntime& runtime, std::optional<Envelope> first
       if (more) batch.push_back(std::move(*more));
     }
     if (batch.size() > 1) {
-      std::vector<StatePtr> states;
       for (const auto& e : batch) states.push_back(e.local);
       try {
         process_batch(runtime, std::move(batch));
@@ -340,11 +349,20 @@ void SessionCore::hand_over(const PlanNode& target, Envelope&& envelope) {
     return handle_displaced(std::move(outcome), target);
   }
   // Run to completion: on a lane, a block with nothing queued before this request runs next on
-  // this same lane, once the current block is done (no queue, no wake-up, warm caches).
-  if (runtime->inbox->depth() == 0 && !runtime->inbox->closed() && lanes_->claim_next(*runtime)) {
+  // this same lane, once the current block is done (no queue, no wake-up, warm caches). Not for a
+  // submit() from a completion callback (a closed loop resubmitting as each result comes): claimed
+  // here, its requests would follow one another on this lane for as long as the loop goes on, ahead
+  // of every other block's work; through the queue they take their turns.
+  if (calling_back == nullptr && runtime->inbox->depth() == 0 && !runtime->inbox->closed() &&
+      lanes_->claim_next(*runtime)) {
     envelope.sent_ns = now_ns();
     runtime->handed_directly.fetch_add(1, std::memory_order_relaxed);
-    lanes_->run_next([this, runtime, e = std::move(envelope)]() mutable { run_block(*runtime, std::move(e)); });
+    try {
+      lanes_->run_next([this, runtime, e = std::move(envelope)]() mutable { run_block(*runtime, std::move(e)); });
+    } catch (...) {  // out of memory: the claim goes back (the caller fails the request)
+      lanes_->unclaim_next(*runtime);
+      throw;
+    }
     return;
   }
   queue_on_lanes(*runtime, std::move(envelope), target);

@@ -130,6 +130,8 @@ class ComputeLanes {
   /// Step 2, right after a successful claim_next(): the lane runs `run` once its current unit is
   /// done (no queue, no wake-up), then releases the claim.
   void run_next(std::function<void()> run);
+  /// Instead of step 2 when the continuation could not be made (out of memory): gives the claim back.
+  void unclaim_next(LaneWork& work);
   /// On a lane: runs one unit of `work` here if it can be claimed (a lane that would wait for room
   /// in a full queue helps empty it instead): `run` under the claim, or work.run_one() without one.
   /// False, nothing run, when it is fully claimed elsewhere (or quiesced).
