@@ -114,6 +114,22 @@ TEST_CASE("a remote client submits over TCP and gets outputs or the named error"
   CHECK(endpoint.served() == 4);
 }
 
+TEST_CASE("a remote client with no endpoint to reach keeps its timeout, however many requests it sent", "[client]") {
+  // Nothing listens there: requests queue in the client's socket up to its bound (1000), and each
+  // submit() still ends within its timeout, first waiting for a reply, then for the socket.
+  RemoteClient client("tcp://127.0.0.1:1", absl::Milliseconds(1));
+  int no_reply = 0, not_sent = 0;
+  for (int i = 0; i < 1100; ++i) {
+    auto out = client.submit("double", {at::ones({1})});
+    REQUIRE(absl::IsDeadlineExceeded(out.status()));
+    const std::string why(out.status().message());
+    if (why.find("no reply to request") != std::string::npos) ++no_reply;
+    if (why.find("could not be sent within 1ms (no endpoint takes it)") != std::string::npos) ++not_sent;
+  }
+  CHECK(no_reply + not_sent == 1100);
+  CHECK(not_sent >= 100);  // the socket's bound was reached
+}
+
 TEST_CASE("outputs the wire cannot carry come back as an error naming why; the endpoint keeps serving", "[client]") {
   Session session;
   session.add_block(test::unary("grow", [](const Tensor& x) { return x.unsqueeze(0); }))

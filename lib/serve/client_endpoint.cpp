@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <algorithm>
+#include <cerrno>
 #include <deque>
 #include <map>
 #include <memory>
@@ -43,6 +44,9 @@ struct Reply {
   // Encoded at its first try, kept for the next ones while it waits in its client's backlog (a
   // non-contiguous output is copied once, not once per try).
   std::optional<detail::EncodedMessage> encoded;
+  // What it counts for in its client's backlog (size_of() when it was queued there): taken off as
+  // counted, although encoding it may change its size (an error reply instead of its outputs).
+  std::size_t backlogged_bytes = 0;
 };
 
 // What the completion callbacks given to Session::submit() reach: the replies waiting for the socket
@@ -223,8 +227,8 @@ struct ClientEndpoint::Impl {
     for (auto it = backlogs.begin(); it != backlogs.end();) {
       Backlog& b = it->second;
       while (!b.replies.empty() && try_send(b.replies.front())) {
-        b.bytes -= size_of(b.replies.front());
-        backlog_bytes_total -= size_of(b.replies.front());
+        b.bytes -= b.replies.front().backlogged_bytes;
+        backlog_bytes_total -= b.replies.front().backlogged_bytes;
         b.replies.pop_front();
       }
       it = b.replies.empty() ? backlogs.erase(it) : std::next(it);
@@ -250,6 +254,7 @@ struct ClientEndpoint::Impl {
       }
       b.bytes += bytes;
       backlog_bytes_total += bytes;
+      reply.backlogged_bytes = bytes;
       b.replies.push_back(std::move(reply));
     }
   }
@@ -258,7 +263,11 @@ struct ClientEndpoint::Impl {
     zmq::pollitem_t items[2] = {{router.handle(), 0, ZMQ_POLLIN, 0}, {nullptr, outbox->wake_fd, ZMQ_POLLIN, 0}};
     while (!stopping) {
       // With replies waiting for slow clients, look again soon: their pipes drain as they read.
-      zmq::poll(items, 2, std::chrono::milliseconds(backlogs.empty() ? 100 : 5));
+      try {
+        zmq::poll(items, 2, std::chrono::milliseconds(backlogs.empty() ? 100 : 5));
+      } catch (const zmq::error_t&) {  // EINTR: a signal handler ran on this thread
+        continue;
+      }
       if ((items[1].revents & ZMQ_POLLIN) != 0 || !backlogs.empty()) flush();
       if ((items[0].revents & ZMQ_POLLIN) == 0) continue;
       // A bounded batch per turn, so that replies keep flowing under a flood of requests.
@@ -352,14 +361,37 @@ absl::StatusOr<Tensors> RemoteClient::submit(const std::string& task, const Tens
   header.request_id = c.next_id++;
   header.target = task;
   header.times.submitted_ns = detail::now_ns();
-  auto sent = detail::send_message(c.dealer, header, inputs);
-  if (!sent.ok()) return sent.status();
   const absl::Time deadline = absl::Now() + c.timeout;
-  while (true) {
+  auto encoded = detail::encode_for_socket(header, inputs, nullptr, nullptr);
+  if (!encoded.ok()) return encoded.status();
+  // Within the timeout too: with no endpoint there, requests queue in the socket up to its bound,
+  // and the send would then wait for ever.
+  auto wait_for = [&](short events) {
     const auto left = std::max<std::int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now()));
-    zmq::pollitem_t item{c.dealer.handle(), 0, ZMQ_POLLIN, 0};
-    zmq::poll(&item, 1, std::chrono::milliseconds(left));
-    if ((item.revents & ZMQ_POLLIN) == 0) {
+    zmq::pollitem_t item{c.dealer.handle(), 0, events, 0};
+    try {
+      zmq::poll(&item, 1, std::chrono::milliseconds(std::min<std::int64_t>(left, 100)));
+    } catch (const zmq::error_t&) {  // EINTR: a signal handler ran on this thread; look again
+      return false;
+    }
+    return (item.revents & events) != 0;
+  };
+  while (true) {
+    try {
+      if (detail::send_encoded(c.dealer, *encoded, zmq::send_flags::dontwait)) break;
+    } catch (const zmq::error_t& e) {
+      if (e.num() != EINTR) return absl::UnavailableError(fmt::format("request {} for task '{}': {}", header.request_id, task, e.what()));
+      continue;
+    }
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(fmt::format("request {} for task '{}' could not be sent within {} (no endpoint takes it)",
+                                                     header.request_id, task, absl::FormatDuration(c.timeout)));
+    }
+    (void)wait_for(ZMQ_POLLOUT);
+  }
+  while (true) {
+    if (!wait_for(ZMQ_POLLIN)) {
+      if (absl::Now() < deadline) continue;
       return absl::DeadlineExceededError(fmt::format("no reply to request {} for task '{}' within {}",
                                                      header.request_id, task, absl::FormatDuration(c.timeout)));
     }
