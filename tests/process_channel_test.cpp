@@ -305,3 +305,15 @@ TEST_CASE("a receive() that waits with no deadline ends when its channel is clos
     CHECK_FALSE(waiting.get().has_value());
   }
 }
+
+TEST_CASE("envelopes a shm:// receiver never took are counted as dropped at close(), accepted senders or not",
+          "[process_channel]") {
+  const std::string uri = "shm://" + unique_name("unread");
+  auto receiver = open_or_fail(uri, ChannelRole::kReceiver);
+  auto sender = open_or_fail(uri, ChannelRole::kSender, test::no_wait());
+  for (std::uint64_t i = 0; i < 3; ++i) REQUIRE(sender->send(envelope_of(i, {at::ones({16})})).status.ok());
+  receiver->close();  // no receive(): the sender's connection was never accepted
+  CHECK(sender->stats().sent == 3);
+  CHECK(receiver->stats().received == 0);
+  CHECK(receiver->stats().dropped == 3);
+}

@@ -479,6 +479,9 @@ class ShmReceiver final : public ProcessChannel {
   // not taken is dropped, its slots released; the URI is free for a new receiver at once.
   void stop_reading() {
     if (cuda_) ::unlink(probe_.c_str());
+    // Senders still waiting to be accepted may have sent already: taken in, so that what they sent
+    // is counted as dropped (and its slots go back now) like the others'.
+    accept_senders();
     listener_.reset();  // unlinks the socket; connections not accepted yet are refused
     for (auto& s : senders_) {
       if (!s.link) continue;
