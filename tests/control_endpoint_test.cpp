@@ -5,6 +5,7 @@
 
 #include <blockflow/serve/control_endpoint.hpp>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <zmq.hpp>
 
@@ -112,5 +113,13 @@ TEST_CASE("control: limits on what one request may ask, each refusal naming its 
   CHECK_THAT(ask(R"({"cmd": "apply", "deployment": {"blocks": [{"name": "a", "factory": "upd_add_1", "placement": "../w"}],
               "tasks": {"t": ["a"]}}})"),
              Contains("placement name '../w' starts with . or -"));
+  std::string tasks;
+  for (int i = 0; i < 129; ++i) tasks += fmt::format(R"({}"t{}": ["a"])", i > 0 ? "," : "", i);
+  CHECK_THAT(ask(R"({"cmd": "apply", "deployment": {"blocks": [{"name": "a", "factory": "upd_add_1"}], "tasks": {)" + tasks + "}}}"),
+             Contains("has 129 tasks, over the limit of 128 (ControlOptions::max_tasks)"));
+  for (const char* period : {R"("100")", "4294967297", "0", "0.5", "true"}) {
+    CHECK_THAT(ask(fmt::format(R"({{"cmd": "sampling", "enabled": true, "period_ms": {}}})", period)),
+               Contains("sampling's \"period_ms\" must be a whole number of milliseconds from 1 to 3600000"));
+  }
   CHECK(session.metrics().version == 0);
 }

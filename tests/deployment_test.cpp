@@ -104,8 +104,23 @@ TEST_CASE("malformed deployments are rejected whole, naming the fault", "[deploy
   CHECK_THAT(error_of(R"({"blocks": [{"torchscript": "x.pt"}], "tasks": {}})"), Contains("needs a non-empty string \"name\""));
   CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "torchscript": "x.pt", "colour": "red"}], "tasks": {}})"),
              Contains("block 'b': unknown field 'colour'"));
-  CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "torchscript": "x.pt", "workers": "two"}], "tasks": {}})"),
-             Contains("block 'b': wrong type"));
+  // Each field named; numbers never wrapped or truncated into range (-1 is not SIZE_MAX, 2^32 + 1
+  // not 1, 1.9 and true not 1, 2^64 - 1 not -1).
+  const std::pair<const char*, const char*> faults[] = {
+      {R"("workers": "two")", "field 'workers': expected a whole number"},
+      {R"("device": 5)", "field 'device': wrong type"},
+      {R"("queue_capacity": -1)", "field 'queue_capacity': expected a whole number from 0 to 18446744073709551615"},
+      {R"("workers": 4294967297)", "field 'workers': expected a whole number from -2147483648 to 2147483647"},
+      {R"("workers": true)", "field 'workers': expected a whole number"},
+      {R"("max_batch": 1.9)", "field 'max_batch': expected a whole number"},
+      {R"("memory_bytes": 1e19)", "field 'memory_bytes': expected a whole number"},
+      {R"("input_shapes": [[1, 18446744073709551615]])", "field 'input_shapes': expected an array of shapes"},
+      {R"("max_batch_delay_ms": "soon")", "field 'max_batch_delay_ms': expected a number"},
+  };
+  for (const auto& [field, expected] : faults) {
+    const std::string json = std::string(R"({"blocks": [{"name": "b", "factory": "f", )") + field + R"(}], "tasks": {}})";
+    CHECK_THAT(error_of(json), Contains(std::string("block 'b': ") + expected));
+  }
   CHECK_THAT(error_of(R"({"blocks": [{"name": "b"}], "tasks": {}})"), Contains("block 'b': give exactly one of"));
   CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "torchscript": "x.pt", "factory": "f"}], "tasks": {}})"),
              Contains("block 'b': give exactly one of"));
@@ -342,4 +357,19 @@ TEST_CASE("cuda_graph: parsed and carried to workers; refused on a CPU device, w
                           "g", [](Tensors&& in) -> absl::StatusOr<Tensors> { return std::move(in); }, options)),
                       Contains("block 'g': cuda_graph needs a libtorch with CUDA"));
   }
+}
+
+TEST_CASE("a deployment from the wire warms a block up within one bound for all its input shapes together",
+          "[deployment]") {
+  std::string shapes;
+  for (int i = 0; i < 4; ++i) shapes += std::string(i > 0 ? "," : "") + "[8192, 8192]";  // 2^26 elements each
+  const std::string within = R"({"blocks": [{"name": "a", "factory": "f", "input_shapes": [)" + shapes + R"(]}], "tasks": {"t": ["a"]}})";
+  CHECK(Deployment::parse(within, "/models", /*confine_to_models_dir=*/true).ok());
+  const std::string over = R"({"blocks": [{"name": "a", "factory": "f", "input_shapes": [)" + shapes + R"(, [1, 1]]}], "tasks": {"t": ["a"]}})";
+  auto refused = Deployment::parse(over, "/models", /*confine_to_models_dir=*/true);
+  REQUIRE_FALSE(refused.ok());
+  CHECK_THAT(std::string(refused.status().message()),
+             Contains("block 'a': input_shapes[4] is beyond what a deployment from the wire may warm up") &&
+                 Contains("all its shapes together"));
+  CHECK(Deployment::parse(over, "/models").ok());  // a deployment of the application's own: not bounded
 }

@@ -198,6 +198,9 @@ TEST_CASE("inputs that cannot be planned are errors naming the task, block, site
   CHECK_THAT(std::string(parse_plan_tasks("{\"tasks\": [{\"name\": \"t\", \"path\": [1], \"rate_rps\": 1, \"slo_ms\": 1}]}",
                                           "tasks.json").status().message()),
              Contains("tasks[0].path: expected an array of strings"));
+  const std::string deep = "{\"tasks\": " + std::string(100'000, '[') + std::string(100'000, ']') + "}";
+  CHECK_THAT(std::string(parse_plan_tasks(deep, "tasks.json").status().message()),
+             Contains("tasks.json: JSON nests deeper than 64 levels"));
   CHECK_THAT(std::string(parse_plan_sites("{\"sites\": [{\"name\": \"w\", \"kind\": \"worker\"}]}", "sites.json").status().message()),
              Contains("sites.json: sites[0].lanes: missing"));
   CHECK_THAT(std::string(parse_plan_sites("[]", "sites.json").status().message()), Contains("sites.json: expected a JSON object"));

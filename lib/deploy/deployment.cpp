@@ -1,6 +1,7 @@
 #include <blockflow/deploy/deployment.hpp>
 #include <blockflow/deploy/detail/deployment_json.hpp>
 #include <blockflow/core/names.hpp>
+#include <blockflow/core/detail/json_integer.hpp>
 #include <blockflow/core/detail/warm_up_shapes.hpp>
 
 #include <absl/strings/numbers.h>
@@ -10,8 +11,10 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <sstream>
+#include <type_traits>
 
 namespace blockflow {
 namespace detail {
@@ -137,9 +140,45 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
     if (known.count(key) == 0) return absl::InvalidArgumentError(fmt::format("block '{}': unknown field '{}'", d.name, key));
   }
   BlockOptions& o = d.options;
+  struct BadField {
+    std::string problem;
+  };
+  const char* field = "";  // the one being read, named in the error
   try {
+    // Whole numbers within their type's range (nlohmann's own conversion wraps -1 into SIZE_MAX and
+    // truncates 1.9 and true into 1), numbers, arrays of whole numbers; strings and booleans as
+    // nlohmann reads them (other types refused).
     auto get = [&](const char* key, auto& into) {
-      if (json.contains(key)) json.at(key).get_to(into);
+      if (!json.contains(key)) return;
+      field = key;
+      using T = std::decay_t<decltype(into)>;
+      const nlohmann::json& v = json.at(key);
+      if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+        auto n = json_integer<T>(v);
+        if (!n) {
+          throw BadField{fmt::format("expected a whole number from {} to {}", std::numeric_limits<T>::lowest(),
+                                     std::numeric_limits<T>::max())};
+        }
+        into = *n;
+      } else if constexpr (std::is_same_v<T, double>) {
+        if (!v.is_number()) throw BadField{"expected a number"};
+        into = v.get<double>();
+      } else if constexpr (std::is_same_v<T, std::vector<std::vector<std::int64_t>>>) {
+        into.clear();
+        if (!v.is_array()) throw BadField{"expected an array of shapes (arrays of whole numbers)"};
+        for (const auto& shape : v) {
+          if (!shape.is_array()) throw BadField{"expected an array of shapes (arrays of whole numbers)"};
+          std::vector<std::int64_t> dims;
+          for (const auto& dim : shape) {
+            auto n = json_integer<std::int64_t>(dim);
+            if (!n) throw BadField{"expected an array of shapes (arrays of whole numbers)"};
+            dims.push_back(*n);
+          }
+          into.push_back(std::move(dims));
+        }
+      } else {
+        v.get_to(into);
+      }
     };
     get("torchscript", d.torchscript);
     get("factory", d.factory);
@@ -159,12 +198,15 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
     if (!d.torchscript_options.freeze) d.torchscript_options.optimize_for_inference = false;
     get("optimize_for_inference", d.torchscript_options.optimize_for_inference);
     if (json.contains("full_policy")) {
+      field = "full_policy";
       auto policy = policy_from(json.at("full_policy").get<std::string>());
       if (!policy.ok()) return absl::InvalidArgumentError(fmt::format("block '{}': {}", d.name, std::string(policy.status().message())));
       o.full_policy = *policy;
     }
+  } catch (const BadField& bad) {
+    return absl::InvalidArgumentError(fmt::format("block '{}': field '{}': {}", d.name, field, bad.problem));
   } catch (const nlohmann::json::exception& e) {
-    return absl::InvalidArgumentError(fmt::format("block '{}': wrong type: {}", d.name, e.what()));
+    return absl::InvalidArgumentError(fmt::format("block '{}': field '{}': wrong type: {}", d.name, field, e.what()));
   }
   if (d.torchscript.empty() == d.factory.empty()) {
     return absl::InvalidArgumentError(
@@ -176,12 +218,15 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
   }
   if (auto status = validate(d.name, o); !status.ok()) return status;
   if (confine) {  // from the wire: what a warm-up may allocate and repeat is bounded
+    // The warm-up makes the zeros of every shape at once: the bound is on their sum.
+    std::int64_t total = 0;
     for (std::size_t i = 0; i < o.input_shapes.size(); ++i) {
       const std::int64_t numel = detail::warm_up_elements(o.input_shapes[i]).value_or(0);  // validate(): counted
-      if (o.input_shapes[i].size() > kConfinedMaxDims || numel > kConfinedMaxElements) {
+      total += std::min(numel, kConfinedMaxElements + 1);
+      if (o.input_shapes[i].size() > kConfinedMaxDims || numel > kConfinedMaxElements || total > kConfinedMaxElements) {
         return absl::InvalidArgumentError(fmt::format(
             "block '{}': input_shapes[{}] is beyond what a deployment from the wire may warm up ({} dimensions and {} "
-            "elements at most)", d.name, i, kConfinedMaxDims, kConfinedMaxElements));
+            "elements at most, all its shapes together)", d.name, i, kConfinedMaxDims, kConfinedMaxElements));
       }
     }
     if (o.warmup_runs > kConfinedMaxWarmupRuns) {

@@ -2,6 +2,8 @@
 // Internal to lib/plan: reads the fields of a JSON object, naming the file and the place of the
 // field ("profile.json: blocks[1].latency[0].p50_ms: expected a number >= 0") in every error.
 
+#include <blockflow/core/detail/json_integer.hpp>
+
 #include <absl/status/status.h>
 #include <absl/status/statusor.h>
 #include <fmt/format.h>
@@ -89,8 +91,9 @@ class JsonReader {
       if (!shape.is_array()) return error(field, "expected arrays of whole numbers");
       std::vector<std::int64_t> dims;
       for (const auto& d : shape) {
-        if (!d.is_number_integer()) return error(field, "expected arrays of whole numbers");
-        dims.push_back(d.get<std::int64_t>());
+        auto dim = json_integer<std::int64_t>(d);  // 2^64 - 1 is not -1 ("any size")
+        if (!dim) return error(field, "expected arrays of whole numbers");
+        dims.push_back(*dim);
       }
       out.push_back(std::move(dims));
     }

@@ -30,6 +30,10 @@ absl::StatusOr<std::string> read_file(const std::string& file) {
 
 // The array under `key` of a JSON object document.
 absl::StatusOr<json> list_of(const std::string& text, const std::string& source, const std::string& key) {
+  // Nested past the bound, a document would be copied (below) by recursion as deep as its nesting.
+  if (auto depth = detail::check_json_depth(text); !depth.ok()) {
+    return absl::InvalidArgumentError(fmt::format("{}: {}", source, std::string(depth.message())));
+  }
   json doc = json::parse(text, nullptr, false);
   if (doc.is_discarded()) return absl::InvalidArgumentError(fmt::format("{}: not JSON", source));
   if (!doc.is_object()) return absl::InvalidArgumentError(fmt::format("{}: expected a JSON object with \"{}\"", source, key));

@@ -1,5 +1,6 @@
 #include <blockflow/serve/control_endpoint.hpp>
 #include <blockflow/channel/detail/curve_auth.hpp>
+#include <blockflow/core/detail/json_integer.hpp>
 #include <blockflow/deploy/detail/deployment_json.hpp>
 #include <blockflow/observe/detail/metrics_json.hpp>
 
@@ -30,6 +31,7 @@ struct ControlEndpoint::Impl {
     Deployment deployment;
   };
   static constexpr std::size_t kMaxQueuedApplies = 4;
+  static constexpr std::size_t kMaxRoutingBytes = 1024;  // the frames before a request's own
 
   Session& session;
   const ControlOptions options;
@@ -76,6 +78,10 @@ struct ControlEndpoint::Impl {
         return error(fmt::format("control: the deployment has {} blocks, over the limit of {} (ControlOptions::max_blocks)",
                                  deployment->blocks.size(), options.max_blocks));
       }
+      if (const auto tasks = deployment->tasks.size() + deployment->graphs.size(); tasks > options.max_tasks) {
+        return error(fmt::format("control: the deployment has {} tasks, over the limit of {} (ControlOptions::max_tasks)",
+                                 tasks, options.max_tasks));
+      }
       std::lock_guard lock(mu);
       if (applies.size() >= kMaxQueuedApplies) {
         return error(fmt::format("control: {} updates already wait to be applied; send this one again later",
@@ -106,8 +112,12 @@ struct ControlEndpoint::Impl {
       if (!request.contains("enabled") || !request["enabled"].is_boolean()) {
         return error("control: sampling needs a boolean \"enabled\"");
       }
-      const auto period = request.value("period_ms", 100);
-      if (period <= 0) return error("control: period_ms must be > 0");
+      int period = 100;
+      if (request.contains("period_ms")) {
+        auto given = detail::json_integer<int>(request["period_ms"], 1, 3'600'000);
+        if (!given) return error("control: sampling's \"period_ms\" must be a whole number of milliseconds from 1 to 3600000");
+        period = *given;
+      }
       session.set_sampling(request["enabled"].get<bool>(), absl::Milliseconds(period));
       return {{"ok", true}};
     }
@@ -169,7 +179,12 @@ struct ControlEndpoint::Impl {
         continue;
       }
       // Everything up to the empty delimiter routes the reply back; the last frame is the request.
+      // A REQ client's routing frames are a few bytes: larger ones (a client getting around
+      // max_message_bytes, whose reply would send them all back) are dropped unanswered.
       if (frames.size() < 2) continue;
+      std::size_t routing_bytes = 0;
+      for (std::size_t i = 0; i + 1 < frames.size(); ++i) routing_bytes += frames[i].size();
+      if (routing_bytes > kMaxRoutingBytes) continue;
       Envelope envelope;
       for (std::size_t i = 0; i + 1 < frames.size(); ++i) envelope.push_back(std::move(frames[i]));
       const std::string text = frames.back().to_string();

@@ -37,9 +37,10 @@ struct ControlOptions {
   /// A request above this size gets an error reply; one above twice this size closes the
   /// connection unanswered (ZeroMQ drops it before it is read whole).
   std::size_t max_message_bytes = std::size_t{1} << 20;
-  /// Worker processes (distinct placements) and blocks one deployment may name.
+  /// Worker processes (distinct placements), blocks and tasks one deployment may name.
   std::size_t max_workers = 16;
   std::size_t max_blocks = 128;
+  std::size_t max_tasks = 128;
   /// CURVE keys and the admitted clients (curve.hpp; `blockflowctl --key --server-key` is such a
   /// client). Without keys, a TCP endpoint beyond the loopback is refused unless `security.insecure`.
   ServerSecurity security;
