@@ -129,3 +129,23 @@ TEST_CASE("a reply handed in after close() is dropped, not left waiting", "[work
   CHECK_FALSE(replies.send_next());
   CHECK(sink.taken().empty());
 }
+
+TEST_CASE("a send interrupted by a signal is tried again in order; one that fails otherwise is dropped, not thrown",
+          "[worker]") {
+  ReplyQueue replies;
+  std::vector<std::uint64_t> sent;
+  int interrupted = 0;
+  // The sending thread's socket: no direct send (so all go through send_next()); the first wait is
+  // interrupted (EINTR), reply 3 cannot be sent at all.
+  replies.attach([&](Reply& r, bool wait) {
+    if (!wait) return false;
+    if (interrupted++ == 0) throw zmq::error_t(EINTR);
+    if (r.header.request_id == 3) throw std::runtime_error("the socket is gone");
+    sent.push_back(r.header.request_id);
+    return true;
+  });
+  for (std::uint64_t n = 1; n <= 4; ++n) replies.push(reply_queue_test::numbered(n));
+  for (int i = 0; i < 5; ++i) REQUIRE_NOTHROW(replies.send_next());
+  CHECK(sent == std::vector<std::uint64_t>{1, 2, 4});
+  CHECK(replies.pending() == 0);
+}

@@ -3,6 +3,7 @@
 
 #include <blockflow/core/detail/auth_failures.hpp>
 #include <blockflow/channel/detail/curve_auth.hpp>
+#include <blockflow/channel/detail/zmq_calls.hpp>
 #include <blockflow/channel/detail/curve_keys.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/names.hpp>
@@ -173,7 +174,7 @@ struct CurveServer::State {
         }
         std::vector<zmq::pollitem_t> items{{zap.handle(), 0, ZMQ_POLLIN, 0}};
         for (auto& m : monitors) items.push_back({m.handle(), 0, ZMQ_POLLIN, 0});
-        zmq::poll(items, std::chrono::milliseconds(50));
+        poll_items(items, std::chrono::milliseconds(50));
         if ((items[0].revents & ZMQ_POLLIN) != 0) answer(zap);
         for (std::size_t i = 0; i < monitors.size(); ++i) {
           if ((items[i + 1].revents & ZMQ_POLLIN) != 0) monitor_event(monitors[i]);

@@ -10,6 +10,7 @@
 #include <blockflow/channel/detail/curve_auth.hpp>
 #include <blockflow/channel/detail/curve_keys.hpp>
 #include <blockflow/channel/detail/tensor_codec.hpp>
+#include <blockflow/channel/detail/zmq_calls.hpp>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -162,10 +163,7 @@ class ZmqReceiver final : public ZmqEnd {
       if (left <= absl::ZeroDuration()) return std::nullopt;
       MutexLock lock(&mu_);
       zmq::pollitem_t item{static_cast<void*>(socket_), 0, ZMQ_POLLIN, 0};
-      try {
-        (void)zmq::poll(&item, 1, std::chrono::milliseconds(poll_slice_ms(left, kPollSliceMs)));
-      } catch (const zmq::error_t&) {  // EINTR: a signal handler ran on this thread; look again
-      }
+      poll_items(&item, 1, std::chrono::milliseconds(poll_slice_ms(left, kPollSliceMs)));
     }
     return std::nullopt;
   }

@@ -4,6 +4,7 @@
 #include <blockflow/channel/detail/curve_auth.hpp>
 #include <blockflow/channel/detail/curve_keys.hpp>
 #include <blockflow/channel/detail/tensor_codec.hpp>
+#include <blockflow/channel/detail/zmq_calls.hpp>
 
 #include <fmt/format.h>
 #include <zmq.hpp>
@@ -263,11 +264,7 @@ struct ClientEndpoint::Impl {
     zmq::pollitem_t items[2] = {{router.handle(), 0, ZMQ_POLLIN, 0}, {nullptr, outbox->wake_fd, ZMQ_POLLIN, 0}};
     while (!stopping) {
       // With replies waiting for slow clients, look again soon: their pipes drain as they read.
-      try {
-        zmq::poll(items, 2, std::chrono::milliseconds(backlogs.empty() ? 100 : 5));
-      } catch (const zmq::error_t&) {  // EINTR: a signal handler ran on this thread
-        continue;
-      }
+      detail::poll_items(items, 2, std::chrono::milliseconds(backlogs.empty() ? 100 : 5));
       if ((items[1].revents & ZMQ_POLLIN) != 0 || !backlogs.empty()) flush();
       if ((items[0].revents & ZMQ_POLLIN) == 0) continue;
       // A bounded batch per turn, so that replies keep flowing under a flood of requests.
@@ -369,11 +366,7 @@ absl::StatusOr<Tensors> RemoteClient::submit(const std::string& task, const Tens
   auto wait_for = [&](short events) {
     const auto left = std::max<std::int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now()));
     zmq::pollitem_t item{c.dealer.handle(), 0, events, 0};
-    try {
-      zmq::poll(&item, 1, std::chrono::milliseconds(std::min<std::int64_t>(left, 100)));
-    } catch (const zmq::error_t&) {  // EINTR: a signal handler ran on this thread; look again
-      return false;
-    }
+    detail::poll_items(&item, 1, std::chrono::milliseconds(std::min<std::int64_t>(left, 100)));
     return (item.revents & events) != 0;
   };
   while (true) {

@@ -1,5 +1,6 @@
 #include <blockflow/serve/control_endpoint.hpp>
 #include <blockflow/channel/detail/curve_auth.hpp>
+#include <blockflow/channel/detail/zmq_calls.hpp>
 #include <blockflow/core/detail/json_integer.hpp>
 #include <blockflow/deploy/detail/deployment_json.hpp>
 #include <blockflow/observe/detail/metrics_json.hpp>
@@ -159,7 +160,7 @@ struct ControlEndpoint::Impl {
   void main() {
     while (!stopping) {
       zmq::pollitem_t items[] = {{socket.handle(), 0, ZMQ_POLLIN, 0}, {bell_in.handle(), 0, ZMQ_POLLIN, 0}};
-      zmq::poll(items, 2, std::chrono::milliseconds(100));
+      detail::poll_items(items, 2, std::chrono::milliseconds(100));
       if ((items[1].revents & ZMQ_POLLIN) != 0) {
         zmq::message_t ring;
         while (bell_in.recv(ring, zmq::recv_flags::dontwait)) {

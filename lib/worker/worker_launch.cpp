@@ -7,6 +7,7 @@
 // blockflow-worker costs a few MB.
 
 #include <blockflow/channel/detail/curve_keys.hpp>
+#include <blockflow/channel/detail/zmq_calls.hpp>
 #include <blockflow/worker/detail/launch_worker.hpp>
 #include <blockflow/worker/detail/worker_launch.hpp>
 
@@ -254,7 +255,7 @@ int serve_once(const Args& args, const std::filesystem::path& launcher_dir, int 
       next_hello = args.join ? now_ns() + 1'000'000'000 : std::numeric_limits<std::int64_t>::max();
     }
     zmq::pollitem_t items[] = {{control.handle(), 0, ZMQ_POLLIN, 0}, {watch.handle(), 0, ZMQ_POLLIN, 0}};
-    zmq::poll(items, watch.handle() != nullptr ? 2 : 1, std::chrono::milliseconds(200));
+    blockflow::detail::poll_items(items, watch.handle() != nullptr ? 2 : 1, std::chrono::milliseconds(200));
     if ((items[1].revents & ZMQ_POLLIN) != 0) watch.report();
     watch.hint_if_silent();
     if ((items[0].revents & ZMQ_POLLIN) == 0) continue;

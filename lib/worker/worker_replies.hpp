@@ -8,8 +8,10 @@
 
 #include <ATen/core/Tensor.h>
 #include <absl/status/status.h>
+#include <zmq.hpp>
 
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -191,7 +193,18 @@ class ReplyQueue {
         r = std::move(queue_.front());  // only this thread pops
         queue_.pop_front();
       }
-      if (send_) (void)send_(*r, /*wait=*/true);
+      try {
+        if (send_) (void)send_(*r, /*wait=*/true);
+      } catch (const zmq::error_t& e) {
+        if (e.num() == EINTR) {  // a signal handler ran on this thread: the same reply goes next
+          std::lock_guard lock(mu_);
+          queue_.push_front(std::move(*r));
+          return true;
+        }
+        // The socket cannot send any more (its context is ending): the reply is dropped, counted
+        // out of pending as sent ones are.
+      } catch (...) {  // (out of memory, say) dropped: the host fails the request when the worker goes
+      }
     }
     pending_.fetch_sub(1);
     return true;

@@ -8,6 +8,7 @@
 #include <blockflow/core/detail/clock.hpp>
 #include <blockflow/channel/detail/curve_keys.hpp>
 #include <blockflow/channel/detail/slot_allocator.hpp>
+#include <blockflow/channel/detail/zmq_calls.hpp>
 #include <blockflow/worker/worker_site.hpp>
 #include <blockflow/channel/detail/zero_copy_ends.hpp>
 #include <blockflow/channel/detail/zero_copy_link.hpp>
@@ -308,7 +309,7 @@ class Worker {
   void control_loop() {
     while (host_alive()) {
       zmq::pollitem_t item{control_.handle(), 0, ZMQ_POLLIN, 0};
-      zmq::poll(&item, 1, std::chrono::milliseconds(update_running_ ? 10 : 100));
+      bf::detail::poll_items(&item, 1, std::chrono::milliseconds(update_running_ ? 10 : 100));
       finish_update();
       if ((item.revents & ZMQ_POLLIN) == 0) continue;
       zmq::message_t msg;
@@ -361,7 +362,7 @@ class Worker {
       }
     }
     std::vector<zmq::message_t> frames;
-    if (!zmq::recv_multipart(pull_, std::back_inserter(frames))) return std::nullopt;
+    if (!bf::detail::receive_frames(pull_, frames)) return std::nullopt;
     Incoming in;
     in.arrived = now_ns();
     if (!frames.empty()) {

@@ -12,6 +12,7 @@
 #include <blockflow/core/names.hpp>
 #include <blockflow/core/detail/clock.hpp>
 #include <blockflow/channel/detail/curve_auth.hpp>
+#include <blockflow/channel/detail/zmq_calls.hpp>
 #include <blockflow/channel/detail/runtime_dir.hpp>
 #include <blockflow/channel/detail/zero_copy_ends.hpp>
 #include <blockflow/channel/detail/zero_copy_link.hpp>

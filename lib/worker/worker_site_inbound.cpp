@@ -49,7 +49,7 @@ void WorkerSite::Impl::receiver_main() {
     }
     if (joined()) move_data_socket(pull, result_endpoint, pull_epoch);
     std::vector<zmq::message_t> frames;
-    if (!zmq::recv_multipart(pull, std::back_inserter(frames))) continue;  // timeout
+    if (!detail::receive_frames(pull, frames)) continue;  // timeout
     handle_frames(std::move(frames));
   }
 }
@@ -150,6 +150,7 @@ void WorkerSite::Impl::on_malformed(std::optional<std::uint64_t> id, const absl:
       }
     }
   }
+  if (!affected.empty()) wake();  // room in flight: a request waiting for it goes now
   forget_vias(vias);
   noisy.log(LogLevel::kWarning, fmt::format("{}: malformed result frame dropped: {}", prefix(), std::string(why.message())));
   fail_all(std::move(affected),

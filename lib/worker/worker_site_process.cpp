@@ -391,7 +391,7 @@ void WorkerSite::Impl::control_main() {
       if (stopping) break;
     }
     zmq::pollitem_t item{router.handle(), 0, ZMQ_POLLIN, 0};
-    zmq::poll(&item, 1, std::chrono::milliseconds(50));
+    detail::poll_items(&item, 1, std::chrono::milliseconds(50));
     if ((item.revents & ZMQ_POLLIN) != 0) {
       std::vector<zmq::message_t> parts;
       if (zmq::recv_multipart(router, std::back_inserter(parts), zmq::recv_flags::dontwait) && parts.size() == 2) {
