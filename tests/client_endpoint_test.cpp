@@ -119,15 +119,15 @@ TEST_CASE("a remote client with no endpoint to reach keeps its timeout, however 
   // submit() still ends within its timeout, first waiting for a reply, then for the socket.
   RemoteClient client("tcp://127.0.0.1:1", absl::Milliseconds(1));
   int no_reply = 0, not_sent = 0;
-  for (int i = 0; i < 1100; ++i) {
+  for (int i = 0; i < 2000; ++i) {
     auto out = client.submit("double", {at::ones({1})});
     REQUIRE(absl::IsDeadlineExceeded(out.status()));
     const std::string why(out.status().message());
     if (why.find("no reply to request") != std::string::npos) ++no_reply;
     if (why.find("could not be sent within 1ms (no endpoint takes it)") != std::string::npos) ++not_sent;
   }
-  CHECK(no_reply + not_sent == 1100);
-  CHECK(not_sent >= 100);  // the socket's bound was reached
+  CHECK(no_reply + not_sent == 2000);
+  CHECK(not_sent >= 500);  // the socket's bound (1000 by default) was reached
 }
 
 TEST_CASE("outputs the wire cannot carry come back as an error naming why; the endpoint keeps serving", "[client]") {

@@ -133,7 +133,7 @@ TEST_CASE("a reply handed in after close() is dropped, not left waiting", "[work
 TEST_CASE("a send interrupted by a signal is tried again in order; one that fails otherwise is dropped, not thrown",
           "[worker]") {
   ReplyQueue replies;
-  std::vector<std::uint64_t> sent;
+  std::vector<std::uint64_t> sent, dropped;
   int interrupted = 0;
   // The sending thread's socket: no direct send (so all go through send_next()); the first wait is
   // interrupted (EINTR), reply 3 cannot be sent at all.
@@ -143,9 +143,10 @@ TEST_CASE("a send interrupted by a signal is tried again in order; one that fail
     if (r.header.request_id == 3) throw std::runtime_error("the socket is gone");
     sent.push_back(r.header.request_id);
     return true;
-  });
+  }, [&](Reply& r) { dropped.push_back(r.header.request_id); });
   for (std::uint64_t n = 1; n <= 4; ++n) replies.push(reply_queue_test::numbered(n));
   for (int i = 0; i < 5; ++i) REQUIRE_NOTHROW(replies.send_next());
   CHECK(sent == std::vector<std::uint64_t>{1, 2, 4});
+  CHECK(dropped == std::vector<std::uint64_t>{3});
   CHECK(replies.pending() == 0);
 }

@@ -235,7 +235,8 @@ absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& fram
       out.tensors.push_back(*std::move(tensor));
       continue;
     }
-    auto frame = std::make_unique<zmq::message_t>(std::move(frames[i + 1]));
+    // Shared with the tensor's deleter: whichever lets go last frees it, whatever throws in between.
+    auto frame = std::make_shared<zmq::message_t>(std::move(frames[i + 1]));
     const auto options = at::TensorOptions().dtype(*type);
     const auto element = wire::element_size(desc.dtype);
     void* data = frame->data();
@@ -250,10 +251,8 @@ absl::StatusOr<DecodedMessage> decode_message(std::vector<zmq::message_t>&& fram
         out.tensors.push_back(std::move(t));
         continue;
       }
-      zmq::message_t* kept = frame.get();
       out.tensors.push_back(at::from_blob(
-          data, desc.shape, desc.strides, [kept](void*) { delete kept; }, options));
-      (void)frame.release();  // the tensor's now
+          data, desc.shape, desc.strides, [frame](void*) mutable { frame.reset(); }, options));
     } catch (const c10::Error& e) {
       return absl::InvalidArgumentError(fmt::format("tensor {}: {}", i, e.what_without_backtrace()));
     } catch (const std::exception& e) {

@@ -32,6 +32,9 @@ class CallableBlock final : public Block {
 
 }  // namespace
 
+// A batch's room is reserved when a lane takes its first request (session_execution.cpp).
+constexpr int kMaxBatch = 4096;
+
 absl::Status validate(const std::string& block, const BlockOptions& o) {
   auto bad = [&](const std::string& what) {
     return absl::InvalidArgumentError(fmt::format("block '{}': {}", block, what));
@@ -46,7 +49,7 @@ absl::Status validate(const std::string& block, const BlockOptions& o) {
   if (o.workers < 1) return bad("workers must be >= 1");
   if (o.queue_capacity < 1) return bad("queue_capacity must be >= 1");
   if (o.intra_op_threads < 0) return bad("intra_op_threads must be >= 0");
-  if (o.max_batch < 1) return bad("max_batch must be >= 1");
+  if (o.max_batch < 1 || o.max_batch > kMaxBatch) return bad(fmt::format("max_batch must be from 1 to {}", kMaxBatch));
   if (!(o.max_batch_delay_ms >= 0)) return bad("max_batch_delay_ms must be >= 0");
   if (o.warmup_runs < 0) return bad("warmup_runs must be >= 0");
   for (std::size_t i = 0; i < o.input_shapes.size(); ++i) {

@@ -4,6 +4,7 @@
 #include <blockflow/core/detail/clock.hpp>
 #include <blockflow/core/detail/mutex.hpp>
 #include <blockflow/deploy/detail/deployment_json.hpp>
+#include <blockflow/core/detail/exception_text.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/run_in_threads.hpp>
 #include <blockflow/core/detail/session_core.hpp>
@@ -139,13 +140,22 @@ void SessionCore::cancel_update() {
     sites = busy_sites_;
     ++cancelling_;  // each site's step waits for these calls before it ends (at_site())
   }
+  struct Done {  // however the calls below end: a step waiting for them must not wait for ever
+    SessionCore* core;
+    ~Done() {
+      blockflow::detail::MutexLock lock(&core->busy_mu_);
+      --core->cancelling_;
+    }
+  } done{this};
   for (const auto& [site, is_new] : sites) {
     // A site this update was starting serves nothing yet: stopping it is how its start() ends.
-    if (is_new) site->stop();
-    else site->cancel_update();
+    try {
+      if (is_new) site->stop();
+      else site->cancel_update();
+    } catch (...) {  // the other sites are still told
+      detail::log(LogLevel::kWarning, fmt::format("cancelling an update: site '{}' threw: {}", site->name(), current_exception_text()));
+    }
   }
-  blockflow::detail::MutexLock lock(&busy_mu_);
-  --cancelling_;
 }
 
 // Runs `step` against `site` so that cancel_update() can interrupt it; not at all once cancelled,

@@ -100,11 +100,14 @@ std::optional<std::string> ChildProcess::exited() {
       reset();
       return how;
     }
-    if (errno != ECHILD) return std::nullopt;
-    reset();  // reaped by someone else (the application ignores SIGCHLD): how is not known
-    return std::string("exited");
+    if (errno == ECHILD) {
+      reset();  // reaped by someone else (the application ignores SIGCHLD): how is not known
+      return std::string("exited");
+    }
+    // EINVAL: a kernel with pidfd_open() but not waitid(P_PIDFD) (Linux 5.3): by pid below, which
+    // is this process's while it is unreaped (the pidfd still serves kill()).
   }
-  if (pidfd_ < 0) {
+  if (pidfd_ < 0 || fork_id_ == 0) {
     int status = 0;
     const pid_t r = ::waitpid(pid_, &status, WNOHANG);
     if (r == 0 || (r < 0 && errno != ECHILD)) return std::nullopt;

@@ -354,13 +354,17 @@ void reap_server(pid_t server) {
 ForkServer* ForkServer::reporting() {
   ForkServer* s = the_server.load(std::memory_order_acquire);
   if (s == nullptr) return nullptr;
-  std::lock_guard lock(s->state_->mu);
-  if (!s->state_->gone) {  // a server that died shows as a hung-up socket
-    pollfd p{s->state_->socket, 0, 0};
-    s->state_->gone = ::poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLERR)) != 0;
-    if (s->state_->gone) reap_server(s->state_->server);  // no zombie left
+  {
+    std::lock_guard lock(s->state_->mu);
+    if (!s->state_->gone) {  // a server that died shows as a hung-up socket
+      pollfd p{s->state_->socket, 0, 0};
+      s->state_->gone = ::poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLERR)) != 0;
+      if (s->state_->gone) reap_server(s->state_->server);  // no zombie left
+    }
+    if (s->state_->gone) return nullptr;
   }
-  return s->state_->gone ? nullptr : s;
+  s->drain_late_answers();
+  return s;
 }
 
 ForkServer* ForkServer::get() {
@@ -461,6 +465,19 @@ absl::StatusOr<ForkServer::Forked> ForkServer::fork_worker(const std::vector<std
     return absl::UnavailableError("the fork server answered without a process");
   }
   return out;
+}
+
+void ForkServer::drain_late_answers() {
+  State& s = *state_;
+  std::lock_guard lock(s.mu);
+  while (!s.gone && s.abandoned > 0) {
+    const Received r = take_one(s.socket, 0, s.exits, s.abandoned, nullptr, nullptr);
+    if (r == Received::kClosed) {
+      s.gone = true;
+      reap_server(s.server);
+    }
+    if (r != Received::kMessage) return;
+  }
 }
 
 std::optional<int> ForkServer::exit_status(std::uint64_t id, std::chrono::milliseconds wait) {

@@ -137,9 +137,12 @@ class ReplyQueue {
 
   // The sending thread, once its socket exists: `send` sends one reply on it, with the send lock
   // held (by whichever thread calls it). detach() before the socket goes.
-  void attach(Send send) {
+  // `dropped` (if given) is told of a reply the sending thread had to drop (its socket failed).
+  using Dropped = std::function<void(Reply&)>;
+  void attach(Send send, Dropped dropped = nullptr) {
     std::lock_guard sending(send_mu_);
     send_ = std::move(send);
+    dropped_ = std::move(dropped);
   }
   void detach() {
     std::lock_guard sending(send_mu_);
@@ -203,7 +206,9 @@ class ReplyQueue {
         }
         // The socket cannot send any more (its context is ending): the reply is dropped, counted
         // out of pending as sent ones are.
-      } catch (...) {  // (out of memory, say) dropped: the host fails the request when the worker goes
+        if (dropped_) dropped_(*r);
+      } catch (...) {  // (out of memory, say) dropped, and what it parked with it
+        if (dropped_) dropped_(*r);
       }
     }
     pending_.fetch_sub(1);
@@ -228,6 +233,7 @@ class ReplyQueue {
   bool closed_ = false;
   std::mutex send_mu_;  // whoever sends on the socket holds it
   Send send_;
+  Dropped dropped_;
   std::atomic<int> pending_{0};  // handed in and not yet sent: queued, or being sent
 };
 

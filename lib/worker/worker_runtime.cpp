@@ -572,7 +572,7 @@ class Worker {
         return absl::OkStatus();
       });
       return taken;
-    });
+    }, [&](Reply& r) { parked_.drop_referenced(r.references); });  // dropped: the host never learns them
     while (replies_.send_next()) {
     }
     replies_.detach();

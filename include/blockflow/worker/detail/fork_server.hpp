@@ -59,6 +59,9 @@ class ForkServer {
 
  private:
   struct State;
+  // With forks left unanswered: reads what has come (without waiting), so that a late answer's
+  // worker is killed at the next look at the server, not only when another worker exits.
+  void drain_late_answers();
   std::unique_ptr<State> state_;
 };
 
