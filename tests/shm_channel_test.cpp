@@ -274,6 +274,18 @@ TEST_CASE("split small CNN: threads, shm workers and zmq workers give equal outp
   CHECK(shm.sites[1].shm_requests.forwarded == 8);
   CHECK(shm.sites[1].shm_requests.bytes_staged == 0);
   CHECK(shm.sites[1].shm_requests.slots_total == 0);
+  // A relayed result goes to the next worker from the thread that received it, not through the
+  // block's queue; the images (not in a slot) go through b1's queue.
+  const auto block = [&](const std::string& name) {
+    for (const auto& b : shm.blocks) {
+      if (b.name == name) return b;
+    }
+    FAIL("no block " << name);
+    return BlockMetrics{};
+  };
+  CHECK(block("b1").handed_directly == 0);
+  CHECK(block("b2").handed_directly == 8);
+  CHECK(block("b3").handed_directly == 8);
   CHECK(sessions["zmq"]->metrics().sites.at(0).data.kind == "zmq-ipc");
 }
 

@@ -419,7 +419,35 @@ struct CudaProducer::Impl {
 CudaProducer::CudaProducer(std::size_t max_in_flight) : impl_(std::make_shared<Impl>(max_in_flight)) {}
 CudaProducer::~CudaProducer() = default;
 
+CudaProducer::Reserved::~Reserved() {
+  for (auto& record : records) record.drop();
+}
+
+std::shared_ptr<CudaProducer::Reserved> CudaProducer::reserve_now(std::size_t n) {
+  auto reserved = std::make_shared<Reserved>();
+  for (std::size_t i = 0; i < n; ++i) {
+    auto lease = impl_->records.try_lease(sizeof(Record));
+    if (!lease) return nullptr;  // those taken go back with `reserved`
+    reserved->records.push_back(std::move(*lease));
+  }
+  return reserved;
+}
+
 absl::StatusOr<wire::ShmHandle> CudaProducer::share(const at::Tensor& t, absl::Time deadline) {
+  return share_in(t, [&] { return impl_->records.lease(sizeof(Record), deadline); });
+}
+
+absl::StatusOr<wire::ShmHandle> CudaProducer::share(const at::Tensor& t, Reserved& reserved) {
+  return share_in(t, [&]() -> absl::StatusOr<ShmLease> {
+    if (reserved.records.empty()) return absl::FailedPreconditionError("no CUDA record left of those reserved");
+    ShmLease record = std::move(reserved.records.back());
+    reserved.records.pop_back();
+    return record;
+  });
+}
+
+absl::StatusOr<wire::ShmHandle> CudaProducer::share_in(const at::Tensor& t,
+                                                       const std::function<absl::StatusOr<ShmLease>()>& take_record) {
   if (!t.is_cuda() || !t.is_contiguous()) {
     return absl::InvalidArgumentError(fmt::format("the CUDA channel carries contiguous CUDA tensors, not {}", describe(t)));
   }
@@ -466,7 +494,7 @@ absl::StatusOr<wire::ShmHandle> CudaProducer::share(const at::Tensor& t, absl::T
 #endif
   }
   Impl& s = *impl_;
-  auto lease = s.records.lease(sizeof(Record), deadline);
+  auto lease = take_record();
   if (!lease.ok()) {
     return absl::Status(lease.status().code(), fmt::format("CUDA channel: {}", std::string(lease.status().message())));
   }
@@ -592,6 +620,9 @@ struct CudaProducer::Impl {};
 CudaProducer::CudaProducer(std::size_t) {}
 CudaProducer::~CudaProducer() = default;
 absl::StatusOr<wire::ShmHandle> CudaProducer::share(const at::Tensor&, absl::Time) { return no_cuda(); }
+CudaProducer::Reserved::~Reserved() = default;
+std::shared_ptr<CudaProducer::Reserved> CudaProducer::reserve_now(std::size_t) { return nullptr; }
+absl::StatusOr<wire::ShmHandle> CudaProducer::share(const at::Tensor&, Reserved&) { return no_cuda(); }
 bool CudaProducer::release(const wire::ShmHandle&) { return false; }
 std::size_t CudaProducer::reclaim_all() { return 0; }
 ShmEdgeStats CudaProducer::stats() const { return {}; }

@@ -69,6 +69,25 @@ bool ZeroCopyEnds::relays_as_is(const at::Tensor& t) {
   return t.defined() && t.device().is_cpu() && t.is_contiguous() && shm_origin(t.data_ptr(), byte_size(t)).has_value();
 }
 
+std::optional<ShmStager> ZeroCopyEnds::stager_now(const Tensors& tensors) {
+  std::size_t cuda_tensors = 0;
+  for (const auto& t : tensors) {
+    if (t.defined() && t.is_cuda()) {
+      ++cuda_tensors;
+    } else if (!relays_as_is(t)) {
+      return std::nullopt;  // staging it could wait for a slot
+    }
+  }
+  ShmStager host = stager(absl::ZeroDuration());
+  if (cuda_tensors == 0) return host;
+  if (!cuda_out_) return std::nullopt;
+  auto reserved = cuda_out_->reserve_now(cuda_tensors);
+  if (!reserved) return std::nullopt;
+  return ShmStager([cuda = cuda_out_.get(), host = std::move(host), reserved](const at::Tensor& contiguous) {
+    return contiguous.is_cuda() ? cuda->share(contiguous, *reserved) : host(contiguous);
+  });
+}
+
 void ZeroCopyEnds::stop_waiting() {
   host_out_->stop_waiting();
   if (cuda_out_) cuda_out_->stop_waiting();

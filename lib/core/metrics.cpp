@@ -197,6 +197,9 @@ std::string MetricsSnapshot::to_prometheus() const {
     e.add("blockflow_block_layout_kept_total", "counter",
           "Outputs a block handed to the next one in oneDNN's layout (no reorder pair).", l,
           static_cast<double>(b.layout_kept));
+    e.add("blockflow_block_handed_directly_total", "counter",
+          "Requests that skipped a block's queue (handed straight to its site, or run at once by the lane of the previous block).",
+          l, static_cast<double>(b.handed_directly));
     e.add("blockflow_block_computing_seconds", "gauge",
           "How long the longest call into a block now in progress has run (0: none); a block that never returns grows here.",
           l, b.computing_s);

@@ -68,6 +68,7 @@ MetricsSnapshot SessionCore::metrics() const {
     b.queue = runtime->inbox->stats();
     // Requests a site took straight away passed through the queue in no time.
     const std::uint64_t direct = runtime->handed_directly.load(std::memory_order_relaxed);
+    b.handed_directly = direct;
     b.queue.sent += direct;
     b.queue.received += direct;
     if (direct > 0) b.queue.high_watermark = std::max<std::size_t>(b.queue.high_watermark, 1);

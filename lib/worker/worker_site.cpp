@@ -195,16 +195,17 @@ bool WorkerSite::try_run(const std::string& block, Envelope& envelope) {
     s.transmit(std::move(next), nullptr, nullptr);
     return true;
   }
-  for (const auto& t : envelope.tensors) {
-    if (!detail::ZeroCopyEnds::relays_as_is(t)) return false;  // staging could wait for a credit
-  }
+  // Relayed CPU tensors cross as they are, and CUDA tensors' records are taken here: nothing this
+  // thread does may wait for a credit (it may be the very thread that reads the releases).
+  std::optional<detail::ShmStager> now = s.ends->stager_now(envelope.tensors);
+  if (!now) return false;
   std::unique_lock lock(s.mu);
   if (s.stopping || !s.can_send_now_locked() || s.transmitting_locked(block)) return false;  // it would wait its turn
   Impl::Outbound next = Impl::make_outbound(block, std::move(envelope));
   std::shared_ptr<detail::ZeroCopyLink> to;
-  const detail::ShmStager* stager = s.admit_locked(next, to);
+  (void)s.admit_locked(next, to);
   lock.unlock();
-  s.transmit(std::move(next), stager, to);
+  s.transmit(std::move(next), &*now, to);
   return true;
 }
 

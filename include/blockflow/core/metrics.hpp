@@ -34,6 +34,9 @@ struct BlockMetrics {
   /// Outputs handed to the next block in oneDNN's layout, sparing a to_dense/to_mkldnn pair
   /// (docs/lanes.md, "Layouts between blocks").
   std::uint64_t layout_kept = 0;
+  /// Requests that skipped the block's queue: handed straight to its site by the thread that had
+  /// the previous block's result, or run at once by the lane that ran the previous block.
+  std::uint64_t handed_directly = 0;
   /// How long the longest call into the block now in progress has run, in seconds (0: none runs):
   /// a block that never returns shows here, growing. For a block in a worker, see
   /// SiteStats::computing_s.

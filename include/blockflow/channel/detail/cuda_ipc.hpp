@@ -39,6 +39,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace blockflow::detail {
 
@@ -67,6 +68,19 @@ class CudaProducer {
   /// `deadline` (DeadlineExceeded then, naming the records in use). A tensor this process received
   /// over CUDA IPC is handed over as its original allocation (with an event of this process).
   absl::StatusOr<wire::ShmHandle> share(const at::Tensor& contiguous, absl::Time deadline);
+  /// Records taken ahead for share()s that must never wait for a credit (a relay from a thread that
+  /// also reads this channel's releases); those left unused are free again when it dies.
+  struct Reserved {
+    std::vector<ShmLease> records;
+    Reserved() = default;
+    Reserved(const Reserved&) = delete;
+    Reserved& operator=(const Reserved&) = delete;
+    ~Reserved();
+  };
+  /// `n` records now, or null (none taken, no credit wait counted) when fewer are free.
+  std::shared_ptr<Reserved> reserve_now(std::size_t n);
+  /// share() with one of `reserved`'s records: never waits (FailedPrecondition when none is left).
+  absl::StatusOr<wire::ShmHandle> share(const at::Tensor& contiguous, Reserved& reserved);
   /// The consumer is done with a handle: false (counted) when it matches no record in use.
   bool release(const wire::ShmHandle& handle);
   /// Drops every record the consumer held (it died). Returns how many.
@@ -78,6 +92,8 @@ class CudaProducer {
   ShmEdgeStats stats() const;
 
  private:
+  absl::StatusOr<wire::ShmHandle> share_in(const at::Tensor& contiguous,
+                                           const std::function<absl::StatusOr<ShmLease>()>& take_record);
   struct Impl;
   std::shared_ptr<Impl> impl_;
 };

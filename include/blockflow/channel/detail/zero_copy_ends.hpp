@@ -15,6 +15,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -43,6 +44,11 @@ class ZeroCopyEnds {
   /// True when the stager hands `t` on without a copy or a credit: a contiguous CPU tensor lying in
   /// another process's slot (a relay). No side effect.
   [[nodiscard]] static bool relays_as_is(const at::Tensor& t);
+  /// A stager for one send of `tensors` that never waits for a credit, from a thread that must not
+  /// (a site's receiving thread relaying a result): every CPU tensor relays as is, and the CUDA
+  /// records the CUDA tensors need are taken now (kept by the stager; those it does not use go back
+  /// when it dies). nullopt, nothing taken, when either is not so.
+  [[nodiscard]] std::optional<ShmStager> stager_now(const Tensors& tensors);
   /// The peer is done with one of our handles (false, counted, for a stale or forged one).
   bool release(const wire::ShmHandle& handle);
   /// A kRelease message from the peer (release_message()): each of its handles back, as release()

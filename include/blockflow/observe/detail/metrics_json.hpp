@@ -31,7 +31,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SiteStats, name, kind, pid, fork
                                                 block_evictions, block_bytes_loaded, block_load_s, block_swap_ins,
                                                 swapped_bytes, memory_measure, unaccounted_bytes, cuda_graphs)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(BlockMetrics, name, kind, device, placement, workers,
-                                                intra_op_threads, processed, failed, batches, batched_requests, layout_kept,
+                                                intra_op_threads, processed, failed, batches, batched_requests, layout_kept, handed_directly,
                                                 computing_s, on_demand, resident, footprint_bytes, loads, evictions, last_use_s, cuda_graph, wait,
                                                 compute, overhead,
                                                 throughput_per_s, queue)
