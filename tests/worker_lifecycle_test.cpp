@@ -241,3 +241,42 @@ TEST_CASE("a worker whose block never returns holds neither apply() nor shutdown
   }
   CHECK(gave_up == 1);
 }
+
+TEST_CASE("stop() returns only once a report another thread is making is over", "[worker_lifecycle]") {
+  WorkerOptions options = test::test_worker("wl5", "shm");
+  options.max_restarts = 0;
+  auto site = std::make_shared<WorkerSite>(options);
+  std::promise<void> entered, release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<bool> reporting{false};
+  REQUIRE(site->start({test::plugin_block("x", "affine", "wl5")}, [&](SiteCompletion&& c) {
+                if (c.request_id != 7) return;
+                reporting = true;
+                entered.set_value();
+                released.wait();
+                reporting = false;
+              }).ok());
+  ::kill(static_cast<pid_t>(site->stats().pid), SIGKILL);
+  REQUIRE(test::eventually([&] { return site->stats().lost; }));  // not restarted: down for good
+  // A request run now is failed by the caller's thread, through the callback, which waits here.
+  std::thread caller([&] {
+    Envelope e;
+    e.request_id = 7;
+    e.tensors = {at::ones({2})};
+    site->run("x", std::move(e));
+  });
+  entered.get_future().wait();
+  std::atomic<bool> stopped{false};
+  std::thread stopper([&] {
+    site->stop();
+    stopped = true;
+  });
+  std::this_thread::sleep_for(300ms);
+  CHECK_FALSE(stopped.load());  // before: stop() returned while the report still ran (its session may be gone)
+  CHECK(reporting.load());
+  release.set_value();
+  stopper.join();
+  caller.join();
+  CHECK(stopped.load());
+  CHECK_FALSE(reporting.load());
+}

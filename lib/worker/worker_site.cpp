@@ -261,11 +261,15 @@ void WorkerSite::stop() {
   CompletionFn dropped;  // destroyed outside mu: it may hold the last reference to its owner
   LostFn dropped_lost;
   {
-    std::lock_guard lock(s.mu);
+    std::unique_lock lock(s.mu);
     dropped = std::move(s.done);
     s.done = nullptr;
     dropped_lost = std::move(s.lost_fn);
     s.lost_fn = nullptr;
+    // None starts now; those other threads are making end before this returns (not this thread's
+    // own: a report that stopped the site).
+    const int own = s.reports_on_this_thread();
+    s.changed.wait(lock, [&] { return s.reports_running <= own; });
   }
 }
 

@@ -163,6 +163,10 @@ struct WorkerSite::Impl {
   detail::ChildProcess process;     // the control thread's: the live worker process (none while joined or down)
   std::vector<BlockDescription> blocks;
   CompletionFn done;
+  // Calls of `done` fail_all() is making now, from any thread (a request run() fails at once, a send
+  // another site's thread could not make): stop() returns only once they are over, for its owner may
+  // be gone after it. Under mu.
+  int reports_running = 0;
   LostFn lost_fn;                   // RemoteSite::on_lost(); dropped by stop() with `done`
   bool lost = false;                // gone for good: died after its last restart
   SiteStats on_demand;              // WorkerOptions::memory_policy kOnDemand: the block_* figures of the last heartbeat
@@ -292,6 +296,8 @@ struct WorkerSite::Impl {
   // Fails the given requests outside the lock.
   // Any thread: run() may fail a request while stop() drops `done` (then nobody is told).
   void fail_all(std::vector<std::pair<std::uint64_t, std::uint32_t>> lost, const absl::Status& why);
+  // fail_all()'s reports of this site that the calling thread is inside (a report may stop the site).
+  int reports_on_this_thread() const;
 
   // Direct edges: the requests whose input our worker held, now lost with it (or with our stop).
   void fail_forwarded(const std::vector<std::pair<Key, std::weak_ptr<Impl>>>& forwarded, const absl::Status& why);

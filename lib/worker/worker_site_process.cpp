@@ -90,13 +90,35 @@ absl::Status WorkerSite::Impl::spawn_locked() {
   return absl::OkStatus();
 }
 
+namespace {
+thread_local std::vector<const void*> reporting_sites;  // fail_all() calls this thread is inside
+}  // namespace
+
+int WorkerSite::Impl::reports_on_this_thread() const {
+  return static_cast<int>(std::count(reporting_sites.begin(), reporting_sites.end(), this));
+}
+
 void WorkerSite::Impl::fail_all(std::vector<std::pair<std::uint64_t, std::uint32_t>> lost, const absl::Status& why) {
+  if (lost.empty()) return;
   CompletionFn report;
   {
     std::lock_guard lock(mu);
     report = done;
+    if (report) ++reports_running;
   }
   if (!report) return;
+  struct Running {  // however the reports end
+    Impl& site;
+    explicit Running(Impl& s) : site(s) { reporting_sites.push_back(&s); }
+    ~Running() {
+      reporting_sites.pop_back();
+      {
+        std::lock_guard lock(site.mu);
+        --site.reports_running;
+      }
+      site.changed.notify_all();
+    }
+  } running(*this);
   for (const auto& [id, node] : lost) {
     SiteCompletion c;
     c.request_id = id;
