@@ -3,6 +3,7 @@
 // checks the directory; shm_channel.cpp and zmq_channel.cpp are the two kinds of ends).
 
 #include <blockflow/channel/detail/tensor_codec.hpp>
+#include <blockflow/channel/detail/zmq_calls.hpp>  // poll_slice_ms(): a receive()'s waits
 #include <blockflow/channel/process_channel.hpp>
 
 #include <absl/status/statusor.h>
@@ -33,13 +34,6 @@ absl::StatusOr<std::unique_ptr<ProcessChannel>> open_shm_channel(const std::stri
 /// ipc:// and tcp://: `endpoint` as ZeroMQ spells it.
 absl::StatusOr<std::unique_ptr<ProcessChannel>> open_zmq_channel(const std::string& uri, const std::string& endpoint,
                                                                  ChannelRole role, const ProcessChannelOptions& options);
-
-/// How long one wait of a receive() may last: `left` rounded up to a millisecond, at most `slice_ms`
-/// (an infinite `left` included: the wait still wakes to notice close()).
-inline int poll_slice_ms(absl::Duration left, int slice_ms) {
-  if (left >= absl::Milliseconds(slice_ms)) return slice_ms;
-  return left <= absl::ZeroDuration() ? 0 : static_cast<int>(absl::ToInt64Milliseconds(left)) + 1;
-}
 
 /// The kData header of an envelope to send (stamped now).
 wire::Header data_header(const Envelope& envelope);

@@ -364,18 +364,19 @@ absl::StatusOr<Tensors> RemoteClient::submit(const std::string& task, const Tens
   // Within the timeout too: with no endpoint there, requests queue in the socket up to its bound,
   // and the send would then wait for ever.
   auto wait_for = [&](short events) {
-    const auto left = std::max<std::int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now()));
     zmq::pollitem_t item{c.dealer.handle(), 0, events, 0};
-    detail::poll_items(&item, 1, std::chrono::milliseconds(std::min<std::int64_t>(left, 100)));
+    detail::poll_items(&item, 1, std::chrono::milliseconds(detail::poll_slice_ms(deadline - absl::Now(), 100)));
     return (item.revents & events) != 0;
   };
   while (true) {
+    std::optional<bool> sent;
     try {
-      if (detail::send_encoded(c.dealer, *encoded, zmq::send_flags::dontwait)) break;
+      sent = detail::unless_interrupted([&] { return detail::send_encoded(c.dealer, *encoded, zmq::send_flags::dontwait); });
     } catch (const zmq::error_t& e) {
-      if (e.num() != EINTR) return absl::UnavailableError(fmt::format("request {} for task '{}': {}", header.request_id, task, e.what()));
-      continue;
+      return absl::UnavailableError(fmt::format("request {} for task '{}': {}", header.request_id, task, e.what()));
     }
+    if (!sent) continue;  // interrupted: the same message again
+    if (*sent) break;
     if (absl::Now() >= deadline) {
       return absl::DeadlineExceededError(fmt::format("request {} for task '{}' could not be sent within {} (no endpoint takes it)",
                                                      header.request_id, task, absl::FormatDuration(c.timeout)));

@@ -4,6 +4,7 @@
 
 #include <blockflow/core/tensor.hpp>
 #include <blockflow/channel/wire_format.hpp>
+#include <blockflow/channel/detail/zmq_calls.hpp>
 #include <blockflow/core/detail/clock.hpp>
 
 #include <ATen/core/Tensor.h>
@@ -197,13 +198,15 @@ class ReplyQueue {
         queue_.pop_front();
       }
       try {
-        if (send_) (void)send_(*r, /*wait=*/true);
-      } catch (const zmq::error_t& e) {
-        if (e.num() == EINTR) {  // a signal handler ran on this thread: the same reply goes next
-          std::lock_guard lock(mu_);
+        if (send_ && !detail::unless_interrupted([&] {
+              (void)send_(*r, /*wait=*/true);
+              return true;
+            })) {
+          std::lock_guard lock(mu_);  // a signal handler ran on this thread: the same reply goes next
           queue_.push_front(std::move(*r));
           return true;
         }
+      } catch (const zmq::error_t&) {
         // The socket cannot send any more (its context is ending): the reply is dropped, counted
         // out of pending as sent ones are.
         if (dropped_) dropped_(*r);

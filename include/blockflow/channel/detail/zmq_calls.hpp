@@ -4,6 +4,7 @@
 // handler may run on any thread that does not block them), which cppzmq throws: here an
 // interrupted call reads as one that found nothing, and the caller's loop looks again.
 
+#include <absl/time/time.h>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
@@ -11,9 +12,31 @@
 #include <chrono>
 #include <cstddef>
 #include <iterator>
+#include <optional>
 #include <vector>
 
 namespace blockflow::detail {
+
+/// How long one wait inside a longer one may last: `left` rounded up to a millisecond, at most
+/// `slice_ms` (an infinite `left` included: the waiting thread still wakes to notice a close or a
+/// stop). Never negative: ZeroMQ and poll(2) read a negative timeout as "for ever".
+inline int poll_slice_ms(absl::Duration left, int slice_ms) {
+  if (left >= absl::Milliseconds(slice_ms)) return slice_ms;
+  return left <= absl::ZeroDuration() ? 0 : static_cast<int>(absl::ToInt64Milliseconds(left)) + 1;
+}
+
+/// Runs `send`, a ZeroMQ send that returns whether it sent (false: it would block): its answer, or
+/// nullopt when a signal interrupted it (the caller sends the same message again). Other ZeroMQ
+/// errors are thrown.
+template <typename Send>
+std::optional<bool> unless_interrupted(Send&& send) {
+  try {
+    return static_cast<bool>(send());
+  } catch (const zmq::error_t& e) {
+    if (e.num() != EINTR) throw;
+    return std::nullopt;
+  }
+}
 
 /// zmq::poll() over `count` items; interrupted, it returns with no item ready.
 inline void poll_items(zmq::pollitem_t* items, std::size_t count, std::chrono::milliseconds timeout) {
