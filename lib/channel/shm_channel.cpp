@@ -67,8 +67,8 @@ class RelayOrphans {
     MutexLock lock(&mu_);
     orphans_.push_back({std::move(link)});
     if (sweeping_) return;
-    sweeping_ = true;
-    run_detached_until_done([this] { return sweep(); }, absl::Milliseconds(kSweepMs));  // ends with the last orphan
+    // Ends with the last orphan. Without a thread, the orphans wait for the next adopt().
+    sweeping_ = run_detached_until_done([this] { return sweep(); }, absl::Milliseconds(kSweepMs));
   }
 
  private:

@@ -2,6 +2,7 @@
 // the release protocol, and what is read from the link sorted.
 #include <blockflow/channel/detail/zero_copy_link.hpp>
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/log.hpp>
 
 #include <fmt/format.h>
 
@@ -31,10 +32,20 @@ std::size_t send_releases(PacketLink& link, const wire::ShmHandle* first, std::s
   return count;
 }
 
-void run_detached_until_done(std::function<bool()> step, absl::Duration period) {
-  std::thread([step = std::move(step), period] {
-    while (step()) absl::SleepFor(period);
-  }).detach();
+bool run_detached_until_done(std::function<bool()> step, absl::Duration period) noexcept {
+  try {
+    std::thread([step = std::move(step), period] {
+      while (step()) absl::SleepFor(period);
+    }).detach();
+    return true;
+  } catch (const std::exception& e) {
+    try {
+      log(LogLevel::kWarning, fmt::format("a helper thread could not be made ({}): what it finishes waits for the next try",
+                                          e.what()));
+    } catch (...) {
+    }
+    return false;
+  }
 }
 
 namespace {
@@ -50,8 +61,8 @@ class OutboxRetries {
     blockflow::detail::MutexLock lock(&mu_);
     waiting_.push_back(std::move(outbox));
     if (running_) return;
-    running_ = true;
-    run_detached_until_done([this] { return retry(); }, absl::Milliseconds(kRetryMs));
+    // Without a thread, the releases leave with their outbox's next give(), or at the next add().
+    running_ = run_detached_until_done([this] { return retry(); }, absl::Milliseconds(kRetryMs));
   }
 
  private:

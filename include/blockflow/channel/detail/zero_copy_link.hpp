@@ -42,8 +42,10 @@ std::size_t send_releases(PacketLink& link, const wire::ShmHandle* first, std::s
                           absl::Status* why = nullptr);
 
 /// Runs `step` every `period` on a thread of its own, detached, until it returns false: the
-/// process-wide helpers that finish what an object gone or going left behind.
-void run_detached_until_done(std::function<bool()> step, absl::Duration period);
+/// process-wide helpers that finish what an object gone or going left behind. False, logged, when
+/// no thread could be made (the process is at its thread limit, say): the caller keeps its work
+/// listed and tries again at its next call. Never throws: callers run in tensor deleters.
+bool run_detached_until_done(std::function<bool()> step, absl::Duration period) noexcept;
 
 /// Releases on their way back to one producer over `link`, for a consumer whose tensors die on any
 /// thread (a block's, a CUDA callback's): give() never blocks. What the link cannot take now (the
