@@ -164,18 +164,9 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
         if (!v.is_number()) throw BadField{"expected a number"};
         into = v.get<double>();
       } else if constexpr (std::is_same_v<T, std::vector<std::vector<std::int64_t>>>) {
-        into.clear();
-        if (!v.is_array()) throw BadField{"expected an array of shapes (arrays of whole numbers)"};
-        for (const auto& shape : v) {
-          if (!shape.is_array()) throw BadField{"expected an array of shapes (arrays of whole numbers)"};
-          std::vector<std::int64_t> dims;
-          for (const auto& dim : shape) {
-            auto n = json_integer<std::int64_t>(dim);
-            if (!n) throw BadField{"expected an array of shapes (arrays of whole numbers)"};
-            dims.push_back(*n);
-          }
-          into.push_back(std::move(dims));
-        }
+        auto shapes = json_shapes(v);
+        if (!shapes) throw BadField{"expected an array of shapes (arrays of whole numbers)"};
+        into = std::move(*shapes);
       } else {
         v.get_to(into);
       }

@@ -87,16 +87,9 @@ class JsonReader {
   absl::Status shapes(const std::string& field, std::vector<std::vector<std::int64_t>>& out) const {
     const nlohmann::json* list = nullptr;
     if (auto status = array(field, list); !status.ok()) return status;
-    for (const auto& shape : *list) {
-      if (!shape.is_array()) return error(field, "expected arrays of whole numbers");
-      std::vector<std::int64_t> dims;
-      for (const auto& d : shape) {
-        auto dim = json_integer<std::int64_t>(d);  // 2^64 - 1 is not -1 ("any size")
-        if (!dim) return error(field, "expected arrays of whole numbers");
-        dims.push_back(*dim);
-      }
-      out.push_back(std::move(dims));
-    }
+    auto shapes = json_shapes(*list);
+    if (!shapes) return error(field, "expected arrays of whole numbers");
+    out.insert(out.end(), std::make_move_iterator(shapes->begin()), std::make_move_iterator(shapes->end()));
     return absl::OkStatus();
   }
   absl::Status object(const std::string& field, const nlohmann::json*& out) const {

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <utility>
+#include <vector>
 
 namespace blockflow::detail {
 
@@ -32,6 +34,24 @@ std::optional<T> json_integer(const nlohmann::json& v, T min = std::numeric_limi
     return static_cast<T>(i);
   }
   return std::nullopt;
+}
+
+/// `v` as tensor shapes: an array of arrays of whole numbers, each within int64 (2^64 - 1 is not
+/// -1, "any size"); nullopt otherwise.
+inline std::optional<std::vector<std::vector<std::int64_t>>> json_shapes(const nlohmann::json& v) {
+  if (!v.is_array()) return std::nullopt;
+  std::vector<std::vector<std::int64_t>> out;
+  for (const auto& shape : v) {
+    if (!shape.is_array()) return std::nullopt;
+    std::vector<std::int64_t> dims;
+    for (const auto& dim : shape) {
+      auto n = json_integer<std::int64_t>(dim);
+      if (!n) return std::nullopt;
+      dims.push_back(*n);
+    }
+    out.push_back(std::move(dims));
+  }
+  return out;
 }
 
 }  // namespace blockflow::detail
