@@ -7,7 +7,8 @@
 # (CTEST_ARGS="-L gpu" for the GPU-labelled tests only); bench: the cuda hop lines and the pipeline
 # on the GPU (threads, 4 cuda workers) with a witness of host<->device copies; batching: the batching
 # bench with every block on cuda:0; kpi: the 4-worker pipeline with KPI sampling on, its metrics
-# printed beside nvidia-smi's figures of the same moment (the GPU columns checked against the driver).
+# printed beside nvidia-smi's figures of the same moment (the GPU columns checked against the driver);
+# mps: the eager 4-worker line with and without CUDA MPS, alternating.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -63,6 +64,22 @@ bench() {
   echo "--- host<->device copies per process (witness) ---"
   cat "$OUT"/witness-*.txt 2>/dev/null || true
 }
+# The eager 4-worker line with and without CUDA MPS (one GPU context shared by the five processes
+# instead of time-sliced contexts), alternating, where the machine has nvidia-cuda-mps-control.
+mps() {
+  models || return 1
+  if ! command -v nvidia-cuda-mps-control > /dev/null; then echo "mps: no nvidia-cuda-mps-control on this machine"; return 0; fi
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  local line=("$BUILD_DIR/bench/pipeline_bench" --models "$BUILD_DIR/models" --mode workers --channel cuda --device cuda
+              --busy-poll 1 --requests "${BENCH_REQUESTS:-100}")
+  for round in 1 2; do
+    echo "mps off, round $round"; "${line[@]}"
+    nvidia-cuda-mps-control -d && echo "mps on, round $round" && "${line[@]}"
+    echo quit | nvidia-cuda-mps-control
+    sleep 1
+  done 2>&1 | tee "$OUT/mps.jsonl"
+}
 batching() {
   models || return 1
   "$PY" "$ROOT/scripts/batching_bench.py" "$BUILD_DIR/tools/blockflow-loadgen" "$BUILD_DIR/models" --device cuda:0 \
@@ -100,6 +117,7 @@ for step in "${@:-all}"; do
     test) run_tests ;;
     bench) bench ;;
     batching) batching ;;
+    mps) mps ;;
     kpi) kpi ;;
     all) build; run_tests ;;
     *) echo "unknown step $step"; exit 2 ;;
