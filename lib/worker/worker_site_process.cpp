@@ -100,6 +100,7 @@ int WorkerSite::Impl::reports_on_this_thread() const {
 
 void WorkerSite::Impl::fail_all(std::vector<std::pair<std::uint64_t, std::uint32_t>> lost, const absl::Status& why) {
   if (lost.empty()) return;
+  reporting_sites.reserve(reporting_sites.size() + 1);  // the push below cannot throw once counted
   CompletionFn report;
   {
     std::lock_guard lock(mu);
@@ -109,16 +110,17 @@ void WorkerSite::Impl::fail_all(std::vector<std::pair<std::uint64_t, std::uint32
   if (!report) return;
   struct Running {  // however the reports end
     Impl& site;
-    explicit Running(Impl& s) : site(s) { reporting_sites.push_back(&s); }
+    CompletionFn& report;
+    Running(Impl& s, CompletionFn& r) : site(s), report(r) { reporting_sites.push_back(&s); }
     ~Running() {
       reporting_sites.pop_back();
-      {
-        std::lock_guard lock(site.mu);
-        --site.reports_running;
-      }
+      report = nullptr;  // before stop() may return: it may hold the last reference to its owner
+      // Notified under mu: once the count is down, stop() may return and the site be freed.
+      std::lock_guard lock(site.mu);
+      --site.reports_running;
       site.changed.notify_all();
     }
-  } running(*this);
+  } running(*this, report);
   for (const auto& [id, node] : lost) {
     SiteCompletion c;
     c.request_id = id;
