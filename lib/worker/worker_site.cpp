@@ -195,17 +195,23 @@ bool WorkerSite::try_run(const std::string& block, Envelope& envelope) {
     s.transmit(std::move(next), nullptr, nullptr);
     return true;
   }
-  // Relayed CPU tensors cross as they are, and CUDA tensors' records are taken here: nothing this
-  // thread does may wait for a credit (it may be the very thread that reads the releases).
-  std::optional<detail::ShmStager> now = s.ends->stager_now(envelope.tensors);
-  if (!now) return false;
+  // Nothing this thread does may wait for a credit (it may be the very thread that reads the
+  // releases): relayed CPU tensors cross as they are, with the site's stager; CUDA tensors' records
+  // are taken here, into a stager for this send only.
+  const bool cuda = std::any_of(envelope.tensors.begin(), envelope.tensors.end(),
+                                [](const Tensor& t) { return t.defined() && t.is_cuda(); });
+  if (!cuda && !std::all_of(envelope.tensors.begin(), envelope.tensors.end(), detail::ZeroCopyEnds::relays_as_is)) {
+    return false;
+  }
   std::unique_lock lock(s.mu);
   if (s.stopping || !s.can_send_now_locked() || s.transmitting_locked(block)) return false;  // it would wait its turn
+  std::optional<detail::ShmStager> with_records;  // the records are a leaf lock's: taken under mu
+  if (cuda && !(with_records = s.ends->stager_now(envelope.tensors))) return false;
   Impl::Outbound next = Impl::make_outbound(block, std::move(envelope));
   std::shared_ptr<detail::ZeroCopyLink> to;
-  (void)s.admit_locked(next, to);
+  const detail::ShmStager* stager = s.admit_locked(next, to);
   lock.unlock();
-  s.transmit(std::move(next), &*now, to);
+  s.transmit(std::move(next), with_records ? &*with_records : stager, to);
   return true;
 }
 
