@@ -106,7 +106,7 @@ HopFigures measure_zmq(const std::string& endpoint, std::size_t bytes, int itera
                        bool curve = false) {
   const bool shm = mode != Shm::kNone;
   bf::detail::ShmProducer producer;
-  bf::detail::ShmConsumer consumer;
+  bf::detail::ShmConsumer consumer(/*local_pools=*/true);  // the handles cross a ZeroMQ socket: no descriptors
   const bf::detail::ShmStager stager = bf::detail::make_stager(producer, absl::Seconds(10));
   const bf::detail::ShmResolver resolver =
       bf::detail::make_resolver(consumer, [&producer](const bf::wire::ShmHandle& h) { producer.release(h); });
@@ -238,6 +238,9 @@ HopFigures measure_link(std::size_t bytes, int iterations, Shm mode, absl::Durat
     for (int i = 0; i < iterations; ++i) {
       auto received = link->receive(-1, spin);
       if (!received || received->closed || !received->frames.ok()) std::abort();
+      for (const int fd : received->fds.take()) {  // a pool's first packet brings its descriptor
+        if (!consumer.adopt(fd).ok()) std::abort();
+      }
       auto message = bf::detail::decode_message(*std::move(received->frames), &resolver);
       const std::int64_t now = bf::detail::now_ns();
       if (!message.ok() || message->tensors.at(0).numel() != static_cast<std::int64_t>(bytes)) std::abort();
@@ -276,7 +279,8 @@ int cuda_receiver(const std::string& data, int total) {
     std::vector<bf::wire::ShmHandle> handles;
   };
   auto released = std::make_shared<Released>();
-  const bf::detail::ShmResolver resolver = ends.resolver([released](const bf::wire::ShmHandle& h) {
+  bf::detail::ShmConsumer given;  // the sender's record pools, as their descriptors come
+  const bf::detail::ShmResolver resolver = ends.resolver(given, [released](const bf::wire::ShmHandle& h) {
     std::lock_guard lock(released->mu);
     released->handles.push_back(h);
   });
@@ -289,6 +293,12 @@ int cuda_receiver(const std::string& data, int total) {
     auto packet = (*link)->receive(-1, kSpin);
     if (!packet || packet->closed || !packet->frames.ok()) return 1;
     const std::int64_t received = bf::detail::now_ns();
+    for (const int fd : packet->fds.take()) {
+      if (auto adopted = given.adopt(fd); !adopted.ok()) {
+        std::cerr << "hop cuda receiver: " << adopted.status() << "\n";
+        return 1;
+      }
+    }
     auto message = bf::detail::decode_message(*std::move(packet->frames), &resolver);
     const std::int64_t now = bf::detail::now_ns();
     const double resolve_us = static_cast<double>(now - received) / 1e3;

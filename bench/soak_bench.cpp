@@ -41,13 +41,13 @@
 //                 shm_slots_idle_min: the least of it seen (sampled every 100 ms) at moments when the
 //                 session had had nothing in flight for 200 ms (a worker's figure is its last
 //                 heartbeat's, every 100 ms), since the previous line (null: no such moment).
-//   shm_objects   /dev/shm/blockflow-* pool objects whose producer pid (the high 32 bits of the pool
-//                 id in the name) is the host or a live worker of this run (pools are made on demand,
-//                 so this may grow with the traffic); shm_orphans: those of the workers killed, which
-//                 stay until a new producer's sweep removes them (shm_pool.hpp).
-//   fds           entries of /proc/self/fd (the host) less one per shm pool of the host (each keeps its
-//                 lock descriptor open while it exists, and pools follow the traffic); worker_fds:
-//                 entries of /proc/<pid>/fd.
+//   shm_objects   shm pools (memfds "blockflow-<id>", shm_pool.hpp) that a live process of the run
+//                 (the host, a worker) maps, made by the host or a live worker (the pool id's high 32
+//                 bits; pools are made on demand, so this may grow with the traffic); shm_orphans:
+//                 those made by the workers killed, which live on while a process still maps them.
+//   fds           entries of /proc/self/fd (the host) less its shm pools' memfds (each pool, its own or
+//                 one given to it, keeps its descriptor while it is mapped, and pools follow the
+//                 traffic); worker_fds: entries of /proc/<pid>/fd.
 //   shm_pools_created, shm_pools_trimmed  in the final line: pools made and removed after idling, summed
 //                 over the host's pools and each worker's current incarnation (ShmPoolOptions::idle_trim_max).
 //   rss_slope_mb_per_min, owned_slope_mb_per_min, private_slope_mb_per_min  per name: least squares over the samples
@@ -78,7 +78,7 @@
 #include <blockflow/blockflow.hpp>
 #include <blockflow/deploy/deployment.hpp>
 #include <blockflow/worker/worker_site.hpp>
-#include <blockflow/channel/detail/shm_pool.hpp>  // pool ids in /dev/shm names
+#include <blockflow/channel/detail/shm_pool.hpp>  // pool ids in memfd names
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -114,7 +114,7 @@ constexpr double kSettledS = 60;  // RSS slopes: samples once the soak and the p
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // Resident pages of the shm pools of other processes that `pid` has mapped, in MB (its smaps: a
-// mapping of /dev/shm/blockflow-<16 hex> whose producer pid, the id's high 32 bits, is not `pid`).
+// mapping of /memfd:blockflow-<16 hex> whose producer pid, the id's high 32 bits, is not `pid`).
 std::optional<double> foreign_pools_mb(const std::string& proc, std::int64_t pid) {
   std::ifstream in("/proc/" + proc + "/smaps");
   if (!in) return std::nullopt;
@@ -122,7 +122,7 @@ std::optional<double> foreign_pools_mb(const std::string& proc, std::int64_t pid
   bool foreign = false;
   long kb = 0;
   while (std::getline(in, line)) {
-    const auto at = line.find("/dev/shm/");
+    const auto at = line.find("/memfd:");
     if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) && line.find('-') < line.find(' ')) {
       // a mapping's header line: its path is the last field (" (deleted)" may follow)
       const auto id = at == std::string::npos ? std::nullopt
@@ -166,28 +166,46 @@ int fd_count(const std::string& pid) {
   return ec ? -1 : n;
 }
 
-// /dev/shm/blockflow-<16 hex> objects made by one of `pids` (the pool id's high 32 bits): those of
-// live producers and those of dead ones (orphans, until the next producer's sweep removes them).
+// The shm pools mapped by `pid` (its maps: /memfd:blockflow-<16 hex>).
+void mapped_pools(std::int64_t pid, std::set<std::uint64_t>& ids) {
+  std::ifstream in(fmt::format("/proc/{}/maps", pid));
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto at = line.find("/memfd:");
+    if (at == std::string::npos) continue;
+    if (const auto id = bf::detail::shm_pool_id(std::string_view(line).substr(at, line.find(' ', at) - at))) ids.insert(*id);
+  }
+}
+
+// The pools made by one of `pids` (the pool id's high 32 bits) that a live process of `pids` maps:
+// those of live producers and those of dead ones (orphans, while some process still maps them).
 struct ShmObjects {
   int live = 0, orphaned = 0;
 };
 ShmObjects shm_objects(const std::set<std::int64_t>& pids) {
-  std::error_code ec;
+  std::set<std::uint64_t> ids;
+  for (const std::int64_t pid : pids) {
+    if (::kill(static_cast<pid_t>(pid), 0) == 0) mapped_pools(pid, ids);
+  }
   ShmObjects n;
-  for (std::filesystem::directory_iterator it("/dev/shm", ec), end; !ec && it != end; it.increment(ec)) {
-    const auto id = bf::detail::shm_pool_id(it->path().filename().string());
-    if (!id || pids.count(bf::detail::shm_pool_producer(*id)) == 0) continue;
-    ++(::kill(static_cast<pid_t>(bf::detail::shm_pool_producer(*id)), 0) == 0 ? n.live : n.orphaned);
+  for (const std::uint64_t id : ids) {
+    if (pids.count(bf::detail::shm_pool_producer(id)) == 0) continue;
+    ++(::kill(static_cast<pid_t>(bf::detail::shm_pool_producer(id)), 0) == 0 ? n.live : n.orphaned);
   }
   return n;
 }
 
-// The host's descriptors, less the one each of its shm pools keeps open for good (its flock,
-// shm_pool.hpp): pools come and go with the traffic, a leaked descriptor stays.
-int host_fds(const bf::MetricsSnapshot& m) {
-  std::uint64_t pools = 0;
-  for (const auto& s : m.sites) pools += s.shm_requests.pools;
-  return fd_count("self") - static_cast<int>(pools);
+// The host's descriptors, less its shm pools' memfds (each pool mapped here keeps one open while it
+// is: pools come and go with the traffic, a leaked descriptor stays).
+int host_fds(const bf::MetricsSnapshot&) {
+  std::error_code ec;
+  int pools = 0;
+  for (std::filesystem::directory_iterator it("/proc/self/fd", ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code link_ec;
+    const std::string target = std::filesystem::read_symlink(it->path(), link_ec).string();
+    if (!link_ec && bf::detail::shm_pool_id(target.substr(0, target.find(' '))).has_value()) ++pools;
+  }
+  return fd_count("self") - pools;
 }
 
 std::uint64_t slots_in_use(const bf::MetricsSnapshot& m) {

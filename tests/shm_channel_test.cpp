@@ -2,6 +2,7 @@
 // the consumer's tensor lies in the mapped pool and nothing is copied in the hand-off; slots come
 // back when the last view dies; no credit -> wait then a named error; stale, forged and
 // out-of-range handles are rejected; reclaim after a consumer's death; pools bounded and unlinked.
+#include "shm_util.hpp"
 #include "worker_util.hpp"
 
 #include <blockflow/channel/detail/shm_pool.hpp>
@@ -15,6 +16,7 @@
 #include <filesystem>
 #include <future>
 #include <map>
+#include <set>
 #include <fstream>
 #include <sstream>
 
@@ -41,14 +43,13 @@ std::string mapping_file(const void* address) {
   return "";
 }
 
-std::string pool_file(std::uint64_t pool_id) { return fmt::format("/dev/shm/blockflow-{:016x}", pool_id); }
-
 // A producer and a consumer joined by an inproc PUSH/PULL pair, like the two ends of an edge.
 struct Edge {
   zmq::context_t context{1};
   zmq::socket_t push{context, zmq::socket_type::push}, pull{context, zmq::socket_type::pull};
   ShmProducer producer;
   ShmConsumer consumer;
+  std::set<std::uint64_t> given;  // the pools whose descriptors the consumer got
   ShmStager stager;
   ShmResolver resolver;
 
@@ -67,7 +68,16 @@ struct Edge {
     if (!sent.ok()) return sent.status();
     std::vector<zmq::message_t> frames;
     (void)zmq::recv_multipart(pull, std::back_inserter(frames));
+    give_pools(frames);
     return decode_message(std::move(frames), &resolver);
+  }
+
+  // What the data link does: the first message that names a pool brings its descriptor.
+  void give_pools(const std::vector<zmq::message_t>& frames) {
+    for (std::size_t i = 1; i < frames.size(); ++i) {
+      auto h = wire::decode_shm_handle(frames[i].data(), frames[i].size());
+      if (h.ok() && given.insert(h->pool_id).second) test::give_pool(consumer, h->pool_id);
+    }
   }
 };
 
@@ -87,7 +97,7 @@ TEST_CASE("shm hand-off: the consumer's tensor is a view of the mapped pool, not
   // The consumer's data pointer lies in its own mapping of a BlockFlow pool, not in the heap and
   // not in the producer's mapping.
   const std::string file = mapping_file(got->tensors[0].data_ptr());
-  CHECK_THAT(file, Contains("/dev/shm/blockflow-"));
+  CHECK_THAT(file, Contains("/memfd:blockflow-"));
   CHECK(edge.consumer.pools_mapped() == 1);  // both in the 4 MB class: it had free slots
   const auto stats = edge.producer.stats();
   CHECK(stats.handles == 2);
@@ -145,11 +155,12 @@ TEST_CASE("shm handles: stale, forged and out-of-range ones are rejected with th
   std::vector<float> bytes(256, 1.0f);
   auto h = producer.stage(bytes.data(), 1024, absl::Now());
   REQUIRE(h.ok());
+  test::give_pool(consumer, h->pool_id);
   REQUIRE(consumer.resolve(*h, 1024).ok());
 
   wire::ShmHandle forged = *h;
   forged.pool_id ^= 0x5A5A5A5A;
-  CHECK_THAT(std::string(consumer.resolve(forged, 1024).status().message()), Contains("cannot be opened"));
+  CHECK_THAT(std::string(consumer.resolve(forged, 1024).status().message()), Contains("never given"));
   forged = *h;
   forged.slot = 9;
   CHECK_THAT(std::string(consumer.resolve(forged, 1024).status().message()), Contains("slot 9 out of range"));
@@ -178,7 +189,7 @@ TEST_CASE("shm handles: stale, forged and out-of-range ones are rejected with th
 
 TEST_CASE("shm: a message refused part-way gives back the handles that did not become tensors", "[shm]") {
   Edge edge;
-  // The second of three handles cannot be resolved (a pool that cannot be opened here, say).
+  // The second of three handles cannot be resolved (a pool never given, say).
   ShmResolver failing = edge.resolver;
   int calls = 0;
   failing.resolve = [&](const wire::TensorDesc& desc, const wire::ShmHandle& h, at::ScalarType type) -> absl::StatusOr<Tensor> {
@@ -193,6 +204,7 @@ TEST_CASE("shm: a message refused part-way gives back the handles that did not b
   CHECK(edge.producer.stats().slots_in_use == 3);
   std::vector<zmq::message_t> frames;
   (void)zmq::recv_multipart(edge.pull, std::back_inserter(frames));
+  edge.give_pools(frames);
   auto got = decode_message(std::move(frames), &failing);
   REQUIRE_FALSE(got.ok());
   CHECK_THAT(std::string(got.status().message()), Contains("tensor 1: cannot map it"));
@@ -203,10 +215,9 @@ TEST_CASE("shm: a message refused part-way gives back the handles that did not b
   CHECK(edge.producer.stats().stale_releases == 0);
 }
 
-TEST_CASE("shm reclaim: a dead consumer's slots return; pools are unlinked with the producer", "[shm]") {
+TEST_CASE("shm reclaim: a dead consumer's slots return; a consumer's tensor outlives the producer", "[shm]") {
   ShmConsumer consumer;
   Tensor survivor;
-  std::string file;
   {
     ShmProducer producer;
     std::vector<float> bytes(256, 2.0f);
@@ -214,8 +225,7 @@ TEST_CASE("shm reclaim: a dead consumer's slots return; pools are unlinked with 
     auto b = producer.stage(bytes.data(), 1024, absl::Now());
     REQUIRE(a.ok());
     REQUIRE(b.ok());
-    file = pool_file(a->pool_id);
-    CHECK(std::filesystem::exists(file));
+    test::give_pool(consumer, a->pool_id);
     auto view = consumer.resolve(*a, 1024);
     REQUIRE(view.ok());
     survivor = at::from_blob(view->data, {256}, [keep = view->keep](void*) {}, at::kFloat);
@@ -225,7 +235,6 @@ TEST_CASE("shm reclaim: a dead consumer's slots return; pools are unlinked with 
     CHECK(s.slots_in_use == 0);
     CHECK_FALSE(consumer.resolve(*b, 1024).ok());  // reclaimed: its handle is stale
   }
-  CHECK_FALSE(std::filesystem::exists(file));
   // A consumer's mapping outlives the producer: its tensor stays readable.
   CHECK(survivor.sum().item<double>() == 512.0);
 }
@@ -257,7 +266,7 @@ TEST_CASE("split small CNN: threads, shm workers and zmq workers give equal outp
       INFO(channel << ": " << r.status.ToString());
       REQUIRE(r.ok());
       CHECK(at::equal(r.output(), reference.output()));
-      if (channel == "shm") CHECK_THAT(mapping_file(r.output().data_ptr()), Contains("/dev/shm/blockflow-"));
+      if (channel == "shm") CHECK_THAT(mapping_file(r.output().data_ptr()), Contains("/memfd:blockflow-"));
     }
   }
   const auto shm = sessions["shm"]->metrics();
@@ -306,7 +315,7 @@ TEST_CASE("shm workers: a block's output is copied into a result slot; with outp
       INFO(r.status.ToString());
       REQUIRE(r.ok());
       CHECK(at::equal(r.output(), (x + i) * 3 + 1));
-      CHECK_THAT(mapping_file(r.output().data_ptr()), Contains("/dev/shm/blockflow-"));
+      CHECK_THAT(mapping_file(r.output().data_ptr()), Contains("/memfd:blockflow-"));
     }
     // The worker's pool figures come with its heartbeats.
     SiteStats site;
@@ -506,7 +515,7 @@ TEST_CASE("a tensor allocated in a slot crosses as its handle: no copy at the pr
   CHECK(edge.producer.stats().bytes_staged == 0);  // nothing copied anywhere
   CHECK(edge.producer.stats().handles == 2);
   CHECK(edge.producer.stats().slots_in_use == 1);  // one slot, held by both sides
-  CHECK_THAT(mapping_file(got->tensors[0].data_ptr()), Contains("/dev/shm/blockflow-"));
+  CHECK_THAT(mapping_file(got->tensors[0].data_ptr()), Contains("/memfd:blockflow-"));
   CHECK(got->tensors[0].data_ptr() != y->data_ptr());  // the consumer's own mapping of the same bytes
   CHECK(static_cast<const char*>(got->tensors[1].data_ptr()) ==
         static_cast<const char*>(got->tensors[0].data_ptr()) + 3 * 56 * 56 * 4);

@@ -1,13 +1,16 @@
-// ShmProducer's pools on their own (no channel, no codec): the sweep of abandoned pools judges them
-// by their producer's flock, never by the pid in their name; stage() copies without the pool's lock.
+// ShmProducer's pools on their own (no channel, no codec): each pool is a sealed memfd that no
+// process can shrink or open by name, a consumer maps only what it was given and refuses what is not
+// such a pool; stage() copies without the pool's lock.
+#include "shm_util.hpp"
+
 #include <blockflow/channel/detail/shm_pool.hpp>
 
 #include <catch2/catch.hpp>
 #include <fmt/format.h>
 
 #include <fcntl.h>
-#include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -16,145 +19,114 @@
 #include <chrono>
 #include <csignal>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <future>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 using namespace blockflow;
 using namespace blockflow::detail;
+using blockflow::test::give_pool;
 
 namespace {
 
-// Above any pid_max Linux allows (2^22): no process of this PID namespace has it.
-constexpr std::uint32_t kNoSuchPid = 0x7ffffff0;
-
-// A /dev/shm object named like a pool of the producer `pid` ("/blockflow-<pid><random>"), made by
-// hand; unlinked when the test ends, whatever happened to it.
-struct CraftedPool {
-  std::string name;
-  explicit CraftedPool(std::uint32_t pid) {
-    const std::uint32_t low = static_cast<std::uint32_t>(std::random_device{}());
-    name = fmt::format("/blockflow-{:016x}", (std::uint64_t{pid} << 32) | low);
-  }
-  ~CraftedPool() { ::shm_unlink(name.c_str()); }
-  bool exists() const { return std::filesystem::exists("/dev/shm" + name); }
-  // Creates it with `bytes` bytes and closes it: nobody holds it any more.
-  void make_abandoned(off_t bytes) const {
-    const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-    REQUIRE(fd >= 0);
-    CHECK(::ftruncate(fd, bytes) == 0);
-    ::close(fd);
-  }
-};
-
-// Another program's live pool: a child process creates the object the way a producer does (flock
-// LOCK_SH right after the exclusive create, then the size) and holds it until `release()`.
-class ForeignHolder {
- public:
-  explicit ForeignHolder(const std::string& name) {
-    REQUIRE(::pipe(ready_) == 0);
-    REQUIRE(::pipe(hold_) == 0);
-    child_ = ::fork();
-    REQUIRE(child_ >= 0);
-    if (child_ == 0) run_child(name);  // never returns
-    ::close(ready_[1]);
-    ::close(hold_[0]);
-    char ok = 0;
-    REQUIRE(::read(ready_[0], &ok, 1) == 1);
-    REQUIRE(ok == 1);
-  }
-  ~ForeignHolder() { release(); }
-  // Kills the child with SIGKILL, as a host killed mid-run, and reaps it.
-  void kill() {
-    if (child_ <= 0) return;
-    ::kill(child_, SIGKILL);
-    release();
-  }
-  // Lets the child exit (its descriptor, hence its lock, goes with it) and reaps it.
-  void release() {
-    if (child_ <= 0) return;
-    ::close(hold_[1]);
-    ::close(ready_[0]);
-    int status = 0;
-    ::waitpid(child_, &status, 0);
-    child_ = -1;
-  }
-
- private:
-  // Only async-signal-safe calls: the parent has threads.
-  [[noreturn]] void run_child(const std::string& name) {
-    ::close(ready_[0]);
-    ::close(hold_[1]);
-    const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    const char ok = fd >= 0 && ::flock(fd, LOCK_SH) == 0 && ::ftruncate(fd, 8192) == 0 ? 1 : 0;
-    ssize_t n = ::write(ready_[1], &ok, 1);
-    char c = 0;
-    n = ::read(hold_[0], &c, 1);  // returns when the parent closes its end
-    (void)n;
-    ::_exit(0);
-  }
-
-  int ready_[2] = {-1, -1};
-  int hold_[2] = {-1, -1};
-  pid_t child_ = -1;
-};
+// A memfd of `bytes` bytes whose first bytes are `header` (a forged pool), sealed with `seals`.
+int crafted_pool(std::size_t bytes, const std::vector<std::uint64_t>& header, int seals) {
+  const int fd = ::memfd_create("crafted", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  REQUIRE(fd >= 0);
+  REQUIRE(::ftruncate(fd, static_cast<off_t>(bytes)) == 0);
+  REQUIRE(::pwrite(fd, header.data(), header.size() * 8, 0) == static_cast<ssize_t>(header.size() * 8));
+  if (seals != 0) REQUIRE(::fcntl(fd, F_ADD_SEALS, seals) == 0);
+  return fd;
+}
 
 }  // namespace
 
-TEST_CASE("shm sweep: another program's live pool survives, even when its pid is not one of ours", "[shm]") {
-  errno = 0;
-  REQUIRE((::kill(static_cast<pid_t>(kNoSuchPid), 0) != 0 && errno == ESRCH));
-  CraftedPool pool(kNoSuchPid);  // the old pid test called this producer dead
-  ForeignHolder holder(pool.name);
-  REQUIRE(pool.exists());
-  { ShmProducer producer; }  // its constructor sweeps
-  CHECK(pool.exists());
-  holder.release();  // the holder exits: now the pool is abandoned, and the next sweep removes it
-  { ShmProducer producer; }
-  CHECK_FALSE(pool.exists());
-}
-
-TEST_CASE("shm sweep: the pool of a process killed with SIGKILL is removed by the next producer", "[shm]") {
-  CraftedPool pool(kNoSuchPid);
-  ForeignHolder holder(pool.name);
-  { ShmProducer producer; }
-  REQUIRE(pool.exists());  // alive: kept
-  holder.kill();           // no destructor, no unlink: only the kernel drops its lock
-  REQUIRE(pool.exists());  // left behind
-  { ShmProducer producer; }
-  CHECK_FALSE(pool.exists());
-}
-
-TEST_CASE("shm sweep: a pool nobody holds is removed, even when its pid names a live process", "[shm]") {
-  CraftedPool pool(static_cast<std::uint32_t>(::getpid()));
-  pool.make_abandoned(8192);
-  REQUIRE(pool.exists());
-  { ShmProducer producer; }
-  CHECK_FALSE(pool.exists());
-}
-
-TEST_CASE("shm sweep: a size-0 object (a pool being created) is kept", "[shm]") {
-  CraftedPool pool(kNoSuchPid);
-  pool.make_abandoned(0);
-  REQUIRE(pool.exists());
-  { ShmProducer producer; }
-  CHECK(pool.exists());
-}
-
-TEST_CASE("shm sweep: a live producer's pools survive another producer's sweep", "[shm]") {
-  ShmProducer first;
-  ShmConsumer consumer;
-  std::vector<float> bytes(256, 3.0f);
-  auto h = first.stage(bytes.data(), 1024, absl::Now());
+TEST_CASE("shm pools are sealed memfds: no name in /dev/shm, and nobody can shrink or grow one, even by /proc", "[shm]") {
+  ShmProducer producer;
+  std::vector<float> bytes(256, 1.0f);
+  auto h = producer.stage(bytes.data(), 1024, absl::Now());
   REQUIRE(h.ok());
-  { ShmProducer second; }
-  CHECK(std::filesystem::exists(fmt::format("/dev/shm/blockflow-{:016x}", h->pool_id)));
+  CHECK_FALSE(std::filesystem::exists(fmt::format("/dev/shm/blockflow-{:016x}", h->pool_id)));
+  const ShmPoolFd pool = shm_pool_fd(h->pool_id);
+  REQUIRE(pool.fd >= 0);
+  const int seals = ::fcntl(pool.fd, F_GET_SEALS);
+  CHECK((seals & F_SEAL_SHRINK) != 0);
+  CHECK((seals & F_SEAL_GROW) != 0);
+  CHECK((seals & F_SEAL_SEAL) != 0);  // and no seal can be taken off or added
+  // What another process of the same user could do: open it through /proc (a new open file) and
+  // truncate it. Refused: a consumer's reads can never run past the pool's end (SIGBUS).
+  const int reopened = ::open(fmt::format("/proc/self/fd/{}", pool.fd).c_str(), O_RDWR | O_CLOEXEC);
+  REQUIRE(reopened >= 0);
+  struct stat st {};
+  REQUIRE(::fstat(reopened, &st) == 0);
+  errno = 0;
+  CHECK(::ftruncate(reopened, 4096) != 0);
+  CHECK(errno == EPERM);
+  CHECK(::ftruncate(reopened, st.st_size + 4096) != 0);
+  CHECK(::fcntl(reopened, F_ADD_SEALS, F_SEAL_WRITE) != 0);
+  ::close(reopened);
+  CHECK(shm_pool_fd(h->pool_id ^ 1).fd == -1);  // no such pool here
+}
+
+TEST_CASE("shm consumer: only a sealed BlockFlow pool is adopted; a handle of a pool never given is refused", "[shm]") {
+  ShmProducer producer;
+  std::vector<float> bytes(256, 4.0f);
+  auto h = producer.stage(bytes.data(), 1024, absl::Now());
+  REQUIRE(h.ok());
+  ShmConsumer consumer;
+  CHECK_THAT(std::string(consumer.resolve(*h, 1024).status().message()), Catch::Matchers::Contains("never given"));
+  give_pool(consumer, h->pool_id);
   auto view = consumer.resolve(*h, 1024);
   REQUIRE(view.ok());
-  CHECK(static_cast<const float*>(view->data)[255] == 3.0f);
+  CHECK(static_cast<const float*>(view->data)[255] == 4.0f);
+  CHECK(consumer.pools_mapped() == 1);
+
+  // A valid-looking header: magic "BFSP", version 1, id, 1 slot of 4096 bytes at 4096.
+  const std::vector<std::uint64_t> header{0x0000000150534642ULL, 0x1234, 1, 4096, 4096};
+  auto refusal = [&](int fd) { return std::string(consumer.adopt(fd).status().message()); };
+  using Catch::Matchers::Contains;
+  CHECK_THAT(refusal(crafted_pool(8192, header, 0)), Contains("not a memfd sealed against shrinking"));
+  CHECK_THAT(refusal(crafted_pool(8192, header, F_SEAL_GROW)), Contains("not a memfd sealed against shrinking"));
+  CHECK_THAT(refusal(crafted_pool(8192, {0x0000000150534642ULL, 0x1234, 1, 1 << 20, 4096}, F_SEAL_SHRINK)),
+             Contains("header is malformed"));  // its slot runs past its end
+  CHECK_THAT(refusal(crafted_pool(8192, {0xdeadbeef}, F_SEAL_SHRINK)), Contains("header is malformed"));
+  CHECK_THAT(refusal(crafted_pool(1024, header, F_SEAL_SHRINK)), Contains("too small"));
+  int pipe_fds[2] = {-1, -1};
+  REQUIRE(::pipe(pipe_fds) == 0);
+  ::close(pipe_fds[1]);
+  CHECK_THAT(refusal(pipe_fds[0]), Contains("not a memfd"));
+  auto adopted = consumer.adopt(crafted_pool(8192, header, F_SEAL_SHRINK));  // sealed and well formed: taken
+  REQUIRE(adopted.ok());
+  CHECK(*adopted == 0x1234);
+  CHECK(consumer.pools_mapped() == 2);
+
+  ShmConsumer local(/*local_pools=*/true);  // a producer and its consumer in one process
+  CHECK(local.resolve(*h, 1024).ok());
+}
+
+TEST_CASE("shm: a producer's pools go when it ends; a consumer's tensor keeps its mapping, its cache lets go", "[shm]") {
+  ShmConsumer consumer;
+  ShmConsumer::View survivor;
+  {
+    ShmProducer producer;
+    std::vector<float> bytes(256, 3.0f);
+    auto h = producer.stage(bytes.data(), 1024, absl::Now());
+    REQUIRE(h.ok());
+    give_pool(consumer, h->pool_id);
+    auto view = consumer.resolve(*h, 1024);
+    REQUIRE(view.ok());
+    survivor = *view;
+  }
+  CHECK(static_cast<const float*>(survivor.data)[255] == 3.0f);
+  CHECK(consumer.pools_mapped() == 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));  // the consumer checks once a second
+  wire::ShmHandle any{};
+  CHECK_FALSE(consumer.resolve(any, 1).ok());  // the check runs here
+  CHECK(consumer.pools_mapped() == 0);  // retired by its producer: dropped; `survivor` alone keeps it
+  CHECK(static_cast<const float*>(survivor.data)[0] == 3.0f);
 }
 
 namespace {
@@ -193,7 +165,7 @@ TEST_CASE("shm stage: the copy runs without the pool's lock; its slot cannot be 
   options.slots_per_pool = 2;
   options.max_pools = 1;  // one pool of 2 x 1 MB
   ShmProducer producer(options);
-  ShmConsumer consumer;
+  ShmConsumer consumer(/*local_pools=*/true);
   std::vector<float> first(1024, 1.0f), second(1024, 2.0f);
   auto a = producer.stage(first.data(), 4096, absl::Now());  // slot 0, held by the consumer
   REQUIRE(a.ok());
@@ -253,13 +225,11 @@ TEST_CASE("shm consumer: a pool header rewritten after mapping moves no handle o
   const std::vector<char> first(100, 'a'), second(100, 'b');
   auto h1 = producer.stage(first.data(), first.size(), absl::Now() + absl::Seconds(10));
   REQUIRE(h1.ok());
-  auto mapped = consumer.resolve(*h1, first.size());  // maps the pool, checks its header
+  give_pool(consumer, h1->pool_id);  // maps the pool, checks its header
+  auto mapped = consumer.resolve(*h1, first.size());
   REQUIRE(mapped.ok());
-  // Another process of the same user rewrites data_offset (offset 32) and slot_bytes (offset 24).
-  const int fd = ::shm_open(fmt::format("/blockflow-{:016x}", h1->pool_id).c_str(), O_RDWR, 0);
-  REQUIRE(fd >= 0);
-  void* header = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  ::close(fd);
+  // The producer (or a process it gave the pool to) rewrites data_offset (offset 32) and slot_bytes (24).
+  void* header = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, shm_pool_fd(h1->pool_id).fd, 0);
   REQUIRE(header != MAP_FAILED);
   auto* fields = static_cast<std::uint64_t*>(header);
   fields[3] = std::uint64_t{1} << 40;  // slot_bytes
@@ -277,7 +247,6 @@ TEST_CASE("shm consumer: a pool header rewritten after mapping moves no handle o
 }
 
 TEST_CASE("shm pools: a burst's extra pool is removed once idle, the last of its class stays; consumers let go", "[shm]") {
-  namespace fs = std::filesystem;
   ShmPoolOptions options;
   options.slots_per_pool = 1;
   options.idle_trim = absl::Milliseconds(50);
@@ -289,6 +258,8 @@ TEST_CASE("shm pools: a burst's extra pool is removed once idle, the last of its
   REQUIRE(first.ok());
   REQUIRE(second.ok());
   REQUIRE(first->pool_id != second->pool_id);
+  give_pool(consumer, first->pool_id);
+  give_pool(consumer, second->pool_id);
   REQUIRE(consumer.resolve(*first, 1024).ok());
   auto held = consumer.resolve(*second, 1024);  // a tensor still over the second pool
   REQUIRE(held.ok());
@@ -304,13 +275,11 @@ TEST_CASE("shm pools: a burst's extra pool is removed once idle, the last of its
   CHECK(stats.pools_trimmed == 1);
   CHECK(stats.slots_total == 1);
   CHECK(third->pool_id == first->pool_id);  // the last of its class stayed and serves on
-  const std::string gone = fmt::format("/dev/shm/blockflow-{:016x}", second->pool_id);
-  CHECK_FALSE(fs::exists(gone));
   CHECK(static_cast<const float*>(held->data)[255] == 5.0f);  // still mapped for the tensor over it
 
   std::this_thread::sleep_for(std::chrono::milliseconds(1100));  // the consumer checks once a second
   REQUIRE(consumer.resolve(*third, 1024).ok());
-  CHECK(consumer.pools_mapped() == 1);  // it dropped the gone pool; `held` alone keeps its pages
+  CHECK(consumer.pools_mapped() == 1);  // it dropped the retired pool; `held` alone keeps its pages
   CHECK(producer.release(*third));
 }
 
@@ -353,11 +322,11 @@ TEST_CASE("shm pools: a class that needs a pool again soon after losing one keep
   CHECK(stats.pools_created == 3);
 }
 
-TEST_CASE("shm pool names: the id and its producer's pid read back from the object's name, other names refused",
+TEST_CASE("shm pool names: the id and its producer's pid read back from the memfd's name, other names refused",
           "[shm]") {
   using blockflow::detail::shm_pool_id;
   using blockflow::detail::shm_pool_producer;
-  for (const char* name : {"blockflow-00003039deadbeef", "/blockflow-00003039deadbeef", "/dev/shm/blockflow-00003039deadbeef"}) {
+  for (const char* name : {"blockflow-00003039deadbeef", "memfd:blockflow-00003039deadbeef", "/memfd:blockflow-00003039deadbeef"}) {
     INFO(name);
     const auto id = shm_pool_id(name);
     REQUIRE(id.has_value());
@@ -365,7 +334,8 @@ TEST_CASE("shm pool names: the id and its producer's pid read back from the obje
     CHECK(shm_pool_producer(*id) == 12345);
   }
   for (const char* name : {"blockflow-00003039deadbee", "blockflow-00003039deadbeef0", "blockflow-00003039DEADBEEF",
-                           "blockflow-0000303xdeadbeef", "other-00003039deadbeef", "/tmp/blockflow-00003039deadbeef", ""}) {
+                           "blockflow-0000303xdeadbeef", "other-00003039deadbeef", "/tmp/blockflow-00003039deadbeef",
+                           "/dev/shm/blockflow-00003039deadbeef", ""}) {
     INFO(name);
     CHECK_FALSE(shm_pool_id(name).has_value());
   }

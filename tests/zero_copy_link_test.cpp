@@ -2,7 +2,7 @@
 // shm:// and cuda:// channels and under every worker's "shm" and "cuda" channel: the release
 // protocol (handles go back in packets of at most kReleasesPerMessage, each freed once), what read()
 // sorts (releases taken, data as views of the peer's memory, malformed packets and a closed peer
-// reported), and a live view keeping its link open.
+// reported), pools' descriptors carried once per link, and a live view keeping its link open.
 #include <blockflow/channel/detail/packet_link.hpp>
 #include <blockflow/channel/detail/tensor_codec.hpp>
 #include <blockflow/channel/detail/zero_copy_ends.hpp>
@@ -144,6 +144,71 @@ TEST_CASE("a zero-copy link's read() takes the peer's releases and returns its d
   CHECK(reply.message.header.request_id == 9);
   CHECK(producer_ends->host_stats().slots_in_use == 0);
   CHECK(producer_ends->host_stats().releases == 2);
+}
+
+TEST_CASE("a pool's descriptor crosses once per link, with the first packet naming it; a relay hands it on; a "
+          "packet naming a pool never given is refused, its handles given back",
+          "[link]") {
+  auto first = PacketLink::pair();
+  REQUIRE(first.ok());
+  auto producer_ends = std::make_shared<ZeroCopyEnds>(small_pools(), false);
+  const ShmStager stage = producer_ends->stager(absl::ZeroDuration());
+  const at::Tensor x = at::arange(1024, at::kFloat);
+  // The packets themselves, as PacketLink delivers them: descriptors counted.
+  REQUIRE(send_packet(*first->first, data_to("b", 1), {x}, nullptr, &stage).ok());
+  REQUIRE(send_packet(*first->first, data_to("b", 2), {x, x}, nullptr, &stage).ok());  // same pool: none
+  auto one = first->second->receive(1000);
+  auto two = first->second->receive(1000);
+  REQUIRE((one && two));
+  CHECK(one->fds.size() == 1);
+  CHECK(two->fds.size() == 0);
+  // Another link carries it again.
+  auto second = PacketLink::pair();
+  REQUIRE(second.ok());
+  ZeroCopyLink to_relay(second->first, producer_ends);
+  auto relay_ends = std::make_shared<ZeroCopyEnds>(small_pools(), false);
+  ZeroCopyLink relay_in(second->second, relay_ends);
+  REQUIRE(to_relay.send(data_to("b", 3), {x}, &stage).ok());
+  auto got = relay_in.read(1000);
+  REQUIRE(got.kind == Kind::kMessage);
+  REQUIRE(got.message.tensors.size() == 1);
+  const at::Tensor view = got.message.tensors[0];
+  CHECK(at::equal(view, x));
+  // The relay hands the view on to a third process as the same slot: the pool's descriptor, which
+  // the relay was given, goes with it, and the third end reads the same bytes.
+  auto third = PacketLink::pair();
+  REQUIRE(third.ok());
+  ZeroCopyLink relay_out(third->first, relay_ends);
+  ZeroCopyLink last(third->second, std::make_shared<ZeroCopyEnds>(small_pools(), false));
+  const ShmStager relay_stage = relay_ends->stager(absl::ZeroDuration());
+  REQUIRE(ZeroCopyEnds::relays_as_is(view));
+  REQUIRE(relay_out.send(data_to("c", 4), {view}, &relay_stage).ok());
+  auto relayed = last.read(1000);
+  REQUIRE(relayed.kind == Kind::kMessage);
+  REQUIRE(relayed.message.tensors.size() == 1);
+  CHECK(at::equal(relayed.message.tensors[0], x));
+  CHECK(relay_ends->host_stats().bytes_staged == 0);  // handed on, not copied
+
+  // A packet naming a pool its link never carried (sent here without descriptors): refused, named,
+  // and its handle goes back to the producer.
+  auto bare = PacketLink::pair();
+  REQUIRE(bare.ok());
+  ZeroCopyLink reader(bare->second, std::make_shared<ZeroCopyEnds>(small_pools(), false));
+  const std::size_t in_use = producer_ends->host_stats().slots_in_use;
+  auto encoded = encode_message(data_to("b", 5), {x}, nullptr, &stage);
+  REQUIRE(encoded.ok());
+  REQUIRE(producer_ends->host_stats().slots_in_use == in_use + 1);
+  REQUIRE(bare->first->send({encoded->header, encoded->handles[0]}).ok());
+  auto refused = reader.read(1000);
+  REQUIRE(refused.kind == Kind::kMalformed);
+  CHECK_THAT(std::string(refused.malformed.message()), Contains("never given"));
+  auto release = bare->first->receive(1000);  // the reader's release of the refused handle
+  REQUIRE(release.has_value());
+  REQUIRE(release->frames.ok());
+  auto message = decode_message(*std::move(release->frames));
+  REQUIRE(message.ok());
+  CHECK(producer_ends->take_releases(message->header).ok());
+  CHECK(producer_ends->host_stats().slots_in_use == in_use);  // the refused handle's slot is free again
 }
 
 TEST_CASE("a zero-copy link reports a malformed release and a closed peer, and gives back what a failed send staged",

@@ -425,6 +425,7 @@ CudaProducer::Reserved::~Reserved() {
 
 std::shared_ptr<CudaProducer::Reserved> CudaProducer::reserve_now(std::size_t n) {
   auto reserved = std::make_shared<Reserved>();
+  reserved->records.reserve(n);  // no allocation between taking a record and keeping it
   for (std::size_t i = 0; i < n; ++i) {
     auto lease = impl_->records.try_lease(sizeof(Record));
     if (!lease) return nullptr;  // those taken go back with `reserved`
@@ -554,14 +555,14 @@ void CudaProducer::stop_waiting() { impl_->records.stop_waiting(); }
 CudaConsumer::CudaConsumer() = default;
 CudaConsumer::~CudaConsumer() = default;
 
-absl::StatusOr<at::Tensor> CudaConsumer::resolve(const wire::TensorDesc& desc, const wire::ShmHandle& handle,
-                                                 at::ScalarType type,
+absl::StatusOr<at::Tensor> CudaConsumer::resolve(ShmConsumer& records, const wire::TensorDesc& desc,
+                                                 const wire::ShmHandle& handle, at::ScalarType type,
                                                  std::function<void(const wire::ShmHandle&)> release) {
   if (auto usable = cuda_ipc_usable(); !usable.ok()) return usable;
   wire::ShmHandle slot = handle;
   slot.memory = wire::kHostMemory;
   slot.offset = 0;
-  auto view = records_.resolve(slot, sizeof(Record));
+  auto view = records.resolve(slot, sizeof(Record));
   if (!view.ok()) return absl::InvalidArgumentError(fmt::format("cuda {}", std::string(view.status().message())));
   Record record;
   std::memcpy(&record, view->data, sizeof(record));
@@ -602,8 +603,6 @@ absl::StatusOr<at::Tensor> CudaConsumer::resolve(const wire::TensorDesc& desc, c
                        at::TensorOptions().dtype(type).device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(dev))));
 }
 
-void CudaConsumer::forget_all() { records_.forget_all(); }
-
 #else  // without the CUDA toolkit --------------------------------------------------------------------
 
 namespace {
@@ -630,11 +629,10 @@ void CudaProducer::stop_waiting() {}
 
 CudaConsumer::CudaConsumer() = default;
 CudaConsumer::~CudaConsumer() = default;
-absl::StatusOr<at::Tensor> CudaConsumer::resolve(const wire::TensorDesc&, const wire::ShmHandle&, at::ScalarType,
-                                                 std::function<void(const wire::ShmHandle&)>) {
+absl::StatusOr<at::Tensor> CudaConsumer::resolve(ShmConsumer&, const wire::TensorDesc&, const wire::ShmHandle&,
+                                                 at::ScalarType, std::function<void(const wire::ShmHandle&)>) {
   return no_cuda();
 }
-void CudaConsumer::forget_all() { records_.forget_all(); }
 
 #endif
 

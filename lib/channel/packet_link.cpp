@@ -115,7 +115,25 @@ absl::StatusOr<std::pair<std::shared_ptr<PacketLink>, std::shared_ptr<PacketLink
   return std::pair{std::make_shared<PacketLink>(fds[0]), std::make_shared<PacketLink>(fds[1])};
 }
 
+ReceivedFds& ReceivedFds::operator=(ReceivedFds&& other) noexcept {
+  if (this != &other) {
+    close_all();
+    fds_ = std::exchange(other.fds_, {});
+  }
+  return *this;
+}
+
+void ReceivedFds::close_all() {
+  for (const int fd : fds_) ::close(fd);
+  fds_.clear();
+}
+
 absl::Status PacketLink::send(const std::vector<std::string_view>& frames, bool wait) {
+  return send(frames, wait, {}, nullptr);
+}
+
+absl::Status PacketLink::send(const std::vector<std::string_view>& frames, bool wait, const std::vector<std::uint64_t>& keys,
+                              const std::function<LinkFd(std::uint64_t)>& fd_of) {
   const std::string table = table_of(frames);
   std::vector<iovec> parts;
   parts.reserve(frames.size() + 1);
@@ -131,6 +149,60 @@ absl::Status PacketLink::send(const std::vector<std::string_view>& frames, bool 
   msghdr message{};
   message.msg_iov = parts.data();
   message.msg_iovlen = parts.size();
+  if (keys.empty()) return send_message(message, wait);
+  // A packet whose keys were all carried goes at once. One with a new key is sent under carry_mu_,
+  // never waiting there (a sender that may not wait is held up for microseconds at most): another
+  // packet with that key waits for it, rather than carry it twice or overtake it. While the peer's
+  // queue is full it waits for room without the lock, then looks again.
+  const std::int64_t timeout_ns = send_timeout_ns_.load(std::memory_order_relaxed);
+  const absl::Time deadline = timeout_ns < 0 ? absl::InfiniteFuture() : absl::Now() + absl::Nanoseconds(timeout_ns);
+  while (true) {
+    std::vector<LinkFd> attach;
+    carry_mu_.Lock();
+    for (const std::uint64_t key : keys) {
+      if (carried_.contains(key) ||
+          std::any_of(attach.begin(), attach.end(), [&](const LinkFd& a) { return a.key == key; })) {
+        continue;
+      }
+      LinkFd fd = fd_of ? fd_of(key) : LinkFd{};
+      if (fd.fd >= 0) attach.push_back(std::move(fd));
+    }
+    if (attach.empty()) {
+      carry_mu_.Unlock();
+      return send_message(message, wait);
+    }
+    if (attach.size() > kMaxPacketFds) {
+      carry_mu_.Unlock();
+      return absl::InvalidArgumentError(fmt::format("data link: a packet naming {} new pools (at most {})", attach.size(), kMaxPacketFds));
+    }
+    std::vector<char> control(CMSG_SPACE(sizeof(int) * attach.size()), 0);
+    message.msg_control = control.data();
+    message.msg_controllen = control.size();
+    cmsghdr* c = CMSG_FIRSTHDR(&message);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * attach.size());
+    for (std::size_t i = 0; i < attach.size(); ++i) {
+      std::memcpy(CMSG_DATA(c) + i * sizeof(int), &attach[i].fd, sizeof(int));
+    }
+    absl::Status sent = send_message(message, /*wait=*/false);
+    if (sent.ok()) {
+      for (const auto& a : attach) carried_.insert(a.key);
+    }
+    carry_mu_.Unlock();
+    message.msg_control = nullptr;
+    message.msg_controllen = 0;
+    if (!wait || sent.code() != absl::StatusCode::kResourceExhausted) return sent;
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      return absl::DeadlineExceededError("data link: the peer's receive queue stayed full for the send timeout");
+    }
+    pollfd item{fd_, POLLOUT, 0};
+    (void)::poll(&item, 1, left == absl::InfiniteDuration() ? 100 : static_cast<int>(std::min<std::int64_t>(100, absl::ToInt64Milliseconds(left) + 1)));
+  }
+}
+
+absl::Status PacketLink::send_message(msghdr& message, bool wait) {
   while (true) {
     const ssize_t n = ::sendmsg(fd_, &message, MSG_NOSIGNAL | (wait ? 0 : MSG_DONTWAIT));
     if (n >= 0) return absl::OkStatus();
@@ -152,6 +224,7 @@ absl::Status PacketLink::send(const std::vector<std::string_view>& frames, bool 
 }
 
 void PacketLink::set_send_timeout(absl::Duration timeout) {
+  send_timeout_ns_.store(std::max<std::int64_t>(0, absl::ToInt64Nanoseconds(timeout)), std::memory_order_relaxed);
   const std::int64_t us = std::max<std::int64_t>(1, absl::ToInt64Microseconds(timeout));
   const timeval tv{static_cast<time_t>(us / 1000000), static_cast<suseconds_t>(us % 1000000)};
   (void)::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
@@ -166,12 +239,15 @@ std::optional<PacketLink::Received> PacketLink::receive(int timeout_ms, absl::Du
       : gaps_.streaming(spin) ? now_ns() + absl::ToInt64Nanoseconds(spin)
                               : 0;
   bool waited = false;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxPacketFds)];
   while (true) {
     iovec part{buffer_.data(), buffer_.size()};
     msghdr message{};
     message.msg_iov = &part;
     message.msg_iovlen = 1;
-    const ssize_t n = ::recvmsg(fd_, &message, MSG_DONTWAIT);
+    message.msg_control = control;
+    message.msg_controllen = sizeof(control);
+    const ssize_t n = ::recvmsg(fd_, &message, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       if (waited) return std::nullopt;
@@ -184,12 +260,26 @@ std::optional<PacketLink::Received> PacketLink::receive(int timeout_ms, absl::Du
     }
     gaps_.note(now_ns());
     Received out;
+    // Descriptors first, whatever else is wrong with the packet: each one is ours to close.
+    for (cmsghdr* c = CMSG_FIRSTHDR(&message); n >= 0 && c != nullptr; c = CMSG_NXTHDR(&message, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (std::size_t i = 0; i < count; ++i) {
+        int fd = -1;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        out.fds.add(fd);
+      }
+    }
     if (n <= 0) {  // 0: the peer closed its end; an error: the link is broken either way
       out.closed = true;
       return out;
     }
     if ((message.msg_flags & MSG_TRUNC) != 0) {
       out.frames = absl::InvalidArgumentError(fmt::format("packet larger than {} bytes", kMaxPacketBytes));
+      return out;
+    }
+    if ((message.msg_flags & MSG_CTRUNC) != 0) {
+      out.frames = absl::InvalidArgumentError(fmt::format("packet with more than {} descriptors", kMaxPacketFds));
       return out;
     }
     out.frames = decode_packet(buffer_.data(), static_cast<std::size_t>(n));

@@ -13,8 +13,8 @@
 // still gets what was sent). A sender destroyed while its receiver holds some of what it sent
 // leaves that behind (RelayOrphans) until released: tensors it relayed from a third process's slot
 // (ZeroCopyEnds), which that process would otherwise reuse, and CUDA tensors, which its caching
-// allocator would. Its own slots need nothing: its pools are unlinked, and a mapping stays valid
-// (flush() first, for a receiver that may not have mapped a pool yet).
+// allocator would. Its own slots need nothing: a pool lives while a receiver maps it, or holds its
+// descriptor in a packet not read yet.
 //
 // cuda:// connect-time check: the receiver exports a CUDA probe (a small allocation and an
 // interprocess event, cuda_ipc.hpp) into a file beside its socket; a sender opens it when it

@@ -1,6 +1,6 @@
 #include <blockflow/channel/detail/shm_pool.hpp>
 
-#include "shm_pool_names.hpp"
+#include "shm_segment.hpp"
 
 #include <absl/container/flat_hash_map.h>
 #include <blockflow/core/detail/clock.hpp>
@@ -8,7 +8,6 @@
 #include <fmt/format.h>
 
 #include <fcntl.h>
-#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -16,40 +15,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 #include <vector>
 
 namespace blockflow::detail {
 namespace {
-
-constexpr std::uint32_t kSegmentMagic = 0x50534642;  // "BFSP"
-constexpr std::uint32_t kSegmentVersion = 1;
-constexpr std::size_t kHeaderBytes = 64;
-constexpr std::size_t kPage = 4096;
-// Pools up to this size have their pages made (producer) and mapped (consumer) at once; larger ones
-// fault page by page as slots are used, so that one big tensor does not commit all its pool's slots.
-constexpr std::size_t kPopulateMaxBytes = std::size_t{64} << 20;
-#ifdef MADV_POPULATE_READ
-constexpr int kMadvPopulateRead = MADV_POPULATE_READ;
-#else
-constexpr int kMadvPopulateRead = 22;  // Linux 5.14; EINVAL (ignored) on older kernels
-#endif
-
-struct SegmentHeader {
-  std::uint32_t magic;
-  std::uint32_t version;
-  std::uint64_t pool_id;
-  std::uint64_t slot_count;
-  std::uint64_t slot_bytes;
-  std::uint64_t data_offset;
-  std::uint64_t reserved[3];
-};
-static_assert(sizeof(SegmentHeader) == kHeaderBytes);
-static_assert(sizeof(std::atomic<std::uint64_t>) == 8 && std::atomic<std::uint64_t>::is_always_lock_free);
-
-std::atomic<std::uint64_t>* generations(void* base) {
-  return reinterpret_cast<std::atomic<std::uint64_t>*>(static_cast<char*>(base) + kHeaderBytes);
-}
 
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
@@ -58,38 +29,6 @@ std::size_t next_pow2(std::size_t n) {
   while (p < n) p <<= 1;
   return p;
 }
-
-// A pool mapped here. A producer's mapping also keeps the descriptor that holds the pool's LOCK_SH
-// (closed, hence unlocked, with the mapping); a consumer's keeps none (fd -1).
-struct Mapping {
-  void* base = MAP_FAILED;
-  std::size_t size = 0;
-  int fd = -1;
-  // A consumer's copy of the pool's layout, taken (and checked against `size`) when it was mapped:
-  // the header lies in memory another process can rewrite, so it is never read again.
-  std::uint64_t slot_count = 0, slot_bytes = 0, data_offset = 0;
-  ~Mapping() {
-    if (base != MAP_FAILED) ::munmap(base, size);
-    if (fd >= 0) ::close(fd);
-  }
-};
-
-// Every pool of another process mapped here (by any ShmConsumer), so that a tensor over one can be
-// handed on as the same slot (shm_origin()).
-struct MappedPools {
-  blockflow::detail::Mutex mu;
-  std::vector<std::pair<std::uint64_t, std::weak_ptr<Mapping>>> pools ABSL_GUARDED_BY(mu);
-  static MappedPools& get() {
-    static auto* all = new MappedPools;  // never destroyed: deleters may run during exit
-    return *all;
-  }
-  void add(std::uint64_t id, const std::shared_ptr<Mapping>& mapping) {
-    blockflow::detail::MutexLock lock(&mu);
-    pools.erase(std::remove_if(pools.begin(), pools.end(), [](const auto& p) { return p.second.expired(); }),
-                pools.end());
-    pools.emplace_back(id, mapping);
-  }
-};
 
 }  // namespace
 
@@ -103,7 +42,7 @@ struct ShmProducer::Impl {
   };
   struct Pool {
     std::uint64_t id = 0;
-    std::shared_ptr<Mapping> mapping;
+    std::shared_ptr<PoolMapping> mapping;
     std::size_t slot_bytes = 0;
     std::size_t data_offset = 0;
     std::vector<Slot> slots;
@@ -140,21 +79,22 @@ struct ShmProducer::Impl {
     Pool pool;
     pool.id = new_pool_id();
     pool.slot_bytes = slot_bytes;
-    pool.data_offset = round_up(kHeaderBytes + 8 * options.slots_per_pool, kPage);
+    pool.data_offset = round_up(kPoolHeaderBytes + 8 * options.slots_per_pool, kPoolPage);
     const std::size_t size = pool.data_offset + slot_bytes * options.slots_per_pool;
     const std::string name = shm_name(pool.id);
-    const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-    if (fd < 0) return absl::InternalError(fmt::format("shm_open {}: {}", name, std::strerror(errno)));
-    auto mapping = std::make_shared<Mapping>();
-    mapping->fd = fd;  // open for the pool's life: it holds the pool's flock (closed with the mapping)
+    // A memfd: no name anyone can open, gone with its last descriptor and mapping (a producer
+    // killed leaves nothing behind); sealed at its size, so that no process holding it can shrink
+    // it under a consumer (whose next read past the end would fault with SIGBUS).
+    const int fd = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) return absl::ResourceExhaustedError(fmt::format("memfd_create {}: {}", name, std::strerror(errno)));
+    auto mapping = std::make_shared<PoolMapping>();
+    mapping->fd = fd;  // closed with the mapping
+    mapping->own = true;
     auto fail = [&](const char* what) {
-      const int e = errno;
-      ::shm_unlink(name.c_str());
-      return absl::ResourceExhaustedError(fmt::format("{} {} ({} bytes): {}", what, name, size, std::strerror(e)));
+      return absl::ResourceExhaustedError(fmt::format("{} {} ({} bytes): {}", what, name, size, std::strerror(errno)));
     };
-    // Locked before it has a size: a sweeper that gets here first sees size 0 and keeps it.
-    if (!lock_shared(fd)) return fail("flock");
     if (::ftruncate(fd, static_cast<off_t>(size)) != 0) return fail("ftruncate");
+    if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) return fail("sealing");
     mapping->size = size;
     // MAP_POPULATE (pools up to kPopulateMaxBytes): the pool's pages are made now, once, rather than
     // by faults on the requests that first use each slot; a process's resident memory then moves
@@ -164,7 +104,12 @@ struct ShmProducer::Impl {
     if (mapping->base == MAP_FAILED) return fail("mmap");
     auto* header = static_cast<SegmentHeader*>(mapping->base);
     *header = SegmentHeader{kSegmentMagic, kSegmentVersion, pool.id, options.slots_per_pool, slot_bytes, pool.data_offset, {}};
-    for (std::size_t i = 0; i < options.slots_per_pool; ++i) generations(mapping->base)[i].store(0);
+    for (std::size_t i = 0; i < options.slots_per_pool; ++i) slot_generations(mapping->base)[i].store(0);
+    mapping->slot_count = options.slots_per_pool;
+    mapping->slot_bytes = slot_bytes;
+    mapping->data_offset = pool.data_offset;
+    mapping->pool_id = pool.id;
+    MappedPools::get().add(pool.id, mapping);
     pool.mapping = std::move(mapping);
     pool.slots.resize(options.slots_per_pool);
     return pool;
@@ -197,7 +142,7 @@ struct ShmProducer::Impl {
       ClassTrim& trim = class_trim(pool.slot_bytes);
       if (now - pool.idle_since_ns < trim.delay_ns) continue;
       trim.last_trim_ns = now;
-      ::shm_unlink(shm_name(pool.id).c_str());  // then its mapping goes with the Pool (and the flock)
+      pool_retired(pool.mapping->base)->store(1, std::memory_order_release);  // consumers drop it; it goes with the Pool
       stats.slots_total -= pool.slots.size();
       ++stats.pools_trimmed;
       pools.erase(pools.begin() + static_cast<std::ptrdiff_t>(i));
@@ -225,7 +170,7 @@ struct ShmProducer::Impl {
       }
     }
     const std::size_t slot_bytes = std::max(options.min_slot_bytes, next_pow2(std::max<std::size_t>(bytes, 1)));
-    const std::size_t size = round_up(kHeaderBytes + 8 * options.slots_per_pool, kPage) + slot_bytes * options.slots_per_pool;
+    const std::size_t size = round_up(kPoolHeaderBytes + 8 * options.slots_per_pool, kPoolPage) + slot_bytes * options.slots_per_pool;
     if (bytes_mapped() + creating_bytes + size > options.max_total_bytes ||
         (options.max_pools > 0 && pools.size() + creating_pools >= options.max_pools)) {
       return std::make_pair(static_cast<Pool*>(nullptr), 0u);
@@ -289,7 +234,7 @@ struct ShmProducer::Impl {
         pool->slots[slot] = {true, generation, false, 0};
         pool->idle_since_ns = 0;
         // Published before the handle can reach anyone (the send that follows is a barrier too).
-        generations(pool->mapping->base)[slot].store(generation, std::memory_order_release);
+        slot_generations(pool->mapping->base)[slot].store(generation, std::memory_order_release);
         ++stats.slots_in_use;
         return *found;
       }
@@ -334,7 +279,7 @@ struct ShmProducer::Impl {
 
   void free_slot(Pool& pool, std::uint32_t slot) {
     pool.slots[slot] = {};
-    generations(pool.mapping->base)[slot].store(0, std::memory_order_release);
+    slot_generations(pool.mapping->base)[slot].store(0, std::memory_order_release);
     --stats.slots_in_use;
     ++frees;
     if (std::none_of(pool.slots.begin(), pool.slots.end(), [](const Slot& x) { return x.leased; })) {
@@ -346,11 +291,10 @@ struct ShmProducer::Impl {
 ShmProducer::ShmProducer(ShmPoolOptions options) : impl_(std::make_shared<Impl>()) {
   if (options.slots_per_pool == 0) options.slots_per_pool = 1;
   impl_->options = options;
-  sweep_orphaned_pools();
 }
 
 ShmProducer::~ShmProducer() {
-  for (const auto& pool : impl_->pools) ::shm_unlink(shm_name(pool.id).c_str());
+  for (const auto& pool : impl_->pools) pool_retired(pool.mapping->base)->store(1, std::memory_order_release);
 }
 
 std::atomic<void (*)(const wire::ShmHandle&)> shm_stage_copy_hook{nullptr};
@@ -490,148 +434,6 @@ const void* ShmProducer::address(const wire::ShmHandle& handle) const {
   Impl::Pool* pool = s.pool_of(handle.pool_id);
   if (pool == nullptr || handle.slot >= pool->slots.size()) return nullptr;
   return pool->slot_address(handle.slot) + handle.offset;
-}
-
-// ---------------------------------------------------------------------------------------------------
-struct ShmConsumer::Impl {
-  static constexpr std::int64_t kForgetCheckNs = 1'000'000'000;
-  mutable blockflow::detail::Mutex mu;
-  absl::flat_hash_map<std::uint64_t, std::shared_ptr<Mapping>> pools;
-  std::int64_t last_forget_check_ns = 0;
-
-  // At most once a second: drops the cached mappings of pools their producer has unlinked (trimmed,
-  // or the producer is gone), so this process stops holding their pages once no tensor does.
-  void forget_gone_pools() {
-    std::vector<std::uint64_t> ids;
-    {
-      blockflow::detail::MutexLock lock(&mu);
-      const std::int64_t now = now_ns();
-      if (now - last_forget_check_ns < kForgetCheckNs) return;
-      last_forget_check_ns = now;
-      for (const auto& [id, mapping] : pools) ids.push_back(id);
-    }
-    std::vector<std::uint64_t> gone;
-    for (const std::uint64_t id : ids) {
-      const int fd = ::shm_open(shm_name(id).c_str(), O_RDONLY | O_CLOEXEC, 0);
-      if (fd >= 0) {
-        ::close(fd);
-      } else if (errno == ENOENT) {
-        gone.push_back(id);
-      }
-    }
-    if (gone.empty()) return;
-    blockflow::detail::MutexLock lock(&mu);
-    for (const std::uint64_t id : gone) pools.erase(id);
-  }
-
-  absl::StatusOr<std::shared_ptr<Mapping>> map(std::uint64_t pool_id) {
-    const std::string name = shm_name(pool_id);
-    const int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
-    if (fd < 0) {
-      return absl::InvalidArgumentError(fmt::format("shm handle: pool {:016x} cannot be opened: {}", pool_id, std::strerror(errno)));
-    }
-    struct stat st {};
-    if (::fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(kPage)) {
-      ::close(fd);
-      return absl::InvalidArgumentError(fmt::format("shm handle: pool {:016x} is not a BlockFlow pool (too small)", pool_id));
-    }
-    auto mapping = std::make_shared<Mapping>();
-    mapping->size = static_cast<std::size_t>(st.st_size);
-    mapping->base = ::mmap(nullptr, mapping->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    ::close(fd);  // no lock kept: abandonment is the producer's lock alone (shm_pool.hpp)
-    if (mapping->base == MAP_FAILED) {
-      return absl::ResourceExhaustedError(fmt::format("shm pool {:016x}: mmap: {}", pool_id, std::strerror(errno)));
-    }
-    // One copy of the header, checked and kept: the peer may rewrite the shared one at any time,
-    // so no field is read from shared memory twice.
-    SegmentHeader copy;
-    std::memcpy(&copy, mapping->base, sizeof copy);
-    const SegmentHeader* h = &copy;
-    const bool sane = h->magic == kSegmentMagic && h->version == kSegmentVersion && h->pool_id == pool_id &&
-                      h->slot_count > 0 && h->slot_count < (1u << 20) && h->data_offset >= kHeaderBytes + 8 * h->slot_count &&
-                      h->slot_bytes > 0 && h->slot_bytes <= mapping->size &&
-                      h->data_offset <= mapping->size && (mapping->size - h->data_offset) / h->slot_bytes >= h->slot_count;
-    if (!sane) return absl::InvalidArgumentError(fmt::format("shm handle: pool {:016x} has a malformed header", pool_id));
-    mapping->slot_count = h->slot_count;
-    mapping->slot_bytes = h->slot_bytes;
-    mapping->data_offset = h->data_offset;
-    // The slots' pages are mapped now, as the producer made them (MAP_POPULATE there), so that this
-    // process's resident memory moves when a pool comes or goes, not with each slot a burst first
-    // reaches. Only the extent the checked header covers; an older kernel without it maps lazily.
-    const std::size_t extent = mapping->data_offset + mapping->slot_count * mapping->slot_bytes;
-    if (extent <= kPopulateMaxBytes) ::madvise(mapping->base, extent, kMadvPopulateRead);
-    return mapping;
-  }
-};
-
-ShmConsumer::ShmConsumer() : impl_(std::make_unique<Impl>()) {}
-ShmConsumer::~ShmConsumer() = default;
-
-absl::StatusOr<ShmConsumer::View> ShmConsumer::resolve(const wire::ShmHandle& handle, std::uint64_t bytes) {
-  Impl& s = *impl_;
-  s.forget_gone_pools();
-  std::shared_ptr<Mapping> mapping;
-  {
-    blockflow::detail::MutexLock lock(&s.mu);
-    if (auto it = s.pools.find(handle.pool_id); it != s.pools.end()) mapping = it->second;
-  }
-  if (!mapping) {
-    auto mapped = s.map(handle.pool_id);
-    if (!mapped.ok()) return mapped.status();
-    MappedPools::get().add(handle.pool_id, *mapped);
-    blockflow::detail::MutexLock lock(&s.mu);
-    mapping = s.pools.try_emplace(handle.pool_id, *mapped).first->second;
-  }
-  const Mapping& m = *mapping;  // the layout captured when mapped, never the shared header
-  if (handle.slot >= m.slot_count) {
-    return absl::InvalidArgumentError(
-        fmt::format("shm handle: slot {} out of range (pool {:016x} has {})", handle.slot, handle.pool_id, m.slot_count));
-  }
-  if (handle.offset > m.slot_bytes || bytes > m.slot_bytes - handle.offset) {
-    return absl::InvalidArgumentError(fmt::format("shm handle: offset {} + {} bytes exceeds the slot ({} bytes)",
-                                                  handle.offset, bytes, m.slot_bytes));
-  }
-  const std::uint64_t current = generations(mapping->base)[handle.slot].load(std::memory_order_acquire);
-  if (handle.generation == 0 || current != handle.generation) {
-    return absl::InvalidArgumentError(fmt::format("shm handle: stale or forged: generation {}, slot {} is at {}",
-                                                  handle.generation, handle.slot, current));
-  }
-  View view;
-  view.data = static_cast<char*>(mapping->base) + m.data_offset + handle.slot * m.slot_bytes + handle.offset;
-  view.pool_base = mapping->base;
-  view.pool_bytes = mapping->size;
-  view.keep = std::move(mapping);
-  return view;
-}
-
-void ShmConsumer::forget_all() {
-  blockflow::detail::MutexLock lock(&impl_->mu);
-  impl_->pools.clear();
-}
-
-std::size_t ShmConsumer::pools_mapped() const {
-  blockflow::detail::MutexLock lock(&impl_->mu);
-  return impl_->pools.size();
-}
-
-std::optional<wire::ShmHandle> shm_origin(const void* data, std::size_t bytes) {
-  const auto* p = static_cast<const char*>(data);
-  MappedPools& all = MappedPools::get();
-  blockflow::detail::MutexLock lock(&all.mu);
-  for (const auto& [id, weak] : all.pools) {
-    const auto mapping = weak.lock();
-    if (!mapping) continue;
-    const auto* base = static_cast<const char*>(mapping->base);
-    const char* first = base + mapping->data_offset;
-    if (p < first || p >= base + mapping->size) continue;
-    const auto slot = static_cast<std::uint32_t>(static_cast<std::size_t>(p - first) / mapping->slot_bytes);
-    const std::uint64_t offset = static_cast<std::uint64_t>(p - first) - std::uint64_t{slot} * mapping->slot_bytes;
-    if (slot >= mapping->slot_count || offset + bytes > mapping->slot_bytes) return std::nullopt;
-    const std::uint64_t generation = generations(mapping->base)[slot].load(std::memory_order_acquire);
-    if (generation == 0) return std::nullopt;
-    return wire::ShmHandle{id, slot, generation, offset};
-  }
-  return std::nullopt;
 }
 
 }  // namespace blockflow::detail

@@ -7,6 +7,7 @@
 #include <fmt/ostream.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <memory>
 #include <new>
 #include <stdexcept>
@@ -175,7 +176,16 @@ absl::Status send_packet(PacketLink& link, wire::Header header, const Tensors& t
   if (!encoded.ok()) return encoded.status();
   std::vector<std::string_view> frames{encoded->header};
   for (const auto& h : encoded->handles) frames.emplace_back(h);
-  absl::Status sent = link.send(frames, wait);
+  // The pools the handles name (host slots, CUDA records): the link carries each one's descriptor
+  // with the first packet that names it.
+  std::vector<std::uint64_t> pools;
+  for (const auto& h : encoded->staged) {
+    if (std::find(pools.begin(), pools.end(), h.pool_id) == pools.end()) pools.push_back(h.pool_id);
+  }
+  absl::Status sent = link.send(frames, wait, pools, [](std::uint64_t id) {
+    ShmPoolFd pool = shm_pool_fd(id);
+    return LinkFd{id, pool.fd, std::move(pool.keep)};
+  });
   if (!sent.ok() && unstage != nullptr) {
     for (const auto& staged : encoded->staged) (*unstage)(staged);  // the consumer never saw them
   }

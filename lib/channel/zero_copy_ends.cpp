@@ -37,8 +37,8 @@ ShmStager ZeroCopyEnds::stager(StageWait wait) {
   };
 }
 
-ShmResolver ZeroCopyEnds::resolver(std::function<void(const wire::ShmHandle&)> release) {
-  return make_zero_copy_resolver(host_in_, cuda_in_.get(), std::move(release));
+ShmResolver ZeroCopyEnds::resolver(ShmConsumer& given, std::function<void(const wire::ShmHandle&)> release) {
+  return make_zero_copy_resolver(given, cuda_in_.get(), std::move(release));
 }
 
 ShmEdgeStats combined(const ShmEdgeStats& host, const ShmEdgeStats& cuda) {
@@ -56,11 +56,11 @@ ShmEdgeStats combined(const ShmEdgeStats& host, const ShmEdgeStats& cuda) {
 ShmResolver make_zero_copy_resolver(ShmConsumer& host_in, CudaConsumer* cuda_in, std::function<void(const wire::ShmHandle&)> release) {
   ShmResolver out;
   out.release = release;
-  out.resolve = [cuda = cuda_in, host = make_resolver(host_in, release).resolve, release](
+  out.resolve = [cuda = cuda_in, records = &host_in, host = make_resolver(host_in, release).resolve, release](
                     const wire::TensorDesc& desc, const wire::ShmHandle& handle, at::ScalarType type) -> absl::StatusOr<at::Tensor> {
     if (handle.memory != wire::kCudaMemory) return host(desc, handle, type);
     if (cuda == nullptr) return absl::InvalidArgumentError("a CUDA handle on a channel that is not 'cuda'");
-    return cuda->resolve(desc, handle, type, release);
+    return cuda->resolve(*records, desc, handle, type, release);
   };
   return out;
 }
@@ -141,11 +141,6 @@ ShmEdgeStats ZeroCopyEnds::host_stats() const {
   s.forwarded = forwarded_->count;
   s.handles += forwarded_->count;
   return s;
-}
-
-void ZeroCopyEnds::forget_all() {
-  host_in_.forget_all();
-  if (cuda_in_) cuda_in_->forget_all();
 }
 
 }  // namespace blockflow::detail

@@ -57,12 +57,14 @@ class OutboxRetries {
     static auto* retries = new OutboxRetries;  // never destroyed: its thread may outlive main()
     return *retries;
   }
-  void add(std::weak_ptr<ReleaseOutbox> outbox) {
+  // False when no thread retries `outbox` (none could be made): it is not listed, and its releases
+  // leave with its next give(), which asks again.
+  bool add(std::weak_ptr<ReleaseOutbox> outbox) {
     blockflow::detail::MutexLock lock(&mu_);
     waiting_.push_back(std::move(outbox));
-    if (running_) return;
-    // Without a thread, the releases leave with their outbox's next give(), or at the next add().
-    running_ = run_detached_until_done([this] { return retry(); }, absl::Milliseconds(kRetryMs));
+    if (!running_) running_ = run_detached_until_done([this] { return retry(); }, absl::Milliseconds(kRetryMs));
+    if (!running_) waiting_.pop_back();
+    return running_;
   }
 
  private:
@@ -107,14 +109,16 @@ void ReleaseOutbox::send_locked() {
   if (sent < waiting_.size() && why.code() == absl::StatusCode::kUnavailable) sent = waiting_.size();
   waiting_.erase(waiting_.begin(), waiting_.begin() + static_cast<std::ptrdiff_t>(sent));
   waiting_count_.store(waiting_.size(), std::memory_order_relaxed);
-  if (!waiting_.empty() && !retrying_.exchange(true)) OutboxRetries::get().add(weak_from_this());
+  if (!waiting_.empty() && !retrying_.exchange(true) && !OutboxRetries::get().add(weak_from_this())) {
+    retrying_.store(false);  // not listed: the next give() lists it again
+  }
 }
 
 ZeroCopyLink::ZeroCopyLink(std::shared_ptr<PacketLink> link, std::shared_ptr<ZeroCopyEnds> ends)
     : link_(std::move(link)),
       ends_(std::move(ends)),
       outbox_(std::make_shared<ReleaseOutbox>(link_)),
-      resolver_(ends_->resolver([outbox = outbox_](const wire::ShmHandle& h) { outbox->give(h); })),  // any thread
+      resolver_(ends_->resolver(given_, [outbox = outbox_](const wire::ShmHandle& h) { outbox->give(h); })),  // any thread
       unstage_([ends = ends_](const wire::ShmHandle& h) { (void)ends->release(h); }) {}
 
 ZeroCopyLink::Packet ZeroCopyLink::read(int timeout_ms, absl::Duration spin, const ParkedResolver* parked) {
@@ -132,6 +136,11 @@ ZeroCopyLink::Packet ZeroCopyLink::read(int timeout_ms, absl::Duration spin, con
       out.malformed = received->frames.status();
       return out;
     }
+    // The pools this packet is the first to name, before its handles are read.
+    absl::Status refused_pool;
+    for (const int fd : received->fds.take()) {
+      if (auto adopted = given_.adopt(fd); !adopted.ok() && refused_pool.ok()) refused_pool = adopted.status();
+    }
     std::vector<zmq::message_t>& frames = *received->frames;
     if (!frames.empty()) {
       out.request_id = wire::peek_request_id(frames[0].data(), frames[0].size());
@@ -140,7 +149,9 @@ ZeroCopyLink::Packet ZeroCopyLink::read(int timeout_ms, absl::Duration spin, con
     auto message = decode_message(std::move(frames), &resolver_, parked);
     if (!message.ok()) {
       out.kind = Packet::Kind::kMalformed;
-      out.malformed = message.status();
+      out.malformed = refused_pool.ok() ? message.status()
+                                        : absl::InvalidArgumentError(fmt::format("{} ({})", std::string(message.status().message()),
+                                                                                 std::string(refused_pool.message())));
       return out;
     }
     if (message->header.kind != wire::MessageKind::kRelease) {

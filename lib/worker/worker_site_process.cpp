@@ -131,12 +131,11 @@ void WorkerSite::Impl::fail_all(std::vector<std::pair<std::uint64_t, std::uint32
 }
 
 void WorkerSite::Impl::on_death(std::string what) {
-  // Its leases are void: our slots come back, its pools are no longer looked up.
+  // Its leases are void: our slots come back (its pools went with its link).
   if (ends) {
     if (const std::size_t n = ends->reclaim_all(); n > 0) {
       detail::log(LogLevel::kWarning, fmt::format("{}: {} zero-copy slot(s) reclaimed", prefix(), n));
     }
-    ends->forget_all();
   }
   std::vector<std::pair<std::uint64_t, std::uint32_t>> lost;
   std::deque<Outbound> queued;

@@ -128,9 +128,9 @@ class ProcessChannel : public TensorChannel {
   /// noticed by the next send). Receiver: at least one sender is.
   [[nodiscard]] virtual bool connected() const = 0;
   /// @brief Sender: waits until what was sent no longer needs this process. shm://: until the
-  /// receivers have let go of every slot and relayed tensor sent to them (a sender that exits
-  /// unlinks its pools, and a receiver that had not mapped a pool yet could not read what lies in
-  /// it); tensors of this process's own, made by empty() and not sent, are not waited for;
+  /// receivers have let go of every slot and relayed tensor sent to them (what they hold stays
+  /// readable after the sender exits, but a relayed tensor's slot goes back to its origin process,
+  /// and CUDA memory to its allocator); tensors of this process's own, made by empty() and not sent, are not waited for;
   /// DeadlineExceeded naming the slots still held. ipc:// and tcp://: OK at once (ZeroMQ keeps sending what it queued for up to
   /// `send_timeout` after the end is destroyed). Receiver: OK at once.
   virtual absl::Status flush(absl::Time deadline) {

@@ -202,7 +202,9 @@ class Session {
   /// thread (or inline when the request is refused at once). It must not block for long: it holds a lane.
   /// Nor may it wait for apply() or shutdown() to return, or for anything its caller does after
   /// them: an apply() may need a lane (to warm new blocks up) or stop the worker whose thread runs
-  /// the callback, and shutdown() joins the session's threads.
+  /// the callback, and shutdown() joins the session's threads. A callback running on a lane holds
+  /// shutdown() up as a block call does (see there); one running on a worker site's thread (a
+  /// request that site failed) is waited for without a limit, as its captures may be the caller's.
   void submit(const std::string& task, Tensors inputs, std::function<void(Result&&)> done);
 
   /// @brief A snapshot of the built-in measurements.

@@ -112,14 +112,10 @@ class CudaConsumer {
   /// stream has finished with it (on a CUDA callback thread). InvalidArgument naming the problem
   /// for a bad handle; FailedPrecondition naming the CUDA error when the memory or event cannot be
   /// opened.
-  absl::StatusOr<at::Tensor> resolve(const wire::TensorDesc& desc, const wire::ShmHandle& handle, at::ScalarType type,
-                                     std::function<void(const wire::ShmHandle&)> release);
-  /// Drops the cached record pools (the producer restarted). Opened allocations stay cached
-  /// process-wide while tensors use them.
-  void forget_all();
-
- private:
-  ShmConsumer records_;
+  /// `records`: the link's consumer, which holds the producer's record pools it was given.
+  /// Opened allocations stay cached process-wide while tensors use them.
+  absl::StatusOr<at::Tensor> resolve(ShmConsumer& records, const wire::TensorDesc& desc, const wire::ShmHandle& handle,
+                                     at::ScalarType type, std::function<void(const wire::ShmHandle&)> release);
 };
 
 }  // namespace blockflow::detail

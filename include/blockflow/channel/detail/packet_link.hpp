@@ -7,15 +7,22 @@
 //
 // One packet carries one wire message (header frame + handle frames): u32 frame count, one u32 size
 // per frame (little-endian), then the frames back to back. The kernel keeps packets whole, so any
-// number of threads may send on one link; one thread receives.
+// number of threads may send on one link; one thread receives. The first packet that names a memory
+// pool of the sender's carries the pool's descriptor too (SCM_RIGHTS): pools are sealed memfds that
+// no other process can open by name (shm_pool.hpp).
 
+#include <absl/container/flat_hash_set.h>
 #include <absl/status/statusor.h>
+#include <blockflow/core/detail/mutex.hpp>
 #include <absl/time/time.h>
 #include <zmq.hpp>
 
+#include <sys/socket.h>
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -61,6 +68,37 @@ class ArrivalGaps {
   std::int64_t mean_ns_ = kNoStream;
 };
 
+/// Descriptors that came with a packet (SCM_RIGHTS), closed with this object unless taken.
+class ReceivedFds {
+ public:
+  ReceivedFds() = default;
+  ReceivedFds(ReceivedFds&& other) noexcept : fds_(std::exchange(other.fds_, {})) {}
+  ReceivedFds& operator=(ReceivedFds&& other) noexcept;
+  ReceivedFds(const ReceivedFds&) = delete;
+  ReceivedFds& operator=(const ReceivedFds&) = delete;
+  ~ReceivedFds() { close_all(); }
+  void add(int fd) { fds_.push_back(fd); }
+  /// The descriptors, each now the caller's to close.
+  [[nodiscard]] std::vector<int> take() { return std::exchange(fds_, {}); }
+  [[nodiscard]] std::size_t size() const { return fds_.size(); }
+
+ private:
+  void close_all();
+  std::vector<int> fds_;
+};
+
+/// At most this many descriptors come with one packet (one per tensor: kMaxTensors); a packet with
+/// more is malformed (the kernel closes those that did not fit).
+inline constexpr std::size_t kMaxPacketFds = 64;
+
+/// A descriptor to send with a packet, once per link: `key` names what it is (a memory pool's id).
+/// `keep` holds whatever keeps `fd` open until the send is over.
+struct LinkFd {
+  std::uint64_t key = 0;
+  int fd = -1;
+  std::shared_ptr<const void> keep;
+};
+
 class PacketLink {
  public:
   explicit PacketLink(int fd);  ///< takes ownership of a connected SOCK_SEQPACKET socket
@@ -79,12 +117,21 @@ class PacketLink {
   /// still send); Internal for another error of this packet (the link is not known to be down);
   /// InvalidArgument for a packet over kMaxPacketBytes.
   absl::Status send(const std::vector<std::string_view>& frames, bool wait = true);
+  /// send() for a packet that names things by `keys` (the pools its handles name): the descriptor
+  /// of each key this link has not carried yet goes with it (SCM_RIGHTS), from `fd_of(key)` (a
+  /// LinkFd with fd -1: the packet goes without it, and the peer refuses what names it). The peer
+  /// is sure to hold a key's descriptor before any later packet naming it reaches it: a key counts
+  /// as carried once the packet carrying it was queued, and senders of a packet with a new key
+  /// take turns. Keys are remembered for the link's life (one entry per pool it ever carried).
+  absl::Status send(const std::vector<std::string_view>& frames, bool wait, const std::vector<std::uint64_t>& keys,
+                    const std::function<LinkFd(std::uint64_t)>& fd_of);
   /// Bounds how long send() waits for room (SO_SNDTIMEO); none by default.
   void set_send_timeout(absl::Duration timeout);
 
   struct Received {
     bool closed = false;                        ///< the peer closed its end (nothing else is set)
     absl::StatusOr<std::vector<zmq::message_t>> frames = std::vector<zmq::message_t>{};  ///< or why the packet is malformed
+    ReceivedFds fds;  ///< the descriptors that came with it (at most kMaxPacketFds)
   };
   /// Receives one packet; one thread at a time. While packets come in a stream (the recent gaps
   /// between them average under kStreamGapFactor x `spin`), it polls for up to `spin` first, so a
@@ -102,9 +149,14 @@ class PacketLink {
   [[nodiscard]] int fd() const { return fd_; }
 
  private:
+  absl::Status send_message(msghdr& message, bool wait);
+
   int fd_;
   std::vector<char> buffer_;  // the receiving thread's, as are the two below
   ArrivalGaps gaps_;
+  std::atomic<std::int64_t> send_timeout_ns_{-1};  // set_send_timeout()'s (-1: none), for a packet with a new key
+  blockflow::detail::Mutex carry_mu_;  // held across the (never waiting) send of a packet with a key not yet carried
+  absl::flat_hash_set<std::uint64_t> carried_ ABSL_GUARDED_BY(carry_mu_);
 };
 
 /// The listening end, bound at a path (in a private 0700 directory).

@@ -1,8 +1,12 @@
 #pragma once
 // Internal: the shared-memory half of the zero-copy channel (TensorMQ's CPU twin).
 //
-// A producer owns pools of fixed-size slots in POSIX shared memory ("/blockflow-<pool id>", mode
-// 0600), created on demand per size class up to a byte bound. It copies a tensor's bytes into a free
+// A producer owns pools of fixed-size slots in shared memory, created on demand per size class up to
+// a byte bound. Each pool is a memfd ("blockflow-<pool id>"), sealed at its size: it has no name
+// any process could open, it goes with its last descriptor and mapping (a producer killed leaves
+// nothing behind), and no process can shrink it under a consumer. A consumer gets a pool's
+// descriptor with the first packet that names it, on the data link (packet_link.hpp), and refuses
+// one that is not so sealed. It copies a tensor's bytes into a free
 // slot once (stage), or lets the producer write its tensor in a slot it leased (lease, then share:
 // no copy at all), and sends a handle (pool, slot, generation, offset) instead of the bytes. The
 // consumer maps each pool once, checks the handle against the pool's header (the slot's current
@@ -11,20 +15,17 @@
 // handle back (a kRelease message) and the slot is free again: free slots are the producer's credits.
 // When the consumer dies, reclaim_all() frees every slot it held.
 //
-// Abandoned pools: a producer holds flock(LOCK_SH) on each of its pools from the moment it creates
-// the object (before it gives it a size) until the pool is gone, on a descriptor it keeps open. A
-// producer killed without unlinking its pools leaves them unlocked: every ShmProducer constructor
-// removes the /dev/shm/blockflow-* objects on which it can take LOCK_EX at once and whose size is not
-// zero (a size-0 object may be one being created right now). The pid in a pool's name is only a hint
-// for people: pids say nothing across PID namespaces (containers) or between unrelated programs.
-// Consumers hold no lock: a pool lives as long as its producer (or until the producer trims it,
-// idle: ShmPoolOptions::idle_trim), and a mapping stays valid after the object is unlinked. A
-// consumer drops its cached mapping of a pool that no longer exists (checked at most once a second,
-// when it resolves a handle); tensors still over it keep it mapped until they die.
+// Lifetimes: a pool's memory lives while any process holds its descriptor or a mapping of it. The
+// producer lets a pool go when it trims it (idle: ShmPoolOptions::idle_trim) or ends, and marks it
+// retired in its header then; a consumer drops its cached mapping of a retired pool (checked at
+// most once a second, when it resolves a handle), and with its link (each link's consumer holds
+// the pools given on it); tensors still over a pool keep it mapped until they die. The pid in a
+// pool's id is only a hint for people: pids say nothing across PID namespaces.
 //
 // Segment layout: a 64-byte header {u32 magic "BFSP", u32 version, u64 pool_id, u64 slot_count,
-// u64 slot_bytes, u64 data_offset, 24 reserved}, then one atomic u64 generation per slot (0 while the
-// slot is free), then the slots from data_offset (page-aligned), slot_bytes each.
+// u64 slot_bytes, u64 data_offset, u64 retired (0, or 1 once the producer let the pool go), 16
+// reserved}, then one atomic u64 generation per slot (0 while the slot is free), then the slots from
+// data_offset (page-aligned), slot_bytes each.
 
 #include <blockflow/core/remote_site.hpp>
 #include <blockflow/channel/wire_format.hpp>
@@ -48,7 +49,7 @@ struct ShmPoolOptions {
   std::size_t max_total_bytes = std::size_t{1} << 30;  ///< bound on all pools of one producer
   std::size_t max_pools = 0;  ///< bound on the number of pools (0: only max_total_bytes bounds them)
   /// A pool whose slots have all been free this long (its size class's trim delay, which starts
-  /// here and may grow up to idle_trim_max) is unlinked and unmapped, unless it is the last of its
+  /// here and may grow up to idle_trim_max) is retired and unmapped, unless it is the last of its
   /// size class: a burst of traffic grows the pools, and they shrink back once it has passed
   /// (checked when a slot is taken). Zero: pools stay until the producer goes.
   absl::Duration idle_trim = absl::Seconds(30);
@@ -80,7 +81,7 @@ class ShmProducer {
  public:
   /// Sweeps abandoned pools first (see the top of this file).
   explicit ShmProducer(ShmPoolOptions options = {});
-  ~ShmProducer();  // unmaps and unlinks its pools (mappings held by consumers stay valid)
+  ~ShmProducer();  // retires and unmaps its pools (mappings held by consumers stay valid)
   ShmProducer(const ShmProducer&) = delete;
   ShmProducer& operator=(const ShmProducer&) = delete;
 
@@ -129,16 +130,27 @@ class ShmProducer {
 /// nullopt otherwise. Thread-safe.
 std::optional<wire::ShmHandle> shm_origin(const void* data, std::size_t bytes);
 
-/// The id of a pool from the name of its shared-memory object: "blockflow-" and 16 hex digits,
-/// alone or after "/" or "/dev/shm/". nullopt for any other name.
+/// A pool's memfd, and what keeps it open: `fd` -1 when no pool of that id is mapped here.
+struct ShmPoolFd {
+  int fd = -1;
+  std::shared_ptr<const void> keep;
+};
+/// The descriptor of pool `pool_id`, made here or given to this process, for the data link to send
+/// with the first packet that names the pool (a relay hands a given pool on to the next process).
+ShmPoolFd shm_pool_fd(std::uint64_t pool_id);
+
+/// The id of a pool from the name of its memfd: "blockflow-" and 16 hex digits, alone or after
+/// "memfd:" or "/memfd:" (as /proc/PID/maps shows it). nullopt for any other name.
 std::optional<std::uint64_t> shm_pool_id(std::string_view name);
 /// The pid of the process that made pool `id` (the id's high 32 bits).
 inline std::int64_t shm_pool_producer(std::uint64_t id) { return static_cast<std::int64_t>(id >> 32); }
 
-/// The consuming side: maps each pool once. Thread-safe.
+/// The consuming side of one link: maps each pool given to it once. Thread-safe.
 class ShmConsumer {
  public:
-  ShmConsumer();
+  /// `local_pools`: also resolves handles of this process's own pools, never given (a producer and
+  /// its consumer in one process: tests, benchmarks).
+  explicit ShmConsumer(bool local_pools = false);
   ~ShmConsumer();
   ShmConsumer(const ShmConsumer&) = delete;
   ShmConsumer& operator=(const ShmConsumer&) = delete;
@@ -149,11 +161,16 @@ class ShmConsumer {
     std::uint64_t pool_bytes = 0;
     const void* pool_base = nullptr;
   };
-  /// Checks `handle` for `bytes` bytes: the pool exists and is a BlockFlow pool with that id, the slot
-  /// is in range, offset + bytes fits in the slot, the generation is the slot's current one.
-  /// InvalidArgument naming the problem otherwise ("stale handle", "slot 9 out of range", ...).
+  /// Takes a pool's descriptor that came from its producer (closed here, whatever the outcome): checks
+  /// that it is a memfd sealed against shrinking whose header is a BlockFlow pool's, maps it, and
+  /// returns the pool's id. A pool given again replaces the first mapping. InvalidArgument naming the
+  /// problem otherwise.
+  absl::StatusOr<std::uint64_t> adopt(int fd);
+  /// Checks `handle` for `bytes` bytes: its pool was given here, the slot is in range, offset +
+  /// bytes fits in the slot, the generation is the slot's current one. InvalidArgument naming the
+  /// problem otherwise ("stale handle", "slot 9 out of range", ...).
   absl::StatusOr<View> resolve(const wire::ShmHandle& handle, std::uint64_t bytes);
-  /// Drops the cached mappings (the producer restarted); tensors still over them keep them mapped.
+  /// Drops the pools given so far (the producer restarted); tensors still over them keep them mapped.
   void forget_all();
   std::size_t pools_mapped() const;
 

@@ -3,7 +3,8 @@
 // host and one worker, either side). Its own pools, which the peer's messages release slots of, and
 // the peer's pools, mapped on demand. Channel "shm": host shared memory for CPU tensors. Channel
 // "cuda": the same for CPU tensors, plus CUDA IPC for CUDA tensors (cuda_ipc.hpp). Each handle says
-// which memory it names (wire::ShmHandle::memory), so one message may carry both kinds.
+// which memory it names (wire::ShmHandle::memory), so one message may carry both kinds. The peer's
+// pools are not here: each link's ZeroCopyLink holds those given on it.
 
 #include <blockflow/channel/detail/cuda_ipc.hpp>
 #include <blockflow/channel/detail/shm_pool.hpp>
@@ -21,8 +22,9 @@
 
 namespace blockflow::detail {
 
-/// Builds tensors over a producer's memory: host slots through `host`, CUDA handles through `cuda`
-/// (null: refused, naming the channel); `release` runs with each handle when its tensor dies.
+/// Builds tensors over a producer's memory: host slots and CUDA records through `host` (the pools
+/// the link was given), CUDA allocations through `cuda` (null: refused, naming the channel);
+/// `release` runs with each handle when its tensor dies.
 ShmResolver make_zero_copy_resolver(ShmConsumer& host, CudaConsumer* cuda, std::function<void(const wire::ShmHandle&)> release);
 
 /// A producer's counters over both kinds of memory: its host slots and its CUDA records.
@@ -39,8 +41,9 @@ class ZeroCopyEnds {
   /// here until the peer releases it (no copy); others are copied into a slot. Waits as `wait`
   /// says for a credit.
   [[nodiscard]] ShmStager stager(StageWait wait);
-  /// Builds tensors over the peer's memory; `release` runs with each handle when its tensor dies.
-  [[nodiscard]] ShmResolver resolver(std::function<void(const wire::ShmHandle&)> release);
+  /// Builds tensors over the peer's memory, in the pools `given` holds (a link's); `release` runs
+  /// with each handle when its tensor dies.
+  [[nodiscard]] ShmResolver resolver(ShmConsumer& given, std::function<void(const wire::ShmHandle&)> release);
   /// True when the stager hands `t` on without a copy or a credit: a contiguous CPU tensor lying in
   /// another process's slot (a relay). No side effect.
   [[nodiscard]] static bool relays_as_is(const at::Tensor& t);
@@ -58,8 +61,6 @@ class ZeroCopyEnds {
   std::size_t reclaim_all();
   /// The channel is closing: sends waiting for a slot or a CUDA record return Cancelled.
   void stop_waiting();
-  /// The peer restarted: its pools are new.
-  void forget_all();
 
   [[nodiscard]] bool cuda() const { return cuda_out_ != nullptr; }
   [[nodiscard]] ShmProducer& host_pool() { return *host_out_; }
@@ -90,7 +91,6 @@ class ZeroCopyEnds {
   };
 
   std::shared_ptr<ShmProducer> host_out_;
-  ShmConsumer host_in_;
   std::shared_ptr<Forwarded> forwarded_ = std::make_shared<Forwarded>();
   std::unique_ptr<CudaProducer> cuda_out_;
   std::unique_ptr<CudaConsumer> cuda_in_;

@@ -78,8 +78,8 @@ inline constexpr int kReleasePacketsPerRead = 64;
 /// releases of the tensors read() made leave from whatever thread those die on.
 class ZeroCopyLink {
  public:
-  /// `ends`: this process's pools, whose slots the peer's releases free, and the peer's, which its
-  /// messages' handles name (mapped on demand).
+  /// `ends`: this process's pools, whose slots the peer's releases free. The peer's pools, which its
+  /// messages' handles name, are mapped as their descriptors come on this link.
   ZeroCopyLink(std::shared_ptr<PacketLink> link, std::shared_ptr<ZeroCopyEnds> ends);
   ZeroCopyLink(const ZeroCopyLink&) = delete;
   ZeroCopyLink& operator=(const ZeroCopyLink&) = delete;
@@ -123,6 +123,7 @@ class ZeroCopyLink {
   const std::shared_ptr<PacketLink> link_;
   const std::shared_ptr<ZeroCopyEnds> ends_;
   const std::shared_ptr<ReleaseOutbox> outbox_;  // every tensor read from this link holds it
+  ShmConsumer given_;  // the peer's pools, as their descriptors come on this link (read()'s thread)
   const ShmResolver resolver_;
   const ShmUnstager unstage_;
 };

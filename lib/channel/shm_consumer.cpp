@@ -1,0 +1,138 @@
+// The consuming side of the shared-memory pools (shm_pool.hpp): the pools a link was given, mapped
+// once each, and the handles checked against them.
+#include <blockflow/channel/detail/shm_pool.hpp>
+
+#include "shm_segment.hpp"
+
+#include <absl/container/flat_hash_map.h>
+#include <blockflow/core/detail/clock.hpp>
+#include <fmt/format.h>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace blockflow::detail {
+
+// ---------------------------------------------------------------------------------------------------
+struct ShmConsumer::Impl {
+  static constexpr std::int64_t kForgetCheckNs = 1'000'000'000;
+  bool local = false;
+  mutable blockflow::detail::Mutex mu;
+  absl::flat_hash_map<std::uint64_t, std::shared_ptr<PoolMapping>> pools;
+  std::int64_t last_forget_check_ns = 0;
+
+  // At most once a second: drops the cached mappings of pools their producer has let go (trimmed,
+  // or the producer ended), so this process stops holding their pages once no tensor does.
+  void forget_retired_pools() {
+    blockflow::detail::MutexLock lock(&mu);
+    const std::int64_t now = now_ns();
+    if (now - last_forget_check_ns < kForgetCheckNs) return;
+    last_forget_check_ns = now;
+    absl::erase_if(pools, [](const auto& entry) { return pool_retired(entry.second->base)->load(std::memory_order_acquire) != 0; });
+  }
+
+  // Maps a pool's descriptor (taken: closed with the mapping, or at once on an error).
+  static absl::StatusOr<std::shared_ptr<PoolMapping>> map(int fd) {
+    auto mapping = std::make_shared<PoolMapping>();
+    mapping->fd = fd;
+    // Sealed against shrinking, or a process holding it could make our reads past its new end fault.
+    const int seals = ::fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+      return absl::InvalidArgumentError("shm pool: its descriptor is not a memfd sealed against shrinking");
+    }
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(kPoolPage)) {
+      return absl::InvalidArgumentError("shm pool: not a BlockFlow pool (too small)");
+    }
+    mapping->size = static_cast<std::size_t>(st.st_size);
+    mapping->base = ::mmap(nullptr, mapping->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (mapping->base == MAP_FAILED) {
+      return absl::ResourceExhaustedError(fmt::format("shm pool: mmap of {} bytes: {}", mapping->size, std::strerror(errno)));
+    }
+    // One copy of the header, checked and kept: the peer may rewrite the shared one at any time,
+    // so no field is read from shared memory twice.
+    SegmentHeader copy;
+    std::memcpy(&copy, mapping->base, sizeof copy);
+    const SegmentHeader* h = &copy;
+    const bool sane = h->magic == kSegmentMagic && h->version == kSegmentVersion && h->pool_id != 0 &&
+                      h->slot_count > 0 && h->slot_count < (1u << 20) && h->data_offset >= kPoolHeaderBytes + 8 * h->slot_count &&
+                      h->slot_bytes > 0 && h->slot_bytes <= mapping->size &&
+                      h->data_offset <= mapping->size && (mapping->size - h->data_offset) / h->slot_bytes >= h->slot_count;
+    if (!sane) return absl::InvalidArgumentError("shm pool: its header is malformed");
+    mapping->slot_count = h->slot_count;
+    mapping->slot_bytes = h->slot_bytes;
+    mapping->data_offset = h->data_offset;
+    mapping->pool_id = h->pool_id;
+    // The slots' pages are mapped now, as the producer made them (MAP_POPULATE there), so that this
+    // process's resident memory moves when a pool comes or goes, not with each slot a burst first
+    // reaches. Only the extent the checked header covers; an older kernel without it maps lazily.
+    const std::size_t extent = mapping->data_offset + mapping->slot_count * mapping->slot_bytes;
+    if (extent <= kPopulateMaxBytes) ::madvise(mapping->base, extent, kMadvPopulateRead);
+    return mapping;
+  }
+};
+
+ShmConsumer::ShmConsumer(bool local_pools) : impl_(std::make_unique<Impl>()) { impl_->local = local_pools; }
+ShmConsumer::~ShmConsumer() = default;
+
+absl::StatusOr<std::uint64_t> ShmConsumer::adopt(int fd) {
+  auto mapped = Impl::map(fd);
+  if (!mapped.ok()) return mapped.status();
+  const std::uint64_t id = (*mapped)->pool_id;
+  MappedPools::get().add(id, *mapped);
+  blockflow::detail::MutexLock lock(&impl_->mu);
+  impl_->pools.insert_or_assign(id, *std::move(mapped));  // a pool given again replaces the first
+  return id;
+}
+
+absl::StatusOr<ShmConsumer::View> ShmConsumer::resolve(const wire::ShmHandle& handle, std::uint64_t bytes) {
+  Impl& s = *impl_;
+  s.forget_retired_pools();
+  std::shared_ptr<PoolMapping> mapping;
+  {
+    blockflow::detail::MutexLock lock(&s.mu);
+    if (auto it = s.pools.find(handle.pool_id); it != s.pools.end()) mapping = it->second;
+  }
+  if (!mapping && s.local) mapping = MappedPools::get().find(handle.pool_id, /*own_only=*/true);
+  if (!mapping) {
+    return absl::InvalidArgumentError(
+        fmt::format("shm handle: pool {:016x} was never given to this process on this link", handle.pool_id));
+  }
+  const PoolMapping& m = *mapping;  // the layout captured when mapped, never the shared header
+  if (handle.slot >= m.slot_count) {
+    return absl::InvalidArgumentError(
+        fmt::format("shm handle: slot {} out of range (pool {:016x} has {})", handle.slot, handle.pool_id, m.slot_count));
+  }
+  if (handle.offset > m.slot_bytes || bytes > m.slot_bytes - handle.offset) {
+    return absl::InvalidArgumentError(fmt::format("shm handle: offset {} + {} bytes exceeds the slot ({} bytes)",
+                                                  handle.offset, bytes, m.slot_bytes));
+  }
+  const std::uint64_t current = slot_generations(mapping->base)[handle.slot].load(std::memory_order_acquire);
+  if (handle.generation == 0 || current != handle.generation) {
+    return absl::InvalidArgumentError(fmt::format("shm handle: stale or forged: generation {}, slot {} is at {}",
+                                                  handle.generation, handle.slot, current));
+  }
+  View view;
+  view.data = static_cast<char*>(mapping->base) + m.data_offset + handle.slot * m.slot_bytes + handle.offset;
+  view.pool_base = mapping->base;
+  view.pool_bytes = mapping->size;
+  view.keep = std::move(mapping);
+  return view;
+}
+
+void ShmConsumer::forget_all() {
+  blockflow::detail::MutexLock lock(&impl_->mu);
+  impl_->pools.clear();
+}
+
+std::size_t ShmConsumer::pools_mapped() const {
+  blockflow::detail::MutexLock lock(&impl_->mu);
+  return impl_->pools.size();
+}
+
+}  // namespace blockflow::detail
