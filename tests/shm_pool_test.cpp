@@ -107,6 +107,20 @@ TEST_CASE("shm consumer: only a sealed BlockFlow pool is adopted; a handle of a 
   CHECK(local.resolve(*h, 1024).ok());
 }
 
+TEST_CASE("shm consumer: at most kMaxPoolsPerLink pools given on one link are mapped", "[shm]") {
+  ShmConsumer consumer;
+  for (std::uint64_t id = 1; id <= kMaxPoolsPerLink; ++id) {
+    REQUIRE(consumer.adopt(crafted_pool(8192, {0x0000000150534642ULL, id, 1, 4096, 4096}, F_SEAL_SHRINK)).ok());
+  }
+  CHECK(consumer.pools_mapped() == kMaxPoolsPerLink);
+  auto one_more = consumer.adopt(crafted_pool(8192, {0x0000000150534642ULL, kMaxPoolsPerLink + 1, 1, 4096, 4096}, F_SEAL_SHRINK));
+  CHECK(one_more.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(one_more.status().message()), Catch::Matchers::Contains("more than 512 pools"));
+  // One it has already is given again: it replaces the first.
+  CHECK(consumer.adopt(crafted_pool(8192, {0x0000000150534642ULL, 7, 1, 4096, 4096}, F_SEAL_SHRINK)).ok());
+  CHECK(consumer.pools_mapped() == kMaxPoolsPerLink);
+}
+
 TEST_CASE("shm: a producer's pools go when it ends; a consumer's tensor keeps its mapping, its cache lets go", "[shm]") {
   ShmConsumer consumer;
   ShmConsumer::View survivor;

@@ -188,6 +188,8 @@ absl::Status PacketLink::send(const std::vector<std::string_view>& frames, bool 
     absl::Status sent = send_message(message, /*wait=*/false);
     if (sent.ok()) {
       for (const auto& a : attach) carried_.insert(a.key);
+      // Keys whose descriptor is gone from this process (a pool trimmed) can never be named again.
+      if (carried_.size() > kCarriedPruneAt) absl::erase_if(carried_, [&](std::uint64_t key) { return !fd_of || fd_of(key).fd < 0; });
     }
     carry_mu_.Unlock();
     message.msg_control = nullptr;

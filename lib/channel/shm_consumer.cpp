@@ -84,9 +84,15 @@ absl::StatusOr<std::uint64_t> ShmConsumer::adopt(int fd) {
   auto mapped = Impl::map(fd);
   if (!mapped.ok()) return mapped.status();
   const std::uint64_t id = (*mapped)->pool_id;
+  impl_->forget_retired_pools();
+  {
+    blockflow::detail::MutexLock lock(&impl_->mu);
+    if (impl_->pools.size() >= kMaxPoolsPerLink && !impl_->pools.contains(id)) {
+      return absl::ResourceExhaustedError(fmt::format("shm pool: more than {} pools given on one link", kMaxPoolsPerLink));
+    }
+    impl_->pools.insert_or_assign(id, *mapped);  // a pool given again replaces the first
+  }
   MappedPools::get().add(id, *mapped);
-  blockflow::detail::MutexLock lock(&impl_->mu);
-  impl_->pools.insert_or_assign(id, *std::move(mapped));  // a pool given again replaces the first
   return id;
 }
 

@@ -122,7 +122,8 @@ class PacketLink {
   /// LinkFd with fd -1: the packet goes without it, and the peer refuses what names it). The peer
   /// is sure to hold a key's descriptor before any later packet naming it reaches it: a key counts
   /// as carried once the packet carrying it was queued, and senders of a packet with a new key
-  /// take turns. Keys are remembered for the link's life (one entry per pool it ever carried).
+  /// take turns. Keys are remembered while `fd_of` has a descriptor for them (pools are trimmed
+  /// and made again over a link's life: past kCarriedPruneAt keys, those without one are dropped).
   absl::Status send(const std::vector<std::string_view>& frames, bool wait, const std::vector<std::uint64_t>& keys,
                     const std::function<LinkFd(std::uint64_t)>& fd_of);
   /// Bounds how long send() waits for room (SO_SNDTIMEO); none by default.
@@ -147,6 +148,7 @@ class PacketLink {
   [[nodiscard]] std::int64_t mean_gap_ns() const { return gaps_.mean_ns(); }
 
   [[nodiscard]] int fd() const { return fd_; }
+  static constexpr std::size_t kCarriedPruneAt = 1024;
 
  private:
   absl::Status send_message(msghdr& message, bool wait);

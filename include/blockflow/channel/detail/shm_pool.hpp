@@ -145,6 +145,11 @@ std::optional<std::uint64_t> shm_pool_id(std::string_view name);
 /// The pid of the process that made pool `id` (the id's high 32 bits).
 inline std::int64_t shm_pool_producer(std::uint64_t id) { return static_cast<std::int64_t>(id >> 32); }
 
+/// A consumer maps at most this many pools given on one link at a time (a producer's pools are
+/// bounded by max_total_bytes: 256 at the defaults; relays add a third process's): a peer cannot make
+/// it map memory and hold descriptors without bound.
+inline constexpr std::size_t kMaxPoolsPerLink = 512;
+
 /// The consuming side of one link: maps each pool given to it once. Thread-safe.
 class ShmConsumer {
  public:
@@ -164,7 +169,7 @@ class ShmConsumer {
   /// Takes a pool's descriptor that came from its producer (closed here, whatever the outcome): checks
   /// that it is a memfd sealed against shrinking whose header is a BlockFlow pool's, maps it, and
   /// returns the pool's id. A pool given again replaces the first mapping. InvalidArgument naming the
-  /// problem otherwise.
+  /// problem otherwise; ResourceExhausted beyond kMaxPoolsPerLink pools mapped.
   absl::StatusOr<std::uint64_t> adopt(int fd);
   /// Checks `handle` for `bytes` bytes: its pool was given here, the slot is in range, offset +
   /// bytes fits in the slot, the generation is the slot's current one. InvalidArgument naming the
