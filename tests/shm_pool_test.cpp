@@ -32,6 +32,8 @@ using blockflow::test::give_pool;
 
 namespace {
 
+constexpr int kSealed = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+
 // A memfd of `bytes` bytes whose first bytes are `header` (a forged pool), sealed with `seals`.
 int crafted_pool(std::size_t bytes, const std::vector<std::uint64_t>& header, int seals) {
   const int fd = ::memfd_create("crafted", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -88,17 +90,20 @@ TEST_CASE("shm consumer: only a sealed BlockFlow pool is adopted; a handle of a 
   const std::vector<std::uint64_t> header{0x0000000150534642ULL, 0x1234, 1, 4096, 4096};
   auto refusal = [&](int fd) { return std::string(consumer.adopt(fd).status().message()); };
   using Catch::Matchers::Contains;
-  CHECK_THAT(refusal(crafted_pool(8192, header, 0)), Contains("not a memfd sealed against shrinking"));
-  CHECK_THAT(refusal(crafted_pool(8192, header, F_SEAL_GROW)), Contains("not a memfd sealed against shrinking"));
-  CHECK_THAT(refusal(crafted_pool(8192, {0x0000000150534642ULL, 0x1234, 1, 1 << 20, 4096}, F_SEAL_SHRINK)),
+  CHECK_THAT(refusal(crafted_pool(8192, header, 0)), Contains("not a memfd sealed at its size"));
+  CHECK_THAT(refusal(crafted_pool(8192, header, F_SEAL_GROW)), Contains("not a memfd sealed at its size"));
+  CHECK_THAT(refusal(crafted_pool(8192, header, F_SEAL_SHRINK | F_SEAL_GROW)), Contains("not a memfd sealed at its size"));
+  CHECK_THAT(refusal(crafted_pool(8192, {0x0000000150534642ULL, 0x1234, 1, 1 << 20, 4096}, kSealed)),
              Contains("header is malformed"));  // its slot runs past its end
-  CHECK_THAT(refusal(crafted_pool(8192, {0xdeadbeef}, F_SEAL_SHRINK)), Contains("header is malformed"));
-  CHECK_THAT(refusal(crafted_pool(1024, header, F_SEAL_SHRINK)), Contains("too small"));
+  CHECK_THAT(refusal(crafted_pool(8192, {0xdeadbeef}, kSealed)), Contains("header is malformed"));
+  CHECK_THAT(refusal(crafted_pool(1024, header, kSealed)), Contains("too small"));
+  // Larger than its header says (a sparse memfd of any size would take the consumer's address space).
+  CHECK_THAT(refusal(crafted_pool(std::size_t{1} << 30, header, kSealed)), Contains("does not match its size"));
   int pipe_fds[2] = {-1, -1};
   REQUIRE(::pipe(pipe_fds) == 0);
   ::close(pipe_fds[1]);
   CHECK_THAT(refusal(pipe_fds[0]), Contains("not a memfd"));
-  auto adopted = consumer.adopt(crafted_pool(8192, header, F_SEAL_SHRINK));  // sealed and well formed: taken
+  auto adopted = consumer.adopt(crafted_pool(8192, header, kSealed));  // sealed and well formed: taken
   REQUIRE(adopted.ok());
   CHECK(*adopted == 0x1234);
   CHECK(consumer.pools_mapped() == 2);
@@ -110,20 +115,23 @@ TEST_CASE("shm consumer: only a sealed BlockFlow pool is adopted; a handle of a 
 TEST_CASE("shm consumer: at most kMaxPoolsPerLink pools given on one link are mapped", "[shm]") {
   ShmConsumer consumer;
   for (std::uint64_t id = 1; id <= kMaxPoolsPerLink; ++id) {
-    REQUIRE(consumer.adopt(crafted_pool(8192, {0x0000000150534642ULL, id, 1, 4096, 4096}, F_SEAL_SHRINK)).ok());
+    REQUIRE(consumer.adopt(crafted_pool(8192, {0x0000000150534642ULL, id, 1, 4096, 4096}, kSealed)).ok());
   }
   CHECK(consumer.pools_mapped() == kMaxPoolsPerLink);
-  auto one_more = consumer.adopt(crafted_pool(8192, {0x0000000150534642ULL, kMaxPoolsPerLink + 1, 1, 4096, 4096}, F_SEAL_SHRINK));
+  auto one_more = consumer.adopt(crafted_pool(8192, {0x0000000150534642ULL, kMaxPoolsPerLink + 1, 1, 4096, 4096}, kSealed));
   CHECK(one_more.status().code() == absl::StatusCode::kResourceExhausted);
   CHECK_THAT(std::string(one_more.status().message()), Catch::Matchers::Contains("more than 512 pools"));
   // One it has already is given again: it replaces the first.
-  CHECK(consumer.adopt(crafted_pool(8192, {0x0000000150534642ULL, 7, 1, 4096, 4096}, F_SEAL_SHRINK)).ok());
+  CHECK(consumer.adopt(crafted_pool(8192, {0x0000000150534642ULL, 7, 1, 4096, 4096}, kSealed)).ok());
   CHECK(consumer.pools_mapped() == kMaxPoolsPerLink);
 }
 
-TEST_CASE("shm: a producer's pools go when it ends; a consumer's tensor keeps its mapping, its cache lets go", "[shm]") {
+TEST_CASE("shm: a producer's pools are retired when it ends, or by retire_made_by(its pid); a consumer's tensor keeps "
+          "its mapping once the cache forgets",
+          "[shm]") {
   ShmConsumer consumer;
   ShmConsumer::View survivor;
+  std::uint64_t first_pool = 0;
   {
     ShmProducer producer;
     std::vector<float> bytes(256, 3.0f);
@@ -133,14 +141,26 @@ TEST_CASE("shm: a producer's pools go when it ends; a consumer's tensor keeps it
     auto view = consumer.resolve(*h, 1024);
     REQUIRE(view.ok());
     survivor = *view;
+    first_pool = h->pool_id;
+    CHECK(consumer.retired().empty());
   }
   CHECK(static_cast<const float*>(survivor.data)[255] == 3.0f);
   CHECK(consumer.pools_mapped() == 1);
-  std::this_thread::sleep_for(std::chrono::milliseconds(1100));  // the consumer checks once a second
-  wire::ShmHandle any{};
-  CHECK_FALSE(consumer.resolve(any, 1).ok());  // the check runs here
-  CHECK(consumer.pools_mapped() == 0);  // retired by its producer: dropped; `survivor` alone keeps it
-  CHECK(static_cast<const float*>(survivor.data)[0] == 3.0f);
+  CHECK(consumer.retired() == std::vector<std::uint64_t>{first_pool});  // its producer is gone
+  consumer.forget(consumer.retired());  // as the link does, once no packet naming it is unread
+  CHECK(consumer.pools_mapped() == 0);
+  CHECK(static_cast<const float*>(survivor.data)[0] == 3.0f);  // `survivor` alone keeps it mapped
+
+  // A worker's death as its host sees it: the pools that process made are retired, none other.
+  ShmProducer live;
+  std::vector<float> bytes(256, 1.0f);
+  auto h = live.stage(bytes.data(), 1024, absl::Now());
+  REQUIRE(h.ok());
+  give_pool(consumer, h->pool_id);
+  consumer.retire_made_by(::getpid() + 1);
+  CHECK(consumer.retired().empty());
+  consumer.retire_made_by(::getpid());
+  CHECK(consumer.retired() == std::vector<std::uint64_t>{h->pool_id});
 }
 
 namespace {
@@ -291,7 +311,8 @@ TEST_CASE("shm pools: a burst's extra pool is removed once idle, the last of its
   CHECK(third->pool_id == first->pool_id);  // the last of its class stayed and serves on
   CHECK(static_cast<const float*>(held->data)[255] == 5.0f);  // still mapped for the tensor over it
 
-  std::this_thread::sleep_for(std::chrono::milliseconds(1100));  // the consumer checks once a second
+  CHECK(consumer.retired() == std::vector<std::uint64_t>{second->pool_id});  // trimmed: retired
+  consumer.forget(consumer.retired());
   REQUIRE(consumer.resolve(*third, 1024).ok());
   CHECK(consumer.pools_mapped() == 1);  // it dropped the retired pool; `held` alone keeps its pages
   CHECK(producer.release(*third));

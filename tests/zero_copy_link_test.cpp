@@ -12,8 +12,13 @@
 
 #include <catch2/catch.hpp>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
 #include <string_view>
 #include <vector>
 
@@ -31,6 +36,27 @@ ShmPoolOptions small_pools() {
   pools.max_total_bytes = std::size_t{64} << 20;
   return pools;
 }
+
+// The two ends of one link in this process: a producer with its pools, and a consumer.
+struct LinkPair {
+  std::shared_ptr<PacketLink> producer_end, consumer_end;
+  struct Ends {
+    std::shared_ptr<ZeroCopyEnds> producer_ends = std::make_shared<ZeroCopyEnds>(small_pools(), false);
+    std::unique_ptr<ZeroCopyLink> producer, consumer;
+    ShmStager stage;
+  };
+  Ends parts;
+  LinkPair() {
+    auto pair = PacketLink::pair();
+    REQUIRE(pair.ok());
+    std::tie(producer_end, consumer_end) = *pair;
+    parts.producer = std::make_unique<ZeroCopyLink>(producer_end, parts.producer_ends);
+    parts.consumer = std::make_unique<ZeroCopyLink>(consumer_end, std::make_shared<ZeroCopyEnds>(small_pools(), false));
+    parts.stage = parts.producer_ends->stager(absl::ZeroDuration());
+  }
+  // producer_ends, producer, consumer, stage.
+  auto ends() { return std::tie(parts.producer_ends, *parts.producer, *parts.consumer, parts.stage); }
+};
 
 wire::Header data_to(const std::string& target, std::uint64_t id) {
   wire::Header h;
@@ -100,12 +126,8 @@ TEST_CASE("the release protocol: handles go back in packets of at most kReleases
 TEST_CASE("a zero-copy link's read() takes the peer's releases and returns its data as views of its memory, each view's "
           "death giving its handle back on the same link",
           "[link]") {
-  auto pair = PacketLink::pair();
-  REQUIRE(pair.ok());
-  auto producer_ends = std::make_shared<ZeroCopyEnds>(small_pools(), false);
-  ZeroCopyLink producer(pair->first, producer_ends);
-  ZeroCopyLink consumer(pair->second, std::make_shared<ZeroCopyEnds>(small_pools(), false));
-  const ShmStager stage = producer_ends->stager(absl::ZeroDuration());
+  LinkPair link;
+  auto [producer_ends, producer, consumer, stage] = link.ends();
 
   const at::Tensor x = at::arange(1024, at::kFloat);
   REQUIRE(producer.send(data_to("blk", 7), {x}, &stage).ok());
@@ -209,6 +231,55 @@ TEST_CASE("a pool's descriptor crosses once per link, with the first packet nami
   REQUIRE(message.ok());
   CHECK(producer_ends->take_releases(message->header).ok());
   CHECK(producer_ends->host_stats().slots_in_use == in_use);  // the refused handle's slot is free again
+}
+
+TEST_CASE("a retired pool is forgotten once its link is seen empty, and a sender naming it again sends its descriptor "
+          "again; a descriptor that cannot be taken shuts the link",
+          "[link]") {
+  LinkPair link;
+  auto [producer_ends, producer, consumer, stage] = link.ends();
+  const at::Tensor x = at::arange(1024, at::kFloat);
+  REQUIRE(producer.send(data_to("b", 1), {x}, &stage).ok());
+  auto first = consumer.read(1000);
+  REQUIRE(first.kind == Kind::kMessage);
+  first.message.tensors.clear();
+  CHECK(consumer.read(0).kind == Kind::kNothing);  // seen empty: nothing retired yet
+
+  // The host sees the pool's producer (this process, here) die: its pools are retired.
+  consumer.peer_died(::getpid());
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));  // the link looks once a second
+  CHECK(consumer.read(0).kind == Kind::kNothing);  // seen retired, then the link seen empty: forgotten
+  // A handle of it without its descriptor is refused now...
+  auto encoded = encode_message(data_to("b", 2), {x}, nullptr, &stage);
+  REQUIRE(encoded.ok());
+  REQUIRE(link.producer_end->send({encoded->header, encoded->handles[0]}).ok());
+  auto refused = consumer.read(1000);
+  REQUIRE(refused.kind == Kind::kMalformed);
+  CHECK_THAT(std::string(refused.malformed.message()), Contains("never given"));
+  // ...and a sender naming a retired pool sends its descriptor with every packet.
+  REQUIRE(producer.send(data_to("b", 3), {x}, &stage).ok());
+  auto again = consumer.read(1000);
+  REQUIRE(again.kind == Kind::kMessage);
+  REQUIRE(again.message.tensors.size() == 1);
+  CHECK(at::equal(again.message.tensors[0], x));
+
+  // A descriptor that is not a pool: refused, and the link is shut (the peer counts it as carried).
+  auto bare = PacketLink::pair();
+  REQUIRE(bare.ok());
+  ZeroCopyLink reader(bare->second, std::make_shared<ZeroCopyEnds>(small_pools(), false));
+  const int not_a_pool = ::memfd_create("not-a-pool", MFD_CLOEXEC);
+  REQUIRE(not_a_pool >= 0);
+  REQUIRE(::ftruncate(not_a_pool, 8192) == 0);
+  auto again_encoded = encode_message(data_to("b", 4), {x}, nullptr, &stage);
+  REQUIRE(again_encoded.ok());
+  const std::uint64_t pool = again_encoded->staged[0].pool_id;
+  REQUIRE(bare->first->send({again_encoded->header, again_encoded->handles[0]}, true, {pool},
+                            [&](std::uint64_t key) { return LinkFd{key, not_a_pool, nullptr, nullptr}; }).ok());
+  ::close(not_a_pool);  // the packet holds its own reference
+  auto broken = reader.read(1000);
+  REQUIRE(broken.kind == Kind::kMalformed);
+  CHECK_THAT(std::string(broken.malformed.message()), Contains("not a memfd sealed at its size"));
+  CHECK(reader.read(1000).kind == Kind::kClosed);
 }
 
 TEST_CASE("a zero-copy link reports a malformed release and a closed peer, and gives back what a failed send staged",

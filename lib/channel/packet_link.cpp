@@ -160,9 +160,10 @@ absl::Status PacketLink::send(const std::vector<std::string_view>& frames, bool 
     std::vector<LinkFd> attach;
     carry_mu_.Lock();
     for (const std::uint64_t key : keys) {
-      if (carried_.contains(key) ||
-          std::any_of(attach.begin(), attach.end(), [&](const LinkFd& a) { return a.key == key; })) {
-        continue;
+      if (std::any_of(attach.begin(), attach.end(), [&](const LinkFd& a) { return a.key == key; })) continue;
+      if (auto it = carried_.find(key); it != carried_.end()) {
+        const auto alive = it->second.alive.lock();
+        if (alive && (it->second.resend == nullptr || it->second.resend->load(std::memory_order_acquire) == 0)) continue;
       }
       LinkFd fd = fd_of ? fd_of(key) : LinkFd{};
       if (fd.fd >= 0) attach.push_back(std::move(fd));
@@ -187,9 +188,9 @@ absl::Status PacketLink::send(const std::vector<std::string_view>& frames, bool 
     }
     absl::Status sent = send_message(message, /*wait=*/false);
     if (sent.ok()) {
-      for (const auto& a : attach) carried_.insert(a.key);
+      for (const auto& a : attach) carried_.insert_or_assign(a.key, Carried{a.keep, a.resend});
       // Keys whose descriptor is gone from this process (a pool trimmed) can never be named again.
-      if (carried_.size() > kCarriedPruneAt) absl::erase_if(carried_, [&](std::uint64_t key) { return !fd_of || fd_of(key).fd < 0; });
+      if (carried_.size() > kCarriedPruneAt) absl::erase_if(carried_, [](const auto& c) { return c.second.alive.expired(); });
     }
     carry_mu_.Unlock();
     message.msg_control = nullptr;
@@ -224,6 +225,8 @@ absl::Status PacketLink::send_message(msghdr& message, bool wait) {
     }
   }
 }
+
+void PacketLink::shut_down() { (void)::shutdown(fd_, SHUT_RDWR); }
 
 void PacketLink::set_send_timeout(absl::Duration timeout) {
   send_timeout_ns_.store(std::max<std::int64_t>(0, absl::ToInt64Nanoseconds(timeout)), std::memory_order_relaxed);
@@ -280,8 +283,9 @@ std::optional<PacketLink::Received> PacketLink::receive(int timeout_ms, absl::Du
       out.frames = absl::InvalidArgumentError(fmt::format("packet larger than {} bytes", kMaxPacketBytes));
       return out;
     }
-    if ((message.msg_flags & MSG_CTRUNC) != 0) {
-      out.frames = absl::InvalidArgumentError(fmt::format("packet with more than {} descriptors", kMaxPacketFds));
+    if ((message.msg_flags & MSG_CTRUNC) != 0) {  // descriptors lost (too many, or ours ran out)
+      out.frames = absl::InvalidArgumentError(fmt::format("packet whose descriptors did not all arrive (at most {})", kMaxPacketFds));
+      shut_down();  // the peer counts them as carried
       return out;
     }
     out.frames = decode_packet(buffer_.data(), static_cast<std::size_t>(n));

@@ -9,7 +9,9 @@
 #include <fmt/format.h>
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
+#include <sys/statfs.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -20,59 +22,49 @@ namespace blockflow::detail {
 
 // ---------------------------------------------------------------------------------------------------
 struct ShmConsumer::Impl {
-  static constexpr std::int64_t kForgetCheckNs = 1'000'000'000;
   bool local = false;
   mutable blockflow::detail::Mutex mu;
   absl::flat_hash_map<std::uint64_t, std::shared_ptr<PoolMapping>> pools;
-  std::int64_t last_forget_check_ns = 0;
 
-  // At most once a second: drops the cached mappings of pools their producer has let go (trimmed,
-  // or the producer ended), so this process stops holding their pages once no tensor does.
-  void forget_retired_pools() {
-    blockflow::detail::MutexLock lock(&mu);
-    const std::int64_t now = now_ns();
-    if (now - last_forget_check_ns < kForgetCheckNs) return;
-    last_forget_check_ns = now;
-    absl::erase_if(pools, [](const auto& entry) { return pool_retired(entry.second->base)->load(std::memory_order_acquire) != 0; });
-  }
-
-  // Maps a pool's descriptor (taken: closed with the mapping, or at once on an error).
+  // Maps a pool's descriptor (taken: closed with the mapping, or at once on an error). Every check
+  // comes before the mapping, and the mapping is exactly the pool the header describes.
   static absl::StatusOr<std::shared_ptr<PoolMapping>> map(int fd) {
     auto mapping = std::make_shared<PoolMapping>();
     mapping->fd = fd;
-    // Sealed against shrinking, or a process holding it could make our reads past its new end fault.
+    // Sealed at its size, or a process holding it could make our reads past a new end fault; on
+    // tmpfs (a plain memfd), not hugetlbfs, whose faults can fail when huge pages run out.
+    constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
     const int seals = ::fcntl(fd, F_GET_SEALS);
-    if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
-      return absl::InvalidArgumentError("shm pool: its descriptor is not a memfd sealed against shrinking");
+    struct statfs fs {};
+    if (seals < 0 || (seals & kSeals) != kSeals || ::fstatfs(fd, &fs) != 0 || fs.f_type != TMPFS_MAGIC) {
+      return absl::InvalidArgumentError("shm pool: its descriptor is not a memfd sealed at its size");
     }
     struct stat st {};
-    if (::fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(kPoolPage)) {
+    SegmentHeader h{};
+    if (::fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(kPoolPage) || ::pread(fd, &h, sizeof h, 0) != sizeof h) {
       return absl::InvalidArgumentError("shm pool: not a BlockFlow pool (too small)");
     }
-    mapping->size = static_cast<std::size_t>(st.st_size);
+    // Checked in this copy, kept, and never read from shared memory again: the peer may rewrite it.
+    const std::size_t size = static_cast<std::size_t>(st.st_size);
+    const bool sane = h.magic == kSegmentMagic && h.version == kSegmentVersion && h.pool_id != 0 && h.slot_count > 0 &&
+                      h.slot_count < (1u << 20) && h.data_offset >= kPoolHeaderBytes + 8 * h.slot_count &&
+                      h.data_offset % kPoolPage == 0 && h.data_offset <= kMaxPoolBytes && h.slot_bytes > 0 &&
+                      h.slot_bytes <= kMaxPoolBytes && h.slot_count <= (kMaxPoolBytes - h.data_offset) / h.slot_bytes &&
+                      size == h.data_offset + h.slot_count * h.slot_bytes;
+    if (!sane) return absl::InvalidArgumentError("shm pool: its header is malformed, or does not match its size");
+    mapping->size = size;
     mapping->base = ::mmap(nullptr, mapping->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (mapping->base == MAP_FAILED) {
       return absl::ResourceExhaustedError(fmt::format("shm pool: mmap of {} bytes: {}", mapping->size, std::strerror(errno)));
     }
-    // One copy of the header, checked and kept: the peer may rewrite the shared one at any time,
-    // so no field is read from shared memory twice.
-    SegmentHeader copy;
-    std::memcpy(&copy, mapping->base, sizeof copy);
-    const SegmentHeader* h = &copy;
-    const bool sane = h->magic == kSegmentMagic && h->version == kSegmentVersion && h->pool_id != 0 &&
-                      h->slot_count > 0 && h->slot_count < (1u << 20) && h->data_offset >= kPoolHeaderBytes + 8 * h->slot_count &&
-                      h->slot_bytes > 0 && h->slot_bytes <= mapping->size &&
-                      h->data_offset <= mapping->size && (mapping->size - h->data_offset) / h->slot_bytes >= h->slot_count;
-    if (!sane) return absl::InvalidArgumentError("shm pool: its header is malformed");
-    mapping->slot_count = h->slot_count;
-    mapping->slot_bytes = h->slot_bytes;
-    mapping->data_offset = h->data_offset;
-    mapping->pool_id = h->pool_id;
+    mapping->slot_count = h.slot_count;
+    mapping->slot_bytes = h.slot_bytes;
+    mapping->data_offset = h.data_offset;
+    mapping->pool_id = h.pool_id;
     // The slots' pages are mapped now, as the producer made them (MAP_POPULATE there), so that this
     // process's resident memory moves when a pool comes or goes, not with each slot a burst first
-    // reaches. Only the extent the checked header covers; an older kernel without it maps lazily.
-    const std::size_t extent = mapping->data_offset + mapping->slot_count * mapping->slot_bytes;
-    if (extent <= kPopulateMaxBytes) ::madvise(mapping->base, extent, kMadvPopulateRead);
+    // reaches. An older kernel without it maps lazily.
+    if (size <= kPopulateMaxBytes) ::madvise(mapping->base, size, kMadvPopulateRead);
     return mapping;
   }
 };
@@ -84,7 +76,6 @@ absl::StatusOr<std::uint64_t> ShmConsumer::adopt(int fd) {
   auto mapped = Impl::map(fd);
   if (!mapped.ok()) return mapped.status();
   const std::uint64_t id = (*mapped)->pool_id;
-  impl_->forget_retired_pools();
   {
     blockflow::detail::MutexLock lock(&impl_->mu);
     if (impl_->pools.size() >= kMaxPoolsPerLink && !impl_->pools.contains(id)) {
@@ -96,9 +87,35 @@ absl::StatusOr<std::uint64_t> ShmConsumer::adopt(int fd) {
   return id;
 }
 
+std::vector<std::uint64_t> ShmConsumer::retired() const {
+  std::vector<std::uint64_t> ids;
+  blockflow::detail::MutexLock lock(&impl_->mu);
+  for (const auto& [id, mapping] : impl_->pools) {
+    if (pool_retired(mapping->base)->load(std::memory_order_acquire) != 0) ids.push_back(id);
+  }
+  return ids;
+}
+
+void ShmConsumer::retire_made_by(std::int64_t pid) {
+  blockflow::detail::MutexLock lock(&impl_->mu);
+  for (const auto& [id, mapping] : impl_->pools) {
+    if (shm_pool_producer(id) == pid) pool_retired(mapping->base)->store(1, std::memory_order_release);
+  }
+}
+
+void ShmConsumer::forget(const std::vector<std::uint64_t>& ids) {
+  std::vector<std::shared_ptr<PoolMapping>> gone;  // unmapped after the lock is let go
+  blockflow::detail::MutexLock lock(&impl_->mu);
+  for (const std::uint64_t id : ids) {
+    if (auto it = impl_->pools.find(id); it != impl_->pools.end()) {
+      gone.push_back(std::move(it->second));
+      impl_->pools.erase(it);
+    }
+  }
+}
+
 absl::StatusOr<ShmConsumer::View> ShmConsumer::resolve(const wire::ShmHandle& handle, std::uint64_t bytes) {
   Impl& s = *impl_;
-  s.forget_retired_pools();
   std::shared_ptr<PoolMapping> mapping;
   {
     blockflow::detail::MutexLock lock(&s.mu);

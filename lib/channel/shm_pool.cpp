@@ -129,7 +129,7 @@ struct ShmProducer::Impl {
     return class_trims.back();
   }
 
-  // Unlinks and unmaps the pools idle for their class's trim delay, newest first, keeping the
+  // Retires and unmaps the pools idle for their class's trim delay, newest first, keeping the
   // oldest of each size class (the one every consumer has mapped). Before any Pool* is taken: it
   // moves the others in `pools`.
   void trim_idle_pools() {

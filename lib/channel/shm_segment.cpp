@@ -49,7 +49,8 @@ ShmPoolFd shm_pool_fd(std::uint64_t pool_id) {
   auto mapping = MappedPools::get().find(pool_id, /*own_only=*/false);
   if (!mapping) return {};
   const int fd = mapping->fd;
-  return {fd, std::move(mapping)};
+  const std::atomic<std::uint64_t>* retired = pool_retired(mapping->base);
+  return {fd, std::move(mapping), retired};
 }
 
 std::optional<wire::ShmHandle> shm_origin(const void* data, std::size_t bytes) {

@@ -23,6 +23,9 @@ constexpr std::uint32_t kSegmentMagic = 0x50534642;  // "BFSP"
 constexpr std::uint32_t kSegmentVersion = 1;
 constexpr std::size_t kPoolHeaderBytes = 64;
 constexpr std::size_t kPoolPage = 4096;
+// The largest pool a consumer maps: 4 slots of the wire format's largest tensor (16 GiB), and the
+// generations of up to 2^20 slots before them.
+constexpr std::size_t kMaxPoolBytes = (std::size_t{64} << 30) + (std::size_t{16} << 20);
 // Pools up to this size have their pages made (producer) and mapped (consumer) at once; larger ones
 // fault page by page as slots are used, so that one big tensor does not commit all its pool's slots.
 constexpr std::size_t kPopulateMaxBytes = std::size_t{64} << 20;
@@ -54,7 +57,9 @@ inline std::atomic<std::uint64_t>* pool_retired(void* base) {
   return reinterpret_cast<std::atomic<std::uint64_t>*>(static_cast<char*>(base) + offsetof(SegmentHeader, reserved));
 }
 
-// A pool mapped here, with its memfd (kept open: a relay sends it on to the next process).
+// A pool mapped here, with its memfd (kept open: a relay sends it on to the next process). The
+// producer's mapping retires the pool as it goes (a pool trimmed, or the producer gone): the
+// consumers drop their mappings of it.
 struct PoolMapping {
   void* base = MAP_FAILED;
   std::size_t size = 0;
@@ -64,6 +69,7 @@ struct PoolMapping {
   // the header lies in memory another process can rewrite, so it is never read again.
   std::uint64_t slot_count = 0, slot_bytes = 0, data_offset = 0, pool_id = 0;
   ~PoolMapping() {
+    if (base != MAP_FAILED && own) pool_retired(base)->store(1, std::memory_order_release);
     if (base != MAP_FAILED) ::munmap(base, size);
     if (fd >= 0) ::close(fd);
   }

@@ -184,7 +184,7 @@ absl::Status send_packet(PacketLink& link, wire::Header header, const Tensors& t
   }
   absl::Status sent = link.send(frames, wait, pools, [](std::uint64_t id) {
     ShmPoolFd pool = shm_pool_fd(id);
-    return LinkFd{id, pool.fd, std::move(pool.keep)};
+    return LinkFd{id, pool.fd, std::move(pool.keep), pool.retired};
   });
   if (!sent.ok() && unstage != nullptr) {
     for (const auto& staged : encoded->staged) (*unstage)(staged);  // the consumer never saw them

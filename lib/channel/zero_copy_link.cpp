@@ -123,9 +123,19 @@ ZeroCopyLink::ZeroCopyLink(std::shared_ptr<PacketLink> link, std::shared_ptr<Zer
 
 ZeroCopyLink::Packet ZeroCopyLink::read(int timeout_ms, absl::Duration spin, const ParkedResolver* parked) {
   Packet out;
+  // Pools their producer retired are forgotten once the link has been seen empty after they were
+  // seen retired: every packet naming one was sent before it was retired, so none is left unread.
+  // (A relay that names a retired pool sends its descriptor again: LinkFd::resend.)
+  if (const std::int64_t now = now_ns(); retiring_.empty() && now - retire_check_ns_ >= kRetireCheckNs) {
+    retire_check_ns_ = now;
+    retiring_ = given_.retired();
+  }
   for (int releases = 0; releases < kReleasePacketsPerRead; ++releases) {
     auto received = link_->receive(releases == 0 ? timeout_ms : 0, spin);
-    if (!received) return out;
+    if (!received) {
+      if (!retiring_.empty()) given_.forget(std::exchange(retiring_, {}));
+      return out;
+    }
     out.received_ns = now_ns();
     if (received->closed) {
       out.kind = Packet::Kind::kClosed;
@@ -136,11 +146,13 @@ ZeroCopyLink::Packet ZeroCopyLink::read(int timeout_ms, absl::Duration spin, con
       out.malformed = received->frames.status();
       return out;
     }
-    // The pools this packet is the first to name, before its handles are read.
+    // The pools this packet is the first to name, before its handles are read. One that cannot be
+    // taken leaves the peer sure that this end holds it: the link is shut, as a broken one.
     absl::Status refused_pool;
     for (const int fd : received->fds.take()) {
       if (auto adopted = given_.adopt(fd); !adopted.ok() && refused_pool.ok()) refused_pool = adopted.status();
     }
+    if (!refused_pool.ok()) link_->shut_down();
     std::vector<zmq::message_t>& frames = *received->frames;
     if (!frames.empty()) {
       out.request_id = wire::peek_request_id(frames[0].data(), frames[0].size());

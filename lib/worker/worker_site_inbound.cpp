@@ -81,6 +81,7 @@ void WorkerSite::Impl::receive_from_link() {
       return;
     case Kind::kClosed: {  // the worker is going away; supervision tells how (or kills it)
       std::lock_guard lock(mu);
+      if (pid > 0) current->peer_died(pid);  // its pools, for the workers its results were relayed to
       if (link == current) {
         link.reset();
         link_lost_ns = detail::now_ns();

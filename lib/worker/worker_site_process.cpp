@@ -144,10 +144,12 @@ void WorkerSite::Impl::on_death(std::string what) {
   LostFn lost_now;
   {
     std::lock_guard lock(mu);
+    const pid_t dead = pid;
     pid = 0;
     forked = false;
     identity.clear();
     loaded = false;
+    if (link && dead > 0) link->peer_died(dead);  // its pools, for the workers its results were relayed to
     link.reset();
     link_lost_ns = 0;
     computing_block.clear();

@@ -11,7 +11,7 @@
 // pool of the sender's carries the pool's descriptor too (SCM_RIGHTS): pools are sealed memfds that
 // no other process can open by name (shm_pool.hpp).
 
-#include <absl/container/flat_hash_set.h>
+#include <absl/container/flat_hash_map.h>
 #include <absl/status/statusor.h>
 #include <blockflow/core/detail/mutex.hpp>
 #include <absl/time/time.h>
@@ -92,11 +92,14 @@ class ReceivedFds {
 inline constexpr std::size_t kMaxPacketFds = 64;
 
 /// A descriptor to send with a packet, once per link: `key` names what it is (a memory pool's id).
-/// `keep` holds whatever keeps `fd` open until the send is over.
+/// `keep` holds whatever keeps `fd` open, and `resend` valid: while `*resend` is not 0 (a pool its
+/// producer retired, relayed on), the descriptor goes with every packet naming the key, as the peer
+/// may have let go of it; once `keep` is gone from this process, nothing here can name the key.
 struct LinkFd {
   std::uint64_t key = 0;
   int fd = -1;
   std::shared_ptr<const void> keep;
+  const std::atomic<std::uint64_t>* resend = nullptr;
 };
 
 class PacketLink {
@@ -122,10 +125,13 @@ class PacketLink {
   /// LinkFd with fd -1: the packet goes without it, and the peer refuses what names it). The peer
   /// is sure to hold a key's descriptor before any later packet naming it reaches it: a key counts
   /// as carried once the packet carrying it was queued, and senders of a packet with a new key
-  /// take turns. Keys are remembered while `fd_of` has a descriptor for them (pools are trimmed
-  /// and made again over a link's life: past kCarriedPruneAt keys, those without one are dropped).
+  /// take turns. A key is remembered while what keeps its descriptor lives (pools are trimmed and
+  /// made again over a link's life: past kCarriedPruneAt keys, those gone are dropped).
   absl::Status send(const std::vector<std::string_view>& frames, bool wait, const std::vector<std::uint64_t>& keys,
                     const std::function<LinkFd(std::uint64_t)>& fd_of);
+  /// Shuts both directions down (the link's state is lost: a descriptor the peer counts as carried
+  /// did not arrive): this end and the peer see it closed.
+  void shut_down();
   /// Bounds how long send() waits for room (SO_SNDTIMEO); none by default.
   void set_send_timeout(absl::Duration timeout);
 
@@ -158,7 +164,11 @@ class PacketLink {
   ArrivalGaps gaps_;
   std::atomic<std::int64_t> send_timeout_ns_{-1};  // set_send_timeout()'s (-1: none), for a packet with a new key
   blockflow::detail::Mutex carry_mu_;  // held across the (never waiting) send of a packet with a key not yet carried
-  absl::flat_hash_set<std::uint64_t> carried_ ABSL_GUARDED_BY(carry_mu_);
+  struct Carried {
+    std::weak_ptr<const void> alive;
+    const std::atomic<std::uint64_t>* resend = nullptr;
+  };
+  absl::flat_hash_map<std::uint64_t, Carried> carried_ ABSL_GUARDED_BY(carry_mu_);
 };
 
 /// The listening end, bound at a path (in a private 0700 directory).

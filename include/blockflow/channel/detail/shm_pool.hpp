@@ -17,9 +17,11 @@
 //
 // Lifetimes: a pool's memory lives while any process holds its descriptor or a mapping of it. The
 // producer lets a pool go when it trims it (idle: ShmPoolOptions::idle_trim) or ends, and marks it
-// retired in its header then; a consumer drops its cached mapping of a retired pool (checked at
-// most once a second, when it resolves a handle), and with its link (each link's consumer holds
-// the pools given on it); tensors still over a pool keep it mapped until they die. The pid in a
+// retired in its header then (a session host marks the pools of a worker that died). A link's
+// consumer drops its cached mapping of a retired pool once the link has been seen empty after the
+// pool was seen retired (ZeroCopyLink::read(), at most once a second), and all of them with the
+// link; tensors still over a pool keep it mapped until they die. A sender that names a retired
+// pool (a relay) sends its descriptor again. The pid in a
 // pool's id is only a hint for people: pids say nothing across PID namespaces.
 //
 // Segment layout: a 64-byte header {u32 magic "BFSP", u32 version, u64 pool_id, u64 slot_count,
@@ -40,6 +42,7 @@
 #include <memory>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 namespace blockflow::detail {
 
@@ -79,7 +82,6 @@ extern std::atomic<void (*)(const wire::ShmHandle&)> shm_stage_copy_hook;
 /// The producing side. Thread-safe.
 class ShmProducer {
  public:
-  /// Sweeps abandoned pools first (see the top of this file).
   explicit ShmProducer(ShmPoolOptions options = {});
   ~ShmProducer();  // retires and unmaps its pools (mappings held by consumers stay valid)
   ShmProducer(const ShmProducer&) = delete;
@@ -130,10 +132,12 @@ class ShmProducer {
 /// nullopt otherwise. Thread-safe.
 std::optional<wire::ShmHandle> shm_origin(const void* data, std::size_t bytes);
 
-/// A pool's memfd, and what keeps it open: `fd` -1 when no pool of that id is mapped here.
+/// A pool's memfd, what keeps it open, and its retired flag (in its header, valid while `keep`
+/// lives): `fd` -1 when no pool of that id is mapped here.
 struct ShmPoolFd {
   int fd = -1;
   std::shared_ptr<const void> keep;
+  const std::atomic<std::uint64_t>* retired = nullptr;
 };
 /// The descriptor of pool `pool_id`, made here or given to this process, for the data link to send
 /// with the first packet that names the pool (a relay hands a given pool on to the next process).
@@ -167,9 +171,10 @@ class ShmConsumer {
     const void* pool_base = nullptr;
   };
   /// Takes a pool's descriptor that came from its producer (closed here, whatever the outcome): checks
-  /// that it is a memfd sealed against shrinking whose header is a BlockFlow pool's, maps it, and
-  /// returns the pool's id. A pool given again replaces the first mapping. InvalidArgument naming the
-  /// problem otherwise; ResourceExhausted beyond kMaxPoolsPerLink pools mapped.
+  /// that it is a memfd on tmpfs sealed at its size (shrink, grow, seal) whose header is a BlockFlow
+  /// pool's of exactly that size, maps it, and returns the pool's id. A pool given again replaces the
+  /// first mapping. InvalidArgument naming the problem otherwise; ResourceExhausted beyond
+  /// kMaxPoolsPerLink pools mapped.
   absl::StatusOr<std::uint64_t> adopt(int fd);
   /// Checks `handle` for `bytes` bytes: its pool was given here, the slot is in range, offset +
   /// bytes fits in the slot, the generation is the slot's current one. InvalidArgument naming the
@@ -177,6 +182,15 @@ class ShmConsumer {
   absl::StatusOr<View> resolve(const wire::ShmHandle& handle, std::uint64_t bytes);
   /// Drops the pools given so far (the producer restarted); tensors still over them keep them mapped.
   void forget_all();
+  /// The pools mapped here that their producer retired (ShmPoolOptions::idle_trim, or its end). The
+  /// caller forgets them once it knows that no packet naming them is still unread (ZeroCopyLink).
+  [[nodiscard]] std::vector<std::uint64_t> retired() const;
+  /// Drops the cached mappings of `ids`; tensors still over them keep them mapped.
+  void forget(const std::vector<std::uint64_t>& ids);
+  /// Marks retired the pools given here that process `pid` made (the pid in their id): it died (a
+  /// worker killed), so the consumers this process relayed their slots to drop them too. Pools of
+  /// other processes it relayed here are not its to retire.
+  void retire_made_by(std::int64_t pid);
   std::size_t pools_mapped() const;
 
  private:

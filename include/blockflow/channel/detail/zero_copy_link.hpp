@@ -118,12 +118,18 @@ class ZeroCopyLink {
 
   [[nodiscard]] int fd() const { return link_->fd(); }
   [[nodiscard]] ZeroCopyEnds& ends() const { return *ends_; }
+  /// The peer, process `pid`, died: the pools it made are retired, so that the processes this one
+  /// relayed their slots to let go of them too (nothing else would tell them).
+  void peer_died(std::int64_t pid) { given_.retire_made_by(pid); }
 
  private:
   const std::shared_ptr<PacketLink> link_;
   const std::shared_ptr<ZeroCopyEnds> ends_;
   const std::shared_ptr<ReleaseOutbox> outbox_;  // every tensor read from this link holds it
   ShmConsumer given_;  // the peer's pools, as their descriptors come on this link (read()'s thread)
+  static constexpr std::int64_t kRetireCheckNs = 1'000'000'000;
+  std::vector<std::uint64_t> retiring_;  // read()'s: seen retired, forgotten once the link is seen empty
+  std::int64_t retire_check_ns_ = 0;
   const ShmResolver resolver_;
   const ShmUnstager unstage_;
 };
