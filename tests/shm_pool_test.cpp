@@ -85,6 +85,9 @@ TEST_CASE("shm consumer: only a sealed BlockFlow pool is adopted; a handle of a 
   REQUIRE(view.ok());
   CHECK(static_cast<const float*>(view->data)[255] == 4.0f);
   CHECK(consumer.pools_mapped() == 1);
+  give_pool(consumer, h->pool_id);  // given again (a retired pool, relayed): the same mapping stays
+  CHECK(consumer.resolve(*h, 1024)->data == view->data);
+  CHECK(consumer.pools_mapped() == 1);
 
   // A valid-looking header: magic "BFSP", version 1, id, 1 slot of 4096 bytes at 4096.
   const std::vector<std::uint64_t> header{0x0000000150534642ULL, 0x1234, 1, 4096, 4096};
@@ -147,8 +150,14 @@ TEST_CASE("shm: a producer's pools are retired when it ends, or by retire_made_b
   CHECK(static_cast<const float*>(survivor.data)[255] == 3.0f);
   CHECK(consumer.pools_mapped() == 1);
   CHECK(consumer.retired() == std::vector<std::uint64_t>{first_pool});  // its producer is gone
-  consumer.forget(consumer.retired());  // as the link does, once no packet naming it is unread
+  const std::vector<std::uint64_t> retired = consumer.retired();
+  consumer.forget(retired);  // as the link does, once no packet naming it is unread
   CHECK(consumer.pools_mapped() == 0);
+  // A handle of it that a relay sent just as it was retired still resolves until the next forget().
+  const wire::ShmHandle late{first_pool, 0, static_cast<std::uint64_t>(1), 0};
+  CHECK(consumer.resolve(late, 4).ok());
+  consumer.forget({});
+  CHECK_THAT(std::string(consumer.resolve(late, 4).status().message()), Catch::Matchers::Contains("never given"));
   CHECK(static_cast<const float*>(survivor.data)[0] == 3.0f);  // `survivor` alone keeps it mapped
 
   // A worker's death as its host sees it: the pools that process made are retired, none other.

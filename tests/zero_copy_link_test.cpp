@@ -249,7 +249,17 @@ TEST_CASE("a retired pool is forgotten once its link is seen empty, and a sender
   consumer.peer_died(::getpid());
   std::this_thread::sleep_for(std::chrono::milliseconds(1100));  // the link looks once a second
   CHECK(consumer.read(0).kind == Kind::kNothing);  // seen retired, then the link seen empty: forgotten
-  // A handle of it without its descriptor is refused now...
+  // A handle of it sent without its descriptor (a relay that looked at the flag just before it was
+  // set) still resolves for one period more...
+  auto late = encode_message(data_to("b", 2), {x}, nullptr, &stage);
+  REQUIRE(late.ok());
+  REQUIRE(link.producer_end->send({late->header, late->handles[0]}).ok());
+  auto kept = consumer.read(1000);
+  REQUIRE(kept.kind == Kind::kMessage);
+  kept.message.tensors.clear();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+  CHECK(consumer.read(0).kind == Kind::kNothing);  // the period is over: dropped for good
+  // ...and is refused after it.
   auto encoded = encode_message(data_to("b", 2), {x}, nullptr, &stage);
   REQUIRE(encoded.ok());
   REQUIRE(link.producer_end->send({encoded->header, encoded->handles[0]}).ok());
@@ -280,6 +290,10 @@ TEST_CASE("a retired pool is forgotten once its link is seen empty, and a sender
   REQUIRE(broken.kind == Kind::kMalformed);
   CHECK_THAT(std::string(broken.malformed.message()), Contains("not a memfd sealed at its size"));
   CHECK(reader.read(1000).kind == Kind::kClosed);
+  // Only its reading side: the peer's sends fail, and it still gets this end's releases (so it
+  // reclaims nothing under a tensor this end gave out).
+  CHECK(bare->first->send({"x"}).code() == absl::StatusCode::kUnavailable);
+  CHECK(send_releases(*bare->second, &again_encoded->staged[0], 1) == 1);
 }
 
 TEST_CASE("a zero-copy link reports a malformed release and a closed peer, and gives back what a failed send staged",

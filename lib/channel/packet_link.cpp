@@ -226,7 +226,7 @@ absl::Status PacketLink::send_message(msghdr& message, bool wait) {
   }
 }
 
-void PacketLink::shut_down() { (void)::shutdown(fd_, SHUT_RDWR); }
+void PacketLink::shut_down() { (void)::shutdown(fd_, SHUT_RD); }
 
 void PacketLink::set_send_timeout(absl::Duration timeout) {
   send_timeout_ns_.store(std::max<std::int64_t>(0, absl::ToInt64Nanoseconds(timeout)), std::memory_order_relaxed);

@@ -25,6 +25,9 @@ struct ShmConsumer::Impl {
   bool local = false;
   mutable blockflow::detail::Mutex mu;
   absl::flat_hash_map<std::uint64_t, std::shared_ptr<PoolMapping>> pools;
+  // Forgotten by the last forget(), kept until the next: a relay that checked a pool's retired flag
+  // just before it was set may still send a handle of it without its descriptor.
+  absl::flat_hash_map<std::uint64_t, std::shared_ptr<PoolMapping>> grace;
 
   // Maps a pool's descriptor (taken: closed with the mapping, or at once on an error). Every check
   // comes before the mapping, and the mapping is exactly the pool the header describes.
@@ -44,6 +47,8 @@ struct ShmConsumer::Impl {
     if (::fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(kPoolPage) || ::pread(fd, &h, sizeof h, 0) != sizeof h) {
       return absl::InvalidArgumentError("shm pool: not a BlockFlow pool (too small)");
     }
+    mapping->device = st.st_dev;
+    mapping->inode = st.st_ino;
     // Checked in this copy, kept, and never read from shared memory again: the peer may rewrite it.
     const std::size_t size = static_cast<std::size_t>(st.st_size);
     const bool sane = h.magic == kSegmentMagic && h.version == kSegmentVersion && h.pool_id != 0 && h.slot_count > 0 &&
@@ -63,8 +68,11 @@ struct ShmConsumer::Impl {
     mapping->pool_id = h.pool_id;
     // The slots' pages are mapped now, as the producer made them (MAP_POPULATE there), so that this
     // process's resident memory moves when a pool comes or goes, not with each slot a burst first
-    // reaches. An older kernel without it maps lazily.
-    if (size <= kPopulateMaxBytes) ::madvise(mapping->base, size, kMadvPopulateRead);
+    // reaches. An older kernel without it maps lazily. Not a sparse one (a producer populates its
+    // pools): its holes would become pages here.
+    if (size <= kPopulateMaxBytes && static_cast<std::size_t>(st.st_blocks) * 512 >= size) {
+      ::madvise(mapping->base, size, kMadvPopulateRead);
+    }
     return mapping;
   }
 };
@@ -78,10 +86,13 @@ absl::StatusOr<std::uint64_t> ShmConsumer::adopt(int fd) {
   const std::uint64_t id = (*mapped)->pool_id;
   {
     blockflow::detail::MutexLock lock(&impl_->mu);
-    if (impl_->pools.size() >= kMaxPoolsPerLink && !impl_->pools.contains(id)) {
+    if (auto it = impl_->pools.find(id); it != impl_->pools.end()) {
+      // Given again (a retired pool, relayed): the same file keeps its mapping; another replaces it.
+      if (it->second->device == (*mapped)->device && it->second->inode == (*mapped)->inode) return id;
+    } else if (impl_->pools.size() >= kMaxPoolsPerLink) {
       return absl::ResourceExhaustedError(fmt::format("shm pool: more than {} pools given on one link", kMaxPoolsPerLink));
     }
-    impl_->pools.insert_or_assign(id, *mapped);  // a pool given again replaces the first
+    impl_->pools.insert_or_assign(id, *mapped);
   }
   MappedPools::get().add(id, *mapped);
   return id;
@@ -104,11 +115,12 @@ void ShmConsumer::retire_made_by(std::int64_t pid) {
 }
 
 void ShmConsumer::forget(const std::vector<std::uint64_t>& ids) {
-  std::vector<std::shared_ptr<PoolMapping>> gone;  // unmapped after the lock is let go
+  absl::flat_hash_map<std::uint64_t, std::shared_ptr<PoolMapping>> gone;  // unmapped after the lock is let go
   blockflow::detail::MutexLock lock(&impl_->mu);
+  gone.swap(impl_->grace);
   for (const std::uint64_t id : ids) {
     if (auto it = impl_->pools.find(id); it != impl_->pools.end()) {
-      gone.push_back(std::move(it->second));
+      impl_->grace.insert_or_assign(id, std::move(it->second));
       impl_->pools.erase(it);
     }
   }
@@ -119,7 +131,11 @@ absl::StatusOr<ShmConsumer::View> ShmConsumer::resolve(const wire::ShmHandle& ha
   std::shared_ptr<PoolMapping> mapping;
   {
     blockflow::detail::MutexLock lock(&s.mu);
-    if (auto it = s.pools.find(handle.pool_id); it != s.pools.end()) mapping = it->second;
+    if (auto it = s.pools.find(handle.pool_id); it != s.pools.end()) {
+      mapping = it->second;
+    } else if (auto late = s.grace.find(handle.pool_id); late != s.grace.end()) {
+      mapping = late->second;
+    }
   }
   if (!mapping && s.local) mapping = MappedPools::get().find(handle.pool_id, /*own_only=*/true);
   if (!mapping) {
@@ -151,6 +167,7 @@ absl::StatusOr<ShmConsumer::View> ShmConsumer::resolve(const wire::ShmHandle& ha
 void ShmConsumer::forget_all() {
   blockflow::detail::MutexLock lock(&impl_->mu);
   impl_->pools.clear();
+  impl_->grace.clear();
 }
 
 std::size_t ShmConsumer::pools_mapped() const {

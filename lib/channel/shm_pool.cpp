@@ -171,6 +171,10 @@ struct ShmProducer::Impl {
     }
     const std::size_t slot_bytes = std::max(options.min_slot_bytes, next_pow2(std::max<std::size_t>(bytes, 1)));
     const std::size_t size = round_up(kPoolHeaderBytes + 8 * options.slots_per_pool, kPoolPage) + slot_bytes * options.slots_per_pool;
+    if (slot_bytes > kMaxPoolBytes / options.slots_per_pool || size > kMaxPoolBytes) {
+      return absl::ResourceExhaustedError(fmt::format("a pool of {} slots of {} bytes exceeds the largest a consumer maps ({} bytes)",
+                                                      options.slots_per_pool, slot_bytes, kMaxPoolBytes));
+    }
     if (bytes_mapped() + creating_bytes + size > options.max_total_bytes ||
         (options.max_pools > 0 && pools.size() + creating_pools >= options.max_pools)) {
       return std::make_pair(static_cast<Pool*>(nullptr), 0u);

@@ -68,6 +68,7 @@ struct PoolMapping {
   // The pool's layout. A consumer's copy is taken (and checked against `size`) when it was mapped:
   // the header lies in memory another process can rewrite, so it is never read again.
   std::uint64_t slot_count = 0, slot_bytes = 0, data_offset = 0, pool_id = 0;
+  std::uint64_t device = 0, inode = 0;  // the file's, to know it when it is given again
   ~PoolMapping() {
     if (base != MAP_FAILED && own) pool_retired(base)->store(1, std::memory_order_release);
     if (base != MAP_FAILED) ::munmap(base, size);

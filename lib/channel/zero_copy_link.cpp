@@ -125,15 +125,17 @@ ZeroCopyLink::Packet ZeroCopyLink::read(int timeout_ms, absl::Duration spin, con
   Packet out;
   // Pools their producer retired are forgotten once the link has been seen empty after they were
   // seen retired: every packet naming one was sent before it was retired, so none is left unread.
-  // (A relay that names a retired pool sends its descriptor again: LinkFd::resend.)
-  if (const std::int64_t now = now_ns(); retiring_.empty() && now - retire_check_ns_ >= kRetireCheckNs) {
+  // (A relay that names a retired pool sends its descriptor again: LinkFd::resend; one whose check
+  // of the flag came just before it was set finds the pool kept one period more: forget().)
+  if (const std::int64_t now = now_ns(); !forget_due_ && now - retire_check_ns_ >= kRetireCheckNs) {
     retire_check_ns_ = now;
     retiring_ = given_.retired();
+    forget_due_ = true;
   }
   for (int releases = 0; releases < kReleasePacketsPerRead; ++releases) {
     auto received = link_->receive(releases == 0 ? timeout_ms : 0, spin);
     if (!received) {
-      if (!retiring_.empty()) given_.forget(std::exchange(retiring_, {}));
+      if (std::exchange(forget_due_, false)) given_.forget(std::exchange(retiring_, {}));
       return out;
     }
     out.received_ns = now_ns();

@@ -129,8 +129,10 @@ class PacketLink {
   /// made again over a link's life: past kCarriedPruneAt keys, those gone are dropped).
   absl::Status send(const std::vector<std::string_view>& frames, bool wait, const std::vector<std::uint64_t>& keys,
                     const std::function<LinkFd(std::uint64_t)>& fd_of);
-  /// Shuts both directions down (the link's state is lost: a descriptor the peer counts as carried
-  /// did not arrive): this end and the peer see it closed.
+  /// Stops reading (the link's state is lost: a descriptor the peer counts as carried did not
+  /// arrive): this end's receive() sees the link closed once what is queued is read, and the peer's
+  /// next send fails; this end still sends (the releases of the tensors it gave out), so the peer
+  /// reclaims nothing while they live (it does once this end's socket closes).
   void shut_down();
   /// Bounds how long send() waits for room (SO_SNDTIMEO); none by default.
   void set_send_timeout(absl::Duration timeout);

@@ -185,7 +185,9 @@ class ShmConsumer {
   /// The pools mapped here that their producer retired (ShmPoolOptions::idle_trim, or its end). The
   /// caller forgets them once it knows that no packet naming them is still unread (ZeroCopyLink).
   [[nodiscard]] std::vector<std::uint64_t> retired() const;
-  /// Drops the cached mappings of `ids`; tensors still over them keep them mapped.
+  /// Drops the cached mappings of `ids` (tensors still over them keep them mapped). They still
+  /// resolve until the next call, which drops them for good: a relay that checked a pool's retired
+  /// flag just before it was set may send a handle of it without its descriptor.
   void forget(const std::vector<std::uint64_t>& ids);
   /// Marks retired the pools given here that process `pid` made (the pid in their id): it died (a
   /// worker killed), so the consumers this process relayed their slots to drop them too. Pools of

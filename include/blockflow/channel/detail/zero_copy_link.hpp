@@ -129,6 +129,7 @@ class ZeroCopyLink {
   ShmConsumer given_;  // the peer's pools, as their descriptors come on this link (read()'s thread)
   static constexpr std::int64_t kRetireCheckNs = 1'000'000'000;
   std::vector<std::uint64_t> retiring_;  // read()'s: seen retired, forgotten once the link is seen empty
+  bool forget_due_ = false;              // read()'s: retiring_ taken, forget() not called yet
   std::int64_t retire_check_ns_ = 0;
   const ShmResolver resolver_;
   const ShmUnstager unstage_;
