@@ -164,12 +164,6 @@ absl::StatusOr<ShmConsumer::View> ShmConsumer::resolve(const wire::ShmHandle& ha
   return view;
 }
 
-void ShmConsumer::forget_all() {
-  blockflow::detail::MutexLock lock(&impl_->mu);
-  impl_->pools.clear();
-  impl_->grace.clear();
-}
-
 std::size_t ShmConsumer::pools_mapped() const {
   blockflow::detail::MutexLock lock(&impl_->mu);
   return impl_->pools.size();

@@ -180,8 +180,6 @@ class ShmConsumer {
   /// bytes fits in the slot, the generation is the slot's current one. InvalidArgument naming the
   /// problem otherwise ("stale handle", "slot 9 out of range", ...).
   absl::StatusOr<View> resolve(const wire::ShmHandle& handle, std::uint64_t bytes);
-  /// Drops the pools given so far (the producer restarted); tensors still over them keep them mapped.
-  void forget_all();
   /// The pools mapped here that their producer retired (ShmPoolOptions::idle_trim, or its end). The
   /// caller forgets them once it knows that no packet naming them is still unread (ZeroCopyLink).
   [[nodiscard]] std::vector<std::uint64_t> retired() const;
