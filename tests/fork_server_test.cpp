@@ -5,7 +5,7 @@
 #include "worker_util.hpp"
 
 #include <blockflow/worker/detail/fork_server.hpp>
-#include <blockflow/worker/detail/process_state.hpp>
+#include <blockflow/core/detail/process_state.hpp>
 #include <blockflow/worker/fork_server.hpp>
 
 #include <fmt/format.h>

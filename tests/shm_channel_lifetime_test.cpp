@@ -2,8 +2,18 @@
 // and the sender never takes their slots back under them; a receiver that closes stops its senders,
 // drops what it had not taken and frees the URI; flush() waits for what the receiver holds, relayed
 // tensors included, and not for the sender's own; a relayed tensor stays held for its receiver
-// after the sender that relayed it is gone; kReject never waits for room in the receiver's queue.
+// after the sender that relayed it is gone; kReject never waits for room in the receiver's queue;
+// the pools of a sender killed with SIGKILL are let go of where its tensors were relayed.
 #include "process_channel_util.hpp"
+#include "shm_util.hpp"
+
+#include <filesystem>
+#include <thread>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 
 using namespace blockflow;
 using Catch::Matchers::Contains;
@@ -45,6 +55,42 @@ void require_moves_on(ProcessChannel& sender, ProcessChannel& receiver) {
   CHECK(e->request_id == 50);
   CHECK(at::equal(e->tensors.at(0), at::full({8}, 5.0f)));
 }
+
+// This test binary again, running only the hidden test case `tag`, with `env` added to its
+// environment; killed and reaped when this goes.
+class ChildTest {
+ public:
+  ChildTest(const char* tag, const std::string& env) {
+    std::vector<std::string> vars{env};
+    for (char** e = environ; *e != nullptr; ++e) {
+      if (std::string_view(*e).rfind("BLOCKFLOW_TEST_FORK_SERVER=", 0) != 0) vars.emplace_back(*e);
+    }
+    std::vector<char*> envp;
+    for (auto& v : vars) envp.push_back(v.data());
+    envp.push_back(nullptr);
+    std::string exe = std::filesystem::read_symlink("/proc/self/exe");
+    std::string selected = tag;
+    std::vector<char*> argv{exe.data(), selected.data(), nullptr};
+    posix_spawn_file_actions_t quiet;
+    posix_spawn_file_actions_init(&quiet);
+    posix_spawn_file_actions_addopen(&quiet, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
+    if (::posix_spawn(&pid_, exe.c_str(), &quiet, nullptr, argv.data(), envp.data()) != 0) pid_ = -1;
+    posix_spawn_file_actions_destroy(&quiet);
+  }
+  ~ChildTest() { kill(); }
+  ChildTest(const ChildTest&) = delete;
+  ChildTest& operator=(const ChildTest&) = delete;
+  pid_t pid() const { return pid_; }
+  void kill() {
+    if (pid_ <= 0) return;
+    (void)::kill(pid_, SIGKILL);
+    (void)::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+};
 
 }  // namespace
 
@@ -184,4 +230,57 @@ TEST_CASE("a shm:// sender never waits past its policy for room in the receiver'
 
   REQUIRE(receiver->receive(absl::Now() + absl::Seconds(10)).has_value());  // room for one more
   CHECK(test::eventually([&] { return rejecting->send(envelope_of(7, {})).status.ok(); }));
+}
+
+TEST_CASE("(run by the test below) a shm:// sender sends two tensors of its own, then waits to be killed",
+          "[.shm-sender-child]") {
+  const char* uri = std::getenv("BLOCKFLOW_TEST_SHM_URI");
+  REQUIRE(uri != nullptr);
+  ProcessChannelOptions o;
+  o.send_timeout = absl::Seconds(30);  // the receiver opens the URI first; this is a margin
+  auto sender = open_or_fail(uri, ChannelRole::kSender, o);
+  for (int i = 1; i <= 2; ++i) {
+    auto t = sender->empty({64});
+    REQUIRE(t.ok());
+    t->fill_(static_cast<float>(i));
+    REQUIRE(sender->send(envelope_of(static_cast<std::uint64_t>(i), {*t})).status.ok());
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(60));
+}
+
+TEST_CASE("a shm:// sender killed with SIGKILL: where its tensors were relayed, its pools are let go of",
+          "[process_channel]") {
+  // origin (another process) -> middle -> relay -> last. The origin cannot retire its pools when it
+  // is killed; the middle sees its link end and does, so `last` drops them too (it looks once a second).
+  const std::string in_uri = "shm://" + unique_name("killed-in"), out_uri = "shm://" + unique_name("killed-out");
+  auto middle = open_or_fail(in_uri, ChannelRole::kReceiver);
+  auto last = open_or_fail(out_uri, ChannelRole::kReceiver);
+  auto relay = open_or_fail(out_uri, ChannelRole::kSender, no_wait());
+  ChildTest origin("[.shm-sender-child]", "BLOCKFLOW_TEST_SHM_URI=" + in_uri);
+  REQUIRE(origin.pid() > 0);
+  const std::int64_t origin_pid = origin.pid();
+  for (int i = 1; i <= 2; ++i) {
+    auto e = middle->receive(absl::Now() + absl::Seconds(30));
+    REQUIRE(e.has_value());
+    REQUIRE(relay->send(std::move(*e)).status.ok());
+    auto at_last = last->receive(absl::Now() + absl::Seconds(10));
+    REQUIRE(at_last.has_value());
+    CHECK(at::equal(at_last->tensors.at(0), at::full({64}, static_cast<float>(i))));
+  }
+  CHECK(relay->stats().bytes_copied == 0);
+  REQUIRE_FALSE(test::pools_mapped_by(::getpid(), origin_pid).empty());
+
+  origin.kill();
+  const bool let_go = test::eventually(
+      [&] {
+        (void)middle->receive(absl::Now() + absl::Milliseconds(20));  // sees the origin's link end
+        (void)last->receive(absl::Now() + absl::Milliseconds(20));
+        return test::pools_mapped_by(::getpid(), origin_pid).empty();
+      },
+      std::chrono::seconds(10));
+  CHECK(let_go);  // before: `last` kept them mapped for as long as the relay's link lived
+  CHECK(relay->send(envelope_of(3, {at::full({8}, 3.0f)})).status.ok());  // the relay goes on
+  auto after = last->receive(absl::Now() + absl::Seconds(10));
+  REQUIRE(after.has_value());
+  CHECK(after->request_id == 3);
 }

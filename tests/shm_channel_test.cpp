@@ -43,21 +43,6 @@ std::string mapping_file(const void* address) {
   return "";
 }
 
-// The pools that process `pid` maps and process `producer` made (the pid in their id), from
-// /proc/PID/maps ("/memfd:blockflow-<id>").
-std::set<std::uint64_t> pools_mapped_by(std::int64_t pid, std::int64_t producer) {
-  std::set<std::uint64_t> ids;
-  std::ifstream maps(fmt::format("/proc/{}/maps", pid));
-  std::string line;
-  while (std::getline(maps, line)) {
-    const auto at = line.find("/memfd:");
-    if (at == std::string::npos) continue;
-    const auto id = shm_pool_id(std::string_view(line).substr(at, line.find(' ', at) - at));
-    if (id && shm_pool_producer(*id) == producer) ids.insert(*id);
-  }
-  return ids;
-}
-
 // A producer and a consumer joined by an inproc PUSH/PULL pair, like the two ends of an edge.
 struct Edge {
   zmq::context_t context{1};
@@ -363,14 +348,14 @@ TEST_CASE("shm workers: the worker a killed worker's results were relayed to let
   const Tensor x = at::randn({2, 3, 16, 16});
   for (int i = 0; i < 4; ++i) REQUIRE(session.submit("cnn", x).get().ok());
   const std::int64_t dead = w1->pid();
-  REQUIRE_FALSE(pools_mapped_by(w2->pid(), dead).empty());  // w1's result slots reached w2 as they lay
+  REQUIRE_FALSE(test::pools_mapped_by(w2->pid(), dead).empty());  // w1's result slots reached w2 as they lay
   REQUIRE(::kill(static_cast<pid_t>(dead), SIGKILL) == 0);
   // w1 comes back (a new process, with pools of its own) and the path serves again.
   REQUIRE(test::eventually([&] { return w1->pid() > 0 && w1->pid() != dead && session.submit("cnn", x).get().ok(); },
                            std::chrono::seconds(30)));
   // The host retired the dead w1's pools; w2 drops them (it looks once a second) and maps none of
   // them any more: a worker killed again and again costs its peers nothing that lasts.
-  CHECK(test::eventually([&] { return pools_mapped_by(w2->pid(), dead).empty(); }, std::chrono::seconds(10)));
+  CHECK(test::eventually([&] { return test::pools_mapped_by(w2->pid(), dead).empty(); }, std::chrono::seconds(10)));
   CHECK(session.submit("cnn", x).get().ok());
 }
 

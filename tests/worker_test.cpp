@@ -3,7 +3,7 @@
 // orphans; the configuration a worker gets (heartbeat interval, parked-output bound) and applies.
 #include "joined_util.hpp"
 
-#include <blockflow/worker/detail/process_state.hpp>
+#include <blockflow/core/detail/process_state.hpp>
 #include <blockflow/worker/detail/worker_protocol.hpp>
 
 #include <nlohmann/json.hpp>

@@ -25,6 +25,7 @@
 #include <blockflow/core/detail/clock.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/mutex.hpp>
+#include <blockflow/core/detail/process_state.hpp>
 #include <blockflow/channel/detail/packet_link.hpp>
 #include <blockflow/channel/detail/tensor_codec.hpp>
 #include <blockflow/channel/detail/zero_copy_ends.hpp>
@@ -460,6 +461,7 @@ class ShmReceiver final : public ProcessChannel {
  private:
   struct Sender {
     std::shared_ptr<ZeroCopyLink> link;  // null once the sender has gone (its tensors keep the link open)
+    std::int64_t pid = 0;                // the sending process (the link's peer credentials)
   };
 
   void accept_senders() {
@@ -469,7 +471,7 @@ class ShmReceiver final : public ProcessChannel {
                                                    accepted->peer_uid, accepted->peer_pid));
         continue;  // the link closes as `accepted` goes
       }
-      senders_.push_back({std::make_shared<ZeroCopyLink>(std::move(accepted->link), ends_)});
+      senders_.push_back({std::make_shared<ZeroCopyLink>(std::move(accepted->link), ends_), accepted->peer_pid});
     }
     sender_count_.store(senders_.size());
   }
@@ -517,6 +519,10 @@ class ShmReceiver final : public ProcessChannel {
         case ZeroCopyLink::Packet::Kind::kNothing:
           return std::nullopt;
         case ZeroCopyLink::Packet::Kind::kClosed:
+          // A sender that died (SIGKILL) could not retire its pools: this end does, so that the
+          // receivers this one relayed its tensors to let go of them too (ZeroCopyLink::read()). Its
+          // exit has begun before its descriptors close, so the kernel says so by now.
+          if (s.pid > 0 && process_exiting(s.pid)) s.link->peer_died(s.pid);
           s.link.reset();  // its releases have nowhere to go: the sender reclaimed its slots
           return std::nullopt;
         case ZeroCopyLink::Packet::Kind::kMalformed:

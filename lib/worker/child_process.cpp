@@ -1,7 +1,7 @@
 // A worker process, started by posix_spawn or forked from the fork server (child_process.hpp).
 #include <blockflow/worker/detail/child_process.hpp>
 #include <blockflow/worker/detail/fork_server.hpp>
-#include <blockflow/worker/detail/process_state.hpp>
+#include <blockflow/core/detail/process_state.hpp>
 
 #include <fmt/format.h>
 

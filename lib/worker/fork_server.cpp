@@ -9,7 +9,7 @@
 #include <blockflow/worker/fork_server.hpp>
 #include <blockflow/worker/detail/fork_server.hpp>
 #include <blockflow/worker/detail/launch_worker.hpp>
-#include <blockflow/worker/detail/process_state.hpp>
+#include <blockflow/core/detail/process_state.hpp>
 
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>

@@ -2,7 +2,7 @@
 // heartbeats, updates), supervision and restarts, its death, and the sockets it talks to.
 #include "worker_site_impl.hpp"
 
-#include <blockflow/worker/detail/process_state.hpp>
+#include <blockflow/core/detail/process_state.hpp>
 
 #include <dlfcn.h>
 

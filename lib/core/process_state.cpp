@@ -1,5 +1,5 @@
-// What /proc says of a supervised child (see process_state.hpp).
-#include <blockflow/worker/detail/process_state.hpp>
+// What /proc says of a process (see process_state.hpp).
+#include <blockflow/core/detail/process_state.hpp>
 
 #include <fmt/format.h>
 

@@ -1,5 +1,6 @@
 #pragma once
-// Internal: what the kernel says of a process (a child the host supervises, the fork server).
+// Internal: what the kernel says of a process (a child the host supervises, the fork server, the
+// sender at the other end of a shm:// link that ended).
 namespace blockflow::detail {
 
 /// Whether process `pid` is on its way out: gone, a zombie, or a process whose exit has begun. The
