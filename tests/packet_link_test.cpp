@@ -1,6 +1,6 @@
 // The zero-copy channels' data link (detail/packet_link.hpp): packets cross whole whatever the
 // number of sending threads, malformed packets are rejected naming the problem, a closed peer is
-// seen, and the listener tells who connected.
+// seen, a receiver out of descriptors says so, and the listener tells who connected.
 #include <blockflow/channel/detail/packet_link.hpp>
 #include <blockflow/channel/detail/runtime_dir.hpp>
 #include <blockflow/channel/detail/tensor_codec.hpp>
@@ -9,8 +9,11 @@
 
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -124,6 +127,39 @@ TEST_CASE("an oversized packet is refused before it is sent; a closed peer is se
   REQUIRE(closed.has_value());
   CHECK(closed->closed);
   CHECK(b->send({"to nobody"}).code() == absl::StatusCode::kUnavailable);
+}
+
+TEST_CASE("a receiver with no descriptor left for what a packet carries says so, naming its limit, and stops reading",
+          "[link]") {
+  auto ends = PacketLink::pair();
+  REQUIRE(ends.ok());
+  auto [a, b] = *ends;
+  const int carried = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  REQUIRE(carried >= 0);
+  auto keep = std::make_shared<int>(0);
+  REQUIRE(a->send({"with a descriptor"}, true, {7}, [&](std::uint64_t key) { return LinkFd{key, carried, keep}; }).ok());
+  ::close(carried);
+  rlimit before{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &before) == 0);
+  std::optional<PacketLink::Received> received;
+  {
+    // No descriptor left: every one below the lowest free one is taken, so a limit there leaves none.
+    const int lowest_free = ::fcntl(0, F_DUPFD_CLOEXEC, 0);
+    REQUIRE(lowest_free >= 0);
+    ::close(lowest_free);
+    rlimit tight = before;
+    tight.rlim_cur = static_cast<rlim_t>(lowest_free);
+    REQUIRE(::setrlimit(RLIMIT_NOFILE, &tight) == 0);
+    received = b->receive(1000);
+    REQUIRE(::setrlimit(RLIMIT_NOFILE, &before) == 0);
+  }
+  REQUIRE(received.has_value());
+  REQUIRE_FALSE(received->frames.ok());
+  const std::string message(received->frames.status().message());
+  CHECK_THAT(message, Contains("did not all arrive"));
+  CHECK_THAT(message, Contains("RLIMIT_NOFILE"));
+  // The receiver stopped reading: the sender's next packet fails.
+  CHECK(a->send({"more"}, false).code() == absl::StatusCode::kUnavailable);
 }
 
 TEST_CASE("the listener names the connecting process; a missing path is named", "[link]") {

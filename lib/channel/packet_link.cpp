@@ -4,8 +4,10 @@
 
 #include <fmt/format.h>
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/uio.h>
@@ -29,6 +31,19 @@ void put_u32(char* at, std::uint32_t v) {
 std::uint32_t get_u32(const unsigned char* at) {
   return static_cast<std::uint32_t>(at[0]) | static_cast<std::uint32_t>(at[1]) << 8 |
          static_cast<std::uint32_t>(at[2]) << 16 | static_cast<std::uint32_t>(at[3]) << 24;
+}
+
+// "N of this process's M descriptors are open" (RLIMIT_NOFILE's soft limit), for an error that
+// may come from running out of them.
+std::string descriptors_in_use() {
+  std::size_t open = 0;
+  if (DIR* dir = ::opendir("/proc/self/fd")) {
+    while (const dirent* entry = ::readdir(dir)) open += entry->d_name[0] != '.';
+    ::closedir(dir);
+  }
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return fmt::format("{} descriptors are open here", open);
+  return fmt::format("{} of this process's {} descriptors (RLIMIT_NOFILE) are open", open, limit.rlim_cur);
 }
 
 std::string table_of(const std::vector<std::string_view>& frames) {
@@ -284,7 +299,10 @@ std::optional<PacketLink::Received> PacketLink::receive(int timeout_ms, absl::Du
       return out;
     }
     if ((message.msg_flags & MSG_CTRUNC) != 0) {  // descriptors lost (too many, or ours ran out)
-      out.frames = absl::InvalidArgumentError(fmt::format("packet whose descriptors did not all arrive (at most {})", kMaxPacketFds));
+      // Each pool a consumer maps holds a descriptor: a process receiving from very many senders
+      // may need a higher limit (docs/security.md).
+      out.frames = absl::InvalidArgumentError(
+          fmt::format("packet whose descriptors did not all arrive (at most {} a packet; {})", kMaxPacketFds, descriptors_in_use()));
       shut_down();  // the peer counts them as carried
       return out;
     }
