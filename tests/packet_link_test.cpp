@@ -38,6 +38,27 @@ std::string error_of(const std::string& packet) {
   return std::string(decoded.status().message());
 }
 
+// While it lives, this process can open no descriptor: every one below the lowest free one is
+// taken, and the soft RLIMIT_NOFILE is set there.
+class NoDescriptorLeft {
+ public:
+  NoDescriptorLeft() {
+    REQUIRE(::getrlimit(RLIMIT_NOFILE, &before_) == 0);
+    const int lowest_free = ::fcntl(0, F_DUPFD_CLOEXEC, 0);
+    REQUIRE(lowest_free >= 0);
+    ::close(lowest_free);
+    rlimit tight = before_;
+    tight.rlim_cur = static_cast<rlim_t>(lowest_free);
+    REQUIRE(::setrlimit(RLIMIT_NOFILE, &tight) == 0);
+  }
+  ~NoDescriptorLeft() { (void)::setrlimit(RLIMIT_NOFILE, &before_); }
+  NoDescriptorLeft(const NoDescriptorLeft&) = delete;
+  NoDescriptorLeft& operator=(const NoDescriptorLeft&) = delete;
+
+ private:
+  rlimit before_{};
+};
+
 }  // namespace
 
 TEST_CASE("a packet's frames survive encoding, empty frames included", "[link]") {
@@ -139,19 +160,10 @@ TEST_CASE("a receiver with no descriptor left for what a packet carries says so,
   auto keep = std::make_shared<int>(0);
   REQUIRE(a->send({"with a descriptor"}, true, {7}, [&](std::uint64_t key) { return LinkFd{key, carried, keep}; }).ok());
   ::close(carried);
-  rlimit before{};
-  REQUIRE(::getrlimit(RLIMIT_NOFILE, &before) == 0);
   std::optional<PacketLink::Received> received;
   {
-    // No descriptor left: every one below the lowest free one is taken, so a limit there leaves none.
-    const int lowest_free = ::fcntl(0, F_DUPFD_CLOEXEC, 0);
-    REQUIRE(lowest_free >= 0);
-    ::close(lowest_free);
-    rlimit tight = before;
-    tight.rlim_cur = static_cast<rlim_t>(lowest_free);
-    REQUIRE(::setrlimit(RLIMIT_NOFILE, &tight) == 0);
+    NoDescriptorLeft none;
     received = b->receive(1000);
-    REQUIRE(::setrlimit(RLIMIT_NOFILE, &before) == 0);
   }
   REQUIRE(received.has_value());
   REQUIRE_FALSE(received->frames.ok());
@@ -160,6 +172,33 @@ TEST_CASE("a receiver with no descriptor left for what a packet carries says so,
   CHECK_THAT(message, Contains("RLIMIT_NOFILE"));
   // The receiver stopped reading: the sender's next packet fails.
   CHECK(a->send({"more"}, false).code() == absl::StatusCode::kUnavailable);
+}
+
+TEST_CASE("a listener with no descriptor left for a connection says why and backs off; it takes it later",
+          "[link]") {
+  auto dir = make_private_dir("linktest");
+  REQUIRE(dir.ok());
+  auto listener = PacketListener::bind(*dir + "/data");
+  REQUIRE(listener.ok());
+  auto client = PacketLink::connect(*dir + "/data");
+  REQUIRE(client.ok());
+  {
+    NoDescriptorLeft none;
+    CHECK_FALSE((*listener)->accept().has_value());
+  }
+  const absl::Status why = (*listener)->error();
+  CHECK(why.code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(why.message()), Contains(*dir + "/data"));
+  CHECK_THAT(std::string(why.message()), Contains("RLIMIT_NOFILE"));
+  // The connection is still pending: polling the listener would not wait, so it is left alone.
+  CHECK((*listener)->poll_fd() == -1);
+  CHECK_FALSE((*listener)->accept().has_value());  // backing off: not tried
+  std::this_thread::sleep_for(std::chrono::nanoseconds(PacketListener::kAcceptBackoffNs));
+  CHECK((*listener)->poll_fd() == (*listener)->fd());
+  auto accepted = (*listener)->accept();
+  REQUIRE(accepted.has_value());
+  CHECK(accepted->peer_pid == ::getpid());
+  CHECK((*listener)->error().ok());
 }
 
 TEST_CASE("the listener names the connecting process; a missing path is named", "[link]") {

@@ -333,8 +333,23 @@ PacketListener::~PacketListener() {
 }
 
 std::optional<PacketListener::Accepted> PacketListener::accept() {
+  if (now_ns() < accept_after_ns_.load(std::memory_order_relaxed)) return std::nullopt;
   const int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-  if (fd < 0) return std::nullopt;
+  if (fd < 0) {
+    const int error = errno;
+    if (error == EMFILE || error == ENFILE || error == ENOBUFS || error == ENOMEM) {
+      accept_after_ns_.store(now_ns() + kAcceptBackoffNs, std::memory_order_relaxed);
+      const std::string why = fmt::format("{}: a connection could not be accepted: {} ({})", path_, std::strerror(error),
+                                          error == ENOBUFS || error == ENOMEM ? "out of memory" : descriptors_in_use());
+      MutexLock lock(&error_mu_);
+      error_ = absl::ResourceExhaustedError(why);
+    }
+    return std::nullopt;  // EAGAIN: none pending; ECONNABORTED and the like: that one is gone
+  }
+  {
+    MutexLock lock(&error_mu_);
+    error_ = absl::OkStatus();
+  }
   Accepted out;
   ucred credentials{};
   socklen_t length = sizeof(credentials);
@@ -344,6 +359,15 @@ std::optional<PacketListener::Accepted> PacketListener::accept() {
   }
   out.link = std::make_shared<PacketLink>(fd);
   return out;
+}
+
+int PacketListener::poll_fd() const {
+  return now_ns() < accept_after_ns_.load(std::memory_order_relaxed) ? -1 : fd_;
+}
+
+absl::Status PacketListener::error() const {
+  MutexLock lock(&error_mu_);
+  return error_;
 }
 
 }  // namespace blockflow::detail

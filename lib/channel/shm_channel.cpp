@@ -416,7 +416,7 @@ class ShmReceiver final : public ProcessChannel {
       const absl::Duration left = deadline - absl::Now();
       if (left <= absl::ZeroDuration()) return std::nullopt;
       if (now_ns() < spin_until) continue;  // packets are streaming: one may follow at once
-      std::vector<pollfd> fds = {{wake_, POLLIN, 0}, {listener_->fd(), POLLIN, 0}};
+      std::vector<pollfd> fds = {{wake_, POLLIN, 0}, {listener_->poll_fd(), POLLIN, 0}};
       for (const auto& s : senders_) {
         if (s.link) fds.push_back({s.link->fd(), POLLIN, 0});
       }
@@ -472,6 +472,9 @@ class ShmReceiver final : public ProcessChannel {
         continue;  // the link closes as `accepted` goes
       }
       senders_.push_back({std::make_shared<ZeroCopyLink>(std::move(accepted->link), ends_), accepted->peer_pid});
+    }
+    if (auto unaccepted = listener_->error(); !unaccepted.ok()) {  // tried again after a back-off
+      noisy_.log(LogLevel::kWarning, fmt::format("{}: a sender waits: {}", uri_, std::string(unaccepted.message())));
     }
     sender_count_.store(senders_.size());
   }

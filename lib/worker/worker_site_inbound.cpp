@@ -70,7 +70,7 @@ void WorkerSite::Impl::receive_from_link() {
                            peer.empty() ? nullptr : &parked_resolver);
   }
   if (packet.kind == Kind::kNothing) {
-    pollfd items[2] = {{listener->fd(), POLLIN, 0}, {current ? current->fd() : -1, POLLIN, 0}};
+    pollfd items[2] = {{listener->poll_fd(), POLLIN, 0}, {current ? current->fd() : -1, POLLIN, 0}};
     if (::poll(items, 2, busy ? 0 : 100) <= 0) return;
     if ((items[0].revents & POLLIN) != 0) accept_link();
     if (!current || items[1].revents == 0) return;
@@ -119,6 +119,9 @@ void WorkerSite::Impl::accept_link() {
     become_ready_locked();
     lock.unlock();
     wake();
+  }
+  if (auto unaccepted = listener->error(); !unaccepted.ok()) {  // tried again after a back-off
+    noisy.log(LogLevel::kWarning, fmt::format("{}: {}", prefix(), std::string(unaccepted.message())));
   }
 }
 

@@ -377,9 +377,12 @@ void WorkerSite::Impl::supervise() {
         declare("lost its data link");
       }
     } else if (state == State::kStarting && now > start_deadline_ns) {
+      // Its data link may be what this process could not take (no descriptor left): said so.
+      const absl::Status unaccepted = listener ? listener->error() : absl::OkStatus();
       declare(joined() ? fmt::format("did not join at {} within {}", control_endpoint,
                                      absl::FormatDuration(options.start_timeout))
-                       : fmt::format("did not start within {}", absl::FormatDuration(options.start_timeout)));
+                       : fmt::format("did not start within {}{}", absl::FormatDuration(options.start_timeout),
+                                     unaccepted.ok() ? "" : fmt::format(" (its data link: {})", std::string(unaccepted.message()))));
     } else if (child == 0 && state == State::kDown && now >= restart_at_ns) {
       if (auto status = spawn_locked(); !status.ok()) {
         lost_cause = fmt::format("{} could not be restarted: {}", prefix(), std::string(status.message()));

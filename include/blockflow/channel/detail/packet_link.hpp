@@ -186,8 +186,15 @@ class PacketListener {
     pid_t peer_pid = 0;  ///< from the kernel (SO_PEERCRED), not from the peer's word
     uid_t peer_uid = static_cast<uid_t>(-1);  ///< likewise; -1 when the kernel did not say
   };
-  /// Accepts a pending connection, if any (never waits).
+  /// Accepts a pending connection, if any (never waits). A connection this process has no
+  /// descriptor (or memory) for stays pending: error() says why, and accept() and poll_fd() leave
+  /// it alone for kAcceptBackoff (a poll on a listener with a connection pending would not wait).
   std::optional<Accepted> accept();
+  /// The descriptor to poll for connections: -1 (ignored by poll) while accept() backs off.
+  [[nodiscard]] int poll_fd() const;
+  /// Why the last connection could not be taken; OK once one is taken. Any thread.
+  [[nodiscard]] absl::Status error() const;
+  static constexpr std::int64_t kAcceptBackoffNs = 100'000'000;
 
   [[nodiscard]] int fd() const { return fd_; }
   [[nodiscard]] const std::string& path() const { return path_; }
@@ -196,6 +203,9 @@ class PacketListener {
   PacketListener(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
   int fd_;
   std::string path_;
+  std::atomic<std::int64_t> accept_after_ns_{0};
+  mutable blockflow::detail::Mutex error_mu_;
+  absl::Status error_ ABSL_GUARDED_BY(error_mu_);
 };
 
 }  // namespace blockflow::detail
