@@ -463,3 +463,43 @@ TEST_CASE("threads -> worker -> threads with full queues (policy block) and one 
   session.shutdown(absl::ZeroDuration());  // a deadlock's submits are blocked: this lets them go
   for (auto& t : clients) t.join();
 }
+
+TEST_CASE("blocks at sites in a row, with full queues (policy block), do not deadlock", "[worker]") {
+  // The worker's results for "y" find y's queue full; y's requests wait for room at y's worker,
+  // which frees room only as its site's receiving thread takes results in: a site's thread may not
+  // wait for room in y's queue. One worker hosting x and y; or two, with paths crossing
+  // (x at wa -> y at wb, and u at wb -> v at wa).
+  const std::string channel = GENERATE(as<std::string>{}, "shm", "zmq");
+  const bool crossing = GENERATE(false, true);
+  WorkerOptions wa = test::test_worker("wa", channel), wb = test::test_worker("wb", channel);
+  wa.max_in_flight = wb.max_in_flight = 2;
+  Session session;
+  BlockDescription x = test::plugin_block("x", "affine", "wa");
+  BlockDescription y = test::plugin_block("y", "slow_identity", crossing ? "wb" : "wa");
+  x.options = y.options = test::queue_of_one();
+  session.add_site(make_worker(wa)).add_block(x).add_block(y).add_path(Path::chain("t", {"x", "y"}));
+  if (crossing) {
+    BlockDescription u = test::plugin_block("u", "affine", "wb");
+    BlockDescription v = test::plugin_block("v", "slow_identity", "wa");
+    u.options = v.options = test::queue_of_one();
+    session.add_site(make_worker(wb)).add_block(u).add_block(v).add_path(Path::chain("t2", {"u", "v"}));
+  }
+  test::require_started(session);
+  constexpr int kThreads = 4, kEach = 40;
+  std::atomic<int> ok{0}, wrong{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kThreads; ++c) {
+    clients.emplace_back([&, c] {
+      for (int i = 0; i < kEach; ++i) {
+        session.submit(crossing && c % 2 == 1 ? "t2" : "t", {at::full({1}, 1.0)}, [&](Result&& r) {
+          (r.ok() && r.output().item<double>() == 4 ? ok : wrong)++;  // 1 x 3 + 1
+        });
+      }
+    });
+  }
+  const bool all = test::eventually([&] { return ok + wrong == kThreads * kEach; }, std::chrono::seconds(60));
+  CHECK(all);
+  CHECK(wrong == 0);
+  session.shutdown(absl::ZeroDuration());  // a deadlock's submits are blocked: this lets them go
+  for (auto& t : clients) t.join();
+}

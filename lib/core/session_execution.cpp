@@ -335,18 +335,14 @@ void SessionCore::hand_over(const PlanNode& target, Envelope&& envelope) {
         try_site_now(*runtime, envelope)) {
       return;
     }
-    struct Counted {  // unless it stays queued (or another does in its place): not to forward
-      std::atomic<std::int64_t>& to_forward;
-      bool stays = false;
-      ~Counted() {
-        if (!stays) to_forward.fetch_sub(1, std::memory_order_acq_rel);
-      }
-    } counted{runtime->to_forward};
-    counted.to_forward.fetch_add(1, std::memory_order_acq_rel);
-    SendOutcome outcome = runtime->inbox->send(std::move(envelope));
-    // None stays when one comes back: this one (refused, closed queue) or the oldest (displaced by it).
-    counted.stays = !outcome.displaced.has_value();
-    return handle_displaced(std::move(outcome), target);
+    runtime->to_forward.fetch_add(1, std::memory_order_acq_rel);
+    if (delivering_for_site && runtime->inbox->full_policy() == FullPolicy::kBlock) {
+      // A site's thread may not wait for room here either: the forwarder makes room only as the
+      // site takes requests, and a site takes them only as its thread takes results in (this
+      // thread, when both blocks run at one site). A full queue hands the request over to a lane.
+      return queue_from_site(*runtime, std::move(envelope), target);
+    }
+    return handle_displaced(send_to_site_block(*runtime, std::move(envelope), absl::InfiniteFuture()), target);
   }
   // Run to completion: on a lane, a block with nothing queued before this request runs next on
   // this same lane, once the current block is done (no queue, no wake-up, warm caches). Not for a
@@ -366,6 +362,21 @@ void SessionCore::hand_over(const PlanNode& target, Envelope&& envelope) {
     return;
   }
   queue_on_lanes(*runtime, std::move(envelope), target);
+}
+
+SendOutcome SessionCore::send_to_site_block(BlockRuntime& runtime, Envelope&& envelope, absl::Time deadline) {
+  const auto uncount = [&runtime] { runtime.to_forward.fetch_sub(1, std::memory_order_acq_rel); };
+  SendOutcome outcome;
+  try {
+    outcome = runtime.inbox->send(std::move(envelope), deadline);
+  } catch (...) {
+    uncount();
+    throw;
+  }
+  // None stays when one comes back refused (a closed queue) or displaced (the oldest, by this one);
+  // one that found no room in time comes back still counted: it waits in the hand-over line.
+  if (outcome.displaced.has_value() && !absl::IsDeadlineExceeded(outcome.status)) uncount();
+  return outcome;
 }
 
 void SessionCore::queue_on_lanes(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target) {

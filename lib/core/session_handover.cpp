@@ -1,6 +1,6 @@
-// A block's hand-over line: how a site's receiving thread queues a request for a block of this
-// process whose queue is full (policy block) without sleeping on it, and without letting the site's
-// later requests for that block overtake it.
+// A block's hand-over line: how a site's receiving thread queues a request for a block whose queue
+// is full (policy block; a block of this process or at a site) without sleeping on it, and without
+// letting the site's later requests for that block overtake it.
 #include <blockflow/core/detail/exception_text.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 
@@ -43,9 +43,10 @@ void SessionCore::queue_from_site(BlockRuntime& runtime, Envelope&& envelope, co
       return;
     }
   }
-  SendOutcome outcome = runtime.inbox->send(std::move(envelope), absl::Now());
+  SendOutcome outcome = runtime.site != nullptr ? send_to_site_block(runtime, std::move(envelope), absl::Now())
+                                                : runtime.inbox->send(std::move(envelope), absl::Now());
   if (!absl::IsDeadlineExceeded(outcome.status)) {
-    lanes_->notify(runtime);
+    if (runtime.site == nullptr) lanes_->notify(runtime);  // a site block's forwarder takes its own
     return handle_displaced(std::move(outcome), target);
   }
   {
@@ -68,6 +69,7 @@ void SessionCore::queue_from_site(BlockRuntime& runtime, Envelope&& envelope, co
       runtime.handover_posted = false;
     }
     for (auto& waiting : line) {
+      if (runtime.site != nullptr) runtime.to_forward.fetch_sub(1, std::memory_order_acq_rel);  // not to forward
       fail_unqueued(runtime, [&](absl::Status why) { fail(waiting.local, std::move(why)); },
                     "could not be handed to a lane", "the request could not be handed to a lane (out of memory)");
     }
@@ -92,7 +94,11 @@ void SessionCore::queue_handed_over(BlockRuntime& runtime) {
     keep = next.local;
     const PlanNode& target = keep->plan->nodes[static_cast<std::size_t>(next.node)];
     try {
-      queue_now(runtime, std::move(next), target);
+      if (runtime.site != nullptr) {  // the forwarder makes room as the site takes requests: waited for
+        handle_displaced(send_to_site_block(runtime, std::move(next), absl::InfiniteFuture()), target);
+      } else {
+        queue_now(runtime, std::move(next), target);
+      }
     } catch (...) {
       // (Out of memory, say.) This request fails; the line goes on, or the site's later requests for
       // the block would wait behind it for good.

@@ -83,8 +83,8 @@ struct BlockRuntime final : LaneWork {
   std::unique_ptr<InProcessChannel> inbox;
   std::thread forwarder;            ///< site blocks only
   /// Site blocks: requests queued for the forwarder and not yet handed to the site by it (queued,
-  /// or held while it waits for room). Only while there are none may a request bypass the queue
-  /// (RemoteSite::try_run()): it would overtake them.
+  /// waiting in the hand-over line, or held while it waits for room). Only while there are none may
+  /// a request bypass the queue (RemoteSite::try_run()): it would overtake them.
   std::atomic<std::int64_t> to_forward{0};
   /// Set when the session stops feeding the block (removed, shut down): a forwarder waiting for
   /// room at its site gives its request up (RemoteSite::run_unless()).
@@ -103,8 +103,9 @@ struct BlockRuntime final : LaneWork {
   /// When each call into the block now in progress began (BlockMetrics::computing_s).
   blockflow::detail::Mutex computing_mu;
   std::vector<std::int64_t> computing_since ABSL_GUARDED_BY(computing_mu);
-  /// Requests a site's thread found no room for (policy block), and those delivered behind them
-  /// while they wait: one posted task at a time queues them, in order, on a lane
+  /// Requests a site's thread found no room for (policy block; a block of this process or at a
+  /// site), and those delivered behind them while they wait: one posted task at a time queues them,
+  /// in order, on a lane
   /// (SessionCore::queue_from_site()), so that a worker's results keep the worker's order.
   blockflow::detail::Mutex handover_mu;
   std::deque<Envelope> handover ABSL_GUARDED_BY(handover_mu);
@@ -223,9 +224,14 @@ class SessionCore {
   // request, with what else waits when the block batches.
   void run_block(BlockRuntime& runtime, std::optional<Envelope> first);
   void queue_on_lanes(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target);
-  // From a site's thread, into a block of this process with policy block: queues the request if
-  // there is room and nothing handed over waits, else hands it over to a lane, behind the others.
+  // From a site's thread, into a block with policy block (of this process, or at a site: counted
+  // in its to_forward by the caller): queues the request if there is room and nothing handed over
+  // waits, else hands it over to a lane, behind the others.
   void queue_from_site(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target);
+  // Into a site block's queue, the request counted in its to_forward by the caller: the forwarder
+  // uncounts what it takes, and what comes back refused or displaced is uncounted here; a request
+  // that finds no room before `deadline` comes back still counted (for the hand-over line).
+  SendOutcome send_to_site_block(BlockRuntime& runtime, Envelope&& envelope, absl::Time deadline);
   // Queues the block's handed-over requests in order until none is left (a posted task).
   void queue_handed_over(BlockRuntime& runtime);
   // Queues now: helping a full queue on a lane (send_from_lane()), waiting for room elsewhere.
