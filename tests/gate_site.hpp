@@ -1,5 +1,6 @@
 #pragma once
-// A RemoteSite for tests of updates: its update() waits at a gate that the test controls.
+// A RemoteSite for tests of updates: its update() waits at a gate that the test controls; the test
+// may also report it lost (lose()).
 
 #include "test_util.hpp"
 
@@ -102,12 +103,30 @@ class GateSite final : public RemoteSite {
     std::lock_guard lock(mu_);
     return loaded_;
   }
+  void on_lost(LostFn lost) override {
+    std::lock_guard lock(mu_);
+    lost_ = std::move(lost);
+  }
+  /// Reports the site lost for good, as a worker that exhausted its restarts does.
+  void lose(const std::string& cause) {
+    LostFn lost;
+    {
+      std::lock_guard lock(mu_);
+      lost = lost_;
+    }
+    if (lost) lost(cause);
+  }
+  bool stopped() {
+    std::lock_guard lock(mu_);
+    return stopped_;
+  }
 
  private:
   const std::string name_;
   std::mutex mu_;
   std::condition_variable cv_;
   CompletionFn done_;
+  LostFn lost_;
   std::function<void()> after_loading_;
   std::size_t loaded_ = 0;
   bool waiting_ = false, cancelled_ = false, stopped_ = false, open_ = false, fail_removals_ = false;

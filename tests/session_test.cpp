@@ -327,3 +327,42 @@ TEST_CASE("an exception thrown by a done callback does not take the worker down"
   session.submit("t", Tensors{at::zeros({1})}, [](Result&&) { throw std::runtime_error("callback bug"); });
   CHECK(session.submit("t", at::zeros({1})).get().output().item<float>() == 1.0f);
 }
+
+namespace {
+
+// A site whose try_run() throws: a request for its block cannot start.
+class ThrowingSite final : public RemoteSite {
+ public:
+  const std::string& name() const override { return name_; }
+  absl::Status start(const std::vector<BlockDescription>&, CompletionFn) override { return absl::OkStatus(); }
+  void run(const std::string&, Envelope&&) override {}
+  bool try_run(const std::string&, Envelope&) override { throw std::runtime_error("site refuses at once"); }
+  void stop() override {}
+  SiteStats stats() const override {
+    SiteStats s;
+    s.name = name_;
+    s.kind = "throwing";
+    return s;
+  }
+
+ private:
+  std::string name_ = "thrower";
+};
+
+}  // namespace
+
+TEST_CASE("a request that throws while it starts resolves with the reason; submit() does not throw", "[session]") {
+  Session session;
+  BlockDescription remote;
+  remote.name = "far";
+  remote.placement = "thrower";
+  session.add_site(std::make_shared<ThrowingSite>()).add_block(remote).add_path(Path::chain("t", {"far"}));
+  test::require_started(session);
+  std::future<Result> pending;
+  REQUIRE_NOTHROW(pending = session.submit("t", at::ones({2})));  // before: it threw, and resolved again at shutdown
+  REQUIRE(pending.wait_for(10s) == std::future_status::ready);
+  const Result r = pending.get();
+  CHECK(r.status.code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(r.status.message()), Contains("task 't'") && Contains("site refuses at once"));
+  CHECK(session.metrics().in_flight == 0);  // before: 1 for good (shutdown waited its whole drain)
+}

@@ -1,6 +1,8 @@
 // Shutdown with a call into a block of this process that does not return: every request resolves,
 // shutdown() and the Session's destructor return, and what the call holds is freed once it returns;
-// a Session destroyed in its own completion callback is shut down and freed all the same.
+// a Session destroyed in its own completion callback is shut down and freed all the same, and so is
+// one shut down or destroyed by its SessionOptions::on_site_lost.
+#include "gate_site.hpp"
 #include "test_util.hpp"
 
 #include <future>
@@ -108,4 +110,37 @@ TEST_CASE("a Session destroyed in its own completion callback is shut down and f
   CHECK(result.get_future().get() == 1.0f);
   CHECK(test::eventually([&] { return block.use_count() == 1; }, std::chrono::seconds(30)));  // freed
   CHECK(log.contains("~Session() on a thread of the session"));
+}
+
+TEST_CASE("SessionOptions::on_site_lost may shut its session down, or destroy it", "[session]") {
+  const bool destroy = GENERATE(false, true);
+  auto site = std::make_shared<test::GateSite>("far");
+  std::promise<void> asked;
+  std::unique_ptr<Session> session;
+  SessionOptions options;
+  options.on_site_lost = [&](const SiteLoss&) -> absl::StatusOr<Deployment> {
+    if (destroy) {
+      session.reset();  // before: joined its own thread from its destructor (std::terminate)
+    } else {
+      session->shutdown();  // before: threw (a thread joining itself), the shutdown left half done
+    }
+    asked.set_value();
+    return absl::UnavailableError("no re-plan: the session is gone");
+  };
+  session = std::make_unique<Session>(options);
+  BlockDescription far;
+  far.name = "f";
+  far.placement = "far";
+  session->add_site(site).add_block(far).add_path(Path::chain("t", {"f"}));
+  test::require_started(*session);
+  REQUIRE(session->submit("t", at::zeros({1})).get().ok());
+  test::LogLines log;
+  site->lose("the test lost it");
+  REQUIRE(asked.get_future().wait_for(30s) == std::future_status::ready);
+  CHECK(test::eventually([&] { return site->stopped(); }, std::chrono::seconds(30)));  // shut down for good
+  if (!destroy) {
+    CHECK(session->submit("t", at::zeros({1})).get().status.code() == absl::StatusCode::kFailedPrecondition);
+    session.reset();  // joins the responder's thread, which has ended
+  }
+  CHECK_FALSE(log.contains("threw"));
 }

@@ -3,6 +3,7 @@
 #include <blockflow/core/detail/loss_responder.hpp>
 
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/exception_text.hpp>
 #include <blockflow/core/detail/log.hpp>
 
 #include <fmt/format.h>
@@ -11,6 +12,9 @@
 #include <exception>
 
 namespace blockflow::detail {
+namespace {
+thread_local const LossResponder* responding = nullptr;  // the responder whose thread this is
+}  // namespace
 
 LossResponder::LossResponder(SiteLostFn replan, ApplyFn apply) : replan_(std::move(replan)), apply_(std::move(apply)) {}
 
@@ -49,8 +53,11 @@ void LossResponder::stop() {
     pending_.clear();
   }
   wake_.notify_one();
+  if (on_own_thread()) return;  // it would join itself: the thread ends once the re-plan returns
   if (thread_.joinable()) thread_.join();
 }
+
+bool LossResponder::on_own_thread() const { return responding == this; }
 
 ReplanStats LossResponder::stats() const {
   std::lock_guard lock(mu_);
@@ -58,6 +65,7 @@ ReplanStats LossResponder::stats() const {
 }
 
 void LossResponder::main() {
+  responding = this;
   std::unique_lock lock(mu_);
   while (true) {
     wake_.wait(lock, [this] { return stopping_ || !pending_.empty(); });
@@ -72,8 +80,8 @@ void LossResponder::main() {
       } else {
         version = apply_(*wanted);
       }
-    } catch (const std::exception& e) {
-      version = absl::InternalError(fmt::format("SessionOptions::on_site_lost threw: {}", e.what()));
+    } catch (...) {
+      version = absl::InternalError(fmt::format("SessionOptions::on_site_lost threw: {}", current_exception_text()));
     }
     const double ms = static_cast<double>(now_ns() - reported_ns) / 1e6;
     if (version.ok()) {

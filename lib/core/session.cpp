@@ -259,8 +259,12 @@ absl::Status SessionCore::start() {
   if (started_.exchange(true)) return absl::FailedPreconditionError("Session::start() called twice");
   start_called_ns_ = now_ns();
   process_start_ns_ = start_called_ns_ - static_cast<std::int64_t>(process_age_seconds() * 1e9);
-  lanes_ = std::make_unique<ComputeLanes>(lane_options());
-  lanes_->start();
+  {
+    auto lanes = std::make_unique<ComputeLanes>(lane_options());
+    lanes->start();
+    blockflow::detail::MutexLock lock(&state_mu_);  // metrics() may look at them from now on
+    lanes_ = std::move(lanes);
+  }
   note_memory_baseline();
   if (auto status = build(); !status.ok()) {
     stopped_ = true;
@@ -462,10 +466,11 @@ void park(std::unique_ptr<detail::SessionCore> core, bool shut_down) {
 }  // namespace
 
 Session::~Session() {
-  if (core_->on_own_thread()) {
+  if (core_->on_own_thread() || core_->on_loss_thread()) {
     // shutdown() here would wait for this very thread: a thread of its own does it once this returns.
-    detail::log(LogLevel::kWarning, "~Session() on a thread of the session (a completion callback or a block): it "
-                                    "is shut down and freed on a thread of its own once that thread is done");
+    detail::log(LogLevel::kWarning, "~Session() on a thread of the session (a completion callback, a block or "
+                                    "SessionOptions::on_site_lost): it is shut down and freed on a thread of its own "
+                                    "once that thread is done");
     park(std::move(core_), /*shut_down=*/false);
     return;
   }

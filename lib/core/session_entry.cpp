@@ -2,6 +2,7 @@
 // max_in_flight_per_task, detail::EntryGate) and how a request starts along its path.
 
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/exception_text.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 
@@ -55,17 +56,39 @@ void SessionCore::submit(const std::string& task, Tensors inputs, std::function<
     return reject_now(task, absl::NotFoundError(fmt::format("unknown task '{}' (known: {})", task, fmt::join(known, ", "))),
                       done);
   }
-  auto state = std::make_shared<RequestState>();
-  state->id = next_id_.fetch_add(1, std::memory_order_relaxed);
-  state->path = it->second->metrics;
-  state->submitted_ns = now_ns();
-  state->done = std::move(done);
-  state->path->submitted.fetch_add(1, std::memory_order_relaxed);
-  {
+  // Until the request is registered, a throw (out of memory) leaves submit() with nothing started;
+  // after, the request resolves through `done` instead (never both).
+  StatePtr state;
+  try {
+    state = std::make_shared<RequestState>();
+    state->id = next_id_.fetch_add(1, std::memory_order_relaxed);
+    state->path = it->second->metrics;
+    state->submitted_ns = now_ns();
+    state->done = std::move(done);  // before it is registered: a shutdown may fail it from then on
     blockflow::detail::MutexLock lock(&live_mu_);
     live_.emplace(state->id, state);
+  } catch (...) {
+    in_flight_.fetch_sub(1, std::memory_order_acq_rel);
+    throw;
   }
-  enter(state, it->second, std::move(inputs));
+  state->path->submitted.fetch_add(1, std::memory_order_relaxed);
+  try {
+    enter(state, it->second, std::move(inputs));
+  } catch (...) {
+    fail_unstarted(state);
+  }
+}
+
+void SessionCore::fail_unstarted(const StatePtr& state) noexcept {
+  try {
+    fail(state, absl::ResourceExhaustedError(
+                    fmt::format("task '{}': the request could not start: {}", state->path->task, current_exception_text())));
+  } catch (...) {
+    try {
+      fail(state, absl::ResourceExhaustedError("the request could not start"));
+    } catch (...) {  // no memory even for that: nothing more can be done here (shutdown fails it)
+    }
+  }
 }
 
 void SessionCore::enter(const StatePtr& state, std::shared_ptr<const PathPlan> plan, Tensors&& inputs) {
@@ -109,7 +132,7 @@ void SessionCore::begin(const StatePtr& state, std::shared_ptr<const PathPlan> p
   // A request that waited at the entry starts now: the wait is its entry hops' entry_wait_ns (wait,
   // in the trace), so the blocks' own wait and overhead do not count it.
   const std::int64_t started = waited ? now_ns() : state->submitted_ns;
-  if (handed_on != nullptr) *handed_on = true;  // from here on its blocks resolve it, should this throw
+  if (handed_on != nullptr) *handed_on = true;  // from here on a block may hold it
   for (std::size_t i = 0; i < plan.entries.size(); ++i) {
     const bool last = i + 1 == plan.entries.size();
     state->hops[static_cast<std::size_t>(plan.entries[i])].entry_wait_ns = started - state->submitted_ns;
@@ -193,13 +216,15 @@ void SessionCore::run_admissions(EntryGate::Waiting&& first) {
     try {
       admit(std::move(next), handed_on);
     } catch (...) {
-      // A completion callback threw (of a request that failed at once). The others still start; this
-      // one fails unless it was already on its way.
+      // (Out of memory, say.) The others still start; this one fails, even if it was on its way: the
+      // throw may have come before any block queued it, and nobody would resolve it then (one that a
+      // block did queue is skipped there, resolved already).
       try {
-        log(LogLevel::kError, fmt::format("task '{}': starting a request that waited at its entry threw", state->path->task));
-        if (!handed_on) fail(state, absl::InternalError(fmt::format("task '{}': starting the request threw", state->path->task)));
+        log(LogLevel::kError, fmt::format("task '{}': starting a request that waited at its entry threw{}",
+                                          state->path->task, handed_on ? " (after it was handed on)" : ""));
       } catch (...) {
       }
+      fail_unstarted(state);
     }
   }
 }

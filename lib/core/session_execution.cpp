@@ -509,38 +509,17 @@ void SessionCore::fail_in_block(BlockRuntime& runtime, const StatePtr& state, st
 
 void SessionCore::resolve(const StatePtr& state, absl::Status status, Tensors outputs) {
   if (state->resolved.exchange(true, std::memory_order_acq_rel)) return;
+  // From here on the request must reach done(), whatever happens: nobody resolves it again.
   Result result;
-  result.trace.request_id = state->id;
-  result.trace.task = state->path->task;
-  result.trace.submitted_ns = state->submitted_ns;
-  result.trace.resolved_ns = now_ns();
   PathRuntime& path = *state->path;
-  if (status.ok()) {
-    // Walk the critical path back from the sink.
-    for (int node = state->plan->sink; node >= 0; node = state->critical_pred[static_cast<std::size_t>(node)]) {
-      HopTiming hop = state->hops[static_cast<std::size_t>(node)];
-      hop.node = state->plan->nodes[static_cast<std::size_t>(node)].name;
-      const auto* block = state->plan->nodes[static_cast<std::size_t>(node)].block;
-      if (block != nullptr) hop.block = block->name();
-      result.trace.hops.push_back(std::move(hop));
-    }
-    std::reverse(result.trace.hops.begin(), result.trace.hops.end());
-    for (auto* first : {&first_result_ns_, &update_first_result_ns_}) {
-      std::int64_t none = 0;
-      if (first->load(std::memory_order_relaxed) == 0) first->compare_exchange_strong(none, result.trace.resolved_ns, std::memory_order_relaxed);
-    }
-    // The last hop ends when the request resolves: its resolution cost is overhead too.
-    result.trace.hops.back().done_ns = result.trace.resolved_ns;
-    result.outputs = std::move(outputs);
-    path.completed.fetch_add(1, std::memory_order_relaxed);
-    auto ms_to_ns = [](double ms) { return static_cast<std::int64_t>(ms * 1e6); };
-    path.e2e.record(result.trace.resolved_ns - result.trace.submitted_ns);
-    path.wait.record(ms_to_ns(result.trace.wait_ms()));
-    path.compute.record(ms_to_ns(result.trace.compute_ms()));
-    path.overhead.record(ms_to_ns(result.trace.overhead_ms()));
-  } else {
-    path.failed.fetch_add(1, std::memory_order_relaxed);
+  try {
+    trace_result(*state, status.ok(), result);
+  } catch (...) {
+    // Out of memory for its trace (strings, hops): it resolves all the same, with no trace.
+    result.trace = RequestTrace{};
+    result.trace.request_id = state->id;
   }
+  if (status.ok()) result.outputs = std::move(outputs);
   result.status = std::move(status);
   {
     blockflow::detail::MutexLock lock(&live_mu_);
@@ -568,7 +547,40 @@ void SessionCore::resolve(const StatePtr& state, absl::Status status, Tensors ou
   try {
     done(std::move(result));
   } catch (...) {
-    callback_thrown(state->id, state->path->task, current_exception_text());
+    callback_thrown(state->id, path.task, current_exception_text());
+  }
+}
+
+void SessionCore::trace_result(const RequestState& state, bool ok, Result& result) {
+  result.trace.request_id = state.id;
+  result.trace.task = state.path->task;
+  result.trace.submitted_ns = state.submitted_ns;
+  result.trace.resolved_ns = now_ns();
+  PathRuntime& path = *state.path;
+  if (ok) {
+    // Walk the critical path back from the sink.
+    for (int node = state.plan->sink; node >= 0; node = state.critical_pred[static_cast<std::size_t>(node)]) {
+      HopTiming hop = state.hops[static_cast<std::size_t>(node)];
+      hop.node = state.plan->nodes[static_cast<std::size_t>(node)].name;
+      const auto* block = state.plan->nodes[static_cast<std::size_t>(node)].block;
+      if (block != nullptr) hop.block = block->name();
+      result.trace.hops.push_back(std::move(hop));
+    }
+    std::reverse(result.trace.hops.begin(), result.trace.hops.end());
+    for (auto* first : {&first_result_ns_, &update_first_result_ns_}) {
+      std::int64_t none = 0;
+      if (first->load(std::memory_order_relaxed) == 0) first->compare_exchange_strong(none, result.trace.resolved_ns, std::memory_order_relaxed);
+    }
+    // The last hop ends when the request resolves: its resolution cost is overhead too.
+    result.trace.hops.back().done_ns = result.trace.resolved_ns;
+    path.completed.fetch_add(1, std::memory_order_relaxed);
+    auto ms_to_ns = [](double ms) { return static_cast<std::int64_t>(ms * 1e6); };
+    path.e2e.record(result.trace.resolved_ns - result.trace.submitted_ns);
+    path.wait.record(ms_to_ns(result.trace.wait_ms()));
+    path.compute.record(ms_to_ns(result.trace.compute_ms()));
+    path.overhead.record(ms_to_ns(result.trace.overhead_ms()));
+  } else {
+    path.failed.fetch_add(1, std::memory_order_relaxed);
   }
 }
 

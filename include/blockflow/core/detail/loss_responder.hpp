@@ -32,8 +32,11 @@ class LossResponder {
   void report(const std::string& site, const std::string& cause);
   /// A site of that name starts (again): it is no longer listed as lost, and its loss is reported anew.
   void restored(const std::string& site);
-  /// No re-plan starts after this; waits for the one in progress (cancel the apply() first).
+  /// No re-plan starts after this; waits for the one in progress (cancel the apply() first), unless
+  /// called from it (SessionOptions::on_site_lost shutting its session down): it then ends after it.
   void stop();
+  /// Whether the calling thread is the responder's (in SessionOptions::on_site_lost, or its apply()).
+  [[nodiscard]] bool on_own_thread() const;
   [[nodiscard]] ReplanStats stats() const;
 
  private:

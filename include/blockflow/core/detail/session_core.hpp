@@ -168,6 +168,9 @@ class SessionCore {
   /// a completion callback run there), or any thread inside one of its completion callbacks (a
   /// site's receiving thread, say).
   [[nodiscard]] bool on_own_thread() const;
+  /// Whether the calling thread is the one that re-plans after a site loss (SessionOptions::
+  /// on_site_lost): it may shut the session down, not free it (that would join that thread).
+  [[nodiscard]] bool on_loss_thread() const { return losses_->on_own_thread(); }
 
  private:
   using StatePtr = std::shared_ptr<RequestState>;
@@ -305,7 +308,13 @@ class SessionCore {
   void fail(const StatePtr& state, absl::Status status);
   // Counts a failure of `runtime` and fails the request: InternalError "block '<name>': <what>".
   void fail_in_block(BlockRuntime& runtime, const StatePtr& state, std::string_view what);
+  // From a catch handler: fails a request that threw while starting (ResourceExhausted, naming the
+  // task and the exception).
+  void fail_unstarted(const StatePtr& state) noexcept;
+  // Resolves the request once (later calls do nothing): its callback runs, whatever else fails.
   void resolve(const StatePtr& state, absl::Status status, Tensors outputs);
+  // resolve()'s trace of the request (the critical path's hops) and the task's figures.
+  void trace_result(const RequestState& state, bool ok, Result& result);
   // A completion callback threw: logged (rate-limited), never passed on to the resolving thread.
   static void callback_thrown(std::uint64_t id, const std::string& task, std::string_view what);
   void reject_now(const std::string& task, absl::Status status, const std::function<void(Result&&)>& done);
