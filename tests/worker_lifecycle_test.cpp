@@ -6,9 +6,13 @@
 #include <blockflow/channel/detail/runtime_dir.hpp>
 #include <blockflow/channel/wire_format.hpp>
 
+#include <fmt/format.h>
 #include <zmq.hpp>
 
 #include <dirent.h>
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -279,4 +283,40 @@ TEST_CASE("stop() returns only once a report another thread is making is over", 
   caller.join();
   CHECK(stopped.load());
   CHECK_FALSE(reporting.load());
+}
+
+TEST_CASE("a worker inherits no descriptor of the host beyond 0-2, nor the starting thread's blocked signals",
+          "[worker_lifecycle]") {
+  int ends[2];
+  REQUIRE(::pipe(ends) == 0);  // inheritable: no O_CLOEXEC
+  const std::string pipe_name = std::filesystem::read_symlink(fmt::format("/proc/self/fd/{}", ends[1])).string();
+  sigset_t blocked, before;
+  sigemptyset(&blocked);
+  sigaddset(&blocked, SIGUSR2);
+  REQUIRE(::pthread_sigmask(SIG_BLOCK, &blocked, &before) == 0);  // the site's threads inherit it
+  auto site = make_worker(test::test_worker("wfd"));
+  Session session;
+  session.add_site(site).add_block(test::plugin_block("a", "affine", "wfd")).add_path(Path::chain("t", {"a"}));
+  const absl::Status started = session.start();
+  REQUIRE(::pthread_sigmask(SIG_SETMASK, &before, nullptr) == 0);
+  INFO(started.ToString());
+  REQUIRE(started.ok());
+  REQUIRE(session.submit("t", at::ones({1})).get().ok());
+  const auto pid = site->pid();
+  REQUIRE(pid > 0);
+  std::vector<std::string> inherited;
+  for (const auto& entry : std::filesystem::directory_iterator(fmt::format("/proc/{}/fd", pid))) {
+    std::error_code ec;
+    const auto target = std::filesystem::read_symlink(entry.path(), ec);
+    if (!ec && target.string() == pipe_name) inherited.push_back(entry.path().filename().string());
+  }
+  CHECK(inherited.empty());  // before: the pipe's ends, for the worker's whole life
+  std::ifstream status(fmt::format("/proc/{}/status", pid));
+  std::uint64_t sigblk = ~std::uint64_t{0};
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("SigBlk:", 0) == 0) sigblk = std::stoull(line.substr(7), nullptr, 16);
+  }
+  CHECK((sigblk & (std::uint64_t{1} << (SIGUSR2 - 1))) == 0);
+  ::close(ends[0]);
+  ::close(ends[1]);
 }

@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -53,8 +54,23 @@ absl::StatusOr<ChildProcess> ChildProcess::start(const Spec& spec, std::string* 
   argv.push_back(nullptr);
   for (auto& e : env) envp.push_back(e.data());
   envp.push_back(nullptr);
+  // The worker gets standard input, output and error, and nothing else of this process: no
+  // descriptor the application left inheritable (a pipe's end, a listening socket), and none of
+  // ours opened at this moment on another thread without close-on-exec (an ifstream). Nor the
+  // signal mask of the thread starting it (a site's control thread, or whoever called start()).
+  posix_spawn_file_actions_t actions;
+  posix_spawnattr_t attributes;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawnattr_init(&attributes);
+  (void)posix_spawn_file_actions_addclosefrom_np(&actions, 3);
+  sigset_t none;
+  sigemptyset(&none);
+  (void)posix_spawnattr_setsigmask(&attributes, &none);
+  (void)posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETSIGMASK);
   pid_t child = 0;
-  const int rc = ::posix_spawn(&child, spec.executable.c_str(), nullptr, nullptr, argv.data(), envp.data());
+  const int rc = ::posix_spawn(&child, spec.executable.c_str(), &actions, &attributes, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attributes);
   if (rc != 0) return absl::UnavailableError(fmt::format("cannot start '{}': {}", spec.executable, std::strerror(rc)));
   out.pid_ = child;
   // Our unreaped child keeps its pid, but an application that ignores SIGCHLD (or reaps on its
@@ -151,11 +167,32 @@ std::string ChildProcess::stop(std::chrono::milliseconds grace) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   kill();
-  while (true) {
+  // A process in an uninterruptible sleep (a driver's teardown, a read from a dead NFS server)
+  // outlives SIGKILL: it is not waited for beyond kKilledWait, lest its site's stop() and the
+  // session's shutdown() wait with it. A thread of its own reaps a spawned one when it goes (the
+  // fork server reaps those it forked).
+  const auto killed_deadline = std::chrono::steady_clock::now() + kKilledWait;
+  while (std::chrono::steady_clock::now() < killed_deadline) {
     if (auto how = exited()) return *how;
     if (pid_ == 0) return "gone";
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
+  const std::string how = fmt::format("did not exit within {} s of SIGKILL (pid {}; reaped once it does)",
+                                      std::chrono::duration_cast<std::chrono::seconds>(kKilledWait).count(), pid_);
+  if (fork_id_ == 0 && pidfd_ >= 0) {
+    const int pidfd = std::exchange(pidfd_, -1);
+    try {
+      std::thread([pidfd] {
+        siginfo_t info{};
+        (void)::waitid(static_cast<idtype_t>(kPidfdIdType), static_cast<id_t>(pidfd), &info, WEXITED);
+        ::close(pidfd);
+      }).detach();
+    } catch (const std::system_error&) {  // no thread: it stays a zombie once it exits
+      ::close(pidfd);
+    }
+  }
+  reset();
+  return how;
 }
 
 }  // namespace blockflow::detail

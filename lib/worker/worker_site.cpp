@@ -92,6 +92,9 @@ absl::Status WorkerSite::start(const std::vector<BlockDescription>& blocks, Comp
     s.state = Impl::State::kStopped;
     return status;
   }
+  // Read here, on the caller's thread: a restart happens at any time, and reading `environ` then
+  // would race the application's setenv().
+  s.environment = detail::merged_environment(s.options.environment);
   if (s.joined()) {
     if (s.options.listen.rfind("tcp://", 0) != 0) {
       return absl::InvalidArgumentError(

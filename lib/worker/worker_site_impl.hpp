@@ -71,6 +71,9 @@ struct Doorbell {
   }
 };
 
+// The host's environment (read now) with `overrides` ("NAME=VALUE") replacing same-named entries.
+std::vector<std::string> merged_environment(const std::vector<std::string>& overrides);
+
 }  // namespace detail
 
 struct WorkerSite::Impl {
@@ -159,6 +162,7 @@ struct WorkerSite::Impl {
 
   WorkerOptions options;
   bool default_executable = false;  // options.executable is BlockFlow's blockflow-worker, found by the site: forkable
+  std::vector<std::string> environment;  // the worker's: the host's at start() with options.environment over it
   bool fork_refusal_logged = false;  // the control thread's: why the fork server could not take the worker, said once
   detail::ChildProcess process;     // the control thread's: the live worker process (none while joined or down)
   std::vector<BlockDescription> blocks;

@@ -31,7 +31,12 @@ std::string find_worker_executable(bool& ours) {
   return BLOCKFLOW_WORKER_INSTALL_PATH;
 }
 
-// The host's environment with `overrides` ("NAME=VALUE") replacing same-named entries.
+int port_of(const std::string& endpoint) { return std::stoi(endpoint.substr(endpoint.rfind(':') + 1)); }
+
+}  // namespace
+
+namespace detail {
+
 std::vector<std::string> merged_environment(const std::vector<std::string>& overrides) {
   std::vector<std::string> out;
   auto name_of = [](const std::string& entry) { return entry.substr(0, entry.find('=')); };
@@ -45,9 +50,7 @@ std::vector<std::string> merged_environment(const std::vector<std::string>& over
   return out;
 }
 
-int port_of(const std::string& endpoint) { return std::stoi(endpoint.substr(endpoint.rfind(':') + 1)); }
-
-}  // namespace
+}  // namespace detail
 
 WorkerSite::Impl::Impl(WorkerOptions o) : options(std::move(o)) {
   if (options.executable.empty()) {
@@ -66,8 +69,7 @@ absl::Status WorkerSite::Impl::spawn_locked() {
   std::vector<std::string> args = {options.executable,       "--name",    options.name,   "--control",
                                    control_endpoint,         "--requests", request_endpoint, "--results",
                                    result_endpoint,          "--parent",  std::to_string(::getpid())};
-  const detail::ChildProcess::Spec spec{options.executable, std::move(args), merged_environment(options.environment),
-                                        options.fork && default_executable};
+  const detail::ChildProcess::Spec spec{options.executable, std::move(args), environment, options.fork && default_executable};
   std::string not_forked;
   auto started = detail::ChildProcess::start(spec, &not_forked);
   if (!started.ok()) return absl::UnavailableError(fmt::format("{}: {}", prefix(), std::string(started.status().message())));

@@ -50,8 +50,10 @@ class ChildProcess {
   [[nodiscard]] bool exiting() const;
   /// SIGKILL.
   void kill() const;
-  /// Waits up to `grace` for it to exit, then kills it and waits for that; returns how it ended.
+  /// Waits up to `grace` for it to exit, then kills it and waits for that, kKilledWait at most;
+  /// returns how it ended (or that it did not). After it, the object holds no process.
   std::string stop(std::chrono::milliseconds grace);
+  static constexpr std::chrono::seconds kKilledWait{30};
 
  private:
   void reset();
