@@ -22,6 +22,20 @@ struct ThisLane {
 };
 thread_local ThisLane this_lane;
 
+// A unit of block work (a block's own code catches what its requests raise): whatever still
+// escapes it is logged, never allowed to end the lane (the process) or to skip the claim's release.
+template <typename F>
+void guarded(F&& run) noexcept {
+  try {
+    run();
+  } catch (...) {
+    try {
+      detail::log(LogLevel::kError, fmt::format("a block's work on a compute lane raised: {}", current_exception_text()));
+    } catch (...) {
+    }
+  }
+}
+
 }  // namespace
 
 ComputeLanes::ComputeLanes(Options options)
@@ -253,7 +267,7 @@ bool ComputeLanes::run_claimed() {
   LaneWork* work = std::exchange(lane.continuation_work, nullptr);
   lane.inline_continuations.fetch_add(1, std::memory_order_relaxed);
   lane.runs.fetch_add(1, std::memory_order_relaxed);
-  run();  // busy time: counted in the unit it runs inside
+  guarded(run);  // busy time: counted in the unit it runs inside
   release(*work);
   return true;
 }
@@ -339,7 +353,7 @@ void ComputeLanes::run_entry(Lane& lane, Entry&& entry) {
   if (elastic_ && lane.threads == 1) lane.one_thread_runs.fetch_add(1, std::memory_order_relaxed);
   if (entry.work != nullptr) {
     lane.runs.fetch_add(1, std::memory_order_relaxed);
-    entry.work->run_one();
+    guarded([&] { entry.work->run_one(); });
     release(*entry.work);
   } else {
     lane.tasks.fetch_add(1, std::memory_order_relaxed);
@@ -368,7 +382,7 @@ void ComputeLanes::run_entry(Lane& lane, Entry&& entry) {
     if (elastic_ && lane.threads == 1) lane.one_thread_runs.fetch_add(1, std::memory_order_relaxed);
     lane.inline_continuations.fetch_add(1, std::memory_order_relaxed);
     lane.runs.fetch_add(1, std::memory_order_relaxed);
-    run();
+    guarded(run);
     release(*work);
   }
   lane.busy_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);

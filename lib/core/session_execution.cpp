@@ -138,9 +138,10 @@ void SessionCore::process_batch(BlockRuntime& runtime, std::vector<Envelope>&& b
     // Each request of the group is settled (handed on, or failed) in turn: an exception fails the
     // ones not settled yet, never one that has gone on to its next block.
     std::vector<StatePtr> states;
-    for (const auto& envelope : group) states.push_back(envelope.local);
     std::size_t settled = 0;
     try {
+      states.reserve(group.size());  // none of the group has gone on before this holds them all
+      for (const auto& envelope : group) states.push_back(envelope.local);
       if (group.size() == 1 || k.empty()) {
         for (auto& envelope : group) {
           process(runtime, std::move(envelope));
@@ -151,6 +152,9 @@ void SessionCore::process_batch(BlockRuntime& runtime, std::vector<Envelope>&& b
       }
     } catch (...) {  // only the requests not yet handed on fail here (a request resolves once)
       const std::string what = current_exception_text();
+      if (states.size() < group.size()) {  // no room for `states`: nothing of the group started
+        for (const auto& envelope : group) fail_in_block(runtime, envelope.local, what);
+      }
       for (std::size_t i = settled; i < states.size(); ++i) fail_in_block(runtime, states[i], what);
     }
   }
@@ -484,20 +488,30 @@ void SessionCore::run_join(const StatePtr& state, int node, std::vector<Tensors>
 void SessionCore::handle_displaced(SendOutcome&& outcome, const PlanNode& target) {
   if (!outcome.displaced) return;
   StatePtr victim = std::move(outcome.displaced->local);
+  target.block->failed.fetch_add(1, std::memory_order_relaxed);
+  absl::Status why;
+  try {
+    why = displaced_why(outcome.status, target);
+  } catch (...) {  // out of memory for the message: the request fails all the same
+    why = absl::ResourceExhaustedError("a block's input queue refused the request (no memory to say more)");
+  }
+  fail(victim, why);
+}
+
+absl::Status SessionCore::displaced_why(const absl::Status& status, const PlanNode& target) const {
   const std::string& block = target.block->name();
   absl::Status why;
-  if (outcome.status.ok()) {
+  if (status.ok()) {
     why = absl::ResourceExhaustedError(fmt::format("block '{}': dropped from its full input queue (policy drop-oldest)", block));
-  } else if (absl::IsCancelled(outcome.status)) {
+  } else if (absl::IsCancelled(status)) {
     const std::string* removed = target.block->removed_why.load(std::memory_order_acquire);
     why = absl::CancelledError(stopped_.load() ? fmt::format("block '{}': session shut down before the request reached it", block)
                                : removed != nullptr ? fmt::format("block '{}': {}", block, *removed)
                                                     : fmt::format("block '{}': removed by an update before the request reached it", block));
   } else {
-    why = with_prefix(outcome.status, fmt::format("block '{}': input", block));
+    why = with_prefix(status, fmt::format("block '{}': input", block));
   }
-  target.block->failed.fetch_add(1, std::memory_order_relaxed);
-  fail(victim, why);
+  return why;
 }
 
 void SessionCore::fail(const StatePtr& state, absl::Status status) { resolve(state, std::move(status), {}); }

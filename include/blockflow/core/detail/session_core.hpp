@@ -259,7 +259,10 @@ class SessionCore {
   void forward_outputs(const StatePtr& state, int node, Tensors&& outputs, BlockRuntime* runtime);
   void deliver(const StatePtr& state, int node, int slot, Tensors&& tensors, std::int64_t ready_ns);
   void run_join(const StatePtr& state, int node, std::vector<Tensors>&& inputs, std::int64_t ready_ns);
+  // Fails the request a queue gave back (refused, or displaced by drop-oldest), if any.
   void handle_displaced(SendOutcome&& outcome, const PlanNode& target);
+  // Why: the block and the queue's answer.
+  absl::Status displaced_why(const absl::Status& status, const PlanNode& target) const;
   // Queues `envelope` for the target node's block, or hands it to the block's site at once.
   void hand_over(const PlanNode& target, Envelope&& envelope);
   bool try_site_now(BlockRuntime& runtime, Envelope& envelope);
