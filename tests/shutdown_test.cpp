@@ -113,15 +113,24 @@ TEST_CASE("a Session destroyed in its own completion callback is shut down and f
 }
 
 TEST_CASE("SessionOptions::on_site_lost may shut its session down, or destroy it", "[session]") {
-  const bool destroy = GENERATE(false, true);
+  // kBoth: the application shuts the session down while the function does (before: each waited
+  // for the other).
+  enum Mode { kShutdown, kDestroy, kBoth };
+  const Mode mode = GENERATE(kShutdown, kDestroy, kBoth);
   auto site = std::make_shared<test::GateSite>("far");
-  std::promise<void> asked;
+  std::promise<void> asked, in_function;
+  std::atomic<bool> application_shutting{false};
   std::unique_ptr<Session> session;
   SessionOptions options;
   options.on_site_lost = [&](const SiteLoss&) -> absl::StatusOr<Deployment> {
-    if (destroy) {
+    in_function.set_value();
+    if (mode == kDestroy) {
       session.reset();  // before: joined its own thread from its destructor (std::terminate)
     } else {
+      if (mode == kBoth) {
+        while (!application_shutting) std::this_thread::sleep_for(1ms);
+        std::this_thread::sleep_for(50ms);  // the application's shutdown() is under way
+      }
       session->shutdown();  // before: threw (a thread joining itself), the shutdown left half done
     }
     asked.set_value();
@@ -136,9 +145,17 @@ TEST_CASE("SessionOptions::on_site_lost may shut its session down, or destroy it
   REQUIRE(session->submit("t", at::zeros({1})).get().ok());
   test::LogLines log;
   site->lose("the test lost it");
+  if (mode == kBoth) {
+    REQUIRE(in_function.get_future().wait_for(30s) == std::future_status::ready);
+    auto shut = std::async(std::launch::async, [&] {
+      application_shutting = true;
+      session->shutdown();
+    });
+    REQUIRE(shut.wait_for(30s) == std::future_status::ready);
+  }
   REQUIRE(asked.get_future().wait_for(30s) == std::future_status::ready);
   CHECK(test::eventually([&] { return site->stopped(); }, std::chrono::seconds(30)));  // shut down for good
-  if (!destroy) {
+  if (mode != kDestroy) {
     CHECK(session->submit("t", at::zeros({1})).get().status.code() == absl::StatusCode::kFailedPrecondition);
     session.reset();  // joins the responder's thread, which has ended
   }

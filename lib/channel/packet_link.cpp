@@ -36,13 +36,18 @@ std::uint32_t get_u32(const unsigned char* at) {
 // "N of this process's M descriptors are open" (RLIMIT_NOFILE's soft limit), for an error that
 // may come from running out of them.
 std::string descriptors_in_use() {
-  std::size_t open = 0;
-  if (DIR* dir = ::opendir("/proc/self/fd")) {
-    while (const dirent* entry = ::readdir(dir)) open += entry->d_name[0] != '.';
-    ::closedir(dir);
-  }
   rlimit limit{};
-  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return fmt::format("{} descriptors are open here", open);
+  const bool limited = ::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY;
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (dir == nullptr) {  // counting takes a descriptor too
+    return limited ? fmt::format("all of this process's {} descriptors (RLIMIT_NOFILE) are open", limit.rlim_cur)
+                   : std::string("this process can open no descriptor");
+  }
+  std::size_t open = 0;
+  while (const dirent* entry = ::readdir(dir)) open += entry->d_name[0] != '.';
+  ::closedir(dir);
+  --open;  // the directory's own
+  if (!limited) return fmt::format("{} descriptors are open here", open);
   return fmt::format("{} of this process's {} descriptors (RLIMIT_NOFILE) are open", open, limit.rlim_cur);
 }
 
@@ -344,7 +349,11 @@ std::optional<PacketListener::Accepted> PacketListener::accept() {
       MutexLock lock(&error_mu_);
       error_ = absl::ResourceExhaustedError(why);
     }
-    return std::nullopt;  // EAGAIN: none pending; ECONNABORTED and the like: that one is gone
+    if (error == EAGAIN || error == EWOULDBLOCK) {  // none pending: what held one up is over
+      MutexLock lock(&error_mu_);
+      error_ = absl::OkStatus();
+    }
+    return std::nullopt;  // ECONNABORTED and the like: that one is gone
   }
   {
     MutexLock lock(&error_mu_);

@@ -357,12 +357,15 @@ void SessionCore::shutdown(absl::Duration drain) {
         "session stops when shutdown() is called from another thread or it is destroyed");
     return;
   }
-  blockflow::detail::MutexLock serial(&shutdown_mu_);
-  if (shut_down_) return;  // the lanes left in a call are lanes_joined()'s
   stopped_ = true;
   admitting_ = false;
-  cancel_update();                      // an apply() in progress stops at its next step
-  losses_->stop();                      // a re-plan's apply() included; none starts after this
+  cancel_update();  // an apply() in progress stops at its next step, a re-plan's included
+  // No re-plan starts after this, and the one in progress is over (unless this is its thread):
+  // before the lock, as a re-plan may itself call shutdown(). Every shutdown() waits for it, so
+  // the destructor's too: nothing of the responder's outlives the session.
+  losses_->stop();
+  blockflow::detail::MutexLock serial(&shutdown_mu_);
+  if (shut_down_) return;  // the lanes left in a call are lanes_joined()'s
   blockflow::detail::MutexLock update(&update_mu_);  // and is over once this is held
   const absl::Time deadline = absl::Now() + drain;
   while (in_flight_.load(std::memory_order_acquire) > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));

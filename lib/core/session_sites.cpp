@@ -153,7 +153,15 @@ bool SessionCore::try_site_now(BlockRuntime& runtime, Envelope& envelope) {
     runtime.site->in_flight[key] = {state, &runtime};
   }
   envelope.outputs_may_stay = outputs_may_stay(*state->plan, envelope.node);
-  if (runtime.site->site->try_run(runtime.name(), envelope)) {
+  bool taken = false;
+  try {
+    taken = runtime.site->site->try_run(runtime.name(), envelope);
+  } catch (...) {  // the caller fails the request: nothing of it stays listed at the site
+    blockflow::detail::MutexLock lock(&runtime.site->mu);
+    runtime.site->in_flight.erase(key);
+    throw;
+  }
+  if (taken) {
     runtime.handed_directly.fetch_add(1, std::memory_order_relaxed);
     return true;
   }

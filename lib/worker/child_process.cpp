@@ -62,7 +62,9 @@ absl::StatusOr<ChildProcess> ChildProcess::start(const Spec& spec, std::string* 
   posix_spawnattr_t attributes;
   posix_spawn_file_actions_init(&actions);
   posix_spawnattr_init(&attributes);
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 34))
   (void)posix_spawn_file_actions_addclosefrom_np(&actions, 3);
+#endif
   sigset_t none;
   sigemptyset(&none);
   (void)posix_spawnattr_setsigmask(&attributes, &none);

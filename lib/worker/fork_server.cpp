@@ -174,9 +174,9 @@ void as_if_exec() {
     log_worker_crashes();
     rc = launch_worker(static_cast<int>(args.size()), argv.data(), request.at("launcher_dir").get<std::string>());
   } catch (const std::exception& e) {
-    std::cerr << "blockflow-worker: " << e.what() << "\n";
+    std::cerr << blockflow::detail::worker_label() << ": " << e.what() << "\n";
   } catch (...) {
-    std::cerr << "blockflow-worker: unknown exception\n";
+    std::cerr << blockflow::detail::worker_label() << ": unknown exception\n";
   }
   std::fflush(nullptr);
   ::_exit(rc);  // not exit(): the application's atexit handlers and static destructors are not the worker's

@@ -24,6 +24,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -290,11 +291,12 @@ int serve_once(const Args& args, const std::filesystem::path& launcher_dir, int 
 
 // A worker that crashes logs its stack on stderr (the host's log) before it dies of the signal, so
 // that "worker w1 killed by signal 11" comes with a where.
+char crash_header[160] = "blockflow-worker: fatal signal; stack:\n";  // named once the command line is read
+
 void log_crash(int sig) {
   void* frames[64];
   const int n = ::backtrace(frames, 64);
-  static const char header[] = "blockflow-worker: fatal signal; stack:\n";
-  (void)!::write(STDERR_FILENO, header, sizeof(header) - 1);
+  (void)!::write(STDERR_FILENO, crash_header, std::strlen(crash_header));
   ::backtrace_symbols_fd(frames, n, STDERR_FILENO);
   std::signal(sig, SIG_DFL);
   ::raise(sig);
@@ -303,6 +305,11 @@ void log_crash(int sig) {
 }  // namespace
 
 namespace blockflow::detail {
+
+std::string& worker_label() {
+  static std::string label = "blockflow-worker";
+  return label;
+}
 
 void log_worker_crashes() {
   // backtrace() loads libgcc_s on its first call (malloc, dlopen): make that call here, so that the
@@ -317,6 +324,9 @@ int launch_worker(int argc, char** argv, const std::string& launcher_dir) {
   std::error_code ec;
   const fs::path dir = launcher_dir.empty() ? fs::read_symlink("/proc/self/exe", ec).parent_path() : fs::path(launcher_dir);
   Args args = parse(argc, argv);
+  // Workers share their host's stderr: what one prints says which it is.
+  worker_label() = fmt::format("blockflow-worker {} (pid {})", args.name, ::getpid());
+  std::snprintf(crash_header, sizeof(crash_header), "%s: fatal signal; stack:\n", worker_label().c_str());
   if (!args.join) {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // no orphans: die with the host
     if (::getppid() != args.parent) return 1;  // the host died before the line above

@@ -29,6 +29,6 @@ int main(int argc, char** argv) try {
   blockflow::detail::log_worker_crashes();
   return blockflow::detail::launch_worker(argc, argv, "");
 } catch (const std::exception& e) {
-  std::cerr << "blockflow-worker: " << e.what() << "\n";
+  std::cerr << blockflow::detail::worker_label() << ": " << e.what() << "\n";
   return 2;
 }

@@ -92,8 +92,8 @@ absl::Status WorkerSite::start(const std::vector<BlockDescription>& blocks, Comp
     s.state = Impl::State::kStopped;
     return status;
   }
-  // Read here, on the caller's thread: a restart happens at any time, and reading `environ` then
-  // would race the application's setenv().
+  // Read once, as the site starts (within Session::start() or apply()): a restart happens at any
+  // time, and reading `environ` then would race whatever setenv() the application makes later.
   s.environment = detail::merged_environment(s.options.environment);
   if (s.joined()) {
     if (s.options.listen.rfind("tcp://", 0) != 0) {

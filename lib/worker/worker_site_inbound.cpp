@@ -2,8 +2,6 @@
 // delivery to the session, errors, and malformed frames.
 #include "worker_site_impl.hpp"
 
-#include <blockflow/core/detail/process_state.hpp>
-
 namespace blockflow {
 
 absl::StatusOr<at::Tensor> WorkerSite::Impl::make_placeholder(const wire::TensorDesc& desc, std::uint64_t id, at::ScalarType type) {
@@ -83,9 +81,7 @@ void WorkerSite::Impl::receive_from_link() {
       return;
     case Kind::kClosed: {  // the worker is going away; supervision tells how (or kills it)
       std::lock_guard lock(mu);
-      // A worker that died: its pools, for the workers its results were relayed to (on_death() does
-      // it too). Not one that lives on (this end stopped reading: a pool it could not take).
-      if (pid > 0 && detail::process_exiting(pid)) current->peer_died(pid);
+      if (pid > 0) current->peer_died(pid);  // its pools, for the workers its results were relayed to
       if (link == current) {
         link.reset();
         link_lost_ns = detail::now_ns();

@@ -205,8 +205,8 @@ class Session {
   /// the callback, and shutdown() joins the session's threads. A callback running on a lane holds
   /// shutdown() up as a block call does (see there); one running on a worker site's thread (a
   /// request that site failed) is waited for without a limit, as its captures may be the caller's.
-  /// submit() throws only when it cannot even register the request (std::bad_alloc): `done` then
-  /// never runs. Anything thrown later (by a RemoteSite taking the request, say) resolves it instead,
+  /// submit() throws only for an empty `done` (std::invalid_argument) and when it cannot even
+  /// register the request (std::bad_alloc): `done` then never runs. Anything thrown later (by a RemoteSite taking the request, say) resolves it instead,
   /// ResourceExhausted naming the task and the exception.
   void submit(const std::string& task, Tensors inputs, std::function<void(Result&&)> done);
 

@@ -28,7 +28,7 @@ struct WorkerOptions {
   /// `extern "C" void blockflow_register_blocks(blockflow::BlockRegistry&)` (see BlockRegistry).
   std::vector<std::string> plugins;
   /// Extra "NAME=VALUE" environment entries for the worker (they override the inherited ones: the
-  /// host's environment as it is at start(), which restarts use too).
+  /// host's environment as it is when the site starts, which restarts use too).
   /// The default shortens GNU OpenMP's spin-wait: a worker whose block has finished would otherwise
   /// keep its OpenMP threads spinning for a while, taking a core from the next block's worker on a
   /// small machine (measured on 2 cores: the 4-worker ResNet50 pipeline went from 1.48x to 1.22x

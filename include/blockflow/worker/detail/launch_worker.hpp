@@ -7,6 +7,10 @@
 
 namespace blockflow::detail {
 
+/// "blockflow-worker NAME (pid P)" once launch_worker() has read the command line, "blockflow-worker"
+/// before: what the worker's messages on stderr (its host's) begin with.
+std::string& worker_label();
+
 /// Installs the handlers that print a crashing worker's stack on stderr before it dies of the signal.
 void log_worker_crashes();
 
