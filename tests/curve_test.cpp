@@ -6,6 +6,7 @@
 #include <blockflow/serve/client_endpoint.hpp>
 #include <blockflow/serve/control_endpoint.hpp>
 #include <blockflow/channel/curve.hpp>
+#include <blockflow/channel/detail/curve_auth.hpp>
 #include <blockflow/channel/detail/curve_keys.hpp>
 
 #include <fmt/format.h>
@@ -199,4 +200,30 @@ TEST_CASE("control endpoint with CURVE: blockflowctl's keys get answers, a stran
   CHECK((*status)["ok"] == true);
   CHECK_FALSE(ask("").has_value());
   CHECK(test::eventually([&] { return control.auth_failures() >= 1; }));
+}
+
+TEST_CASE("a CURVE socket whose authentication handler has gone refuses every peer, the authorized ones too",
+          "[curve]") {
+  // libzmq admits every CURVE client of a context with no ZAP handler, unless the socket enforces
+  // its ZAP domain: the handler's end (a bug, a thread gone) must not open the door.
+  Keys keys;
+  zmq::context_t context(1);
+  zmq::socket_t server(context, zmq::socket_type::pull);
+  server.set(zmq::sockopt::linger, 0);
+  {
+    auto curve = blockflow::detail::CurveServer::start(context, keys.server(), "test");
+    REQUIRE(curve.ok());
+    (*curve)->secure(server);
+    server.bind("tcp://127.0.0.1:*");
+  }  // the handler stops here; the socket stays
+  const std::string endpoint = server.get(zmq::sockopt::last_endpoint);
+  zmq::socket_t client(context, zmq::socket_type::push);
+  client.set(zmq::sockopt::linger, 0);
+  std::string error;
+  REQUIRE(blockflow::detail::configure_curve_client(client, keys.file("alice.key_secret"), keys.file("server.key"), error));
+  client.connect(endpoint);
+  (void)client.send(zmq::str_buffer("hello"), zmq::send_flags::dontwait);
+  zmq::pollitem_t item{server.handle(), 0, ZMQ_POLLIN, 0};
+  zmq::poll(&item, 1, std::chrono::milliseconds(1500));
+  CHECK((item.revents & ZMQ_POLLIN) == 0);  // before: alice (or anyone) got through
 }
