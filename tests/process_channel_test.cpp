@@ -236,6 +236,20 @@ TEST_CASE("ipc:// and tcp:// carry the serialized wire format", "[process_channe
   }
 }
 
+TEST_CASE("an ipc:// receiver takes no frame above max_frame_bytes: the sender is cut off, its next envelope comes",
+          "[process_channel]") {
+  ProcessChannelOptions small;
+  small.max_frame_bytes = 1024;
+  auto receiver = open_or_fail("ipc://" + unique_name("maxframe"), ChannelRole::kReceiver, small);
+  auto sender = open_or_fail(receiver->uri(), ChannelRole::kSender);
+  REQUIRE(sender->send(envelope_of(1, {at::zeros({4096}, at::kByte)})).status.ok());  // queued: it goes out
+  CHECK_FALSE(receiver->receive(absl::Now() + absl::Seconds(1)).has_value());  // never held here
+  REQUIRE(sender->send(envelope_of(2, {at::ones({16}, at::kByte)})).status.ok());
+  auto e = receiver->receive(absl::Now() + absl::Seconds(10));
+  REQUIRE(e.has_value());
+  CHECK(e->request_id == 2);
+}
+
 TEST_CASE("cuda:// opens only where CUDA can carry tensors between processes: elsewhere both ends are refused, naming the URI",
           "[process_channel]") {
   // No silent fallback to host memory: a build without CUDA, or a machine without a device, refuses

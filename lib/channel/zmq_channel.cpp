@@ -18,8 +18,10 @@
 
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <iterator>
+#include <limits>
 
 namespace blockflow::detail {
 namespace {
@@ -128,6 +130,9 @@ class ZmqReceiver final : public ZmqEnd {
       : ZmqEnd(std::move(uri), ChannelRole::kReceiver, options), socket_(context_, zmq::socket_type::pull) {
     socket_.set(zmq::sockopt::rcvhwm, static_cast<int>(options.capacity));
     socket_.set(zmq::sockopt::linger, 0);
+    socket_.set(zmq::sockopt::maxmsgsize,
+                static_cast<std::int64_t>(std::min<std::uint64_t>(
+                    options.max_frame_bytes, static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))));
   }
   absl::Status bind(const std::string& endpoint) {
     const std::string what = fmt::format("channel receiver '{}'", uri_);

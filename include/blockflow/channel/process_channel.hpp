@@ -62,11 +62,13 @@
 
 #include <blockflow/channel/channel.hpp>
 #include <blockflow/channel/curve.hpp>
+#include <blockflow/channel/wire_format.hpp>
 #include <blockflow/core/remote_site.hpp>
 
 #include <absl/status/statusor.h>
 #include <absl/time/time.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -92,6 +94,11 @@ struct ProcessChannelOptions {
   /// pools. Free slots are the sender's credits: at most this many tensors are in flight.
   std::size_t shm_slots_per_pool = 4;
   std::size_t shm_max_bytes = std::size_t{256} << 20;
+  /// ipc:// and tcp:// receiver: the largest frame (one tensor's bytes, or the header) it takes. A
+  /// sender that sends a larger one is disconnected before the frame is held in memory (libzmq's
+  /// ZMQ_MAXMSGSIZE). The default is the wire format's own bound; a receiver that knows its tensors
+  /// sets it lower, so that no sender can make it buffer more.
+  std::uint64_t max_frame_bytes = wire::kMaxTensorBytes;
   /// tcp:// receiver: CURVE keys and the senders admitted (curve.hpp). A sender with another key,
   /// or none, is refused at its handshake (counted in `blockflow_auth_failures_total`, logged with
   /// the URI and the key's fingerprint) and nothing it sends arrives. Without keys, a bind beyond
