@@ -114,6 +114,41 @@ TEST_CASE("a remote client submits over TCP and gets outputs or the named error"
   CHECK(endpoint.served() == 4);
 }
 
+TEST_CASE("a task whose first block's queue is full holds up no other client (policy block)", "[client]") {
+  // The endpoint's one thread submits for every client: it may not wait for room in "gate"'s queue
+  // (one call in it, one request queued, a third handed to a lane), or "quick" would go unanswered.
+  std::promise<void> open;
+  std::shared_future<void> opened = open.get_future().share();
+  BlockOptions one = test::queue_of_one();
+  one.workers = 1;  // one lane in "gate", one waiting for its room with the third request, one free
+  SessionOptions options;
+  options.lanes = 3;
+  Session session(options);
+  session.add_block(test::unary("gate", [opened](const Tensor& x) {
+           opened.wait();
+           return x;
+         }, one))
+      .add_block(test::unary("quick", [](const Tensor& x) { return x + 1; }))
+      .add_path(Path::chain("slow", {"gate"}))
+      .add_path(Path::chain("fast", {"quick"}));
+  test::require_started(session);
+  ClientEndpoint endpoint(session, "tcp://127.0.0.1:*");
+  std::vector<std::future<absl::StatusOr<Tensors>>> slow;
+  for (int i = 0; i < 3; ++i) {
+    slow.push_back(std::async(std::launch::async, [&] {
+      RemoteClient client(endpoint.endpoint());
+      return client.submit("slow", {at::ones({1})});
+    }));
+  }
+  REQUIRE(test::eventually([&] { return session.metrics().in_flight == 3; }, std::chrono::seconds(30)));
+  RemoteClient other(endpoint.endpoint(), absl::Seconds(20));
+  auto quick = other.submit("fast", {at::ones({1})});
+  INFO(quick.status().ToString());
+  CHECK(quick.ok());  // before: DeadlineExceeded, the endpoint's thread waiting for room in "gate"
+  open.set_value();
+  for (auto& f : slow) CHECK(f.get().ok());
+}
+
 TEST_CASE("a remote client with no endpoint to reach keeps its timeout, however many requests it sent", "[client]") {
   // Nothing listens there: requests queue in the client's socket up to its bound (1000), and each
   // submit() still ends within its timeout, first waiting for a reply, then for the socket.

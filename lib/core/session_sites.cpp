@@ -135,10 +135,7 @@ void SessionCore::on_site_completion(SiteRuntime& site, SiteCompletion&& c) {
   hop.compute_start_ns = start;
   hop.compute_end_ns = end;
   runtime->processed.fetch_add(1, std::memory_order_relaxed);
-  struct Delivering {
-    bool outer = std::exchange(delivering_for_site, true);
-    ~Delivering() { delivering_for_site = outer; }
-  } delivering;
+  NeverWaitHere delivering;
   forward_outputs(state, static_cast<int>(c.node), *std::move(c.outputs), runtime);
 }
 

@@ -1,6 +1,7 @@
 #include <blockflow/serve/client_endpoint.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/never_wait.hpp>
 #include <blockflow/channel/detail/curve_auth.hpp>
 #include <blockflow/channel/detail/curve_keys.hpp>
 #include <blockflow/channel/detail/tensor_codec.hpp>
@@ -171,6 +172,9 @@ struct ClientEndpoint::Impl {
                                                   held)));
     }
     ++held;
+    // This thread serves every client: it never waits for room in the task's first block (a lane
+    // queues the request in order instead), or one busy task would stall every client.
+    detail::NeverWaitHere never_wait;
     // The callback may run after stop() or after this object is gone: it holds the outbox, not `this`.
     session.submit(message->header.target, std::move(message->tensors),
                    [outbox = outbox, peer = std::move(peer), request](Result&& r) mutable {

@@ -48,7 +48,9 @@ struct ClientEndpointOptions {
 /// the client gets an InvalidArgument reply naming the problem. `tcp://` endpoints should name
 /// 127.0.0.1 unless clients on other hosts must reach it (`tcp://*:port` binds every interface).
 /// One thread owns the socket and never blocks on a client: a client that does not read its replies
-/// loses them (ClientEndpointOptions), the others are served. Thread-safe.
+/// loses them (ClientEndpointOptions), the others are served; a request for a task whose first
+/// block's queue is full (policy block) is handed to a compute lane, which queues it in order,
+/// rather than holding that thread (each client has at most max_in_flight_per_client). Thread-safe.
 ///
 /// Lifetime: the endpoint does not own the session, and requests it submitted may still be inside
 /// the session when it stops. Their completion callbacks hold a small shared outbox, never the

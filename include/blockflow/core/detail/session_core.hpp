@@ -12,6 +12,7 @@
 #include <blockflow/core/detail/compute_lanes.hpp>
 #include <blockflow/core/detail/entry_gate.hpp>
 #include <blockflow/core/detail/histogram.hpp>
+#include <blockflow/core/detail/never_wait.hpp>
 #include <blockflow/core/detail/loss_responder.hpp>
 #include <blockflow/core/detail/opaque_layout.hpp>
 #include <blockflow/core/detail/request_state.hpp>
@@ -37,9 +38,6 @@ struct SiteRuntime;
 
 class SessionCore;
 
-/// True while a site's thread hands a result on (SessionCore::on_site_completion()): it never waits
-/// for room in a full queue (a lane takes the request over).
-extern thread_local bool delivering_for_site;
 
 /// A block placed on a GPU this process cannot see is a configuration error (InvalidArgument).
 absl::Status check_device(const Block& block);
