@@ -1,4 +1,5 @@
 #include <blockflow/core/kpi.hpp>
+#include <blockflow/core/detail/process_state.hpp>
 #include <blockflow/core/detail/clock.hpp>
 
 #include <absl/synchronization/mutex.h>
@@ -22,23 +23,8 @@
 
 namespace blockflow {
 
-namespace {
-// The fields of /proc/self/stat after the command name; [0] is field 3 (state).
-std::vector<std::string> self_stat_fields() {
-  std::ifstream stat("/proc/self/stat");
-  std::string line;
-  std::getline(stat, line);
-  std::vector<std::string> f;
-  const auto close = line.rfind(')');  // the command name may hold spaces and parentheses
-  if (close == std::string::npos) return f;
-  std::istringstream fields(line.substr(close + 2));
-  for (std::string x; fields >> x;) f.push_back(x);
-  return f;
-}
-}  // namespace
-
 double process_age_seconds() {
-  const auto f = self_stat_fields();
+  const auto f = detail::stat_fields(0);
   timespec now{};
   if (f.size() <= 19 || ::clock_gettime(CLOCK_BOOTTIME, &now) != 0) return 0;
   const double started = std::stod(f[19]) / static_cast<double>(::sysconf(_SC_CLK_TCK));  // field 22
@@ -62,7 +48,7 @@ ProcessSample sample_process() {
   s.rss_bytes = process_rss_bytes();
   {
     // After the name: state(3) ... utime(14) stime(15) ... num_threads(20); f[0] is field 3.
-    const auto f = self_stat_fields();
+    const auto f = detail::stat_fields(0);
     if (f.size() > 17) {
       const double tick = static_cast<double>(::sysconf(_SC_CLK_TCK));
       s.cpu_seconds = (std::stod(f[11]) + std::stod(f[12])) / tick;

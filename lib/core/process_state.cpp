@@ -11,11 +11,8 @@
 
 namespace blockflow::detail {
 
-namespace {
-
-// Fields 3 (state) on of /proc/PID/stat; empty when the process is gone.
 std::vector<std::string> stat_fields(long pid) {
-  std::ifstream in(fmt::format("/proc/{}/stat", pid));
+  std::ifstream in(pid == 0 ? std::string("/proc/self/stat") : fmt::format("/proc/{}/stat", pid));
   std::string stat;
   std::vector<std::string> rest;
   if (!std::getline(in, stat)) return rest;
@@ -25,8 +22,6 @@ std::vector<std::string> stat_fields(long pid) {
   for (std::string field; fields >> field;) rest.push_back(field);
   return rest;
 }
-
-}  // namespace
 
 bool process_exiting(long pid) {
   const std::vector<std::string> rest = stat_fields(pid);
