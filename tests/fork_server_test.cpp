@@ -10,17 +10,21 @@
 
 #include <fmt/format.h>
 
+#include <fcntl.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <future>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 using namespace blockflow;
 using Catch::Matchers::Contains;
@@ -217,5 +221,51 @@ TEST_CASE("a fork the server answers too late is killed when its answer comes; s
   ::kill(on_time, SIGKILL);
   (void)::waitpid(on_time, &status, 0);
   ::close(first->pidfd);
+  ::close(pair[1]);
+}
+
+TEST_CASE("an answer whose pidfd this process had no descriptor for: the server is asked to kill that worker",
+          "[worker]") {
+  using namespace fork_server_test;
+  int pair[2];
+  REQUIRE(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) == 0);
+  const pid_t worker = spawn_sleeper();
+  REQUIRE(worker > 0);
+  const int worker_pidfd = static_cast<int>(::syscall(SYS_pidfd_open, worker, 0));
+  REQUIRE(worker_pidfd >= 0);
+  // The server's end, played by this thread: it answers the fork with the worker's pidfd, then
+  // takes the next message, which must ask for that worker's death.
+  std::string next(65536, '\0');
+  std::thread server([&] {
+    std::string request(65536, '\0');
+    (void)::recv(pair[1], request.data(), request.size(), 0);
+    // Kept open until the end: closing it here could free a number for the answer's descriptor.
+    (void)blockflow::detail::send_datagram(pair[1], fmt::format(R"({{"pid":{},"id":7}})", worker), worker_pidfd);
+    const ssize_t n = ::recv(pair[1], next.data(), next.size(), 0);
+    next.resize(n > 0 ? static_cast<std::size_t>(n) : 0);
+  });
+  blockflow::detail::ForkServer forks(pair[0], /*server=*/0, {}, std::chrono::milliseconds(20000));
+  // No descriptor number is free here while the answer is read (RLIMIT_NOFILE lowered and filled).
+  rlimit was{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &was) == 0);
+  rlimit low = was;
+  low.rlim_cur = std::min<rlim_t>(was.rlim_cur, 512);
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &low) == 0);
+  std::vector<int> fillers;
+  for (int fd; (fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) fillers.push_back(fd);
+  auto forked = forks.fork_worker({"blockflow-worker"}, {}, "/nonexistent");
+  for (const int fd : fillers) ::close(fd);
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &was) == 0);
+  ::shutdown(pair[0], SHUT_WR);  // a server still waiting (a test gone wrong) stops
+  server.join();
+  REQUIRE_FALSE(forked.ok());
+  CHECK(forked.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(forked.status().message()),
+             Contains(fmt::format("lost the pidfd of worker {}", worker)) && Contains("RLIMIT_NOFILE"));
+  CHECK(next == R"({"kill":7})");
+  ::close(worker_pidfd);
+  ::kill(worker, SIGKILL);
+  int status = 0;
+  (void)::waitpid(worker, &status, 0);
   ::close(pair[1]);
 }

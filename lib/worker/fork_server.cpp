@@ -3,8 +3,10 @@
 //
 // Messages are JSON, one per SOCK_SEQPACKET datagram:
 //   application -> server  {"argv": [...], "environment": [...], "launcher_dir": "..."}
-//   server -> application  {"pid": N} with the worker's pidfd (SCM_RIGHTS), or {"error": "..."};
-//                          {"exited": N, "status": WAIT_STATUS} whenever it has reaped a worker.
+//                          {"kill": ID}: kill the worker of fork ID, not yet reaped (its answer
+//                          came without its pidfd); not answered
+//   server -> application  {"pid": N, "id": ID} with the worker's pidfd (SCM_RIGHTS), or {"error": "..."};
+//                          {"exited": N, "id": ID, "status": WAIT_STATUS} whenever it has reaped a worker.
 #include <blockflow/core/detail/omp_width.hpp>
 #include <blockflow/worker/fork_server.hpp>
 #include <blockflow/worker/detail/fork_server.hpp>
@@ -83,8 +85,10 @@ namespace {
 enum class Received { kMessage, kNone, kClosed };
 
 // Receives one datagram (`flags`: MSG_DONTWAIT or 0); a file descriptor that came with it goes to
-// `fd` (close-on-exec), or is closed when `fd` is null.
-Received receive_message(int socket, int flags, std::string& text, int* fd) {
+// `fd` (close-on-exec), or is closed when `fd` is null. `descriptors_lost` (when not null) tells
+// whether descriptors sent with it were dropped (MSG_CTRUNC: this process had no free descriptor
+// number, RLIMIT_NOFILE).
+Received receive_message(int socket, int flags, std::string& text, int* fd, bool* descriptors_lost = nullptr) {
   text.resize(kMaxMessage);
   iovec iov{text.data(), text.size()};
   msghdr msg{};
@@ -100,6 +104,7 @@ Received receive_message(int socket, int flags, std::string& text, int* fd) {
   if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK ? Received::kNone : Received::kClosed;
   if (n == 0) return Received::kClosed;
   text.resize(static_cast<std::size_t>(n));
+  if (descriptors_lost != nullptr) *descriptors_lost = (msg.msg_flags & MSG_CTRUNC) != 0;
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
     if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
     int received = -1;
@@ -189,9 +194,17 @@ struct Children {
   std::uint64_t forks = 0;
 };
 
-// Forks the worker a request asks for and answers it.
+// Forks the worker a request asks for and answers it; or kills the worker a request names.
 void fork_one(int socket, int signals, const std::string& text, const sigset_t& mask, Children& children) {
   nlohmann::json request = nlohmann::json::parse(text, nullptr, false);
+  if (!request.is_discarded() && request.contains("kill")) {
+    // A child not yet reaped: its pid cannot have gone to another process.
+    const auto id = request["kill"].is_number_unsigned() ? request["kill"].get<std::uint64_t>() : 0;
+    for (const auto& [pid, fork] : children.ids) {
+      if (fork == id) ::kill(pid, SIGKILL);
+    }
+    return;
+  }
   if (request.is_discarded() || !request.contains("argv") || !request.contains("environment") ||
       !request.contains("launcher_dir")) {
     (void)send_datagram(socket, nlohmann::json{{"error", "malformed request"}}.dump(), -1);
@@ -390,9 +403,16 @@ Received take_one(int socket, int timeout_ms, std::map<std::uint64_t, int>& exit
   if (ready <= 0) return Received::kNone;
   std::string text;
   int received_fd = -1;
-  const Received r = receive_message(socket, MSG_DONTWAIT, text, &received_fd);
+  bool descriptors_lost = false;
+  const Received r = receive_message(socket, MSG_DONTWAIT, text, &received_fd, &descriptors_lost);
   if (r != Received::kMessage) return r;
-  const auto m = nlohmann::json::parse(text, nullptr, false);
+  auto m = nlohmann::json::parse(text, nullptr, false);
+  if (!m.is_discarded() && !m.contains("exited") && m.contains("pid") && received_fd < 0) {
+    // A worker this end cannot supervise (no pidfd came: e.g. none was free here) must not live
+    // on: the server, its parent, kills it (by fork number, never by a pid that may be reused).
+    (void)send_datagram(socket, nlohmann::json{{"kill", m.value("id", std::uint64_t{0})}}.dump(), -1);
+    m["descriptors_lost"] = descriptors_lost;
+  }
   if (!m.is_discarded() && m.contains("exited")) {
     exits[m.value("id", std::uint64_t{0})] = m.value("status", 0);
     if (exits.size() > 4096) exits.erase(exits.begin());  // statuses nobody asked for stay bounded
@@ -462,7 +482,16 @@ absl::StatusOr<ForkServer::Forked> ForkServer::fork_worker(const std::vector<std
       (void)::syscall(SYS_pidfd_send_signal, fd, SIGKILL, nullptr, 0);
       ::close(fd);
     }
-    return absl::UnavailableError("the fork server answered without a process");
+    if (out.pid > 0 && reply->value("descriptors_lost", false)) {
+      return absl::ResourceExhaustedError(fmt::format(
+          "the fork server's answer lost the pidfd of worker {} (this process had no free descriptor: "
+          "RLIMIT_NOFILE); the server killed it",
+          out.pid));
+    }
+    return absl::UnavailableError(out.pid > 0 ? fmt::format("the fork server answered without a pidfd for worker {}; "
+                                                            "the server killed it",
+                                                            out.pid)
+                                              : std::string("the fork server answered without a process"));
   }
   return out;
 }
