@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <zmq.hpp>
+#include <zmq_addon.hpp>
 
 #include <future>
 
@@ -122,4 +123,31 @@ TEST_CASE("control: limits on what one request may ask, each refusal naming its 
                Contains("sampling's \"period_ms\" must be a whole number of milliseconds from 1 to 3600000"));
   }
   CHECK(session.metrics().version == 0);
+}
+
+TEST_CASE("control: a message of more frames than a request has is dropped unanswered; the next is answered", "[control]") {
+  Session session;
+  (void)test::start_with_gate(session);
+  ControlEndpoint endpoint(session, "tcp://127.0.0.1:*", ControlOptions{});
+  zmq::context_t context{1};
+  zmq::socket_t dealer{context, zmq::socket_type::dealer};
+  dealer.set(zmq::sockopt::linger, 0);
+  dealer.connect(endpoint.endpoint());
+  // 100 empty routing frames (a few bytes in all, but each held, and each sent back in a reply).
+  for (int i = 0; i < 100; ++i) REQUIRE(dealer.send(zmq::message_t(), zmq::send_flags::sndmore));
+  REQUIRE(dealer.send(zmq::message_t(), zmq::send_flags::sndmore));
+  REQUIRE(dealer.send(zmq::buffer(std::string(R"({"cmd": "too-many-frames"})")), zmq::send_flags::none));
+  REQUIRE(dealer.send(zmq::message_t(), zmq::send_flags::sndmore));
+  REQUIRE(dealer.send(zmq::buffer(std::string(R"({"cmd": "status"})")), zmq::send_flags::none));
+  // The first reply to come is the status's: the other got none.
+  zmq::pollitem_t item{dealer.handle(), 0, ZMQ_POLLIN, 0};
+  REQUIRE(zmq::poll(&item, 1, std::chrono::milliseconds(30000)) == 1);
+  std::vector<zmq::message_t> reply;
+  REQUIRE(zmq::recv_multipart(dealer, std::back_inserter(reply)));
+  REQUIRE(reply.size() == 2);  // the delimiter, the reply
+  CHECK(reply[0].size() == 0);
+  const auto answer = nlohmann::json::parse(reply[1].to_string());
+  CHECK(answer.value("ok", false));
+  CHECK(answer.dump().find("too-many-frames") == std::string::npos);
+  CHECK(endpoint.requests_served() == 1);
 }

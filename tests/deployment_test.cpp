@@ -128,6 +128,11 @@ TEST_CASE("malformed deployments are rejected whole, naming the fault", "[deploy
              Contains("block 'b': unknown full_policy 'panic'"));
   CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "factory": "f", "workers": 0}], "tasks": {}})"),
              Contains("block 'b': workers must be >= 1"));
+  // Within what the process can do: no OpenMP team of a million threads, no deadline past int64.
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "factory": "f", "intra_op_threads": 1000000}], "tasks": {}})"),
+             Contains("block 'b': intra_op_threads must be from 0 to 1024"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "factory": "f", "max_batch": 8, "max_batch_delay_ms": 1e300}], "tasks": {}})"),
+             Contains("block 'b': max_batch_delay_ms must be from 0 to 60000"));
   CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "torchscript": "x.pt", "freeze": false, "optimize_for_inference": true}],
                        "tasks": {}})"),
              Contains("block 'b': optimize_for_inference needs \"freeze\": true"));
@@ -204,6 +209,14 @@ TEST_CASE("names of blocks, tasks and placements follow one rule: never a path, 
   CHECK_THAT(error_of(R"({"blocks": [{"name": ")" + std::string(65, 'x') + R"(", "factory": "f"}], "tasks": {}})"),
              Contains("is too long"));
   CHECK(check_name("worker", "w-1.gpu_0").ok());
+  // The session's own process goes by "threads" and "host" in metrics: no worker takes them.
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "a", "factory": "f", "placement": "host"}], "tasks": {"t": ["a"]}})"),
+             Contains("block 'a': placement name 'host' is reserved"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "a", "factory": "f", "placement": "threads"}], "tasks": {"t": ["a"]}})"),
+             Contains("placement name 'threads' is reserved"));
+  WorkerOptions host;
+  host.name = "host";
+  CHECK_THROWS_WITH(WorkerSite(host), Contains("worker name 'host' is reserved"));
   WorkerOptions slash;
   slash.name = "w/1";
   CHECK_THROWS_WITH(WorkerSite(slash), Contains("worker name 'w/1'"));

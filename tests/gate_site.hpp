@@ -17,9 +17,25 @@
 
 namespace blockflow::test {
 
+// A test site's run(): reports the request's first tensor plus 1 to `site_done` (read under `mu`;
+// none: dropped).
+inline void report_plus_one(std::mutex& mu, const RemoteSite::CompletionFn& site_done, Envelope&& envelope) {
+  RemoteSite::CompletionFn done;
+  {
+    std::lock_guard lock(mu);
+    done = site_done;
+  }
+  if (!done) return;
+  SiteCompletion c;
+  c.request_id = envelope.request_id;
+  c.node = envelope.node;
+  c.outputs = Tensors{envelope.tensors.at(0) + 1};
+  done(std::move(c));
+}
+
 // A site whose update() that adds blocks waits for its gate: until cancel_update(), stop() or
 // open(). Removals answer at once (or fail, with fail_removals). Its blocks add 1.
-class GateSite final : public RemoteSite {
+class GateSite : public RemoteSite {
  public:
   explicit GateSite(std::string name) : name_(std::move(name)) {}
   const std::string& name() const override { return name_; }
@@ -30,17 +46,7 @@ class GateSite final : public RemoteSite {
     return absl::OkStatus();
   }
   void run(const std::string&, Envelope&& envelope) override {
-    CompletionFn done;
-    {
-      std::lock_guard lock(mu_);
-      done = done_;
-    }
-    if (!done) return;
-    SiteCompletion c;
-    c.request_id = envelope.request_id;
-    c.node = envelope.node;
-    c.outputs = Tensors{envelope.tensors.at(0) + 1};
-    done(std::move(c));
+    test::report_plus_one(mu_, done_, std::move(envelope));
   }
   void stop() override {
     std::lock_guard lock(mu_);

@@ -395,3 +395,42 @@ TEST_CASE("a slow metrics client holds no scrape back; it is closed at its deadl
   ::close(slow);
   CHECK(server.requests_served() == 1);
 }
+
+TEST_CASE("64 idle metrics clients keep no scraper out: the one waiting longest for its request makes room", "[kpi]") {
+  Session session;
+  busy_session(session);
+  MetricsHttpServer server(session, "127.0.0.1:0");
+  std::vector<int> idle;
+  for (int i = 0; i < 64; ++i) idle.push_back(connect_to(server.port()));
+  // Each accepted in turn (a byte answered by nothing shows it is open at the server).
+  const std::string scraped = http_get(server.port(), "/metrics");
+  CHECK_THAT(scraped, StartsWith("HTTP/1.1 200 OK\r\n"));
+  // The first idle one was closed for it; the last one is still open (their 2 s are not up).
+  pollfd first{idle.front(), POLLIN, 0};
+  REQUIRE(::poll(&first, 1, 30000) == 1);
+  char byte = 0;
+  CHECK(::recv(idle.front(), &byte, 1, 0) == 0);
+  CHECK(::recv(idle.back(), &byte, 1, MSG_DONTWAIT) == -1);
+  CHECK(errno == EAGAIN);
+  for (const int fd : idle) ::close(fd);
+  CHECK(server.requests_served() == 1);
+}
+
+TEST_CASE("names that are not UTF-8 (C++ API) reach metrics as U+FFFD: the JSON is served, Prometheus text is valid",
+          "[kpi]") {
+  Session session;
+  session.add_block(test::unary("caf\xe9", [](const Tensor& x) { return x + 1; }))
+      .add_path(Path::chain("t\xff", {"caf\xe9"}));
+  test::require_started(session);
+  REQUIRE(session.submit("t\xff", at::ones({2})).get().ok());
+  MetricsHttpServer server(session, "127.0.0.1:0");
+  const std::string json = http_get(server.port(), "/metrics.json");
+  REQUIRE_THAT(json, StartsWith("HTTP/1.1 200 OK\r\n"));
+  auto back = MetricsSnapshot::from_json(json.substr(json.find("\r\n\r\n") + 4));
+  REQUIRE(back.ok());
+  REQUIRE(back->blocks.size() == 1);
+  CHECK(back->blocks[0].name == "caf\xEF\xBF\xBD");
+  const std::string prom = http_get(server.port(), "/metrics");
+  CHECK_THAT(prom, Contains("blockflow_path_completed_total{path=\"t\xEF\xBF\xBD\"} 1\n"));
+  CHECK(prom.find("\xe9\"") == std::string::npos);
+}

@@ -2,6 +2,7 @@
 #include "test_util.hpp"
 
 #include <blockflow/core/detail/histogram.hpp>
+#include <blockflow/core/detail/utf8_text.hpp>
 
 #include <nlohmann/json.hpp>
 
@@ -168,4 +169,35 @@ TEST_CASE("histogram percentiles are within 2% of the exact values", "[metrics]"
   CHECK(s.max_ms == Approx(1.0));
   CHECK(s.mean_ms == Approx(0.5005));
   CHECK(blockflow::detail::Histogram().stats().count == 0);
+}
+
+TEST_CASE("UTF-8 as written out: well-formed sequences kept, every other byte U+FFFD", "[metrics]") {
+  using blockflow::detail::utf8_or_replaced;
+  const std::string r = "\xEF\xBF\xBD";
+  CHECK(utf8_or_replaced("plain-name_1.x") == "plain-name_1.x");
+  CHECK(utf8_or_replaced("caf\xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80") == "caf\xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80");
+  CHECK(utf8_or_replaced("caf\xE9") == "caf" + r);                 // Latin-1
+  CHECK(utf8_or_replaced("\xC0\xAF") == r + r);                     // overlong '/'
+  CHECK(utf8_or_replaced("\xED\xA0\x80") == r + r + r);             // a surrogate
+  CHECK(utf8_or_replaced("\xF4\x90\x80\x80") == r + r + r + r);     // past U+10FFFF
+  CHECK(utf8_or_replaced("\xE2\x82") == r + r);                     // cut short
+  CHECK(blockflow::detail::dump_json(nlohmann::json("a\xFF")) == "\"a" + r + "\"");
+}
+
+TEST_CASE("blockflow_worker_up: a worker's process running; a joined worker or another site: not lost", "[metrics]") {
+  MetricsSnapshot snapshot;
+  SiteStats spawned, joined, gone;
+  spawned.name = "w1";
+  spawned.kind = "worker";
+  spawned.pid = 0;  // down, between restarts
+  joined.name = "w2";
+  joined.kind = "joined-worker";
+  gone.name = "w3";
+  gone.kind = "joined-worker";
+  gone.lost = true;
+  snapshot.sites = {spawned, joined, gone};
+  const std::string text = snapshot.to_prometheus();
+  CHECK_THAT(text, Contains("blockflow_worker_up{worker=\"w1\",kind=\"worker\"} 0\n"));
+  CHECK_THAT(text, Contains("blockflow_worker_up{worker=\"w2\",kind=\"joined-worker\"} 1\n"));
+  CHECK_THAT(text, Contains("blockflow_worker_up{worker=\"w3\",kind=\"joined-worker\"} 0\n"));
 }

@@ -191,6 +191,11 @@ TEST_CASE("inputs that cannot be planned are errors naming the task, block, site
   auto kind = input({block("A", 10)}, {{"t", {"A"}, 1, 10}}, {site("w1")});
   kind.sites[0].kind = "gpu";
   CHECK_THAT(bad(kind), Contains("site 'w1': kind 'gpu'"));
+  // One session runs every "threads" block; a worker's name becomes a placement.
+  CHECK_THAT(bad(input({block("A", 10)}, {{"t", {"A"}, 1, 10}}, {site("a", 1, 0, "threads"), site("b", 1, 0, "threads")})),
+             Contains("site 'b': a second site of kind \"threads\""));
+  CHECK_THAT(bad(input({block("A", 10)}, {{"t", {"A"}, 1, 10}}, {site("host")})), Contains("site name 'host' is reserved"));
+  CHECK(plan(input({block("A", 10)}, {{"t", {"A"}, 1, 10}}, {site("host", 1, 0, "threads")})).ok());
 
   CHECK_THAT(std::string(parse_plan_tasks("{\"tasks\": [{\"name\": \"t\", \"path\": [\"A\"], \"rate_rps\": \"x\", \"slo_ms\": 1}]}",
                                           "tasks.json").status().message()),
@@ -208,6 +213,20 @@ TEST_CASE("inputs that cannot be planned are errors naming the task, block, site
   CHECK_THAT(std::string(parse_plan_sites("{\"sites\": [{\"name\": \"w\", \"kind\": \"worker\", \"lanes\": 3000000000}]}",
                                           "sites.json").status().message()),
              Contains("sites.json: sites[0].lanes: expected a whole number <= 2147483647"));
+  // A misspelled optional field is refused, not left at its default (an unbounded budget here).
+  CHECK_THAT(std::string(parse_plan_sites(R"({"sites": [{"name": "w", "kind": "worker", "lanes": 1, "memory_budjet": 2}]})",
+                                          "sites.json").status().message()),
+             Contains("sites.json: sites[0].memory_budjet: unknown field"));
+  CHECK_THAT(std::string(parse_plan_tasks(R"({"tasks": [{"name": "t", "path": ["A"], "rate_rps": 1, "slo_ms": 1, "slo": 2}]})",
+                                          "tasks.json").status().message()),
+             Contains("tasks.json: tasks[0].slo: unknown field"));
+  // Names a deployment could not carry are refused here, not when the plan's deployment is read.
+  CHECK_THAT(std::string(parse_plan_tasks(R"({"tasks": [{"name": "classify/v2", "path": ["A"], "rate_rps": 1, "slo_ms": 1}]})",
+                                          "tasks.json").status().message()),
+             Contains("tasks.json: tasks[0].name: task name 'classify/v2'"));
+  CHECK_THAT(std::string(parse_plan_sites(R"({"sites": [{"name": "gpu box", "kind": "worker", "lanes": 1}]})",
+                                          "sites.json").status().message()),
+             Contains("sites.json: sites[0].name: site name 'gpu box'"));
 }
 
 TEST_CASE("blockflow-plan reads the three files and writes the deployment and the report", "[planner]") {

@@ -109,6 +109,20 @@ TEST_CASE("batch sizes given out of order or twice are profiled in increasing or
   auto back = Profile::parse(doc.to_json());
   INFO(back.status());
   CHECK(back.ok());
+  // What a deployment could not take, or a field this build does not know, is refused at parse.
+  auto refused = [&](const std::string& from, const std::string& to) {
+    std::string text = doc.to_json(-1);
+    const auto at = text.find(from);
+    REQUIRE(at != std::string::npos);
+    text.replace(at, from.size(), to);
+    return std::string(Profile::parse(text, "p.json").status().message());
+  };
+  CHECK_THAT(refused("\"batch\":2", "\"batch\":8192"), Contains("p.json: blocks[0].latency[1].batch: expected a batch size from 1 to 4096"));
+  CHECK_THAT(refused("\"name\":\"sleepy\"", "\"name\":\"sl eepy\""), Contains("p.json: blocks[0].name: block name 'sl eepy'"));
+  CHECK_THAT(refused("\"load_ms\"", "\"lod_ms\":1,\"load_ms\""), Contains("p.json: blocks[0].lod_ms: unknown field"));
+  CHECK_THAT(refused("\"channels\":[]", "\"channels\":[{\"kind\":\"shm\",\"fixed_us\":1,\"us_per_mb\":1},"
+                                         "{\"kind\":\"shm\",\"fixed_us\":2,\"us_per_mb\":1}]"),
+             Contains("p.json: channels[1].kind: 'shm' appears twice"));
 }
 
 TEST_CASE("a rate-sweep step that grows under the service rate runs again: one disturbance does not set the rate",

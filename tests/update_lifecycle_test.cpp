@@ -15,6 +15,7 @@
 #include <fstream>
 #include <future>
 #include <mutex>
+#include <system_error>
 
 using namespace blockflow;
 using Catch::Matchers::Contains;
@@ -449,4 +450,134 @@ TEST_CASE("the library's warnings reach the application's log sink; a level filt
   set_log_sink(nullptr);
   blockflow::detail::log(LogLevel::kWarning, "to stderr");  // the default sink again
   CHECK(count_containing("to stderr") == 0);
+}
+
+namespace {
+
+// A site made by the site factory: its start() throws (as a WorkerSite does with no thread left),
+// or it runs its blocks (x + 1) with a memory budget it loads on demand within.
+class MadeSite final : public test::GateSite {
+ public:
+  MadeSite(std::string name, bool throws, std::int64_t budget) : GateSite(std::move(name)), throws_(throws), budget_(budget) {}
+  absl::Status start(const std::vector<BlockDescription>& blocks, CompletionFn done) override {
+    if (throws_) throw std::system_error(EAGAIN, std::generic_category(), "no thread");
+    return GateSite::start(blocks, std::move(done));
+  }
+  std::int64_t memory_budget() const override { return budget_; }
+  bool loads_on_demand() const override { return budget_ > 0; }
+
+ private:
+  const bool throws_;
+  const std::int64_t budget_;
+};
+
+}  // namespace
+
+TEST_CASE("a site that throws as an update starts it fails that update, named; with two new sites (threads) too",
+          "[update_lifecycle]") {
+  Session session;
+  (void)test::start_with_gate(session);
+  session.set_site_factory([](const std::string& name) -> std::shared_ptr<RemoteSite> {
+    return std::make_shared<MadeSite>(name, /*throws=*/name == "w2", 0);
+  });
+  for (const char* text :
+       {R"({"blocks": ["a", {"name": "y", "factory": "upd_add_1", "placement": "w2"}], "tasks": {"t": ["a"], "t3": ["a", "y"]}})",
+        R"({"blocks": ["a", {"name": "x", "factory": "upd_add_1", "placement": "w1"},
+                       {"name": "y", "factory": "upd_add_1", "placement": "w2"}],
+            "tasks": {"t": ["a"], "t2": ["a", "x"], "t3": ["a", "y"]}})"}) {
+    auto version = session.apply(parse(text));
+    REQUIRE_FALSE(version.ok());
+    CHECK_THAT(std::string(version.status().message()), Contains("site 'w2'") && Contains("no thread"));
+    CHECK(session.metrics().version == 0);
+    CHECK(session.submit("t", at::zeros({1})).get().output().item<double>() == 1);
+    CHECK(absl::IsNotFound(session.submit("t2", at::zeros({1})).get().status));
+  }
+  // The session takes the next update as usual.
+  auto next = session.apply(parse(R"({"blocks": ["a", {"name": "x", "factory": "upd_add_1", "placement": "w1"}],
+                                      "tasks": {"t": ["a"], "t2": ["a", "x"]}})"));
+  INFO(next.status().ToString());
+  REQUIRE(next.ok());
+  CHECK(session.submit("t2", at::zeros({1})).get().output().item<double>() == 2);
+}
+
+TEST_CASE("apply() onto a new site that loads on demand: each block must fit its budget alone, not all together",
+          "[update_lifecycle]") {
+  Session session;
+  (void)test::start_with_gate(session);
+  session.set_site_factory([](const std::string& name) -> std::shared_ptr<RemoteSite> {
+    return std::make_shared<MadeSite>(name, false, /*budget=*/200'000'000);
+  });
+  auto version = session.apply(parse(R"({"blocks": ["a",
+      {"name": "x", "factory": "upd_add_1", "placement": "w9", "memory_bytes": 150000000},
+      {"name": "y", "factory": "upd_add_1", "placement": "w9", "memory_bytes": 150000000}],
+      "tasks": {"t": ["a"], "t2": ["a", "x", "y"]}})"));
+  INFO(version.status().ToString());
+  REQUIRE(version.ok());
+  CHECK(session.submit("t2", at::zeros({1})).get().output().item<double>() == 3);
+  // One block past the budget is still refused, naming it.
+  auto over = session.apply(parse(R"({"blocks": ["a", {"name": "z", "factory": "upd_add_1", "placement": "w8",
+      "memory_bytes": 250000000}], "tasks": {"t": ["a"], "t4": ["a", "z"]}})"));
+  REQUIRE_FALSE(over.ok());
+  CHECK_THAT(std::string(over.status().message()), Contains("block 'z'") && Contains("must fit alone"));
+}
+
+TEST_CASE("apply() refuses a Deployment whose blocks vector names one block twice", "[update_lifecycle]") {
+  Session session;
+  (void)test::start_with_gate(session);
+  Deployment twice = parse(R"({"blocks": ["a", {"name": "x", "factory": "upd_add_1"}], "tasks": {"t": ["a"], "t2": ["a", "x"]}})");
+  twice.blocks.push_back(twice.blocks.back());
+  auto version = session.apply(twice);
+  REQUIRE_FALSE(version.ok());
+  CHECK_THAT(std::string(version.status().message()), Contains("block 'x' is listed twice"));
+  CHECK(session.metrics().version == 0);
+}
+
+TEST_CASE("an update draining a block it replaces by name: metrics list the name once (the new block)",
+          "[update_lifecycle]") {
+  static test::Latch* latch = nullptr;
+  test::Latch held;
+  latch = &held;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    BlockRegistry::global().add("upd_held_once", [](const std::string& name, const BlockOptions& o) {
+      return Block::callable(name, [calls = std::make_shared<std::atomic<int>>(0)](Tensors&& in) -> absl::StatusOr<Tensors> {
+        if (calls->fetch_add(1) == 0) {  // only the first call of each block made waits
+          ++latch->entered;
+          latch->wait();
+        }
+        return Tensors{in.at(0) + 1};
+      }, o);
+    });
+  });
+  SessionOptions options;
+  options.lanes = 2;  // the update builds the new "h" on a lane while the old one holds the other
+  Session session(options);
+  session.add_block(test::unary("a", [](const Tensor& x) { return x + 1; }));
+  session.add_path(Path::chain("t", {"a"}));
+  test::require_started(session);
+  const Deployment first = parse(R"({"blocks": ["a", {"name": "h", "factory": "upd_held_once"}], "tasks": {"t": ["a"], "th": ["h"]}})");
+  auto applied = session.apply(first);
+  INFO(applied.status().ToString());
+  REQUIRE(applied.ok());
+  auto inside = session.submit("th", at::zeros({1}));
+  REQUIRE(test::eventually([&] { return held.entered.load() == 1; }, 30s));
+  // "h" changed (max_batch): the new one is published, the old one drains around the held call.
+  const Deployment changed = parse(R"({"blocks": ["a", {"name": "h", "factory": "upd_held_once", "max_batch": 2}],
+                                       "tasks": {"t": ["a"], "th": ["h"]}})");
+  auto update = std::async(std::launch::async, [&] { return session.apply(changed, absl::Seconds(60)); });
+  REQUIRE(test::eventually([&] { return session.metrics().version == 2; }, 30s));
+  const MetricsSnapshot during = session.metrics();
+  held.release();
+  REQUIRE(ready_within(update, 60s));
+  CHECK(update.get().ok());
+  CHECK(inside.get().ok());
+  const auto named_h = std::count_if(during.blocks.begin(), during.blocks.end(), [](const BlockMetrics& b) { return b.name == "h"; });
+  CHECK(named_h == 1);
+  const std::string text = during.to_prometheus();
+  std::size_t series = 0;
+  for (auto at = text.find("blockflow_block_processed_total{block=\"h\""); at != std::string::npos;
+       at = text.find("blockflow_block_processed_total{block=\"h\"", at + 1)) {
+    ++series;
+  }
+  CHECK(series == 1);
 }

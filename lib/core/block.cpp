@@ -33,7 +33,12 @@ class CallableBlock final : public Block {
 }  // namespace
 
 // A batch's room is reserved when a lane takes its first request (session_execution.cpp).
-constexpr int kMaxBatch = 4096;
+constexpr int kMaxBatch = kMaxBatchSize;
+// Bounds that keep a configuration's numbers within what the process can do: an OpenMP team of a
+// million threads aborts it at the first parallel op; a delay past ~9e12 ms overflows the
+// nanosecond deadline it is added to.
+constexpr int kMaxIntraOpThreads = 1024;
+constexpr double kMaxBatchDelayMs = 60'000;
 
 absl::Status validate(const std::string& block, const BlockOptions& o) {
   auto bad = [&](const std::string& what) {
@@ -48,9 +53,13 @@ absl::Status validate(const std::string& block, const BlockOptions& o) {
   }
   if (o.workers < 1) return bad("workers must be >= 1");
   if (o.queue_capacity < 1) return bad("queue_capacity must be >= 1");
-  if (o.intra_op_threads < 0) return bad("intra_op_threads must be >= 0");
+  if (o.intra_op_threads < 0 || o.intra_op_threads > kMaxIntraOpThreads) {
+    return bad(fmt::format("intra_op_threads must be from 0 to {}", kMaxIntraOpThreads));
+  }
   if (o.max_batch < 1 || o.max_batch > kMaxBatch) return bad(fmt::format("max_batch must be from 1 to {}", kMaxBatch));
-  if (!(o.max_batch_delay_ms >= 0)) return bad("max_batch_delay_ms must be >= 0");
+  if (!(o.max_batch_delay_ms >= 0 && o.max_batch_delay_ms <= kMaxBatchDelayMs)) {
+    return bad(fmt::format("max_batch_delay_ms must be from 0 to {}", kMaxBatchDelayMs));
+  }
   if (o.warmup_runs < 0) return bad("warmup_runs must be >= 0");
   for (std::size_t i = 0; i < o.input_shapes.size(); ++i) {
     if (!detail::warm_up_elements(o.input_shapes[i])) {

@@ -27,7 +27,8 @@ void Histogram::record(std::int64_t ns) {
   ns = std::max<std::int64_t>(ns, 0);
   buckets_[static_cast<std::size_t>(bucket_of(ns))].fetch_add(1, std::memory_order_relaxed);
   count_.fetch_add(1, std::memory_order_relaxed);
-  sum_ns_.fetch_add(static_cast<std::uint64_t>(ns), std::memory_order_relaxed);
+  // After the bucket: whoever reads this sum (acquire) then counts this record in the buckets.
+  sum_ns_.fetch_add(static_cast<std::uint64_t>(ns), std::memory_order_release);
   auto seen = max_ns_.load(std::memory_order_relaxed);
   while (static_cast<std::uint64_t>(ns) > seen &&
          !max_ns_.compare_exchange_weak(seen, static_cast<std::uint64_t>(ns), std::memory_order_relaxed)) {
@@ -36,6 +37,9 @@ void Histogram::record(std::int64_t ns) {
 
 LatencyStats Histogram::stats() const {
   LatencyStats out;
+  // The sum first, then the buckets: every record in the sum is in the count, so mean x count is
+  // exactly the sum read, which only grows (a summary's _sum never goes backwards).
+  const auto sum_ns = sum_ns_.load(std::memory_order_acquire);
   std::array<std::uint64_t, kBuckets> counts{};
   std::uint64_t total = 0;
   for (int i = 0; i < kBuckets; ++i) {
@@ -46,8 +50,7 @@ LatencyStats Histogram::stats() const {
   if (total == 0) return out;
   const double max_ms = static_cast<double>(max_ns_.load(std::memory_order_relaxed)) / 1e6;
   out.max_ms = max_ms;
-  out.mean_ms = static_cast<double>(sum_ns_.load(std::memory_order_relaxed)) / 1e6 /
-                static_cast<double>(std::max<std::uint64_t>(count_.load(std::memory_order_relaxed), 1));
+  out.mean_ms = static_cast<double>(sum_ns) / 1e6 / static_cast<double>(total);
   auto percentile = [&](double q) {
     const auto rank = static_cast<std::uint64_t>(std::ceil(q * static_cast<double>(total)));
     std::uint64_t seen = 0;

@@ -1,5 +1,6 @@
 #include <blockflow/core/metrics.hpp>
 #include <blockflow/core/detail/auth_failures.hpp>
+#include <blockflow/core/detail/utf8_text.hpp>
 #include <blockflow/observe/detail/metrics_json.hpp>
 
 #include <fmt/format.h>
@@ -11,7 +12,7 @@ namespace blockflow {
 
 std::string MetricsSnapshot::to_json(int indent) const {
   const nlohmann::json json = *this;
-  return json.dump(indent);
+  return detail::dump_json(json, indent);
 }
 
 absl::StatusOr<MetricsSnapshot> MetricsSnapshot::from_json(const std::string& text) {
@@ -64,7 +65,8 @@ class Exposition {
   }
 
  private:
-  static std::string escape(const std::string& v) {
+  static std::string escape(const std::string& value) {
+    const std::string v = detail::utf8_or_replaced(value);  // Prometheus refuses a whole scrape for one bad label
     std::string out;
     for (char c : v) {
       if (c == '\\' || c == '"') out += '\\';
@@ -299,7 +301,8 @@ std::string MetricsSnapshot::to_prometheus() const {
   add_process(e, "host", host);
   for (const auto& s : sites) {
     const Exposition::Labels l = {{"worker", s.name}, {"kind", s.kind}};
-    e.add("blockflow_worker_up", "gauge", "1 while a worker process is running.", l, s.pid > 0 || s.kind != "worker" ? 1 : 0);
+    e.add("blockflow_worker_up", "gauge", "1 while a worker process is running.", l,
+          (s.kind == "worker" ? s.pid > 0 : !s.lost) ? 1 : 0);  // a joined worker's pid is not ours to see
     e.add("blockflow_worker_lost", "gauge", "1 once a worker is gone for good (it died after its last restart).", l,
           s.lost ? 1 : 0);
     e.add("blockflow_worker_restarts_total", "counter", "Restarts of a worker after it died.", l, static_cast<double>(s.restarts));

@@ -20,4 +20,13 @@ absl::Status check_name(std::string_view what, std::string_view name) {
   return absl::OkStatus();
 }
 
+absl::Status check_site_name(std::string_view what, std::string_view name) {
+  if (auto status = check_name(what, name); !status.ok()) return status;
+  if (name == "threads" || name == "host") {
+    return absl::InvalidArgumentError(fmt::format("{} name '{}' is reserved (the session's own process goes by it in "
+                                                  "metrics)", what, name));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace blockflow

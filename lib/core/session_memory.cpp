@@ -47,9 +47,11 @@ void SessionCore::make_resident_set() {
   if (!on_demand && !options_.serve_while_warming) return;
   std::optional<WeightSwap::Options> swap;
   if (on_demand && options_.swap.enabled) swap = WeightSwap::Options{options_.swap.directory, options_.swap.drop_page_cache};
-  resident_ = std::make_unique<ResidentSet>(on_demand ? options_.memory_budget : std::numeric_limits<std::int64_t>::max() / 4,
-                                            process_rss_bytes, std::move(swap),
-                                            on_demand && options_.memory_measure == SessionOptions::MemoryMeasure::kProcess);
+  auto resident = std::make_unique<ResidentSet>(on_demand ? options_.memory_budget : std::numeric_limits<std::int64_t>::max() / 4,
+                                               process_rss_bytes, std::move(swap),
+                                               on_demand && options_.memory_measure == SessionOptions::MemoryMeasure::kProcess);
+  blockflow::detail::MutexLock lock(&state_mu_);  // metrics() may run from start() on
+  resident_ = std::move(resident);
 }
 
 absl::StatusOr<std::unique_ptr<BlockRuntime>> SessionCore::make_on_demand_runtime(const BlockDescription& description) {
@@ -150,13 +152,14 @@ absl::Status SessionCore::load_on_demand(const std::vector<BlockRuntime*>& runti
 }
 
 absl::Status SessionCore::check_memory(const std::vector<MemoryClaim>& claims,
-                                       const std::function<std::int64_t(const std::string&)>& budget_of) {
+                                       const std::function<std::int64_t(const std::string&)>& budget_of,
+                                       const std::function<bool(const std::string&)>& on_demand_of) {
   std::map<std::string, std::vector<const MemoryClaim*>> by_site;
   for (const auto& c : claims) by_site[c.site.empty() ? kThreads : c.site].push_back(&c);
   for (auto& [site, list] : by_site) {
     const std::int64_t budget = budget_of(site);
     if (budget <= 0) continue;
-    if (loads_on_demand(site)) {  // one at a time must fit
+    if (on_demand_of ? on_demand_of(site) : loads_on_demand(site)) {  // one at a time must fit
       for (const auto* c : list) {
         if (c->bytes <= budget) continue;
         return absl::ResourceExhaustedError(fmt::format(

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 
 namespace blockflow::detail {
 
@@ -25,10 +26,17 @@ MetricsSnapshot SessionCore::metrics() const {
   snapshot.start.time_to_first_result_ms = ms_between(process_start_ns_, first_result_ns_.load(std::memory_order_relaxed));
   snapshot.retired_blocks = retired_.size();
   snapshot.auth_failures = auth_failure_counter().load(std::memory_order_relaxed);
-  snapshot.uptime_s = started_ns_ == 0 ? 0.0 : static_cast<double>(now_ns() - started_ns_) / 1e9;
+  const std::int64_t started_ns = started_ns_.load();
+  snapshot.uptime_s = started_ns == 0 ? 0.0 : static_cast<double>(now_ns() - started_ns) / 1e9;
   snapshot.in_flight = static_cast<std::uint64_t>(std::max<std::int64_t>(in_flight_.load(), 0));
   const double uptime = std::max(snapshot.uptime_s, 1e-9);
+  // An update that replaces a block of the same name keeps the old one in blocks_ until its drain
+  // ends: one entry per name (the later, the one requests reach now), or Prometheus would see two
+  // series with the same labels and drop one.
+  std::map<std::string, const BlockRuntime*> serving;
+  for (const auto& runtime : blocks_) serving[runtime->name()] = runtime.get();
   for (const auto& runtime : blocks_) {
+    if (serving.at(runtime->name()) != runtime.get()) continue;
     BlockMetrics b;
     const BlockOptions& options = runtime->description.options;
     b.name = runtime->name();
@@ -59,7 +67,7 @@ MetricsSnapshot SessionCore::metrics() const {
       b.loads = r.loads;
       b.evictions = r.evictions;
       if (r.cuda_graph) b.cuda_graph = *r.cuda_graph;  // the loaded block's, not the on-demand stand-in's
-      b.last_use_s = r.last_use_ns > started_ns_ && started_ns_ > 0 ? static_cast<double>(r.last_use_ns - started_ns_) / 1e9 : 0.0;
+      b.last_use_s = r.last_use_ns > started_ns && started_ns > 0 ? static_cast<double>(r.last_use_ns - started_ns) / 1e9 : 0.0;
     }
     b.wait = runtime->wait.stats();
     b.compute = runtime->compute.stats();

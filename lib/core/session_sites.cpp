@@ -1,6 +1,7 @@
 // The session's remote sites: starting them, forwarding a block's queue to its site, and what
 // the site reports back.
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/exception_text.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/mutex.hpp>
 #include <blockflow/core/detail/run_in_threads.hpp>
@@ -19,15 +20,22 @@ std::vector<BlockDescription> SessionCore::descriptions_of(const SiteRuntime& si
 }
 
 absl::Status SessionCore::start_site(SiteRuntime& site) {
-  // A site of a lost one's name (an update brought it back) is not lost: its own loss is reported anew.
-  losses_->restored(site.site->name());
   site.site->on_lost([this, name = site.site->name()](const std::string& cause) { losses_->report(name, cause); });
   // Weakly: a site may still be reporting (a request another site's thread fails) as an update
   // retires it and collect_retired() frees it; such a late completion is then dropped.
-  auto status = site.site->start(descriptions_of(site), [this, weak = site.weak_from_this()](SiteCompletion&& c) {
-    if (auto alive = weak.lock()) on_site_completion(*alive, std::move(c));
-  });
-  if (status.ok()) site.peer_endpoint = site.site->peer_endpoint();
+  absl::Status status;
+  try {  // on a thread of run_in_threads(), an exception would end the process
+    status = site.site->start(descriptions_of(site), [this, weak = site.weak_from_this()](SiteCompletion&& c) {
+      if (auto alive = weak.lock()) on_site_completion(*alive, std::move(c));
+    });
+  } catch (...) {
+    status = absl::InternalError(fmt::format("site '{}': start() threw: {}", site.site->name(), current_exception_text()));
+  }
+  if (!status.ok()) return status;
+  site.peer_endpoint = site.site->peer_endpoint();
+  // A site of a lost one's name (an update brought it back) is not lost once it runs: its own loss
+  // is reported anew.
+  losses_->restored(site.site->name());
   return status;
 }
 

@@ -167,7 +167,12 @@ absl::Status SessionCore::at_site(SiteRuntime& site, bool is_new, const std::fun
     if (cancelled_ && !even_if_cancelled) return absl::CancelledError("cancelled");
     busy_sites_.emplace_back(site.site, is_new);
   }
-  absl::Status status = step();
+  absl::Status status;
+  try {  // a site that throws (no thread for it, a user's RemoteSite) fails the update, which is undone
+    status = step();
+  } catch (...) {
+    status = absl::InternalError(fmt::format("site '{}' threw: {}", site.site->name(), current_exception_text()));
+  }
   blockflow::detail::MutexLock lock(&busy_mu_);
   // A cancel that listed this site may not have reached it yet: it must not land on what comes
   // next there (the undo of this update, or the next update's step).
@@ -183,7 +188,9 @@ absl::Status SessionCore::update_diff(UpdateWork& u) {
   const std::set<std::string> bare(wanted.bare_names.begin(), wanted.bare_names.end());
   std::set<std::string> wanted_names;
   for (const auto& d : wanted.blocks) {
-    wanted_names.insert(d.name);
+    // Deployment::parse() refuses it, but blocks is a public vector: a name twice would build a
+    // block never routed, or retire the one it replaces twice.
+    if (!wanted_names.insert(d.name).second) return u.invalid(fmt::format("block '{}' is listed twice", d.name));
     auto it = block_by_name_.find(d.name);
     if (it != block_by_name_.end()) {
       const BlockRuntime& current = *it->second;
@@ -316,12 +323,22 @@ absl::Status SessionCore::update_load(UpdateWork& u) {
     u.fresh.back()->description = d;
   }
   if (!u.new_sites.empty()) {  // the sites the factory just made have their budgets now
-    auto status = check_memory(memory_claims(u), [&](const std::string& site) -> std::int64_t {
+    auto made_named = [&](const std::string& site) -> const SiteRuntime* {
       for (const auto& made : u.new_sites) {
-        if (made->site->name() == site) return made->site->memory_budget();
+        if (made->site->name() == site) return made.get();
       }
-      return 0;  // checked in update_diff()
-    });
+      return nullptr;  // not new: checked in update_diff()
+    };
+    auto status = check_memory(
+        memory_claims(u),
+        [&](const std::string& site) -> std::int64_t {
+          const SiteRuntime* made = made_named(site);
+          return made != nullptr ? made->site->memory_budget() : 0;
+        },
+        [&](const std::string& site) {  // not published yet: sites_ does not know it
+          const SiteRuntime* made = made_named(site);
+          return made != nullptr && made->site->loads_on_demand();
+        });
     if (!status.ok()) return u.refused(status);
   }
   u.timing.load_ms = ms_since(t_load);  // this process's blocks built; sites and warm-up follow in 4

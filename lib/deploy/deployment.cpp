@@ -226,7 +226,7 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
     }
   }
   if (!d.placement.empty()) {
-    if (auto status = check_name("placement", d.placement); !status.ok()) {
+    if (auto status = check_site_name("placement", d.placement); !status.ok()) {
       return absl::InvalidArgumentError(fmt::format("block '{}': {}", d.name, std::string(status.message())));
     }
   }
@@ -336,7 +336,7 @@ absl::StatusOr<std::vector<SiteSettings>> sites_from_json(const nlohmann::json& 
   std::vector<SiteSettings> out;
   for (const auto& [name, settings] : sites.items()) {
     auto bad = [&](const std::string& what) { return absl::InvalidArgumentError(fmt::format("site '{}': {}", name, what)); };
-    if (auto status = check_name("site", name); !status.ok()) return status;
+    if (auto status = check_site_name("site", name); !status.ok()) return status;
     if (std::find(placements.begin(), placements.end(), name) == placements.end()) {
       return bad("no block is placed in it (settings are for the sites blocks name as their placement)");
     }

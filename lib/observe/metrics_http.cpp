@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cerrno>
@@ -25,7 +26,10 @@ namespace blockflow {
 
 namespace {
 
-constexpr std::size_t kMaxConnections = 64;         // more wait in the listen backlog
+// At most this many at once. A new client is still taken when they are all open: the one that has
+// waited longest for its request head makes room (so idle connections cannot keep a scraper out),
+// unless every one is being answered.
+constexpr std::size_t kMaxConnections = 64;
 constexpr std::size_t kMaxRequestHead = 8192;
 constexpr std::int64_t kDeadlineMs = 2000;          // per connection, whole request; then whole reply
 constexpr std::int64_t kAcceptBackoffMs = 100;      // after accept() found no descriptor free
@@ -52,12 +56,26 @@ struct MetricsHttpServer::Impl {
   int port = 0;
   std::atomic<bool> stopping{false};
   std::atomic<std::uint64_t> served{0};
+  std::atomic<std::uint64_t> evicted{0};  // connections closed before their request came, to make room
   std::thread thread;
 
   explicit Impl(const Session& s) : session(s) {}
 
-  // The reply to a complete request head.
+  // The reply to a complete request head; a 500 when the snapshot cannot be made or written (out
+  // of memory, a name that is not UTF-8): nothing thrown may end this thread, or the process.
   std::string respond(const std::string& request) const {
+    try {
+      return respond_or_throw(request);
+    } catch (const std::exception& e) {
+      const std::string body = fmt::format("the metrics could not be written: {}\n", e.what());
+      return fmt::format("HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n"
+                         "Connection: close\r\n\r\n", body.size()) + body;
+    } catch (...) {
+      return "HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+    }
+  }
+
+  std::string respond_or_throw(const std::string& request) const {
     std::string status = "200 OK", type, body;
     const auto line_end = request.find("\r\n");
     const std::string line = request.substr(0, line_end);
@@ -92,6 +110,7 @@ struct MetricsHttpServer::Impl {
     if (n > 0) c.in.append(buffer, static_cast<std::size_t>(n));
     if (c.in.find("\r\n\r\n") == std::string::npos) return c.in.size() < kMaxRequestHead;
     c.out = respond(c.in);
+    c.in = std::string();
     c.replying = true;
     c.deadline_ms = now_ms() + kDeadlineMs;
     return true;
@@ -116,7 +135,9 @@ struct MetricsHttpServer::Impl {
     std::int64_t accept_after_ms = 0;
     while (!stopping) {
       polled.clear();
-      const bool accepting = open.size() < kMaxConnections && now_ms() >= accept_after_ms;
+      const bool room = open.size() < kMaxConnections ||
+                        std::any_of(open.begin(), open.end(), [](const Connection& c) { return !c.replying; });
+      const bool accepting = room && now_ms() >= accept_after_ms;
       polled.push_back({accepting ? fd : -1, POLLIN, 0});
       for (const auto& c : open) polled.push_back({c.fd, static_cast<short>(c.replying ? POLLOUT : POLLIN), 0});
       (void)::poll(polled.data(), polled.size(), 100);
@@ -139,6 +160,17 @@ struct MetricsHttpServer::Impl {
       if ((polled[0].revents & POLLIN) != 0) {
         const int client = ::accept4(fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (client >= 0) {
+          if (open.size() >= kMaxConnections) {  // the oldest still waiting for its request makes room
+            auto oldest = open.end();
+            for (auto it = open.begin(); it != open.end(); ++it) {
+              if (!it->replying && (oldest == open.end() || it->deadline_ms < oldest->deadline_ms)) oldest = it;
+            }
+            if (oldest != open.end()) {
+              ::close(oldest->fd);
+              open.erase(oldest);
+              ++evicted;
+            }
+          }
           open.push_back({client, {}, {}, 0, now + kDeadlineMs, false});
         } else if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
           accept_after_ms = now + kAcceptBackoffMs;
@@ -168,9 +200,10 @@ MetricsHttpServer::MetricsHttpServer(const Session& session, const std::string& 
   }
   Impl& s = *impl_;
   s.fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s.fd < 0) throw std::runtime_error(fmt::format("metrics endpoint '{}': no socket: {}", address, std::strerror(errno)));
   const int one = 1;
   ::setsockopt(s.fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  if (s.fd < 0 || ::bind(s.fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 || ::listen(s.fd, 16) != 0) {
+  if (::bind(s.fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 || ::listen(s.fd, 16) != 0) {
     const std::string why = std::strerror(errno);
     if (s.fd >= 0) ::close(s.fd);
     throw std::runtime_error(fmt::format("metrics endpoint '{}': cannot bind: {}", address, why));
@@ -178,7 +211,12 @@ MetricsHttpServer::MetricsHttpServer(const Session& session, const std::string& 
   socklen_t length = sizeof sa;
   ::getsockname(s.fd, reinterpret_cast<sockaddr*>(&sa), &length);
   s.port = ntohs(sa.sin_port);
-  s.thread = std::thread([&s] { s.main(); });
+  try {
+    s.thread = std::thread([&s] { s.main(); });
+  } catch (...) {  // no thread (EAGAIN): the listening socket is not left open
+    ::close(s.fd);
+    throw;
+  }
 }
 
 MetricsHttpServer::~MetricsHttpServer() {

@@ -18,7 +18,9 @@
 
 namespace blockflow::detail {
 
-// Reads fields of one JSON object, naming `where` ("blocks[1].latency[0]") in every error.
+// Reads fields of one JSON object, naming `where` ("blocks[1].latency[0]") in every error. It
+// remembers which fields it was asked about, so that unknown_fields() can refuse the rest (a
+// misspelled optional key would otherwise keep its default without a word).
 class JsonReader {
  public:
   JsonReader(const nlohmann::json& object, std::string source, std::string where)
@@ -32,7 +34,7 @@ class JsonReader {
     return absl::InvalidArgumentError(fmt::format("{}: {}{}{}: {}", source_, where_, where_.empty() ? "" : ".", field, problem));
   }
   const nlohmann::json* find(const std::string& field, nlohmann::json::value_t a, nlohmann::json::value_t b, const char* expected, absl::Status& status) const {
-    auto it = object_.find(field);
+    auto it = lookup(field);
     if (it == object_.end()) {
       status = error(field, "missing");
       return nullptr;
@@ -43,7 +45,14 @@ class JsonReader {
     }
     return &*it;
   }
-  [[nodiscard]] bool has(const std::string& field) const { return object_.contains(field); }
+  [[nodiscard]] bool has(const std::string& field) const { return lookup(field) != object_.end(); }
+  // The first field of the object nobody asked about, as an error ("unknown field"); OK when none.
+  absl::Status unknown_fields() const {
+    for (auto it = object_.begin(); it != object_.end(); ++it) {
+      if (std::find(asked_.begin(), asked_.end(), it.key()) == asked_.end()) return error(it.key(), "unknown field");
+    }
+    return absl::OkStatus();
+  }
   absl::Status strings(const std::string& field, std::vector<std::string>& out) const {
     const nlohmann::json* list = nullptr;
     if (auto status = array(field, list); !status.ok()) return status;
@@ -54,7 +63,7 @@ class JsonReader {
     return absl::OkStatus();
   }
   absl::Status number(const std::string& field, double& out) const {
-    auto it = object_.find(field);
+    auto it = lookup(field);
     if (it == object_.end()) return error(field, "missing");
     if (!it->is_number()) return error(field, "expected a number >= 0");
     out = it->get<double>();
@@ -99,12 +108,18 @@ class JsonReader {
   }
 
  private:
+  nlohmann::json::const_iterator lookup(const std::string& field) const {
+    if (std::find(asked_.begin(), asked_.end(), field) == asked_.end()) asked_.push_back(field);
+    return object_.find(field);
+  }
   const nlohmann::json& object_;
   std::string source_, where_;
+  mutable std::vector<std::string> asked_;
 };
 
 // Reads the elements of `list` (the array `key` of `source`), each an object, with
-// `read(reader, element, item)`; errors name the file and "key[i]".
+// `read(reader, element, item)`; errors name the file and "key[i]". A field `read` did not ask
+// about is refused.
 template <typename T, typename Read>
 absl::StatusOr<std::vector<T>> read_objects(const nlohmann::json& list, const std::string& source, const std::string& key,
                                            Read read) {
@@ -113,7 +128,9 @@ absl::StatusOr<std::vector<T>> read_objects(const nlohmann::json& list, const st
     const std::string where = fmt::format("{}[{}]", key, i);
     if (!list[i].is_object()) return absl::InvalidArgumentError(fmt::format("{}: {}: expected an object", source, where));
     T item;
-    if (auto status = read(JsonReader(list[i], source, where), list[i], item); !status.ok()) return status;
+    const JsonReader reader(list[i], source, where);
+    if (auto status = read(reader, list[i], item); !status.ok()) return status;
+    if (auto status = reader.unknown_fields(); !status.ok()) return status;
     out.push_back(std::move(item));
   }
   return out;

@@ -5,6 +5,7 @@
 #include "json_reader.hpp"
 #include "plan_report.hpp"
 
+#include <blockflow/core/names.hpp>
 #include <blockflow/deploy/detail/deployment_json.hpp>
 
 #include <fmt/format.h>
@@ -49,6 +50,7 @@ absl::StatusOr<std::vector<PlanTask>> parse_plan_tasks(const std::string& text, 
   if (!list.ok()) return list.status();
   return detail::read_objects<PlanTask>(*list, source, "tasks", [](const JsonReader& r, const json& item, PlanTask& t) {
     BF_TRY(r.string("name", t.name));
+    if (auto status = check_name("task", t.name); !status.ok()) return r.error("name", std::string(status.message()));
     if (r.has("nodes") == r.has("path")) return r.error("give \"path\" (a chain) or \"nodes\" (a graph)");
     if (r.has("path")) {
       BF_TRY(r.strings("path", t.path));
@@ -75,6 +77,7 @@ absl::StatusOr<std::vector<PlanSite>> parse_plan_sites(const std::string& text, 
   if (!list.ok()) return list.status();
   return detail::read_objects<PlanSite>(*list, source, "sites", [](const JsonReader& r, const json&, PlanSite& s) {
     BF_TRY(r.string("name", s.name));
+    if (auto status = check_name("site", s.name); !status.ok()) return r.error("name", std::string(status.message()));
     BF_TRY(r.string("kind", s.kind));
     if (r.has("device")) BF_TRY(r.string("device", s.device));
     BF_TRY(r.integer("lanes", s.lanes));

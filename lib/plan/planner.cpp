@@ -1,6 +1,8 @@
 // plan(): admission, placement and batch sizes from block profiles (docs/planner.md, "Algorithm").
 #include <blockflow/plan/planner.hpp>
 
+#include <blockflow/core/names.hpp>
+
 #include "task_graph.hpp"
 
 #include <fmt/format.h>
@@ -386,12 +388,19 @@ void place(Model& m, const std::vector<PlanSite>& sites, bool exhaustive) {
 absl::Status check(const PlanInput& in) {
   if (in.sites.empty()) return absl::InvalidArgumentError("plan: no sites");
   std::set<std::string> names;
+  int threads_sites = 0;
   for (const auto& s : in.sites) {
     if (!names.insert(s.name).second) return absl::InvalidArgumentError(fmt::format("site '{}': named twice", s.name));
     if (s.kind != "threads" && s.kind != "worker") {
       return absl::InvalidArgumentError(fmt::format("site '{}': kind '{}' is neither \"threads\" nor \"worker\"", s.name, s.kind));
     }
     if (s.lanes < 1) return absl::InvalidArgumentError(fmt::format("site '{}': lanes must be at least 1", s.name));
+    if (s.kind == "threads" && ++threads_sites > 1) {  // its deployment runs every "threads" block in one session
+      return absl::InvalidArgumentError(fmt::format("site '{}': a second site of kind \"threads\" (there is one session)", s.name));
+    }
+    if (s.kind == "worker") {  // its name becomes a placement
+      if (auto status = check_site_name("site", s.name); !status.ok()) return status;
+    }
     if (s.memory_budget < 0) return absl::InvalidArgumentError(fmt::format("site '{}': memory_budget < 0", s.name));
     if (s.reserve < 0 || s.reserve > 0.9) return absl::InvalidArgumentError(fmt::format("site '{}': reserve must be in 0..0.9", s.name));
   }

@@ -3,6 +3,9 @@
 
 #include "json_reader.hpp"
 
+#include <blockflow/core/block.hpp>
+#include <blockflow/core/names.hpp>
+
 #include <fmt/format.h>
 
 #include <fstream>
@@ -18,6 +21,7 @@ absl::Status parse_block(const json& j, const std::string& source, const std::st
   if (!j.is_object()) return absl::InvalidArgumentError(fmt::format("{}: {}: expected an object", source, where));
   const JsonReader r(j, source, where);
   BF_TRY(r.string("name", b.name));
+  if (auto status = check_name("block", b.name); !status.ok()) return r.error("name", std::string(status.message()));
   BF_TRY(r.string("source", b.source));
   BF_TRY(r.string("device", b.device));
   BF_TRY(r.integer("intra_op_threads", b.intra_op_threads));
@@ -38,11 +42,14 @@ absl::Status parse_block(const json& j, const std::string& source, const std::st
     BF_TRY(l.integer("batch", bl.batch));
     BF_TRY(l.number("p50_ms", bl.p50_ms));
     BF_TRY(l.number("p99_ms", bl.p99_ms));
-    if (bl.batch < 1) return l.error("batch", "expected a batch size >= 1");
+    if (bl.batch < 1 || bl.batch > kMaxBatchSize) {
+      return l.error("batch", fmt::format("expected a batch size from 1 to {} (what max_batch takes)", kMaxBatchSize));
+    }
+    BF_TRY(l.unknown_fields());
     if (!b.latency.empty() && bl.batch <= b.latency.back().batch) return l.error("batch", "batch sizes must increase");
     b.latency.push_back(bl);
   }
-  return absl::OkStatus();
+  return r.unknown_fields();
 }
 
 }  // namespace
@@ -93,6 +100,7 @@ absl::StatusOr<Profile> Profile::parse(const std::string& text, const std::strin
   const JsonReader m(*machine, source, "machine");
   BF_TRY(m.string("cpu", p.cpu));
   BF_TRY(m.integer("hardware_threads", p.hardware_threads));
+  BF_TRY(m.unknown_fields());
   const json* blocks = nullptr;
   BF_TRY(r.array("blocks", blocks));
   for (std::size_t i = 0; i < blocks->size(); ++i) {
@@ -112,6 +120,14 @@ absl::StatusOr<Profile> Profile::parse(const std::string& text, const std::strin
   });
   if (!costs.ok()) return costs.status();
   p.channels = *std::move(costs);
+  for (std::size_t i = 0; i < p.channels.size(); ++i) {
+    for (std::size_t j = 0; j < i; ++j) {
+      if (p.channels[j].kind == p.channels[i].kind) {
+        return absl::InvalidArgumentError(fmt::format("{}: channels[{}].kind: '{}' appears twice", source, i, p.channels[i].kind));
+      }
+    }
+  }
+  BF_TRY(r.unknown_fields());
   return p;
 }
 

@@ -264,21 +264,40 @@ struct ClientEndpoint::Impl {
     }
   }
 
+  // One turn of the endpoint's thread: replies out, then a bounded batch of requests in.
+  void turn(zmq::pollitem_t* items) {
+    // With replies waiting for slow clients, look again soon: their pipes drain as they read.
+    detail::poll_items(items, 2, std::chrono::milliseconds(backlogs.empty() ? 100 : 5));
+    if ((items[1].revents & ZMQ_POLLIN) != 0 || !backlogs.empty()) flush();
+    if ((items[0].revents & ZMQ_POLLIN) == 0) return;
+    // A bounded batch per turn, so that replies keep flowing under a flood of requests.
+    for (int i = 0; i < 64; ++i) {
+      std::vector<zmq::message_t> parts;
+      // The peer's identity, the header, a frame per tensor: a message of more frames is dropped.
+      const auto receipt = detail::receive_frames_at_most(router, parts, 2 + wire::kMaxTensors, zmq::recv_flags::dontwait);
+      if (receipt == detail::Receipt::kNothing) break;
+      if (receipt == detail::Receipt::kTooManyFrames) {
+        ++malformed;
+        noisy.log(LogLevel::kWarning, fmt::format("client endpoint {}: a message of more than {} frames dropped", endpoint,
+                                                  2 + wire::kMaxTensors));
+        continue;
+      }
+      if (parts.empty()) continue;
+      std::string peer = parts.front().to_string();
+      parts.erase(parts.begin());
+      on_request(std::move(peer), std::move(parts));
+    }
+  }
+
   void main() {
     zmq::pollitem_t items[2] = {{router.handle(), 0, ZMQ_POLLIN, 0}, {nullptr, outbox->wake_fd, ZMQ_POLLIN, 0}};
     while (!stopping) {
-      // With replies waiting for slow clients, look again soon: their pipes drain as they read.
-      detail::poll_items(items, 2, std::chrono::milliseconds(backlogs.empty() ? 100 : 5));
-      if ((items[1].revents & ZMQ_POLLIN) != 0 || !backlogs.empty()) flush();
-      if ((items[0].revents & ZMQ_POLLIN) == 0) continue;
-      // A bounded batch per turn, so that replies keep flowing under a flood of requests.
-      for (int i = 0; i < 64; ++i) {
-        std::vector<zmq::message_t> parts;
-        if (!zmq::recv_multipart(router, std::back_inserter(parts), zmq::recv_flags::dontwait)) break;
-        if (parts.empty()) continue;
-        std::string peer = parts.front().to_string();
-        parts.erase(parts.begin());
-        on_request(std::move(peer), std::move(parts));
+      try {
+        turn(items);
+      } catch (const std::exception& e) {  // out of memory, an unexpected ZeroMQ error: the endpoint goes on
+        ++malformed;
+        noisy.log(LogLevel::kWarning, fmt::format("client endpoint {}: {} (the endpoint goes on)", endpoint, e.what()));
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));  // no spinning on an error that stays
       }
     }
     for (auto& [peer, b] : backlogs) outbox->dropped += b.replies.size();

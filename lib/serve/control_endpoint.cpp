@@ -2,6 +2,8 @@
 #include <blockflow/channel/detail/curve_auth.hpp>
 #include <blockflow/channel/detail/zmq_calls.hpp>
 #include <blockflow/core/detail/json_integer.hpp>
+#include <blockflow/core/detail/log.hpp>
+#include <blockflow/core/detail/utf8_text.hpp>
 #include <blockflow/deploy/detail/deployment_json.hpp>
 #include <blockflow/observe/detail/metrics_json.hpp>
 
@@ -33,10 +35,12 @@ struct ControlEndpoint::Impl {
   };
   static constexpr std::size_t kMaxQueuedApplies = 4;
   static constexpr std::size_t kMaxRoutingBytes = 1024;  // the frames before a request's own
+  static constexpr std::size_t kMaxFrames = 16;          // a request's, with its routing frames
 
   Session& session;
   const ControlOptions options;
   std::string endpoint;
+  detail::RateLimitedLog noisy;  // what a client can make happen again and again
   zmq::context_t context{1};
   std::unique_ptr<detail::CurveServer> curve;  // after the socket's close, before the context's
   zmq::socket_t socket{context, zmq::socket_type::router};
@@ -153,50 +157,59 @@ struct ControlEndpoint::Impl {
 
   void send(Envelope&& envelope, const nlohmann::json& reply) {
     for (auto& frame : envelope) (void)socket.send(std::move(frame), zmq::send_flags::sndmore);
-    (void)socket.send(zmq::buffer(reply.dump()), zmq::send_flags::dontwait);
+    (void)socket.send(zmq::buffer(detail::dump_json(reply)), zmq::send_flags::dontwait);
     ++served;
   }
 
   void main() {
     while (!stopping) {
-      zmq::pollitem_t items[] = {{socket.handle(), 0, ZMQ_POLLIN, 0}, {bell_in.handle(), 0, ZMQ_POLLIN, 0}};
-      detail::poll_items(items, 2, std::chrono::milliseconds(100));
-      if ((items[1].revents & ZMQ_POLLIN) != 0) {
-        zmq::message_t ring;
-        while (bell_in.recv(ring, zmq::recv_flags::dontwait)) {
-        }
-        std::deque<std::pair<Envelope, nlohmann::json>> ready;
-        {
-          std::lock_guard lock(mu);
-          ready.swap(replies);
-        }
-        for (auto& [envelope, reply] : ready) send(std::move(envelope), reply);
-      }
-      if ((items[0].revents & ZMQ_POLLIN) == 0) continue;
-      std::vector<zmq::message_t> frames;
       try {
-        if (!zmq::recv_multipart(socket, std::back_inserter(frames), zmq::recv_flags::dontwait)) continue;
-      } catch (const zmq::error_t&) {
-        continue;
+        turn();
+      } catch (const std::exception& e) {  // out of memory, an unexpected ZeroMQ error: the endpoint goes on
+        noisy.log(LogLevel::kWarning, fmt::format("control endpoint {}: {} (the endpoint goes on)", endpoint, e.what()));
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));  // no spinning on an error that stays
       }
-      // Everything up to the empty delimiter routes the reply back; the last frame is the request.
-      // A REQ client's routing frames are a few bytes: larger ones (a client getting around
-      // max_message_bytes, whose reply would send them all back) are dropped unanswered.
-      if (frames.size() < 2) continue;
-      std::size_t routing_bytes = 0;
-      for (std::size_t i = 0; i + 1 < frames.size(); ++i) routing_bytes += frames[i].size();
-      if (routing_bytes > kMaxRoutingBytes) continue;
-      Envelope envelope;
-      for (std::size_t i = 0; i + 1 < frames.size(); ++i) envelope.push_back(std::move(frames[i]));
-      const std::string text = frames.back().to_string();
-      nlohmann::json reply;
-      try {
-        reply = handle(text, envelope);
-      } catch (const std::exception& e) {  // never let a request take the endpoint down
-        reply = error(fmt::format("control: {}", e.what()));
-      }
-      if (!reply.is_null()) send(std::move(envelope), reply);
     }
+  }
+
+  // One turn of the endpoint's thread: the updater's replies out, then one request in.
+  void turn() {
+    zmq::pollitem_t items[] = {{socket.handle(), 0, ZMQ_POLLIN, 0}, {bell_in.handle(), 0, ZMQ_POLLIN, 0}};
+    detail::poll_items(items, 2, std::chrono::milliseconds(100));
+    if ((items[1].revents & ZMQ_POLLIN) != 0) {
+      zmq::message_t ring;
+      while (bell_in.recv(ring, zmq::recv_flags::dontwait)) {
+      }
+      std::deque<std::pair<Envelope, nlohmann::json>> ready;
+      {
+        std::lock_guard lock(mu);
+        ready.swap(replies);
+      }
+      for (auto& [envelope, reply] : ready) send(std::move(envelope), reply);
+    }
+    if ((items[0].revents & ZMQ_POLLIN) == 0) return;
+    std::vector<zmq::message_t> frames;
+    // Everything up to the empty delimiter routes the reply back; the last frame is the request.
+    // A REQ client's routing frames are a few, of a few bytes: more frames, or larger ones (a
+    // client getting around max_message_bytes, whose reply would send them all back), are dropped
+    // unanswered.
+    if (detail::receive_frames_at_most(socket, frames, kMaxFrames, zmq::recv_flags::dontwait) != detail::Receipt::kMessage) {
+      return;
+    }
+    if (frames.size() < 2) return;
+    std::size_t routing_bytes = 0;
+    for (std::size_t i = 0; i + 1 < frames.size(); ++i) routing_bytes += frames[i].size();
+    if (routing_bytes > kMaxRoutingBytes) return;
+    Envelope envelope;
+    for (std::size_t i = 0; i + 1 < frames.size(); ++i) envelope.push_back(std::move(frames[i]));
+    const std::string text = frames.back().to_string();
+    nlohmann::json reply;
+    try {
+      reply = handle(text, envelope);
+    } catch (const std::exception& e) {  // never let a request take the endpoint down
+      reply = error(fmt::format("control: {}", e.what()));
+    }
+    if (!reply.is_null()) send(std::move(envelope), reply);
   }
 };
 

@@ -67,7 +67,7 @@ const detail::ShmStager* WorkerSite::Impl::stager_for(const std::string& block) 
 WorkerSite::WorkerSite(WorkerOptions options) : impl_(std::make_shared<Impl>(std::move(options))) {
   impl_->self = impl_;
   // The name becomes a directory name, a thread name and a metric label: never a path.
-  if (auto status = check_name("worker", impl_->options.name); !status.ok()) {
+  if (auto status = check_site_name("worker", impl_->options.name); !status.ok()) {
     throw std::invalid_argument(fmt::format("WorkerOptions::name: {}", std::string(status.message())));
   }
 }

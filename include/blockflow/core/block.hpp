@@ -70,10 +70,13 @@ struct CudaGraphStats {
   std::uint64_t eager_runs = 0;  ///< forward() calls after the capture whose shapes had no graph
 };
 
+/// The largest BlockOptions::max_batch.
+inline constexpr int kMaxBatchSize = 4096;
+
 /// @brief Checks a block's options, the one rule for every way a block is made (Block's
 /// constructor, Deployment::parse(), worker configurations): a device libtorch parses and that is
-/// cpu or cuda[:N], workers >= 1, queue_capacity >= 1, intra_op_threads >= 0, max_batch >= 1,
-/// max_batch_delay_ms >= 0, warmup_runs >= 0, memory_bytes >= 0, input_shapes whose element counts
+/// cpu or cuda[:N], workers >= 1, queue_capacity >= 1, intra_op_threads from 0 to 1024, max_batch
+/// from 1 to 4096, max_batch_delay_ms from 0 to 60000, warmup_runs >= 0, memory_bytes >= 0, input_shapes whose element counts
 /// fit 64 bits (a negative dimension counting as 1), cuda_graph only on a CUDA device and with
 /// input_shapes. InvalidArgument naming the block and the field.
 absl::Status validate(const std::string& block, const BlockOptions& options);

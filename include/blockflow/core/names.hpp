@@ -17,4 +17,9 @@ inline constexpr std::size_t kMaxNameLength = 64;  // detail::kNameMaxLength
 /// name (escaped when it holds unprintable bytes) and the rule it breaks.
 absl::Status check_name(std::string_view what, std::string_view name);
 
+/// @brief check_name(), and not a name the session's own rows take in metrics and memory figures
+/// ("threads": blocks of the session's process; "host": that process): for worker sites and the
+/// placements and site settings that name them.
+absl::Status check_site_name(std::string_view what, std::string_view name);
+
 }  // namespace blockflow

@@ -17,8 +17,10 @@ class Session;
 /// @brief Serves `GET /metrics` (Prometheus text, MetricsSnapshot::to_prometheus()) and
 /// `GET /metrics.json` (MetricsSnapshot::to_json()) of a session on its own thread, up to 64
 /// connections at once (poll()); each connection has 2 s to send its request and 2 s to take the
-/// reply, so a client that trickles bytes holds no scrape back. Binds 127.0.0.1 unless another
-/// address is named ("0.0.0.0:9464" for every interface).
+/// reply, so a client that trickles bytes holds no scrape back. With 64 open, a new client is still
+/// taken: the connection that has waited longest for its request is closed for it. A snapshot that
+/// cannot be written (out of memory) is a 500, never the end of the thread. Binds 127.0.0.1 unless
+/// another address is named ("0.0.0.0:9464" for every interface).
 /// The session must outlive the server.
 class MetricsHttpServer {
  public:

@@ -65,4 +65,42 @@ inline bool receive_frames(zmq::socket_t& socket, std::vector<zmq::message_t>& f
   }
 }
 
+enum class Receipt { kNothing, kMessage, kTooManyFrames };
+
+/// One message of `socket` into `frames`, keeping at most `max_frames` of its parts: a message of
+/// more is read to its end (ZeroMQ delivers a multipart message whole, so nothing waits) and
+/// dropped, frames left empty (kTooManyFrames). Parts are bounded in size by ZMQ_MAXMSGSIZE, not
+/// in number: a peer could otherwise make the receiver hold a million empty frames. kNothing when
+/// nothing came (dontwait) or the wait was interrupted.
+inline Receipt receive_frames_at_most(zmq::socket_t& socket, std::vector<zmq::message_t>& frames, std::size_t max_frames,
+                                      zmq::recv_flags flags = zmq::recv_flags::none) {
+  zmq::message_t part;
+  try {
+    if (!socket.recv(part, flags)) return Receipt::kNothing;
+  } catch (const zmq::error_t& e) {
+    if (e.num() != EINTR) throw;
+    return Receipt::kNothing;
+  }
+  bool over = false;
+  while (true) {
+    const bool more = part.more();
+    if (!over && frames.size() < max_frames) {
+      frames.push_back(std::move(part));
+    } else if (!over) {
+      over = true;
+      frames.clear();
+    }
+    if (!more) return over ? Receipt::kTooManyFrames : Receipt::kMessage;
+    part = zmq::message_t();
+    while (true) {  // the rest is there already; a signal only interrupts the call
+      try {
+        (void)socket.recv(part, zmq::recv_flags::none);
+        break;
+      } catch (const zmq::error_t& e) {
+        if (e.num() != EINTR) throw;
+      }
+    }
+  }
+}
+
 }  // namespace blockflow::detail

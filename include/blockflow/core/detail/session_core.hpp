@@ -272,9 +272,11 @@ class SessionCore {
     std::int64_t bytes = 0;
   };
   // ResourceExhausted naming the first site whose claims exceed its budget (budget_of: 0, none);
-  // on a site that loads on demand, the first claim larger than the whole budget.
+  // on a site that loads on demand (on_demand_of, else loads_on_demand()), the first claim larger
+  // than the whole budget.
   absl::Status check_memory(const std::vector<MemoryClaim>& claims,
-                                   const std::function<std::int64_t(const std::string& site)>& budget_of);
+                            const std::function<std::int64_t(const std::string& site)>& budget_of,
+                            const std::function<bool(const std::string& site)>& on_demand_of = nullptr);
   std::int64_t memory_budget_of(const std::string& site) const;
   bool loads_on_demand(const std::string& site) const;  // "threads" or a site's name
   std::vector<MemoryClaim> memory_claims(const UpdateWork& u, bool with_removed = false) const;
@@ -370,7 +372,7 @@ class SessionCore {
   std::atomic<bool> started_{false};
   std::atomic<bool> stopped_{false};
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;  // shutdown() has run to its end
-  std::int64_t started_ns_ = 0;
+  std::atomic<std::int64_t> started_ns_{0};  // metrics() may read it while start() writes it
   // Cold start (StartStats): when the process started, start() was called and returned, in now_ns().
   std::atomic<std::int64_t> process_start_ns_{0}, start_called_ns_{0}, start_done_ns_{0};
   // The first request resolved with a result: since start(), and since the last apply() published.
