@@ -3,7 +3,7 @@
 //
 //   serve [--endpoint EP] [--metrics HOST:PORT] [--sampling MS] [--control EP] [--models DIR] [--empty]
 //         [--no-stdin] [--max-in-flight-per-task N]
-//         [--key SERVER.key_secret --authorized-keys DIR | --insecure]
+//         [--key SERVER.key_secret --authorized-keys DIR [--control-authorized-keys DIR] | --insecure]
 //
 // EP defaults to tcp://127.0.0.1:5555; "tcp://127.0.0.1:*" picks a free port. The server prints
 // exactly one line to stdout, `serving on <endpoint>` (the port resolved), then serves until
@@ -24,7 +24,10 @@
 // replaces every block, and these C++ ones could not be described in it).
 // --key and --authorized-keys put both endpoints behind CURVE (keys from `blockflowctl keygen`; a
 // client is admitted when its public key is in DIR); without them a TCP address other than the
-// loopback is refused, unless --insecure (docs/security.md).
+// loopback is refused, unless --insecure (docs/security.md). The control endpoint reconfigures the
+// server (it applies deployments, starts workers), so with --key and --control it admits only the
+// keys of --control-authorized-keys DIR: a key allowed to submit requests is not thereby allowed to
+// reconfigure (name the same directory to allow every client both).
 //
 // Tasks, each one C++ callable block:
 //   affine  x -> 3*x + 1 (one floating-point tensor)
@@ -133,6 +136,7 @@ int main(int argc, char** argv) {
   bool examples = true;
   int sampling_ms = 0;
   bf::ServerSecurity security;
+  std::string control_keys_dir;  // the control endpoint's own allow-list
   bf::SessionOptions session_options;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -160,13 +164,26 @@ int main(int argc, char** argv) {
       security.secret_key_file = argv[++i];
     } else if (arg == "--authorized-keys" && i + 1 < argc) {
       security.authorized_keys_dir = argv[++i];
+    } else if (arg == "--control-authorized-keys" && i + 1 < argc) {
+      control_keys_dir = argv[++i];
     } else if (arg == "--insecure") {
       security.insecure = true;
     } else {
       std::cerr << "usage: serve [--endpoint tcp://127.0.0.1:5555] [--metrics 127.0.0.1:9464] [--sampling MS] "
-                   "[--control tcp://127.0.0.1:5560] [--models DIR] [--empty] [--no-stdin] [--max-in-flight-per-task N] [--key SERVER.key_secret --authorized-keys DIR | --insecure]\n";
+                   "[--control tcp://127.0.0.1:5560] [--models DIR] [--empty] [--no-stdin] [--max-in-flight-per-task N] "
+                   "[--key SERVER.key_secret --authorized-keys DIR [--control-authorized-keys DIR] | --insecure]\n";
       return arg == "--help" || arg == "-h" ? 0 : 2;
     }
+  }
+  if (!control_address.empty() && security.curve() && control_keys_dir.empty()) {
+    std::cerr << "serve: --control with --key needs --control-authorized-keys DIR: the keys that may reconfigure the "
+                 "server (apply deployments, start workers), which --authorized-keys (the keys that may submit "
+                 "requests) does not grant; name the same directory to allow every client both\n";
+    return 2;
+  }
+  if (!control_keys_dir.empty() && !security.curve()) {
+    std::cerr << "serve: --control-authorized-keys needs --key and --authorized-keys\n";
+    return 2;
   }
 
   // Block the stop signals before any thread starts (threads inherit the mask), then read them
@@ -210,6 +227,7 @@ int main(int argc, char** argv) {
     if (!control_address.empty()) {
       bf::ControlOptions control_options;
       control_options.security = security;
+      if (security.curve()) control_options.security.authorized_keys_dir = control_keys_dir;
       control_options.models_dir = models_dir;
       control.emplace(session, control_address, control_options);
       std::cerr << "serve: control endpoint on " << control->endpoint() << "\n";

@@ -73,7 +73,36 @@ def main():
     finally:
         srv.stdin.close()
         srv.wait(timeout=20)
+    control_keys(tool, serve)
     print("blockflowctl test: PASS")
+
+
+def control_keys(tool, serve):
+    """Behind CURVE the control endpoint admits its own allow-list: a client key does not grant it."""
+    with tempfile.TemporaryDirectory() as keys:
+        for name in ("server", "alice", "ops"):
+            subprocess.run([tool, "keygen", name, "--dir", keys], check=True, timeout=30, capture_output=True)
+        for sub, name in (("clients", "alice"), ("operators", "ops")):
+            os.mkdir(os.path.join(keys, sub))
+            os.rename(os.path.join(keys, name + ".key"), os.path.join(keys, sub, name + ".key"))
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        common = [serve, "--endpoint", "tcp://127.0.0.1:*", "--control", endpoint, "--no-stdin",
+                  "--key", os.path.join(keys, "server.key_secret"), "--authorized-keys", os.path.join(keys, "clients")]
+        refused = subprocess.run(common, capture_output=True, text=True, timeout=60)
+        print(refused.stderr[:500])
+        check(refused.returncode == 2 and "--control-authorized-keys" in refused.stderr,
+              "serve refuses --control with --key but no control allow-list, naming the option")
+        srv = subprocess.Popen(common + ["--control-authorized-keys", os.path.join(keys, "operators")],
+                               stdout=subprocess.PIPE, text=True)
+        try:
+            srv.stdout.readline()  # "serving on ..."
+            as_key = lambda who: ["--key", os.path.join(keys, who + ".key_secret"),  # noqa: E731
+                                  "--server-key", os.path.join(keys, "server.key")]
+            ctl(tool, endpoint, *as_key("alice"), "status", expect=2)  # a client's key: no answer
+            check(json.loads(ctl(tool, endpoint, *as_key("ops"), "status").stdout)["ok"], "an operator's key is answered")
+        finally:
+            srv.terminate()
+            srv.wait(timeout=20)
 
 
 if __name__ == "__main__":

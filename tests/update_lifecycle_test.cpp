@@ -581,3 +581,25 @@ TEST_CASE("an update draining a block it replaces by name: metrics list the name
   }
   CHECK(series == 1);
 }
+
+TEST_CASE("an update that keeps or adds blocks at a site lost for good is refused, naming it, not a success that does nothing",
+          "[update_lifecycle]") {
+  Session session;
+  auto gate = test::start_with_gate(session);
+  gate->open();
+  REQUIRE(session.apply(parse(test::kThroughGate)).ok());
+  gate->lose("test: gone");
+  REQUIRE(test::eventually([&] {
+    const auto lost = session.metrics().replan.lost_sites;
+    return std::find(lost.begin(), lost.end(), "gate") != lost.end();
+  }));
+  auto again = session.apply(parse(test::kThroughGate));
+  REQUIRE_FALSE(again.ok());
+  CHECK_THAT(std::string(again.status().message()), Contains("block 'g': site 'gate' is lost for good"));
+  CHECK(session.metrics().version == 1);
+  // Moving its blocks away is an update like any other.
+  auto away = session.apply(parse(R"({"blocks": ["a", {"name": "g", "factory": "upd_add_1"}], "tasks": {"t": ["a"], "t2": ["a", "g"]}})"));
+  INFO(away.status().ToString());
+  REQUIRE(away.ok());
+  CHECK(session.submit("t2", at::zeros({1})).get().output().item<double>() == 2);
+}

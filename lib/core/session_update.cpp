@@ -227,6 +227,19 @@ absl::Status SessionCore::update_diff(UpdateWork& u) {
       }
     }
   }
+  // A site lost for good stays until its blocks leave it: a deployment that keeps or adds blocks
+  // there would "succeed" and change nothing (or ask a dead site to load them).
+  const auto lost = losses_->stats().lost_sites;
+  for (const auto& d : wanted.blocks) {
+    if (d.placement.empty() || site_named(d.placement) == nullptr ||
+        std::find(lost.begin(), lost.end(), d.placement) == lost.end()) {
+      continue;
+    }
+    return u.invalid(fmt::format("block '{}': site '{}' is lost for good; place its blocks on a site of another name, or "
+                                 "remove every block from '{}' first (a site a deployment started then stops, and a "
+                                 "later update starts a new one of that name)",
+                                 d.name, d.placement, d.placement));
+  }
   for (const auto& d : u.added) {
     if (d.placement.empty()) continue;
     auto current = block_by_name_.find(d.name);
