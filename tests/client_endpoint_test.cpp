@@ -218,6 +218,9 @@ TEST_CASE("malformed frames to the client endpoint: dropped, counted, answered w
   std::string bad_kind = good;
   bad_kind[6] = 9;
   expect_error({bad_kind, data}, "kind");
+  std::vector<std::string> many_frames = {good, data};  // more frames than a request has: never all held
+  many_frames.resize(1000);
+  expect_error(many_frames, "a request of more than 65 frames");
 
   // No readable request id: dropped without a reply.
   std::string bad_magic = good;
@@ -228,7 +231,7 @@ TEST_CASE("malformed frames to the client endpoint: dropped, counted, answered w
   CHECK_FALSE(send_raw(dealer, {bad_version, data}).has_value());
   CHECK_FALSE(send_raw(dealer, {"garbage"}).has_value());
   CHECK_FALSE(send_raw(dealer, {good.substr(0, 10)}).has_value());
-  CHECK(endpoint.malformed_frames() == 9);
+  CHECK(endpoint.malformed_frames() == 10);
 
   // The session keeps serving.
   auto reply = send_raw(dealer, {good, std::string("\0\0\x80\x3f\0\0\0\x40", 8)});  // [1.0, 2.0]

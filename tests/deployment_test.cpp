@@ -101,6 +101,13 @@ TEST_CASE("malformed deployments are rejected whole, naming the fault", "[deploy
   CHECK_THAT(error_of(R"({"blocks": []})"), Contains("\"tasks\" must be an object"));
   CHECK_THAT(error_of(R"({"blocks": [""], "tasks": {}})"), Contains("block name '' is empty"));
   CHECK_THAT(error_of(R"({"blocks": [3], "tasks": {}})"), Contains("a block is a name or an object, not 3"));
+  // A value quoted in an error is cut short: a request cannot make its error reply as large as itself.
+  const std::string unnamed = error_of(R"({"blocks": [{"torchscript": ")" + std::string(100000, 'x') + R"("}], "tasks": {}})");
+  CHECK_THAT(unnamed, Contains("block {\"torchscript\":\"xxx") && Contains("...: needs a non-empty string \"name\""));
+  CHECK(unnamed.size() < 200);
+  const std::string key = error_of(R"({"blocks": [{"name": "b", "factory": "f", ")" + std::string(100000, 'k') + R"(\n": 1}], "tasks": {}})");
+  CHECK_THAT(key, Contains("block 'b': unknown field 'kkk"));
+  CHECK(key.size() < 200);
   CHECK_THAT(error_of(R"({"blocks": [{"torchscript": "x.pt"}], "tasks": {}})"), Contains("needs a non-empty string \"name\""));
   CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "torchscript": "x.pt", "colour": "red"}], "tasks": {}})"),
              Contains("block 'b': unknown field 'colour'"));

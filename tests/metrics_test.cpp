@@ -168,7 +168,17 @@ TEST_CASE("histogram percentiles are within 2% of the exact values", "[metrics]"
   CHECK(s.p99_ms == Approx(0.99).epsilon(0.02));
   CHECK(s.max_ms == Approx(1.0));
   CHECK(s.mean_ms == Approx(0.5005));
+  CHECK(s.sum_ms == 500.5);  // exact: 500500 us
   CHECK(blockflow::detail::Histogram().stats().count == 0);
+  // A summary's _sum is that sum, not mean x count: waits of 0 ns that come later change the mean
+  // and the count, and mean x count may come out an ulp lower (a counter reset to Prometheus).
+  for (int i = 0; i < 3; ++i) h.record(0);
+  MetricsSnapshot snapshot;
+  PathMetrics p;
+  p.task = "t";
+  p.e2e = h.stats();
+  snapshot.paths = {p};
+  CHECK_THAT(snapshot.to_prometheus(), Contains("blockflow_path_latency_seconds_sum{path=\"t\"} 0.5005\n"));
 }
 
 TEST_CASE("UTF-8 as written out: well-formed sequences kept, every other byte U+FFFD", "[metrics]") {

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <zmq.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -29,6 +30,26 @@ constexpr const char* kUsage =
     "usage: blockflowctl [--endpoint EP] [--key FILE.key_secret --server-key FILE.key] "
     "(apply FILE | status | metrics [--json|--prometheus] | sampling on|off [--period MS])\n"
     "   or: blockflowctl keygen NAME [--dir DIR]";
+
+// How deep the arrays and objects of JSON `text` nest (strings skipped; no parse).
+int nesting(const std::string& text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') ++i;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
 
 int usage(const std::string& why) {
   std::cerr << "blockflowctl: " << why << "\n" << kUsage << "\n";
@@ -82,6 +103,11 @@ int main(int argc, char** argv) try {
     if (!in) return usage(fmt::format("cannot read '{}'", args[1]));
     std::stringstream text;
     text << in.rdbuf();
+    // Refused here as the session would refuse it: dumping a deeper document recurses once a level.
+    if (nesting(text.str()) > 64) {
+      std::cerr << fmt::format("blockflowctl: '{}' nests deeper than 64 levels\n", args[1]);
+      return 1;
+    }
     request["deployment"] = nlohmann::json::parse(text.str(), nullptr, false);
     if (request["deployment"].is_discarded()) {
       std::cerr << fmt::format("blockflowctl: '{}' is not valid JSON\n", args[1]);

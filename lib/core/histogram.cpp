@@ -37,8 +37,8 @@ void Histogram::record(std::int64_t ns) {
 
 LatencyStats Histogram::stats() const {
   LatencyStats out;
-  // The sum first, then the buckets: every record in the sum is in the count, so mean x count is
-  // exactly the sum read, which only grows (a summary's _sum never goes backwards).
+  // The sum first, then the buckets: every record in the sum is in the count (the mean is never
+  // above the truth). The sum itself is given too: it only grows (a summary's _sum).
   const auto sum_ns = sum_ns_.load(std::memory_order_acquire);
   std::array<std::uint64_t, kBuckets> counts{};
   std::uint64_t total = 0;
@@ -50,7 +50,8 @@ LatencyStats Histogram::stats() const {
   if (total == 0) return out;
   const double max_ms = static_cast<double>(max_ns_.load(std::memory_order_relaxed)) / 1e6;
   out.max_ms = max_ms;
-  out.mean_ms = static_cast<double>(sum_ns) / 1e6 / static_cast<double>(total);
+  out.sum_ms = static_cast<double>(sum_ns) / 1e6;
+  out.mean_ms = out.sum_ms / static_cast<double>(total);
   auto percentile = [&](double q) {
     const auto rank = static_cast<std::uint64_t>(std::ceil(q * static_cast<double>(total)));
     std::uint64_t seen = 0;

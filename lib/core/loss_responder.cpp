@@ -40,10 +40,18 @@ void LossResponder::report(const std::string& site, const std::string& cause) {
                                               site, cause));
 }
 
-void LossResponder::restored(const std::string& site) {
+bool LossResponder::restored(const std::string& site) {
   std::lock_guard lock(mu_);
   auto& lost = stats_.lost_sites;
+  const auto before = lost.size();
   lost.erase(std::remove(lost.begin(), lost.end(), site), lost.end());
+  return lost.size() != before;
+}
+
+void LossResponder::relist(const std::string& site) {
+  std::lock_guard lock(mu_);
+  auto& lost = stats_.lost_sites;
+  if (std::find(lost.begin(), lost.end(), site) == lost.end()) lost.push_back(site);
 }
 
 void LossResponder::stop() {

@@ -54,7 +54,7 @@ class Exposition {
       with.emplace_back("quantile", q);
       it->second += fmt::format("{}{} {}\n", name, render(with), number(ms / 1e3));
     }
-    it->second += fmt::format("{}_sum{} {}\n", name, render(labels), number(s.mean_ms * static_cast<double>(s.count) / 1e3));
+    it->second += fmt::format("{}_sum{} {}\n", name, render(labels), number(s.sum_ms / 1e3));
     it->second += fmt::format("{}_count{} {}\n", name, render(labels), s.count);
   }
 

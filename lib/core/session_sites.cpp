@@ -20,6 +20,9 @@ std::vector<BlockDescription> SessionCore::descriptions_of(const SiteRuntime& si
 }
 
 absl::Status SessionCore::start_site(SiteRuntime& site) {
+  // A site of a lost one's name (an update brought it back) is not lost: its own loss, even one
+  // during start(), is reported anew. Should it not start, the name is listed as lost again.
+  const bool was_lost = losses_->restored(site.site->name());
   site.site->on_lost([this, name = site.site->name()](const std::string& cause) { losses_->report(name, cause); });
   // Weakly: a site may still be reporting (a request another site's thread fails) as an update
   // retires it and collect_retired() frees it; such a late completion is then dropped.
@@ -31,11 +34,11 @@ absl::Status SessionCore::start_site(SiteRuntime& site) {
   } catch (...) {
     status = absl::InternalError(fmt::format("site '{}': start() threw: {}", site.site->name(), current_exception_text()));
   }
-  if (!status.ok()) return status;
+  if (!status.ok()) {
+    if (was_lost) losses_->relist(site.site->name());
+    return status;
+  }
   site.peer_endpoint = site.site->peer_endpoint();
-  // A site of a lost one's name (an update brought it back) is not lost once it runs: its own loss
-  // is reported anew.
-  losses_->restored(site.site->name());
   return status;
 }
 

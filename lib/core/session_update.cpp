@@ -5,6 +5,7 @@
 #include <blockflow/core/detail/mutex.hpp>
 #include <blockflow/deploy/detail/deployment_json.hpp>
 #include <blockflow/core/detail/exception_text.hpp>
+#include <blockflow/core/names.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/run_in_threads.hpp>
 #include <blockflow/core/detail/session_core.hpp>
@@ -242,6 +243,10 @@ absl::Status SessionCore::update_diff(UpdateWork& u) {
   }
   for (const auto& d : u.added) {
     if (d.placement.empty()) continue;
+    // Deployment::parse() checks it, but blocks is a public vector.
+    if (auto status = check_site_name("placement", d.placement); !status.ok()) {
+      return u.invalid(fmt::format("block '{}': {}", d.name, std::string(status.message())));
+    }
     auto current = block_by_name_.find(d.name);
     if (current != block_by_name_.end() && current->second->site != nullptr &&
         current->second->site->site->name() == d.placement) {
@@ -310,7 +315,12 @@ absl::Status SessionCore::update_load(UpdateWork& u) {
       }
       if (site == nullptr) {
         auto made = std::make_shared<SiteRuntime>();
-        made->site = u.factory(u.wanted.site(d.placement));
+        try {  // the application's factory, or WorkerSite's constructor refusing a name
+          made->site = u.factory(u.wanted.site(d.placement));
+        } catch (...) {
+          return u.invalid(fmt::format("block '{}': the site factory threw for site '{}': {}", d.name, d.placement,
+                                       current_exception_text()));
+        }
         made->stop_when_empty = true;
         if (!made->site) return u.invalid(fmt::format("block '{}': the site factory made no site '{}'", d.name, d.placement));
         site = made.get();

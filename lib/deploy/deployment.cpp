@@ -2,6 +2,7 @@
 #include <blockflow/deploy/detail/deployment_json.hpp>
 #include <blockflow/core/names.hpp>
 #include <blockflow/core/detail/json_integer.hpp>
+#include <blockflow/core/detail/utf8_text.hpp>
 #include <blockflow/core/detail/warm_up_shapes.hpp>
 
 #include <absl/strings/numbers.h>
@@ -124,10 +125,10 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
     return d;
   }
   if (!json.is_object()) {
-    return absl::InvalidArgumentError(fmt::format("a block is a name or an object, not {}", json.dump()));
+    return absl::InvalidArgumentError(fmt::format("a block is a name or an object, not {}", detail::json_excerpt(json)));
   }
   if (!json.contains("name") || !json["name"].is_string() || json["name"].get<std::string>().empty()) {
-    return absl::InvalidArgumentError(fmt::format("block {}: needs a non-empty string \"name\"", json.dump()));
+    return absl::InvalidArgumentError(fmt::format("block {}: needs a non-empty string \"name\"", detail::json_excerpt(json)));
   }
   d.name = json["name"].get<std::string>();
   if (auto status = check_name("block", d.name); !status.ok()) return status;
@@ -137,7 +138,7 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
                                               "max_batch_delay_ms", "freeze",      "optimize_for_inference", "memory_bytes",
                                               "cuda_graph"};
   for (const auto& [key, value] : json.items()) {
-    if (known.count(key) == 0) return absl::InvalidArgumentError(fmt::format("block '{}': unknown field '{}'", d.name, key));
+    if (known.count(key) == 0) return absl::InvalidArgumentError(fmt::format("block '{}': unknown field '{}'", d.name, detail::key_excerpt(key)));
   }
   BlockOptions& o = d.options;
   struct BadField {
@@ -278,7 +279,7 @@ nlohmann::json graph_to_json(const std::vector<PathNode>& nodes) {
 absl::StatusOr<Path> graph_from_json(const std::string& task, const nlohmann::json& graph, const std::set<std::string>& blocks) {
   auto bad = [&](const std::string& what) { return absl::InvalidArgumentError(fmt::format("task '{}': {}", task, what)); };
   for (const auto& [key, value] : graph.items()) {
-    if (key != "nodes") return bad(fmt::format("unknown field '{}' (nodes)", key));
+    if (key != "nodes") return bad(fmt::format("unknown field '{}' (nodes)", detail::key_excerpt(key)));
   }
   if (!graph.contains("nodes") || !graph["nodes"].is_array() || graph["nodes"].empty()) {
     return bad("\"nodes\" must be a non-empty array");
@@ -286,16 +287,16 @@ absl::StatusOr<Path> graph_from_json(const std::string& task, const nlohmann::js
   Path path(task);
   std::set<std::string> nodes;
   for (const auto& n : graph["nodes"]) {
-    if (!n.is_object()) return bad(fmt::format("node {} is not an object", n.dump()));
+    if (!n.is_object()) return bad(fmt::format("node {} is not an object", detail::json_excerpt(n)));
     for (const auto& [key, value] : n.items()) {
       if (key != "block" && key != "join" && key != "inputs" && key != "combine") {
         return bad(fmt::format("unknown node field '{}' (block, join, inputs, combine)", key));
       }
     }
-    if (n.contains("block") == n.contains("join")) return bad(fmt::format("node {} needs \"block\" or \"join\"", n.dump()));
+    if (n.contains("block") == n.contains("join")) return bad(fmt::format("node {} needs \"block\" or \"join\"", detail::json_excerpt(n)));
     const bool is_join = n.contains("join");
     const auto& name_json = is_join ? n["join"] : n["block"];
-    if (!name_json.is_string()) return bad(fmt::format("node {}: the name must be a string", n.dump()));
+    if (!name_json.is_string()) return bad(fmt::format("node {}: the name must be a string", detail::json_excerpt(n)));
     const std::string name = name_json.get<std::string>();
     if (!is_join && blocks.count(name) == 0) return bad(fmt::format("unknown block '{}'", name));
     if (is_join) {
@@ -306,7 +307,7 @@ absl::StatusOr<Path> graph_from_json(const std::string& task, const nlohmann::js
     if (n.contains("inputs")) {
       if (!n["inputs"].is_array()) return bad(fmt::format("node '{}': \"inputs\" must be a list of node names", name));
       for (const auto& i : n["inputs"]) {
-        if (!i.is_string()) return bad(fmt::format("node '{}': input {} is not a node name", name, i.dump()));
+        if (!i.is_string()) return bad(fmt::format("node '{}': input {} is not a node name", name, detail::json_excerpt(i)));
         inputs.push_back(i.get<std::string>());
       }
     }
@@ -362,7 +363,7 @@ absl::StatusOr<std::vector<SiteSettings>> sites_from_json(const nlohmann::json& 
             if (!v.is_string() || (v != "blocks" && v != "process")) return bad("memory.measure must be \"blocks\" or \"process\"");
             s.memory_measure = v.get<std::string>();
           } else {
-            return bad(fmt::format("unknown field 'memory.{}' (budget, policy, measure)", field));
+            return bad(fmt::format("unknown field 'memory.{}' (budget, policy, measure)", detail::key_excerpt(field)));
           }
         }
         if (s.memory_policy == "on_demand" && s.memory_budget <= 0) return bad("memory.policy \"on_demand\" needs memory.budget above 0");
@@ -370,7 +371,7 @@ absl::StatusOr<std::vector<SiteSettings>> sites_from_json(const nlohmann::json& 
           return bad("memory.measure applies to memory.policy \"on_demand\" only");
         }
       } else {
-        return bad(fmt::format("unknown field '{}' (memory, lanes)", key));
+        return bad(fmt::format("unknown field '{}' (memory, lanes)", detail::key_excerpt(key)));
       }
     }
     out.push_back(std::move(s));
@@ -389,7 +390,7 @@ absl::StatusOr<Deployment> Deployment::parse(const std::string& text, const std:
   if (!json.is_object()) return absl::InvalidArgumentError("deployment: expected an object with \"blocks\" and \"tasks\"");
   for (const auto& [key, value] : json.items()) {
     if (key != "blocks" && key != "tasks" && key != "sites") {
-      return absl::InvalidArgumentError(fmt::format("deployment: unknown field '{}' (blocks, tasks, sites)", key));
+      return absl::InvalidArgumentError(fmt::format("deployment: unknown field '{}' (blocks, tasks, sites)", detail::key_excerpt(key)));
     }
   }
   if (!json.contains("blocks") || !json["blocks"].is_array()) {
@@ -424,7 +425,7 @@ absl::StatusOr<Deployment> Deployment::parse(const std::string& text, const std:
     std::vector<std::string> blocks;
     std::set<std::string> seen;
     for (const auto& b : chain) {
-      if (!b.is_string()) return absl::InvalidArgumentError(fmt::format("deployment: task '{}': {} is not a block name", task, b.dump()));
+      if (!b.is_string()) return absl::InvalidArgumentError(fmt::format("deployment: task '{}': {} is not a block name", task, detail::json_excerpt(b)));
       const std::string name = b.get<std::string>();
       if (names.count(name) == 0) {
         return absl::InvalidArgumentError(fmt::format("deployment: task '{}': unknown block '{}'", task, name));

@@ -171,7 +171,11 @@ struct MetricsHttpServer::Impl {
               ++evicted;
             }
           }
-          open.push_back({client, {}, {}, 0, now + kDeadlineMs, false});
+          if (open.size() < kMaxConnections) {
+            open.push_back({client, {}, {}, 0, now + kDeadlineMs, false});
+          } else {  // every one began its reply since the look for room: never more than 64 held
+            ::close(client);
+          }
         } else if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
           accept_after_ms = now + kAcceptBackoffMs;
         }

@@ -3,6 +3,7 @@
 // field ("profile.json: blocks[1].latency[0].p50_ms: expected a number >= 0") in every error.
 
 #include <blockflow/core/detail/json_integer.hpp>
+#include <blockflow/core/detail/utf8_text.hpp>
 
 #include <absl/status/status.h>
 #include <absl/status/statusor.h>
@@ -49,7 +50,7 @@ class JsonReader {
   // The first field of the object nobody asked about, as an error ("unknown field"); OK when none.
   absl::Status unknown_fields() const {
     for (auto it = object_.begin(); it != object_.end(); ++it) {
-      if (std::find(asked_.begin(), asked_.end(), it.key()) == asked_.end()) return error(it.key(), "unknown field");
+      if (std::find(asked_.begin(), asked_.end(), it.key()) == asked_.end()) return error(key_excerpt(it.key()), "unknown field");
     }
     return absl::OkStatus();
   }

@@ -276,10 +276,13 @@ struct ClientEndpoint::Impl {
       // The peer's identity, the header, a frame per tensor: a message of more frames is dropped.
       const auto receipt = detail::receive_frames_at_most(router, parts, 2 + wire::kMaxTensors, zmq::recv_flags::dontwait);
       if (receipt == detail::Receipt::kNothing) break;
-      if (receipt == detail::Receipt::kTooManyFrames) {
+      if (receipt == detail::Receipt::kTooManyFrames) {  // refused, by its id when its header has one
         ++malformed;
-        noisy.log(LogLevel::kWarning, fmt::format("client endpoint {}: a message of more than {} frames dropped", endpoint,
-                                                  2 + wire::kMaxTensors));
+        const std::string why = fmt::format("a request of more than {} frames (a header and at most {} tensors)",
+                                            1 + wire::kMaxTensors, wire::kMaxTensors);
+        noisy.log(LogLevel::kWarning, fmt::format("client endpoint {}: malformed frame dropped: {}", endpoint, why));
+        const auto id = parts.size() >= 2 ? wire::peek_request_id(parts[1].data(), parts[1].size()) : std::nullopt;
+        if (id) refuse(parts.front().to_string(), *id, absl::InvalidArgumentError(fmt::format("malformed request: {}", why)));
         continue;
       }
       if (parts.empty()) continue;

@@ -8,6 +8,7 @@
 
 #include <blockflow/channel/detail/curve_keys.hpp>
 #include <blockflow/channel/detail/zmq_calls.hpp>
+#include <blockflow/core/detail/utf8_text.hpp>
 #include <blockflow/worker/detail/launch_worker.hpp>
 #include <blockflow/worker/detail/worker_launch.hpp>
 
@@ -241,7 +242,7 @@ int serve_once(const Args& args, const std::filesystem::path& launcher_dir, int 
   }
   HandshakeWatch watch(context, control, args);
   control.connect(args.control);
-  auto send = [&](const nlohmann::json& m) { (void)control.send(zmq::buffer(m.dump()), zmq::send_flags::none); };
+  auto send = [&](const nlohmann::json& m) { (void)control.send(zmq::buffer(blockflow::detail::dump_json(m)), zmq::send_flags::none); };
   // Says hello (a joining worker again every second: the session may not be listening yet, or may
   // be busy with another worker of the same name) until the configuration arrives.
   std::optional<std::string> config;

@@ -180,7 +180,7 @@ class Worker {
   }
 
  private:
-  void send_control(const nlohmann::json& message) { (void)control_.send(zmq::buffer(message.dump()), zmq::send_flags::none); }
+  void send_control(const nlohmann::json& message) { (void)control_.send(zmq::buffer(bf::detail::dump_json(message)), zmq::send_flags::none); }
 
   // A child lives while its parent does; a joined worker while the session keeps pinging (it pings
   // every heartbeat interval, WorkerOptions::heartbeat_interval, sent in the config).

@@ -206,7 +206,7 @@ void WorkerSite::Impl::fail_queued(std::deque<Outbound> queued, const absl::Stat
 void WorkerSite::Impl::send_control(zmq::socket_t& router, const std::string& to, const nlohmann::json& message) {
   try {
     (void)router.send(zmq::buffer(to), zmq::send_flags::sndmore);
-    (void)router.send(zmq::buffer(message.dump()), zmq::send_flags::none);
+    (void)router.send(zmq::buffer(detail::dump_json(message)), zmq::send_flags::none);
   } catch (const zmq::error_t& e) {
     // ROUTER_MANDATORY: the peer is gone; supervision notices (process status, heartbeats). Said
     // once per peer.

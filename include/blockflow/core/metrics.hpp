@@ -17,6 +17,7 @@ namespace blockflow {
 struct LatencyStats {
   std::uint64_t count = 0;
   double mean_ms = 0, p50_ms = 0, p90_ms = 0, p99_ms = 0, max_ms = 0;
+  double sum_ms = 0;  ///< all of them together: only grows (a Prometheus summary's _sum)
 };
 
 /// @brief Per-block aggregates since the session started.

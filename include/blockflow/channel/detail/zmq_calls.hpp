@@ -67,11 +67,12 @@ inline bool receive_frames(zmq::socket_t& socket, std::vector<zmq::message_t>& f
 
 enum class Receipt { kNothing, kMessage, kTooManyFrames };
 
-/// One message of `socket` into `frames`, keeping at most `max_frames` of its parts: a message of
-/// more is read to its end (ZeroMQ delivers a multipart message whole, so nothing waits) and
-/// dropped, frames left empty (kTooManyFrames). Parts are bounded in size by ZMQ_MAXMSGSIZE, not
-/// in number: a peer could otherwise make the receiver hold a million empty frames. kNothing when
-/// nothing came (dontwait) or the wait was interrupted.
+/// One message of `socket` into `frames`, keeping at most its first `max_frames` parts: the rest
+/// of a longer message is read to its end and dropped (kTooManyFrames; ZeroMQ delivers a multipart
+/// message whole, so nothing waits). Parts are bounded in size by ZMQ_MAXMSGSIZE, not in number:
+/// this keeps what a reply sends back (routing frames) and what the caller holds bounded, though
+/// libzmq itself held the whole message. kNothing when nothing came (dontwait) or the wait was
+/// interrupted.
 inline Receipt receive_frames_at_most(zmq::socket_t& socket, std::vector<zmq::message_t>& frames, std::size_t max_frames,
                                       zmq::recv_flags flags = zmq::recv_flags::none) {
   zmq::message_t part;
@@ -84,11 +85,10 @@ inline Receipt receive_frames_at_most(zmq::socket_t& socket, std::vector<zmq::me
   bool over = false;
   while (true) {
     const bool more = part.more();
-    if (!over && frames.size() < max_frames) {
+    if (frames.size() < max_frames) {
       frames.push_back(std::move(part));
-    } else if (!over) {
+    } else {
       over = true;
-      frames.clear();
     }
     if (!more) return over ? Receipt::kTooManyFrames : Receipt::kMessage;
     part = zmq::message_t();

@@ -30,8 +30,11 @@ class LossResponder {
   /// Any thread, returns at once: `site` is gone for good. A second report of one site is ignored
   /// until restored() names it.
   void report(const std::string& site, const std::string& cause);
-  /// A site of that name starts (again): it is no longer listed as lost, and its loss is reported anew.
-  void restored(const std::string& site);
+  /// A site of that name starts (again): it is no longer listed as lost, and its loss is reported
+  /// anew. Whether it was listed.
+  bool restored(const std::string& site);
+  /// A site restored() named did not start after all: listed as lost again (no count, no re-plan).
+  void relist(const std::string& site);
   /// No re-plan starts after this; waits for the one in progress (cancel the apply() first), unless
   /// called from it (SessionOptions::on_site_lost shutting its session down): it then ends after it.
   void stop();

@@ -46,4 +46,21 @@ inline std::string dump_json(const nlohmann::json& json, int indent = -1) {
   return json.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
+/// A value quoted in an error message: its JSON text, at most `max` bytes of it and then "...", so
+/// that a request cannot make its error reply (or the log) as large as itself.
+inline std::string json_excerpt(const nlohmann::json& json, std::size_t max = 80) {
+  std::string text = dump_json(json);
+  if (text.size() <= max) return text;
+  return utf8_or_replaced(std::string_view(text).substr(0, max)) + "...";
+}
+
+/// A field name quoted in an error message: JSON's escapes (no raw newline reaches a log), without
+/// the quotes, at most `max` bytes and then "...".
+inline std::string key_excerpt(const std::string& key, std::size_t max = 80) {
+  const std::string text = dump_json(nlohmann::json(key));
+  const std::string_view inner = std::string_view(text).substr(1, text.size() - 2);
+  if (inner.size() <= max) return std::string(inner);
+  return utf8_or_replaced(inner.substr(0, max)) + "...";
+}
+
 }  // namespace blockflow::detail

@@ -9,7 +9,7 @@
 namespace blockflow {
 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(CudaGraphStats, graphs, replays, eager_runs)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(LatencyStats, count, mean_ms, p50_ms, p90_ms, p99_ms, max_ms)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(LatencyStats, count, mean_ms, p50_ms, p90_ms, p99_ms, max_ms, sum_ms)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(ChannelStats, kind, sent, received, rejected, dropped, bytes_copied,
                                                 depth, capacity, high_watermark, past_capacity)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(ShmEdgeStats, handles, releases, leases, slots_in_use, slots_total,

@@ -13,6 +13,7 @@
 #include <blockflow/channel/detail/shm_pool.hpp>
 #include <blockflow/core/remote_site.hpp>
 #include <blockflow/worker/worker_site.hpp>
+#include <blockflow/core/detail/utf8_text.hpp>  // dump_json(): every message of the protocol is written with it
 
 #include <absl/status/statusor.h>
 #include <absl/time/time.h>
