@@ -70,7 +70,7 @@ def main():
             ctl(tool, endpoint, "apply", bad, expect=1)
             with open(bad, "w") as f:  # dumping it would recurse once a level: refused before
                 f.write("[" * 300000 + "]" * 300000)
-            check("nests deeper than 64 levels" in ctl(tool, endpoint, "apply", bad, expect=1).stderr,
+            check("nests deeper than 63 levels" in ctl(tool, endpoint, "apply", bad, expect=1).stderr,
                   "a file nested too deep is refused by blockflowctl itself")
             check(json.loads(ctl(tool, endpoint, "status").stdout)["version"] == 1, "nothing changed")
         ctl(tool, endpoint, "frobnicate", expect=2)

@@ -596,6 +596,9 @@ TEST_CASE("an update that keeps or adds blocks at a site lost for good is refuse
   auto again = session.apply(parse(test::kThroughGate));
   REQUIRE_FALSE(again.ok());
   CHECK_THAT(std::string(again.status().message()), Contains("block 'g': site 'gate' is lost for good"));
+  auto bare = session.apply(parse(R"({"blocks": ["a", "g"], "tasks": {"t": ["a"], "t2": ["a", "g"]}})"));  // kept where it runs
+  REQUIRE_FALSE(bare.ok());
+  CHECK_THAT(std::string(bare.status().message()), Contains("block 'g': site 'gate' is lost for good"));
   CHECK(session.metrics().version == 1);
   // Moving its blocks away is an update like any other.
   auto away = session.apply(parse(R"({"blocks": ["a", {"name": "g", "factory": "upd_add_1"}], "tasks": {"t": ["a"], "t2": ["a", "g"]}})"));

@@ -103,9 +103,10 @@ int main(int argc, char** argv) try {
     if (!in) return usage(fmt::format("cannot read '{}'", args[1]));
     std::stringstream text;
     text << in.rdbuf();
-    // Refused here as the session would refuse it: dumping a deeper document recurses once a level.
-    if (nesting(text.str()) > 64) {
-      std::cerr << fmt::format("blockflowctl: '{}' nests deeper than 64 levels\n", args[1]);
+    // Refused here as the session would refuse it (the request around it is one more level):
+    // dumping a deeper document recurses once a level.
+    if (nesting(text.str()) > 63) {
+      std::cerr << fmt::format("blockflowctl: '{}' nests deeper than 63 levels (64 with the request around it)\n", args[1]);
       return 1;
     }
     request["deployment"] = nlohmann::json::parse(text.str(), nullptr, false);

@@ -41,6 +41,7 @@ struct SessionCore::UpdateWork {
   std::vector<BlockRuntime*> removed;       // running blocks that go (changed ones included)
   std::vector<std::unique_ptr<BlockRuntime>> fresh;
   std::vector<std::shared_ptr<SiteRuntime>> new_sites;
+  std::vector<std::string> lost_before;     // sites lost for good when the update began
   std::vector<BlockRuntime*> starting;      // fresh blocks of this process, started in step 4
   // Running sites that may have loaded this update's blocks: their blocks before, and whether the
   // site answered (its update returned OK; else it was cancelled or did not answer in time).
@@ -230,16 +231,19 @@ absl::Status SessionCore::update_diff(UpdateWork& u) {
   }
   // A site lost for good stays until its blocks leave it: a deployment that keeps or adds blocks
   // there would "succeed" and change nothing (or ask a dead site to load them).
-  const auto lost = losses_->stats().lost_sites;
+  u.lost_before = losses_->stats().lost_sites;
+  const auto& lost = u.lost_before;
   for (const auto& d : wanted.blocks) {
-    if (d.placement.empty() || site_named(d.placement) == nullptr ||
-        std::find(lost.begin(), lost.end(), d.placement) == lost.end()) {
-      continue;
+    std::string site = d.placement;
+    if (bare.count(d.name) != 0) {  // a bare name keeps the block where it runs
+      auto it = block_by_name_.find(d.name);
+      if (it != block_by_name_.end() && it->second->site != nullptr) site = it->second->site->site->name();
     }
+    if (site.empty() || site_named(site) == nullptr || std::find(lost.begin(), lost.end(), site) == lost.end()) continue;
     return u.invalid(fmt::format("block '{}': site '{}' is lost for good; place its blocks on a site of another name, or "
                                  "remove every block from '{}' first (a site a deployment started then stops, and a "
                                  "later update starts a new one of that name)",
-                                 d.name, d.placement, d.placement));
+                                 d.name, site, site));
   }
   for (const auto& d : u.added) {
     if (d.placement.empty()) continue;
@@ -482,7 +486,12 @@ absl::Status SessionCore::update_start(UpdateWork& u) {
 // are asked (a cancelled one would not answer in time either; the blocks it may have loaded are
 // never routed to, and its next update lists what it keeps).
 void SessionCore::update_undo(UpdateWork& u) {
-  for (auto& site : u.new_sites) site->site->stop();
+  for (auto& site : u.new_sites) {
+    site->site->stop();
+    // It took a lost site's name off the list as it started: nothing replaced that site after all.
+    const std::string& name = site->site->name();
+    if (std::find(u.lost_before.begin(), u.lost_before.end(), name) != u.lost_before.end()) losses_->relist(name);
+  }
   const bool cancelled = update_cancelled();
   for (const auto& grown : u.grown) {
     if (cancelled && !grown.answered) continue;

@@ -290,7 +290,7 @@ absl::StatusOr<Path> graph_from_json(const std::string& task, const nlohmann::js
     if (!n.is_object()) return bad(fmt::format("node {} is not an object", detail::json_excerpt(n)));
     for (const auto& [key, value] : n.items()) {
       if (key != "block" && key != "join" && key != "inputs" && key != "combine") {
-        return bad(fmt::format("unknown node field '{}' (block, join, inputs, combine)", key));
+        return bad(fmt::format("unknown node field '{}' (block, join, inputs, combine)", detail::key_excerpt(key)));
       }
     }
     if (n.contains("block") == n.contains("join")) return bad(fmt::format("node {} needs \"block\" or \"join\"", detail::json_excerpt(n)));
@@ -298,7 +298,7 @@ absl::StatusOr<Path> graph_from_json(const std::string& task, const nlohmann::js
     const auto& name_json = is_join ? n["join"] : n["block"];
     if (!name_json.is_string()) return bad(fmt::format("node {}: the name must be a string", detail::json_excerpt(n)));
     const std::string name = name_json.get<std::string>();
-    if (!is_join && blocks.count(name) == 0) return bad(fmt::format("unknown block '{}'", name));
+    if (!is_join && blocks.count(name) == 0) return bad(fmt::format("unknown block '{}'", detail::key_excerpt(name)));
     if (is_join) {
       if (auto status = check_name("join", name); !status.ok()) return bad(std::string(status.message()));
     }
@@ -428,7 +428,7 @@ absl::StatusOr<Deployment> Deployment::parse(const std::string& text, const std:
       if (!b.is_string()) return absl::InvalidArgumentError(fmt::format("deployment: task '{}': {} is not a block name", task, detail::json_excerpt(b)));
       const std::string name = b.get<std::string>();
       if (names.count(name) == 0) {
-        return absl::InvalidArgumentError(fmt::format("deployment: task '{}': unknown block '{}'", task, name));
+        return absl::InvalidArgumentError(fmt::format("deployment: task '{}': unknown block '{}'", task, detail::key_excerpt(name)));
       }
       if (!seen.insert(name).second) {
         return absl::InvalidArgumentError(fmt::format("deployment: task '{}': has a cycle: block '{}' appears twice", task, name));
