@@ -12,12 +12,12 @@
 // says ok, 1 when it refuses (its error is printed), 2 for usage errors or no answer.
 
 #include <blockflow/channel/detail/curve_keys.hpp>
+#include <blockflow/core/detail/json_depth.hpp>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <zmq.hpp>
 
-#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -30,26 +30,6 @@ constexpr const char* kUsage =
     "usage: blockflowctl [--endpoint EP] [--key FILE.key_secret --server-key FILE.key] "
     "(apply FILE | status | metrics [--json|--prometheus] | sampling on|off [--period MS])\n"
     "   or: blockflowctl keygen NAME [--dir DIR]";
-
-// How deep the arrays and objects of JSON `text` nest (strings skipped; no parse).
-int nesting(const std::string& text) {
-  int depth = 0, deepest = 0;
-  bool in_string = false;
-  for (std::size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\') ++i;
-      else if (c == '"') in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      deepest = std::max(deepest, ++depth);
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return deepest;
-}
 
 int usage(const std::string& why) {
   std::cerr << "blockflowctl: " << why << "\n" << kUsage << "\n";
@@ -105,7 +85,7 @@ int main(int argc, char** argv) try {
     text << in.rdbuf();
     // Refused here as the session would refuse it (the request around it is one more level):
     // dumping a deeper document recurses once a level.
-    if (nesting(text.str()) > 63) {
+    if (blockflow::detail::json_nests_deeper(text.str(), 63)) {
       std::cerr << fmt::format("blockflowctl: '{}' nests deeper than 63 levels (64 with the request around it)\n", args[1]);
       return 1;
     }

@@ -1,6 +1,7 @@
 #include <blockflow/deploy/deployment.hpp>
 #include <blockflow/deploy/detail/deployment_json.hpp>
 #include <blockflow/core/names.hpp>
+#include <blockflow/core/detail/json_depth.hpp>
 #include <blockflow/core/detail/json_integer.hpp>
 #include <blockflow/core/detail/utf8_text.hpp>
 #include <blockflow/core/detail/warm_up_shapes.hpp>
@@ -88,24 +89,8 @@ nlohmann::json block_to_json(const BlockDescription& d) {
 }
 
 absl::Status check_json_depth(std::string_view text, int max_depth) {
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (const char c : text) {
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-      continue;
-    }
-    if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      if (++depth > max_depth) {
-        return absl::InvalidArgumentError(fmt::format("JSON nests deeper than {} levels", max_depth));
-      }
-    } else if (c == '}' || c == ']') {
-      --depth;
-    }
+  if (json_nests_deeper(text, max_depth)) {
+    return absl::InvalidArgumentError(fmt::format("JSON nests deeper than {} levels", max_depth));
   }
   return absl::OkStatus();
 }

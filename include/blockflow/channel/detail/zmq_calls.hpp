@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstddef>
 #include <iterator>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -52,19 +53,6 @@ inline void poll_items(std::vector<zmq::pollitem_t>& items, std::chrono::millise
   poll_items(items.data(), items.size(), timeout);
 }
 
-/// zmq::recv_multipart() into `frames`; false when nothing came (timeout, dontwait) or the wait
-/// was interrupted.
-inline bool receive_frames(zmq::socket_t& socket, std::vector<zmq::message_t>& frames,
-                           zmq::recv_flags flags = zmq::recv_flags::none) {
-  try {
-    return zmq::recv_multipart(socket, std::back_inserter(frames), flags).has_value();
-  } catch (const zmq::error_t& e) {
-    if (e.num() != EINTR) throw;
-    frames.clear();
-    return false;
-  }
-}
-
 enum class Receipt { kNothing, kMessage, kTooManyFrames };
 
 /// One message of `socket` into `frames`, keeping at most its first `max_frames` parts: the rest
@@ -101,6 +89,13 @@ inline Receipt receive_frames_at_most(zmq::socket_t& socket, std::vector<zmq::me
       }
     }
   }
+}
+
+/// One message into `frames`, whole; false when nothing came (timeout, dontwait) or the wait was
+/// interrupted.
+inline bool receive_frames(zmq::socket_t& socket, std::vector<zmq::message_t>& frames,
+                           zmq::recv_flags flags = zmq::recv_flags::none) {
+  return receive_frames_at_most(socket, frames, std::numeric_limits<std::size_t>::max(), flags) == Receipt::kMessage;
 }
 
 }  // namespace blockflow::detail
