@@ -85,6 +85,11 @@ TEST_CASE("rich block objects set file, factory, placement and options", "[deplo
   CHECK_FALSE(shipped->torchscript_options.optimize_for_inference);
   CHECK(d->blocks[1].factory == "scale");
   CHECK(d->blocks[1].torchscript.empty());
+  // A factory's block crosses to a worker without TorchScript's settings (which its parse refuses).
+  auto factory_shipped = blockflow::detail::block_from_json(blockflow::detail::block_to_json(d->blocks[1]), "");
+  INFO(factory_shipped.status().ToString());
+  REQUIRE(factory_shipped.ok());
+  CHECK(factory_shipped->factory == "scale");
   CHECK(d->blocks[2].torchscript == "/abs/three.pt");
   CHECK(d->workers() == std::vector<std::string>{"w1", "w2"});
   // The worker protocol ships blocks in this shape: a description survives the trip.
@@ -143,6 +148,11 @@ TEST_CASE("malformed deployments are rejected whole, naming the fault", "[deploy
   CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "torchscript": "x.pt", "freeze": false, "optimize_for_inference": true}],
                        "tasks": {}})"),
              Contains("block 'b': optimize_for_inference needs \"freeze\": true"));
+  // A C++ block has no module to freeze: TorchScript's settings on it are refused, not ignored.
+  for (const char* key : {"freeze", "optimize_for_inference"}) {
+    CHECK_THAT(error_of(std::string(R"({"blocks": [{"name": "b", "factory": "f", ")") + key + R"(": false}], "tasks": {}})"),
+               Contains(std::string("block 'b': field '") + key + "' applies to TorchScript blocks only (this block is made by factory 'f')"));
+  }
   CHECK_THAT(error_of(R"({"blocks": ["a", "a"], "tasks": {}})"), Contains("block 'a' appears twice"));
   CHECK_THAT(error_of(R"({"blocks": ["a"], "tasks": {"t": []}})"), Contains("task 't' must be a non-empty list"));
   CHECK_THAT(error_of(R"({"blocks": ["a"], "tasks": {"t": ["a", "nope"]}})"), Contains("task 't': unknown block 'nope'"));

@@ -68,7 +68,7 @@ absl::StatusOr<std::string> resolve_inside(const std::string& block, const std::
 
 nlohmann::json block_to_json(const BlockDescription& d) {
   const BlockOptions& o = d.options;
-  return {{"name", d.name},
+  nlohmann::json json = {{"name", d.name},
           {"torchscript", d.torchscript},
           {"factory", d.factory},
           {"placement", d.placement},
@@ -82,10 +82,13 @@ nlohmann::json block_to_json(const BlockDescription& d) {
           {"max_batch", o.max_batch},
           {"max_batch_delay_ms", o.max_batch_delay_ms},
           {"memory_bytes", o.memory_bytes},
-          {"cuda_graph", o.cuda_graph},
-          {"freeze", d.torchscript_options.freeze},
-          // Only a frozen module is optimized: an unfrozen one never claims it (block_from_json refuses that).
-          {"optimize_for_inference", d.torchscript_options.freeze && d.torchscript_options.optimize_for_inference}};
+          {"cuda_graph", o.cuda_graph}};
+  if (d.factory.empty()) {  // TorchScript's own settings: block_from_json refuses them on a factory's block
+    json["freeze"] = d.torchscript_options.freeze;
+    // Only a frozen module is optimized: an unfrozen one never claims it (block_from_json refuses that).
+    json["optimize_for_inference"] = d.torchscript_options.freeze && d.torchscript_options.optimize_for_inference;
+  }
+  return json;
 }
 
 absl::Status check_json_depth(std::string_view text, int max_depth) {
@@ -188,6 +191,15 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
   if (d.torchscript.empty() == d.factory.empty()) {
     return absl::InvalidArgumentError(
         fmt::format("block '{}': give exactly one of \"torchscript\" (a file) and \"factory\" (a registered C++ block)", d.name));
+  }
+  if (!d.factory.empty()) {  // a C++ block has no module to freeze: a setting it would ignore is refused
+    for (const char* key : {"freeze", "optimize_for_inference"}) {
+      if (json.contains(key)) {
+        return absl::InvalidArgumentError(fmt::format(
+            "block '{}': field '{}' applies to TorchScript blocks only (this block is made by factory '{}')", d.name,
+            key, detail::key_excerpt(d.factory)));
+      }
+    }
   }
   if (d.torchscript_options.optimize_for_inference && !d.torchscript_options.freeze) {
     return absl::InvalidArgumentError(
