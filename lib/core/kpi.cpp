@@ -209,25 +209,28 @@ struct KpiSampler::Impl {
   double last_cpu = 0;
   std::thread thread;
 
-  // Takes one sample; called with mu held.
-  void take() {
-    const std::int64_t now = detail::now_ns();
+  // Measures one sample: called without mu, so that latest() (every metrics snapshot) never waits
+  // for /proc or NVML; derived figures and the store come after, under mu (record()).
+  static KpiSample measure() {
     KpiSample s;
-    s.time_s = static_cast<double>(now - started_ns) / 1e9;
     s.process = sample_process();
-    if (last_ns > 0 && now > last_ns) {
-      s.process.cpu_utilisation = (s.process.cpu_seconds - last_cpu) / (static_cast<double>(now - last_ns) / 1e9);
-    }
     GpuProbe& gpu = GpuProbe::instance();
     s.gpu_status = gpu.status();
     s.torch_cuda_status = sample_torch_cuda(s.torch_cuda);
-    s.energy_j = latest.energy_j;
-    if (gpu.available()) {
-      s.gpus = gpu.sample();
-      double watts = 0;
-      for (const auto& g : s.gpus) watts += g.power_w;
-      if (last_ns > 0) s.energy_j += watts * static_cast<double>(now - last_ns) / 1e9;
+    if (gpu.available()) s.gpus = gpu.sample();
+    return s;
+  }
+
+  // Completes and stores a measured sample; called with mu held.
+  void record(KpiSample s, std::int64_t now) {
+    s.time_s = static_cast<double>(now - started_ns) / 1e9;
+    if (last_ns > 0 && now > last_ns) {
+      s.process.cpu_utilisation = (s.process.cpu_seconds - last_cpu) / (static_cast<double>(now - last_ns) / 1e9);
     }
+    s.energy_j = latest.energy_j;
+    double watts = 0;
+    for (const auto& g : s.gpus) watts += g.power_w;
+    if (last_ns > 0 && now > last_ns) s.energy_j += watts * static_cast<double>(now - last_ns) / 1e9;
     last_ns = now;
     last_cpu = s.process.cpu_seconds;
     latest = std::move(s);
@@ -244,7 +247,12 @@ struct KpiSampler::Impl {
         changed.wait(lock, [&] { return stopping || enabled; });
         continue;
       }
-      take();
+      const std::int64_t now = detail::now_ns();
+      lock.unlock();
+      KpiSample s = measure();
+      lock.lock();
+      if (stopping || !enabled) continue;
+      record(std::move(s), now);
       changed.wait_for(lock, absl::ToChronoNanoseconds(period), [&] { return stopping || !enabled; });
     }
   }
