@@ -20,11 +20,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <sstream>
 #include <thread>
 #include <vector>
+
+extern int blockflow_test_pipe_before_fork_server[2];  // main.cpp
 
 using namespace blockflow;
 using Catch::Matchers::Contains;
@@ -33,6 +36,17 @@ namespace {
 
 pid_t parent_of(std::int64_t pid) { return static_cast<pid_t>(blockflow::detail::process_parent(pid)); }
 int threads_of(pid_t pid) { return blockflow::detail::process_threads(pid); }
+
+// How many of `pid`'s descriptors lead to `target` (a /proc/PID/fd link's text, e.g. "pipe:[123]").
+int holds_descriptor_of(pid_t pid, const std::string& target) {
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(fmt::format("/proc/{}/fd", pid))) {
+    std::error_code ec;
+    const auto link = std::filesystem::read_symlink(entry.path(), ec);
+    if (!ec && link.string() == target) ++count;
+  }
+  return count;
+}
 
 
 }  // namespace
@@ -57,6 +71,14 @@ TEST_CASE("a worker forked from the fork server is its child, runs TorchScript a
     CHECK(parent != ::getpid());  // the fork server's
   }
   CHECK(parent_of(w1->pid()) == parent_of(w2->pid()));
+  // The application's inheritable pipe (main.cpp) is held by neither the server nor its workers.
+  REQUIRE(blockflow_test_pipe_before_fork_server[1] >= 0);
+  const std::string pipe_name =
+      std::filesystem::read_symlink(fmt::format("/proc/self/fd/{}", blockflow_test_pipe_before_fork_server[1])).string();
+  for (const pid_t holder : {parent_of(w1->pid()), static_cast<pid_t>(w1->pid())}) {
+    INFO("process " << holder);
+    CHECK(holds_descriptor_of(holder, pipe_name) == 0);
+  }
   // The server ran libtorch once before forking (a small module loaded, optimised and run) and
   // still has one thread: a thread made there would be missing in every forked worker.
   CHECK(threads_of(parent_of(w1->pid())) == 1);

@@ -137,6 +137,20 @@ const std::map<std::string, int>& malloc_parameters() {
 
 // --- the server process -------------------------------------------------------------------------
 
+// This process's open descriptors, read from /proc/self/fd (the directory's own excepted).
+std::vector<int> open_descriptors() {
+  std::vector<int> open;
+  if (DIR* fds = ::opendir("/proc/self/fd")) {
+    while (const dirent* entry = ::readdir(fds)) {
+      const int fd = std::atoi(entry->d_name);
+      if (entry->d_name[0] == '.' || fd == ::dirfd(fds)) continue;
+      open.push_back(fd);
+    }
+    ::closedir(fds);
+  }
+  return open;
+}
+
 // What exec would have done: caught signals back to their default (ignored ones stay ignored), and
 // the descriptors marked close-on-exec closed.
 void as_if_exec() {
@@ -147,17 +161,10 @@ void as_if_exec() {
       ::signal(sig, SIG_DFL);
     }
   }
-  std::vector<int> close_on_exec;
-  if (DIR* fds = ::opendir("/proc/self/fd")) {
-    while (const dirent* entry = ::readdir(fds)) {
-      const int fd = std::atoi(entry->d_name);
-      if (entry->d_name[0] == '.' || fd == ::dirfd(fds)) continue;
-      const int flags = ::fcntl(fd, F_GETFD);
-      if (flags >= 0 && (flags & FD_CLOEXEC) != 0) close_on_exec.push_back(fd);
-    }
-    ::closedir(fds);
+  for (const int fd : open_descriptors()) {
+    const int flags = ::fcntl(fd, F_GETFD);
+    if (flags >= 0 && (flags & FD_CLOEXEC) != 0) ::close(fd);
   }
-  for (const int fd : close_on_exec) ::close(fd);
 }
 
 // A forked worker: started as if exec'd, with the environment an exec'd one would have, then
@@ -281,6 +288,12 @@ void prepare_libtorch() noexcept {
   ::prctl(PR_SET_NAME, "bf-forkserver");
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // dies with the application (its workers then die with it)
   if (::getppid() != application) ::_exit(0);
+  // The application's descriptors are not the server's: it keeps 0-2 and its socket, as a spawned
+  // worker gets 0-2 only (child_process.cpp), so no forked worker holds a pipe end, file or socket
+  // of the application open for its whole life either.
+  for (const int fd : open_descriptors()) {
+    if (fd > 2 && fd != socket) ::close(fd);
+  }
   ::signal(SIGCHLD, SIG_DFL);  // reaped here, whatever the application had set
   sigset_t chld, mask;
   sigemptyset(&chld);
