@@ -205,11 +205,10 @@ int main(int argc, char** argv) {
   bf::Session session(session_options);
   if (examples) add_blocks(session);
   // Deployments applied through the control endpoint may place blocks in worker processes: each
-  // placement they name starts one (and one left without blocks stops).
-  session.set_site_factory([](const std::string& name) {
-    bf::WorkerOptions o;
-    o.name = name;
-    return bf::make_worker(o);
+  // placement they name starts one (and one left without blocks stops), with the deployment's
+  // settings for it ("sites": memory budget and policy, lanes).
+  session.set_site_factory([](const bf::SiteSettings& settings) {
+    return bf::make_worker(bf::worker_options_for({}, settings));
   });
   if (auto status = session.start(); !status.ok()) {
     std::cerr << "serve: " << status << "\n";

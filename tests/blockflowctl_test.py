@@ -60,6 +60,20 @@ def main():
             status = json.loads(ctl(tool, endpoint, "status").stdout)
             check(status["tasks"] == ["affine"] and status["version"] == 1, "status after the update")
 
+            # A placement's settings reach the worker serve starts for it: its memory budget refuses a
+            # block whose profiled memory is over it, naming both (before, the worker started without one).
+            budget = os.path.join(tmp, "budget.json")
+            with open(budget, "w") as f:
+                json.dump({"blocks": ["affine", "sum2", "fails",
+                                      {"name": "big", "torchscript": "big.pt", "placement": "w1",
+                                       "memory_bytes": 200 << 20}],
+                           "tasks": {"affine": ["affine"], "big": ["big"]},
+                           "sites": {"w1": {"memory": {"budget": 100 << 20, "policy": "admit"}}}}, f)
+            out = ctl(tool, endpoint, "apply", budget, expect=1)
+            check("site 'w1': its blocks' profiled memory is 200.0 MB ('big' 200.0 MB), over its memory budget of "
+                  "100.0 MB" in out.stderr,
+                  "a deployment's memory budget for a worker site is applied, naming the block")
+
             bad = os.path.join(tmp, "bad.json")
             with open(bad, "w") as f:
                 json.dump({"blocks": ["affine"], "tasks": {"affine": ["affine", "nope"]}}, f)

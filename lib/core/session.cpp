@@ -502,6 +502,12 @@ Session& Session::add_site(std::shared_ptr<RemoteSite> site, SiteLifetime lifeti
 
 Session& Session::set_site_factory(SiteFactory factory) {
   core_->set_site_factory(factory ? SiteFactoryWithSettings([factory = std::move(factory)](const SiteSettings& s) {
+    if (s.memory_budget != 0 || !s.memory_policy.empty() || !s.memory_measure.empty() || s.lanes != 0) {
+      detail::log(LogLevel::kWarning,
+                  fmt::format("site '{}': the deployment's settings for it (memory, lanes) are not applied: the site "
+                              "factory takes a name only (Session::set_site_factory(SiteFactoryWithSettings) takes "
+                              "them; blockflow::worker_options_for())", s.name));
+    }
     return factory(s.name);
   }) : SiteFactoryWithSettings());
   return *this;

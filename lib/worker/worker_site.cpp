@@ -419,10 +419,8 @@ std::string WorkerSite::join_endpoint() const { return impl_->joined() ? impl_->
 }  // namespace blockflow
 
 namespace blockflow {
-namespace {
 
-// `defaults` with what a deployment sets for the site.
-WorkerOptions with_settings(WorkerOptions options, const SiteSettings& settings) {
+WorkerOptions worker_options_for(WorkerOptions options, const SiteSettings& settings) {
   options.name = settings.name;
   if (settings.memory_budget > 0) options.memory_budget = settings.memory_budget;
   if (settings.memory_policy == "on_demand") options.memory_policy = SessionOptions::MemoryPolicy::kOnDemand;
@@ -433,14 +431,12 @@ WorkerOptions with_settings(WorkerOptions options, const SiteSettings& settings)
   return options;
 }
 
-}  // namespace
-
 void add_deployment(Session& session, const Deployment& deployment, const WorkerOptions& defaults) {
   session.set_site_factory([defaults](const SiteSettings& settings) -> std::shared_ptr<RemoteSite> {
-    return make_worker(with_settings(defaults, settings));
+    return make_worker(worker_options_for(defaults, settings));
   });
   for (const auto& name : deployment.workers()) {
-    session.add_site(make_worker(with_settings(defaults, deployment.site(name))), Session::SiteLifetime::kStopWhenEmpty);
+    session.add_site(make_worker(worker_options_for(defaults, deployment.site(name))), Session::SiteLifetime::kStopWhenEmpty);
   }
   for (const auto& block : deployment.blocks) session.add_block(block);
   for (auto& path : deployment.paths()) session.add_path(std::move(path));

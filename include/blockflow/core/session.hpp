@@ -181,6 +181,9 @@ class Session {
   /// @brief How apply() starts a site that a new block's placement names and the session does not
   /// have yet (add_deployment() installs one that starts worker processes). Without a factory such
   /// an update is rejected, naming the placement. Call before start() or between apply() calls.
+  /// This form takes a name only: the deployment's settings for the site (Deployment::sites: memory
+  /// budget and policy, lanes) are not applied, and apply() logs a warning naming the site when
+  /// there are any; the form below takes them.
   Session& set_site_factory(SiteFactory factory);
   /// @brief The same, given the settings the deployment being applied has for the site
   /// (Deployment::site(): defaults, only the name set, when it gives none).

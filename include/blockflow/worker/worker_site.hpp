@@ -210,6 +210,16 @@ class WorkerSite final : public RemoteSite {
   std::shared_ptr<Impl> impl_;  // shared with the placeholders of outputs parked in the worker
 };
 
+/// @brief `defaults` with what a deployment gives a site (Deployment::sites): its name, memory budget,
+/// policy and measure, lanes. A site factory that starts workers for Session::apply() makes their
+/// options with it, e.g.
+/// @code
+///   session.set_site_factory([](const blockflow::SiteSettings& s) {
+///     return blockflow::make_worker(blockflow::worker_options_for({}, s));
+///   });
+/// @endcode
+WorkerOptions worker_options_for(WorkerOptions defaults, const SiteSettings& settings);
+
 /// @brief Adds a deployment's blocks and tasks to `session` (before start()), with one child worker
 /// per placement named in it, each made from `defaults` with that name and the deployment's settings
 /// for it (Deployment::sites: memory budget and policy, lanes). Also installs a site factory, so that
