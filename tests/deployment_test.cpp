@@ -162,6 +162,19 @@ TEST_CASE("malformed deployments are rejected whole, naming the fault", "[deploy
   CHECK(absl::IsNotFound(load_deployment("/nonexistent/deploy.json").status()));
 }
 
+TEST_CASE("a deployment's tasks come in the file's order, chains and graphs together", "[deployment]") {
+  auto d = Deployment::parse(R"({"blocks": ["a", "b"], "tasks": {"zeta": ["a"], "alpha": {"nodes": [{"block": "b"}]},
+                                                                 "mid": ["b", "a"]}})");
+  INFO(d.status().ToString());
+  REQUIRE(d.ok());
+  REQUIRE(d->tasks.size() == 2);
+  CHECK(d->tasks[0].first == "zeta");  // before: sorted by name (alpha, mid, zeta), chains before graphs
+  CHECK(d->tasks[1].first == "mid");
+  std::vector<std::string> order;
+  for (const auto& path : d->paths()) order.push_back(path.task());
+  CHECK(order == std::vector<std::string>{"zeta", "alpha", "mid"});
+}
+
 TEST_CASE("a task given as a graph: nodes, inputs, joins and combine rules; its faults named", "[deployment]") {
   auto d = Deployment::parse(R"({"blocks": ["trunk", "ha", "hb"],
       "tasks": {"chain": ["trunk", "ha"],

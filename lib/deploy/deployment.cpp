@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -407,7 +408,18 @@ absl::StatusOr<Deployment> Deployment::parse(const std::string& text, const std:
     if (b.is_string()) out.bare_names.push_back(block->name);
     out.blocks.push_back(*std::move(block));
   }
-  for (const auto& [task, chain] : json["tasks"].items()) {
+  // In the file's order (nlohmann::json keeps an object's keys sorted): paths() adds them so, and
+  // a session serving while it warms up makes the first task ready first.
+  std::vector<std::string> task_order;
+  {
+    const auto ordered = nlohmann::ordered_json::parse(text, nullptr, false);
+    std::set<std::string> listed;
+    for (const auto& [task, chain] : ordered.at("tasks").items()) {
+      if (listed.insert(task).second) task_order.push_back(task);
+    }
+  }
+  for (const auto& task : task_order) {
+    const nlohmann::json& chain = json["tasks"][task];
     if (auto status = check_name("task", task); !status.ok()) return absl::InvalidArgumentError(fmt::format("deployment: {}", std::string(status.message())));
     if (chain.is_object()) {
       auto graph = detail::graph_from_json(task, chain, names);
@@ -434,6 +446,7 @@ absl::StatusOr<Deployment> Deployment::parse(const std::string& text, const std:
     }
     out.tasks.emplace_back(task, std::move(blocks));
   }
+  out.order = std::move(task_order);
   if (json.contains("sites")) {
     auto sites = detail::sites_from_json(json["sites"], out.workers());
     if (!sites.ok()) return absl::InvalidArgumentError(fmt::format("deployment: {}", std::string(sites.status().message())));
@@ -463,6 +476,14 @@ std::vector<Path> Deployment::paths() const {
   std::vector<Path> out;
   for (const auto& [task, chain] : tasks) out.push_back(Path::chain(task, chain));
   out.insert(out.end(), graphs.begin(), graphs.end());
+  if (order.size() == out.size()) {  // in the file's order; stable: a name `order` lacks keeps its place after the rest
+    std::map<std::string, std::size_t> rank;
+    for (std::size_t i = 0; i < order.size(); ++i) rank.emplace(order[i], i);
+    std::stable_sort(out.begin(), out.end(), [&](const Path& a, const Path& b) {
+      const auto ra = rank.find(a.task()), rb = rank.find(b.task());
+      return (ra == rank.end() ? order.size() : ra->second) < (rb == rank.end() ? order.size() : rb->second);
+    });
+  }
   return out;
 }
 

@@ -67,6 +67,9 @@ struct Deployment {
   std::vector<BlockDescription> blocks;
   std::vector<std::pair<std::string, std::vector<std::string>>> tasks;  ///< task -> chain of blocks, in file order
   std::vector<Path> graphs;  ///< the tasks given as graphs ({"nodes": [...]}), in file order
+  /// Every task's name in file order, chains and graphs together (parse() sets it; paths() follows
+  /// it when it names as many tasks as there are; empty: chains first, then graphs).
+  std::vector<std::string> order;
   /// Blocks given by a bare name (the reference's form). Session::apply() keeps a running block of
   /// that name as it is, whatever it is (a C++ callable included).
   std::vector<std::string> bare_names;
