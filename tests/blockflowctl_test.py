@@ -39,6 +39,8 @@ def main():
 
         both = ctl(tool, endpoint, "metrics").stdout
         check('"uptime_s"' in both and "# TYPE blockflow_uptime_seconds gauge" in both, "metrics: JSON and Prometheus")
+        check("--period takes a whole number of milliseconds above 0, not 'soon'" in
+              ctl(tool, endpoint, "sampling", "on", "--period", "soon", expect=2).stderr, "a bad --period is named")
         ctl(tool, endpoint, "sampling", "on", "--period", "50")
         metrics = json.loads(ctl(tool, endpoint, "metrics", "--json").stdout)
         check(metrics["sampling"] is True and metrics["sampling_period_s"] == 0.05, "sampling switched on")

@@ -63,7 +63,7 @@ TEST_CASE("a call into a block that does not return holds neither shutdown() nor
     auto shut = std::async(std::launch::async, [&] { session->shutdown(absl::Milliseconds(10)); });
     const bool returned = shut.wait_for(60s) == std::future_status::ready;
     CHECK(returned);  // while the call still waits: the gate is opened below
-    CHECK(cancelled_naming(first, "session shut down while the request was in flight"));
+    CHECK(cancelled_naming(first, "task 't': session shut down while the request was in flight"));
     for (auto& f : queued) CHECK(cancelled_naming(f, "block 'stuck': session shut down while the request waited in its queue"));
     CHECK(log.contains("shutdown(): a call into block 'stuck' has not returned"));
     call->open();
@@ -87,7 +87,7 @@ TEST_CASE("a call into a block that does not return holds neither shutdown() nor
     session.reset();
     CHECK(log.contains("~Session(): a lane is still in a call that has not returned"));
     CHECK(log.contains("shutdown(): a call into block 'stuck' has not returned"));
-    CHECK(cancelled_naming(first, "session shut down while the request was in flight"));
+    CHECK(cancelled_naming(first, "task 't': session shut down while the request was in flight"));
     for (auto& f : queued) CHECK(cancelled_naming(f, "block 'stuck'"));
     CHECK(stuck.use_count() > 1);  // the parked session still holds the block
     call->open();

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 #include <zmq.hpp>
 
+#include <charconv>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -103,8 +104,16 @@ int main(int argc, char** argv) try {
   } else if (cmd == "sampling") {
     if (args.size() < 2 || (args[1] != "on" && args[1] != "off")) return usage("sampling on|off");
     request["enabled"] = args[1] == "on";
-    if (args.size() == 4 && args[2] == "--period") request["period_ms"] = std::stoi(args[3]);
-    else if (args.size() != 2) return usage("sampling on|off [--period MS]");
+    if (args.size() == 4 && args[2] == "--period") {
+      int period = 0;
+      const auto [end, error] = std::from_chars(args[3].data(), args[3].data() + args[3].size(), period);
+      if (error != std::errc() || end != args[3].data() + args[3].size() || period <= 0) {
+        return usage(fmt::format("--period takes a whole number of milliseconds above 0, not '{}'", args[3]));
+      }
+      request["period_ms"] = period;
+    } else if (args.size() != 2) {
+      return usage("sampling on|off [--period MS]");
+    }
   } else {
     return usage(fmt::format("unknown command '{}'", cmd));
   }

@@ -400,7 +400,10 @@ void SessionCore::shutdown(absl::Duration drain) {
   // Requests still waiting at an entry window are among them: the gates let go of them (a waiting
   // request holds its task's counters, which hold the gate: a cycle).
   for (auto& state : leftovers) (void)state->path->gate.take_all();
-  for (auto& state : leftovers) fail(state, absl::CancelledError("session shut down while the request was in flight"));
+  for (auto& state : leftovers) {
+    fail(state, absl::CancelledError(
+                    fmt::format("task '{}': session shut down while the request was in flight", state->path->task)));
+  }
   shut_down_ = true;
   if (!lanes_joined) {
     std::vector<std::string> calling;

@@ -171,7 +171,8 @@ void SessionCore::hand_place_on(const StatePtr& state) noexcept {
     try {
       if (next && next->state) {
         const StatePtr waiter = std::move(next->state);
-        fail(waiter, absl::ResourceExhaustedError("the request could not be started after waiting at its task's entry"));
+        fail(waiter, absl::ResourceExhaustedError(fmt::format(
+                         "task '{}': the request could not be started after waiting at its task's entry", state->path->task)));
         (void)take_place(waiter);
       }
       log(LogLevel::kError, fmt::format("task '{}': a request waiting at its entry could not be started", state->path->task));

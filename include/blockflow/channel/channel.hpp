@@ -108,7 +108,7 @@ class TensorChannel {
 
   [[nodiscard]] virtual bool closed() const = 0;
   [[nodiscard]] virtual ChannelStats stats() const = 0;
-  /// @brief What the backend is: "inproc" (InProcessChannel), "shm", "zmq-ipc" or "zmq-tcp" (ProcessChannel).
+  /// @brief What the backend is: "inproc" (InProcessChannel), "shm", "cuda", "zmq-ipc" or "zmq-tcp" (ProcessChannel).
   [[nodiscard]] virtual std::string_view kind() const = 0;
 };
 

@@ -113,7 +113,8 @@ class Block {
   /// auto twice = blockflow::Block::callable("twice", [](blockflow::Tensors&& in)
   ///     -> absl::StatusOr<blockflow::Tensors> { return blockflow::Tensors{in.at(0) * 2}; });
   /// @endcode
-  /// Throws std::invalid_argument if the name is empty or the device string is malformed.
+  /// Throws std::invalid_argument, with validate()'s message, for an empty name or callable or an
+  /// option out of range (device, workers, queue_capacity, max_batch, max_batch_delay_ms, cuda_graph).
   static std::shared_ptr<Block> callable(std::string name, Fn fn, BlockOptions options = {});
 
  private:

@@ -245,8 +245,9 @@ class Session {
   /// (give the new version another name, or another placement). A site that fails to load a block
   /// rejects the update as a whole: new sites are stopped, the others unload what they loaded.
   ///
-  /// A deployment describes chains: an update that leaves out a task added with add_path() as a
-  /// DAG is refused, naming the task (it would be dropped without anyone asking); with
+  /// A task left out of an update is removed, except one whose graph merges with a C++ rule
+  /// (Combine::custom()): no deployment can describe it, so such an update is refused, naming the
+  /// task (it would be dropped without anyone asking); with
   /// Deployment::keep_code_blocks (the control endpoint's deployments) so is an update that leaves
   /// out a block added as a C++ object with add_block(), as no deployment could bring it back: list
   /// it by name to keep it, or give a block of its name to replace it. Blocks and sites

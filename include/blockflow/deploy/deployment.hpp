@@ -10,7 +10,8 @@
 /// {"blocks": ["block1",
 ///             {"name": "block2", "torchscript": "b2.pt", "placement": "w1", "intra_op_threads": 2,
 ///              "workers": 1, "queue_capacity": 64, "full_policy": "reject", "device": "cpu",
-///              "input_shapes": [[-1, 256, 56, 56]], "warmup_runs": 1, "memory_bytes": 104857600},
+///              "input_shapes": [[-1, 256, 56, 56]], "warmup_runs": 1, "memory_bytes": 104857600,
+///              "max_batch": 4, "max_batch_delay_ms": 2, "freeze": true, "optimize_for_inference": true},
 ///             {"name": "block3", "torchscript": "b3.pt", "device": "cuda:0", "cuda_graph": true,
 ///              "input_shapes": [[-1, 512, 28, 28]]},
 ///             {"name": "scale", "factory": "scale", "placement": "w1"}],
@@ -27,8 +28,11 @@
 /// Sites that blocks are placed in may carry settings (SiteSettings), read when the site starts:
 ///
 /// @code
-/// "sites": {"w1": {"memory": {"budget": 104857600, "policy": "on_demand"}, "lanes": 1}}
+/// "sites": {"w1": {"memory": {"budget": 104857600, "policy": "on_demand", "measure": "blocks"}, "lanes": 1}}
 /// @endcode
+///
+/// Spellings: `full_policy` is "block", "reject" or "drop-oldest"; `memory.policy` "admit" or
+/// "on_demand"; `memory.measure` "blocks" or "process". Tasks keep the file's order (Deployment::order).
 ///
 /// @code
 /// "tasks": {"ensemble": {"nodes": [{"block": "trunk"},
@@ -100,11 +104,13 @@ struct Deployment {
   [[nodiscard]] std::vector<std::string> workers() const;
   /// @brief The settings of site `name`: its entry of `sites`, or defaults (only the name set).
   [[nodiscard]] SiteSettings site(const std::string& name) const;
-  /// @brief The tasks as paths: the chains, then the graphs.
+  /// @brief The tasks as paths, in `order` (the file's) when parse() set it; else the chains, then the graphs.
   [[nodiscard]] std::vector<Path> paths() const;
 };
 
-/// @brief Reads a file and parses it (errors name the file).
+/// @brief Reads a file and parses it (errors name the file). Relative TorchScript paths and bare
+/// block names resolve against `models_dir`; "" (the default) means the file's own directory
+/// (Deployment::parse() defaults to the current one).
 absl::StatusOr<Deployment> load_deployment(const std::string& file, const std::string& models_dir = "");
 
 }  // namespace blockflow

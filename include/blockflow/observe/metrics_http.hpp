@@ -24,8 +24,9 @@ class Session;
 /// The session must outlive the server.
 class MetricsHttpServer {
  public:
-  /// @brief `address` is "HOST:PORT"; port 0 takes a free one (see port()). Throws
-  /// std::runtime_error naming the address when it cannot bind.
+  /// @brief `address` is "IPV4-ADDRESS:PORT" (a dotted address, not a host name: "127.0.0.1:9464",
+  /// "0.0.0.0:9464"); port 0 takes a free one (see port()). Throws std::runtime_error naming the
+  /// address when it is not of that form or cannot be bound.
   explicit MetricsHttpServer(const Session& session, const std::string& address = "127.0.0.1:9464");
   ~MetricsHttpServer();
   MetricsHttpServer(const MetricsHttpServer&) = delete;

@@ -9,7 +9,8 @@
 /// in.profile = *blockflow::load_profile("profile.json");
 /// in.tasks = {{"classify", {"block1", "block2", "block3", "block4"}, 20.0, 80.0}};
 /// in.sites = {{"threads", "threads", "cpu", 1}, {"w1", "worker", "cpu", 1}};
-/// auto plan = blockflow::plan(in);   // plan->deployment_json() is what Session::apply() takes
+/// auto plan = blockflow::plan(in);
+/// auto deployment = blockflow::Deployment::parse(plan->deployment_json(in));  // session.apply(*deployment)
 /// @endcode
 
 #include <blockflow/core/path.hpp>

@@ -2,7 +2,7 @@
 /// @file
 /// @brief The control endpoint: how an external optimiser (or `blockflowctl`) drives a running
 /// session. ZeroMQ: clients use REQ (or DEALER with an empty delimiter frame), the endpoint a
-/// ROUTER; one JSON object per message. Part of the optional `blockflow::zmq` target.
+/// ROUTER; one JSON object per message. Part of the optional `blockflow::workers` target.
 ///
 /// Updates run on a thread of their own, one at a time (up to 4 wait their turn; more are refused,
 /// saying so): status, metrics and sampling are answered while an apply runs. Destroying the
@@ -46,6 +46,9 @@ struct ControlOptions {
   ServerSecurity security;
 };
 
+/// The session must outlive the endpoint (declare the endpoint after the session): its threads
+/// call Session::apply(), metrics() and set_sampling(). Destroying the endpoint cancels an apply()
+/// it has running and waits for its threads.
 class ControlEndpoint {
  public:
   /// @brief Binds `endpoint` (say "tcp://127.0.0.1:5560"; name another interface only on purpose) and

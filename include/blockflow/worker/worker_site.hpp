@@ -1,7 +1,8 @@
 #pragma once
 /// @file
-/// @brief WorkerSite: blocks in a child worker process, reached over serialized ZeroMQ (`ipc://`).
-/// Part of the optional `blockflow::zmq` target.
+/// @brief WorkerSite: blocks in a child worker process (or a joined one on another host), reached
+/// over a zero-copy data link (WorkerOptions::channel "shm", the default, or "cuda") or serialized
+/// ZeroMQ ("zmq": `ipc://`, `tcp://`). Part of the optional `blockflow::workers` target.
 
 #include <blockflow/channel/curve.hpp>
 #include <blockflow/deploy/deployment.hpp>
