@@ -174,7 +174,8 @@ def main():
         v, spec = verdicts[name], specs[name]
         line = {"bench": "plan_accuracy", "task": name, "admitted": v["admitted"], "reason": v.get("reason", ""),
                 "target_rps": round(spec["rate"], 2), "slo_ms": round(spec["slo"], 1),
-                "planned_p50_ms": round(v["predicted_p50_ms"], 1)}
+                # null: unbounded (a saturated block: docs/planner.md)
+                "planned_p50_ms": round(v["predicted_p50_ms"], 1) if v["predicted_p50_ms"] is not None else None}
         if name in measured:
             m, predicted = measured[name], at_run[name]
             offered, achieved = m["sent"] / a.duration, m["completed"] / a.duration

@@ -147,3 +147,20 @@ TEST_CASE("blockflow-plan --predict reports a deployment's own placement, for it
   CHECK(tool(without_t, "") == 1);  // the deployment's task has no rate
   CHECK(tool(tasks, "--out " + (files.dir / "d.json").string()) == 2);  // --predict writes no deployment
 }
+
+TEST_CASE("predict(): a task is refused for its own sites only, and a batch size the profile lacks counts as the "
+          "nearest measured one", "[planner]") {
+  // w1 is over-committed by t1; t2's block is on w2 alone, and is admitted.
+  auto in = input({block("A", 100), block("B", 100)}, {{"t1", {"A"}, 120, 1000}, {"t2", {"B"}, 10, 1000}},
+                  {site("w1"), site("w2")});
+  const Plan p = predicted(in, {placed("A", "w1"), placed("B", "w2")});
+  CHECK_FALSE(verdict(p, "t1").admitted);
+  CHECK(verdict(p, "t2").admitted);  // before: refused, "needs 0.10 lanes ... 0.80 lanes left"
+  CHECK(verdict(p, "t2").reason.empty());
+  // Batch 4 takes twice batch 1's time; batch 8 was not profiled: it serves as batch 4 does (0.75
+  // lanes at 150 req/s), not as batch 1 (1.5 lanes).
+  auto batched = input({block("A", 100, 10, 1024, 2.0)}, {{"t", {"A"}, 150, 1000}}, {site("w1")});
+  const Plan eight = predicted(batched, {placed("A", "w1", 8)});
+  CHECK(verdict(eight, "t").admitted);
+  CHECK(eight.sites[0].lanes_used == Approx(0.75));
+}

@@ -7,7 +7,9 @@
 #include <blockflow/plan/planner.hpp>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -84,13 +86,14 @@ TEST_CASE("greedy batch sizes: a block that cannot keep up at batch 1 takes a la
 
 TEST_CASE("greedy batch sizes: the batch that lowers the over-commitment is taken, not the one that frees most lanes "
           "elsewhere", "[planner]") {
-  // B fills w2 (3 lanes at batch 1); A needs 1.1 lanes, 0.1 more than w1 keeps usable (2 lanes, half
-  // in reserve). B's batch 4 would free the most lanes (2.25, where nothing is short); A's frees
-  // 0.55, and is the one that lowers the over-commitment.
+  // B nearly fills w2 (2.7 of 3 lanes at batch 1: a site at 3 of 3 would be saturated, its wait
+  // unbounded); A needs 1.1 lanes, 0.1 more than w1 keeps usable (2 lanes, half in reserve). B's
+  // batch 4 would free the most lanes (2.0, where nothing is short); A's frees 0.55, and is the one
+  // that lowers the over-commitment.
   PlanSite w1 = site("w1", 2);
   w1.reserve = 0.5;
   auto in = input({block("A", 100, 10, 1024, 2.0), block("B", 100, 10, 1024, 1.0)},
-                  {{"ta", {"A"}, 110, 500}, {"tb", {"B"}, 300, 500}}, {w1, site("w2", 3)});
+                  {{"ta", {"A"}, 110, 500}, {"tb", {"B"}, 270, 500}}, {w1, site("w2", 3)});
   auto p = planned(in);
   CHECK(site_of(p, "A") == "w1");
   CHECK(verdict(p, "ta").admitted);
@@ -261,7 +264,8 @@ PlanTask ensemble(double rate, double slo) {
 
 TEST_CASE("graph tasks: every branch's block serves the task's rate, latency follows the slowest branch", "[planner]") {
   // One site of 4 lanes, no hand-off costs: the prediction is trunk + the slower head, each with
-  // the M/D/1 wait at the site's utilisation.
+  // the longer of two M/D/1 waits: for the site's 4 lanes at its utilisation, and for the one lane
+  // (workers 1) that runs the block, at the block's own load.
   auto in = input({block("trunk", 200), block("head_a", 100), block("head_b", 50)}, {ensemble(20, 100)}, {site("w1", 4)});
   in.profile.channels.clear();
   const auto p = planned(in);
@@ -270,8 +274,8 @@ TEST_CASE("graph tasks: every branch's block serves the task's rate, latency fol
   REQUIRE(p.sites.size() == 1);
   CHECK(p.sites[0].lanes_used == Approx(20.0 / 200 + 20.0 / 100 + 20.0 / 50));
   const double rho = p.sites[0].utilisation;
-  const double wait = rho / (2 * (1 - rho)) / 4;
-  CHECK(verdict(p, "ensemble").predicted_p50_ms == Approx((5.0 + 20.0) * (1 + wait)));  // trunk 5 ms, head_b 20 ms
+  const auto wait = [&](double own) { return std::max(rho / (2 * (1 - rho)) / 4, own / (2 * (1 - own))); };
+  CHECK(verdict(p, "ensemble").predicted_p50_ms == Approx(5.0 * (1 + wait(0.1)) + 20.0 * (1 + wait(0.4))));  // trunk, head_b
 
   // Too fast for head_b's lanes: refused, naming it as the largest share.
   auto busy = input({block("trunk", 200), block("head_a", 100), block("head_b", 50)}, {ensemble(60, 1000)}, {site("w1", 1)});
@@ -416,4 +420,37 @@ TEST_CASE("a sites file's hosts: read with the sites, errors naming the file and
   REQUIRE(sites.ok());
   CHECK((*sites)[0].host == "edge");
   CHECK((*sites)[1].host == "local");
+}
+
+TEST_CASE("saturation: a block whose lanes serve its rate and no more, or a busy block on a site of many lanes, "
+          "is predicted as it will run", "[planner]") {
+  // At exactly one lane's rate the queue has no bound: refused, however loose the SLO (before: the
+  // site counted as feasible and the wait was clamped to utilisation 0.95, predicting 105 ms).
+  auto full = planned(input({block("A", 100)}, {{"t", {"A"}, 100, 1e6}}, {site("w1")}));
+  CHECK_FALSE(verdict(full, "t").admitted);
+  CHECK_THAT(verdict(full, "t").reason, Contains("predicted p50 unbounded"));
+  // Just under it, the M/D/1 wait itself: 10 ms + 0.99 / (2 x 0.01) x 10 ms.
+  auto nearly = planned(input({block("A", 100)}, {{"t", {"A"}, 99, 1e6}}, {site("w1")}));
+  REQUIRE(verdict(nearly, "t").admitted);
+  CHECK(verdict(nearly, "t").predicted_p50_ms == Approx(10 + 0.99 / 0.02 * 10));
+  // One lane of four runs A (workers 1): it waits at its own 0.9, not at the site's 0.225.
+  auto wide = planned(input({block("A", 100)}, {{"t", {"A"}, 90, 30}}, {site("w1", 4)}));
+  CHECK_FALSE(verdict(wide, "t").admitted);
+  CHECK(verdict(wide, "t").predicted_p50_ms == Approx(10 + 0.9 / 0.2 * 10));
+}
+
+TEST_CASE("a site's reserve that is not a number is refused", "[planner]") {
+  PlanSite w1 = site("w1");
+  w1.reserve = std::nan("");
+  auto p = plan(input({block("A", 100)}, {{"t", {"A"}, 10, 100}}, {w1}));
+  REQUIRE_FALSE(p.ok());
+  CHECK_THAT(std::string(p.status().message()), Contains("site 'w1': reserve must be in 0..0.9"));
+}
+
+TEST_CASE("a profiled TorchScript file of any name is written as one in the deployment", "[planner]") {
+  auto in = input({block("A", 100)}, {{"t", {"A"}, 10, 100}}, {site("w1")});
+  in.profile.blocks[0].source = "/models/a.pth";  // blockflow-profile writes the file's absolute path
+  const auto json = nlohmann::json::parse(planned(in).deployment_json(in));
+  CHECK(json["blocks"][0]["torchscript"] == "/models/a.pth");  // before: "factory" (no ".pt" suffix)
+  CHECK_FALSE(json["blocks"][0].contains("factory"));
 }

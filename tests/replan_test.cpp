@@ -290,3 +290,22 @@ TEST_CASE("without a re-plan function, a lost worker shows in the metrics and th
   CHECK(session.metrics().replan.losses == 2);
   CHECK_THAT(session.metrics().to_prometheus(), Contains("blockflow_sites_lost_total 2"));
 }
+
+TEST_CASE("a re-plan leaves alone a task with no block on the over-committed site, the loosest though it is",
+          "[replan]") {
+  // T1 (X on wA, the loosest SLO) never shares a site with T2. Losing wC moves Z next to Y on wB,
+  // which is over-committed with Y at its deployed batch 1: T2 makes room, T1 stays as it is.
+  auto in = input({block("X", 100, 10), block("Y", 100, 20, 1024, 2.0), block("Z", 100, 20)},
+                  {{"T1", {"X"}, 50, 1000}, {"T2", {"Y", "Z"}, 60, 500}},
+                  {site("wA", 1, 15), site("wB"), site("wC")});
+  const Plan before = planned(in);
+  REQUIRE(site_of(before, "X") == "wA");
+  const std::string lost = site_of(before, "Z");
+  REQUIRE(lost != site_of(before, "Y"));
+  auto r = replan(in, before, {lost});
+  INFO(r.status());
+  REQUIRE(r.ok());
+  CHECK(change_of(*r, "T1") == nullptr);  // before: demoted three times, then refused
+  CHECK(verdict(r->plan, "T1").admitted);
+  CHECK(verdict(r->plan, "T1").rate_rps == Approx(50));
+}

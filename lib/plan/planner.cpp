@@ -3,12 +3,14 @@
 
 #include <blockflow/core/names.hpp>
 
+#include "plan_check.hpp"
 #include "task_graph.hpp"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -68,22 +70,27 @@ class Model {
   // Service time (ms) of one forward at max_batch k (the profile's p50; the nearest measured
   // batch size below k when k was not measured).
   double service_ms(int b, int k) const {
-    const BlockProfile& p = profile(b);
+    const BatchLatency* measured = measured_at(b, k);
+    return measured != nullptr ? measured->p50_ms : 0.0;
+  }
+  // The profile's latency at the largest measured batch size at or below k (null: none).
+  const BatchLatency* measured_at(int b, int k) const {
     const BatchLatency* best = nullptr;
-    for (const auto& l : p.latency) {
+    for (const auto& l : profile(b).latency) {
       if (l.batch <= k && (best == nullptr || l.batch > best->batch)) best = &l;
     }
-    return best != nullptr ? best->p50_ms : 0.0;
+    return best;
   }
   // Requests per second one lane serves at max_batch k: the profiled maximum rate (frame-rate
-  // proportionality), scaled by the batch's throughput gain.
+  // proportionality), scaled by the batch's throughput gain at the batch size service_ms() uses
+  // (the nearest measured one at or below k: an unmeasured k is modelled as that one).
   double capacity(int b, int k) const {
     const BlockProfile& p = profile(b);
     const double one = service_ms(b, 1);
     double f = p.max_rate_rps > 0 ? p.max_rate_rps : (one > 0 ? 1000.0 / one : 1e9);
-    if (k > 1 && service_ms(b, k) > 0 && one > 0) {
-      const BatchLatency* measured = p.at_batch(k);
-      if (measured != nullptr) f *= k * one / measured->p50_ms;
+    const BatchLatency* measured = measured_at(b, k);
+    if (measured != nullptr && measured->batch > 1 && measured->p50_ms > 0 && one > 0) {
+      f *= measured->batch * one / measured->p50_ms;
     }
     return f;
   }
@@ -161,6 +168,35 @@ class Model {
     return h < 0 ? site : std::max(site, hosts[static_cast<std::size_t>(h)].utilisation);
   }
 
+  // The sites holding a block of `t`.
+  std::set<int> sites_of(const PlanTask& t) const {
+    std::set<int> out;
+    for (const auto& name : blocks_of(t)) out.insert(site(index_.at(name)));
+    return out;
+  }
+  // What score().overflow counts, on `sites` and their hosts only.
+  double overflow_at(const std::set<int>& sites) const {
+    const auto l = loads();
+    const auto hosts = host_loads();
+    std::set<int> on_hosts;
+    double over = 0;
+    for (const int s : sites) {
+      if (s < 0) continue;
+      const auto& load = l[static_cast<std::size_t>(s)];
+      over += std::max(0.0, load.lanes_used - usable_lanes(s));
+      if (usable_memory(s) > 0) over += std::max(0.0, static_cast<double>(load.memory_bytes) - usable_memory(s)) / 1048576.0;
+      if (const int h = host_of_site_[static_cast<std::size_t>(s)]; h >= 0 && on_hosts.insert(h).second) {
+        over += std::max(0.0, hosts[static_cast<std::size_t>(h)].cores_used - hosts[static_cast<std::size_t>(h)].cores);
+      }
+    }
+    for (std::size_t b = 0; b < blocks_.size(); ++b) {
+      if (sites.count(site_[b]) > 0 && workers(static_cast<int>(b)) > in_.sites[static_cast<std::size_t>(site_[b])].lanes) {
+        over += workers(static_cast<int>(b));
+      }
+    }
+    return over;
+  }
+
   Score score() const {
     Score sc;
     const auto l = loads();
@@ -193,9 +229,17 @@ class Model {
   }
   bool device_fits(int b, int s) const { return profile(b).device == in_.sites[static_cast<std::size_t>(s)].device; }
 
-  // Predicted p50 of a task: per block its service time at its batch size, the wait for a lane
-  // (M/D/1 at the site's utilisation, over its lanes) and, with batching, the wait for the batch to
-  // fill; plus the hand-offs between blocks. A graph's time is its slowest way to the output: a
+  // The mean wait of M/D/1 at utilisation `rho`, over `servers` lanes; unbounded from 1 on.
+  static double lane_wait(double rho, double service, int servers) {
+    if (rho >= 1.0 - kEps) return std::numeric_limits<double>::infinity();
+    return rho / (2.0 * (1.0 - rho)) * service / std::max(1, servers);
+  }
+
+  // Predicted p50 of a task: per block its service time at its batch size, the wait for a lane and,
+  // with batching, the wait for the batch to fill; plus the hand-offs between blocks. The wait is
+  // the longer of two: for any of the site's lanes at the site's (or host's) utilisation, and for
+  // the `workers` lanes that may run the block at once, at the block's own load on them. Unbounded
+  // (infinity) when either is saturated. A graph's time is its slowest way to the output: a
   // node starts when its last input has arrived, a join ends when its last input does.
   double predicted_ms(const PlanTask& t) const {
     const auto l = loads();
@@ -220,9 +264,10 @@ class Model {
       if (node.block.empty()) continue;
       const int b = index_.at(node.block);
       const int s = site(b);
-      const double rho = std::min(0.95, contention(s, l, hosts));
       const double service = service_ms(b, batch(b));
-      done[i] += service + rho / (2.0 * (1.0 - rho)) * service / std::max(1, in_.sites[static_cast<std::size_t>(s)].lanes);
+      const int c = workers(b);
+      done[i] += service + std::max(lane_wait(contention(s, l, hosts), service, in_.sites[static_cast<std::size_t>(s)].lanes),
+                                    lane_wait(lanes_used(b) / c, service, c));
       if (batch(b) > 1) done[i] += std::min(2.0, 1000.0 * (batch(b) - 1) / (2.0 * demand(b)));  // max_batch_delay_ms
     }
     return done[static_cast<std::size_t>(g.sink)];
@@ -385,60 +430,28 @@ void place(Model& m, const std::vector<PlanSite>& sites, bool exhaustive) {
   }
 }
 
-absl::Status check(const PlanInput& in) {
-  if (in.sites.empty()) return absl::InvalidArgumentError("plan: no sites");
-  std::set<std::string> names;
-  int threads_sites = 0;
-  for (const auto& s : in.sites) {
-    if (!names.insert(s.name).second) return absl::InvalidArgumentError(fmt::format("site '{}': named twice", s.name));
-    if (s.kind != "threads" && s.kind != "worker") {
-      return absl::InvalidArgumentError(fmt::format("site '{}': kind '{}' is neither \"threads\" nor \"worker\"", s.name, s.kind));
-    }
-    if (s.lanes < 1) return absl::InvalidArgumentError(fmt::format("site '{}': lanes must be at least 1", s.name));
-    if (s.kind == "threads" && ++threads_sites > 1) {  // its deployment runs every "threads" block in one session
-      return absl::InvalidArgumentError(fmt::format("site '{}': a second site of kind \"threads\" (there is one session)", s.name));
-    }
-    if (s.kind == "worker") {  // its name becomes a placement
-      if (auto status = check_site_name("site", s.name); !status.ok()) return status;
-    }
-    if (s.memory_budget < 0) return absl::InvalidArgumentError(fmt::format("site '{}': memory_budget < 0", s.name));
-    if (s.reserve < 0 || s.reserve > 0.9) return absl::InvalidArgumentError(fmt::format("site '{}': reserve must be in 0..0.9", s.name));
-  }
-  names.clear();
-  for (const auto& h : in.hosts) {
-    if (!names.insert(h.name).second) return absl::InvalidArgumentError(fmt::format("host '{}': named twice", h.name));
-    if (h.cores < 1) return absl::InvalidArgumentError(fmt::format("host '{}': cores must be at least 1", h.name));
-  }
-  names.clear();
-  for (const auto& t : in.tasks) {
-    if (!names.insert(t.name).second) return absl::InvalidArgumentError(fmt::format("task '{}': named twice", t.name));
-    if (!(t.rate_rps > 0)) return absl::InvalidArgumentError(fmt::format("task '{}': rate_rps must be > 0", t.name));
-    if (!(t.slo_ms > 0)) return absl::InvalidArgumentError(fmt::format("task '{}': slo_ms must be > 0", t.name));
-    auto graph = task_graph(t);
-    if (!graph.ok()) return graph.status();
-    for (const auto& b : graph->blocks()) {
-      const BlockProfile* p = in.profile.block(b);
-      if (p == nullptr) return absl::InvalidArgumentError(fmt::format("task '{}': block '{}' is not in the profile", t.name, b));
-      if (p->at_batch(1) == nullptr) return absl::InvalidArgumentError(fmt::format("block '{}': the profile has no batch-1 latency", b));
-    }
-  }
-  return absl::OkStatus();
+// A predicted p50 in words: "12.3 ms", or unbounded.
+std::string p50_text(double ms) {
+  return std::isfinite(ms) ? fmt::format("{:.1f} ms", ms)
+                           : std::string("unbounded (a block of it, or its site, would get requests as fast as its lanes serve them or faster)");
 }
 
-// Why `task` does not fit next to `admitted` (whose placement is `before`).
-std::string refusal(const PlanInput& in, const PlanTask& task, const Model& with, const Model* before) {
-  const Model::Score sc = with.score();
+// Why `task` does not fit next to `admitted` (whose placement is `before`). `own_sites` (predict()):
+// only the sites holding a block of the task, their hosts and the tasks sharing them count against it.
+std::string refusal(const PlanInput& in, const PlanTask& task, const Model& with, const Model* before, bool own_sites = false) {
   const std::vector<std::string> task_blocks = with.blocks_of(task);
   for (const auto& name : task_blocks) {
     const int b = with.index_of(name);
     if (with.site(b) < 0) return fmt::format("block '{}' runs on {}, and no site has that device", name, with.profile(b).device);
   }
-  if (sc.overflow > kEps) {
+  const std::set<int> scope = with.sites_of(task);
+  if ((own_sites ? with.overflow_at(scope) : with.score().overflow) > kEps) {
     const auto l = with.loads();
     const auto base = before != nullptr ? before->loads() : std::vector<SiteLoad>{};
     // Memory first: the block of the task that needs most against the most any site has left.
     for (std::size_t s = 0; s < in.sites.size(); ++s) {
       const double budget = with.usable_memory(static_cast<int>(s));
+      if (own_sites && scope.count(static_cast<int>(s)) == 0) continue;
       if (budget > 0 && static_cast<double>(l[s].memory_bytes) > budget) {
         double most_left = 0;
         for (std::size_t r = 0; r < in.sites.size(); ++r) {
@@ -460,7 +473,9 @@ std::string refusal(const PlanInput& in, const PlanTask& task, const Model& with
     }
     // The hosts' cores, when they are what is short (the sites' lanes would hold the task).
     double lanes_over = 0;
-    for (std::size_t s = 0; s < in.sites.size(); ++s) lanes_over += std::max(0.0, l[s].lanes_used - with.usable_lanes(static_cast<int>(s)));
+    for (std::size_t s = 0; s < in.sites.size(); ++s) {
+      if (!own_sites || scope.count(static_cast<int>(s)) > 0) lanes_over += std::max(0.0, l[s].lanes_used - with.usable_lanes(static_cast<int>(s)));
+    }
     if (lanes_over <= kEps && with.host_overflow() > kEps) {
       const auto hosts = with.host_loads();
       const auto base_hosts = before != nullptr ? before->host_loads() : std::vector<HostLoad>{};
@@ -500,11 +515,15 @@ std::string refusal(const PlanInput& in, const PlanTask& task, const Model& with
                        need, task.rate_rps, blocks.empty() ? "" : blocks.substr(1) + " ", worst, per_lane, std::max(0.0, left));
   }
   for (const PlanTask* t : with.tasks()) {
+    if (own_sites && t != &task) {
+      const std::set<int> theirs = with.sites_of(*t);
+      if (std::none_of(theirs.begin(), theirs.end(), [&](int s) { return scope.count(s) > 0; })) continue;
+    }
     const double p = with.predicted_ms(*t);
     if (p > t->slo_ms) {
-      return t == &task ? fmt::format("predicted p50 {:.1f} ms exceeds its SLO of {:.1f} ms", p, t->slo_ms)
-                        : fmt::format("it would push task '{}' to a predicted p50 of {:.1f} ms, over its SLO of {:.1f} ms",
-                                      t->name, p, t->slo_ms);
+      return t == &task ? fmt::format("predicted p50 {} exceeds its SLO of {:.1f} ms", p50_text(p), t->slo_ms)
+                        : fmt::format("it would push task '{}' to a predicted p50 of {}, over its SLO of {:.1f} ms",
+                                      t->name, p50_text(p), t->slo_ms);
     }
   }
   return "";
@@ -531,7 +550,7 @@ void describe(const PlanInput& in, const Model& m, const std::vector<const PlanT
 }  // namespace
 
 absl::StatusOr<Plan> plan(const PlanInput& in, const PlanOptions& options) {
-  if (auto status = check(in); !status.ok()) return status;
+  if (auto status = detail::check_plan_input(in); !status.ok()) return status;
   if (options.exhaustive) {
     std::set<std::string> blocks;
     for (const auto& t : in.tasks) {
@@ -585,7 +604,7 @@ absl::StatusOr<Plan> plan(const PlanInput& in, const PlanOptions& options) {
 }
 
 absl::StatusOr<Plan> predict(const PlanInput& in, const std::vector<BlockPlacement>& placement) {
-  if (auto status = check(in); !status.ok()) return status;
+  if (auto status = detail::check_plan_input(in); !status.ok()) return status;
   // Puts the blocks of `m` where `placement` says.
   auto place_as_given = [&](Model& m) -> absl::Status {
     for (int b = 0; b < static_cast<int>(m.blocks()); ++b) {
@@ -618,7 +637,7 @@ absl::StatusOr<Plan> predict(const PlanInput& in, const std::vector<BlockPlaceme
     }
     Model before(in, others);
     if (auto status = place_as_given(before); !status.ok()) return status;
-    const std::string why = refusal(in, t, m, &before);
+    const std::string why = refusal(in, t, m, &before, /*own_sites=*/true);
     out.tasks.push_back({t.name, why.empty(), why.empty() ? "" : fmt::format("task '{}': {}", t.name, why), t.rate_rps,
                          t.slo_ms, m.predicted_ms(t)});
   }

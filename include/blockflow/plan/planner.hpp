@@ -90,7 +90,7 @@ struct TaskVerdict {
   std::string reason;  ///< why it was refused ("" when admitted)
   double rate_rps = 0;
   double slo_ms = 0;
-  double predicted_p50_ms = 0;  ///< with the plan that admits it (refused: with it forced in, when computable)
+  double predicted_p50_ms = 0;  ///< with the plan that admits it (refused: with it forced in, when computable; infinity: unbounded, a saturated block)
 };
 
 /// @brief Where a block runs and how.
