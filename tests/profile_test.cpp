@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
@@ -91,6 +92,26 @@ TEST_CASE("profile_block without the rate sweep: latencies only, max_rate_rps 0"
   CHECK(p->max_rate_rps == 0);
   CHECK(p->output_bytes == 4 * sizeof(float));
   for (const auto& line : progress) CHECK_THAT(line, !Catch::Matchers::Contains("offered"));  // no sweep step ran
+}
+
+TEST_CASE("a forward that throws during the rate sweep is an error naming the block, not the process's end",
+          "[profile]") {
+  ProfileOptions o = quick();
+  o.batch_sizes = {1};
+  std::vector<std::string> progress;
+  o.progress = [&](std::string_view line) { progress.emplace_back(line); };
+  auto calls = std::make_shared<std::atomic<int>>(0);
+  auto block = Block::callable("flaky", [calls](Tensors&& in) -> absl::StatusOr<Tensors> {
+    // 9 timed (1 warm-up, 8), 1 for the outputs, 3 for the sweep's service time: the 17th is in its first step.
+    if (++*calls > 16) throw std::runtime_error("calibration lost");
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    return Tensors{in.at(0) * 2};
+  });
+  auto p = profile_block(block, {at::ones({1, 4})}, o);  // before: std::terminate (a joinable thread unwound)
+  REQUIRE_FALSE(p.ok());
+  CHECK_THAT(std::string(p.status().message()), Contains("block 'flaky'") && Contains("calibration lost"));
+  // The latencies were measured: what threw was the sweep that follows them.
+  CHECK(std::any_of(progress.begin(), progress.end(), [](const std::string& l) { return l.find("batch 1: p50") != std::string::npos; }));
 }
 
 TEST_CASE("batch sizes given out of order or twice are profiled in increasing order, once: the profile parses",

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <thread>
 
 namespace blockflow {
@@ -29,37 +30,49 @@ template <typename Send, typename Receive, typename Make>
 absl::StatusOr<double> one_way_us(Send&& send, Receive&& receive, Make&& make, int n) {
   InProcessChannel ack;
   std::vector<double> us;
-  absl::Status failed;
+  // Each thread its own status (the sender's error is the one reported); the flag stops the sender.
+  absl::Status send_failed, receive_failed;
+  std::atomic<bool> receiver_gone{false};
   std::thread receiver([&] {
-    for (int i = 0; i < n; ++i) {
-      auto e = receive();
-      if (!e) {
-        failed = absl::DeadlineExceededError("nothing arrived within 10 s");
+    try {
+      for (int i = 0; i < n; ++i) {
+        auto e = receive();
+        if (!e) {
+          receive_failed = absl::DeadlineExceededError("nothing arrived within 10 s");
+          break;
+        }
+        us.push_back(static_cast<double>(detail::now_ns() - static_cast<std::int64_t>(e->request_id)) / 1e3);
+        e.reset();  // its tensor dies: a slot goes back
         (void)ack.send(Envelope{});
-        return;
       }
-      us.push_back(static_cast<double>(detail::now_ns() - static_cast<std::int64_t>(e->request_id)) / 1e3);
-      e.reset();  // its tensor dies: a slot goes back
-      (void)ack.send(Envelope{});
+    } catch (const std::exception& e) {  // nothing may escape a thread
+      receive_failed = absl::InternalError(fmt::format("receiving: {}", e.what()));
     }
+    receiver_gone = !receive_failed.ok();
+    if (receiver_gone) (void)ack.send(Envelope{});
   });
-  for (int i = 0; i < n && failed.ok(); ++i) {
-    auto t = make();
-    if (!t.ok()) {
-      failed = t.status();
-      break;
+  try {  // and nothing may unwind past a joinable thread
+    for (int i = 0; i < n && !receiver_gone; ++i) {
+      auto t = make();
+      if (!t.ok()) {
+        send_failed = t.status();
+        break;
+      }
+      Envelope e;
+      e.tensors = {*std::move(t)};
+      e.request_id = static_cast<std::uint64_t>(detail::now_ns());
+      if (auto out = send(std::move(e)); !out.ok()) {
+        send_failed = out;
+        break;
+      }
+      (void)ack.receive(absl::Now() + absl::Seconds(20));
     }
-    Envelope e;
-    e.tensors = {*std::move(t)};
-    e.request_id = static_cast<std::uint64_t>(detail::now_ns());
-    if (auto out = send(std::move(e)); !out.ok()) {
-      failed = out;
-      break;
-    }
-    (void)ack.receive(absl::Now() + absl::Seconds(20));
+  } catch (const std::exception& e) {
+    send_failed = absl::InternalError(fmt::format("sending: {}", e.what()));
   }
   receiver.join();
-  if (!failed.ok()) return failed;
+  if (!send_failed.ok()) return send_failed;
+  if (!receive_failed.ok()) return receive_failed;
   us.erase(us.begin(), us.begin() + static_cast<std::ptrdiff_t>(us.size() / 5));  // warm-up
   return detail::percentile(us, 0.5);
 }

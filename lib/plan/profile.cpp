@@ -104,9 +104,13 @@ absl::StatusOr<SweepStep> sweep_step(Block& block, const Tensors& inputs, double
       arrivals.pop_front();
     }
     if (failed.ok()) {
-      Tensors in = inputs;
-      auto out = block.forward(std::move(in));
-      if (!out.ok()) failed = out.status();
+      try {  // nothing may unwind past the joinable generator (std::terminate)
+        Tensors in = inputs;
+        auto out = block.forward(std::move(in));
+        if (!out.ok()) failed = out.status();
+      } catch (const std::exception& e) {
+        failed = absl::InternalError(fmt::format("block '{}': forward raised: {}", block.name(), e.what()));
+      }
     }
     last_done = detail::now_ns();
     sojourn_ms.push_back(static_cast<double>(last_done - arrived) / 1e6);
