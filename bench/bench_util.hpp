@@ -3,6 +3,8 @@
 
 #include <blockflow/core/kpi.hpp>
 
+#include <fmt/format.h>
+
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -93,6 +95,12 @@ inline std::string cpu_model() {
     if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
   }
   return "unknown";
+}
+
+/// The machine's fields of every bench line: "cpu":"...","hardware_threads":N (no braces, no comma
+/// around), so that no figure is printed without the CPU it was measured on.
+inline std::string machine_json() {
+  return fmt::format("\"cpu\":\"{}\",\"hardware_threads\":{}", cpu_model(), std::thread::hardware_concurrency());
 }
 
 /// Threads of this process now (/proc/self/task).

@@ -408,12 +408,13 @@ int main(int argc, char** argv) {
   }
   const int iterations = argc > 1 ? std::stoi(argv[1]) : 20000;
   const std::vector<std::size_t> sizes = {4096, 3211264, 104857600};
+  const std::string machine = bf::bench::machine_json();
   // BENCH_HOP_CUDA_ONLY=1 (scripts/gpu.sh): the cuda lines alone, none of the host-memory ones.
   const bool cuda_only = std::getenv("BENCH_HOP_CUDA_ONLY") != nullptr;
   for (std::size_t bytes : cuda_only ? std::vector<std::size_t>{} : sizes) {
     const HopFigures f = measure(bytes, iterations);
-    fmt::print("{{\"bench\":\"hop\",\"channel\":\"inproc\",\"bytes\":{},\"iterations\":{},\"p50_us\":{:.3f},\"p99_us\":{:.3f}}}\n",
-               bytes, iterations, f.p50_us, f.p99_us);
+    fmt::print("{{\"bench\":\"hop\",{},\"channel\":\"inproc\",\"bytes\":{},\"iterations\":{},\"p50_us\":{:.3f},\"p99_us\":{:.3f}}}\n",
+               machine, bytes, iterations, f.p50_us, f.p99_us);
   }
   auto dir = bf::detail::make_private_dir("hop");
   if (!dir.ok()) return 1;
@@ -448,9 +449,9 @@ int main(int argc, char** argv) {
                              measure_link(bytes, n, Shm::kLease, absl::ZeroDuration()).p50_us);
       }
       fmt::print(
-          "{{\"bench\":\"hop\",\"channel\":\"{}\",\"bytes\":{},\"iterations\":{},\"p50_us\":{:.3f},\"p99_us\":{:.3f},"
+          "{{\"bench\":\"hop\",{},\"channel\":\"{}\",\"bytes\":{},\"iterations\":{},\"p50_us\":{:.3f},\"p99_us\":{:.3f},"
           "\"memcpy_us\":{:.3f},\"p50_over_memcpy\":{:.2f}{}}}\n",
-          channel, bytes, n, f.p50_us, f.p99_us, copy_us, f.p50_us / copy_us, extra);
+          machine, channel, bytes, n, f.p50_us, f.p99_us, copy_us, f.p50_us / copy_us, extra);
     }
   }
   // The public channels, opened by URI in two processes (uri_hop.hpp). "over_threads": p50 over the
@@ -463,35 +464,35 @@ int main(int argc, char** argv) {
     for (std::size_t bytes : sizes) {
       const int n = bytes > 50'000'000 ? 30 : bytes > 1'000'000 ? 500 : std::min(iterations, 5000);
       const auto f = bf::bench::measure_uri(uri, bytes, n);
-      fmt::print("{{\"bench\":\"hop\",\"channel\":\"{}\",\"uri\":\"{}\",\"processes\":2,\"bytes\":{},\"iterations\":{},"
+      fmt::print("{{\"bench\":\"hop\",{},\"channel\":\"{}\",\"uri\":\"{}\",\"processes\":2,\"bytes\":{},\"iterations\":{},"
                  "\"p50_us\":{:.3f},\"p99_us\":{:.3f},\"over_threads\":{:.2f},\"socketpair_p50_us\":{:.3f}}}\n",
-                 channel + "-uri", uri, bytes, n, f.p50_us, f.p99_us, f.p50_us / thread_p50_us.at({channel, bytes}),
+                 machine, channel + "-uri", uri, bytes, n, f.p50_us, f.p99_us, f.p50_us / thread_p50_us.at({channel, bytes}),
                  thread_p50_us.at({"socketpair", bytes}));
     }
   }
   if (const absl::Status cuda = bf::detail::cuda_ipc_usable(); cuda.ok()) {
     const auto figures = measure_cuda(argv[0], *dir, sizes, 1000);
     for (std::size_t i = 0; i < figures.size(); ++i) {
-      fmt::print("{{\"bench\":\"hop\",\"channel\":\"cuda\",\"bytes\":{},\"iterations\":1000,\"p50_us\":{:.3f},"
+      fmt::print("{{\"bench\":\"hop\",{},\"channel\":\"cuda\",\"bytes\":{},\"iterations\":1000,\"p50_us\":{:.3f},"
                  "\"p99_us\":{:.3f},\"send_us\":{:.3f},\"resolve_us\":{:.3f},\"device\":\"{}\"}}\n",
-                 sizes[i], figures[i].hop.p50_us, figures[i].hop.p99_us, figures[i].send_us, figures[i].resolve_us,
+                 machine, sizes[i], figures[i].hop.p50_us, figures[i].hop.p99_us, figures[i].send_us, figures[i].resolve_us,
                  bf::bench::gpu_name());
     }
     // cuda:// opened by URI in two processes (the public channel), against the data-link line above.
     const std::string cuda_uri = fmt::format("cuda://hop-bench-{}", ::getpid());
     for (std::size_t i = 0; i < figures.size(); ++i) {
       const auto f = bf::bench::measure_uri(cuda_uri, sizes[i], 1000);
-      fmt::print("{{\"bench\":\"hop\",\"channel\":\"cuda-uri\",\"uri\":\"{}\",\"processes\":2,\"bytes\":{},\"iterations\":1000,"
+      fmt::print("{{\"bench\":\"hop\",{},\"channel\":\"cuda-uri\",\"uri\":\"{}\",\"processes\":2,\"bytes\":{},\"iterations\":1000,"
                  "\"p50_us\":{:.3f},\"p99_us\":{:.3f},\"over_cuda_link\":{:.2f},\"device\":\"{}\"}}\n",
-                 cuda_uri, sizes[i], f.p50_us, f.p99_us, f.p50_us / figures[i].hop.p50_us, bf::bench::gpu_name());
+                 machine, cuda_uri, sizes[i], f.p50_us, f.p99_us, f.p50_us / figures[i].hop.p50_us, bf::bench::gpu_name());
     }
 #ifdef BLOCKFLOW_TORCH_CUDA
     // The same with the producer's GPU still busy for ~1 ms (2M cycles) when it sends.
     const auto busy = measure_cuda(argv[0], *dir, {sizes[1]}, 200, 2'000'000);
     if (!busy.empty()) {
-      fmt::print("{{\"bench\":\"hop\",\"channel\":\"cuda-busy\",\"bytes\":{},\"iterations\":200,\"p50_us\":{:.3f},"
+      fmt::print("{{\"bench\":\"hop\",{},\"channel\":\"cuda-busy\",\"bytes\":{},\"iterations\":200,\"p50_us\":{:.3f},"
                  "\"p99_us\":{:.3f},\"send_us\":{:.3f},\"resolve_us\":{:.3f},\"busy_cycles\":2000000,\"device\":\"{}\"}}\n",
-                 sizes[1], busy[0].hop.p50_us, busy[0].hop.p99_us, busy[0].send_us, busy[0].resolve_us, bf::bench::gpu_name());
+                 machine, sizes[1], busy[0].hop.p50_us, busy[0].hop.p99_us, busy[0].send_us, busy[0].resolve_us, bf::bench::gpu_name());
     }
 #endif
   } else {

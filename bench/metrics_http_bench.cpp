@@ -137,10 +137,10 @@ void measure(const std::string& server, int port, int threads_added, int trickle
   std::sort(latencies.begin(), latencies.end());
   const double p50 = latencies.empty() ? -1 : latencies[latencies.size() / 2];
   const double max = latencies.empty() ? -1 : latencies.back();
-  fmt::print(R"({{"bench":"metrics_http","server":"{}","cpu":"{}","threads_added":{},"tricklers":{},"trickle_ms":{},)"
+  fmt::print(R"({{"bench":"metrics_http","server":"{}",{},"threads_added":{},"tricklers":{},"trickle_ms":{},)"
              R"("scrapes":{},"scrape_p50_ms":{:.2f},"scrape_max_ms":{:.2f},"scrapes_over_5s":{}}})"
              "\n",
-             server, bf::bench::cpu_model(), threads_added, tricklers, trickle_ms, scrapes, p50, max, slow);
+             server, bf::bench::machine_json(), threads_added, tricklers, trickle_ms, scrapes, p50, max, slow);
   std::fflush(stdout);
 }
 

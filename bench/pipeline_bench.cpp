@@ -232,9 +232,9 @@ int main(int argc, char** argv) try {
   const double start_ms = static_cast<double>(bf::detail::now_ns() - start_t0) / 1e6;
   if (memory) {
     const auto site = session.metrics().sites.at(0);
-    fmt::print("{{\"bench\":\"worker_memory\",\"rss_idle_mb\":{:.1f},\"rss_loaded_mb\":{:.1f},\"blocks\":4,"
+    fmt::print("{{\"bench\":\"worker_memory\",{},\"rss_idle_mb\":{:.1f},\"rss_loaded_mb\":{:.1f},\"blocks\":4,"
                "\"threads_per_block\":{}}}\n",
-               static_cast<double>(site.rss_idle_bytes) / 1048576.0, static_cast<double>(site.rss_bytes) / 1048576.0,
+               bf::bench::machine_json(), static_cast<double>(site.rss_idle_bytes) / 1048576.0, static_cast<double>(site.rss_bytes) / 1048576.0,
                threads);
     return 0;
   }
@@ -258,9 +258,9 @@ int main(int argc, char** argv) try {
       }
     }
     const double off = bf::bench::percentile(off_ms, 0.5), on = bf::bench::percentile(on_ms, 0.5);
-    fmt::print("{{\"bench\":\"sampler_cost\",\"e2e_p50_ms_off\":{:.3f},\"e2e_p50_ms_on\":{:.3f},\"ratio\":{:.4f},"
+    fmt::print("{{\"bench\":\"sampler_cost\",{},\"e2e_p50_ms_off\":{:.3f},\"e2e_p50_ms_on\":{:.3f},\"ratio\":{:.4f},"
                "\"period_ms\":100,\"requests_off\":{},\"requests_on\":{},\"channel\":\"{}\",\"threads_per_block\":{}}}\n",
-               off, on, on / off, off_ms.size(), on_ms.size(), channel, threads);
+               bf::bench::machine_json(), off, on, on / off, off_ms.size(), on_ms.size(), channel, threads);
     return 0;
   }
   std::vector<double> e2e_ms, mono_ms, overhead_ms;
@@ -358,10 +358,10 @@ int main(int argc, char** argv) try {
         "{{\"bench\":\"pipeline\",\"mode\":\"{}\",\"channel\":\"{}\",\"device\":\"{}\",\"threads_per_block\":{},"
         "\"requests\":{},\"e2e_p50_ms\":{:.3f},\"monolithic_p50_ms\":{:.3f},\"ratio\":{:.4f},"
         "\"monolithic_alone_p50_ms\":{:.3f},\"ratio_alone\":{:.4f},\"overhead_p50_ms\":{:.4f},"
-        "\"saturation_rps\":{:.1f},\"monolithic_saturation_rps\":{:.1f},\"cuda_graph\":{},\"busy_poll\":{},\"hops_us\":[{}]}}\n",
+        "\"saturation_rps\":{:.1f},\"monolithic_saturation_rps\":{:.1f},\"cuda_graph\":{},\"busy_poll\":{},{},\"hops_us\":[{}]}}\n",
         mode, channel_label, bf::bench::gpu_name(), threads, requests, sum.e2e, sum.mono, sum.e2e / sum.mono, mono_alone,
         sum.e2e / mono_alone, sum.overhead,
-        split_rps, mono_rps, cuda_graph, busy_poll, hops_json());
+        split_rps, mono_rps, cuda_graph, busy_poll, bf::bench::machine_json(), hops_json());
     return 0;
   }
   // Alternating rounds: `round` split requests, then `round` monolithic ones in this session, then
@@ -402,7 +402,7 @@ int main(int argc, char** argv) try {
     for (int j = 0; j < round; ++j) {
       const bf::Result m = session.submit("whole", x).get();
       if (!m.ok()) throw std::runtime_error(m.status.ToString());
-      keep(mono_ms, j, m.trace.compute_ms());  // the model in this session: its forward() time
+      keep(mono_ms, j, m.trace.e2e_ms());  // the model in this session, end to end as the split's e2e is
     }
     const auto clean = alone.run(round);
     for (int j = 0; j < round; ++j) keep(alone_ms, j, clean[static_cast<std::size_t>(j)]);

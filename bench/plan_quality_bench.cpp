@@ -122,9 +122,9 @@ int main() {
   }
   fmt::print("{{\"bench\":\"plan_quality\",\"instances\":{},\"same_admission\":{},\"fewer_admitted\":{},\"more_admitted\":{},\"none_admitted\":{},"
              "\"median_over_optimal\":{:.4f},\"worst_over_optimal\":{:.4f},\"plan_20x4_ms\":{:.1f},\"plan_20x4_tasks\":{},"
-             "\"plan_20x4_admitted\":{},\"plan_20x4_blocks_placed\":{},\"cpu\":\"{}\"}}\n",
+             "\"plan_20x4_admitted\":{},\"plan_20x4_blocks_placed\":{},{}}}\n",
              kInstances, same, fewer, more, none, bf::bench::percentile(ratios, 0.5),
              ratios.empty() ? 0.0 : *std::max_element(ratios.begin(), ratios.end()), bf::bench::percentile(ms, 0.5),
-             big.tasks.size(), big_admitted, big_blocks, bf::bench::cpu_model());
+             big.tasks.size(), big_admitted, big_blocks, bf::bench::machine_json());
   return 0;
 }

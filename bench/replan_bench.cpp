@@ -168,12 +168,14 @@ int main(int argc, char** argv) try {
     c.task = t.name;
     threads.emplace_back([&, &c = c] {
       while (run.load()) {
-        const bool after = killed.load();
+        const bool submitted_after = killed.load();
         bf::Result r = session.submit(c.task, x).get();
-        if (!after) continue;  // the warm-up
+        // Counted when it resolved after the kill: the requests in flight at the kill are the ones
+        // most likely to fail (a failure of one submitted just before had gone uncounted).
+        if (!killed.load()) continue;  // the warm-up
         if (r.ok()) {
           ++c.ok;
-          if (c.first_ok_after_kill_ms.load() == 0) c.first_ok_after_kill_ms = ms_since(kill_at);
+          if (submitted_after && c.first_ok_after_kill_ms.load() == 0) c.first_ok_after_kill_ms = ms_since(kill_at);
         } else if (std::string(r.status.message()).find("worker " + lost) != std::string::npos) {
           ++c.failed_named;
         } else {

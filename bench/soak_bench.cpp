@@ -633,7 +633,7 @@ int main(int argc, char** argv) try {
   }
   const long lost = c.sent - c.completed - c.failed;
   fmt::print(
-      "{{\"bench\":\"soak\",\"final\":true,\"duration_s\":{:.0f},\"rate_rps\":{:.2f},\"saturation_rps\":{:.2f},"
+      "{{\"bench\":\"soak\",{},\"final\":true,\"duration_s\":{:.0f},\"rate_rps\":{:.2f},\"saturation_rps\":{:.2f},"
       "\"sent\":{},\"completed\":{},\"failed\":{},\"lost\":{},\"unexplained_failures\":{},\"errors\":{},"
       "\"kills\":{},\"kills_skipped\":{},\"restarts\":{},\"site_failed_requests\":{},\"applies\":{},\"apply_errors\":{},"
       "\"apply_ms_max\":{:.1f},\"rss_slope_mb_per_min\":{{{}}},\"owned_slope_mb_per_min\":{{{}}},\"private_slope_mb_per_min\":{{{}}},"
@@ -643,7 +643,7 @@ int main(int argc, char** argv) try {
       "\"targets\":{{\"lost_zero\":{},\"failures_name_killed_worker\":{},\"rss_slopes_under_1_mb_per_min\":{},"
       "\"owned_slopes_under_1_mb_per_min\":{},\"private_slopes_under_1_mb_per_min\":{},"
       "\"slots_back\":{},\"fds_back\":{},\"shm_orphans_back\":{}}}}}\n",
-      traffic_s, rate, sat, c.sent, c.completed, c.failed, lost, c.unexplained, ledger.errors_json(), kills,
+      bf::bench::machine_json(), traffic_s, rate, sat, c.sent, c.completed, c.failed, lost, c.unexplained, ledger.errors_json(), kills,
       kills_skipped, restarts, site_failed, applies, apply_errors, apply_ms_max, slopes, owned_slopes, private_slopes, points, late, pools_created, pools_trimmed, start.slots, start.fds,
       start.objects.live, start.objects.orphaned, end.slots, end.fds, end.objects.live, end.objects.orphaned, checks, checks_without_idle, lost == 0, c.unexplained == 0, slopes_ok, owned_slopes_ok, private_slopes_ok,
       slots_back && end.slots <= start.slots, fds_back && end.fds <= start.fds,

@@ -107,11 +107,11 @@ int main(int argc, char** argv) try {
     while (resolved.load() < sent.load() && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
     fmt::print("{{\"bench\":\"update\",\"kind\":\"{}\",\"blocks_changed\":{},\"tasks_rerouted\":{},\"updates\":{},"
                "\"apply_ms_p50\":{:.3f},\"apply_ms_max\":{:.3f},\"load_ms_p50\":{:.3f},\"route_ms_p50\":{:.3f},"
-               "\"lost\":{},\"failed\":{},\"requests\":{},\"rate_per_s\":{},\"threads_per_block\":{}}}\n",
+               "\"lost\":{},\"failed\":{},\"requests\":{},\"rate_per_s\":{},\"threads_per_block\":{},{}}}\n",
                kind, blocks_changed, rerouted, ms.size(), bf::bench::percentile(ms, 0.5),
                *std::max_element(ms.begin(), ms.end()), bf::bench::percentile(t.load, 0.5),
                bf::bench::percentile(t.route, 0.5), sent.load() - resolved.load(), failed.load(), sent.load(), rate,
-               threads);
+               threads, bf::bench::machine_json());
     std::fflush(stdout);
   };
 

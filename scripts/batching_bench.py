@@ -24,19 +24,24 @@ ceiling_rps. It is the fair measure of a one-thread-per-core schedule, not a bou
 elastic lanes also run units with a team of threads, which passes it where two units side by side
 slow each other more than one unit on two threads does (batches, on some CPUs).
 
-Prints, per B:
-  {"bench":"batching","block":"block1-4","max_batch":B,"saturation_rps_off":..,"saturation_rps_on":..,
+Every line carries "cpu" (the model) and "cores" (those this process may run on). Prints, per B
+(batching off swept again right before each B, so that each ratio's two sides are measured side by
+side):
+  {"bench":"batching","block":"block1-4","max_batch":B,"saturated_off":..,"saturated_on":..,
+   "saturation_rps_off":..,"saturation_rps_on":..,
    "ratio":..,"p99_ms_on":..,"max_batch_delay_ms":..,"threads_per_block":2,"ceiling_rps_off":..,
    "ceiling_rps_on":..,"of_ceiling_off":..,"of_ceiling_on":..,"parallel_rps_off":..,"parallel_rps_on":..,
    "of_parallel_off":..,"of_parallel_on":..}
-p99_ms_on is the p99 latency at the rate where the batched pipeline peaked; of_ceiling_* are the
+saturated_*: whether loadgen found a rate the deployment could not keep up with (false: the figure is
+the top rate offered, nothing saturated; raise --rates). p99_ms_on is the p99 latency at the rate
+where the batched pipeline peaked; of_ceiling_* are the
 saturations over the ceiling measured beside them (the issue's targets: >= 0.97), of_parallel_* over
 the parallel floor. Then
   {"bench":"batching_ceiling","max_batch":B,"cpu_ms_per_image":..,"cores":C,"ceiling_rps":..,
    "parallel_rps":..}
 per batch size (1 and each B), and
   {"bench":"batching_lanes","saturation_rps_elastic":..,"saturation_rps_team_lanes":..,"ratio":..}
-for batching off with the default lanes against one team lane. Per-rate runs (with each run's lane
+for batching off with the default lanes (swept again right after) against one team lane. Per-rate runs (with each run's lane
 figures) go to stderr as "batching_run" lines.
 
 With --device cuda:0 every block runs on that GPU (scripts/gpu.sh batching): the CPU ceilings and
@@ -68,6 +73,22 @@ def deployment(models, max_batch, delay_ms, threads, device="cpu"):
     return {"blocks": blocks, "tasks": {"split": [n for n, _ in BLOCKS]}}
 
 
+def cpu_model():
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def usable_cores():
+    """The cores this process may run on (affinity; os.cpu_count() ignores it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def sweep(loadgen, models, max_batch, rates, duration, delay_ms, threads, lanes=0, device="cpu"):
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(deployment(models, max_batch, delay_ms, threads, device), f)
@@ -79,8 +100,12 @@ def sweep(loadgen, models, max_batch, rates, duration, delay_ms, threads, lanes=
     finally:
         os.unlink(path)
     runs = [json.loads(l) for l in out.stdout.splitlines() if l.startswith('{"bench":"loadgen"') or '"loadgen"' in l]
+    saturation = [json.loads(l) for l in out.stdout.splitlines() if '"saturation"' in l]
     runs = [r for r in runs if r.get("bench") == "loadgen"]
-    best = max(runs, key=lambda r: r["throughput_per_s"])
+    best = dict(max(runs, key=lambda r: r["throughput_per_s"]))
+    # loadgen's verdict: null rate when no offered rate saturated the deployment. Then the "saturation"
+    # is only the top rate offered, and a ratio of two such figures says nothing: raise --rates.
+    best["saturated"] = bool(saturation) and saturation[-1].get("rate_per_s") is not None
     for r in runs:
         print(json.dumps({"bench": "batching_run", "device": device, "max_batch": max_batch, "lanes": lanes or "auto",
                           "rate_per_s": r["rate_per_s"], "throughput_per_s": round(r["throughput_per_s"], 2),
@@ -175,7 +200,8 @@ def main():
     if a.device != "cpu":
         gpu_sweeps(a, rates)
         return
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
+    machine = {"cpu": cpu_model(), "cores": cores}
     ceiling = Ceiling(a.models)
     ceilings, parallels = {}, {}
 
@@ -188,12 +214,15 @@ def main():
         parallels.setdefault(b, []).extend([par_before, par_after])
         return result, cores * 1000.0 / ((before + after) / 2), (par_before + par_after) / 2
 
-    off, ceiling_off, parallel_off = beside(
-        1, lambda: sweep(a.loadgen, a.models, 1, rates, a.duration, a.delay_ms, a.threads))
     for b in [int(x) for x in a.batches.split(",")]:
+        # Batching off swept again beside each batch size, right before it: the machine's drift over
+        # the minutes the bench takes falls on both sides of each ratio alike.
+        off, ceiling_off, parallel_off = beside(
+            1, lambda: sweep(a.loadgen, a.models, 1, rates, a.duration, a.delay_ms, a.threads))
         on, ceiling_on, parallel_on = beside(
             b, lambda: sweep(a.loadgen, a.models, b, rates, a.duration, a.delay_ms, a.threads))
-        print(json.dumps({"bench": "batching", "block": "block1-4", "max_batch": b,
+        print(json.dumps({"bench": "batching", **machine, "block": "block1-4", "max_batch": b,
+                          "saturated_off": off["saturated"], "saturated_on": on["saturated"],
                           "saturation_rps_off": round(off["throughput_per_s"], 2),
                           "saturation_rps_on": round(on["throughput_per_s"], 2),
                           "ratio": round(on["throughput_per_s"] / off["throughput_per_s"], 3),
@@ -207,11 +236,12 @@ def main():
                           "of_parallel_on": round(on["throughput_per_s"] / parallel_on, 3)}), flush=True)
     for b, ms in sorted(ceilings.items()):
         mean = sum(ms) / len(ms)
-        print(json.dumps({"bench": "batching_ceiling", "max_batch": b, "cpu_ms_per_image": round(mean, 1),
-                          "cores": cores, "ceiling_rps": round(cores * 1000.0 / mean, 2),
+        print(json.dumps({"bench": "batching_ceiling", **machine, "max_batch": b, "cpu_ms_per_image": round(mean, 1), "ceiling_rps": round(cores * 1000.0 / mean, 2),
                           "parallel_rps": round(sum(parallels[b]) / len(parallels[b]), 2)}), flush=True)
     team = sweep(a.loadgen, a.models, 1, rates, a.duration, a.delay_ms, a.threads, lanes=1)
-    print(json.dumps({"bench": "batching_lanes", "max_batch": 1,
+    off = sweep(a.loadgen, a.models, 1, rates, a.duration, a.delay_ms, a.threads)  # beside it, after
+    print(json.dumps({"bench": "batching_lanes", **machine, "max_batch": 1,
+                      "saturated_elastic": off["saturated"], "saturated_team_lanes": team["saturated"],
                       "saturation_rps_elastic": round(off["throughput_per_s"], 2),
                       "saturation_rps_team_lanes": round(team["throughput_per_s"], 2),
                       "ratio": round(off["throughput_per_s"] / team["throughput_per_s"], 3),
@@ -223,13 +253,14 @@ def gpu_sweeps(a, rates):
     import torch  # the GPU machine's PyTorch, for the device's name
     index = int(a.device.split(":")[1]) if ":" in a.device else 0
     name = torch.cuda.get_device_name(index) if torch.cuda.is_available() else a.device
-    off = sweep(a.loadgen, a.models, 1, rates, a.duration, a.delay_ms, a.threads, device=a.device)
     best = None
     for b in [int(x) for x in a.batches.split(",")]:
+        off = sweep(a.loadgen, a.models, 1, rates, a.duration, a.delay_ms, a.threads, device=a.device)  # beside each B
         on = sweep(a.loadgen, a.models, b, rates, a.duration, a.delay_ms, a.threads, device=a.device)
         ratio = on["throughput_per_s"] / off["throughput_per_s"]
         best = max(best or ratio, ratio)
-        print(json.dumps({"bench": "batching", "device": name, "block": "block1-4", "max_batch": b,
+        print(json.dumps({"bench": "batching", "device": name, "cpu": cpu_model(), "block": "block1-4", "max_batch": b,
+                          "saturated_off": off["saturated"], "saturated_on": on["saturated"],
                           "saturation_rps_off": round(off["throughput_per_s"], 2),
                           "saturation_rps_on": round(on["throughput_per_s"], 2), "ratio": round(ratio, 3),
                           "p50_ms_off": round(off["p50_ms"], 2), "p50_ms_on": round(on["p50_ms"], 2),
