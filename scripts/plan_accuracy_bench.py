@@ -178,7 +178,7 @@ def main():
                 "target_rps": round(spec["rate"], 2), "slo_ms": round(spec["slo"], 1),
                 # null: unbounded (a saturated block: docs/planner.md)
                 "planned_p50_ms": round(v["predicted_p50_ms"], 1) if v["predicted_p50_ms"] is not None else None}
-        if name in measured:
+        if name in measured and at_run.get(name) is not None and v["predicted_p50_ms"] is not None:
             m, predicted = measured[name], at_run[name]
             # Achieved: completions over the whole run, the drain after the last send included (as the
             # forced lines below), so that a backlog served late lowers it; completed / duration counted

@@ -433,10 +433,26 @@ TEST_CASE("saturation: a block whose lanes serve its rate and no more, or a busy
   auto nearly = planned(input({block("A", 100)}, {{"t", {"A"}, 99, 1e6}}, {site("w1")}));
   REQUIRE(verdict(nearly, "t").admitted);
   CHECK(verdict(nearly, "t").predicted_p50_ms == Approx(10 + 0.99 / 0.02 * 10));
-  // One lane of four runs A (workers 1): it waits at its own 0.9, not at the site's 0.225.
-  auto wide = planned(input({block("A", 100)}, {{"t", {"A"}, 90, 30}}, {site("w1", 4)}));
-  CHECK_FALSE(verdict(wide, "t").admitted);
-  CHECK(verdict(wide, "t").predicted_p50_ms == Approx(10 + 0.9 / 0.2 * 10));
+  // A site of four lanes: the plan lets two run A (0.45 of a lane each, at most 0.8), and its wait is
+  // that of two lanes at 0.45 (the site's 0.225 waits less).
+  auto wide_in = input({block("A", 100)}, {{"t", {"A"}, 90, 30}}, {site("w1", 4)});
+  auto wide = planned(wide_in);
+  REQUIRE(verdict(wide, "t").admitted);
+  REQUIRE(wide.blocks.size() == 1);
+  CHECK(wide.blocks[0].workers == 2);
+  CHECK(verdict(wide, "t").predicted_p50_ms == Approx(10 + 0.45 / (2 * 0.55) * 10 / 2));
+  // One lane of the four runs it (a deployment's workers 1): it waits at its own 0.9, not at the
+  // site's 0.225 (before: predicted 10.4 ms).
+  BlockPlacement one{"A", "w1", 1, 1};
+  auto narrow = predict(wide_in, {one});
+  REQUIRE(narrow.ok());
+  CHECK_FALSE(verdict(*narrow, "t").admitted);
+  CHECK(verdict(*narrow, "t").predicted_p50_ms == Approx(10 + 0.9 / 0.2 * 10));
+  // Admission follows the rate: every rate up to what the lanes hold is admitted on that site.
+  for (const double rate : {50.0, 95.0, 101.0, 150.0, 197.0, 201.0, 250.0}) {
+    INFO(rate << " req/s");
+    CHECK(verdict(planned(input({block("A", 100)}, {{"t", {"A"}, rate, 100}}, {site("w1", 4)})), "t").admitted);
+  }
 }
 
 TEST_CASE("a site's reserve that is not a number is refused", "[planner]") {
@@ -453,4 +469,12 @@ TEST_CASE("a profiled TorchScript file of any name is written as one in the depl
   const auto json = nlohmann::json::parse(planned(in).deployment_json(in));
   CHECK(json["blocks"][0]["torchscript"] == "/models/a.pth");  // before: "factory" (no ".pt" suffix)
   CHECK_FALSE(json["blocks"][0].contains("factory"));
+}
+
+TEST_CASE("a plan's deployment lists its tasks in the input's order, as Deployment::order reads them", "[planner]") {
+  auto in = input({block("A", 100), block("B", 100)}, {{"zeta", {"A"}, 10, 100}, {"alpha", {"B"}, 10, 100}}, {site("w1")});
+  auto d = Deployment::parse(planned(in).deployment_json(in), "/models");
+  INFO(d.status().ToString());
+  REQUIRE(d.ok());
+  CHECK(d->order == std::vector<std::string>{"zeta", "alpha"});  // before: alpha, zeta (nlohmann sorts keys)
 }

@@ -102,7 +102,8 @@ TEST_CASE("a forward that throws during the rate sweep is an error naming the bl
   o.progress = [&](std::string_view line) { progress.emplace_back(line); };
   auto calls = std::make_shared<std::atomic<int>>(0);
   auto block = Block::callable("flaky", [calls](Tensors&& in) -> absl::StatusOr<Tensors> {
-    // 9 timed (1 warm-up, 8), 1 for the outputs, 3 for the sweep's service time: the 17th is in its first step.
+    // 9 timed (1 warm-up, 8), 1 for the outputs, 3 for the sweep's service time; the 14th is the
+    // sweep's first, and its first step has at least 9: the 17th throws inside it.
     if (++*calls > 16) throw std::runtime_error("calibration lost");
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
     return Tensors{in.at(0) * 2};

@@ -606,3 +606,41 @@ TEST_CASE("an update that keeps or adds blocks at a site lost for good is refuse
   REQUIRE(away.ok());
   CHECK(session.submit("t2", at::zeros({1})).get().output().item<double>() == 2);
 }
+
+TEST_CASE("apply() does not wait for a session whose only lane is in a call that does not return: its builds run "
+          "on the calling thread", "[update_lifecycle]") {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    BlockRegistry::global().add("upd_plus_two", [](const std::string& name, const BlockOptions& o) {
+      return Block::callable(name, [](Tensors&& in) -> absl::StatusOr<Tensors> { return Tensors{in.at(0) + 2}; }, o);
+    });
+  });
+  auto held = std::make_shared<test::Latch>();
+  SessionOptions options;
+  options.lanes = 1;
+  Session session(options);
+  session.add_block(Block::callable("stuck", [held](Tensors&& in) -> absl::StatusOr<Tensors> {
+    ++held->entered;
+    held->wait();
+    return Tensors{in.at(0) + 1};
+  }));
+  session.add_path(Path::chain("t", {"stuck"}));
+  test::require_started(session);
+  test::LogLines log;
+  auto inside = session.submit("t", at::zeros({1}));
+  REQUIRE(test::eventually([&] { return held->entered.load() == 1; }, 30s));
+  const Deployment more = parse(R"({"blocks": ["stuck", {"name": "fresh", "factory": "upd_plus_two", "input_shapes": [[1]]}],
+                                    "tasks": {"t": ["stuck"], "u": ["fresh"]}})");
+  auto update = std::async(std::launch::async, [&] { return session.apply(more, absl::Seconds(120)); });
+  const bool returned = ready_within(update, 60s);  // before: it waited for the lane (for ever)
+  held->release();
+  REQUIRE(returned);
+  const auto version = update.get();
+  INFO(version.status().ToString());
+  CHECK(version.ok());
+  CHECK(log.contains("every lane may be in a call that does not return; they ran on the calling thread"));
+  CHECK(inside.get().ok());
+  const Result fresh = session.submit("u", at::zeros({1})).get();
+  REQUIRE(fresh.ok());
+  CHECK(fresh.output().item<float>() == 2.0f);
+}

@@ -75,7 +75,7 @@ int main(int argc, char** argv) try {
   if (args.empty()) return usage("no command");
   if (args[0] == "keygen") return keygen(args);
   const std::string cmd = args[0];
-  nlohmann::json request = {{"cmd", cmd}};
+  nlohmann::ordered_json request = {{"cmd", cmd}};  // ordered: a deployment's tasks keep the file's order
   std::string format = "both";
   int timeout_ms = 10000;
   if (cmd == "apply") {
@@ -90,7 +90,7 @@ int main(int argc, char** argv) try {
       std::cerr << fmt::format("blockflowctl: '{}' nests deeper than 63 levels (64 with the request around it)\n", args[1]);
       return 1;
     }
-    request["deployment"] = nlohmann::json::parse(text.str(), nullptr, false);
+    request["deployment"] = nlohmann::ordered_json::parse(text.str(), nullptr, false);
     if (request["deployment"].is_discarded()) {
       std::cerr << fmt::format("blockflowctl: '{}' is not valid JSON\n", args[1]);
       return 1;

@@ -4,6 +4,7 @@
 #include <blockflow/channel/inproc_channel.hpp>
 #include <blockflow/core/detail/mutex.hpp>
 #include <blockflow/core/detail/build_scope.hpp>
+#include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/cuda_graph_block.hpp>
 #include <blockflow/core/detail/omp_width.hpp>
 #include <blockflow/core/detail/session_core.hpp>
@@ -17,7 +18,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <filesystem>
+#include <memory>
+#include <mutex>
 #include <numeric>
 #include <set>
 #include <system_error>
@@ -172,21 +177,67 @@ absl::Status SessionCore::warm_up_block(BlockRuntime& runtime, unsigned layouts,
 }
 
 // Runs the tasks on the lanes, in parallel across them, and waits for all. On a lane already
-// (apply() from a completion callback), or with the lanes stopped, they run here instead.
+// (apply() from a completion callback), or with the lanes stopped, they run here instead; and so do
+// the tasks no lane has taken once none has started or ended for kLanesStuckAfter: every lane may be
+// inside a call that does not return, and an update must not wait for it (its OpenMP team is this
+// thread's then). Each task runs once, where it is taken first; a lane that comes to one taken here
+// later drops it, touching nothing of this frame (the tasks live as long as the last such lane).
 void SessionCore::on_lanes(std::vector<std::function<void()>>& tasks, bool team_lanes, bool one_thread) {
   if (tasks.empty()) return;
-  blockflow::detail::BlockingCounter done(static_cast<int>(tasks.size()));
-  for (auto& task : tasks) {
-    auto counted = [&task, &done] {
-      struct Count {  // also when the task throws (the lane swallows it): Wait() must return
-        BlockingCounter& done;
-        ~Count() { done.DecrementCount(); }
-      } count{done};
-      task();
-    };
-    if (!lanes_ || lanes_->current_lane() >= 0 || !lanes_->post(counted, team_lanes, one_thread)) counted();
+  constexpr auto kLanesStuckAfter = std::chrono::seconds(5);
+  struct Shared {
+    std::vector<std::function<void()>> tasks;
+    std::vector<std::atomic<bool>> taken;
+    std::mutex mu;
+    std::condition_variable changed;
+    std::size_t finished = 0;
+    std::chrono::steady_clock::time_point last_change = std::chrono::steady_clock::now();
+    explicit Shared(std::vector<std::function<void()>>& t) : tasks(std::move(t)), taken(tasks.size()) {}
+    void note(bool ended) {
+      std::lock_guard lock(mu);
+      finished += ended ? 1 : 0;
+      last_change = std::chrono::steady_clock::now();
+      changed.notify_all();
+    }
+  };
+  auto shared = std::make_shared<Shared>(tasks);
+  auto run = [](const std::shared_ptr<Shared>& s, std::size_t i) {
+    if (s->taken[i].exchange(true)) return;
+    s->note(false);
+    struct Ended {  // also when the task throws (the lane swallows it): the wait must end
+      Shared& s;
+      ~Ended() { s.note(true); }
+    } ended{*s};
+    s->tasks[i]();
+  };
+  for (std::size_t i = 0; i < shared->tasks.size(); ++i) {
+    if (!lanes_ || lanes_->current_lane() >= 0 || !lanes_->post([shared, i, run] { run(shared, i); }, team_lanes, one_thread)) {
+      run(shared, i);
+    }
   }
-  done.Wait();
+  std::unique_lock lock(shared->mu);
+  while (shared->finished < shared->tasks.size()) {
+    const auto quiet_until = shared->last_change + kLanesStuckAfter;
+    if (shared->changed.wait_until(lock, quiet_until) == std::cv_status::no_timeout ||
+        std::chrono::steady_clock::now() < quiet_until) {
+      continue;  // a task started or ended: the lanes are moving
+    }
+    lock.unlock();
+    std::size_t here = 0;
+    for (std::size_t i = 0; i < shared->tasks.size(); ++i) {
+      if (!shared->taken[i].load()) {
+        ++here;
+        run(shared, i);
+      }
+    }
+    if (here > 0) {
+      log(LogLevel::kWarning, fmt::format("no compute lane took {} task(s) of a start or an update (builds, warm-ups) in "
+                                          "{} s: every lane may be in a call that does not return; they ran on the "
+                                          "calling thread", here, std::chrono::seconds(kLanesStuckAfter).count()));
+    }
+    lock.lock();
+    if (here == 0) shared->last_change = std::chrono::steady_clock::now();  // the rest runs on lanes: wait for it
+  }
 }
 
 // Work that wants one core per task (builds, warm-up runs at one thread), spread over the cores: on

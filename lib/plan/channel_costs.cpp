@@ -47,6 +47,8 @@ absl::StatusOr<double> one_way_us(Send&& send, Receive&& receive, Make&& make, i
       }
     } catch (const std::exception& e) {  // nothing may escape a thread
       receive_failed = absl::InternalError(fmt::format("receiving: {}", e.what()));
+    } catch (...) {
+      receive_failed = absl::InternalError("receiving: a non-standard exception");
     }
     receiver_gone = !receive_failed.ok();
     if (receiver_gone) (void)ack.send(Envelope{});
@@ -69,6 +71,8 @@ absl::StatusOr<double> one_way_us(Send&& send, Receive&& receive, Make&& make, i
     }
   } catch (const std::exception& e) {
     send_failed = absl::InternalError(fmt::format("sending: {}", e.what()));
+  } catch (...) {
+    send_failed = absl::InternalError("sending: a non-standard exception");
   }
   receiver.join();
   if (!send_failed.ok()) return send_failed;

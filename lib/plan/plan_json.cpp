@@ -174,7 +174,8 @@ std::string Plan::deployment_json(const PlanInput& input) const {
     block["input_shapes"] = shapes;
     blocks_json.push_back(std::move(block));
   }
-  json tasks_json = json::object();
+  // In the order of the plan's verdicts (the input's), kept in the file (ordered_json: Deployment::order).
+  nlohmann::ordered_json tasks_json = nlohmann::ordered_json::object();
   for (const auto& v : tasks) {
     if (!v.admitted) continue;
     for (const auto& t : input.tasks) {
@@ -189,7 +190,7 @@ std::string Plan::deployment_json(const PlanInput& input) const {
     if (s.kind != "worker" || !placed || s.memory_budget <= 0) continue;
     sites_json[s.name] = {{"memory", {{"budget", s.memory_budget}, {"policy", "admit"}}}};
   }
-  json out = {{"blocks", blocks_json}, {"tasks", tasks_json}};
+  nlohmann::ordered_json out = {{"blocks", blocks_json}, {"tasks", tasks_json}};
   if (!sites_json.empty()) out["sites"] = sites_json;
   return out.dump(2);
 }

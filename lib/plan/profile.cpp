@@ -110,6 +110,8 @@ absl::StatusOr<SweepStep> sweep_step(Block& block, const Tensors& inputs, double
         if (!out.ok()) failed = out.status();
       } catch (const std::exception& e) {
         failed = absl::InternalError(fmt::format("block '{}': forward raised: {}", block.name(), e.what()));
+      } catch (...) {
+        failed = absl::InternalError(fmt::format("block '{}': forward raised a non-standard exception", block.name()));
       }
     }
     last_done = detail::now_ns();

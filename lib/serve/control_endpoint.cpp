@@ -72,7 +72,9 @@ struct ControlEndpoint::Impl {
     const std::string cmd = request["cmd"].get<std::string>();
     if (cmd == "apply") {
       if (!request.contains("deployment")) return error("control: apply needs \"deployment\"");
-      auto deployment = Deployment::parse(request["deployment"].dump(), options.models_dir, /*confine_to_models_dir=*/true);
+      // Read again in the sender's key order: a deployment's tasks keep the file's order (Deployment::order).
+      const auto ordered = nlohmann::ordered_json::parse(text, nullptr, false);
+      auto deployment = Deployment::parse(ordered["deployment"].dump(), options.models_dir, /*confine_to_models_dir=*/true);
       if (!deployment.ok()) return error(std::string(deployment.status().message()));
       deployment->keep_code_blocks = true;  // what code added, the wire cannot take away for good
       if (const auto workers = deployment->workers().size(); workers > options.max_workers) {

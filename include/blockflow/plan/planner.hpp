@@ -156,8 +156,8 @@ absl::StatusOr<Plan> plan(const PlanInput& input, const PlanOptions& options = {
 /// that would not have been admitted there is marked so, with plan()'s reason (that task next to the
 /// others on the same placement: an over-committed site refuses every task with a block there);
 /// `predicted_p50_ms` is given either way. `input.tasks` are the tasks that run (a task plan()
-/// refused would add its load). Each block's `workers` is the model's (its share of lanes), not the
-/// placement's. InvalidArgument for the inputs plan() refuses, and naming a block with no placement,
+/// refused would add its load). Each block's `workers` is the placement's (at least 1): a block's
+/// wait depends on how many lanes may run it. InvalidArgument for the inputs plan() refuses, and naming a block with no placement,
 /// a site that is not in `input.sites` or of another device, or a max_batch below 1.
 absl::StatusOr<Plan> predict(const PlanInput& input, const std::vector<BlockPlacement>& placement);
 
