@@ -264,8 +264,8 @@ PlanTask ensemble(double rate, double slo) {
 
 TEST_CASE("graph tasks: every branch's block serves the task's rate, latency follows the slowest branch", "[planner]") {
   // One site of 4 lanes, no hand-off costs: the prediction is trunk + the slower head, each with
-  // the longer of two M/D/1 waits: for the site's 4 lanes at its utilisation, and for the one lane
-  // (workers 1) that runs the block, at the block's own load.
+  // the M/D/1 wait at the site's utilisation over its 4 lanes (each block may run on all four: its
+  // own load on them waits less).
   auto in = input({block("trunk", 200), block("head_a", 100), block("head_b", 50)}, {ensemble(20, 100)}, {site("w1", 4)});
   in.profile.channels.clear();
   const auto p = planned(in);
@@ -274,8 +274,9 @@ TEST_CASE("graph tasks: every branch's block serves the task's rate, latency fol
   REQUIRE(p.sites.size() == 1);
   CHECK(p.sites[0].lanes_used == Approx(20.0 / 200 + 20.0 / 100 + 20.0 / 50));
   const double rho = p.sites[0].utilisation;
-  const auto wait = [&](double own) { return std::max(rho / (2 * (1 - rho)) / 4, own / (2 * (1 - own))); };
-  CHECK(verdict(p, "ensemble").predicted_p50_ms == Approx(5.0 * (1 + wait(0.1)) + 20.0 * (1 + wait(0.4))));  // trunk, head_b
+  const double wait = rho / (2 * (1 - rho)) / 4;
+  CHECK(verdict(p, "ensemble").predicted_p50_ms == Approx((5.0 + 20.0) * (1 + wait)));  // trunk 5 ms, head_b 20 ms
+  for (const auto& b : p.blocks) CHECK(b.workers == 4);
 
   // Too fast for head_b's lanes: refused, naming it as the largest share.
   auto busy = input({block("trunk", 200), block("head_a", 100), block("head_b", 50)}, {ensemble(60, 1000)}, {site("w1", 1)});
@@ -433,14 +434,14 @@ TEST_CASE("saturation: a block whose lanes serve its rate and no more, or a busy
   auto nearly = planned(input({block("A", 100)}, {{"t", {"A"}, 99, 1e6}}, {site("w1")}));
   REQUIRE(verdict(nearly, "t").admitted);
   CHECK(verdict(nearly, "t").predicted_p50_ms == Approx(10 + 0.99 / 0.02 * 10));
-  // A site of four lanes: the plan lets two run A (0.45 of a lane each, at most 0.8), and its wait is
-  // that of two lanes at 0.45 (the site's 0.225 waits less).
+  // A site of four lanes: the plan lets all four run A (0.225 of a lane each), and its wait is the
+  // site's, four lanes at 0.225.
   auto wide_in = input({block("A", 100)}, {{"t", {"A"}, 90, 30}}, {site("w1", 4)});
   auto wide = planned(wide_in);
   REQUIRE(verdict(wide, "t").admitted);
   REQUIRE(wide.blocks.size() == 1);
-  CHECK(wide.blocks[0].workers == 2);
-  CHECK(verdict(wide, "t").predicted_p50_ms == Approx(10 + 0.45 / (2 * 0.55) * 10 / 2));
+  CHECK(wide.blocks[0].workers == 4);
+  CHECK(verdict(wide, "t").predicted_p50_ms == Approx(10 + 0.225 / (2 * 0.775) * 10 / 4));
   // One lane of the four runs it (a deployment's workers 1): it waits at its own 0.9, not at the
   // site's 0.225 (before: predicted 10.4 ms).
   BlockPlacement one{"A", "w1", 1, 1};
@@ -448,11 +449,24 @@ TEST_CASE("saturation: a block whose lanes serve its rate and no more, or a busy
   REQUIRE(narrow.ok());
   CHECK_FALSE(verdict(*narrow, "t").admitted);
   CHECK(verdict(*narrow, "t").predicted_p50_ms == Approx(10 + 0.9 / 0.2 * 10));
-  // Admission follows the rate: every rate up to what the lanes hold is admitted on that site.
-  for (const double rate : {50.0, 95.0, 101.0, 150.0, 197.0, 201.0, 250.0}) {
+  // Admission follows the rate: the prediction grows with it, at a tight SLO as at a loose one.
+  double last = 0;
+  bool refused = false;
+  for (double rate = 10; rate < 400; rate += 7) {
     INFO(rate << " req/s");
-    CHECK(verdict(planned(input({block("A", 100)}, {{"t", {"A"}, rate, 100}}, {site("w1", 4)})), "t").admitted);
+    const Plan p = planned(input({block("A", 100)}, {{"t", {"A"}, rate, 15}}, {site("w1", 4)}));
+    const TaskVerdict& v = verdict(p, "t");
+    CHECK(v.predicted_p50_ms >= last);
+    CHECK_FALSE((refused && v.admitted));  // once refused, no faster rate is admitted
+    refused = refused || !v.admitted;
+    last = v.predicted_p50_ms;
+    if (rate < 250) CHECK(verdict(planned(input({block("A", 100)}, {{"t", {"A"}, rate, 100}}, {site("w1", 4)})), "t").admitted);
   }
+  // A deployment's workers over its site's lanes cost nothing: the lanes cap them.
+  BlockPlacement many{"A", "w1", 1, 8};
+  auto capped = predict(wide_in, {many});
+  REQUIRE(capped.ok());
+  CHECK(verdict(*capped, "t").admitted);
 }
 
 TEST_CASE("a site's reserve that is not a number is refused", "[planner]") {

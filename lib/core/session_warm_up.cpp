@@ -178,10 +178,12 @@ absl::Status SessionCore::warm_up_block(BlockRuntime& runtime, unsigned layouts,
 
 // Runs the tasks on the lanes, in parallel across them, and waits for all. On a lane already
 // (apply() from a completion callback), or with the lanes stopped, they run here instead; and so do
-// the tasks no lane has taken once none has started or ended for kLanesStuckAfter: every lane may be
-// inside a call that does not return, and an update must not wait for it (its OpenMP team is this
-// thread's then). Each task runs once, where it is taken first; a lane that comes to one taken here
-// later drops it, touching nothing of this frame (the tasks live as long as the last such lane).
+// the tasks no lane has taken when none of them runs and none has started or ended for
+// kLanesStuckAfter: every lane is then busy with something else that long, maybe a call that does
+// not return, and a start or an update must not wait for it (the tasks get this thread's OpenMP
+// team). Each task runs once, where it is taken first; a lane that comes to one taken here later
+// drops it, touching nothing of this frame (the tasks live as long as the last such lane). Nothing a
+// task throws leaves it (the tasks report through their own state, and a lane swallows it too).
 void SessionCore::on_lanes(std::vector<std::function<void()>>& tasks, bool team_lanes, bool one_thread) {
   if (tasks.empty()) return;
   constexpr auto kLanesStuckAfter = std::chrono::seconds(5);
@@ -190,33 +192,46 @@ void SessionCore::on_lanes(std::vector<std::function<void()>>& tasks, bool team_
     std::vector<std::atomic<bool>> taken;
     std::mutex mu;
     std::condition_variable changed;
-    std::size_t finished = 0;
+    std::size_t finished = 0, running = 0;
     std::chrono::steady_clock::time_point last_change = std::chrono::steady_clock::now();
     explicit Shared(std::vector<std::function<void()>>& t) : tasks(std::move(t)), taken(tasks.size()) {}
     void note(bool ended) {
       std::lock_guard lock(mu);
-      finished += ended ? 1 : 0;
+      if (ended) {
+        ++finished;
+        --running;
+      } else {
+        ++running;
+      }
       last_change = std::chrono::steady_clock::now();
       changed.notify_all();
     }
   };
   auto shared = std::make_shared<Shared>(tasks);
-  auto run = [](const std::shared_ptr<Shared>& s, std::size_t i) {
-    if (s->taken[i].exchange(true)) return;
+  auto run = [](const std::shared_ptr<Shared>& s, std::size_t i) {  // false: taken already, elsewhere
+    if (s->taken[i].exchange(true)) return false;
     s->note(false);
-    struct Ended {  // also when the task throws (the lane swallows it): the wait must end
+    struct Ended {  // however the task ends: the wait must end
       Shared& s;
       ~Ended() { s.note(true); }
     } ended{*s};
-    s->tasks[i]();
+    try {
+      s->tasks[i]();
+    } catch (...) {  // on this thread too: leaving early would leave queued tasks this frame's references
+    }
+    return true;
   };
   for (std::size_t i = 0; i < shared->tasks.size(); ++i) {
-    if (!lanes_ || lanes_->current_lane() >= 0 || !lanes_->post([shared, i, run] { run(shared, i); }, team_lanes, one_thread)) {
-      run(shared, i);
+    if (!lanes_ || lanes_->current_lane() >= 0 || !lanes_->post([shared, i, run] { (void)run(shared, i); }, team_lanes, one_thread)) {
+      (void)run(shared, i);
     }
   }
   std::unique_lock lock(shared->mu);
   while (shared->finished < shared->tasks.size()) {
+    if (shared->running > 0) {  // ours are moving on the lanes: their ends wake this up
+      shared->changed.wait(lock);
+      continue;
+    }
     const auto quiet_until = shared->last_change + kLanesStuckAfter;
     if (shared->changed.wait_until(lock, quiet_until) == std::cv_status::no_timeout ||
         std::chrono::steady_clock::now() < quiet_until) {
@@ -224,19 +239,13 @@ void SessionCore::on_lanes(std::vector<std::function<void()>>& tasks, bool team_
     }
     lock.unlock();
     std::size_t here = 0;
-    for (std::size_t i = 0; i < shared->tasks.size(); ++i) {
-      if (!shared->taken[i].load()) {
-        ++here;
-        run(shared, i);
-      }
-    }
+    for (std::size_t i = 0; i < shared->tasks.size(); ++i) here += run(shared, i) ? 1 : 0;
     if (here > 0) {
       log(LogLevel::kWarning, fmt::format("no compute lane took {} task(s) of a start or an update (builds, warm-ups) in "
                                           "{} s: every lane may be in a call that does not return; they ran on the "
                                           "calling thread", here, std::chrono::seconds(kLanesStuckAfter).count()));
     }
     lock.lock();
-    if (here == 0) shared->last_change = std::chrono::steady_clock::now();  // the rest runs on lanes: wait for it
   }
 }
 

@@ -18,7 +18,6 @@
 namespace blockflow::detail {
 
 constexpr double kEps = 1e-9;
-constexpr double kWorkerLoad = 0.8;  // the most of a lane's time a planned block's workers each spend on it
 
 // The blocks, edges and demands of one set of tasks, and a placement of its blocks being evaluated.
 class Model {
@@ -91,16 +90,18 @@ class Model {
     return f;
   }
   double lanes_used(int b) const { return demand(b) / capacity(b, batch(b)); }
-  // Lanes that may run block b at once: as many as keep each at kWorkerLoad or less, within its
-  // site's lanes (its own wait is a queue at lanes_used / workers: predicted_ms()); never fewer than
-  // its share of lanes needs. A placement predict() is given sets it (given_workers).
+  // Lanes block b's share needs: its lanes_used rounded up (over its site's lanes: over-commitment).
+  int needed_lanes(int b) const {  // a rate beyond any site's lanes stays a count an int holds
+    return std::max(1, static_cast<int>(std::min(1e6, std::ceil(lanes_used(b) - kEps))));
+  }
+  // Lanes that may run block b at once: all of its site's (a lane runs it only when it has work, so
+  // more cost nothing, and its own wait, a queue at lanes_used / workers, never exceeds its site's:
+  // the prediction grows with the rate), never fewer than its share needs. A placement predict()
+  // is given sets it (given_workers).
   int workers(int b) const {
     if (given_workers_[static_cast<std::size_t>(b)] > 0) return given_workers_[static_cast<std::size_t>(b)];
-    const double used = lanes_used(b);  // a rate beyond any site's lanes stays a count an int holds
-    const int needed = std::max(1, static_cast<int>(std::min(1e6, std::ceil(used - kEps))));
-    if (site(b) < 0) return needed;
-    const int roomy = static_cast<int>(std::min(1e6, std::ceil(used / kWorkerLoad - kEps)));
-    return std::max(needed, std::min(roomy, in_.sites[static_cast<std::size_t>(site(b))].lanes));
+    if (site(b) < 0) return needed_lanes(b);
+    return std::max(needed_lanes(b), in_.sites[static_cast<std::size_t>(site(b))].lanes);
   }
   int& given_workers(int b) { return given_workers_[static_cast<std::size_t>(b)]; }
 
@@ -195,8 +196,8 @@ class Model {
       }
     }
     for (std::size_t b = 0; b < blocks_.size(); ++b) {
-      if (sites.count(site_[b]) > 0 && workers(static_cast<int>(b)) > in_.sites[static_cast<std::size_t>(site_[b])].lanes) {
-        over += workers(static_cast<int>(b));
+      if (sites.count(site_[b]) > 0 && needed_lanes(static_cast<int>(b)) > in_.sites[static_cast<std::size_t>(site_[b])].lanes) {
+        over += needed_lanes(static_cast<int>(b));
       }
     }
     return over;
@@ -213,8 +214,8 @@ class Model {
       if (budget > 0) sc.overflow += std::max(0.0, static_cast<double>(l[s].memory_bytes) - budget) / 1048576.0;
     }
     for (std::size_t b = 0; b < blocks_.size(); ++b) {
-      if (site_[b] >= 0 && workers(static_cast<int>(b)) > in_.sites[static_cast<std::size_t>(site_[b])].lanes) {
-        sc.overflow += workers(static_cast<int>(b));  // more replicas than the site has lanes
+      if (site_[b] >= 0 && needed_lanes(static_cast<int>(b)) > in_.sites[static_cast<std::size_t>(site_[b])].lanes) {
+        sc.overflow += needed_lanes(static_cast<int>(b));  // a share over the site's lanes
       }
     }
     for (const auto& e : edges_) {
@@ -270,7 +271,7 @@ class Model {
       const int b = index_.at(node.block);
       const int s = site(b);
       const double service = service_ms(b, batch(b));
-      const int c = workers(b);
+      const int c = std::min(workers(b), in_.sites[static_cast<std::size_t>(s)].lanes);  // the lanes cap them
       done[i] += service + std::max(lane_wait(contention(s, l, hosts), service, in_.sites[static_cast<std::size_t>(s)].lanes),
                                     lane_wait(lanes_used(b) / c, service, c));
       if (batch(b) > 1) done[i] += std::min(2.0, 1000.0 * (batch(b) - 1) / (2.0 * demand(b)));  // max_batch_delay_ms
