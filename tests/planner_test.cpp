@@ -462,6 +462,18 @@ TEST_CASE("saturation: a block whose lanes serve its rate and no more, or a busy
     last = v.predicted_p50_ms;
     if (rate < 250) CHECK(verdict(planned(input({block("A", 100)}, {{"t", {"A"}, rate, 100}}, {site("w1", 4)})), "t").admitted);
   }
+  // A C++ factory's block may not be reentrant: one lane runs it (its share rounded up), and it
+  // waits as a queue at 0.9.
+  auto factory_in = wide_in;
+  factory_in.profile.blocks[0].source = "scale";
+  const Plan factory = planned(factory_in);
+  CHECK_FALSE(verdict(factory, "t").admitted);
+  CHECK(verdict(factory, "t").predicted_p50_ms == Approx(10 + 0.9 / 0.2 * 10));
+  factory_in.tasks[0].rate_rps = 50;  // admitted (15 ms): one worker
+  const Plan slower = planned(factory_in);
+  REQUIRE(slower.blocks.size() == 1);
+  CHECK(slower.blocks[0].workers == 1);
+  CHECK(verdict(slower, "t").predicted_p50_ms == Approx(10 + 0.5 / 1.0 * 10));
   // A deployment's workers over its site's lanes cost nothing: the lanes cap them.
   BlockPlacement many{"A", "w1", 1, 8};
   auto capped = predict(wide_in, {many});

@@ -6,6 +6,7 @@
 #include <blockflow/core/detail/build_scope.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/cuda_graph_block.hpp>
+#include <blockflow/core/detail/exception_text.hpp>
 #include <blockflow/core/detail/omp_width.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 #include <blockflow/core/detail/weight_swap.hpp>
@@ -218,6 +219,8 @@ void SessionCore::on_lanes(std::vector<std::function<void()>>& tasks, bool team_
     try {
       s->tasks[i]();
     } catch (...) {  // on this thread too: leaving early would leave queued tasks this frame's references
+      log(LogLevel::kError, fmt::format("a task of a start or an update (a build, a warm-up) threw: {}",
+                                        current_exception_text()));
     }
     return true;
   };
@@ -246,6 +249,7 @@ void SessionCore::on_lanes(std::vector<std::function<void()>>& tasks, bool team_
                                           "calling thread", here, std::chrono::seconds(kLanesStuckAfter).count()));
     }
     lock.lock();
+    if (here == 0) shared->last_change = std::chrono::steady_clock::now();  // a lane took the rest: no spin
   }
 }
 

@@ -157,10 +157,7 @@ std::string Plan::deployment_json(const PlanInput& input) const {
     const BlockProfile* p = input.profile.block(b.block);
     json block = {{"name", b.block}, {"intra_op_threads", p->intra_op_threads}, {"workers", b.workers},
                   {"max_batch", b.max_batch}, {"device", p->device}, {"memory_bytes", p->memory_bytes}};
-    // A file: the profiler writes its absolute path (any name: .pt, .pth, .torchscript); a factory's
-    // name has no '/' (check_name()). A bare "x.pt" written by hand is a file too.
-    const bool torchscript = p->source.find('/') != std::string::npos ||
-                             (p->source.size() > 3 && p->source.compare(p->source.size() - 3, 3, ".pt") == 0);
+    const bool torchscript = p->from_file();
     block[torchscript ? "torchscript" : "factory"] = p->source;
     for (const auto& s : input.sites) {
       if (s.name == b.site && s.kind == "worker") block["placement"] = s.name;

@@ -94,13 +94,15 @@ class Model {
   int needed_lanes(int b) const {  // a rate beyond any site's lanes stays a count an int holds
     return std::max(1, static_cast<int>(std::min(1e6, std::ceil(lanes_used(b) - kEps))));
   }
-  // Lanes that may run block b at once: all of its site's (a lane runs it only when it has work, so
-  // more cost nothing, and its own wait, a queue at lanes_used / workers, never exceeds its site's:
-  // the prediction grows with the rate), never fewer than its share needs. A placement predict()
-  // is given sets it (given_workers).
+  // Lanes that may run block b at once. A TorchScript file's block: all of its site's (its forward
+  // is reentrant; a lane runs it only when it has work; its own wait, a queue at lanes_used /
+  // workers, is then never longer than its site's, so the prediction grows with the rate; its
+  // requests may leave it out of order). A C++ factory's block, whose forward may not be reentrant
+  // (BlockOptions::workers): its share rounded up, and its own wait modelled at that. A placement
+  // predict() is given sets it (given_workers).
   int workers(int b) const {
     if (given_workers_[static_cast<std::size_t>(b)] > 0) return given_workers_[static_cast<std::size_t>(b)];
-    if (site(b) < 0) return needed_lanes(b);
+    if (site(b) < 0 || !profile(b).from_file()) return needed_lanes(b);
     return std::max(needed_lanes(b), in_.sites[static_cast<std::size_t>(site(b))].lanes);
   }
   int& given_workers(int b) { return given_workers_[static_cast<std::size_t>(b)]; }

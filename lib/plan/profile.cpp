@@ -170,6 +170,11 @@ absl::StatusOr<double> max_rate(Block& block, const Tensors& inputs, double p50_
 
 }  // namespace
 
+bool BlockProfile::from_file() const {
+  return source.find('/') != std::string::npos ||
+         (source.size() > 3 && source.compare(source.size() - 3, 3, ".pt") == 0);
+}
+
 const BatchLatency* BlockProfile::at_batch(int batch) const {
   for (const auto& l : latency) {
     if (l.batch == batch) return &l;

@@ -82,6 +82,9 @@ struct BlockProfile {
 
   /// @brief The latency at `batch`, or nullptr when it was not measured.
   [[nodiscard]] const BatchLatency* at_batch(int batch) const;
+  /// @brief Whether `source` is a TorchScript file: a path (the profiler writes absolute ones: any
+  /// name, .pt, .pth, .torchscript) or a bare "x.pt"; a factory's name has no '/' (check_name()).
+  [[nodiscard]] bool from_file() const;
 };
 
 /// @brief The cost of one hand-off over a channel kind on this machine: fixed_us + us_per_mb x MB.
