@@ -11,7 +11,10 @@
 // For "add" it includes loading and warming the new block, and removing it includes its drain;
 // "load_ms_p50" is that loading part alone (metrics().last_update.load_ms: for add_worker, starting
 // the worker process too), "route_ms_p50" the publishing of the new routes.
-// lost = requests that never resolved; failed = requests that resolved with an error.
+// Per kind, counted since the previous line: requests = sent, failed = resolved with an error;
+// lost = requests still unresolved 30 s after the kind's last update (traffic goes on, so the count
+// is taken at the first moment none is in flight: 0 unless one never resolved). requests_total and
+// failed_total: since the start. Every line carries the CPU model and hardware threads.
 //
 //   update_bench --models DIR [--rate R] [--updates N] [--threads T]
 
@@ -100,19 +103,31 @@ int main(int argc, char** argv) try {
     t.load.push_back(last.load_ms);
     t.route.push_back(last.route_ms);
   };
+  long sent_before = 0, failed_before = 0;  // at the previous line
   auto report = [&](const char* kind, int blocks_changed, int rerouted, const Timing& t) {
     const std::vector<double>& ms = t.apply;
-    // Let what is in flight finish before counting.
+    // Let what is in flight finish before counting: the first moment nothing is (sent read first,
+    // so a request sent after it can only make the difference smaller).
     const auto until = Clock::now() + std::chrono::seconds(30);
-    while (resolved.load() < sent.load() && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    long outstanding = 0, sent_now = 0;
+    while (true) {
+      sent_now = sent.load();
+      outstanding = std::max(0L, sent_now - resolved.load());
+      if (outstanding == 0 || Clock::now() >= until) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    const long failed_now = failed.load();
     fmt::print("{{\"bench\":\"update\",\"kind\":\"{}\",\"blocks_changed\":{},\"tasks_rerouted\":{},\"updates\":{},"
                "\"apply_ms_p50\":{:.3f},\"apply_ms_max\":{:.3f},\"load_ms_p50\":{:.3f},\"route_ms_p50\":{:.3f},"
-               "\"lost\":{},\"failed\":{},\"requests\":{},\"rate_per_s\":{},\"threads_per_block\":{},{}}}\n",
+               "\"lost\":{},\"failed\":{},\"requests\":{},\"failed_total\":{},\"requests_total\":{},\"rate_per_s\":{},"
+               "\"threads_per_block\":{},{}}}\n",
                kind, blocks_changed, rerouted, ms.size(), bf::bench::percentile(ms, 0.5),
                *std::max_element(ms.begin(), ms.end()), bf::bench::percentile(t.load, 0.5),
-               bf::bench::percentile(t.route, 0.5), sent.load() - resolved.load(), failed.load(), sent.load(), rate,
-               threads, bf::bench::machine_json());
+               bf::bench::percentile(t.route, 0.5), outstanding, failed_now - failed_before, sent_now - sent_before,
+               failed_now, sent_now, rate, threads, bf::bench::machine_json());
     std::fflush(stdout);
+    sent_before = sent_now;
+    failed_before = failed_now;
   };
 
   std::this_thread::sleep_for(std::chrono::seconds(1));
