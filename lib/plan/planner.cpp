@@ -1,8 +1,6 @@
 // plan(): admission, placement and batch sizes from block profiles (docs/planner.md, "Algorithm").
 #include <blockflow/plan/planner.hpp>
 
-#include <blockflow/core/names.hpp>
-
 #include "plan_check.hpp"
 #include "plan_model.hpp"
 #include "task_graph.hpp"
@@ -11,12 +9,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
-#include <map>
 #include <memory>
 #include <numeric>
 #include <set>
-#include <tuple>
 
 namespace blockflow {
 namespace {
