@@ -171,6 +171,39 @@ TEST_CASE("a lone request is not held for a batch that never fills", "[batching]
   CHECK(m.batches == 0);  // each ran alone once max_batch_delay_ms passed
 }
 
+TEST_CASE("a block that two lanes run is gathered by one: requests within max_batch_delay_ms share one batch", "[batching]") {
+  // Before, the lane gathering saw the block's own ready entry (left for its second lane) as other
+  // work waiting and ran the first request alone; and a second lane could take part of the batch.
+  SessionOptions two_lanes;
+  two_lanes.lanes = 2;
+  Session session(two_lanes);
+  Recorder recorder;
+  recorder.first = false;  // no slow first call
+  BlockOptions b = batching(4, 10'000);  // the batch fills long before the delay
+  b.workers = 2;
+  session.add_block(recorder.block("rec", b)).add_path(Path::chain("t", {"rec"}));
+  test::require_started(session);
+  std::vector<std::future<Result>> futures;
+  for (int i = 0; i < 4; ++i) {
+    if (i > 0) std::this_thread::sleep_for(20ms);  // each arrives while a lane waits for more
+    futures.push_back(session.submit("t", at::full({1, 2}, static_cast<double>(i))));
+  }
+  for (int i = 0; i < 4; ++i) {
+    Result r = futures[static_cast<std::size_t>(i)].get();
+    INFO(r.status.ToString());
+    REQUIRE(r.ok());
+    CHECK(at::equal(r.output(), at::full({1, 2}, 2.0 * i)));
+  }
+  {
+    std::lock_guard lock(recorder.mu);
+    REQUIRE(recorder.calls.size() == 1);
+    CHECK(recorder.calls.front() == std::vector<std::int64_t>{4, 2});
+  }
+  const auto m = session.metrics().blocks.at(0);
+  CHECK(m.batches == 1);
+  CHECK(m.batched_requests == 4);
+}
+
 TEST_CASE("a block whose output rows do not follow its input rows fails the batch, named", "[batching]") {
   Session session;
   std::atomic<bool> first{true};

@@ -119,6 +119,12 @@ void ComputeLanes::notify(LaneWork& work) {
   Wakes w;
   {
     std::lock_guard lock(mu_);
+    if (work.queued_ && !work.has_work()) {  // nothing for a lane now (a batch being gathered)
+      ready_.erase(std::find_if(ready_.begin(), ready_.end(), [&](const Entry& e) { return e.work == &work; }));
+      work.queued_ = false;
+      pending_.store(ready_.size(), std::memory_order_release);
+      return;
+    }
     const std::size_t before = ready_.size();
     enqueue_locked(work);
     if (ready_.size() > before) w = wakes_locked();

@@ -52,11 +52,7 @@ class ComputingCall {
 void BlockRuntime::run_one() { core->run_block(*this, std::nullopt); }
 
 void SessionCore::run_block(BlockRuntime& runtime, std::optional<Envelope> first) {
-  if (!first) first = runtime.inbox->try_receive();
-  if (!first) return;  // another lane took it
-  c10::InferenceMode inference_mode;
-  Block& block = *runtime.block;
-  const auto& options = block.options();
+  const auto& options = runtime.block->options();
   std::vector<Envelope> batch;
   std::vector<StatePtr> states;
   bool batching = options.max_batch > 1;
@@ -68,6 +64,37 @@ void SessionCore::run_block(BlockRuntime& runtime, std::optional<Envelope> first
       batching = false;  // out of memory: this one runs alone
     }
   }
+  // One lane at a time gathers the block's batch (BlockRuntime::gathering): with workers >= 2, a
+  // second lane sent to the block would take part of it, and the block's own ready entry would
+  // count as other work waiting and end the wait at once. Gathering ends before the batch runs,
+  // so that the block's other lanes take what comes meanwhile.
+  struct Gathering {
+    SessionCore& core;
+    BlockRuntime& runtime;
+    Gathering(SessionCore& c, BlockRuntime& r) : core(c), runtime(r) { core.lanes_->notify(runtime); }
+    ~Gathering() {
+      runtime.gathering.store(false, std::memory_order_release);
+      try {
+        core.lanes_->notify(runtime);  // what is left queued is a lane's again
+      } catch (...) {  // out of memory: the claim's release queues it
+      }
+    }
+    Gathering(const Gathering&) = delete;
+    Gathering& operator=(const Gathering&) = delete;
+  };
+  std::optional<Gathering> gathering;
+  if (batching) {
+    if (!runtime.gathering.exchange(true, std::memory_order_acq_rel)) {
+      gathering.emplace(*this, runtime);  // its ready entry leaves the queue: this lane takes the work
+    } else if (!first) {
+      return;  // another lane gathers: it takes what is queued
+    } else {
+      batching = false;  // a request handed to this lane directly (helping a full queue) runs now
+    }
+  }
+  if (!first) first = runtime.inbox->try_receive();
+  if (!first) return;  // another lane took it
+  c10::InferenceMode inference_mode;
   if (batching) {
     // Take what else waits, up to max_batch. Wait for more (until max_batch_delay_ms after the first
     // arrived) only while no other block has work ready: a lane never idles on a short batch while
@@ -85,6 +112,7 @@ void SessionCore::run_block(BlockRuntime& runtime, std::optional<Envelope> first
       auto more = runtime.inbox->receive(absl::Now() + absl::Nanoseconds(std::min<std::int64_t>(left, 200'000)));
       if (more) batch.push_back(std::move(*more));
     }
+    gathering.reset();
     if (batch.size() > 1) {
       for (const auto& e : batch) states.push_back(e.local);
       try {
@@ -354,7 +382,7 @@ void SessionCore::hand_over(const PlanNode& target, Envelope&& envelope) {
   // here, its requests would follow one another on this lane for as long as the loop goes on, ahead
   // of every other block's work; through the queue they take their turns.
   if (calling_back == nullptr && runtime->inbox->depth() == 0 && !runtime->inbox->closed() &&
-      lanes_->claim_next(*runtime)) {
+      !runtime->gathering.load(std::memory_order_acquire) && lanes_->claim_next(*runtime)) {
     envelope.sent_ns = now_ns();
     runtime->handed_directly.fetch_add(1, std::memory_order_relaxed);
     try {

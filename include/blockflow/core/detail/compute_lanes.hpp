@@ -108,7 +108,9 @@ class ComputeLanes {
   [[nodiscard]] bool elastic() const { return elastic_; }
   [[nodiscard]] bool running() const { return started_.load() && !stopping_.load(); }
 
-  /// `work` has a new unit queued: it joins the ready queue unless it is there or fully claimed.
+  /// `work`'s has_work() may have changed: with a new unit queued it joins the ready queue unless it
+  /// is there or fully claimed; with none (has_work() false: a batch being gathered takes them) its
+  /// entry leaves the queue, so that pending() counts other work only.
   void notify(LaneWork& work);
   /// Runs `task` on a lane (fairly among ready blocks). False once stopped (the task is not run).
   /// `team_lane`: only a team lane may run it (work that must also run with the team's threads).

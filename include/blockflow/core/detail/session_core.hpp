@@ -110,8 +110,14 @@ struct BlockRuntime final : LaneWork {
   bool handover_posted ABSL_GUARDED_BY(handover_mu) = false;
 
   [[nodiscard]] const std::string& name() const { return description.name; }
-  [[nodiscard]] bool has_work() const override { return inbox->depth() > 0 && !inbox->closed(); }
-  [[nodiscard]] std::size_t backlog() const override { return inbox->closed() ? 0 : inbox->depth(); }
+  /// Set while a lane gathers a batch for the block (SessionCore::run_block()): that lane takes what
+  /// is queued, so no other lane is sent to the block meanwhile (it would take part of the batch).
+  std::atomic<bool> gathering{false};
+
+  [[nodiscard]] bool has_work() const override {
+    return inbox->depth() > 0 && !inbox->closed() && !gathering.load(std::memory_order_acquire);
+  }
+  [[nodiscard]] std::size_t backlog() const override { return has_work() ? inbox->depth() : 0; }
   void run_one() override;
 };
 
