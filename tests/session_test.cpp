@@ -1,4 +1,5 @@
 // Session: results, exactly-once resolution, errors naming the block, queue policies, shutdown.
+#include "gate_site.hpp"
 #include "test_util.hpp"
 
 #include <atomic>
@@ -330,13 +331,20 @@ TEST_CASE("an exception thrown by a done callback does not take the worker down"
 
 namespace {
 
-// A site whose try_run() throws: a request for its block cannot start.
+// A site whose try_run() throws: a request for its block cannot start. With `in_run`, try_run()
+// takes nothing and run() (on the block's forwarding thread) throws instead.
 class ThrowingSite final : public RemoteSite {
  public:
+  explicit ThrowingSite(bool in_run = false) : in_run_(in_run) {}
   const std::string& name() const override { return name_; }
   absl::Status start(const std::vector<BlockDescription>&, CompletionFn) override { return absl::OkStatus(); }
-  void run(const std::string&, Envelope&&) override {}
-  bool try_run(const std::string&, Envelope&) override { throw std::runtime_error("site refuses at once"); }
+  void run(const std::string&, Envelope&&) override {
+    if (in_run_) throw std::runtime_error("site refuses in run()");
+  }
+  bool try_run(const std::string&, Envelope&) override {
+    if (in_run_) return false;
+    throw std::runtime_error("site refuses at once");
+  }
   void stop() override {}
   SiteStats stats() const override {
     SiteStats s;
@@ -346,6 +354,7 @@ class ThrowingSite final : public RemoteSite {
   }
 
  private:
+  const bool in_run_;
   std::string name_ = "thrower";
 };
 
@@ -365,4 +374,37 @@ TEST_CASE("a request that throws while it starts resolves with the reason; submi
   CHECK(r.status.code() == absl::StatusCode::kResourceExhausted);
   CHECK_THAT(std::string(r.status.message()), Contains("task 't'") && Contains("site refuses at once"));
   CHECK(session.metrics().in_flight == 0);  // before: 1 for good (shutdown waited its whole drain)
+}
+
+TEST_CASE("a site that throws on a site's thread fails the request, naming the block; the process goes on", "[session]") {
+  // Before, the exception left the thread (std::terminate) and the request stayed in flight.
+  Session session;
+  BlockDescription far;
+  far.name = "far";
+  far.placement = "thrower";
+  std::string expected;
+  SECTION("run() throws on the block's forwarding thread") {
+    session.add_site(std::make_shared<ThrowingSite>(/*in_run=*/true)).add_block(far).add_path(Path::chain("t", {"far"}));
+    expected = "block 'far': the request could not be handed to its site: site refuses in run()";
+  }
+  SECTION("handing a site's output on throws on that site's thread (the next block's site throws)") {
+    BlockDescription near;
+    near.name = "near";
+    near.placement = "gate";
+    session.add_site(std::make_shared<test::GateSite>("gate"))  // reports on the thread that feeds it
+        .add_site(std::make_shared<ThrowingSite>())
+        .add_block(near)
+        .add_block(far)
+        .add_path(Path::chain("t", {"near", "far"}));
+    expected = "block 'near': the request could not hand its output on: site refuses at once";
+  }
+  test::require_started(session);
+  for (int i = 0; i < 2; ++i) {  // the thread lives on: a second request fails the same way
+    std::future<Result> pending = session.submit("t", at::ones({2}));
+    REQUIRE(pending.wait_for(30s) == std::future_status::ready);
+    const Result r = pending.get();
+    CHECK(r.status.code() == absl::StatusCode::kInternal);
+    CHECK_THAT(std::string(r.status.message()), Contains(expected));
+  }
+  CHECK(session.metrics().in_flight == 0);
 }

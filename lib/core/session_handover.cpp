@@ -10,26 +10,18 @@
 #include <string>
 
 namespace blockflow::detail {
-namespace {
-
-// From a catch handler: fails one request that could not be queued or handed to a lane (`what`
-// says which), naming the block and the exception, and never throws. With no memory even for that
-// message, `short_what` (a literal) instead; with none for that either, nothing more can be done.
-template <typename Fail>
-void fail_unqueued(BlockRuntime& runtime, Fail&& fail, const char* what, const char* short_what) noexcept {
-  runtime.failed.fetch_add(1, std::memory_order_relaxed);
+void SessionCore::fail_noexcept(BlockRuntime& runtime, const StatePtr& state, absl::StatusCode code, const char* what,
+                                const char* short_what) noexcept {
   try {
-    fail(absl::ResourceExhaustedError(
-        fmt::format("block '{}': the request {}: {}", runtime.name(), what, current_exception_text())));
+    fail(state, absl::Status(code, fmt::format("block '{}': the request {}: {}", runtime.name(), what,
+                                               current_exception_text())));
   } catch (...) {
     try {
-      fail(absl::ResourceExhaustedError(short_what));
+      fail(state, absl::Status(code, short_what));
     } catch (...) {
     }
   }
 }
-
-}  // namespace
 
 // A site's thread must not sleep on a full queue either: the lane that would empty it may be
 // waiting for room at that very site. A request that finds the queue full is handed over to a lane,
@@ -70,8 +62,9 @@ void SessionCore::queue_from_site(BlockRuntime& runtime, Envelope&& envelope, co
     }
     for (auto& waiting : line) {
       if (runtime.site != nullptr) runtime.to_forward.fetch_sub(1, std::memory_order_acq_rel);  // not to forward
-      fail_unqueued(runtime, [&](absl::Status why) { fail(waiting.local, std::move(why)); },
-                    "could not be handed to a lane", "the request could not be handed to a lane (out of memory)");
+      runtime.failed.fetch_add(1, std::memory_order_relaxed);
+      fail_noexcept(runtime, waiting.local, absl::StatusCode::kResourceExhausted, "could not be handed to a lane",
+                    "the request could not be handed to a lane (out of memory)");
     }
     return;
   }
@@ -102,7 +95,8 @@ void SessionCore::queue_handed_over(BlockRuntime& runtime) {
     } catch (...) {
       // (Out of memory, say.) This request fails; the line goes on, or the site's later requests for
       // the block would wait behind it for good.
-      fail_unqueued(runtime, [&](absl::Status why) { fail(keep, std::move(why)); }, "could not be queued",
+      runtime.failed.fetch_add(1, std::memory_order_relaxed);
+      fail_noexcept(runtime, keep, absl::StatusCode::kResourceExhausted, "could not be queued",
                     "the request could not be queued (out of memory)");
     }
   }

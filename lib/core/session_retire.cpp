@@ -24,9 +24,11 @@ bool SessionCore::stop_runtime(BlockRuntime& runtime, const std::string& why, ab
     runtime.failed.fetch_add(1, std::memory_order_relaxed);
     fail(envelope.local, absl::CancelledError(fmt::format("block '{}': {}", runtime.name(), why)));
   }
-  const bool idle = runtime.site != nullptr || !lanes_ || lanes_->quiesce(runtime, deadline);
-  if (runtime.resident_id >= 0) resident_->retire(runtime.resident_id);  // an on-demand block's memory goes now
-  return idle;
+  // An on-demand block's memory goes now, before the lanes are waited for: a load that one of them
+  // waits for gives up (the request fails, naming the block), rather than make room by unloading
+  // live blocks for a block that is gone. What a lane holds stays until it lets go.
+  if (runtime.resident_id >= 0) resident_->retire(runtime.resident_id);
+  return runtime.site != nullptr || !lanes_ || lanes_->quiesce(runtime, deadline);
 }
 
 void SessionCore::publish(const RoutingTable& table) {

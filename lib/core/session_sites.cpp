@@ -105,8 +105,26 @@ void SessionCore::forward_to_site(BlockRuntime& runtime) {
       blockflow::detail::MutexLock lock(&runtime.site->mu);
       runtime.site->in_flight[{envelope->request_id, envelope->node}] = {state, &runtime};
     }
-    envelope->outputs_may_stay = outputs_may_stay(*state->plan, envelope->node);
-    if (runtime.site->site->run_unless(runtime.name(), *envelope, runtime.stop_feeding)) continue;
+    bool handed = false;
+    try {
+      envelope->outputs_may_stay = outputs_may_stay(*state->plan, envelope->node);
+      handed = runtime.site->site->run_unless(runtime.name(), *envelope, runtime.stop_feeding);
+    } catch (...) {
+      // The site threw (a RemoteSite's run(), out of memory): the request fails, unless the site
+      // reported it first, and this thread goes on feeding the site.
+      bool listed = false;
+      {
+        blockflow::detail::MutexLock lock(&runtime.site->mu);
+        listed = runtime.site->in_flight.erase({envelope->request_id, envelope->node}) > 0;
+      }
+      if (listed) {
+        runtime.failed.fetch_add(1, std::memory_order_relaxed);
+        fail_noexcept(runtime, state, absl::StatusCode::kInternal, "could not be handed to its site",
+                      "the request could not be handed to its site");
+      }
+      continue;
+    }
+    if (handed) continue;
     // The site made no room before the session stopped feeding the block: the request is ours again.
     // What still queues is failed by whoever set stop_feeding, once this thread is joined.
     {
@@ -147,7 +165,12 @@ void SessionCore::on_site_completion(SiteRuntime& site, SiteCompletion&& c) {
   hop.compute_end_ns = end;
   runtime->processed.fetch_add(1, std::memory_order_relaxed);
   NeverWaitHere delivering;
-  forward_outputs(state, static_cast<int>(c.node), *std::move(c.outputs), runtime);
+  try {
+    forward_outputs(state, static_cast<int>(c.node), *std::move(c.outputs), runtime);
+  } catch (...) {  // not handed on (the next block's site threw, out of memory): failed here, once
+    fail_noexcept(*runtime, state, absl::StatusCode::kInternal, "could not hand its output on",
+                  "the request's output could not be handed on");
+  }
 }
 
 bool SessionCore::try_site_now(BlockRuntime& runtime, Envelope& envelope) {

@@ -317,6 +317,11 @@ class SessionCore {
   void fail(const StatePtr& state, absl::Status status);
   // Counts a failure of `runtime` and fails the request: InternalError "block '<name>': <what>".
   void fail_in_block(BlockRuntime& runtime, const StatePtr& state, std::string_view what);
+  // From a catch handler: fails a request of `runtime` that could not go on (`what` says why:
+  // "could not be queued"), naming the block and the exception, and never throws; with no memory
+  // for that message, `short_what` (a literal) instead. The caller counts the failure.
+  void fail_noexcept(BlockRuntime& runtime, const StatePtr& state, absl::StatusCode code, const char* what,
+                     const char* short_what) noexcept;
   // From a catch handler: fails a request that threw while starting (ResourceExhausted, naming the
   // task and the exception).
   void fail_unstarted(const StatePtr& state) noexcept;
