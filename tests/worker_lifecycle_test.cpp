@@ -320,3 +320,56 @@ TEST_CASE("a worker inherits no descriptor of the host beyond 0-2, nor the start
   ::close(ends[0]);
   ::close(ends[1]);
 }
+
+TEST_CASE("start() refuses supervision options that cannot work, naming the worker and the option", "[worker_lifecycle]") {
+  // Before: a negative max_restarts restarted for ever, a heartbeat_interval of 0 pinged in a busy
+  // loop, and a timeout no longer than the interval killed every worker in turn.
+  WorkerOptions options = test::test_worker("w9");
+  std::string expected;
+  SECTION("max_restarts below 0") {
+    options.max_restarts = -1;
+    expected = "worker w9: WorkerOptions::max_restarts is -1";
+  }
+  SECTION("heartbeat_interval 0") {
+    options.heartbeat_interval = absl::ZeroDuration();
+    expected = "worker w9: WorkerOptions::heartbeat_interval is 0";
+  }
+  SECTION("heartbeat_timeout no longer than the interval") {
+    options.heartbeat_interval = absl::Milliseconds(500);
+    options.heartbeat_timeout = absl::Milliseconds(500);
+    expected = "worker w9: WorkerOptions::heartbeat_timeout (500ms) must be longer than heartbeat_interval (500ms)";
+  }
+  SECTION("start_timeout 0") {
+    options.start_timeout = absl::ZeroDuration();
+    expected = "worker w9: WorkerOptions::start_timeout (0) must be above 0";
+  }
+  WorkerSite site(options);
+  const absl::Status status = site.start({}, [](SiteCompletion&&) {});
+  CHECK(status.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(status.message()), Catch::Matchers::Contains(expected));
+}
+
+TEST_CASE("a worker block whose queue is shorter than the requests in flight to it: every request resolves, none waits "
+          "for a slot",
+          "[worker_lifecycle]") {
+  // The worker's receiving thread, which also takes the host's slot releases, never waits for room
+  // in a block's queue: requests that find it full are queued in order by a lane.
+  Session session;
+  session.add_site(std::make_shared<WorkerSite>(test::test_worker("w1", "shm")));
+  BlockDescription d = test::plugin_block("a", "affine", "w1");
+  d.options.queue_capacity = 1;
+  session.add_block(d).add_path(Path::chain("t", {"a"}));
+  test::require_started(session);
+  const Tensor x = at::ones({256, 1024});  // 1 MB: results go through the worker's slots
+  std::vector<std::future<Result>> futures;
+  for (int i = 0; i < 48; ++i) futures.push_back(session.submit("t", x));
+  int ok = 0;
+  std::string sample;
+  for (auto& f : futures) {
+    const Result r = f.get();
+    if (r.ok() && at::allclose(r.output(), x * 3 + 1)) ++ok;
+    else if (!r.ok()) sample = std::string(r.status.message());
+  }
+  INFO(sample);
+  CHECK(ok == 48);
+}

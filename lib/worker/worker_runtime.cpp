@@ -38,12 +38,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <csignal>
-#include <deque>
-#include <filesystem>
-#include <fstream>
-#include <limits>
 #include <map>
-#include <random>
 #include <optional>
 #include <mutex>
 #include <set>
@@ -500,6 +495,8 @@ class Worker {
       return;
     }
     const bool park = (message.header.flags & bf::wire::kFlagParkOutputs) != 0 && !peer_endpoint_.empty();
+    // This thread also takes the host's slot releases: it never waits for room (a lane queues it).
+    const bf::detail::NeverWaitHere never_wait;
     session_->submit(block, std::move(message.tensors), [this, id, node, arrived, park](bf::Result&& r) {
       if (!r.ok()) return reply({error_header(id, node, r.status), {}});
       bf::wire::Header h;

@@ -81,12 +81,38 @@ void WorkerSite::on_lost(LostFn lost) {
   impl_->lost_fn = std::move(lost);
 }
 
+namespace {
+
+// What start() refuses of the options ("" when they hold together).
+std::string invalid_options(const WorkerOptions& o) {
+  if (o.memory_policy == SessionOptions::MemoryPolicy::kOnDemand && o.memory_budget <= 0) {
+    return "WorkerOptions::memory_policy kOnDemand needs a memory_budget above 0 (bytes)";
+  }
+  // Supervision: a negative count read as unsigned would restart for ever; a ping every poll would
+  // keep a core busy on both sides; silence as short as the ping interval kills every worker.
+  if (o.max_restarts < 0) return fmt::format("WorkerOptions::max_restarts is {}; give 0 or more", o.max_restarts);
+  if (o.heartbeat_interval <= absl::ZeroDuration()) {
+    return fmt::format("WorkerOptions::heartbeat_interval is {}; give a duration above 0",
+                       absl::FormatDuration(o.heartbeat_interval));
+  }
+  if (o.heartbeat_timeout <= o.heartbeat_interval) {
+    return fmt::format("WorkerOptions::heartbeat_timeout ({}) must be longer than heartbeat_interval ({})",
+                       absl::FormatDuration(o.heartbeat_timeout), absl::FormatDuration(o.heartbeat_interval));
+  }
+  if (o.start_timeout <= absl::ZeroDuration() || o.restart_backoff < absl::ZeroDuration()) {
+    return fmt::format("WorkerOptions::start_timeout ({}) must be above 0 and restart_backoff ({}) not below 0",
+                       absl::FormatDuration(o.start_timeout), absl::FormatDuration(o.restart_backoff));
+  }
+  return {};
+}
+
+}  // namespace
+
 absl::Status WorkerSite::start(const std::vector<BlockDescription>& blocks, CompletionFn done) {
   Impl& s = *impl_;
-  if (s.options.memory_policy == SessionOptions::MemoryPolicy::kOnDemand && s.options.memory_budget <= 0) {
+  if (const std::string invalid = invalid_options(s.options); !invalid.empty()) {
     s.state = Impl::State::kStopped;
-    return absl::InvalidArgumentError(
-        fmt::format("{}: WorkerOptions::memory_policy kOnDemand needs a memory_budget above 0 (bytes)", s.prefix()));
+    return absl::InvalidArgumentError(fmt::format("{}: {}", s.prefix(), invalid));
   }
   if (auto status = s.resolve_channel(); !status.ok()) {
     s.state = Impl::State::kStopped;
@@ -236,6 +262,7 @@ void WorkerSite::stop() {
   std::vector<std::pair<std::uint64_t, std::uint32_t>> lost;
   std::vector<std::pair<Impl::Key, std::weak_ptr<Impl>>> vias, forwarded;
   std::deque<Impl::Outbound> outbound;
+  std::deque<Impl::Forward> forwards;
   {
     std::lock_guard lock(s.mu);
     for (const auto& [key, entry] : s.in_flight) {
@@ -245,7 +272,7 @@ void WorkerSite::stop() {
     for (const auto& o : s.outbound) lost.emplace_back(o.envelope.request_id, o.envelope.node);
     forwarded.assign(s.pending_forwards.begin(), s.pending_forwards.end());
     s.pending_forwards.clear();
-    s.forwards.clear();
+    forwards.swap(s.forwards);  // destroyed outside mu, as outbound (placeholders' deleters take drops_mu)
     s.in_flight.clear();
     outbound.swap(s.outbound);  // destroyed outside mu (placeholders' deleters)
     s.state = Impl::State::kStopped;
@@ -253,6 +280,7 @@ void WorkerSite::stop() {
     s.forked = false;
   }
   outbound.clear();
+  forwards.clear();
   const absl::Status stopped = absl::CancelledError(fmt::format("{} stopped", s.prefix()));
   Impl::forget_vias(vias);
   {

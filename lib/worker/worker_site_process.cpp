@@ -144,6 +144,7 @@ void WorkerSite::Impl::on_death(std::string what) {
   std::vector<std::pair<Key, std::weak_ptr<Impl>>> vias, forwarded;
   absl::Status why;
   LostFn lost_now;
+  std::deque<Forward> dropped_forwards;  // destroyed outside mu (their placeholders' deleters take drops_mu)
   {
     std::lock_guard lock(mu);
     const pid_t dead = pid;
@@ -165,7 +166,7 @@ void WorkerSite::Impl::on_death(std::string what) {
     in_flight.clear();
     forwarded.assign(pending_forwards.begin(), pending_forwards.end());
     pending_forwards.clear();
-    forwards.clear();
+    dropped_forwards.swap(forwards);
     failed_requests += lost.size();
     why = absl::UnavailableError(fmt::format("{} {}", prefix(), cause));
     if (!ever_ready) {
@@ -183,6 +184,7 @@ void WorkerSite::Impl::on_death(std::string what) {
       detail::log(LogLevel::kError, fmt::format("{} {}; not restarted ({} restarts used)", prefix(), cause, restarts));
     }
   }
+  dropped_forwards.clear();
   if (lost_now) lost_now(std::string(why.message()));
   wake();
   forget_vias(vias);
@@ -272,7 +274,8 @@ void WorkerSite::Impl::handle_control(zmq::socket_t& router, const std::string& 
     wake();
   } else if (type == detail::kLoadError) {
     start_error = fmt::format("{}: {}", prefix(), message.value("message", "load failed"));
-    kill_cause = "failed to load its blocks";
+    // Named in the log and in the failures of a restart that cannot load (start() reads start_error).
+    kill_cause = fmt::format("failed to load its blocks: {}", message.value("message", "load failed"));
     if (joined()) death_pending = true;
     else process.kill();
   } else if (type == detail::kUpdated || type == detail::kUpdateError) {
@@ -452,9 +455,11 @@ void WorkerSite::Impl::control_main() {
     if (detail::now_ns() >= next_ping) {  // the worker answers pings with heartbeats
       std::string to;
       std::optional<nlohmann::json> sampler;
+      bool ready = false;  // only a ready worker reads its control socket: unread pings would fill it
       {
         std::lock_guard lock(mu);
         to = identity;
+        ready = !to.empty() && state == State::kReady;
         if (!sampling_sent && !to.empty()) {
           sampler = nlohmann::json{{"type", detail::kSampler}, {"enabled", sampling},
                                    {"period_ms", absl::ToInt64Milliseconds(sampling_period)}};
@@ -462,7 +467,7 @@ void WorkerSite::Impl::control_main() {
         }
       }
       if (sampler) send_control(router, to, *sampler);
-      if (!to.empty()) send_control(router, to, {{"type", detail::kPing}});
+      if (ready) send_control(router, to, {{"type", detail::kPing}});
       next_ping = detail::now_ns() + absl::ToInt64Nanoseconds(options.heartbeat_interval);
     }
   }
