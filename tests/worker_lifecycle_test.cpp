@@ -373,3 +373,39 @@ TEST_CASE("a worker block whose queue is shorter than the requests in flight to 
   INFO(sample);
   CHECK(ok == 48);
 }
+
+TEST_CASE("a closed loop that resubmits from its completion callback into a full worker block never stalls",
+          "[worker_lifecycle]") {
+  // The callback runs on the site's thread that takes the worker's results in. Before, a submit()
+  // from it waited for room in the block's full queue; that room comes only as the worker takes
+  // requests, and the worker takes them only as that very thread reads its results: every request
+  // of the task hung.
+  WorkerOptions w = test::test_worker("w1", GENERATE(as<std::string>{}, "shm", "zmq"));
+  w.max_in_flight = 2;
+  Session session;
+  session.add_site(std::make_shared<WorkerSite>(w));
+  BlockDescription d = test::plugin_block("a", "affine", "w1");
+  d.options.queue_capacity = 2;
+  session.add_block(d).add_path(Path::chain("t", {"a"}));
+  test::require_started(session);
+  struct Loop {
+    explicit Loop(Session& s) : session(s) {}
+    Session& session;
+    std::atomic<int> left{400}, ok{0}, chains{16};
+    std::promise<void> all_done;
+    void next() {
+      if (left.fetch_sub(1) <= 0) {
+        if (chains.fetch_sub(1) == 1) all_done.set_value();
+        return;
+      }
+      session.submit("t", Tensors{at::ones({4})}, [this](Result&& r) {
+        if (r.ok() && at::equal(r.output(), at::full({4}, 4.0f))) ok.fetch_add(1);
+        next();
+      });
+    }
+  } loop(session);
+  auto finished = loop.all_done.get_future();
+  for (int c = 0; c < 16; ++c) loop.next();  // 16 chains: more than the queue and the worker hold
+  REQUIRE(finished.wait_for(120s) == std::future_status::ready);
+  CHECK(loop.ok.load() == 400);
+}

@@ -570,9 +570,10 @@ void SessionCore::resolve(const StatePtr& state, absl::Status status, Tensors ou
   auto done = std::move(state->done);
   in_flight_.fetch_sub(1, std::memory_order_acq_rel);  // before done(): its caller may read metrics
   const SessionCore* outer = std::exchange(calling_back, this);
-  // The application's callback is not the site's delivery: a submit() it makes waits for room as
-  // the application's own do.
-  const bool outer_delivering = std::exchange(delivering_for_site, false);
+  // A callback on a site's thread keeps the thread's rule: a submit() it makes (a closed loop)
+  // into a full queue goes to the block's hand-over line rather than wait for room that may depend
+  // on this very thread (the worker's next results). Elsewhere it waits as the application's do.
+  const bool outer_delivering = delivering_for_site;
   struct Restore {
     SessionCore* core;
     const StatePtr& state;
