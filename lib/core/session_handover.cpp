@@ -72,8 +72,12 @@ void SessionCore::queue_from_site(BlockRuntime& runtime, Envelope&& envelope, co
 }
 
 void SessionCore::queue_handed_over(BlockRuntime& runtime) {
+  // A few requests per turn, then the task goes back behind the other work that is ready: a worker
+  // that keeps the block's queue full would otherwise hold this lane in one turn for as long as it
+  // produces, and with one lane no other block would run meanwhile.
+  constexpr int kPerTurn = 4;
   StatePtr keep;  // the request last queued keeps the runtime alive until the line is found empty
-  for (;;) {
+  for (int taken = 0;; ++taken) {
     Envelope next;
     {
       blockflow::detail::MutexLock lock(&runtime.handover_mu);
@@ -81,8 +85,20 @@ void SessionCore::queue_handed_over(BlockRuntime& runtime) {
         runtime.handover_posted = false;
         return;
       }
-      next = std::move(runtime.handover.front());
-      runtime.handover.pop_front();
+      if (taken < kPerTurn) {
+        next = std::move(runtime.handover.front());
+        runtime.handover.pop_front();
+      }
+    }
+    if (taken == kPerTurn) {  // the line (still posted) is queued on by the next task, in order
+      bool posted = false;
+      try {
+        posted = lanes_->current_lane() >= 0 && lanes_->post([this, &runtime] { queue_handed_over(runtime); });
+      } catch (...) {  // no task to be had (out of memory): this one goes on
+      }
+      if (posted) return;
+      taken = -1;
+      continue;
     }
     keep = next.local;
     const PlanNode& target = keep->plan->nodes[static_cast<std::size_t>(next.node)];
