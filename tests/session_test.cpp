@@ -383,6 +383,7 @@ TEST_CASE("a site that throws on a site's thread fails the request, naming the b
   far.name = "far";
   far.placement = "thrower";
   std::string expected;
+  bool near_is_local = false;
   SECTION("run() throws on the block's forwarding thread") {
     session.add_site(std::make_shared<ThrowingSite>(/*in_run=*/true)).add_block(far).add_path(Path::chain("t", {"far"}));
     expected = "block 'far': the request could not be handed to its site: site refuses in run()";
@@ -398,6 +399,14 @@ TEST_CASE("a site that throws on a site's thread fails the request, naming the b
         .add_path(Path::chain("t", {"near", "far"}));
     expected = "block 'near': the request could not hand its output on: site refuses at once";
   }
+  SECTION("a block of this process hands its output to a site that throws (on a lane)") {
+    session.add_site(std::make_shared<ThrowingSite>())
+        .add_block(test::unary("near", [](const Tensor& x) { return x + 1; }))
+        .add_block(far)
+        .add_path(Path::chain("t", {"near", "far"}));
+    expected = "block 'near': the request could not hand its output on: site refuses at once";
+    near_is_local = true;
+  }
   test::require_started(session);
   for (int i = 0; i < 2; ++i) {  // the thread lives on: a second request fails the same way
     std::future<Result> pending = session.submit("t", at::ones({2}));
@@ -406,5 +415,10 @@ TEST_CASE("a site that throws on a site's thread fails the request, naming the b
     CHECK(r.status.code() == absl::StatusCode::kInternal);
     CHECK_THAT(std::string(r.status.message()), Contains(expected));
   }
-  CHECK(session.metrics().in_flight == 0);
+  const auto m = session.metrics();
+  CHECK(m.in_flight == 0);
+  if (near_is_local) {  // it ran both: processed, not failed (the hand-off failed)
+    CHECK(m.blocks.at(0).processed == 2);
+    CHECK(m.blocks.at(0).failed == 0);
+  }
 }

@@ -366,7 +366,10 @@ void ComputeLanes::run_entry(Lane& lane, Entry&& entry) {
     try {
       entry.task();
     } catch (...) {  // tasks report through their own futures; never kill a lane
-      detail::log(LogLevel::kError, fmt::format("a task on a compute lane raised: {}", current_exception_text()));
+      try {
+        detail::log(LogLevel::kError, fmt::format("a task on a compute lane raised: {}", current_exception_text()));
+      } catch (...) {  // no memory for the message
+      }
     }
   }
   // Run-to-completion: the next block of the request, claimed while the unit above ran.

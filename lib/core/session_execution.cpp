@@ -260,7 +260,8 @@ void SessionCore::process_group(BlockRuntime& runtime, std::vector<Envelope>&& g
     try {
       forward_outputs(state, node, std::move(mine), &runtime);
     } catch (...) {  // not handed on: failed here (a request resolves once)
-      fail(state, absl::InternalError(fmt::format("block '{}': handing the output on: {}", block.name(), current_exception_text())));
+      fail_noexcept(runtime, state, absl::StatusCode::kInternal, "could not hand its output on",
+                    "the request could not hand its output on");
     }
   }
 }
@@ -316,7 +317,12 @@ void SessionCore::process(BlockRuntime& runtime, Envelope&& envelope) {
   }
   runtime.processed.fetch_add(1, std::memory_order_relaxed);
   if (keep_layout && is_opaque(*outputs)) runtime.layout_kept.fetch_add(1, std::memory_order_relaxed);
-  forward_outputs(state, node, std::move(*outputs), &runtime);
+  try {
+    forward_outputs(state, node, std::move(*outputs), &runtime);
+  } catch (...) {  // processed, not handed on: failed here, not counted as the block's failure too
+    fail_noexcept(runtime, state, absl::StatusCode::kInternal, "could not hand its output on",
+                  "the request could not hand its output on");
+  }
 }
 
 void SessionCore::forward_outputs(const StatePtr& state, int node, Tensors&& outputs, BlockRuntime* runtime) {
