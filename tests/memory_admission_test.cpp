@@ -141,3 +141,31 @@ TEST_CASE("memory_bytes in a deployment: parsed, checked, and written back", "[a
   CHECK_FALSE(negative.ok());
   CHECK_THAT(std::string(negative.status().message()), Contains("memory_bytes"));
 }
+
+TEST_CASE("apply() refuses a new site's budget before it builds any block of this process", "[admission]") {
+  // Before, this process's new blocks were built (paying their load, up to twice their memory at
+  // the peak) and only then were the budgets of the sites the update makes checked.
+  static std::atomic<int> builds{0};
+  BlockRegistry::global().add("admission_counted", [](const std::string& name, const BlockOptions& o) {
+    builds.fetch_add(1);
+    return Block::callable(name, [](Tensors&& in) -> absl::StatusOr<Tensors> { return Tensors{in.at(0) + 1}; }, o);
+  });
+  Session session;
+  session.add_block(profiled("a", 1)).add_path(Path::chain("t", {"a"}));
+  REQUIRE(session.start().ok());
+  session.set_site_factory([](const std::string& name) -> std::shared_ptr<RemoteSite> {
+    WorkerOptions w = test::test_worker(name);
+    w.memory_budget = 10 * kMB;
+    return make_worker(w);
+  });
+  auto update = Deployment::parse(R"({"blocks": ["a", {"name": "here", "factory": "admission_counted"},
+                                                 {"name": "there", "factory": "affine", "placement": "w5",
+                                                  "memory_bytes": 20971520}],
+                                      "tasks": {"t": ["a"], "u": ["here", "there"]}})");
+  REQUIRE(update.ok());
+  const auto refused = session.apply(*update);
+  CHECK(refused.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(refused.status().message()), Contains("site 'w5'"));
+  CHECK(builds.load() == 0);
+  CHECK(session.submit("t", at::zeros({1})).get().output().item<float>() == 1.0f);
+}

@@ -297,10 +297,48 @@ SiteRuntime* SessionCore::site_named(const std::string& name) const {
   return nullptr;
 }
 
-// 2. Build and load the new blocks of this process (nothing is routed to them yet); describe the
-// ones going to sites, making the sites the session lacks.
+// 2. Make the sites the session lacks (their budgets checked first), then build and load the new
+// blocks of this process (nothing is routed to them yet) and describe the ones going to sites.
 absl::Status SessionCore::update_load(UpdateWork& u) {
   const std::int64_t t_load = now_ns();
+  auto made_named = [&](const std::string& placement) -> SiteRuntime* {  // by this update
+    for (const auto& made : u.new_sites) {
+      if (made->site->name() == placement) return made.get();
+    }
+    return nullptr;
+  };
+  auto site_for = [&](const std::string& placement) {
+    SiteRuntime* made = made_named(placement);
+    return made != nullptr ? made : site_named(placement);
+  };
+  // The sites the session lacks first, their budgets checked before anything loads here.
+  for (const auto& d : u.added) {
+    if (d.placement.empty() || site_for(d.placement) != nullptr) continue;
+    auto made = std::make_shared<SiteRuntime>();
+    try {  // the application's factory, or WorkerSite's constructor refusing a name
+      made->site = u.factory(u.wanted.site(d.placement));
+    } catch (...) {
+      return u.invalid(fmt::format("block '{}': the site factory threw for site '{}': {}", d.name, d.placement,
+                                   current_exception_text()));
+    }
+    made->stop_when_empty = true;
+    if (!made->site) return u.invalid(fmt::format("block '{}': the site factory made no site '{}'", d.name, d.placement));
+    u.new_sites.push_back(std::move(made));
+  }
+  if (!u.new_sites.empty()) {  // the sites the factory just made have their budgets now (the others:
+                               // checked in update_diff())
+    auto status = check_memory(
+        memory_claims(u),
+        [&](const std::string& site) -> std::int64_t {
+          const SiteRuntime* made = made_named(site);
+          return made != nullptr ? made->site->memory_budget() : 0;
+        },
+        [&](const std::string& site) {  // not published yet: sites_ does not know it
+          const SiteRuntime* made = made_named(site);
+          return made != nullptr && made->site->loads_on_demand();
+        });
+    if (!status.ok()) return u.refused(status);
+  }
   std::map<const BlockDescription*, absl::StatusOr<std::shared_ptr<Block>>> built;
   {
     std::vector<const BlockDescription*> local;
@@ -313,26 +351,9 @@ absl::Status SessionCore::update_load(UpdateWork& u) {
   if (update_cancelled()) return u.cancelled();
   for (const auto& d : u.added) {
     if (!d.placement.empty()) {
-      SiteRuntime* site = site_named(d.placement);
-      for (const auto& made : u.new_sites) {
-        if (made->site->name() == d.placement) site = made.get();
-      }
-      if (site == nullptr) {
-        auto made = std::make_shared<SiteRuntime>();
-        try {  // the application's factory, or WorkerSite's constructor refusing a name
-          made->site = u.factory(u.wanted.site(d.placement));
-        } catch (...) {
-          return u.invalid(fmt::format("block '{}': the site factory threw for site '{}': {}", d.name, d.placement,
-                                       current_exception_text()));
-        }
-        made->stop_when_empty = true;
-        if (!made->site) return u.invalid(fmt::format("block '{}': the site factory made no site '{}'", d.name, d.placement));
-        site = made.get();
-        u.new_sites.push_back(std::move(made));
-      }
       auto runtime = std::make_unique<BlockRuntime>();
       runtime->description = d;
-      runtime->site = site;
+      runtime->site = site_for(d.placement);
       runtime->inbox = make_inbox(d.options);
       u.fresh.push_back(std::move(runtime));
       continue;
@@ -348,25 +369,6 @@ absl::Status SessionCore::update_load(UpdateWork& u) {
     if (auto status = check_device(**block); !status.ok()) return u.invalid(std::string(status.message()));
     u.fresh.push_back(make_runtime(*std::move(block)));
     u.fresh.back()->description = d;
-  }
-  if (!u.new_sites.empty()) {  // the sites the factory just made have their budgets now
-    auto made_named = [&](const std::string& site) -> const SiteRuntime* {
-      for (const auto& made : u.new_sites) {
-        if (made->site->name() == site) return made.get();
-      }
-      return nullptr;  // not new: checked in update_diff()
-    };
-    auto status = check_memory(
-        memory_claims(u),
-        [&](const std::string& site) -> std::int64_t {
-          const SiteRuntime* made = made_named(site);
-          return made != nullptr ? made->site->memory_budget() : 0;
-        },
-        [&](const std::string& site) {  // not published yet: sites_ does not know it
-          const SiteRuntime* made = made_named(site);
-          return made != nullptr && made->site->loads_on_demand();
-        });
-    if (!status.ok()) return u.refused(status);
   }
   u.timing.load_ms = ms_since(t_load);  // this process's blocks built; sites and warm-up follow in 4
   return absl::OkStatus();
