@@ -180,8 +180,10 @@ absl::Status SessionCore::at_site(SiteRuntime& site, bool is_new, const std::fun
   // next there (the undo of this update, or the next update's step).
   busy_mu_.Await(absl::Condition(+[](int* n) { return *n == 0; }, &cancelling_));
   busy_sites_.erase(std::find_if(busy_sites_.begin(), busy_sites_.end(), [&](const auto& s) { return s.first == site.site; }));
-  if (cancelled_ && !status.ok()) return absl::CancelledError("cancelled");
-  return status;
+  if (cancelled_ && !status.ok() && !absl::IsCancelled(status)) {  // what the site said is kept
+    return absl::CancelledError(fmt::format("cancelled (site '{}': {})", site.site->name(), std::string(status.message())));
+  }
+  return cancelled_ && !status.ok() ? absl::CancelledError("cancelled") : status;
 }
 
 // 1. What stays, what comes, what goes; and what a deployment cannot say.
