@@ -241,14 +241,18 @@ TEST_CASE("a supervised child is exiting once killed, before it is reaped, and a
 }
 
 TEST_CASE("a worker that cannot be restarted fails the requests queued for its restart, and is lost", "[worker]") {
-  // Its executable (a link here) is gone by the time the restart spawns it.
+  // Its executable (a link here) is gone by the time the restart spawns it. Each restart that
+  // cannot spawn uses one of max_restarts and backs off again (a spawn may fail for a moment); the
+  // last one gives the worker up.
   const auto dir = std::filesystem::temp_directory_path() / ("bf-norestart-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   const auto link = dir / "blockflow-worker";
   std::filesystem::create_symlink(BLOCKFLOW_TEST_WORKER, link);
   auto options = test::test_worker("w1");
   options.executable = link.string();
-  options.restart_backoff = absl::Seconds(2);  // the request below is submitted within it
+  options.max_restarts = GENERATE(1, 3);
+  options.restart_backoff = absl::Seconds(1);  // the request below is submitted within it (1 + 2 + 4 s with 3)
+  test::LogLines log;
   auto site = make_worker(options);
   Session session;
   session.add_site(site).add_block(test::plugin_block("a", "affine", "w1")).add_path(Path::chain("t", {"a"}));
@@ -258,12 +262,16 @@ TEST_CASE("a worker that cannot be restarted fails the requests queued for its r
   REQUIRE(::kill(static_cast<pid_t>(site->pid()), SIGKILL) == 0);
   REQUIRE(test::eventually([&] { return session.metrics().sites.at(0).restarts == 1; }));
   auto queued = session.submit("t", at::zeros({1}));  // waits in the site for the restart
-  REQUIRE(queued.wait_for(10s) == std::future_status::ready);
+  REQUIRE(queued.wait_for(60s) == std::future_status::ready);
   const Result r = queued.get();
   CHECK_FALSE(r.ok());
   CHECK_THAT(std::string(r.status.message()), Contains("worker w1 could not be restarted") && Contains("cannot start"));
   const auto m = session.metrics();
   CHECK(m.sites.at(0).lost);
+  CHECK(m.sites.at(0).restarts == static_cast<std::uint64_t>(options.max_restarts));
+  // With 3: the kill used restart 1; its spawn and the next failed (restarts 2 and 3, said), the third gave up.
+  if (options.max_restarts == 3) CHECK(log.count("could not be restarted: ") >= 3);
+  if (options.max_restarts == 3) CHECK(log.contains("; restart 3 of 3"));
   CHECK(m.sites.at(0).failed_requests >= 1);
   auto after = session.submit("t", at::zeros({1}));  // a lost site fails at once
   REQUIRE(after.wait_for(10s) == std::future_status::ready);

@@ -291,7 +291,7 @@ struct WorkerSite::Impl {
   absl::Status spawn_locked();
   // Marks the site lost for good and takes the session's callback (to call outside mu; once).
   LostFn take_lost_locked();
-  // The worker will not come back (its last restart used, or a restart could not spawn): kFailed,
+  // The worker will not come back (its last restart used, or its last could not spawn): kFailed,
   // its queued requests taken out and counted (fail them outside mu with fail_queued()), and the
   // session's callback taken unless the site is stopping.
   std::deque<Outbound> give_up_locked(LostFn& lost_now);

@@ -389,7 +389,15 @@ void WorkerSite::Impl::supervise() {
                        : fmt::format("did not start within {}{}", absl::FormatDuration(options.start_timeout),
                                      unaccepted.ok() ? "" : fmt::format(" (its data link: {})", std::string(unaccepted.message()))));
     } else if (child == 0 && state == State::kDown && now >= restart_at_ns) {
-      if (auto status = spawn_locked(); !status.ok()) {
+      auto status = spawn_locked();
+      if (!status.ok() && restarts < static_cast<std::uint64_t>(options.max_restarts) && !stopping) {
+        // A failed spawn (EAGAIN, a fork-server hiccup) uses a restart and backs off again.
+        ++restarts;
+        restart_at_ns = now + absl::ToInt64Nanoseconds(options.restart_backoff * static_cast<double>(
+                                                           1ull << std::min<std::uint64_t>(restarts - 1, 10)));
+        detail::log(LogLevel::kWarning, fmt::format("{} could not be restarted: {}; restart {} of {}", prefix(),
+                                                     std::string(status.message()), restarts, options.max_restarts));
+      } else if (!status.ok()) {
         lost_cause = fmt::format("{} could not be restarted: {}", prefix(), std::string(status.message()));
         cause = lost_cause;  // what later requests are refused with ("... is down: ...")
         detail::log(LogLevel::kError, lost_cause);

@@ -155,7 +155,8 @@ struct WorkerOptions {
 /// Supervision: a worker that exits, is killed, or misses heartbeats for heartbeat_timeout is
 /// detected (process status is polled every 50 ms); every request inside it fails with an error
 /// naming the worker and the cause ("worker w2 killed by signal 9"); it is restarted with backoff,
-/// and queued requests flow again. The worker dies with the host (parent-death signal). Thread-safe.
+/// and queued requests flow again (a restart that cannot spawn uses one of max_restarts and backs off
+/// again). The worker dies with the host (parent-death signal). Thread-safe.
 class WorkerSite final : public RemoteSite {
  public:
   explicit WorkerSite(WorkerOptions options);
