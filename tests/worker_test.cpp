@@ -184,7 +184,7 @@ TEST_CASE("kill -9 of a worker under load: every request resolves, the worker re
   const std::int64_t first_pid = site->pid();
   REQUIRE(process_exists(first_pid));
 
-  test::LoadClients load(session, "t", at::ones({4}), 3, "worker w2 killed by signal 9");
+  test::LoadClients load(session, "t", at::ones({4}), 3, "block 'slow': worker w2 killed by signal 9");  // named by its block
   load.check_kill_under_load(first_pid, 20);  // and the restarted worker served again
   CHECK(site->pid() != first_pid);
   CHECK_FALSE(process_exists(first_pid));

@@ -154,7 +154,12 @@ void SessionCore::on_site_completion(SiteRuntime& site, SiteCompletion&& c) {
   auto& [state, runtime] = entry;
   if (!c.outputs.ok()) {
     runtime->failed.fetch_add(1, std::memory_order_relaxed);
-    return fail(state, c.outputs.status());
+    // Named by its block when the site did not ("worker w2 killed by signal 9" fails the requests
+    // of every block the worker held).
+    const std::string named = fmt::format("block '{}'", runtime->name());
+    const absl::Status& why = c.outputs.status();
+    if (why.message().find(named) != std::string_view::npos) return fail(state, why);
+    return fail(state, absl::Status(why.code(), fmt::format("{}: {}", named, std::string(why.message()))));
   }
   HopTiming& hop = state->hops[c.node];
   // Same host, same steady clock: wait = our queue + the site's queue; the transfers are overhead.
