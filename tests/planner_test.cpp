@@ -84,6 +84,24 @@ TEST_CASE("greedy batch sizes: a block that cannot keep up at batch 1 takes a la
   CHECK_FALSE(verdict(p, "t").admitted);
 }
 
+TEST_CASE("greedy batch sizes: a task over its SLO at batch 1, with no site over-committed, takes the batch that "
+          "brings it within", "[planner]") {
+  // 50 req/s per lane at batch 1 (20 ms), 100 at batch 4 (40 ms a forward). At 45 req/s batch 1 fits
+  // (0.9 of the lane) but queues: 20 + 90 ms wait, over the 80 ms SLO. Batch 4: 0.45 of the lane,
+  // 40 ms + 16.4 ms wait + the fill, within. Before, batches were tried only when over-committed.
+  auto in = input({block("A", 50, 10, 1024, 2.0)}, {{"t", {"A"}, 45, 80}}, {site("w1")});
+  auto p = planned(in);
+  INFO(verdict(p, "t").reason);
+  CHECK(verdict(p, "t").admitted);
+  REQUIRE(p.blocks.size() == 1);
+  CHECK(p.blocks[0].max_batch == 4);
+  CHECK(verdict(p, "t").predicted_p50_ms < 80);
+  // Where no batch brings it within (no batch gain), it is refused at batch 1.
+  in.profile.blocks[0] = block("A", 50, 10, 1024, 4.0);
+  p = planned(in);
+  CHECK_FALSE(verdict(p, "t").admitted);
+}
+
 TEST_CASE("greedy batch sizes: the batch that lowers the over-commitment is taken, not the one that frees most lanes "
           "elsewhere", "[planner]") {
   // B nearly fills w2 (2.7 of 3 lanes at batch 1: a site at 3 of 3 would be saturated, its wait

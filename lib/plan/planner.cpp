@@ -49,8 +49,8 @@ Model::Score search_all(Model& m, const std::vector<PlanSite>& sites) {
 }
 
 // Worst-fit decreasing by memory, GPU sites first; then moves and swaps while the score improves;
-// then larger batches for the blocks of an over-committed site, and again. Exhaustive: every
-// placement instead of the first two steps.
+// then larger batches for the blocks of an over-committed site, and again; then larger batches
+// for tasks predicted over their SLOs. Exhaustive: every placement instead of the first two steps.
 void place(Model& m, const std::vector<PlanSite>& sites, bool exhaustive) {
   std::vector<int> order(m.blocks());
   std::iota(order.begin(), order.end(), 0);
@@ -141,6 +141,45 @@ void place(Model& m, const std::vector<PlanSite>& sites, bool exhaustive) {
     if (pick < 0) break;
     m.batch(pick) = to;
     sc = improve();
+  }
+  // Greedy max_batch for latency: while a task is predicted over its SLO (a block near its lanes'
+  // limit queues long at batch 1 though no site is over-committed), the next larger batch of the
+  // block that lowers the tasks' excess over their SLOs most, over-committing nothing more.
+  for (int b = 0; b < static_cast<int>(m.blocks()); ++b) {
+    if (m.site(b) < 0) return;  // a block no site runs: refused as such
+  }
+  auto excess = [&] {  // (tasks predicted unbounded, ms over their SLOs)
+    std::pair<int, double> e{0, 0.0};
+    for (const PlanTask* t : m.tasks()) {
+      const double p = m.predicted_ms(*t);
+      if (!std::isfinite(p)) ++e.first;
+      else e.second += std::max(0.0, p - t->slo_ms);
+    }
+    return e;
+  };
+  for (auto e = excess(); e.first > 0 || e.second > kEps;) {
+    int pick = -1, to = 1;
+    auto best = e;
+    for (int b = 0; b < static_cast<int>(m.blocks()); ++b) {
+      for (const auto& l : m.profile(b).latency) {
+        if (l.batch <= m.batch(b)) continue;
+        const int was = m.batch(b);
+        m.batch(b) = l.batch;
+        if (m.score().overflow <= sc.overflow + kEps) {
+          const auto x = excess();
+          if (x.first < best.first || (x.first == best.first && x.second < best.second - kEps)) {
+            pick = b;
+            to = l.batch;
+            best = x;
+          }
+        }
+        m.batch(b) = was;
+        break;  // one step at a time: the next larger batch size
+      }
+    }
+    if (pick < 0) break;
+    m.batch(pick) = to;
+    e = best;
   }
 }
 
