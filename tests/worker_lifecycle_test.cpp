@@ -332,7 +332,7 @@ TEST_CASE("start() refuses supervision options that cannot work, naming the work
   }
   SECTION("heartbeat_interval 0") {
     options.heartbeat_interval = absl::ZeroDuration();
-    expected = "worker w9: WorkerOptions::heartbeat_interval is 0";
+    expected = "worker w9: WorkerOptions::heartbeat_interval is 0; give 1ms or more";
   }
   SECTION("heartbeat_timeout no longer than the interval") {
     options.heartbeat_interval = absl::Milliseconds(500);
@@ -342,6 +342,10 @@ TEST_CASE("start() refuses supervision options that cannot work, naming the work
   SECTION("start_timeout 0") {
     options.start_timeout = absl::ZeroDuration();
     expected = "worker w9: WorkerOptions::start_timeout (0) must be above 0";
+  }
+  SECTION("max_in_flight 0") {
+    options.max_in_flight = 0;
+    expected = "worker w9: WorkerOptions::max_in_flight is 0";
   }
   WorkerSite site(options);
   const absl::Status status = site.start({}, [](SiteCompletion&&) {});
@@ -379,33 +383,37 @@ TEST_CASE("a closed loop that resubmits from its completion callback into a full
   // The callback runs on the site's thread that takes the worker's results in. Before, a submit()
   // from it waited for room in the block's full queue; that room comes only as the worker takes
   // requests, and the worker takes them only as that very thread reads its results: every request
-  // of the task hung.
+  // of the task hung. "complex" fails every request in the worker (its output's dtype crosses no
+  // wire): the callbacks then run for failures, on the same thread.
   WorkerOptions w = test::test_worker("w1", GENERATE(as<std::string>{}, "shm", "zmq"));
+  const std::string factory = GENERATE(as<std::string>{}, "affine", "complex");
   w.max_in_flight = 2;
-  Session session;
-  session.add_site(std::make_shared<WorkerSite>(w));
-  BlockDescription d = test::plugin_block("a", "affine", "w1");
-  d.options.queue_capacity = 2;
-  session.add_block(d).add_path(Path::chain("t", {"a"}));
-  test::require_started(session);
+  // Before the session: its destructor may still run callbacks on it.
   struct Loop {
-    explicit Loop(Session& s) : session(s) {}
-    Session& session;
-    std::atomic<int> left{400}, ok{0}, chains{16};
+    Session* session = nullptr;
+    std::atomic<int> left{400}, ok{0}, failed{0}, chains{16};
     std::promise<void> all_done;
     void next() {
       if (left.fetch_sub(1) <= 0) {
         if (chains.fetch_sub(1) == 1) all_done.set_value();
         return;
       }
-      session.submit("t", Tensors{at::ones({4})}, [this](Result&& r) {
-        if (r.ok() && at::equal(r.output(), at::full({4}, 4.0f))) ok.fetch_add(1);
+      session->submit("t", Tensors{at::ones({4, 2})}, [this](Result&& r) {
+        if (r.ok() && at::equal(r.output(), at::full({4, 2}, 4.0f))) ok.fetch_add(1);
+        if (!r.ok() && std::string(r.status.message()).find("block 'a'") != std::string::npos) failed.fetch_add(1);
         next();
       });
     }
-  } loop(session);
+  } loop;
+  Session session;
+  loop.session = &session;
+  session.add_site(std::make_shared<WorkerSite>(w));
+  BlockDescription d = test::plugin_block("a", factory, "w1");
+  d.options.queue_capacity = 2;
+  session.add_block(d).add_path(Path::chain("t", {"a"}));
+  test::require_started(session);
   auto finished = loop.all_done.get_future();
   for (int c = 0; c < 16; ++c) loop.next();  // 16 chains: more than the queue and the worker hold
   REQUIRE(finished.wait_for(120s) == std::future_status::ready);
-  CHECK(loop.ok.load() == 400);
+  CHECK((factory == "affine" ? loop.ok : loop.failed).load() == 400);
 }

@@ -260,7 +260,7 @@ TEST_CASE("a worker that cannot be restarted fails the requests queued for its r
   REQUIRE(session.submit("t", at::zeros({1})).get().ok());
   test::remove_tree(dir);
   REQUIRE(::kill(static_cast<pid_t>(site->pid()), SIGKILL) == 0);
-  REQUIRE(test::eventually([&] { return session.metrics().sites.at(0).restarts == 1; }));
+  REQUIRE(test::eventually([&] { return session.metrics().sites.at(0).restarts >= 1; }));
   auto queued = session.submit("t", at::zeros({1}));  // waits in the site for the restart
   REQUIRE(queued.wait_for(60s) == std::future_status::ready);
   const Result r = queued.get();

@@ -71,7 +71,12 @@ void SessionCore::run_block(BlockRuntime& runtime, std::optional<Envelope> first
   struct Gathering {
     SessionCore& core;
     BlockRuntime& runtime;
-    Gathering(SessionCore& c, BlockRuntime& r) : core(c), runtime(r) { core.lanes_->notify(runtime); }
+    Gathering(SessionCore& c, BlockRuntime& r) : core(c), runtime(r) {
+      try {  // its stale ready entry leaves the queue (if this throws, a lane taking it finds it gathered)
+        core.lanes_->notify(runtime);
+      } catch (...) {
+      }
+    }
     ~Gathering() {
       runtime.gathering.store(false, std::memory_order_release);
       try {

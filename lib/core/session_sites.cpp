@@ -90,6 +90,9 @@ absl::Status SessionCore::start_sites() {
 
 void SessionCore::forward_to_site(BlockRuntime& runtime) {
   name_thread(runtime.name(), 0);
+  // A request this thread fails runs its callback here: a submit() it makes (a closed loop) into
+  // this block's full queue must not wait for room that only this thread makes.
+  NeverWaitHere never_wait;
   while (auto envelope = runtime.inbox->receive(absl::InfiniteFuture())) {
     struct Forwarded {  // handed to the site, or given up: a later request may bypass the queue
       BlockRuntime& runtime;
@@ -101,23 +104,24 @@ void SessionCore::forward_to_site(BlockRuntime& runtime) {
     HopTiming& hop = state->hops[envelope->node];
     hop.arrived_ns = envelope->sent_ns;
     hop.dequeued_ns = dequeued;  // provisional: on completion it also absorbs the site's queueing
-    {
-      blockflow::detail::MutexLock lock(&runtime.site->mu);
-      runtime.site->in_flight[{envelope->request_id, envelope->node}] = {state, &runtime};
-    }
-    bool handed = false;
+    bool handed = false, listed = false;
     try {
+      {
+        blockflow::detail::MutexLock lock(&runtime.site->mu);
+        runtime.site->in_flight[{envelope->request_id, envelope->node}] = {state, &runtime};
+        listed = true;
+      }
       envelope->outputs_may_stay = outputs_may_stay(*state->plan, envelope->node);
       handed = runtime.site->site->run_unless(runtime.name(), *envelope, runtime.stop_feeding);
     } catch (...) {
       // The site threw (a RemoteSite's run(), out of memory): the request fails, unless the site
       // reported it first, and this thread goes on feeding the site.
-      bool listed = false;
-      {
-        blockflow::detail::MutexLock lock(&runtime.site->mu);
-        listed = runtime.site->in_flight.erase({envelope->request_id, envelope->node}) > 0;
-      }
+      bool ours = !listed;  // never listed (no memory for that): nobody else can report it
       if (listed) {
+        blockflow::detail::MutexLock lock(&runtime.site->mu);
+        ours = runtime.site->in_flight.erase({envelope->request_id, envelope->node}) > 0;
+      }
+      if (ours) {
         runtime.failed.fetch_add(1, std::memory_order_relaxed);
         fail_noexcept(runtime, state, absl::StatusCode::kInternal, "could not be handed to its site",
                       "the request could not be handed to its site");
@@ -152,14 +156,22 @@ void SessionCore::on_site_completion(SiteRuntime& site, SiteCompletion&& c) {
     site.in_flight.erase(it);
   }
   auto& [state, runtime] = entry;
+  // A callback that this thread runs (for a failure too) must not wait for room either.
+  NeverWaitHere delivering;
   if (!c.outputs.ok()) {
     runtime->failed.fetch_add(1, std::memory_order_relaxed);
     // Named by its block when the site did not ("worker w2 killed by signal 9" fails the requests
     // of every block the worker held).
-    const std::string named = fmt::format("block '{}'", runtime->name());
     const absl::Status& why = c.outputs.status();
-    if (why.message().find(named) != std::string_view::npos) return fail(state, why);
-    return fail(state, absl::Status(why.code(), fmt::format("{}: {}", named, std::string(why.message()))));
+    absl::Status named = why;
+    try {
+      const std::string block = fmt::format("block '{}'", runtime->name());
+      if (why.message().find(block) == std::string_view::npos) {
+        named = absl::Status(why.code(), fmt::format("{}: {}", block, std::string(why.message())));
+      }
+    } catch (...) {  // no memory for the longer message: the site's own
+    }
+    return fail(state, std::move(named));
   }
   HopTiming& hop = state->hops[c.node];
   // Same host, same steady clock: wait = our queue + the site's queue; the transfers are overhead.
@@ -169,7 +181,6 @@ void SessionCore::on_site_completion(SiteRuntime& site, SiteCompletion&& c) {
   hop.compute_start_ns = start;
   hop.compute_end_ns = end;
   runtime->processed.fetch_add(1, std::memory_order_relaxed);
-  NeverWaitHere delivering;
   try {
     forward_outputs(state, static_cast<int>(c.node), *std::move(c.outputs), runtime);
   } catch (...) {  // not handed on (the next block's site threw, out of memory): failed here, once

@@ -162,7 +162,7 @@ class Worker {
                   {"rss_bytes", bf::detail::settled_rss_bytes()},  // as the host's profiles measure
                   {"heartbeat_ms", absl::ToInt64Milliseconds(heartbeat_.interval)},
                   {"host_silence_ms", absl::ToInt64Milliseconds(heartbeat_.host_silence)}});
-    last_host_ns_ = now_ns();  // the pings that came while the blocks loaded are still to be read
+    last_host_ns_ = now_ns();  // the host pings a worker only once it is ready: the silence starts now
     control_loop();
     if (updater_.joinable()) updater_.join();
     stopping_ = true;

@@ -91,18 +91,22 @@ std::string invalid_options(const WorkerOptions& o) {
   // Supervision: a negative count read as unsigned would restart for ever; a ping every poll would
   // keep a core busy on both sides; silence as short as the ping interval kills every worker.
   if (o.max_restarts < 0) return fmt::format("WorkerOptions::max_restarts is {}; give 0 or more", o.max_restarts);
-  if (o.heartbeat_interval <= absl::ZeroDuration()) {
-    return fmt::format("WorkerOptions::heartbeat_interval is {}; give a duration above 0",
+  if (o.heartbeat_interval < absl::Milliseconds(1) || o.heartbeat_interval == absl::InfiniteDuration()) {
+    return fmt::format("WorkerOptions::heartbeat_interval is {}; give 1ms or more (finite)",
                        absl::FormatDuration(o.heartbeat_interval));
   }
   if (o.heartbeat_timeout <= o.heartbeat_interval) {
     return fmt::format("WorkerOptions::heartbeat_timeout ({}) must be longer than heartbeat_interval ({})",
                        absl::FormatDuration(o.heartbeat_timeout), absl::FormatDuration(o.heartbeat_interval));
   }
-  if (o.start_timeout <= absl::ZeroDuration() || o.restart_backoff < absl::ZeroDuration()) {
-    return fmt::format("WorkerOptions::start_timeout ({}) must be above 0 and restart_backoff ({}) not below 0",
+  if (o.start_timeout <= absl::ZeroDuration() || o.restart_backoff < absl::ZeroDuration() ||
+      o.start_timeout == absl::InfiniteDuration() || o.restart_backoff == absl::InfiniteDuration() ||
+      o.heartbeat_timeout == absl::InfiniteDuration()) {
+    return fmt::format("WorkerOptions::start_timeout ({}) must be above 0 and restart_backoff ({}) not below 0, "
+                       "both (and heartbeat_timeout) finite",
                        absl::FormatDuration(o.start_timeout), absl::FormatDuration(o.restart_backoff));
   }
+  if (o.max_in_flight == 0) return "WorkerOptions::max_in_flight is 0: no request could ever be sent";
   return {};
 }
 

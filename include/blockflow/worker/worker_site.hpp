@@ -87,7 +87,8 @@ struct WorkerOptions {
   /// while blocks computing in slot memory ran 20-25% slower in a 4-worker pipeline on an AMD EPYC
   /// (docs/workers.md, "Outputs in slots"). Worth it for outputs of tens of MB and more.
   bool shm_outputs_in_slots = false;
-  int max_restarts = 5;                                  ///< per session; then the worker stays down
+  int max_restarts = 5;  ///< 0 or more, per session; then the worker stays down (start() refuses the options below when
+                         ///< they cannot work: negative, zero or infinite durations, a timeout not above the interval)
   absl::Duration restart_backoff = absl::Milliseconds(100);  ///< doubled after each restart
   /// How often the session pings the worker; the worker answers each ping with a heartbeat (its
   /// resident memory, pool counters and KPI sample: stats()). Sent to the worker in its
