@@ -145,19 +145,25 @@ void place(Model& m, const std::vector<PlanSite>& sites, bool exhaustive) {
   // Greedy max_batch for latency: while a task is predicted over its SLO (a block near its lanes'
   // limit queues long at batch 1 though no site is over-committed), the next larger batch of the
   // block that lowers the tasks' excess over their SLOs most, over-committing nothing more.
+  if (sc.overflow > kEps) return;  // still over-committed: refused as such
   for (int b = 0; b < static_cast<int>(m.blocks()); ++b) {
     if (m.site(b) < 0) return;  // a block no site runs: refused as such
   }
-  auto excess = [&] {  // (tasks predicted unbounded, ms over their SLOs)
+  // (tasks predicted unbounded over their SLOs, ms over their SLOs), and which tasks are over.
+  auto excess = [&](std::vector<char>* over) {
     std::pair<int, double> e{0, 0.0};
     for (const PlanTask* t : m.tasks()) {
       const double p = m.predicted_ms(*t);
+      const bool late = p > t->slo_ms;  // as refusal() judges it (an infinite SLO holds anything)
+      if (over != nullptr) over->push_back(late ? 1 : 0);
+      if (!late) continue;
       if (!std::isfinite(p)) ++e.first;
-      else e.second += std::max(0.0, p - t->slo_ms);
+      else e.second += p - t->slo_ms;
     }
     return e;
   };
-  for (auto e = excess(); e.first > 0 || e.second > kEps;) {
+  std::vector<char> over_now;
+  for (auto e = excess(&over_now); e.first > 0 || e.second > kEps;) {
     int pick = -1, to = 1;
     auto best = e;
     for (int b = 0; b < static_cast<int>(m.blocks()); ++b) {
@@ -166,8 +172,11 @@ void place(Model& m, const std::vector<PlanSite>& sites, bool exhaustive) {
         const int was = m.batch(b);
         m.batch(b) = l.batch;
         if (m.score().overflow <= sc.overflow + kEps) {
-          const auto x = excess();
-          if (x.first < best.first || (x.first == best.first && x.second < best.second - kEps)) {
+          std::vector<char> over;
+          const auto x = excess(&over);
+          bool breaks = false;  // a task within its SLO pushed over it (a shared block's batch fill)
+          for (std::size_t i = 0; i < over.size(); ++i) breaks = breaks || (over[i] != 0 && over_now[i] == 0);
+          if (!breaks && (x.first < best.first || (x.first == best.first && x.second < best.second - kEps))) {
             pick = b;
             to = l.batch;
             best = x;
@@ -179,7 +188,8 @@ void place(Model& m, const std::vector<PlanSite>& sites, bool exhaustive) {
     }
     if (pick < 0) break;
     m.batch(pick) = to;
-    e = best;
+    over_now.clear();
+    e = excess(&over_now);
   }
 }
 

@@ -88,7 +88,8 @@ struct WorkerOptions {
   /// (docs/workers.md, "Outputs in slots"). Worth it for outputs of tens of MB and more.
   bool shm_outputs_in_slots = false;
   int max_restarts = 5;  ///< 0 or more, per session; then the worker stays down (start() refuses the options below when
-                         ///< they cannot work: negative, zero or infinite durations, a timeout not above the interval)
+                         ///< they cannot work: negative or infinite durations, a zero start_timeout, a heartbeat
+                         ///< interval under 1 ms or a heartbeat_timeout not above it, max_in_flight 0)
   absl::Duration restart_backoff = absl::Milliseconds(100);  ///< doubled after each restart
   /// How often the session pings the worker; the worker answers each ping with a heartbeat (its
   /// resident memory, pool counters and KPI sample: stats()). Sent to the worker in its
