@@ -65,22 +65,22 @@ void SessionCore::run_block(BlockRuntime& runtime, std::optional<Envelope> first
     }
   }
   // One lane at a time gathers the block's batch (BlockRuntime::gathering): with workers >= 2, a
-  // second lane sent to the block would take part of it, and the block's own ready entry would
-  // count as other work waiting and end the wait at once. Gathering ends before the batch runs,
-  // so that the block's other lanes take what comes meanwhile.
+  // second lane would take part of it, and the block's own ready entry would count as other work
+  // waiting and end the wait. It ends before the batch runs: other lanes take what comes meanwhile.
   struct Gathering {
     SessionCore& core;
     BlockRuntime& runtime;
+    // workers 1: no entry is queued while claimed and the release queues the rest (no lock taken).
     Gathering(SessionCore& c, BlockRuntime& r) : core(c), runtime(r) {
       try {  // its stale ready entry leaves the queue (if this throws, a lane taking it finds it gathered)
-        core.lanes_->notify(runtime);
+        if (runtime.max_lanes > 1) core.lanes_->notify(runtime);
       } catch (...) {
       }
     }
     ~Gathering() {
       runtime.gathering.store(false, std::memory_order_release);
       try {
-        core.lanes_->notify(runtime);  // what is left queued is a lane's again
+        if (runtime.max_lanes > 1) core.lanes_->notify(runtime);  // what is left queued is a lane's again
       } catch (...) {  // out of memory: the claim's release queues it
       }
     }
