@@ -72,6 +72,48 @@ TEST_CASE("wait + compute + overhead per request equals its end-to-end time", "[
   CHECK(m.paths[0].throughput_per_s > 0);
 }
 
+TEST_CASE("waiting for room in a full queue counts as the block's wait, not as hand-off overhead", "[metrics]") {
+  SessionOptions so;
+  so.lanes = 3;
+  so.intra_op_threads = 1;
+  Session session(so);
+  test::Latch latch;
+  BlockOptions held;
+  held.queue_capacity = 1;
+  session.add_block(test::unary("first", [](const Tensor& x) { return x + 1; }))
+      .add_block(test::unary("held", [&latch](const Tensor& x) {
+        latch.entered.fetch_add(1);
+        latch.wait();
+        return x + 1;
+      }, held))
+      .add_path(Path::chain("t", {"first", "held"}));
+  test::require_started(session);
+  std::vector<std::future<Result>> futures;
+  for (int i = 0; i < 3; ++i) futures.push_back(session.submit("t", at::full({1}, double(i))));
+  // One request in "held", one in its queue (capacity 1), the third's lane waiting for room.
+  const auto first_done = [&] {
+    for (const auto& b : session.metrics().blocks) {
+      if (b.name == "first") return b.processed;
+    }
+    return std::uint64_t{0};
+  };
+  REQUIRE(test::eventually([&] { return latch.entered.load() == 1 && first_done() == 3; }));
+  std::this_thread::sleep_for(150ms);
+  latch.release();
+  double longest_wait = 0;
+  for (auto& f : futures) {
+    Result r = f.get();
+    REQUIRE(r.ok());
+    REQUIRE(r.trace.hops.size() == 2);
+    const HopTiming& hop = r.trace.hops[1];
+    INFO("wait " << hop.wait_ms() << " ms, overhead " << hop.overhead_ms() << " ms");
+    CHECK(hop.overhead_ms() < 100);  // it waited 150 ms for room or in the queue: all of it wait
+    longest_wait = std::max(longest_wait, hop.wait_ms());
+    CHECK(r.trace.wait_ms() + r.trace.compute_ms() + r.trace.overhead_ms() == Approx(r.trace.e2e_ms()).margin(1e-6));
+  }
+  CHECK(longest_wait >= 150);
+}
+
 TEST_CASE("computing_s shows how long a block call in progress has run, and 0 once it returned", "[metrics]") {
   std::atomic<bool> entered{false};
   Session session;

@@ -32,6 +32,7 @@ SendOutcome InProcessChannel::send(Envelope&& envelope, absl::Time deadline) {
     switch (options_.full_policy) {
       case FullPolicy::kBlock: {
         auto room = [&] { return closed_ || queue_.size() < options_.capacity; };
+        if (envelope.offered_ns == 0) envelope.offered_ns = detail::now_ns();
         ++sleeping_senders_;
         if (deadline == absl::InfiniteFuture()) {
           not_full_.wait(lock, room);

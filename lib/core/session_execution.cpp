@@ -243,7 +243,7 @@ void SessionCore::process_group(BlockRuntime& runtime, std::vector<Envelope>&& g
     StatePtr state = std::move(envelope.local);
     const int node = static_cast<int>(envelope.node);
     HopTiming& hop = state->hops[static_cast<std::size_t>(node)];
-    hop.arrived_ns = envelope.sent_ns;
+    hop.arrived_ns = envelope.arrived_ns();
     hop.dequeued_ns = std::max(dequeued, envelope.sent_ns);  // waiting for the batch is waiting
     if (runtime.resident_id >= 0) {
       hop.load_start_ns = load_start;
@@ -262,12 +262,7 @@ void SessionCore::process_group(BlockRuntime& runtime, std::vector<Envelope>&& g
     offset += rows[r];
     runtime.processed.fetch_add(1, std::memory_order_relaxed);
     ++settled;  // from here on, it is the next block's
-    try {
-      forward_outputs(state, node, std::move(mine), &runtime);
-    } catch (...) {  // not handed on: failed here (a request resolves once)
-      fail_noexcept(runtime, state, absl::StatusCode::kInternal, "could not hand its output on",
-                    "the request could not hand its output on");
-    }
+    hand_on(runtime, state, node, std::move(mine));
   }
 }
 
@@ -286,7 +281,7 @@ void SessionCore::process(BlockRuntime& runtime, Envelope&& envelope) {
   if (state->resolved.load(std::memory_order_acquire)) return;  // a sibling branch failed it already
   const int node = static_cast<int>(envelope.node);
   HopTiming& hop = state->hops[static_cast<std::size_t>(node)];
-  hop.arrived_ns = envelope.sent_ns;
+  hop.arrived_ns = envelope.arrived_ns();
   hop.dequeued_ns = dequeued;
   Block& block = *runtime.block;
 
@@ -322,9 +317,15 @@ void SessionCore::process(BlockRuntime& runtime, Envelope&& envelope) {
   }
   runtime.processed.fetch_add(1, std::memory_order_relaxed);
   if (keep_layout && is_opaque(*outputs)) runtime.layout_kept.fetch_add(1, std::memory_order_relaxed);
+  hand_on(runtime, state, node, std::move(*outputs));
+}
+
+// Processed, not handed on: failed here, not counted as the block's failure too (a request resolves
+// once, so a part already handed on is not failed twice).
+void SessionCore::hand_on(BlockRuntime& runtime, const StatePtr& state, int node, Tensors&& outputs) noexcept {
   try {
-    forward_outputs(state, node, std::move(*outputs), &runtime);
-  } catch (...) {  // processed, not handed on: failed here, not counted as the block's failure too
+    forward_outputs(state, node, std::move(outputs), &runtime);
+  } catch (...) {
     fail_noexcept(runtime, state, absl::StatusCode::kInternal, "could not hand its output on",
                   "the request could not hand its output on");
   }

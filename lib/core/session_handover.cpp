@@ -1,6 +1,7 @@
 // A block's hand-over line: how a site's receiving thread queues a request for a block whose queue
 // is full (policy block; a block of this process or at a site) without sleeping on it, and without
 // letting the site's later requests for that block overtake it.
+#include <blockflow/core/detail/clock.hpp>
 #include <blockflow/core/detail/exception_text.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 
@@ -30,7 +31,8 @@ void SessionCore::fail_noexcept(BlockRuntime& runtime, const StatePtr& state, ab
 void SessionCore::queue_from_site(BlockRuntime& runtime, Envelope&& envelope, const PlanNode& target) {
   {
     blockflow::detail::MutexLock lock(&runtime.handover_mu);
-    if (runtime.handover_posted) {
+    if (runtime.handover_posted) {  // behind requests that found the queue full: it waits for room too
+      if (envelope.offered_ns == 0) envelope.offered_ns = now_ns();
       runtime.handover.push_back(std::move(envelope));
       return;
     }

@@ -102,7 +102,7 @@ void SessionCore::forward_to_site(BlockRuntime& runtime) {
     StatePtr state = std::move(envelope->local);
     if (state->resolved.load(std::memory_order_acquire)) continue;
     HopTiming& hop = state->hops[envelope->node];
-    hop.arrived_ns = envelope->sent_ns;
+    hop.arrived_ns = envelope->arrived_ns();
     hop.dequeued_ns = dequeued;  // provisional: on completion it also absorbs the site's queueing
     bool handed = false, listed = false;
     try {
@@ -181,12 +181,7 @@ void SessionCore::on_site_completion(SiteRuntime& site, SiteCompletion&& c) {
   hop.compute_start_ns = start;
   hop.compute_end_ns = end;
   runtime->processed.fetch_add(1, std::memory_order_relaxed);
-  try {
-    forward_outputs(state, static_cast<int>(c.node), *std::move(c.outputs), runtime);
-  } catch (...) {  // not handed on (the next block's site threw, out of memory): failed here, once
-    fail_noexcept(*runtime, state, absl::StatusCode::kInternal, "could not hand its output on",
-                  "the request's output could not be handed on");
-  }
+  hand_on(*runtime, state, static_cast<int>(c.node), *std::move(c.outputs));
 }
 
 bool SessionCore::try_site_now(BlockRuntime& runtime, Envelope& envelope) {

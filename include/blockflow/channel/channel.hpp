@@ -53,6 +53,15 @@ struct Envelope {
   /// site with a RemoteSite::peer_endpoint(): the site may keep the outputs where they were made and
   /// report placeholders that only such sites can take.
   bool outputs_may_stay = false;
+  /// Steady-clock time a full queue (policy block) first made its sender wait for room, set by the
+  /// channel (and kept when the sender tries again); 0: accepted at once. The wait for room is
+  /// waiting for the block, not hand-off overhead: see arrived_ns().
+  std::int64_t offered_ns = 0;
+
+  /// When it reached the block: the first offer to a full queue, else when the queue accepted it.
+  [[nodiscard]] std::int64_t arrived_ns() const noexcept {
+    return offered_ns != 0 && offered_ns < sent_ns ? offered_ns : sent_ns;
+  }
 };
 
 /// @brief Counters of one channel: a block's input queue, or a site's data channel (SiteStats::data).

@@ -20,7 +20,7 @@ struct HopTiming {
   std::string node;               ///< node name (the block's name for block nodes)
   std::string block;              ///< empty for a join node
   std::int64_t input_ready_ns = 0;  ///< the predecessor handed its output on (or submit time)
-  std::int64_t arrived_ns = 0;      ///< entered this block's queue
+  std::int64_t arrived_ns = 0;      ///< reached this block's queue (a full one: began waiting for room)
   std::int64_t dequeued_ns = 0;     ///< a worker took it
   std::int64_t compute_start_ns = 0;
   std::int64_t compute_end_ns = 0;

@@ -261,6 +261,10 @@ class SessionCore {
   absl::Status start_site(SiteRuntime& site);
   static std::vector<BlockDescription> descriptions_of(const SiteRuntime& site);
   void forward_outputs(const StatePtr& state, int node, Tensors&& outputs, BlockRuntime* runtime);
+  // forward_outputs() for a request `runtime` has processed; an exception (the next block's site
+  // threw, out of memory) fails the request here: "block '<name>': the request could not hand its
+  // output on: ...". Never throws.
+  void hand_on(BlockRuntime& runtime, const StatePtr& state, int node, Tensors&& outputs) noexcept;
   void deliver(const StatePtr& state, int node, int slot, Tensors&& tensors, std::int64_t ready_ns);
   void run_join(const StatePtr& state, int node, std::vector<Tensors>&& inputs, std::int64_t ready_ns);
   // Fails the request a queue gave back (refused, or displaced by drop-oldest), if any.
