@@ -244,9 +244,10 @@ int main(int argc, char** argv) {
   std::cout << "serving on " << server->endpoint() << std::endl;  // the one stdout line; flushed
 
   const std::string reason = wait_for_stop(signal_fd, watch_stdin);
-  // The endpoint stops first so that no new request enters; the session then drains what is in
-  // flight (replies to those are dropped: the endpoint no longer sends).
-  server->stop();
+  // The endpoint drains first: new requests are refused (Unavailable) while those in flight are
+  // answered, for up to 5 s; the session then drains whatever is left (replies to those are dropped:
+  // the endpoint no longer sends).
+  server->drain(absl::Seconds(5));
   metrics.reset();
   control.reset();
   session.shutdown();

@@ -2,7 +2,7 @@
 // raw ZeroMQ socket to the client endpoint and to a worker's data endpoint; a stranger on a
 // zero-copy worker's data link; requests that complete after their endpoint stopped or was
 // destroyed.
-#include "test_util.hpp"
+#include "client_test_util.hpp"
 
 #include <blockflow/serve/client_endpoint.hpp>
 #include <blockflow/channel/detail/packet_link.hpp>
@@ -38,19 +38,7 @@ void serve_basic(Session& session) {
 }
 
 // A valid submit header for one float32 [2] tensor, as bytes.
-std::string valid_header(std::uint64_t id) {
-  wire::Header h;
-  h.kind = wire::MessageKind::kSubmit;
-  h.request_id = id;
-  h.target = "double";
-  wire::TensorDesc d;
-  d.dtype = wire::DType::kFloat32;
-  d.shape = {2};
-  d.strides = {1};
-  d.byte_count = 8;
-  h.tensors.push_back(d);
-  return wire::encode_header(h);
-}
+std::string valid_header(std::uint64_t id) { return test::submit_header(id, "double"); }
 
 // Sends raw frames and returns the reply's header, if one comes within 2 s.
 std::optional<wire::Header> send_raw(zmq::socket_t& dealer, const std::vector<std::string>& frames) {
@@ -71,15 +59,7 @@ std::optional<wire::Header> send_raw(zmq::socket_t& dealer, const std::vector<st
 // test opens it.
 using Latch = test::Latch;
 
-void serve_held(Session& session, Latch& latch) {
-  auto held = test::unary("held", [&latch](const Tensor& x) {
-    ++latch.entered;
-    latch.wait();
-    return x;
-  });
-  session.add_block(held).add_path(Path::chain("held", {"held"}));
-  test::require_started(session);
-}
+using test::serve_held;
 
 // This process's open eventfds: a client endpoint wakes its socket thread through one, which must
 // stay open while a completion callback may still write to it.
@@ -474,11 +454,7 @@ TEST_CASE("one client's requests in flight are bounded: beyond max_in_flight_per
   zmq::socket_t dealer(context, zmq::socket_type::dealer);
   dealer.set(zmq::sockopt::linger, 0);
   dealer.connect(endpoint.endpoint());
-  auto held_header = [](std::uint64_t id) {
-    wire::Header h = *wire::decode_header(valid_header(id).data(), valid_header(id).size());
-    h.target = "held";
-    return wire::encode_header(h);
-  };
+  auto held_header = [](std::uint64_t id) { return test::submit_header(id, "held"); };
   auto submit_held = [&](std::uint64_t id) {
     (void)dealer.send(zmq::buffer(held_header(id)), zmq::send_flags::sndmore);
     (void)dealer.send(zmq::buffer(std::string(8, '\0')), zmq::send_flags::none);

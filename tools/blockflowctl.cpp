@@ -127,7 +127,11 @@ int main(int argc, char** argv) try {
     std::string error;
     if (!blockflow::detail::configure_curve_client(socket, key, server_key, error)) return usage(error);
   }
-  socket.connect(endpoint);
+  try {
+    socket.connect(endpoint);
+  } catch (const zmq::error_t& e) {  // a malformed endpoint ("127.0.0.1:5560" without tcp://)
+    return usage(fmt::format("cannot connect to '{}': {}", endpoint, e.what()));
+  }
   if (!socket.send(zmq::buffer(request.dump()), zmq::send_flags::none)) {
     std::cerr << fmt::format("blockflowctl: cannot send to {}\n", endpoint);
     return 2;

@@ -218,7 +218,12 @@ struct Tally {
 class Target {
  public:
   virtual ~Target() = default;
-  virtual void submit(const std::string& task, const bf::Tensors& inputs, Clock::time_point arrival, Tally& tally) = 0;
+  // The target keeps `tally` alive until the request is answered: an answer may come after the run
+  // that sent it gave up waiting.
+  virtual void submit(const std::string& task, const bf::Tensors& inputs, Clock::time_point arrival,
+                      std::shared_ptr<Tally> tally) = 0;
+  // The run gave up waiting: requests not yet sent are not sent (they count as failed).
+  virtual void abandon() {}
   virtual void drain() {}
   virtual std::optional<double> rss_mb() { return std::nullopt; }
   /// GPU energy integrated so far (joules), where power readings exist.
@@ -247,10 +252,11 @@ class InProcess final : public Target {
     if (bf::GpuProbe::instance().available()) session_.set_sampling(true, absl::Milliseconds(100));
   }
   ~InProcess() override { session_.shutdown(); }
-  void submit(const std::string& task, const bf::Tensors& inputs, Clock::time_point arrival, Tally& tally) override {
-    session_.submit(task, inputs, [arrival, &tally](bf::Result&& r) {
+  void submit(const std::string& task, const bf::Tensors& inputs, Clock::time_point arrival,
+              std::shared_ptr<Tally> tally) override {
+    session_.submit(task, inputs, [arrival, tally = std::move(tally)](bf::Result&& r) {
       const double ms = std::chrono::duration<double, std::milli>(Clock::now() - arrival).count();
-      tally.done(ms, r.status, &r.trace);
+      tally->done(ms, r.status, &r.trace);
     });
   }
   std::optional<double> rss_mb() override {
@@ -287,9 +293,12 @@ class InProcess final : public Target {
 class Remote final : public Target {
  public:
   Remote(std::string endpoint, int threads) : endpoint_(std::move(endpoint)) {
+    (void)bf::RemoteClient(endpoint_);  // a malformed endpoint throws here, named, not on a pool thread
     for (int i = 0; i < threads; ++i) pool_.emplace_back([this] { main(); });
   }
+  // Requests not sent yet are not sent; those in a pool thread end within their timeout.
   ~Remote() override {
+    abandon();
     {
       std::lock_guard lock(mu_);
       stopping_ = true;
@@ -297,12 +306,24 @@ class Remote final : public Target {
     changed_.notify_all();
     for (auto& t : pool_) t.join();
   }
-  void submit(const std::string& task, const bf::Tensors& inputs, Clock::time_point arrival, Tally& tally) override {
+  void submit(const std::string& task, const bf::Tensors& inputs, Clock::time_point arrival,
+              std::shared_ptr<Tally> tally) override {
     {
       std::lock_guard lock(mu_);
-      queue_.push_back({task, inputs, arrival, &tally});
+      queue_.push_back({task, inputs, arrival, std::move(tally)});
     }
     changed_.notify_one();
+  }
+  void abandon() override {
+    std::deque<Job> dropped;
+    {
+      std::lock_guard lock(mu_);
+      dropped.swap(queue_);
+    }
+    for (auto& job : dropped) {
+      job.tally->done(0, absl::CancelledError("not sent: the run gave up waiting (the endpoint did not keep up)"),
+                      nullptr);
+    }
   }
 
  private:
@@ -310,7 +331,7 @@ class Remote final : public Target {
     std::string task;
     bf::Tensors inputs;
     Clock::time_point arrival;
-    Tally* tally;
+    std::shared_ptr<Tally> tally;
   };
   void main() {
     bf::RemoteClient client(endpoint_, absl::Seconds(60));
@@ -344,7 +365,8 @@ struct Run {
 
 nlohmann::json measure(const Args& args, Target& target, const std::vector<std::string>& tasks,
                        const std::map<std::string, bf::Tensors>& inputs, const Run& run) {
-  Tally tally;
+  const auto tally_owner = std::make_shared<Tally>();  // answers may come after this run gave up
+  Tally& tally = *tally_owner;
   const std::optional<double> energy_before = target.energy_j();
   const std::vector<bf::LaneMetrics> lanes_before = target.lanes();
   const std::optional<std::uint64_t> waited_before = target.waited_at_entry();
@@ -361,7 +383,7 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
       std::lock_guard lock(tally.mu);
       ++tally.sent;
     }
-    target.submit(task, inputs.at(task), arrival, tally);
+    target.submit(task, inputs.at(task), arrival, tally_owner);
   };
   std::atomic<bool> running{true};
   std::thread progress([&] {
@@ -378,13 +400,15 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
     }
   });
   // --task-rates: a Poisson stream per task, each with its own tally.
-  std::map<std::string, Tally> by_task;
+  std::map<std::string, std::shared_ptr<Tally>> by_task;
   if (run.mode == "poisson" && !args.task_rates.empty()) {
     std::vector<std::thread> streams;
     std::uint64_t seed = 42;
     for (const auto& [task_name, rate] : args.task_rates) {
-      Tally& own = by_task[task_name];
-      streams.emplace_back([&, task = task_name, rate = rate, seed = seed++] {
+      const auto own_owner = std::make_shared<Tally>();
+      by_task[task_name] = own_owner;
+      streams.emplace_back([&, own_owner, task = task_name, rate = rate, seed = seed++] {
+        Tally& own = *own_owner;
         std::mt19937_64 random(seed);
         std::exponential_distribution<double> gap(rate);
         for (auto next = start; Clock::now() < end;
@@ -394,7 +418,7 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
             std::lock_guard lock(own.mu);
             ++own.sent;
           }
-          target.submit(task, inputs.at(task), next, own);
+          target.submit(task, inputs.at(task), next, own_owner);
         }
       });
     }
@@ -414,14 +438,15 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
     for (int c = 0; c < run.clients; ++c) {
       clients.emplace_back([&] {
         while (more()) {
-          Tally own;  // this one request, so the client can wait for it
+          const auto own_owner = std::make_shared<Tally>();  // this one request, so the client can wait for it
+          Tally& own = *own_owner;
           const long n = issued++;
           const std::string& task = tasks[static_cast<std::size_t>(n) % tasks.size()];
           {
             std::lock_guard lock(tally.mu);
             ++tally.sent;
           }
-          target.submit(task, inputs.at(task), Clock::now(), own);
+          target.submit(task, inputs.at(task), Clock::now(), own_owner);
           while (own.outstanding_of_one()) std::this_thread::sleep_for(std::chrono::microseconds(100));
           tally.merge(own);
         }
@@ -433,10 +458,11 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
   const auto give_up = Clock::now() + std::chrono::seconds(60);
   auto outstanding = [&] {
     long n = tally.outstanding();
-    for (auto& [task, own] : by_task) n += own.outstanding();
+    for (auto& [task, own] : by_task) n += own->outstanding();
     return n;
   };
   while (outstanding() > 0 && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  if (outstanding() > 0) target.abandon();
   const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   running = false;
   progress.join();
@@ -444,7 +470,7 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
   for (const auto& [task, rate] : args.task_rates) {
     auto it = by_task.find(task);
     if (it == by_task.end()) continue;
-    Tally& own = it->second;
+    Tally& own = *it->second;
     {
       std::lock_guard lock(own.mu);
       per_task.push_back({{"task", task}, {"rate_per_s", rate}, {"sent", own.sent}, {"completed", own.completed},

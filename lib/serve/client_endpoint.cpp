@@ -43,6 +43,7 @@ struct Reply {
   wire::Header header;
   Tensors tensors;
   bool from_session = false;  // the reply of a request the session ran (counted in flight)
+  std::size_t request_bytes = 0;  // from_session: the request's bytes, counted in flight
   // Encoded at its first try, kept for the next ones while it waits in its client's backlog (a
   // non-contiguous output is copied once, not once per try).
   std::optional<detail::EncodedMessage> encoded;
@@ -114,6 +115,7 @@ struct ClientEndpoint::Impl {
   std::string endpoint;
   const std::shared_ptr<Outbox> outbox = std::make_shared<Outbox>();  // shared with the callbacks
   std::atomic<bool> stopping{false};
+  std::atomic<bool> draining{false};  // drain(): new requests are refused (Unavailable)
   std::atomic<std::uint64_t> malformed{0}, served{0};
   detail::RateLimitedLog noisy;  // per-frame messages a client can trigger
 
@@ -123,9 +125,16 @@ struct ClientEndpoint::Impl {
     std::size_t bytes = 0;
   };
   std::map<std::string, Backlog> backlogs;
-  std::size_t backlog_bytes_total = 0;
-  // Shared with the callbacks through the outbox's thread: counted here, decremented in flush().
-  std::map<std::string, std::size_t> in_flight;
+  std::deque<Reply> taken;  // replies taken from the outbox, not yet sent or backlogged
+  std::atomic<std::size_t> backlog_bytes_total{0};  // drain() waits for it to reach 0
+  // Requests inside the session, per client and in all: counted here, taken off in flush() as their
+  // replies come back (socket thread only; drain() reads the atomic totals).
+  struct Held {
+    std::size_t requests = 0;
+    std::size_t bytes = 0;
+  };
+  std::map<std::string, Held> in_flight;
+  std::atomic<std::size_t> in_flight_total{0}, in_flight_bytes_total{0};
 
   std::mutex stop_mu;  // one stop() joins the thread
   std::thread thread;
@@ -135,7 +144,7 @@ struct ClientEndpoint::Impl {
   void post(Reply&& reply) { outbox->post(std::move(reply)); }
 
   void refuse(std::string peer, std::uint64_t id, absl::Status status) {
-    post({std::move(peer), reply_header(id, status), {}, false, std::nullopt});
+    post({std::move(peer), reply_header(id, status), {}, false, 0, std::nullopt});
   }
 
   void on_request(std::string peer, std::vector<zmq::message_t>&& frames) {
@@ -164,22 +173,70 @@ struct ClientEndpoint::Impl {
       return;
     }
     const std::uint64_t request = message->header.request_id;
-    std::size_t& held = in_flight[peer];
-    if (held >= options.max_in_flight_per_client) {
-      return refuse(std::move(peer), request, absl::ResourceExhaustedError(fmt::format(
-                                                  "this client has {} requests in flight, the endpoint's "
-                                                  "max_in_flight_per_client",
-                                                  held)));
+    if (draining) {
+      return refuse(std::move(peer), request,
+                    absl::UnavailableError(fmt::format("client endpoint '{}' is stopping: request refused", endpoint)));
     }
-    ++held;
+    if (auto full = over_limits(peer, bytes); !full.ok()) return refuse(std::move(peer), request, std::move(full));
+    Held& held = in_flight[peer];
+    held.requests += 1;
+    held.bytes += bytes;
+    in_flight_total += 1;
+    in_flight_bytes_total += bytes;
     // This thread serves every client: it never waits for room in the task's first block (a lane
     // queues the request in order instead), or one busy task would stall every client.
     detail::NeverWaitHere never_wait;
-    // The callback may run after stop() or after this object is gone: it holds the outbox, not `this`.
-    session.submit(message->header.target, std::move(message->tensors),
-                   [outbox = outbox, peer = std::move(peer), request](Result&& r) mutable {
-                     outbox->post({std::move(peer), reply_header(request, r.status), std::move(r.outputs), true, std::nullopt});
-                   });
+    try {
+      // The callback may run after stop() or after this object is gone: it holds the outbox, not `this`.
+      session.submit(message->header.target, std::move(message->tensors),
+                     [outbox = outbox, peer, request, bytes](Result&& r) mutable {
+                       outbox->post({std::move(peer), reply_header(request, r.status), std::move(r.outputs), true,
+                                     bytes, std::nullopt});
+                     });
+    } catch (const std::exception& e) {  // not registered (out of memory): its callback never runs
+      release(peer, bytes);
+      refuse(std::move(peer), request, absl::ResourceExhaustedError(fmt::format(
+                                           "client endpoint '{}': the request could not be submitted: {}", endpoint, e.what())));
+    }
+  }
+
+  // Why a request of `bytes` from `peer` may not enter the session now (the first bound it passes),
+  // or OK.
+  absl::Status over_limits(const std::string& peer, std::size_t bytes) const {
+    const auto found = in_flight.find(peer);
+    const Held held = found != in_flight.end() ? found->second : Held{};
+    if (held.requests >= options.max_in_flight_per_client) {
+      return absl::ResourceExhaustedError(fmt::format(
+          "this client has {} requests in flight, the endpoint's max_in_flight_per_client", held.requests));
+    }
+    if (held.bytes + bytes > options.max_in_flight_bytes_per_client) {
+      return absl::ResourceExhaustedError(
+          fmt::format("this client has {} bytes of requests in flight, and this one's {} would pass the endpoint's "
+                      "max_in_flight_bytes_per_client ({})",
+                      held.bytes, bytes, options.max_in_flight_bytes_per_client));
+    }
+    if (in_flight_total >= options.max_in_flight) {
+      return absl::ResourceExhaustedError(fmt::format(
+          "the endpoint has {} requests of all its clients in flight, its max_in_flight", in_flight_total.load()));
+    }
+    if (in_flight_bytes_total + bytes > options.max_in_flight_bytes) {
+      return absl::ResourceExhaustedError(
+          fmt::format("the endpoint has {} bytes of all its clients' requests in flight, and this one's {} would pass "
+                      "its max_in_flight_bytes ({})",
+                      in_flight_bytes_total.load(), bytes, options.max_in_flight_bytes));
+    }
+    return absl::OkStatus();
+  }
+
+  // A request of `peer` is out of the session (answered, or never submitted).
+  void release(const std::string& peer, std::size_t bytes) {
+    in_flight_total -= 1;
+    in_flight_bytes_total -= bytes;
+    auto held = in_flight.find(peer);
+    if (held == in_flight.end()) return;
+    held->second.requests -= 1;
+    held->second.bytes -= bytes;
+    if (held->second.requests == 0) in_flight.erase(held);
   }
 
   void drop(const Reply& reply, std::string_view why) {
@@ -238,11 +295,13 @@ struct ClientEndpoint::Impl {
       }
       it = b.replies.empty() ? backlogs.erase(it) : std::next(it);
     }
-    for (auto& reply : outbox->take()) {
-      if (reply.from_session) {
-        auto held = in_flight.find(reply.peer);
-        if (held != in_flight.end() && --held->second == 0) in_flight.erase(held);
-      }
+    // One at a time off a member list: an exception (out of memory) loses the reply in hand only;
+    // the next turn goes on with the others.
+    for (auto& reply : outbox->take()) taken.push_back(std::move(reply));
+    while (!taken.empty()) {
+      Reply reply = std::move(taken.front());
+      taken.pop_front();
+      if (reply.from_session) release(reply.peer, reply.request_bytes);
       auto queued = backlogs.find(reply.peer);
       if (queued == backlogs.end() && try_send(reply)) continue;
       Backlog& b = backlogs[reply.peer];
@@ -253,7 +312,7 @@ struct ClientEndpoint::Impl {
       }
       if (backlog_bytes_total > 0 && backlog_bytes_total + bytes > options.max_backlog_bytes) {
         drop(reply, fmt::format("clients that do not read hold {} bytes of replies already (max_backlog_bytes)",
-                                backlog_bytes_total));
+                                backlog_bytes_total.load()));
         if (b.replies.empty()) backlogs.erase(reply.peer);
         continue;
       }
@@ -304,7 +363,10 @@ struct ClientEndpoint::Impl {
       }
     }
     for (auto& [peer, b] : backlogs) outbox->dropped += b.replies.size();
+    outbox->dropped += taken.size();
     backlogs.clear();
+    taken.clear();
+    backlog_bytes_total = 0;
   }
 };
 
@@ -353,7 +415,22 @@ void ClientEndpoint::stop() {
   impl_->stopping = true;
   if (impl_->thread.joinable()) impl_->thread.join();
   impl_->outbox->close();  // after the join: the socket thread sends nothing any more
+  // Nothing reads the socket now: closed, so that clients are no longer accepted (their requests
+  // would wait for a reply until their timeout) and none of their frames is buffered.
+  impl_->router.close();
 }
+
+void ClientEndpoint::drain(absl::Duration timeout) {
+  Impl& s = *impl_;
+  s.draining = true;
+  const absl::Time deadline = absl::Now() + timeout;
+  while (!s.stopping && (s.in_flight_total > 0 || s.backlog_bytes_total > 0) && absl::Now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  stop();
+}
+
+std::size_t ClientEndpoint::in_flight() const { return impl_->in_flight_total.load(); }
 
 struct RemoteClient::Impl {
   zmq::context_t context{1};
@@ -372,7 +449,11 @@ RemoteClient::RemoteClient(const std::string& endpoint, absl::Duration timeout, 
       throw std::runtime_error(fmt::format("remote client of '{}': {}", endpoint, error));
     }
   }
-  impl_->dealer.connect(endpoint);
+  try {
+    impl_->dealer.connect(endpoint);
+  } catch (const zmq::error_t& e) {  // a malformed endpoint ("127.0.0.1:5555" without tcp://)
+    throw std::runtime_error(fmt::format("remote client of '{}': cannot connect: {}", endpoint, e.what()));
+  }
 }
 
 RemoteClient::~RemoteClient() = default;

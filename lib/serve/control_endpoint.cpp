@@ -235,6 +235,9 @@ ControlEndpoint::ControlEndpoint(Session& session, const std::string& endpoint, 
     s.curve->secure(s.socket);
   }
   s.socket.set(zmq::sockopt::linger, 0);
+  // A REQ client has one request out at a time; a DEALER that sends many and never reads would make
+  // ZeroMQ buffer 1000 full replies (metrics: the whole snapshot each): beyond 16, replies are dropped.
+  s.socket.set(zmq::sockopt::sndhwm, 16);
   s.socket.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(2 * s.options.max_message_bytes));
   try {
     s.socket.bind(endpoint);

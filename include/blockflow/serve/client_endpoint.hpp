@@ -29,8 +29,18 @@ struct ClientEndpointOptions {
   /// message until its last has come, and has no limit on how many frames a message has, so a peer
   /// allowed to connect can make it buffer many frames below this size before the request is refused.
   std::size_t max_request_bytes = std::size_t{256} << 20;
-  /// Requests of one client inside the session at once; more get ResourceExhausted at once.
+  /// Requests of one client inside the session at once; more get ResourceExhausted at once, naming
+  /// the limit. A client is one connection (a ZeroMQ routing id): a peer that opens several gets
+  /// this much on each, so the endpoint-wide bounds below hold every client together.
   std::size_t max_in_flight_per_client = 1024;
+  /// Bytes of one client's requests (all their frames) inside the session at once: a request that
+  /// would pass it gets ResourceExhausted at once, naming the limit. The session holds a request's
+  /// tensors until it resolves.
+  std::size_t max_in_flight_bytes_per_client = std::size_t{1} << 30;
+  /// Requests of every client together inside the session at once; beyond, ResourceExhausted.
+  std::size_t max_in_flight = 4096;
+  /// Bytes of every client's requests together inside the session at once; beyond, ResourceExhausted.
+  std::size_t max_in_flight_bytes = std::size_t{4} << 30;
   /// Bytes of replies waiting for one client that does not read them (beyond what ZeroMQ buffers:
   /// 16 replies). Replies that would go beyond are dropped and counted (dropped_replies()); the
   /// client's requests time out, and no other client waits for it.
@@ -85,10 +95,17 @@ class ClientEndpoint {
   [[nodiscard]] std::uint64_t dropped_replies() const;
   /// @brief Clients refused by CURVE (curve.hpp) since the endpoint started.
   [[nodiscard]] std::uint64_t auth_failures() const;
-  /// @brief Stops serving: joins the socket thread, which sends nothing more. Requests still in the
+  /// @brief Requests of every client inside the session now.
+  [[nodiscard]] std::size_t in_flight() const;
+  /// @brief Stops serving: joins the socket thread, which sends nothing more, and closes the socket
+  /// (clients can no longer connect; their requests fail at their timeout). Requests still in the
   /// session are answered by nobody (their clients time out); their replies are dropped and counted
   /// in dropped_replies(). Idempotent; the destructor calls it.
   void stop();
+  /// @brief Stops gracefully: new requests get Unavailable ("... is stopping") at once, while the
+  /// requests inside the session are answered as they complete; once none is left and every reply
+  /// has gone (or `timeout` has passed: what is left then is dropped), stop().
+  void drain(absl::Duration timeout);
 
  private:
   struct Impl;
@@ -99,7 +116,8 @@ class ClientEndpoint {
 class RemoteClient {
  public:
   /// @brief Connects to `endpoint`; with `security.curve()`, as a CURVE client (throws
-  /// std::runtime_error naming the key file at fault). A server that refuses the key never answers:
+  /// std::runtime_error naming the key file at fault). A malformed endpoint throws std::runtime_error
+  /// naming it. A server that refuses the key never answers:
   /// submit() then ends in DeadlineExceeded.
   explicit RemoteClient(const std::string& endpoint, absl::Duration timeout = absl::Seconds(60),
                         const ClientSecurity& security = {});

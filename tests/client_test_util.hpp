@@ -1,0 +1,40 @@
+// Helpers of the client endpoint's tests: a task whose requests stay inside the session until a
+// latch opens, and submit headers as a raw client writes them.
+#pragma once
+
+#include "test_util.hpp"
+
+#include <blockflow/channel/wire_format.hpp>
+
+#include <cstdint>
+#include <string>
+
+namespace blockflow::test {
+
+// Task "held": its block waits on the latch, so that requests stay inside the session.
+inline void serve_held(Session& session, Latch& latch) {
+  auto held = unary("held", [&latch](const Tensor& x) {
+    ++latch.entered;
+    latch.wait();
+    return x;
+  });
+  session.add_block(held).add_path(Path::chain("held", {"held"}));
+  require_started(session);
+}
+
+// A submit header for task `task` and one float32 tensor of `floats` elements, as bytes.
+inline std::string submit_header(std::uint64_t id, const std::string& task, std::int64_t floats = 2) {
+  wire::Header h;
+  h.kind = wire::MessageKind::kSubmit;
+  h.request_id = id;
+  h.target = task;
+  wire::TensorDesc d;
+  d.dtype = wire::DType::kFloat32;
+  d.shape = {floats};
+  d.strides = {1};
+  d.byte_count = static_cast<std::uint64_t>(floats) * 4;
+  h.tensors.push_back(d);
+  return wire::encode_header(h);
+}
+
+}  // namespace blockflow::test
