@@ -24,6 +24,7 @@
 #include <future>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 using namespace blockflow;
@@ -383,4 +384,79 @@ TEST_CASE("shm pool names: the id and its producer's pid read back from the memf
     INFO(name);
     CHECK_FALSE(shm_pool_id(name).has_value());
   }
+}
+
+TEST_CASE("shm pools: idle pools of other classes make room for a tensor that fits under max_total_bytes", "[shm]") {
+  ShmPoolOptions options;
+  options.slots_per_pool = 1;
+  options.max_total_bytes = (std::size_t{4} << 20) + 4096;  // one pool of a 4 MB slot, or 1 MB + 2 MB
+  ShmProducer producer(options);
+  std::vector<char> bytes(std::size_t{3} << 20, 'x');
+  auto one = producer.stage(bytes.data(), std::size_t{1} << 20, absl::Now());
+  auto two = producer.stage(bytes.data(), std::size_t{2} << 20, absl::Now());
+  REQUIRE(one.ok());
+  REQUIRE(two.ok());
+  CHECK(producer.release(*one));
+  CHECK(producer.release(*two));
+  // Nothing is in use: the 1 MB and 2 MB pools, idle, go for the 4 MB one (the last of their classes too).
+  auto three = producer.stage(bytes.data(), bytes.size(), absl::Now());
+  INFO(three.status().ToString());
+  REQUIRE(three.ok());
+  const ShmEdgeStats stats = producer.stats();
+  CHECK(stats.pools == 1);
+  CHECK(stats.pools_trimmed == 2);
+  CHECK(producer.release(*three));
+  // A pool larger than the whole bound is refused at once, naming both.
+  options.max_total_bytes = std::size_t{3} << 20;
+  ShmProducer small(options);
+  auto never = small.stage(bytes.data(), bytes.size(), absl::Now() + absl::Seconds(10));
+  CHECK(absl::IsResourceExhausted(never.status()));
+  CHECK_THAT(std::string(never.status().message()), Catch::Matchers::Contains("max_total_bytes 3145728"));
+}
+
+namespace {
+std::promise<void>* creating = nullptr;      // set once a pool's making is held
+std::shared_future<void>* create_go = nullptr;  // the making goes on once it is ready
+void hold_create() {
+  if (creating == nullptr) return;
+  std::exchange(creating, nullptr)->set_value();
+  create_go->wait();
+}
+}  // namespace
+
+TEST_CASE("shm pools: a send while another makes the pool it needs waits for that pool's slots, not refused",
+          "[shm]") {
+  ShmPoolOptions options;
+  options.slots_per_pool = 4;
+  options.max_total_bytes = (std::size_t{4} << 20) + 4096;  // room for one pool of 4 x 1 MB only
+  ShmProducer producer(options);
+  std::vector<char> bytes(std::size_t{1} << 20, 'x');
+  std::promise<void> held, go;
+  std::shared_future<void> go_future = go.get_future().share();
+  creating = &held;
+  create_go = &go_future;
+  shm_pool_create_hook = &hold_create;
+  struct Unhook {
+    ~Unhook() { shm_pool_create_hook = nullptr; }
+  } unhook;
+  auto first = std::async(std::launch::async, [&] { return producer.stage(bytes.data(), bytes.size(), absl::Now()); });
+  REQUIRE(held.get_future().wait_for(std::chrono::seconds(10)) == std::future_status::ready);
+  // The pool being made holds the whole bound: this one waits for it rather than fail.
+  auto second = std::async(std::launch::async,
+                           [&] { return producer.stage(bytes.data(), bytes.size(), absl::Now() + absl::Seconds(30)); });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (producer.stats().credit_waits == 0 && second.wait_for(std::chrono::milliseconds(0)) != std::future_status::ready &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  go.set_value();
+  auto a = first.get();
+  REQUIRE(a.ok());
+  REQUIRE(second.wait_for(std::chrono::seconds(5)) == std::future_status::ready);  // woken by the new pool
+  auto b = second.get();
+  INFO(b.status().ToString());
+  REQUIRE(b.ok());
+  CHECK(a->pool_id == b->pool_id);
+  CHECK(producer.stats().pools == 1);
+  CHECK(producer.stats().credit_waits == 1);
 }

@@ -7,6 +7,8 @@
 #include <blockflow/core/detail/mutex.hpp>
 #include <fmt/format.h>
 
+#include <optional>
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -65,7 +67,9 @@ struct ShmProducer::Impl {
   std::vector<Pool> pools;  // by slot size, small first
   std::vector<ClassTrim> class_trims;
   ShmEdgeStats stats;
-  std::uint64_t frees = 0;  // slots freed so far: stage() waits for this to move
+  // Changes that may let a waiting stage() on: a slot freed, a pool made (or its making given up),
+  // a pool unmapped (room under max_total_bytes). stage() waits for this to move.
+  std::uint64_t frees = 0;
   bool stopped_waiting = false;  // stop_waiting(): no more waits for a slot
   std::size_t creating_bytes = 0, creating_pools = 0;  // pools being made without the lock (find_slot())
 
@@ -142,11 +146,37 @@ struct ShmProducer::Impl {
       ClassTrim& trim = class_trim(pool.slot_bytes);
       if (now - pool.idle_since_ns < trim.delay_ns) continue;
       trim.last_trim_ns = now;
-      pool_retired(pool.mapping->base)->store(1, std::memory_order_release);  // consumers drop it; it goes with the Pool
-      stats.slots_total -= pool.slots.size();
-      ++stats.pools_trimmed;
-      pools.erase(pools.begin() + static_cast<std::ptrdiff_t>(i));
+      retire_pool(i);
     }
+  }
+
+  // Retires and unmaps pools[i], which no slot of is leased: consumers drop it as they see it retired.
+  void retire_pool(std::size_t i) {
+    const Pool& pool = pools[i];
+    pool_retired(pool.mapping->base)->store(1, std::memory_order_release);  // it goes with the Pool
+    stats.slots_total -= pool.slots.size();
+    ++stats.pools_trimmed;
+    pools.erase(pools.begin() + static_cast<std::ptrdiff_t>(i));
+    ++frees;  // room under max_total_bytes
+  }
+
+  bool room_for(std::size_t size) const {
+    return bytes_mapped() + creating_bytes + size <= options.max_total_bytes &&
+           (options.max_pools == 0 || pools.size() + creating_pools < options.max_pools);
+  }
+
+  // Room for a new pool of `size` bytes: idle pools of any class go, the longest idle first (the
+  // oldest of a class too: an idle pool must not keep a tensor that fits from being sent).
+  bool make_room(std::size_t size) {
+    while (!room_for(size)) {
+      std::optional<std::size_t> idlest;
+      for (std::size_t i = 0; i < pools.size(); ++i) {
+        if (pools[i].idle_since_ns != 0 && (!idlest || pools[i].idle_since_ns < pools[*idlest].idle_since_ns)) idlest = i;
+      }
+      if (!idlest) return false;
+      retire_pool(*idlest);
+    }
+    return true;
   }
 
   // A pool of this class is about to be made: if the class lost one lately, the last trim came too
@@ -158,8 +188,10 @@ struct ShmProducer::Impl {
     trim.last_trim_ns = 0;  // one doubling per trim
   }
 
-  // A free slot of the smallest fitting class, creating a pool if none is free and the bound allows.
-  absl::StatusOr<std::pair<Pool*, std::uint32_t>> find_slot(std::size_t bytes, bool& can_ever_fit) {
+  // A free slot of the smallest fitting class, creating a pool if none is free and the bound allows
+  // (unmapping idle pools for it). `can_ever_fit` false: no pool for it fits under max_total_bytes
+  // (max_pools) even alone, `pool_bytes` the size it needs.
+  absl::StatusOr<std::pair<Pool*, std::uint32_t>> find_slot(std::size_t bytes, bool& can_ever_fit, std::size_t& pool_bytes) {
     trim_idle_pools();
     can_ever_fit = false;
     for (auto& pool : pools) {
@@ -175,8 +207,11 @@ struct ShmProducer::Impl {
       return absl::ResourceExhaustedError(fmt::format("a pool of {} slots of {} bytes exceeds the largest a consumer maps ({} bytes)",
                                                       options.slots_per_pool, slot_bytes, kMaxPoolBytes));
     }
-    if (bytes_mapped() + creating_bytes + size > options.max_total_bytes ||
-        (options.max_pools > 0 && pools.size() + creating_pools >= options.max_pools)) {
+    pool_bytes = size;
+    if (!make_room(size)) {
+      // Pools in use (or being made) hold the room: it comes as they are freed, unless the pool is
+      // larger than the whole bound.
+      if (size <= options.max_total_bytes) can_ever_fit = true;
       return std::make_pair(static_cast<Pool*>(nullptr), 0u);
     }
     note_pool_needed(slot_bytes);
@@ -186,10 +221,12 @@ struct ShmProducer::Impl {
     creating_bytes += size;
     ++creating_pools;
     mu.Unlock();
+    if (auto hook = shm_pool_create_hook.load(std::memory_order_acquire)) hook();
     auto pool = create_pool(slot_bytes);
     mu.Lock();
     creating_bytes -= size;
     --creating_pools;
+    ++frees;  // made or given up: a stage() waiting meanwhile looks again (a slot, or the room)
     if (!pool.ok()) return pool.status();
     ++stats.pools_created;
     can_ever_fit = true;
@@ -231,7 +268,8 @@ struct ShmProducer::Impl {
       // Closing: not even a slot freed meanwhile (the link's end reclaims them all) is taken.
       if (stopped_waiting && wait) return absl::CancelledError("the channel was closed while a send waited for a slot");
       bool can_ever_fit = false;
-      auto found = find_slot(bytes, can_ever_fit);
+      std::size_t pool_bytes = 0;
+      auto found = find_slot(bytes, can_ever_fit, pool_bytes);
       if (!found.ok()) return found.status();
       if (auto [pool, slot] = *found; pool != nullptr) {
         const std::uint64_t generation = pool->next_generation++;
@@ -245,8 +283,9 @@ struct ShmProducer::Impl {
       if (!wait) return std::pair<Pool*, std::uint32_t>{nullptr, 0};
       if (!can_ever_fit) {
         return absl::ResourceExhaustedError(fmt::format(
-            "a tensor of {} bytes does not fit in shared memory: pools use {} of max_total_bytes {}", bytes,
-            bytes_mapped(), options.max_total_bytes));
+            "a tensor of {} bytes does not fit in shared memory: its pool ({} slots) takes {} bytes, more than "
+            "max_total_bytes {}",
+            bytes, options.slots_per_pool, pool_bytes, options.max_total_bytes));
       }
       if (!waited) ++stats.credit_waits;
       waited = true;
@@ -302,6 +341,7 @@ ShmProducer::~ShmProducer() {
 }
 
 std::atomic<void (*)(const wire::ShmHandle&)> shm_stage_copy_hook{nullptr};
+std::atomic<void (*)()> shm_pool_create_hook{nullptr};
 
 absl::StatusOr<wire::ShmHandle> ShmProducer::stage(const void* data, std::size_t bytes, absl::Time deadline) {
   Impl& s = *impl_;

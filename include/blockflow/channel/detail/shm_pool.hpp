@@ -78,6 +78,9 @@ struct ShmLease {
 /// reserving it and before copying into it, without the pool's lock (so a test can hold a copy in
 /// progress and show that the pool stays usable meanwhile). Null by default.
 extern std::atomic<void (*)(const wire::ShmHandle&)> shm_stage_copy_hook;
+/// Tests only: when set, a producer making a new pool calls it without the pool's lock, before the
+/// pool exists (so a test can hold the making and show what other senders do meanwhile).
+extern std::atomic<void (*)()> shm_pool_create_hook;
 
 /// The producing side. Thread-safe.
 class ShmProducer {
