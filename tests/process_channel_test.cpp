@@ -6,12 +6,16 @@
 #include "process_channel_util.hpp"
 
 #include <blockflow/channel/detail/cuda_ipc.hpp>
+#include <blockflow/channel/detail/runtime_dir.hpp>
 
 #include <fmt/format.h>
 
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <future>
 
@@ -335,4 +339,51 @@ TEST_CASE("envelopes a shm:// receiver never took are counted as dropped at clos
   CHECK(sender->stats().sent == 3);
   CHECK(receiver->stats().received == 0);
   CHECK(receiver->stats().dropped == 3);
+}
+
+TEST_CASE("a shm receiver held by a live receiver that accepts nobody now: AlreadyExists at once, never a wait",
+          "[process_channel]") {
+  const std::string name = unique_name("busy");
+  const std::string uri = "shm://" + name;
+  auto receiver = open_or_fail(uri, ChannelRole::kReceiver);  // never calls receive(): accepts nobody
+  const std::string path =
+      fmt::format("{}/blockflow-channels-{}/{}.shm", blockflow::detail::runtime_root(), ::geteuid(), name);
+  std::vector<int> pending;  // more connections than its backlog holds
+  for (int i = 0; i < 16; ++i) {
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+    const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    REQUIRE(fd >= 0);
+    (void)::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address);
+    pending.push_back(fd);
+  }
+  auto again = std::async(std::launch::async, [&] { return open_channel(uri, ChannelRole::kReceiver); });
+  const bool answered = again.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  for (const int fd : pending) ::close(fd);  // lets a waiting open() go, should the check fail
+  REQUIRE(answered);
+  CHECK(again.get().status().code() == absl::StatusCode::kAlreadyExists);
+}
+
+TEST_CASE("two receivers opened at once on one URI: exactly one holds it", "[process_channel]") {
+  for (int i = 0; i < 50; ++i) {
+    const std::string uri = "shm://" + unique_name(fmt::format("race{}", i).c_str());
+    std::promise<void> go;
+    std::shared_future<void> start = go.get_future().share();
+    auto open_when_told = [&] {
+      start.wait();
+      return open_channel(uri, ChannelRole::kReceiver);
+    };
+    auto a = std::async(std::launch::async, open_when_told);
+    auto b = std::async(std::launch::async, open_when_told);
+    go.set_value();
+    auto first = a.get();
+    auto second = b.get();
+    INFO(i << ": " << first.status().ToString() << " / " << second.status().ToString());
+    REQUIRE(first.ok() != second.ok());
+    CHECK((first.ok() ? second : first).status().code() == absl::StatusCode::kAlreadyExists);
+    // The one that holds it is reachable: a sender's message arrives.
+    auto sender = open_or_fail(uri, ChannelRole::kSender);
+    round_trip(*sender, first.ok() ? **first : **second, 1);
+  }
 }

@@ -7,6 +7,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -316,9 +317,39 @@ std::optional<PacketLink::Received> PacketLink::receive(int timeout_ms, absl::Du
   }
 }
 
-absl::StatusOr<std::unique_ptr<PacketListener>> PacketListener::bind(const std::string& path) {
+absl::StatusOr<PathLock> PathLock::take(const std::string& path) {
+  const std::string file = path + ".lock";
+  const int fd = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return absl::UnavailableError(fmt::format("data link: cannot open '{}': {}", file, std::strerror(errno)));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int e = errno;
+    ::close(fd);
+    if (e == EWOULDBLOCK) return absl::AlreadyExistsError(fmt::format("data link: another listener holds '{}'", path));
+    return absl::UnavailableError(fmt::format("data link: cannot lock '{}': {}", file, std::strerror(e)));
+  }
+  return PathLock(fd);
+}
+
+PathLock& PathLock::operator=(PathLock&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+  }
+  return *this;
+}
+
+PathLock::~PathLock() {
+  if (fd_ >= 0) ::close(fd_);  // the lock goes with the descriptor
+}
+
+absl::StatusOr<std::unique_ptr<PacketListener>> PacketListener::bind(const std::string& path, std::optional<PathLock> lock) {
   auto address = address_of(path);
   if (!address.ok()) return address.status();
+  if (!lock) {
+    auto taken = PathLock::take(path);
+    if (!taken.ok()) return taken.status();
+    lock.emplace(*std::move(taken));
+  }
   const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return absl::UnavailableError(fmt::format("data link: socket: {}", std::strerror(errno)));
   ::unlink(path.c_str());
@@ -327,7 +358,7 @@ absl::StatusOr<std::unique_ptr<PacketListener>> PacketListener::bind(const std::
     ::close(fd);
     return absl::UnavailableError(fmt::format("data link: cannot bind '{}': {}", path, std::strerror(e)));
   }
-  return std::unique_ptr<PacketListener>(new PacketListener(fd, path));
+  return std::unique_ptr<PacketListener>(new PacketListener(fd, path, *std::move(lock)));
 }
 
 PacketListener::~PacketListener() {

@@ -84,9 +84,11 @@ bool unix_socket_live(const std::string& path, int type) {
   address.sun_family = AF_UNIX;
   if (path.size() >= sizeof(address.sun_path)) return false;
   std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
-  const int fd = ::socket(AF_UNIX, type | SOCK_CLOEXEC, 0);
+  // Never waits: a listener whose backlog is full (it is not accepting now) answers EAGAIN, and is live.
+  const int fd = ::socket(AF_UNIX, type | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return false;
-  const bool live = ::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) == 0;
+  const bool live = ::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) == 0 ||
+                    errno == EAGAIN || errno == EINPROGRESS;
   ::close(fd);
   return live;
 }

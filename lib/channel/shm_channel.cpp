@@ -574,9 +574,13 @@ absl::StatusOr<std::unique_ptr<ProcessChannel>> open_shm_channel(const std::stri
     }
   }
   if (role == ChannelRole::kSender) return std::unique_ptr<ProcessChannel>(new ShmSender(uri, socket_path, options, cuda));
-  if (unix_socket_live(socket_path, SOCK_SEQPACKET)) {
+  // The path's lock first: of two receivers opened at once, one goes on (the other's probe file or
+  // bind would replace the first's).
+  auto lock = PathLock::take(socket_path);
+  if (absl::IsAlreadyExists(lock.status()) || (lock.ok() && unix_socket_live(socket_path, SOCK_SEQPACKET))) {
     return absl::AlreadyExistsError(fmt::format("{}: another receiver holds it", uri));
   }
+  if (!lock.ok()) return named(uri, lock.status());
   if (cuda) {
     // Published before the socket is bound, so that a sender that connects finds it.
     auto probe = export_cuda_probe();
@@ -591,7 +595,7 @@ absl::StatusOr<std::unique_ptr<ProcessChannel>> open_shm_channel(const std::stri
       return absl::UnavailableError(fmt::format("{}: cannot publish '{}': {}", uri, file, std::strerror(errno)));
     }
   }
-  auto listener = PacketListener::bind(socket_path);  // replaces a socket left by a dead receiver
+  auto listener = PacketListener::bind(socket_path, *std::move(lock));  // replaces a socket left by a dead receiver
   if (!listener.ok()) return named(uri, listener.status());
   return std::unique_ptr<ProcessChannel>(new ShmReceiver(uri, *std::move(listener), options, cuda));
 }

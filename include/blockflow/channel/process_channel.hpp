@@ -29,8 +29,9 @@
 /// without keys binds only the loopback, unless receiver_security.insecure says otherwise.
 ///
 /// Contract (the TensorChannel one, per end):
-/// - the **receiver** binds at once (AlreadyExists when a live receiver holds the URI; a socket left
-///   by a dead one is replaced); `send()` fails (FailedPrecondition). Several senders may feed one
+/// - the **receiver** binds at once (AlreadyExists when a live receiver holds the URI, even one not
+///   accepting now, and for the second of two opened at once on a shm:// or cuda:// URI: a lock file
+///   beside its socket decides; a socket left by a dead one is replaced); `send()` fails (FailedPrecondition). Several senders may feed one
 ///   receiver. A shm:// receiver has no thread of its own: receive() reads the senders' links (one
 ///   caller at a time), and what it has not read yet waits in the kernel's socket buffers, which
 ///   push back on the senders; with kDropOldest, receive() returns the newest envelope there and

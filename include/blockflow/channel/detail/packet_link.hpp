@@ -173,10 +173,32 @@ class PacketLink {
   absl::flat_hash_map<std::uint64_t, Carried> carried_ ABSL_GUARDED_BY(carry_mu_);
 };
 
+/// An exclusive hold on a listener's path: an advisory lock (flock) on "<path>.lock", beside it in
+/// its private directory. Of two processes binding one path at once, one holds it and the other is
+/// refused; a listener holds it for its life, so that none unlinks another's socket. The lock file
+/// stays (unlinking it would let a third process lock a new file while the old one is held).
+class PathLock {
+ public:
+  /// AlreadyExists when another holds it (a live listener, or one about to bind).
+  static absl::StatusOr<PathLock> take(const std::string& path);
+  PathLock(PathLock&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  PathLock& operator=(PathLock&& other) noexcept;
+  PathLock(const PathLock&) = delete;
+  PathLock& operator=(const PathLock&) = delete;
+  ~PathLock();
+
+ private:
+  explicit PathLock(int fd) : fd_(fd) {}
+  int fd_ = -1;
+};
+
 /// The listening end, bound at a path (in a private 0700 directory).
 class PacketListener {
  public:
-  static absl::StatusOr<std::unique_ptr<PacketListener>> bind(const std::string& path);
+  /// Takes the path's lock (PathLock::take(), unless `lock` is given: held since before the bind),
+  /// then binds, replacing a socket file a dead listener left.
+  static absl::StatusOr<std::unique_ptr<PacketListener>> bind(const std::string& path,
+                                                              std::optional<PathLock> lock = std::nullopt);
   ~PacketListener();
   PacketListener(const PacketListener&) = delete;
   PacketListener& operator=(const PacketListener&) = delete;
@@ -200,9 +222,10 @@ class PacketListener {
   [[nodiscard]] const std::string& path() const { return path_; }
 
  private:
-  PacketListener(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  PacketListener(int fd, std::string path, PathLock lock) : fd_(fd), path_(std::move(path)), lock_(std::move(lock)) {}
   int fd_;
   std::string path_;
+  PathLock lock_;  // released after the socket is unlinked and closed
   std::atomic<std::int64_t> accept_after_ns_{0};
   mutable blockflow::detail::Mutex error_mu_;
   absl::Status error_ ABSL_GUARDED_BY(error_mu_);
