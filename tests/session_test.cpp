@@ -100,6 +100,31 @@ TEST_CASE("an exception inside forward fails the request with the block's name a
   }
 }
 
+TEST_CASE("a block factory that throws something other than a std::exception fails start(), naming the block",
+          "[session]") {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    BlockRegistry::global().add("throws_an_int", [](const std::string&, const BlockOptions&) -> std::shared_ptr<Block> {
+      throw 42;
+    });
+    BlockRegistry::global().add("plus_one_made", [](const std::string& name, const BlockOptions& o) {
+      return test::unary(name, [](const Tensor& x) { return x + 1; }, o);
+    });
+  });
+  SessionOptions options;
+  options.lanes = 1;  // two blocks to build, one lane: built on threads of their own
+  Session session(options);
+  BlockDescription bad, good;
+  bad.name = "bad";
+  bad.factory = "throws_an_int";
+  good.name = "good";
+  good.factory = "plus_one_made";
+  session.add_block(bad).add_block(good).add_path(Path::chain("t", {"good", "bad"}));
+  const absl::Status started = session.start();
+  CHECK_FALSE(started.ok());
+  CHECK_THAT(std::string(started.message()), Contains("block 'bad'") && Contains("an exception of unknown type"));
+}
+
 TEST_CASE("a wrong input shape fails the request naming the block and both shapes", "[session]") {
   BlockOptions options;
   options.input_shapes = {{-1, 3}};

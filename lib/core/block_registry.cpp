@@ -1,5 +1,6 @@
 #include <blockflow/core/block_registry.hpp>
 #include <blockflow/core/detail/cuda_graph_block.hpp>
+#include <blockflow/core/detail/exception_text.hpp>
 #include <blockflow/core/detail/mutex.hpp>
 #include <blockflow/core/torchscript_block.hpp>
 
@@ -50,6 +51,9 @@ absl::StatusOr<std::shared_ptr<Block>> BlockRegistry::create(const std::string& 
     return block;
   } catch (const std::exception& e) {
     return absl::InvalidArgumentError(fmt::format("block '{}': factory '{}' failed: {}", name, factory, e.what()));
+  } catch (...) {  // `throw 42;`, another library's own type: a failed block, never the process's end
+    return absl::InvalidArgumentError(
+        fmt::format("block '{}': factory '{}' failed: {}", name, factory, detail::current_exception_text()));
   }
 }
 
@@ -74,6 +78,8 @@ absl::StatusOr<std::shared_ptr<Block>> make_block(const BlockDescription& d) {
     return absl::InvalidArgumentError(fmt::format("block '{}': {}", d.name, e.what_without_backtrace()));
   } catch (const std::exception& e) {
     return absl::InvalidArgumentError(fmt::format("block '{}': {}", d.name, e.what()));
+  } catch (...) {
+    return absl::InvalidArgumentError(fmt::format("block '{}': {}", d.name, detail::current_exception_text()));
   }
 }
 

@@ -279,8 +279,8 @@ std::vector<absl::StatusOr<std::shared_ptr<Block>>> SessionCore::make_blocks(con
       auto build = [&] {
         try {
           out[i] = make_block(*descriptions[i]);
-        } catch (const std::exception& e) {  // nothing may escape a builder thread or a lane
-          out[i] = absl::InternalError(fmt::format("block '{}': {}", descriptions[i]->name, e.what()));
+        } catch (...) {  // nothing may escape a builder thread or a lane
+          out[i] = absl::InternalError(fmt::format("block '{}': {}", descriptions[i]->name, current_exception_text()));
         }
       };
       if (lanes_) lanes_->with_at_most(options_.warm_up_threads, build);  // on a lane: as its warm-up
