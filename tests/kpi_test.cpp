@@ -178,6 +178,19 @@ TEST_CASE("the sampler runs only while enabled, at its period; no GPU is said, n
   CHECK(sampler.period() == absl::Milliseconds(20));
 }
 
+TEST_CASE("the sampler: a new period takes effect at once; an infinite one samples once, never spins", "[kpi]") {
+  KpiSampler slow;
+  slow.set(true, absl::Hours(1));
+  REQUIRE(eventually([&] { return slow.samples_taken() == 1; }));
+  slow.set(true, absl::Milliseconds(10));  // not an hour from now: at once, then every 10 ms
+  CHECK(eventually([&] { return slow.samples_taken() >= 5; }));
+  KpiSampler forever;
+  forever.set(true, absl::InfiniteDuration());
+  REQUIRE(eventually([&] { return forever.samples_taken() >= 1; }));
+  std::this_thread::sleep_for(300ms);
+  CHECK(forever.samples_taken() == 1);
+}
+
 TEST_CASE("set_sampling reaches the workers through the control plane, and switches off", "[kpi]") {
   Session session;
   busy_session(session);

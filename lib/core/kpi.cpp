@@ -204,6 +204,7 @@ struct KpiSampler::Impl {
   absl::Duration period = absl::Milliseconds(100);
   KpiSample latest;
   std::uint64_t taken = 0;
+  std::uint64_t settings = 0;  // set() calls so far: a new period, or a switch on, ends the wait
   std::int64_t started_ns = detail::now_ns();
   std::int64_t last_ns = 0;
   double last_cpu = 0;
@@ -253,7 +254,11 @@ struct KpiSampler::Impl {
       lock.lock();
       if (stopping || !enabled) continue;
       record(std::move(s), now);
-      changed.wait_for(lock, absl::ToChronoNanoseconds(period), [&] { return stopping || !enabled; });
+      // At most a day at a time (an infinite period would overflow the clock and spin); a set()
+      // meanwhile takes the next sample at once, with its period.
+      const std::uint64_t seen = settings;
+      changed.wait_for(lock, absl::ToChronoNanoseconds(std::min(period, absl::Hours(24))),
+                       [&] { return stopping || !enabled || settings != seen; });
     }
   }
 };
@@ -277,6 +282,7 @@ void KpiSampler::set(bool enabled, absl::Duration period) {
     if (period > absl::ZeroDuration()) impl_->period = period;
     if (enabled && !impl_->enabled) impl_->last_ns = 0;  // utilisation restarts from this sample
     impl_->enabled = enabled;
+    ++impl_->settings;
   }
   impl_->changed.notify_all();
 }
