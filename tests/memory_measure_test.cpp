@@ -252,3 +252,29 @@ TEST_CASE("a probe that cannot read (0) measures nothing: the block is neither r
   REQUIRE(held.ok());  // was: measured as 1005 MB, over the budget, and refused for good
   CHECK(set.state(id).footprint_bytes == 0);
 }
+
+TEST_CASE("a block whose load grew nothing is known as a page: later loads are not measured again, nor refused",
+          "[memory]") {
+  std::atomic<std::int64_t> rss{1000 * kMB};
+  ResidentSet set(20 * kMB, [&] { return rss.load(); }, std::nullopt, false);
+  int tiny_loads = 0;
+  const int tiny = set.add("tiny", 0, [&]() -> absl::StatusOr<std::shared_ptr<Block>> {
+    if (++tiny_loads == 2) rss += 40 * kMB;  // another lane's activations, grown while it loads again
+    return test::unary("tiny", [](const Tensor& x) { return x; });
+  }, [] { return false; });
+  auto plain = [](const std::string& name) {
+    return [name]() -> absl::StatusOr<std::shared_ptr<Block>> { return test::unary(name, [](const Tensor& x) { return x; }); };
+  };
+  const int a = set.add("a", 10 * kMB, plain("a"), [] { return false; });
+  const int b = set.add("b", 10 * kMB, plain("b"), [] { return false; });
+  REQUIRE(set.hold(tiny).ok());  // grew 0
+  CHECK(set.state(tiny).footprint_bytes == 4096);
+  REQUIRE(set.hold(a).ok());
+  REQUIRE(set.hold(b).ok());  // no room for b beside a and tiny: tiny, least recently used, goes
+  REQUIRE_FALSE(set.state(tiny).resident);
+  auto again = set.hold(tiny);  // its second load, beside 40 MB that others grew
+  INFO(again.status().ToString());
+  CHECK(again.ok());
+  CHECK(set.state(tiny).footprint_bytes == 4096);
+  CHECK(set.hold(tiny).ok());
+}

@@ -402,7 +402,10 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
   // A probe that could not read (0) measures nothing: the footprint stays unknown, and the next
   // load measures again.
   const std::int64_t after = measure && made.ok() && before > 0 ? probe_() : 0;
-  const std::int64_t measured = after > 0 ? std::max<std::int64_t>(0, after - before) : 0;
+  // A load that grew nothing (heap already mapped) is known as a page: 0 would mean "unknown", and
+  // every later load would measure again, beside whatever else runs then.
+  constexpr std::int64_t kPage = 4096;
+  const std::int64_t measured = after > 0 ? std::max<std::int64_t>(kPage, after - before) : 0;
 
   absl::StatusOr<Hold> result = absl::InternalError("not loaded");
   {
