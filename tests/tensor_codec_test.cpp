@@ -1,5 +1,7 @@
 // The tensor codec (blockflow/channel/detail/tensor_codec.hpp) on shapes at the edge of what i64
 // holds: what it cannot describe is an error naming the tensor, never an exception.
+#include <blockflow/channel/detail/packet_link.hpp>
+#include <blockflow/channel/detail/shm_pool.hpp>
 #include <blockflow/channel/detail/tensor_codec.hpp>
 
 #include <ATen/ATen.h>
@@ -36,4 +38,21 @@ TEST_CASE("a sparse tensor is refused by the encoder, named", "[wire]") {
   REQUIRE_FALSE(encoded.ok());
   CHECK(absl::IsInvalidArgument(encoded.status()));
   CHECK_THAT(std::string(encoded.status().message()), Contains("tensor 1 has layout Sparse"));
+}
+
+TEST_CASE("a placeholder (meta) tensor is refused on a zero-copy link too, named; the stager names no wrong channel",
+          "[wire]") {
+  using namespace blockflow::detail;
+  auto link = PacketLink::pair();
+  REQUIRE(link.ok());
+  ShmProducer producer;
+  const ShmStager stage = make_stager(producer, absl::ZeroDuration());
+  const at::Tensor placeholder = at::empty({2}, at::kMeta);
+  const absl::Status sent = send_packet(*link->first, blockflow::wire::Header{}, {at::ones({2}), placeholder}, nullptr, &stage);
+  CHECK(absl::IsInvalidArgument(sent));
+  CHECK_THAT(std::string(sent.message()), Contains("tensor 1 is a placeholder without bytes (meta device)"));
+  CHECK(producer.stats().slots_in_use == 0);  // refused before anything was staged
+  const auto staged = stage(placeholder);
+  REQUIRE_FALSE(staged.ok());
+  CHECK_THAT(std::string(staged.status().message()), Contains("cannot cross a zero-copy channel") && !Contains("use channel"));
 }

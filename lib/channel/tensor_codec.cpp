@@ -135,13 +135,23 @@ bool send_encoded(zmq::socket_t& socket, const EncodedMessage& encoded, zmq::sen
   return true;
 }
 
-absl::StatusOr<EncodedMessage> encode_for_socket(wire::Header header, const Tensors& tensors, std::uint64_t* bytes_copied,
-                                                const ShmStager* stager) {
+namespace {
+
+// A placeholder (meta device) has no bytes to send: refused, naming it, before anything is staged.
+absl::Status refuse_placeholders(const Tensors& tensors) {
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].defined() && tensors[i].device().is_meta()) {
       return absl::InvalidArgumentError(fmt::format("tensor {} is a placeholder without bytes (meta device)", i));
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<EncodedMessage> encode_for_socket(wire::Header header, const Tensors& tensors, std::uint64_t* bytes_copied,
+                                                const ShmStager* stager) {
+  if (auto status = refuse_placeholders(tensors); !status.ok()) return status;
   return encode_message(std::move(header), tensors, bytes_copied, stager);
 }
 
@@ -172,6 +182,7 @@ absl::Status send_packet(PacketLink& link, wire::Header header, const Tensors& t
   if (stager == nullptr && !tensors.empty()) {
     return absl::InvalidArgumentError("the data link carries handles, not tensor bytes: a stager is needed");
   }
+  if (auto status = refuse_placeholders(tensors); !status.ok()) return status;
   auto encoded = encode_message(std::move(header), tensors, bytes_copied, stager, unstage);
   if (!encoded.ok()) return encoded.status();
   std::vector<std::string_view> frames{encoded->header};
@@ -280,7 +291,8 @@ ShmStager make_stager(ShmProducer& producer, StageWait wait) {
   return [&producer, wait](const at::Tensor& contiguous) -> absl::StatusOr<wire::ShmHandle> {
     if (!contiguous.device().is_cpu()) {
       return absl::InvalidArgumentError(fmt::format(
-          "a tensor on {} cannot cross channel 'shm' (CPU tensors only): use channel 'cuda'", contiguous.device().str()));
+          "a tensor on {} cannot cross a zero-copy channel: CPU tensors cross in shared memory{}",
+          contiguous.device().str(), contiguous.is_cuda() ? ", CUDA tensors over channel 'cuda'" : ""));
     }
     const std::size_t bytes = byte_size(contiguous);
     if (auto shared = producer.share(contiguous.data_ptr(), bytes)) return *shared;
