@@ -134,6 +134,19 @@ struct MetricsHttpServer::Impl {
     // listener readable: it is left unpolled for a while instead of spinning.
     std::int64_t accept_after_ms = 0;
     while (!stopping) {
+      try {
+        turn(open, polled, accept_after_ms);
+      } catch (...) {  // out of memory: the connections stay as they were; the thread goes on
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+    for (const auto& c : open) ::close(c.fd);
+  }
+
+  // One poll and what it found. An exception (out of memory) leaves `open` whole: nothing is moved
+  // out of it before the allocations that could throw.
+  void turn(std::vector<Connection>& open, std::vector<pollfd>& polled, std::int64_t& accept_after_ms) {
+    {
       polled.clear();
       const bool room = open.size() < kMaxConnections ||
                         std::any_of(open.begin(), open.end(), [](const Connection& c) { return !c.replying; });
@@ -143,12 +156,19 @@ struct MetricsHttpServer::Impl {
       (void)::poll(polled.data(), polled.size(), 100);
       const std::int64_t now = now_ms();
       std::vector<Connection> kept;
+      kept.reserve(open.size());  // the moves below allocate nothing
       for (std::size_t i = 0; i < open.size(); ++i) {
         Connection& c = open[i];
         const short ready = polled[i + 1].revents;
         bool keep = now < c.deadline_ms;
         if (keep && (ready & (POLLERR | POLLHUP | POLLNVAL)) != 0 && (ready & POLLIN) == 0) keep = false;
-        if (keep && (ready & POLLIN) != 0 && !c.replying) keep = on_readable(c);
+        if (keep && (ready & POLLIN) != 0 && !c.replying) {
+          try {
+            keep = on_readable(c);
+          } catch (...) {  // no memory for its request or reply: this connection is closed
+            keep = false;
+          }
+        }
         if (keep && (ready & POLLOUT) != 0 && c.replying) keep = on_writable(c);
         if (keep) {
           kept.push_back(std::move(c));
@@ -171,17 +191,20 @@ struct MetricsHttpServer::Impl {
               ++evicted;
             }
           }
-          if (open.size() < kMaxConnections) {
-            open.push_back({client, {}, {}, 0, now + kDeadlineMs, false});
-          } else {  // every one began its reply since the look for room: never more than 64 held
-            ::close(client);
+          bool held = false;
+          if (open.size() < kMaxConnections) {  // else every one began its reply: never more than 64 held
+            try {
+              open.push_back({client, {}, {}, 0, now + kDeadlineMs, false});
+              held = true;
+            } catch (...) {  // no memory to hold it: not left open
+            }
           }
+          if (!held) ::close(client);
         } else if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
           accept_after_ms = now + kAcceptBackoffMs;
         }
       }
     }
-    for (const auto& c : open) ::close(c.fd);
   }
 };
 
