@@ -234,7 +234,7 @@ void ComputeLanes::unclaim_next(LaneWork& work) {
   release(work);
 }
 
-bool ComputeLanes::help(LaneWork& work, const std::function<void()>& run) {
+bool ComputeLanes::help(LaneWork& work, const std::function<bool()>& run) {
   if (current_lane() < 0) return false;
   Lane& lane = *lanes_[static_cast<std::size_t>(this_lane.index)];
   {
@@ -244,18 +244,19 @@ bool ComputeLanes::help(LaneWork& work, const std::function<void()>& run) {
     ++work.running_;
     lane.waiting_for = nullptr;  // a lane that helps waits for nothing
   }
-  lane.runs.fetch_add(1, std::memory_order_relaxed);
   struct Release {  // also when `run` throws: the claim must go, or quiesce() waits for ever
     ComputeLanes& lanes;
     LaneWork& work;
     ~Release() { lanes.release(work); }
   } release_claim{*this, work};
   // Busy time: counted in the unit this help interrupts.
+  bool ran = true;
   if (run) {
-    run();
+    ran = run();
   } else {
     work.run_one();
   }
+  if (ran) lane.runs.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 

@@ -176,11 +176,13 @@ bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloa
   }
   for (std::size_t i = 0; i < taken; ++i) {
     Entry& e = *candidates[i].entry;
-    if (e.swap) {  // kept, its weights paged out by finish()
+    if (e.swap && !swap_failed_.load()) {  // kept, its weights paged out by finish()
       e.parked = std::move(e.block);
       e.loading = true;
       unloaded.parking.push_back(&e);
-    } else {
+    } else {  // once a swap file failed, no block is swapped any more: freed, built again
+      e.swap.reset();
+      e.swap_bytes = 0;
       unloaded.freed.push_back(std::move(e.block));
     }
     e.block = nullptr;

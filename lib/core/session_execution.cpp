@@ -476,7 +476,9 @@ SendOutcome SessionCore::send_from_lane(BlockRuntime& runtime, Envelope&& envelo
         (void)lanes_->help(runtime, [&] {
           std::optional<Envelope> oldest;
           queued = runtime.inbox->exchange(std::move(envelope), oldest);
-          if (oldest) run_block(runtime, std::move(oldest));
+          if (!oldest) return false;  // room came meanwhile: queued, nothing to run
+          run_block(runtime, std::move(oldest));
+          return true;
         });
       }
       if (queued) return std::move(*queued);

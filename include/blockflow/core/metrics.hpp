@@ -23,7 +23,7 @@ struct LatencyStats {
 /// @brief Per-block aggregates since the session started.
 struct BlockMetrics {
   std::string name;
-  std::string kind;    ///< "callable" or "torchscript"
+  std::string kind;    ///< "callable", "torchscript", or "factory" (a block a registry factory made)
   std::string device;
   std::string placement;  ///< "threads" or the name of the site (worker) running it
   int workers = 0;           ///< at most this many lanes run the block at once

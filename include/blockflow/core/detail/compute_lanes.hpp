@@ -135,9 +135,10 @@ class ComputeLanes {
   /// Instead of step 2 when the continuation could not be made (out of memory): gives the claim back.
   void unclaim_next(LaneWork& work);
   /// On a lane: runs one unit of `work` here if it can be claimed (a lane that would wait for room
-  /// in a full queue helps empty it instead): `run` under the claim, or work.run_one() without one.
-  /// False, nothing run, when it is fully claimed elsewhere (or quiesced).
-  bool help(LaneWork& work, const std::function<void()>& run = nullptr);
+  /// in a full queue helps empty it instead): `run` under the claim (true when it ran a unit: the
+  /// lane's runs count it), or work.run_one() without one. False, nothing run, when it is fully
+  /// claimed elsewhere (or quiesced).
+  bool help(LaneWork& work, const std::function<bool()>& run = nullptr);
   /// On a lane with a continuation pending (claim_next() + run_next()): runs it now, inside the
   /// current unit, and releases its claim. A lane about to wait for room in a full queue calls it
   /// first: another lane's progress (the one emptying that queue) may need the block it claimed.
