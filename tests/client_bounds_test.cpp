@@ -75,7 +75,7 @@ TEST_CASE("client endpoint: requests in flight are bounded for every client toge
   REQUIRE(full.has_value());
   CHECK(full->request_id == 4);
   CHECK(full->status_code == static_cast<int>(absl::StatusCode::kResourceExhausted));
-  CHECK_THAT(full->message, Contains("max_in_flight"));
+  CHECK_THAT(full->message, Contains("requests of all its clients in flight, its max_in_flight"));
   CHECK(session.metrics().in_flight == 2);
   latch.release();
   auto first = a.reply();
@@ -103,6 +103,7 @@ TEST_CASE("client endpoint: drain() answers the requests in flight, refuses new 
   a.submit(1);
   REQUIRE(test::eventually([&] { return latch.entered.load() == 1; }));
   auto drained = std::async(std::launch::async, [&] { endpoint.drain(absl::Seconds(30)); });
+  REQUIRE(test::eventually([&] { return endpoint.draining(); }));
   Dealer b(address);
   b.submit(2);
   auto refused = b.reply();

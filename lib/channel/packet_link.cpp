@@ -10,6 +10,7 @@
 #include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/uio.h>
 #include <sys/un.h>
@@ -318,29 +319,44 @@ std::optional<PacketLink::Received> PacketLink::receive(int timeout_ms, absl::Du
 }
 
 absl::StatusOr<PathLock> PathLock::take(const std::string& path) {
-  const std::string file = path + ".lock";
-  const int fd = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0) return absl::UnavailableError(fmt::format("data link: cannot open '{}': {}", file, std::strerror(errno)));
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    const int e = errno;
+  std::string file = path + ".lock";
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    const int fd = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0) return absl::UnavailableError(fmt::format("data link: cannot open '{}': {}", file, std::strerror(errno)));
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int e = errno;
+      ::close(fd);
+      if (e == EWOULDBLOCK) return absl::AlreadyExistsError(fmt::format("data link: another listener holds '{}'", path));
+      return absl::UnavailableError(fmt::format("data link: cannot lock '{}': {}", file, std::strerror(e)));
+    }
+    // Locked: still the file at the path? Its last holder may have unlinked it meanwhile.
+    struct stat held {}, named {};
+    if (::fstat(fd, &held) == 0 && ::stat(file.c_str(), &named) == 0 && held.st_dev == named.st_dev &&
+        held.st_ino == named.st_ino) {
+      return PathLock(fd, std::move(file));
+    }
     ::close(fd);
-    if (e == EWOULDBLOCK) return absl::AlreadyExistsError(fmt::format("data link: another listener holds '{}'", path));
-    return absl::UnavailableError(fmt::format("data link: cannot lock '{}': {}", file, std::strerror(e)));
   }
-  return PathLock(fd);
+  return absl::UnavailableError(fmt::format("data link: cannot lock '{}': it keeps being replaced", file));
+}
+
+void PathLock::let_go() noexcept {
+  if (fd_ < 0) return;
+  ::unlink(file_.c_str());  // while still held: a taker that opened it finds it gone, and tries again
+  ::close(fd_);              // the lock goes with the descriptor
+  fd_ = -1;
 }
 
 PathLock& PathLock::operator=(PathLock&& other) noexcept {
   if (this != &other) {
-    if (fd_ >= 0) ::close(fd_);
+    let_go();
     fd_ = std::exchange(other.fd_, -1);
+    file_ = std::move(other.file_);
   }
   return *this;
 }
 
-PathLock::~PathLock() {
-  if (fd_ >= 0) ::close(fd_);  // the lock goes with the descriptor
-}
+PathLock::~PathLock() { let_go(); }
 
 absl::StatusOr<std::unique_ptr<PacketListener>> PacketListener::bind(const std::string& path, std::optional<PathLock> lock) {
   auto address = address_of(path);

@@ -574,12 +574,13 @@ absl::StatusOr<std::unique_ptr<ProcessChannel>> open_shm_channel(const std::stri
     }
   }
   if (role == ChannelRole::kSender) return std::unique_ptr<ProcessChannel>(new ShmSender(uri, socket_path, options, cuda));
-  // The path's lock first: of two receivers opened at once, one goes on (the other's probe file or
-  // bind would replace the first's).
-  auto lock = PathLock::take(socket_path);
-  if (absl::IsAlreadyExists(lock.status()) || (lock.ok() && unix_socket_live(socket_path, SOCK_SEQPACKET))) {
+  if (unix_socket_live(socket_path, SOCK_SEQPACKET)) {
     return absl::AlreadyExistsError(fmt::format("{}: another receiver holds it", uri));
   }
+  // The path's lock before anything is written: of two receivers opened at once, one goes on (the
+  // other's probe file or bind would replace the first's).
+  auto lock = PathLock::take(socket_path);
+  if (absl::IsAlreadyExists(lock.status())) return absl::AlreadyExistsError(fmt::format("{}: another receiver holds it", uri));
   if (!lock.ok()) return named(uri, lock.status());
   if (cuda) {
     // Published before the socket is bound, so that a sender that connects finds it.

@@ -168,6 +168,18 @@ struct ShmProducer::Impl {
   // Room for a new pool of `size` bytes: idle pools of any class go, the longest idle first (the
   // oldest of a class too: an idle pool must not keep a tensor that fits from being sent).
   bool make_room(std::size_t size) {
+    std::size_t idle_bytes = 0, idle_pools = 0;
+    for (const auto& p : pools) {
+      if (p.idle_since_ns != 0) {
+        idle_bytes += p.mapping->size;
+        ++idle_pools;
+      }
+    }
+    // None goes unless all the idle ones together make the room (no churn for nothing).
+    if (bytes_mapped() - idle_bytes + creating_bytes + size > options.max_total_bytes ||
+        (options.max_pools > 0 && pools.size() - idle_pools + creating_pools >= options.max_pools)) {
+      return false;
+    }
     while (!room_for(size)) {
       std::optional<std::size_t> idlest;
       for (std::size_t i = 0; i < pools.size(); ++i) {

@@ -405,9 +405,10 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
   // load measures again.
   const std::int64_t after = measure && made.ok() && before > 0 ? probe_() : 0;
   // A load that grew nothing (heap already mapped) is known as a page: 0 would mean "unknown", and
-  // every later load would measure again, beside whatever else runs then.
+  // every later load would measure again, beside whatever else runs then. One that shrank (another
+  // lane freed memory meanwhile) measured nothing: unknown still, the next load measures again.
   constexpr std::int64_t kPage = 4096;
-  const std::int64_t measured = after > 0 ? std::max<std::int64_t>(kPage, after - before) : 0;
+  const std::int64_t measured = after <= 0 ? 0 : after > before ? after - before : after == before ? kPage : 0;
 
   absl::StatusOr<Hold> result = absl::InternalError("not loaded");
   {

@@ -362,6 +362,10 @@ struct ClientEndpoint::Impl {
         std::this_thread::sleep_for(std::chrono::milliseconds(10));  // no spinning on an error that stays
       }
     }
+    try {  // what is ready goes out now, without waiting (drain()'s last refusals, say)
+      flush();
+    } catch (...) {
+    }
     for (auto& [peer, b] : backlogs) outbox->dropped += b.replies.size();
     outbox->dropped += taken.size();
     backlogs.clear();
@@ -431,6 +435,7 @@ void ClientEndpoint::drain(absl::Duration timeout) {
 }
 
 std::size_t ClientEndpoint::in_flight() const { return impl_->in_flight_total.load(); }
+bool ClientEndpoint::draining() const { return impl_->draining.load(); }
 
 struct RemoteClient::Impl {
   zmq::context_t context{1};

@@ -102,8 +102,8 @@ class KpiSampler {
   KpiSampler& operator=(const KpiSampler&) = delete;
 
   /// @brief Switches sampling on (with this period; <= 0 keeps the current one) or off. Takes one
-  /// sample at once when switched on, and when the period changes; then one per period (at least one
-  /// a day, whatever the period).
+  /// sample at once when switched on, and at each call while on (a new period takes effect then);
+  /// then one per period (at least one a day, whatever the period).
   void set(bool enabled, absl::Duration period);
   [[nodiscard]] bool enabled() const;
   [[nodiscard]] absl::Duration period() const;

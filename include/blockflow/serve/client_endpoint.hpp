@@ -95,8 +95,11 @@ class ClientEndpoint {
   [[nodiscard]] std::uint64_t dropped_replies() const;
   /// @brief Clients refused by CURVE (curve.hpp) since the endpoint started.
   [[nodiscard]] std::uint64_t auth_failures() const;
-  /// @brief Requests of every client inside the session now.
+  /// @brief Requests of every client inside the session, or answered but not yet taken by the
+  /// endpoint's thread; after stop(), what was left then.
   [[nodiscard]] std::size_t in_flight() const;
+  /// @brief drain() has begun: new requests are refused (Unavailable).
+  [[nodiscard]] bool draining() const;
   /// @brief Stops serving: joins the socket thread, which sends nothing more, and closes the socket
   /// (clients can no longer connect; their requests fail at their timeout). Requests still in the
   /// session are answered by nobody (their clients time out); their replies are dropped and counted

@@ -175,21 +175,24 @@ class PacketLink {
 
 /// An exclusive hold on a listener's path: an advisory lock (flock) on "<path>.lock", beside it in
 /// its private directory. Of two processes binding one path at once, one holds it and the other is
-/// refused; a listener holds it for its life, so that none unlinks another's socket. The lock file
-/// stays (unlinking it would let a third process lock a new file while the old one is held).
+/// refused; a listener holds it for its life, so that none unlinks another's socket. The holder
+/// unlinks the lock file before it lets go; a taker that locked a file unlinked meanwhile (not the
+/// one at the path any more) tries again, so two never hold one path.
 class PathLock {
  public:
   /// AlreadyExists when another holds it (a live listener, or one about to bind).
   static absl::StatusOr<PathLock> take(const std::string& path);
-  PathLock(PathLock&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  PathLock(PathLock&& other) noexcept : fd_(std::exchange(other.fd_, -1)), file_(std::move(other.file_)) {}
   PathLock& operator=(PathLock&& other) noexcept;
   PathLock(const PathLock&) = delete;
   PathLock& operator=(const PathLock&) = delete;
   ~PathLock();
 
  private:
-  explicit PathLock(int fd) : fd_(fd) {}
+  PathLock(int fd, std::string file) : fd_(fd), file_(std::move(file)) {}
+  void let_go() noexcept;
   int fd_ = -1;
+  std::string file_;
 };
 
 /// The listening end, bound at a path (in a private 0700 directory).

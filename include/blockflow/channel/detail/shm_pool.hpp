@@ -54,7 +54,9 @@ struct ShmPoolOptions {
   /// A pool whose slots have all been free this long (its size class's trim delay, which starts
   /// here and may grow up to idle_trim_max) is retired and unmapped, unless it is the last of its
   /// size class: a burst of traffic grows the pools, and they shrink back once it has passed
-  /// (checked when a slot is taken). Zero: pools stay until the producer goes.
+  /// (checked when a slot is taken). Zero: pools stay until the producer goes. Apart from this, a
+  /// send that needs a new pool under max_total_bytes (or max_pools) retires idle pools of any
+  /// class, the last of a class too, the longest idle first, when that makes the room.
   absl::Duration idle_trim = absl::Seconds(30);
   /// Hysteresis against pools that come and go with every burst: when a size class needs a new
   /// pool within 4 x its trim delay of having lost one, its delay doubles, up to this bound. Bursty
