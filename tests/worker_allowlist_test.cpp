@@ -7,9 +7,15 @@
 #include "joined_util.hpp"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <torch/script.h>
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
 
+#include <array>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
 namespace fs = std::filesystem;
 using namespace blockflow;
@@ -218,4 +224,66 @@ TEST_CASE("blockflow-worker checks --plugin and --models when it starts, and tak
                                         log);
   CHECK(WEXITSTATUS(child) == 2);
   CHECK_THAT(child_text, Contains("--plugin, --models, --key and --session-key are for --join"));
+}
+
+TEST_CASE("a joined worker refuses the endpoints and files its session's configuration names; nothing is touched",
+          "[worker_allowlist]") {
+  Scratch scratch;
+  const fs::path victim = scratch.root / "victim.txt";
+  std::ofstream(victim) << "operator's file\n";
+  std::string field, value;
+  SECTION("a peer endpoint over a file (binding it would unlink the file)") {
+    field = "peer_endpoint";
+    value = "ipc://" + victim.string();
+  }
+  SECTION("a peer endpoint open to every interface") {
+    field = "peer_endpoint";
+    value = "tcp://0.0.0.0:0";
+  }
+  SECTION("a data link to a local socket") {
+    field = "data_link";
+    value = victim.string();
+  }
+  // A fake session: whoever answers at the address the worker joins.
+  const int port = test::free_port();
+  zmq::context_t context;
+  zmq::socket_t session(context, zmq::socket_type::router);
+  session.set(zmq::sockopt::rcvtimeo, 20000);
+  session.set(zmq::sockopt::linger, 0);
+  session.bind(fmt::format("tcp://127.0.0.1:{}", port));
+  WorkerProcess worker(WorkerProcess::join_args(fmt::format("tcp://127.0.0.1:{}", port), "far"));
+  std::vector<zmq::message_t> hello;
+  REQUIRE(zmq::recv_multipart(session, std::back_inserter(hello)));
+  REQUIRE(hello.size() >= 2);
+  nlohmann::json config = {{"type", "config"}, {"blocks", nlohmann::json::array()}, {"requests_port", port + 1},
+                           {"results_port", port + 2}, {field, value}};
+  if (field == "data_link") config["channel"] = "shm";
+  const std::string identity = hello.front().to_string(), text = config.dump();
+  std::array<zmq::const_buffer, 2> out{zmq::buffer(identity), zmq::buffer(text)};
+  REQUIRE(zmq::send_multipart(session, out));
+  std::optional<nlohmann::json> answer;
+  for (int i = 0; i < 10 && !answer; ++i) {  // the first answer that is not a heartbeat
+    std::vector<zmq::message_t> frames;
+    REQUIRE(zmq::recv_multipart(session, std::back_inserter(frames)));
+    auto json = nlohmann::json::parse(frames.back().to_string(), nullptr, false);
+    if (json.is_object() && json.value("type", "") != "heartbeat") answer = json;
+  }
+  REQUIRE(answer.has_value());
+  CHECK(answer->value("type", "") == "load_error");
+  CHECK_THAT(answer->value("message", ""), Contains(fmt::format("configuration field '{}'", field)));
+  const auto status = worker.exit_status(10000ms);
+  REQUIRE(status.has_value());
+  CHECK(WIFEXITED(*status));
+  CHECK(fs::is_regular_file(victim));
+  std::stringstream kept;
+  kept << std::ifstream(victim).rdbuf();
+  CHECK(kept.str() == "operator's file\n");
+}
+
+TEST_CASE("a joined worker bounds the warm-up of a plugin's block as any deployment from the wire",
+          "[worker_allowlist]") {
+  BlockDescription b = test::plugin_block("affine", "affine", "");
+  b.options.warmup_runs = 100000;
+  JoinedWorker w({"--plugin", BLOCKFLOW_TEST_PLUGIN}, {b}, {BLOCKFLOW_TEST_PLUGIN});
+  CHECK_THAT(w.start_error(), Contains("warmup_runs 100000 is above"));
 }

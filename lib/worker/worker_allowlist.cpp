@@ -40,7 +40,9 @@ absl::StatusOr<BlockDescription> WorkerAllowList::block(const nlohmann::json& js
   // A bare name stands for "<name>.pt": confined like any other path.
   const nlohmann::json b = json.is_string() ? nlohmann::json{{"name", json}, {"torchscript", json.get<std::string>() + ".pt"}} : json;
   auto as_given = block_from_json(b, "");
-  if (!as_given.ok() || as_given->torchscript.empty()) return as_given;
+  if (!as_given.ok()) return as_given;
+  // A factory's block: no file, but its warm-up bounded as any deployment from the wire.
+  if (as_given->torchscript.empty()) return block_from_json(b, "", /*confine=*/true);
   if (models_dir.empty()) {
     return refuse(fmt::format("block '{}': TorchScript path '{}' refused: this worker was started without --models DIR",
                               as_given->name, as_given->torchscript));
@@ -53,6 +55,22 @@ absl::StatusOr<BlockDescription> WorkerAllowList::block(const nlohmann::json& js
   auto inside = block_from_json(b, models_dir, /*confine=*/true);
   if (inside.ok()) return inside;
   return refuse(fmt::format("{} (this worker's --models)", std::string(inside.status().message())));
+}
+
+absl::Status WorkerAllowList::config(const nlohmann::json& config) const {
+  if (!enforced || !config.is_object()) return absl::OkStatus();
+  for (const char* field : {"peer_endpoint", "data_link", "cuda_probe"}) {
+    const auto it = config.find(field);
+    if (it == config.end() || it->is_null() || (it->is_string() && it->get_ref<const std::string&>().empty())) continue;
+    return refuse(fmt::format("configuration field '{}' ({}) refused: a joined worker binds and connects to no "
+                              "endpoint or file its session names",
+                              field, it->dump()));
+  }
+  const auto channel = config.find("channel");
+  if (channel != config.end() && *channel != "zmq" && *channel != "") {  // "": the default, zmq
+    return refuse(fmt::format("channel {} refused: a joined worker takes channel \"zmq\" only", channel->dump()));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status WorkerAllowList::refuse(const std::string& why) const {

@@ -35,6 +35,12 @@ struct WorkerAllowList {
   /// says the same whether or not the file exists.
   absl::StatusOr<BlockDescription> block(const nlohmann::json& json) const;
 
+  /// The configuration's endpoints and files: a joined worker's session is whoever answers at the
+  /// address it joined, and never needs one on this host, so a configuration that names a peer
+  /// endpoint (which this process would bind: an ipc:// path unlinked, a TCP listener opened), a
+  /// data link or a CUDA probe (a local socket or file), or a channel other than "zmq" is refused.
+  absl::Status config(const nlohmann::json& config) const;
+
   /// PermissionDenied with `why`, logged.
   absl::Status refuse(const std::string& why) const;
 };

@@ -91,9 +91,17 @@ class Worker {
     last_host_ns_ = now_ns();
   }
 
+  // Tells the host why this worker cannot serve (its start() fails, naming it), then ends.
+  int fail_to_load(absl::string_view why) {
+    send_control({{"type", bf::detail::kLoadError}, {"message", std::string(why)}});
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let the message leave
+    return 1;
+  }
+
   int run() {
     auto config = std::optional<nlohmann::json>(nlohmann::json::parse(config_text_, nullptr, false));
     if (config->is_discarded()) return 1;
+    if (auto allowed = allowed_.config(*config); !allowed.ok()) return fail_to_load(allowed.message());
     if (args_.join) {
       try {
         args_.requests = with_port(args_.control, config->at("requests_port").get<int>());
@@ -110,12 +118,7 @@ class Worker {
       // The connect-time check: this process must open the host's CUDA memory and events.
       auto status = bf::detail::cuda_ipc_usable();
       if (status.ok()) status = bf::detail::open_cuda_probe(config->value("cuda_probe", ""));
-      if (!status.ok()) {
-        send_control({{"type", bf::detail::kLoadError},
-                      {"message", fmt::format("channel 'cuda': {}", std::string(status.message()))}});
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let the message leave
-        return 1;
-      }
+      if (!status.ok()) return fail_to_load(fmt::format("channel 'cuda': {}", std::string(status.message())));
     }
     if (channel == "shm" || channel == "cuda") {
       bf::detail::ShmPoolOptions pool;
@@ -129,11 +132,7 @@ class Worker {
       stager_ = ends_->stager(absl::Seconds(10));
       // Handles and releases travel on the data link, not on the ZeroMQ data sockets.
       auto link = bf::detail::PacketLink::connect(config->value("data_link", ""));
-      if (!link.ok()) {
-        send_control({{"type", bf::detail::kLoadError}, {"message", std::string(link.status().message())}});
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let the message leave
-        return 1;
-      }
+      if (!link.ok()) return fail_to_load(link.status().message());
       // A request's input that dies here gives its slot back to the host on this link (any thread).
       link_ = std::make_shared<bf::detail::ZeroCopyLink>(*std::move(link), ends_);
       receive_spin_ = config->value("busy_poll", false)  // WorkerOptions::busy_poll: poll, never sleep
@@ -150,11 +149,7 @@ class Worker {
     sampler_.set(config->value("sampling", false), absl::Milliseconds(config->value("sampling_period_ms", 100)));
     absl::Status status = link_ ? absl::OkStatus() : open_requests();
     if (status.ok()) status = load(*config);
-    if (!status.ok()) {
-      send_control({{"type", bf::detail::kLoadError}, {"message", std::string(std::string(status.message()))}});
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let the message leave
-      return 1;
-    }
+    if (!status.ok()) return fail_to_load(status.message());
     std::thread sender;  // channel "zmq": the one thread owning the PUSH socket
     if (!link_) sender = std::thread([this] { sender_main(); });
     std::thread receiver([this] { receiver_main(); });
@@ -443,6 +438,8 @@ class Worker {
       status = absl::DataLossError(forward_problem_);
     } else if (f.kind != bf::wire::MessageKind::kForward || message.tensors.empty()) {
       status = absl::InvalidArgumentError("a forward without parked outputs");
+    } else if (allowed_.enforced) {  // a joined worker connects to no endpoint its session names
+      status = absl::PermissionDeniedError(fmt::format("forward to '{}': refused by a joined worker", f.message));
     } else if (f.message.rfind("ipc://", 0) != 0) {
       status = absl::InvalidArgumentError(fmt::format("forward to '{}': not an ipc:// endpoint", f.message));
     } else {
