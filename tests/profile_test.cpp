@@ -78,6 +78,14 @@ TEST_CASE("profile_block of a block whose service time is known: p50 and the sus
   CHECK(p->load_ms == 0);  // given made
 }
 
+TEST_CASE("profile_block of a block that throws something other than a std::exception: an error naming it",
+          "[profile]") {
+  auto block = Block::callable("odd", [](Tensors&&) -> absl::StatusOr<Tensors> { throw 42; });
+  auto p = profile_block(block, {at::ones({1, 4})}, quick());
+  REQUIRE_FALSE(p.ok());
+  CHECK_THAT(std::string(p.status().message()), Catch::Matchers::Contains("block 'odd'"));
+}
+
 TEST_CASE("profile_block without the rate sweep: latencies only, max_rate_rps 0", "[profile]") {
   ProfileOptions o = quick();
   o.rate_sweep = false;

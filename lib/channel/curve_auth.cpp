@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -101,7 +102,7 @@ struct CurveServer::State {
       return reply("400", "CURVE required", "");
     }
     const std::string key = req[6].to_string();
-    std::string only;
+    std::optional<std::string> only;
     {
       std::lock_guard lock(mu);
       std::size_t index = only_by_domain.size();
@@ -109,19 +110,19 @@ struct CurveServer::State {
         index = std::stoul(domain);
       } catch (const std::exception&) {
       }
-      if (index >= only_by_domain.size()) {
-        refuse(fmt::format("unknown ZAP domain '{}' for {} from {}", domain, key_fingerprint_binary(key), address));
-        return reply("400", "unknown domain", "");
-      }
-      only = only_by_domain[index];
+      if (index < only_by_domain.size()) only = only_by_domain[index];
+    }
+    if (!only) {  // refused outside `mu`: refuse() takes it
+      refuse(fmt::format("unknown ZAP domain '{}' for {} from {}", domain, key_fingerprint_binary(key), address));
+      return reply("400", "unknown domain", "");
     }
     const auto it = allowed.find(key);
     if (it == allowed.end()) {
       refuse(fmt::format("key {} from {} is not in {}", key_fingerprint_binary(key), address, dir));
       return reply("400", "unknown key", "");
     }
-    if (!only.empty() && it->second != only) {
-      refuse(fmt::format("key {} from {} is '{}', not '{}'", key_fingerprint_binary(key), address, it->second, only));
+    if (!only->empty() && it->second != *only) {
+      refuse(fmt::format("key {} from {} is '{}', not '{}'", key_fingerprint_binary(key), address, it->second, *only));
       return reply("400", "key of another peer", "");
     }
     reply("200", "OK", it->second);

@@ -4,6 +4,7 @@
 #include "percentile.hpp"
 
 #include <blockflow/core/detail/clock.hpp>
+#include <blockflow/core/detail/exception_text.hpp>
 #include <blockflow/core/kpi.hpp>
 
 #include <ATen/ATen.h>
@@ -239,8 +240,8 @@ absl::StatusOr<BlockProfile> profile_block(const std::shared_ptr<Block>& block, 
       p.max_rate_rps = *rate;
       return p;
     });
-  } catch (const std::exception& e) {
-    return absl::InternalError(fmt::format("block '{}': {}", block->name(), e.what()));
+  } catch (...) {  // any type (`throw 42;` in a block's forward): an error naming the block, not the end
+    return absl::InternalError(fmt::format("block '{}': {}", block->name(), detail::current_exception_text()));
   }
 }
 
@@ -271,8 +272,8 @@ absl::StatusOr<BlockProfile> profile_block(const BlockDescription& d, const Prof
       return absl::OkStatus();
     });
     if (!made.ok()) return absl::Status(made.code(), fmt::format("block '{}': {}", d.name, std::string(made.message())));
-  } catch (const std::exception& e) {
-    return absl::InternalError(fmt::format("block '{}': {}", d.name, e.what()));
+  } catch (...) {
+    return absl::InternalError(fmt::format("block '{}': {}", d.name, detail::current_exception_text()));
   }
   if (options.progress) {
     options.progress(fmt::format("{}: loaded in {:.0f} ms, warmed up in {:.0f} ms, {:.1f} MB resident", d.name, load_ms,
