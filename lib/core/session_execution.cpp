@@ -320,17 +320,6 @@ void SessionCore::process(BlockRuntime& runtime, Envelope&& envelope) {
   hand_on(runtime, state, node, std::move(*outputs));
 }
 
-// Processed, not handed on: failed here, not counted as the block's failure too (a request resolves
-// once, so a part already handed on is not failed twice).
-void SessionCore::hand_on(BlockRuntime& runtime, const StatePtr& state, int node, Tensors&& outputs) noexcept {
-  try {
-    forward_outputs(state, node, std::move(outputs), &runtime);
-  } catch (...) {
-    fail_noexcept(runtime, state, absl::StatusCode::kInternal, "could not hand its output on",
-                  "the request could not hand its output on");
-  }
-}
-
 void SessionCore::forward_outputs(const StatePtr& state, int node, Tensors&& outputs, BlockRuntime* runtime) {
   const PathPlan& plan = *state->plan;
   HopTiming& hop = state->hops[static_cast<std::size_t>(node)];

@@ -24,6 +24,17 @@ void SessionCore::fail_noexcept(BlockRuntime& runtime, const StatePtr& state, ab
   }
 }
 
+// Processed, not handed on: failed here, not counted as the block's failure too (a request resolves
+// once, so a part already handed on is not failed twice).
+void SessionCore::hand_on(BlockRuntime& runtime, const StatePtr& state, int node, Tensors&& outputs) noexcept {
+  try {
+    forward_outputs(state, node, std::move(outputs), &runtime);
+  } catch (...) {
+    fail_noexcept(runtime, state, absl::StatusCode::kInternal, "could not hand its output on",
+                  "the request could not hand its output on");
+  }
+}
+
 // A site's thread must not sleep on a full queue either: the lane that would empty it may be
 // waiting for room at that very site. A request that finds the queue full is handed over to a lane,
 // which helps the full block; the site's later requests for the block queue behind it until the
