@@ -1,6 +1,7 @@
 // A block's hand-over line: how a site's receiving thread queues a request for a block whose queue
 // is full (policy block; a block of this process or at a site) without sleeping on it, and without
 // letting the site's later requests for that block overtake it.
+// And hand_on(): a processed request's output handed to the next block, or the request failed.
 #include <blockflow/core/detail/clock.hpp>
 #include <blockflow/core/detail/exception_text.hpp>
 #include <blockflow/core/detail/session_core.hpp>
