@@ -34,16 +34,7 @@ struct Dealer {
     (void)socket.send(zmq::buffer(std::string(static_cast<std::size_t>(floats) * 4, '\0')), zmq::send_flags::none);
   }
   // The next reply's header, if one comes within 5 s.
-  std::optional<wire::Header> reply() {
-    zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
-    zmq::poll(&item, 1, std::chrono::milliseconds(5000));
-    if ((item.revents & ZMQ_POLLIN) == 0) return std::nullopt;
-    std::vector<zmq::message_t> frames;
-    (void)zmq::recv_multipart(socket, std::back_inserter(frames));
-    auto h = wire::decode_header(frames.at(0).data(), frames.at(0).size());
-    if (!h.ok()) return std::nullopt;
-    return *h;
-  }
+  std::optional<wire::Header> reply() { return test::next_reply(socket, std::chrono::milliseconds(5000)); }
 };
 
 }  // namespace

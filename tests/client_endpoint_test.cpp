@@ -45,14 +45,7 @@ std::optional<wire::Header> send_raw(zmq::socket_t& dealer, const std::vector<st
   for (std::size_t i = 0; i < frames.size(); ++i) {
     (void)dealer.send(zmq::buffer(frames[i]), i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
   }
-  zmq::pollitem_t item{dealer.handle(), 0, ZMQ_POLLIN, 0};
-  zmq::poll(&item, 1, std::chrono::milliseconds(2000));
-  if ((item.revents & ZMQ_POLLIN) == 0) return std::nullopt;
-  std::vector<zmq::message_t> reply;
-  (void)zmq::recv_multipart(dealer, std::back_inserter(reply));
-  auto h = wire::decode_header(reply.at(0).data(), reply.at(0).size());
-  REQUIRE(h.ok());
-  return *h;
+  return test::next_reply(dealer, std::chrono::milliseconds(2000));
 }
 
 // A latch the block of task "held" waits on, so that a request stays inside the session until the

@@ -6,8 +6,14 @@
 
 #include <blockflow/channel/wire_format.hpp>
 
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace blockflow::test {
 
@@ -35,6 +41,18 @@ inline std::string submit_header(std::uint64_t id, const std::string& task, std:
   d.byte_count = static_cast<std::uint64_t>(floats) * 4;
   h.tensors.push_back(d);
   return wire::encode_header(h);
+}
+
+// The header of the next reply on a raw client's `socket`, if one comes within `within`.
+inline std::optional<wire::Header> next_reply(zmq::socket_t& socket, std::chrono::milliseconds within) {
+  zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
+  zmq::poll(&item, 1, within);
+  if ((item.revents & ZMQ_POLLIN) == 0) return std::nullopt;
+  std::vector<zmq::message_t> frames;
+  (void)zmq::recv_multipart(socket, std::back_inserter(frames));
+  auto h = wire::decode_header(frames.at(0).data(), frames.at(0).size());
+  REQUIRE(h.ok());
+  return *h;
 }
 
 }  // namespace blockflow::test
