@@ -146,63 +146,61 @@ struct MetricsHttpServer::Impl {
   // One poll and what it found. An exception (out of memory) leaves `open` whole: nothing is moved
   // out of it before the allocations that could throw.
   void turn(std::vector<Connection>& open, std::vector<pollfd>& polled, std::int64_t& accept_after_ms) {
-    {
-      polled.clear();
-      const bool room = open.size() < kMaxConnections ||
-                        std::any_of(open.begin(), open.end(), [](const Connection& c) { return !c.replying; });
-      const bool accepting = room && now_ms() >= accept_after_ms;
-      polled.push_back({accepting ? fd : -1, POLLIN, 0});
-      for (const auto& c : open) polled.push_back({c.fd, static_cast<short>(c.replying ? POLLOUT : POLLIN), 0});
-      (void)::poll(polled.data(), polled.size(), 100);
-      const std::int64_t now = now_ms();
-      std::vector<Connection> kept;
-      kept.reserve(open.size());  // the moves below allocate nothing
-      for (std::size_t i = 0; i < open.size(); ++i) {
-        Connection& c = open[i];
-        const short ready = polled[i + 1].revents;
-        bool keep = now < c.deadline_ms;
-        if (keep && (ready & (POLLERR | POLLHUP | POLLNVAL)) != 0 && (ready & POLLIN) == 0) keep = false;
-        if (keep && (ready & POLLIN) != 0 && !c.replying) {
-          try {
-            keep = on_readable(c);
-          } catch (...) {  // no memory for its request or reply: this connection is closed
-            keep = false;
-          }
-        }
-        if (keep && (ready & POLLOUT) != 0 && c.replying) keep = on_writable(c);
-        if (keep) {
-          kept.push_back(std::move(c));
-        } else {
-          ::close(c.fd);
+    polled.clear();
+    const bool room = open.size() < kMaxConnections ||
+                      std::any_of(open.begin(), open.end(), [](const Connection& c) { return !c.replying; });
+    const bool accepting = room && now_ms() >= accept_after_ms;
+    polled.push_back({accepting ? fd : -1, POLLIN, 0});
+    for (const auto& c : open) polled.push_back({c.fd, static_cast<short>(c.replying ? POLLOUT : POLLIN), 0});
+    (void)::poll(polled.data(), polled.size(), 100);
+    const std::int64_t now = now_ms();
+    std::vector<Connection> kept;
+    kept.reserve(open.size());  // the moves below allocate nothing
+    for (std::size_t i = 0; i < open.size(); ++i) {
+      Connection& c = open[i];
+      const short ready = polled[i + 1].revents;
+      bool keep = now < c.deadline_ms;
+      if (keep && (ready & (POLLERR | POLLHUP | POLLNVAL)) != 0 && (ready & POLLIN) == 0) keep = false;
+      if (keep && (ready & POLLIN) != 0 && !c.replying) {
+        try {
+          keep = on_readable(c);
+        } catch (...) {  // no memory for its request or reply: this connection is closed
+          keep = false;
         }
       }
-      open.swap(kept);
-      if ((polled[0].revents & POLLIN) != 0) {
-        const int client = ::accept4(fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-        if (client >= 0) {
-          if (open.size() >= kMaxConnections) {  // the oldest still waiting for its request makes room
-            auto oldest = open.end();
-            for (auto it = open.begin(); it != open.end(); ++it) {
-              if (!it->replying && (oldest == open.end() || it->deadline_ms < oldest->deadline_ms)) oldest = it;
-            }
-            if (oldest != open.end()) {
-              ::close(oldest->fd);
-              open.erase(oldest);
-              ++evicted;
-            }
+      if (keep && (ready & POLLOUT) != 0 && c.replying) keep = on_writable(c);
+      if (keep) {
+        kept.push_back(std::move(c));
+      } else {
+        ::close(c.fd);
+      }
+    }
+    open.swap(kept);
+    if ((polled[0].revents & POLLIN) != 0) {
+      const int client = ::accept4(fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (client >= 0) {
+        if (open.size() >= kMaxConnections) {  // the oldest still waiting for its request makes room
+          auto oldest = open.end();
+          for (auto it = open.begin(); it != open.end(); ++it) {
+            if (!it->replying && (oldest == open.end() || it->deadline_ms < oldest->deadline_ms)) oldest = it;
           }
-          bool held = false;
-          if (open.size() < kMaxConnections) {  // else every one began its reply: never more than 64 held
-            try {
-              open.push_back({client, {}, {}, 0, now + kDeadlineMs, false});
-              held = true;
-            } catch (...) {  // no memory to hold it: not left open
-            }
+          if (oldest != open.end()) {
+            ::close(oldest->fd);
+            open.erase(oldest);
+            ++evicted;
           }
-          if (!held) ::close(client);
-        } else if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-          accept_after_ms = now + kAcceptBackoffMs;
         }
+        bool held = false;
+        if (open.size() < kMaxConnections) {  // else every one began its reply: never more than 64 held
+          try {
+            open.push_back({client, {}, {}, 0, now + kDeadlineMs, false});
+            held = true;
+          } catch (...) {  // no memory to hold it: not left open
+          }
+        }
+        if (!held) ::close(client);
+      } else if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        accept_after_ms = now + kAcceptBackoffMs;
       }
     }
   }
