@@ -55,6 +55,16 @@ TEST_CASE("key files: written 0600/0644, read back, never overwritten, refused w
   auto again = write_curve_keypair(keys.root.string(), "alice", *pair);
   CHECK(again.code() == absl::StatusCode::kAlreadyExists);
   CHECK(write_curve_keypair(keys.root.string(), "../alice", *pair).code() == absl::StatusCode::kInvalidArgument);
+  // Only the public file of a name exists: nothing is written, so no secret sits beside another pair's key.
+  std::ofstream(keys.file("bob.key")) << "not bob's pair\n";
+  CHECK(write_curve_keypair(keys.root.string(), "bob", *pair).code() == absl::StatusCode::kAlreadyExists);
+  CHECK_FALSE(fs::exists(keys.file("bob.key_secret")));
+
+  // A FIFO where a key file should be is refused at once, not waited on.
+  REQUIRE(::mkfifo(keys.file("fifo.key").c_str(), 0600) == 0);
+  auto fifo = read_curve_public_key(keys.file("fifo.key"));
+  REQUIRE_FALSE(fifo.ok());
+  CHECK_THAT(std::string(fifo.status().message()), Contains("fifo.key") && Contains("not a regular file"));
 
   // A public key file is not a secret one.
   auto only_public = read_curve_keypair(keys.file("alice.key"));

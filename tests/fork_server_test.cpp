@@ -291,3 +291,36 @@ TEST_CASE("an answer whose pidfd this process had no descriptor for: the server 
   (void)::waitpid(worker, &status, 0);
   ::close(pair[1]);
 }
+
+// Last of the [fork_server] cases (Catch runs them in this order): it ends the process's fork server.
+TEST_CASE("a fork server that dies is logged with its signal; later workers start as programs and serve",
+          "[.][fork_server]") {
+  test::LogLines log;
+  pid_t server = 0;
+  {
+    auto w = make_worker(test::test_worker("w6"));
+    Session session;
+    session.add_site(w).add_block(test::plugin_block("a", "affine", "w6")).add_path(Path::chain("t", {"a"}));
+    test::require_started(session);
+    REQUIRE(w->stats().forked);
+    server = parent_of(w->pid());
+  }
+  REQUIRE(server > 0);
+  REQUIRE(server != ::getpid());
+  REQUIRE(::kill(server, SIGKILL) == 0);
+  const std::string line = fmt::format("the fork server (pid {}) killed by signal 9", server);
+  CHECK(test::eventually([&] {
+    (void)blockflow::detail::ForkServer::get();  // notices the hung-up socket
+    return log.contains(line);
+  }));
+  CHECK_FALSE(fork_server_running());
+  auto w = make_worker(test::test_worker("w7"));
+  Session session;
+  session.add_site(w).add_block(test::plugin_block("a", "affine", "w7")).add_path(Path::chain("t", {"a"}));
+  test::require_started(session);
+  CHECK_FALSE(w->stats().forked);
+  CHECK(parent_of(w->pid()) == ::getpid());
+  Result r = session.submit("t", at::ones({2})).get();
+  REQUIRE(r.ok());
+  CHECK(at::allclose(r.output(), at::full({2}, 4.0)));
+}

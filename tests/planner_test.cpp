@@ -134,12 +134,20 @@ TEST_CASE("SLOs and devices: a task predicted over its SLO, and a block no site 
   CHECK_FALSE(verdict(p, "t").admitted);
   CHECK_THAT(verdict(p, "t").reason, Contains("no site has that device"));
 
-  // A block no site can run after one that has a site: the placement's swaps pass over it.
-  p = planned(input({block("A", 100), block("gpu", 100, 10, 1024, 4.0, "cuda:0")}, {{"t", {"A", "gpu"}, 10, 50}},
-                    {site("w1"), site("w2")}));
-  CHECK_FALSE(verdict(p, "t").admitted);
-  CHECK_THAT(verdict(p, "t").reason, Contains("'gpu'"));
-  CHECK_THAT(verdict(p, "t").reason, Contains("no site has that device"));
+  // A block no site can run after one that has a site: the placement's swaps pass over it, and the
+  // exhaustive search names that block, not the first one.
+  for (const bool exhaustive : {false, true}) {
+    INFO("exhaustive " << exhaustive);
+    PlanOptions options;
+    options.exhaustive = exhaustive;
+    auto q = plan(input({block("A", 100), block("gpu", 100, 10, 1024, 4.0, "cuda:0")}, {{"t", {"A", "gpu"}, 10, 50}},
+                        {site("w1"), site("w2")}),
+                  options);
+    REQUIRE(q.ok());
+    CHECK_FALSE(verdict(*q, "t").admitted);
+    CHECK_THAT(verdict(*q, "t").reason, Contains("'gpu'") && Contains("no site has that device"));
+    CHECK_THAT(verdict(*q, "t").reason, !Contains("'A'"));
+  }
 }
 
 TEST_CASE("graph tasks: joins of joins count each source block once; a node naming an input twice is refused",

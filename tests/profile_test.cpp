@@ -153,6 +153,11 @@ TEST_CASE("batch sizes given out of order or twice are profiled in increasing or
   CHECK_THAT(refused("\"channels\":[]", "\"channels\":[{\"kind\":\"shm\",\"fixed_us\":1,\"us_per_mb\":1},"
                                          "{\"kind\":\"shm\",\"fixed_us\":2,\"us_per_mb\":1}]"),
              Contains("p.json: channels[1].kind: 'shm' appears twice"));
+  CHECK_THAT(refused("\"device\":\"cpu\"", "\"device\":\"gpu\""),
+             Contains("p.json: blocks[0]: block 'sleepy'") && Contains("'gpu'"));
+  CHECK_THAT(refused("\"intra_op_threads\":", "\"intra_op_threads\":99999"),
+             Contains("p.json: blocks[0]: block 'sleepy'") && Contains("intra_op_threads"));
+  CHECK_THAT(refused("\"source\":\"\"", "\"source\":\"not a name\""), Contains("p.json: blocks[0].source: "));
 }
 
 TEST_CASE("a rate-sweep step that grows under the service rate runs again: one disturbance does not set the rate",

@@ -224,6 +224,10 @@ TEST_CASE("blockflow-worker checks --plugin and --models when it starts, and tak
                                         log);
   CHECK(WEXITSTATUS(child) == 2);
   CHECK_THAT(child_text, Contains("--plugin, --models, --key and --session-key are for --join"));
+  auto [bad_parent, parent_text] = run_worker(
+      {"--name", "w", "--control", "ipc:///x", "--requests", "ipc:///y", "--results", "ipc:///z", "--parent", "abc"}, log);
+  CHECK(WEXITSTATUS(bad_parent) == 2);
+  CHECK_THAT(parent_text, Contains("--parent takes a whole number") && Contains("'abc'"));
 }
 
 TEST_CASE("a joined worker refuses the endpoints and files its session's configuration names; nothing is touched",

@@ -113,6 +113,14 @@ int main(int argc, char** argv) {
     else std::cerr << ": " << v.reason;
     std::cerr << "\n";
   }
+  for (const auto& b : out.empty() ? std::vector<blockflow::BlockPlacement>{} : plan->blocks) {
+    const blockflow::BlockProfile* p = input->profile.block(b.block);
+    if (p == nullptr || p->source.empty()) {  // profiled as an object: nothing a deployment can name
+      std::cerr << "blockflow-plan: " << out << ": block '" << b.block
+                << "' has no source in the profile (a TorchScript file or a factory's name): not written\n";
+      return 1;
+    }
+  }
   if (!out.empty() && !write(out, plan->deployment_json(*input))) {
     std::cerr << "blockflow-plan: cannot write " << out << "\n";
     return 1;

@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <sstream>
 
 namespace blockflow::detail {
@@ -88,27 +87,45 @@ int write_key_files(const std::string& dir, const std::string& name, const KeyFi
                              0600, error)) {
     return e;
   }
-  return write_new_file(base + ".key",
-                        header + "# public: copy it into the authorized keys directory of the peers that admit '" + name +
-                            "'\ncurve\n" + public_line,
-                        0644, error);
+  const int e = write_new_file(base + ".key",
+                               header + "# public: copy it into the authorized keys directory of the peers that admit '" +
+                                   name + "'\ncurve\n" + public_line,
+                               0644, error);
+  // Never leave a secret key beside a public key of another pair: the secret file was made by this call.
+  if (e != 0) ::unlink((base + ".key_secret").c_str());
+  return e;
 }
 
 bool read_key_file(const std::string& path, bool need_secret, KeyFile& out, std::string& error) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
+  // Open first, then look at what was opened: the file checked is the file read. O_NONBLOCK keeps a FIFO
+  // from holding the open; it has no effect on a regular file.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) {
     error = "key file '" + path + "': " + std::strerror(errno);
     return false;
   }
-  if (!S_ISREG(st.st_mode)) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
     error = "key file '" + path + "' is not a regular file";
     return false;
   }
-  std::ifstream in(path);
-  if (!in) {
-    error = "key file '" + path + "' cannot be read";
-    return false;
+  std::string text;
+  char buffer[4096];
+  for (;;) {
+    const ssize_t n = ::read(fd, buffer, sizeof buffer);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int e = errno;
+      ::close(fd);
+      error = "key file '" + path + "' cannot be read: " + std::strerror(e);
+      return false;
+    }
+    if (n == 0 || text.size() > 65536) break;  // a key file is a few lines; more is something else
+    text.append(buffer, static_cast<std::size_t>(n));
   }
+  ::close(fd);
+  std::istringstream in(text);
   KeyFile keys;
   std::string line;
   int lines = 0;

@@ -7,7 +7,9 @@
 
 #include <fmt/format.h>
 
+#include <map>
 #include <set>
+#include <string_view>
 #include <string>
 
 namespace blockflow::detail {
@@ -37,6 +39,8 @@ absl::Status check_plan_input(const PlanInput& in) {
     if (h.cores < 1) return absl::InvalidArgumentError(fmt::format("host '{}': cores must be at least 1", h.name));
   }
   names.clear();
+  std::map<std::string_view, const BlockProfile*> profiles;
+  for (const auto& b : in.profile.blocks) profiles.emplace(b.name, &b);  // the first of a name, as Profile::block()
   for (const auto& t : in.tasks) {
     if (!names.insert(t.name).second) return absl::InvalidArgumentError(fmt::format("task '{}': named twice", t.name));
     if (!(t.rate_rps > 0)) return absl::InvalidArgumentError(fmt::format("task '{}': rate_rps must be > 0", t.name));
@@ -44,7 +48,8 @@ absl::Status check_plan_input(const PlanInput& in) {
     auto graph = task_graph(t);
     if (!graph.ok()) return graph.status();
     for (const auto& b : graph->blocks()) {
-      const BlockProfile* p = in.profile.block(b);
+      const auto found = profiles.find(b);
+      const BlockProfile* p = found == profiles.end() ? nullptr : found->second;
       if (p == nullptr) return absl::InvalidArgumentError(fmt::format("task '{}': block '{}' is not in the profile", t.name, b));
       if (p->at_batch(1) == nullptr) return absl::InvalidArgumentError(fmt::format("block '{}': the profile has no batch-1 latency", b));
     }

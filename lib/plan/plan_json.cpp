@@ -102,15 +102,17 @@ absl::StatusOr<std::vector<PlanHost>> parse_plan_hosts(const std::string& text, 
 absl::StatusOr<PlanInput> load_plan_input(const std::vector<std::string>& profile_files, const std::string& tasks_file,
                                           const std::string& sites_file) {
   PlanInput in;
+  std::set<std::string> names;
   for (std::size_t i = 0; i < profile_files.size(); ++i) {
     auto p = load_profile(profile_files[i]);
     if (!p.ok()) return p.status();
     if (i == 0) {
       in.profile = *std::move(p);
+      for (const auto& b : in.profile.blocks) names.insert(b.name);
       continue;
     }
     for (auto& b : p->blocks) {
-      if (in.profile.block(b.name) != nullptr) {
+      if (!names.insert(b.name).second) {
         return absl::InvalidArgumentError(fmt::format("{}: block '{}' is already in {}", profile_files[i], b.name, profile_files[0]));
       }
       in.profile.blocks.push_back(std::move(b));

@@ -133,7 +133,10 @@ class Model {
       const int s = site_[b];
       if (s < 0) continue;
       out[static_cast<std::size_t>(s)].lanes_used += lanes_used(static_cast<int>(b));
-      out[static_cast<std::size_t>(s)].memory_bytes += blocks_[b]->memory_bytes;
+      auto& memory = out[static_cast<std::size_t>(s)].memory_bytes;  // saturates: no int64 overflow
+      memory = blocks_[b]->memory_bytes > std::numeric_limits<std::int64_t>::max() - memory
+                   ? std::numeric_limits<std::int64_t>::max()
+                   : memory + blocks_[b]->memory_bytes;
       out[static_cast<std::size_t>(s)].blocks.push_back(blocks_[b]->name);
     }
     for (const auto& e : edges_) {  // the receiver decodes: its lanes pay the hand-off

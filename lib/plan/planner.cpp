@@ -20,32 +20,33 @@ using detail::kEps;
 using detail::Model;
 using detail::task_graph;
 
-// Every placement (sites^blocks): the optimum of the score.
+// Every placement of each block on a site of its device: the optimum of the score. A block no site
+// of its device runs stays at -1 (refused by name); the others are placed all the same.
 Model::Score search_all(Model& m, const std::vector<PlanSite>& sites) {
-  const int n = static_cast<int>(m.blocks()), k = static_cast<int>(sites.size());
-  std::vector<int> best(static_cast<std::size_t>(n), -1), at(static_cast<std::size_t>(n), 0);
+  const std::size_t n = m.blocks();
+  std::vector<std::vector<int>> fitting(n);
+  for (std::size_t b = 0; b < n; ++b) {
+    for (int s = 0; s < static_cast<int>(sites.size()); ++s) {
+      if (m.device_fits(static_cast<int>(b), s)) fitting[b].push_back(s);
+    }
+    if (fitting[b].empty()) fitting[b].push_back(-1);
+  }
+  std::vector<std::size_t> at(n, 0);
+  std::vector<int> best(n, -1);
   Model::Score best_score;
-  bool found = false;
-  while (true) {
-    bool fits = true;
-    for (int b = 0; b < n; ++b) {
-      m.site(b) = at[static_cast<std::size_t>(b)];
-      fits = fits && m.device_fits(b, m.site(b));
+  for (bool first = true;; first = false) {
+    for (std::size_t b = 0; b < n; ++b) m.site(static_cast<int>(b)) = fitting[b][at[b]];
+    const Model::Score sc = m.score();
+    if (first || sc < best_score) {
+      best_score = sc;
+      for (std::size_t b = 0; b < n; ++b) best[b] = m.site(static_cast<int>(b));
     }
-    if (fits) {
-      const Model::Score sc = m.score();
-      if (!found || sc < best_score) {
-        best_score = sc;
-        for (int b = 0; b < n; ++b) best[static_cast<std::size_t>(b)] = m.site(b);
-        found = true;
-      }
-    }
-    int i = 0;
-    while (i < n && ++at[static_cast<std::size_t>(i)] == k) at[static_cast<std::size_t>(i++)] = 0;
+    std::size_t i = 0;
+    while (i < n && ++at[i] == fitting[i].size()) at[i++] = 0;
     if (i == n) break;
   }
-  for (int b = 0; b < n; ++b) m.site(b) = best[static_cast<std::size_t>(b)];
-  return found ? best_score : m.score();
+  for (std::size_t b = 0; b < n; ++b) m.site(static_cast<int>(b)) = best[b];
+  return best_score;
 }
 
 // Worst-fit decreasing by memory, GPU sites first; then moves and swaps while the score improves;

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <fstream>
+#include <set>
 #include <sstream>
 
 namespace blockflow {
@@ -49,7 +50,19 @@ absl::Status parse_block(const json& j, const std::string& source, const std::st
     if (!b.latency.empty() && bl.batch <= b.latency.back().batch) return l.error("batch", "batch sizes must increase");
     b.latency.push_back(bl);
   }
-  return r.unknown_fields();
+  BF_TRY(r.unknown_fields());
+  // What a plan writes into its deployment must be what Deployment::parse() takes ("": a block
+  // profiled as an object, which a deployment cannot name; blockflow-plan says so).
+  if (!b.source.empty() && !b.from_file()) {
+    if (auto status = check_name("factory", b.source); !status.ok()) return r.error("source", std::string(status.message()));
+  }
+  BlockOptions o;
+  o.device = b.device;
+  o.intra_op_threads = b.intra_op_threads;
+  o.input_shapes = b.input_shapes;
+  o.memory_bytes = b.memory_bytes;
+  if (auto status = validate(b.name, o); !status.ok()) return absl::InvalidArgumentError(fmt::format("{}: {}: {}", source, where, std::string(status.message())));
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -103,10 +116,11 @@ absl::StatusOr<Profile> Profile::parse(const std::string& text, const std::strin
   BF_TRY(m.unknown_fields());
   const json* blocks = nullptr;
   BF_TRY(r.array("blocks", blocks));
+  std::set<std::string> names;
   for (std::size_t i = 0; i < blocks->size(); ++i) {
     BlockProfile b;
     BF_TRY(parse_block((*blocks)[i], source, fmt::format("blocks[{}]", i), b));
-    if (p.block(b.name) != nullptr) {
+    if (!names.insert(b.name).second) {
       return absl::InvalidArgumentError(fmt::format("{}: blocks[{}].name: '{}' appears twice", source, i, b.name));
     }
     p.blocks.push_back(std::move(b));
@@ -120,11 +134,10 @@ absl::StatusOr<Profile> Profile::parse(const std::string& text, const std::strin
   });
   if (!costs.ok()) return costs.status();
   p.channels = *std::move(costs);
+  names.clear();
   for (std::size_t i = 0; i < p.channels.size(); ++i) {
-    for (std::size_t j = 0; j < i; ++j) {
-      if (p.channels[j].kind == p.channels[i].kind) {
-        return absl::InvalidArgumentError(fmt::format("{}: channels[{}].kind: '{}' appears twice", source, i, p.channels[i].kind));
-      }
+    if (!names.insert(p.channels[i].kind).second) {
+      return absl::InvalidArgumentError(fmt::format("{}: channels[{}].kind: '{}' appears twice", source, i, p.channels[i].kind));
     }
   }
   BF_TRY(r.unknown_fields());

@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
+#include <string_view>
 
 namespace blockflow::detail {
 
@@ -25,18 +27,16 @@ absl::StatusOr<TaskGraph> task_graph(const PlanTask& t) {
     if (!index.emplace(n.name, static_cast<int>(i)).second) {
       return bad(n.block.empty() ? fmt::format("two nodes are named '{}'", n.name) : fmt::format("visits block '{}' twice", n.name));
     }
+  }
+  for (const auto& n : nodes) {
     if (n.block.empty() && n.inputs.size() < 2) return bad(fmt::format("join '{}' needs at least two inputs", n.name));
     if (n.inputs.size() > 1 && !detail::has_deployment_form(n.combine)) {
       return bad(fmt::format("node '{}': combine rule '{}' has no deployment form (pack, mean, concat)", n.name, n.combine.name()));
     }
-    for (std::size_t k = 0; k < n.inputs.size(); ++k) {
-      const auto& input = n.inputs[k];
-      if (std::none_of(nodes.begin(), nodes.end(), [&](const PathNode& m) { return m.name == input; })) {
-        return bad(fmt::format("node '{}': unknown input '{}'", n.name, input));
-      }
-      if (std::find(n.inputs.begin(), n.inputs.begin() + static_cast<std::ptrdiff_t>(k), input) != n.inputs.begin() + static_cast<std::ptrdiff_t>(k)) {
-        return bad(fmt::format("node '{}' names input '{}' twice", n.name, input));
-      }
+    std::set<std::string_view> named;
+    for (const auto& input : n.inputs) {
+      if (index.count(input) == 0) return bad(fmt::format("node '{}': unknown input '{}'", n.name, input));
+      if (!named.insert(input).second) return bad(fmt::format("node '{}' names input '{}' twice", n.name, input));
     }
   }
   std::vector<std::vector<int>> inputs(nodes.size());
@@ -55,13 +55,14 @@ absl::StatusOr<TaskGraph> task_graph(const PlanTask& t) {
   for (const int i : order) {
     const auto& n = nodes[static_cast<std::size_t>(i)];
     TaskGraph::Node out{n.name, n.block, {}, {}};
+    std::set<std::string_view> sources;
     for (const auto& input : n.inputs) {
       const int from = position[static_cast<std::size_t>(index.at(input))];
       out.inputs.push_back(from);
       if (n.block.empty()) {
         // Each source once: joins of joins that share sources would otherwise double them at each level.
         for (const auto& source : g.nodes[static_cast<std::size_t>(from)].sources) {
-          if (std::find(out.sources.begin(), out.sources.end(), source) == out.sources.end()) out.sources.push_back(source);
+          if (sources.insert(source).second) out.sources.push_back(source);
         }
       }
     }

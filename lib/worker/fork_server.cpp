@@ -7,8 +7,10 @@
 //                          came without its pidfd); not answered
 //   server -> application  {"pid": N, "id": ID} with the worker's pidfd (SCM_RIGHTS), or {"error": "..."};
 //                          {"exited": N, "id": ID, "status": WAIT_STATUS} whenever it has reaped a worker.
+#include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/omp_width.hpp>
 #include <blockflow/worker/fork_server.hpp>
+#include <blockflow/worker/detail/child_process.hpp>
 #include <blockflow/worker/detail/fork_server.hpp>
 #include <blockflow/worker/detail/launch_worker.hpp>
 #include <blockflow/core/detail/process_state.hpp>
@@ -369,9 +371,11 @@ namespace {
 // leave a zombie).
 void reap_server(pid_t server) {
   std::thread([server] {
-    int status = 0;
-    while (::waitpid(server, &status, 0) < 0 && errno == EINTR) {
+    int status = 0, rc = 0;
+    while ((rc = ::waitpid(server, &status, 0)) < 0 && errno == EINTR) {
     }
+    log(LogLevel::kWarning, fmt::format("the fork server (pid {}) {}: workers start as new processes from now on",
+                                        server, rc == server ? describe_exit(status) : "ended"));
   }).detach();
 }
 

@@ -8,6 +8,7 @@
 
 #include <blockflow/channel/detail/curve_keys.hpp>
 #include <blockflow/channel/detail/zmq_calls.hpp>
+#include <blockflow/core/detail/flag_number.hpp>
 #include <blockflow/core/detail/utf8_text.hpp>
 #include <blockflow/worker/detail/launch_worker.hpp>
 #include <blockflow/worker/detail/worker_launch.hpp>
@@ -106,7 +107,7 @@ Args parse(int argc, char** argv) {
     } else if (k == "--control") a.control = v;
     else if (k == "--requests") a.requests = v;
     else if (k == "--results") a.results = v;
-    else if (k == "--parent") a.parent = static_cast<pid_t>(std::stol(v));
+    else if (k == "--parent") a.parent = blockflow::detail::flag_number<pid_t>(k, v, 1, std::numeric_limits<pid_t>::max());
     else if (k == "--plugin") a.plugins.push_back(v);
     else if (k == "--models") a.models = v;
     else if (k == "--key") a.key = v;
