@@ -7,7 +7,7 @@
 ///
 /// | URI | what crosses | bytes copied |
 /// |---|---|---|
-/// | `shm://NAME` | a handle to a slot of the sender's shared-memory pools (POSIX shm, 0600); the receiver's tensor is a view of the slot, and the slot goes back to the sender when that tensor dies | 0 when the sender wrote its tensor in `empty()`; else one copy into a slot |
+/// | `shm://NAME` | a handle to a slot of the sender's shared-memory pools (sealed memfds, passed over a 0600 socket); the receiver's tensor is a view of the slot, and the slot goes back to the sender when that tensor dies | 0 when the sender wrote its tensor in `empty()`; else one copy into a slot |
 /// | `cuda://NAME` | for a CUDA tensor, the CUDA IPC handle of its allocation and an interprocess event recorded on the sender's current stream after it was written; the receiver's tensor is a view of the sender's device memory, its stream made to wait on the event; CPU tensors as over `shm://` | 0 (`empty()` makes the tensor on the current CUDA device) |
 /// | `ipc://NAME` or `ipc:///ABS/PATH` | the serialized wire format (docs/wire-format.md) over a ZeroMQ Unix socket | the socket's (kernel) copies only |
 /// | `tcp://HOST:PORT` | the same over TCP (the receiver binds HOST:PORT, the sender connects) | the socket's (kernel) copies only |

@@ -75,7 +75,7 @@ inline constexpr std::size_t kParkedRefBytes = 8;
 inline constexpr std::size_t kShmHandleBytes = 32;
 
 /// @brief Where a tensor's bytes lie in a producer's shared-memory pool: pool (random 64-bit id; the
-/// POSIX shm object is "/blockflow-<16 hex digits>"), slot, the slot's generation when it was leased
+/// sealed memfd is named "blockflow-<16 hex digits>"), slot, the slot's generation when it was leased
 /// (a stale or forged handle does not match), and the byte offset of the data inside the slot.
 /// `memory` says where the bytes are: kHostMemory (the slot holds them) or kCudaMemory (the slot
 /// holds a record naming a CUDA IPC allocation and event; `offset` is then the data's offset inside

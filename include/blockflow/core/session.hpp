@@ -29,7 +29,8 @@ namespace blockflow {
 struct SessionOptions {
   /// Compute lanes: the threads that run every block of this process (docs/lanes.md). 0: as many
   /// as the cores hold teams of intra_op_threads (hardware threads / intra_op_threads, at least 1),
-  /// plus, with elastic_lanes, a lane of one thread for each core they leave. Above 0: that many
+  /// plus, with elastic_lanes, one lane of one thread per core beyond the team lanes' count (cores -
+  /// team lanes: on 16 cores with teams of 2, 8 team lanes and 8 one-thread lanes). Above 0: that many
   /// lanes, each with a team.
   int lanes = 0;
   /// With lanes 0 and intra_op_threads above 1: a unit of work runs with its lane's whole team only
@@ -147,8 +148,9 @@ class SessionCore;
 /// lets in-flight requests finish for up to `drain`, then fails whatever is left with Cancelled.
 ///
 /// Guarantee: every submit() resolves exactly once, with outputs or with an error status naming the
-/// block or path and the cause. Thread-safety: submit(), metrics() and shutdown() are thread-safe;
-/// add_block(), add_path() and start() must not race with each other.
+/// block or path and the cause. Thread-safety: submit(), metrics(), set_sampling(), apply(),
+/// cancel_update() and shutdown() may be called from any thread; add_block(), add_path() and start()
+/// must not race with each other.
 ///
 /// @code
 /// blockflow::Session session;

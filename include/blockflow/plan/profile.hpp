@@ -43,7 +43,8 @@ struct ProfileOptions {
   /// sizes (half each; the round with the lower p50 is kept; one round with `quick`).
   int iterations = 30;
   int warmup = 3;
-  /// Fewer iterations (8), 1 warm-up and a 3-step rate sweep: for tests and a first look.
+  /// Fewer iterations (8), 1 warm-up and a shorter rate sweep (0.7, 0.95, 1.1, then +10% steps of
+  /// about 0.3 s while bounded): for tests and a first look.
   bool quick = false;
   /// The open-loop rate sweep (docs/profile.md, "Rate sweep"). Off: `max_rate_rps` stays 0 (the
   /// planner then uses the batch-1 service rate, 1000 / p50): latencies only, e.g. to re-measure a

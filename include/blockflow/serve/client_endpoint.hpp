@@ -2,7 +2,7 @@
 /// @file
 /// @brief Remote clients: a session endpoint where other processes submit (task, tensors) over
 /// ZeroMQ in the wire format (docs/wire-format.md), and a small C++ client for it. Part of the
-/// optional `blockflow::zmq` target.
+/// optional `blockflow::workers` target.
 
 #include <blockflow/channel/curve.hpp>
 #include <blockflow/core/session.hpp>

@@ -34,7 +34,7 @@ namespace blockflow {
 /// The server lives until this process exits (it dies with it) and reaps the workers it forks;
 /// each worker dies with the server. A second call returns OK and starts nothing.
 /// @return FailedPrecondition naming the thread count when the process has more than one thread;
-/// Internal when the server cannot be made.
+/// Unavailable where pidfd_open() is missing (Linux < 5.3); Internal when the server cannot be made.
 absl::Status start_fork_server();
 
 /// @brief Whether this process's fork server was started and still answers.
