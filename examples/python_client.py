@@ -154,6 +154,20 @@ def required_bytes(shape, strides, itemsize):
     return itemsize * (1 + sum((dim - 1) * stride for dim, stride in zip(shape, strides)))
 
 
+def overlaps(shape, strides):
+    """Whether two elements of a layout share memory, as the C++ side judges it (docs/wire-format.md,
+    validation step 4): the dims of more than one element, by stride, must each step past the span
+    of those before them."""
+    if any(dim == 0 for dim in shape):
+        return False
+    spanned = 1
+    for stride, dim in sorted((st, d) for d, st in zip(shape, strides) if d > 1):
+        if stride < spanned:
+            return True
+        spanned = stride * dim
+    return False
+
+
 def decode_header(frame):
     """Parses and validates frame 0. Returns a dict; raises ValueError naming the problem."""
     buf = memoryview(frame).cast("B")
@@ -205,6 +219,8 @@ def decode_header(frame):
         if byte_count > MAX_TENSOR_BYTES or byte_count != need:
             raise ValueError(f"tensor {i}: byte count {byte_count} does not match shape {shape} "
                              f"strides {strides} x {dtype} ({need} bytes)")
+        if overlaps(shape, strides):
+            raise ValueError(f"tensor {i}: shape {shape} strides {strides}: elements may not overlap")
         tensors.append((dtype, shape, strides, byte_count))
     if pos != size:
         raise ValueError(f"wire header: {size - pos} trailing bytes")

@@ -23,6 +23,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdlib>
 #include <iostream>
 #include <optional>
@@ -40,6 +41,16 @@ struct Args {
   std::vector<std::string> channels = {"inproc"};
 };
 
+// `text` as a whole number of at least `min`, or an error naming the flag.
+int whole_number(const std::string& flag, const std::string& text, int min) {
+  int value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (error != std::errc() || end != text.data() + text.size() || value < min) {
+    throw std::invalid_argument(fmt::format("{} takes a whole number of at least {}, not '{}'", flag, min, text));
+  }
+  return value;
+}
+
 Args parse(int argc, char** argv) {
   Args args;
   for (int i = 1; i < argc; ++i) {
@@ -50,9 +61,13 @@ Args parse(int argc, char** argv) {
     };
     if (a == "--fork-server") continue;  // taken by main() first
     if (a == "--models") args.models = next();
-    else if (a == "--requests") args.requests = std::stoi(next());
-    else if (a == "--threads") args.threads = std::stoi(next());
-    else if (a == "--placement") args.channels = {next() == "workers" ? "shm" : "inproc"};
+    else if (a == "--requests") args.requests = whole_number(a, next(), 1);
+    else if (a == "--threads") args.threads = whole_number(a, next(), 1);
+    else if (a == "--placement") {
+      const std::string p = next();
+      if (p != "workers" && p != "threads") throw std::invalid_argument("--placement is threads or workers, not " + p);
+      args.channels = {p == "workers" ? "shm" : "inproc"};
+    }
     else if (a == "--channel") {
       const std::string c = next();
       const absl::Status cuda = bf::cuda_channel_available();

@@ -34,12 +34,12 @@
 //   sum2    (a, b) -> a + b (two tensors in one message)
 //   fails   always fails with FailedPrecondition naming a cause, to show what clients see
 //
-//   ./serve --endpoint tcp://127.0.0.1:5555 &
+//   ./serve --endpoint tcp://127.0.0.1:5555 --no-stdin &
 //   python3 examples/python_client.py tcp://127.0.0.1:5555
 //
 //   blockflowctl keygen server --dir keys; blockflowctl keygen alice --dir keys
 //   mkdir keys/clients && cp keys/alice.key keys/clients/
-//   ./serve --endpoint tcp://10.0.0.1:5555 --key keys/server.key_secret --authorized-keys keys/clients &
+//   ./serve --endpoint tcp://10.0.0.1:5555 --key keys/server.key_secret --authorized-keys keys/clients --no-stdin &
 //   python3 examples/python_client.py tcp://10.0.0.1:5555 --key keys/alice.key_secret --server-key keys/server.key
 
 #include <blockflow/blockflow.hpp>
@@ -59,6 +59,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <iostream>
 #include <optional>
@@ -127,6 +128,18 @@ std::string wait_for_stop(int signal_fd, bool watch_stdin) {
   }
 }
 
+// `text` as a whole number from 0 into `out`; false, said on stderr naming the flag, when it is not one.
+bool whole_number(const char* flag, const std::string& text, int& out) {
+  int value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (error != std::errc() || end != text.data() + text.size() || value < 0) {
+    std::cerr << "serve: " << flag << " takes a whole number from 0, not '" << text << "'\n";
+    return false;
+  }
+  out = value;
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -151,15 +164,11 @@ int main(int argc, char** argv) {
     } else if (arg == "--models" && i + 1 < argc) {
       models_dir = argv[++i];
     } else if (arg == "--sampling" && i + 1 < argc) {
-      sampling_ms = std::atoi(argv[++i]);
+      if (!whole_number("--sampling", argv[++i], sampling_ms)) return 2;
     } else if (arg == "--no-stdin") {
       watch_stdin = false;
     } else if (arg == "--max-in-flight-per-task" && i + 1 < argc) {
-      session_options.max_in_flight_per_task = std::atoi(argv[++i]);
-      if (session_options.max_in_flight_per_task < 0) {
-        std::cerr << "serve: --max-in-flight-per-task must be >= 0\n";
-        return 2;
-      }
+      if (!whole_number("--max-in-flight-per-task", argv[++i], session_options.max_in_flight_per_task)) return 2;
     } else if (arg == "--key" && i + 1 < argc) {
       security.secret_key_file = argv[++i];
     } else if (arg == "--authorized-keys" && i + 1 < argc) {

@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <charconv>
 #include <cstdlib>
 #include <string>
 
@@ -22,7 +23,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string uri = argv[1];
-  const int count = std::atoi(argv[2]);
+  int count = 0;
+  const std::string count_text = argv[2];
+  if (const auto [end, error] = std::from_chars(count_text.data(), count_text.data() + count_text.size(), count);
+      error != std::errc() || end != count_text.data() + count_text.size() || count < 0) {
+    fmt::print(stderr, "tensormq_producer: COUNT is a whole number from 0, not '{}'\n", count_text);
+    return 2;
+  }
   // [readme-start]
   blockflow::ProcessChannelOptions options;
   options.send_timeout = absl::Seconds(60);  // time for a receiver to (re)appear

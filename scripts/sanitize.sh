@@ -105,12 +105,13 @@ run_kind() {
       # ("Tracer caught signal 11", no leak reported): it did once in CI, in one process of ~45.
       # With it off, LeakSanitizer does not scan dynamic TLS blocks, which no BlockFlow pointer
       # lives in only. log_exe_name=1: a report file names the program (asan.blockflow-worker.PID).
+      # Paths in quotes: the options' parser splits at spaces, commas and colons outside them.
       local common="intercept_tls_get_addr=0:log_exe_name=1"
-      export ASAN_OPTIONS="suppressions=$SUPP/asan.supp:detect_leaks=1:halt_on_error=1:log_path=$logs/asan:$common"
-      export LSAN_OPTIONS="suppressions=$SUPP/lsan.supp:print_suppressions=0:$common"
-      export UBSAN_OPTIONS="suppressions=$SUPP/ubsan.supp:print_stacktrace=1:halt_on_error=1:log_path=$logs/ubsan"
+      export ASAN_OPTIONS="suppressions=\"$SUPP/asan.supp\":detect_leaks=1:halt_on_error=1:log_path=\"$logs/asan\":$common"
+      export LSAN_OPTIONS="suppressions=\"$SUPP/lsan.supp\":print_suppressions=0:$common"
+      export UBSAN_OPTIONS="suppressions=\"$SUPP/ubsan.supp\":print_stacktrace=1:halt_on_error=1:log_path=\"$logs/ubsan\""
     else
-      export TSAN_OPTIONS="suppressions=$SUPP/tsan.supp:second_deadlock_stack=1:halt_on_error=0:log_path=$logs/tsan"
+      export TSAN_OPTIONS="suppressions=\"$SUPP/tsan.supp\":second_deadlock_stack=1:halt_on_error=0:log_path=\"$logs/tsan\""
       export OMP_NUM_THREADS=1
     fi
     ctest --output-on-failure -j "$JOBS" "${selection[@]}" "${ctest_args[@]}"

@@ -15,12 +15,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ctest_util import check  # noqa: E402
 
 
-def run(cmd):
+def run(cmd, expect=0):
     print("+", " ".join(cmd), flush=True)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     sys.stderr.write(out.stderr[-3000:])
-    if out.returncode != 0:
-        sys.exit(f"FAIL: exit {out.returncode}")
+    if out.returncode != expect:
+        sys.exit(f"FAIL: exit {out.returncode}, expected {expect}")
     lines = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
     for l in lines:
         print(json.dumps(l))
@@ -90,6 +90,21 @@ def main():
         bad = subprocess.run([loadgen, "--deployment", deployment, "--plugin", plugin, "--task-rates", "both=30",
                               "--rate", "5"], capture_output=True, text=True, timeout=60)
         check(bad.returncode == 2 and "--task-rates" in bad.stderr, "--task-rates with --rate is refused")
+        for args, says in ((["--task-rates", "both=20,both=100"], "task 'both' is given twice"),
+                           (["--clients", "abc"], "--clients takes a whole number from 1 to 100000, not 'abc'"),
+                           (["--rate", "5", "--duration", "5m"], "--duration takes a number"),
+                           (["--rate", "nan"], "--rate takes a number"),
+                           (["--sweep", "10,20", "--rate", "5"], "give one of --rate and --sweep"),
+                           (["--clients", "1", "--shape", "1x-3"], "--shape takes a whole number"),
+                           (["--clients", "1", "--json", os.path.join(tmp, "no", "dir.json")], "--json: cannot write")):
+            bad = subprocess.run([loadgen, "--deployment", deployment, "--plugin", plugin] + args,
+                                 capture_output=True, text=True, timeout=60)
+            check(bad.returncode == 2 and says in bad.stderr, f"{' '.join(args)}: refused, saying {says!r}")
+        # An arrival scheduled past the run's end is not sent: at 0.01/s the second comes ~100 s after
+        # the first (fixed seed), long after a run of 0.5 s (before: slept until it, then sent it).
+        (line,) = run([loadgen, "--deployment", deployment, "--plugin", plugin, "--tasks", "quick", "--rate", "0.01",
+                       "--duration", "0.5", "--warmup", "1", "--quiet"])
+        check(line["sent"] == 1 and line["completed"] == 1, "a 0.01/s run of 0.5 s sends its first arrival only")
 
         # Through a client endpoint.
         srv = subprocess.Popen([serve, "--endpoint", "tcp://127.0.0.1:*"], stdin=subprocess.PIPE,
@@ -99,10 +114,15 @@ def main():
             (line,) = run([loadgen, "--endpoint", endpoint, "--tasks", "affine", "--shape", "2x3",
                            "--clients", "2", "--requests", "40", "--quiet"])
             check(line["completed"] == 40 and line["failed"] == 0, "40 requests through the endpoint")
+            # Every request failed: the line says so, and so does the exit status (1).
             (line,) = run([loadgen, "--endpoint", endpoint, "--tasks", "fails", "--shape", "2x3",
-                           "--rate", "50", "--requests", "10", "--quiet"])
+                           "--rate", "50", "--requests", "10", "--warmup", "0", "--quiet"], expect=1)
             check(line["failed"] == 10 and "calibration" in line.get("first_error", ""),
                   "failures counted, the first error named")
+            warm = subprocess.run([loadgen, "--endpoint", endpoint, "--tasks", "fails", "--shape", "2x3",
+                                   "--rate", "50", "--requests", "10", "--quiet"], capture_output=True, text=True, timeout=120)
+            check(warm.returncode == 1 and "no warm-up request succeeded" in warm.stderr and "calibration" in warm.stderr
+                  and warm.stdout == "", "a warm-up with no success ends the run, naming the error")
         finally:
             srv.stdin.close()
             srv.wait(timeout=20)

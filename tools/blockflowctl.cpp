@@ -11,6 +11,8 @@
 // $BLOCKFLOW_KEY and $BLOCKFLOW_SERVER_KEY) before the command. Exit status: 0 when the session
 // says ok, 1 when it refuses (its error is printed), 2 for usage errors or no answer.
 
+#include "tool_output.hpp"
+
 #include <blockflow/channel/detail/curve_keys.hpp>
 #include <blockflow/core/detail/json_depth.hpp>
 
@@ -18,6 +20,7 @@
 #include <nlohmann/json.hpp>
 #include <zmq.hpp>
 
+#include <cerrno>
 #include <charconv>
 #include <cstdlib>
 #include <fstream>
@@ -52,9 +55,9 @@ int keygen(const std::vector<std::string>& args) {
     return 1;
   }
   std::string error;
-  if (blockflow::detail::write_key_files(dir, args[1], {public_key, secret_key}, error) != 0) {
+  if (const int e = blockflow::detail::write_key_files(dir, args[1], {public_key, secret_key}, error); e != 0) {
     std::cerr << "blockflowctl: " << error << "\n";
-    return 1;
+    return e == EINVAL ? 2 : 1;  // a name the rule refuses is a usage error
   }
   std::cout << fmt::format("wrote {0}/{1}.key (public) and {0}/{1}.key_secret (secret, 0600); fingerprint {2}\n", dir,
                            args[1], blockflow::detail::key_fingerprint(public_key));
@@ -68,7 +71,8 @@ int main(int argc, char** argv) try {
   const char* env = std::getenv("BLOCKFLOW_CONTROL");
   std::string endpoint = env != nullptr && *env != '\0' ? env : "tcp://127.0.0.1:5560";
   std::string key = env_or("BLOCKFLOW_KEY", ""), server_key = env_or("BLOCKFLOW_SERVER_KEY", "");
-  while (args.size() >= 2 && (args[0] == "--endpoint" || args[0] == "--key" || args[0] == "--server-key")) {
+  while (!args.empty() && (args[0] == "--endpoint" || args[0] == "--key" || args[0] == "--server-key")) {
+    if (args.size() < 2) return usage(args[0] + " needs a value");
     (args[0] == "--endpoint" ? endpoint : args[0] == "--key" ? key : server_key) = args[1];
     args.erase(args.begin(), args.begin() + 2);
   }
@@ -159,7 +163,7 @@ int main(int argc, char** argv) try {
   } else {
     std::cout << "ok\n";
   }
-  return 0;
+  return blockflow::tools::stdout_written("blockflowctl") ? 0 : 1;
 } catch (const std::exception& e) {
   std::cerr << "blockflowctl: " << e.what() << "\n";
   return 2;

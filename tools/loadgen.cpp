@@ -36,11 +36,13 @@
 // Progress goes to stderr once a second unless --quiet.
 
 #include "bench_util.hpp"  // bench/: percentiles shared with the benchmarks
+#include "tool_output.hpp"
 
 #include <blockflow/blockflow.hpp>
 #include <blockflow/serve/client_endpoint.hpp>
 #include <blockflow/deploy/deployment.hpp>
 #include <blockflow/core/kpi.hpp>
+#include <blockflow/core/detail/flag_number.hpp>
 #include <blockflow/worker/worker_site.hpp>
 
 #include <ATen/ATen.h>
@@ -96,8 +98,14 @@ std::vector<std::string> split(const std::string& s, char by) {
   return out;
 }
 
+template <typename T>
+T number(const std::string& flag, const std::string& text, T min, T max) {
+  return blockflow::detail::flag_number<T>(flag, text, min, max);
+}
+
 Args parse(int argc, char** argv) {
   Args a;
+  bool duration_given = false;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     auto value = [&]() -> std::string {
@@ -110,23 +118,30 @@ Args parse(int argc, char** argv) {
     else if (k == "--plugin") a.plugins.push_back(value());
     else if (k == "--tasks") a.tasks = split(value(), ',');
     else if (k == "--shape") {
-      for (const auto& d : split(value(), 'x')) a.shape.push_back(std::stoll(d));
-    } else if (k == "--clients") a.clients = std::stoi(value());
-    else if (k == "--rate") a.rates = {std::stod(value())};
-    else if (k == "--sweep") {
-      for (const auto& r : split(value(), ',')) a.rates.push_back(std::stod(r));
-      a.sweep = true;
+      a.shape.clear();
+      for (const auto& d : split(value(), 'x')) a.shape.push_back(number<std::int64_t>(k, d, 0, std::int64_t{1} << 31));
+    } else if (k == "--clients") a.clients = number(k, value(), 1, 100000);
+    else if (k == "--rate" || k == "--sweep") {
+      if (!a.rates.empty()) throw std::invalid_argument("give one of --rate and --sweep, once");
+      for (const auto& r : split(value(), ',')) a.rates.push_back(number(k, r, 1e-6, 1e7));
+      a.sweep = k == "--sweep";
     } else if (k == "--task-rates") {
       for (const auto& part : split(value(), ',')) {
         const auto eq = part.find('=');
         if (eq == std::string::npos || eq == 0) throw std::invalid_argument("--task-rates: expected TASK=RATE, got '" + part + "'");
-        a.task_rates.emplace_back(part.substr(0, eq), std::stod(part.substr(eq + 1)));
+        const std::string task = part.substr(0, eq);
+        for (const auto& [named, rate] : a.task_rates) {
+          if (named == task) throw std::invalid_argument("--task-rates: task '" + task + "' is given twice");
+        }
+        a.task_rates.emplace_back(task, number("--task-rates " + task, part.substr(eq + 1), 1e-6, 1e7));
       }
-    } else if (k == "--duration") a.duration_s = std::stod(value());
-    else if (k == "--requests") a.requests = std::stol(value());
-    else if (k == "--warmup") a.warmup = std::stoi(value());
-    else if (k == "--lanes") a.lanes = std::stoi(value());
-    else if (k == "--max-in-flight") a.max_in_flight = std::stoi(value());
+    } else if (k == "--duration") {
+      a.duration_s = number(k, value(), 1e-3, 1e6);
+      duration_given = true;
+    } else if (k == "--requests") a.requests = number<long>(k, value(), 1, 1'000'000'000'000L);
+    else if (k == "--warmup") a.warmup = number(k, value(), 0, 1000000);
+    else if (k == "--lanes") a.lanes = number(k, value(), 0, 4096);
+    else if (k == "--max-in-flight") a.max_in_flight = number(k, value(), 0, 1 << 30);
     else if (k == "--json") a.json_file = value();
     else if (k == "--quiet") a.quiet = true;
     else if (k == "--help" || k == "-h") {
@@ -136,6 +151,7 @@ Args parse(int argc, char** argv) {
       throw std::invalid_argument("unknown argument " + k + "\n" + kUsage);
     }
   }
+  if (duration_given && a.requests > 0) throw std::invalid_argument("give --duration or --requests, not both");
   if (a.deployment.empty() == a.endpoint.empty()) throw std::invalid_argument(std::string("give --deployment or --endpoint\n") + kUsage);
   if (!a.task_rates.empty()) {
     if (!a.rates.empty() || a.clients > 0 || !a.tasks.empty() || a.requests > 0) {
@@ -292,33 +308,35 @@ class InProcess final : public Target {
 // RemoteClient is synchronous: a pool of client threads takes arrivals from a queue.
 class Remote final : public Target {
  public:
-  Remote(std::string endpoint, int threads) : endpoint_(std::move(endpoint)) {
-    (void)bf::RemoteClient(endpoint_);  // a malformed endpoint throws here, named, not on a pool thread
-    for (int i = 0; i < threads; ++i) pool_.emplace_back([this] { main(); });
+  Remote(std::string endpoint, int threads) : state_(std::make_shared<State>()) {
+    state_->endpoint = std::move(endpoint);
+    (void)bf::RemoteClient(state_->endpoint);  // a malformed endpoint throws here, named, not on a pool thread
+    for (int i = 0; i < threads; ++i) pool_.emplace_back([state = state_] { main(*state); });
   }
-  // Requests not sent yet are not sent; those in a pool thread end within their timeout.
+  // Requests not sent yet are not sent. A pool thread waiting for a reply (a dead endpoint: up to
+  // its 60 s timeout) is let go rather than waited for; it holds the state it uses.
   ~Remote() override {
     abandon();
     {
-      std::lock_guard lock(mu_);
-      stopping_ = true;
+      std::lock_guard lock(state_->mu);
+      state_->stopping = true;
     }
-    changed_.notify_all();
-    for (auto& t : pool_) t.join();
+    state_->changed.notify_all();
+    for (auto& t : pool_) t.detach();
   }
   void submit(const std::string& task, const bf::Tensors& inputs, Clock::time_point arrival,
               std::shared_ptr<Tally> tally) override {
     {
-      std::lock_guard lock(mu_);
-      queue_.push_back({task, inputs, arrival, std::move(tally)});
+      std::lock_guard lock(state_->mu);
+      state_->queue.push_back({task, inputs, arrival, std::move(tally)});
     }
-    changed_.notify_one();
+    state_->changed.notify_one();
   }
   void abandon() override {
     std::deque<Job> dropped;
     {
-      std::lock_guard lock(mu_);
-      dropped.swap(queue_);
+      std::lock_guard lock(state_->mu);
+      dropped.swap(state_->queue);
     }
     for (auto& job : dropped) {
       job.tally->done(0, absl::CancelledError("not sent: the run gave up waiting (the endpoint did not keep up)"),
@@ -333,27 +351,30 @@ class Remote final : public Target {
     Clock::time_point arrival;
     std::shared_ptr<Tally> tally;
   };
-  void main() {
-    bf::RemoteClient client(endpoint_, absl::Seconds(60));
+  struct State {
+    std::string endpoint;
+    std::mutex mu;
+    std::condition_variable changed;
+    std::deque<Job> queue;
+    bool stopping = false;
+  };
+  static void main(State& s) {
+    bf::RemoteClient client(s.endpoint, absl::Seconds(60));
     while (true) {
       Job job;
       {
-        std::unique_lock lock(mu_);
-        changed_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        job = std::move(queue_.front());
-        queue_.pop_front();
+        std::unique_lock lock(s.mu);
+        s.changed.wait(lock, [&] { return s.stopping || !s.queue.empty(); });
+        if (s.queue.empty()) return;
+        job = std::move(s.queue.front());
+        s.queue.pop_front();
       }
       auto out = client.submit(job.task, job.inputs);
       const double ms = std::chrono::duration<double, std::milli>(Clock::now() - job.arrival).count();
       job.tally->done(ms, out.status(), nullptr);
     }
   }
-  std::string endpoint_;
-  std::mutex mu_;
-  std::condition_variable changed_;
-  std::deque<Job> queue_;
-  bool stopping_ = false;
+  const std::shared_ptr<State> state_;
   std::vector<std::thread> pool_;
 };
 
@@ -411,7 +432,7 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
         Tally& own = *own_owner;
         std::mt19937_64 random(seed);
         std::exponential_distribution<double> gap(rate);
-        for (auto next = start; Clock::now() < end;
+        for (auto next = start; next < end;  // an arrival after the run's end is not sent
              next += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap(random)))) {
           std::this_thread::sleep_until(next);
           {
@@ -427,7 +448,7 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
     std::mt19937_64 random(42);
     std::exponential_distribution<double> gap(run.rate);
     auto next = start;
-    while (more()) {
+    while (more() && (args.requests > 0 || next < end)) {  // an arrival after the run's end is not sent
       std::this_thread::sleep_until(next);
       issue(next);
       next += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap(random)));
@@ -437,10 +458,11 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
     std::vector<std::thread> clients;
     for (int c = 0; c < run.clients; ++c) {
       clients.emplace_back([&] {
-        while (more()) {
+        while (args.requests > 0 || Clock::now() < end) {
+          const long n = issued++;  // taken, then checked: N clients send N requests in all, no more
+          if (args.requests > 0 && n >= args.requests) break;
           const auto own_owner = std::make_shared<Tally>();  // this one request, so the client can wait for it
           Tally& own = *own_owner;
-          const long n = issued++;
           const std::string& task = tasks[static_cast<std::size_t>(n) % tasks.size()];
           {
             std::lock_guard lock(tally.mu);
@@ -537,6 +559,12 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
 
 int main(int argc, char** argv) try {
   const Args args = parse(argc, argv);
+  std::ofstream json_out;
+  if (!args.json_file.empty()) {  // before the session starts: a wrong path fails now, not after the runs
+    if (auto problem = blockflow::tools::check_writable(args.json_file); !problem.empty()) throw std::invalid_argument("--json: " + problem);
+    json_out.open(args.json_file);
+    if (!json_out) throw std::invalid_argument("--json: cannot write " + args.json_file);
+  }
   std::unique_ptr<Target> target;
   std::vector<std::string> tasks = args.tasks;
   std::map<std::string, bf::Tensors> inputs;
@@ -572,19 +600,28 @@ int main(int argc, char** argv) try {
   }
   if (tasks.empty()) throw std::invalid_argument("no tasks to drive");
 
-  // Warm-up: a few synchronous requests per task, not counted.
+  // Warm-up: a few synchronous requests per task, not counted; none answered is the end.
   {
     Args warm = args;
     warm.requests = args.warmup * static_cast<long>(tasks.size());
     warm.quiet = true;
-    if (warm.requests > 0) (void)measure(warm, *target, tasks, inputs, Run{"clients", 0, 1});
+    if (!args.quiet && warm.requests > 0) std::cerr << "loadgen: warm-up, " << warm.requests << " requests\n";
+    if (warm.requests > 0) {
+      const nlohmann::json line = measure(warm, *target, tasks, inputs, Run{"clients", 0, 1});
+      if (line["completed"].get<long>() == 0) {
+        std::cerr << "blockflow-loadgen: no warm-up request succeeded: " << line.value("first_error", std::string("none answered")) << "\n";
+        return 1;
+      }
+    }
   }
 
-  std::ofstream json_out;
-  if (!args.json_file.empty()) json_out.open(args.json_file);
+  bool any_failed_whole = false;  // a run that sent requests and had none succeed
   auto emit = [&](const nlohmann::json& line) {
     std::cout << line.dump() << std::endl;
-    if (json_out) json_out << line.dump() << "\n";
+    if (json_out.is_open() && !(json_out << line.dump() << "\n" << std::flush)) {
+      throw std::runtime_error("--json: cannot write " + args.json_file);
+    }
+    if (line.contains("sent") && line["sent"].get<long>() > 0 && line["completed"].get<long>() == 0) any_failed_whole = true;
   };
   std::optional<nlohmann::json> saturation;
   if (args.clients > 0) {
@@ -603,6 +640,11 @@ int main(int argc, char** argv) try {
                       : nlohmann::json{{"bench", "saturation"}, {"rate_per_s", nullptr},
                                        {"note", fmt::format("not reached up to {:g}/s", args.rates.back())}});
     }
+  }
+  if (!blockflow::tools::stdout_written("blockflow-loadgen")) return 1;
+  if (any_failed_whole) {
+    std::cerr << "blockflow-loadgen: a run had no request succeed (its line's first_error says why)\n";
+    return 1;
   }
   return 0;
 } catch (const std::exception& e) {

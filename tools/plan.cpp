@@ -12,11 +12,14 @@
 // planning; the report says what the model predicts for that deployment's placement of the tasks'
 // blocks (blockflow::predict(): e.g. a running deployment against profiles taken again), for the
 // deployment's tasks at the rates and SLOs the tasks file gives them.
+#include "tool_output.hpp"
+
 #include <blockflow/plan/planner.hpp>
 
 #include <algorithm>
 #include <fstream>
 #include <iostream>
+#include <stdexcept>
 
 namespace {
 
@@ -29,21 +32,23 @@ int usage(const std::string& problem) {
   return 2;
 }
 
+// Writes `file` whole or not at all; false (said on stderr, naming the file) when it could not.
 bool write(const std::string& file, const std::string& text) {
-  std::ofstream out(file);
-  out << text << "\n";
-  return static_cast<bool>(out);
+  const std::string problem = blockflow::tools::write_file_atomic(file, text + "\n");
+  if (!problem.empty()) std::cerr << "blockflow-plan: " << problem << "\n";
+  return problem.empty();
 }
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   std::vector<std::string> profiles;
   std::string tasks, sites, out, report, predict;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&](std::string& into) {
       if (i + 1 >= argc) return false;
+      if (!into.empty()) throw std::invalid_argument(a + " is given twice");
       into = argv[++i];
       return true;
     };
@@ -65,6 +70,12 @@ int main(int argc, char** argv) {
   }
   if (profiles.empty() || tasks.empty() || sites.empty()) return usage("profiles, --tasks and --sites are required");
   if (!predict.empty() && !out.empty()) return usage("--predict writes a report only, not --out");
+  for (const std::string* file : {&out, &report}) {  // a wrong path fails before anything is written
+    if (auto problem = file->empty() ? std::string() : blockflow::tools::check_writable(*file); !problem.empty()) {
+      std::cerr << "blockflow-plan: " << problem << "\n";
+      return 1;
+    }
+  }
   auto input = blockflow::load_plan_input(profiles, tasks, sites);
   if (!input.ok()) {
     std::cerr << "blockflow-plan: " << input.status().message() << "\n";
@@ -121,14 +132,12 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  if (!out.empty() && !write(out, plan->deployment_json(*input))) {
-    std::cerr << "blockflow-plan: cannot write " << out << "\n";
-    return 1;
+  if (!out.empty() && !write(out, plan->deployment_json(*input))) return 1;
+  if (report.empty()) {
+    std::cout << plan->report_json() << "\n";
+    return blockflow::tools::stdout_written("blockflow-plan") ? 0 : 1;
   }
-  if (report.empty()) std::cout << plan->report_json() << "\n";
-  else if (!write(report, plan->report_json())) {
-    std::cerr << "blockflow-plan: cannot write " << report << "\n";
-    return 1;
-  }
-  return 0;
+  return write(report, plan->report_json()) ? 0 : 1;
+} catch (const std::invalid_argument& e) {
+  return usage(e.what());
 }

@@ -12,12 +12,18 @@
 // max_rate_rps 0), --optimize 0|1 (TorchScript
 // optimize_for_inference, default 1). Progress on stderr; the document on stdout or --out. Blocks
 // are measured under the glibc malloc settings of a worker process (core/detail/malloc_settings.hpp).
+#include "tool_output.hpp"
+
+#include <blockflow/core/block.hpp>
+#include <blockflow/core/detail/flag_number.hpp>
 #include <blockflow/core/detail/malloc_settings.hpp>
+#include <blockflow/core/names.hpp>
 #include <blockflow/deploy/deployment.hpp>
 #include <blockflow/plan/profile.hpp>
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -29,12 +35,13 @@ namespace bf = blockflow;
 
 namespace {
 
-std::vector<std::int64_t> dims(const std::string& text) {
+// "a,b,c" as whole numbers from `min` to `max`; errors name `flag`.
+std::vector<std::int64_t> dims(const std::string& flag, const std::string& text, std::int64_t min, std::int64_t max) {
   std::vector<std::int64_t> out;
   std::size_t from = 0;
   while (from <= text.size()) {
     const std::size_t comma = std::min(text.find(',', from), text.size());
-    out.push_back(std::stoll(text.substr(from, comma - from)));
+    out.push_back(bf::detail::flag_number<std::int64_t>(flag, text.substr(from, comma - from), min, max));
     from = comma + 1;
   }
   return out;
@@ -77,7 +84,7 @@ int main(int argc, char** argv) try {
   std::string deployment, models, input, out_file, device = "cpu";
   std::map<std::string, std::vector<std::int64_t>> shapes;
   int threads = 2;
-  bool channels = true, optimize = true;
+  bool channels = true, optimize = true, optimize_given = false, device_given = false;
   bf::ProfileOptions options;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -92,25 +99,43 @@ int main(int argc, char** argv) try {
       const std::string v = value();
       const auto eq = v.find('=');
       if (eq == std::string::npos) return usage("--shape wants NAME=a,b,c,d");
-      shapes[v.substr(0, eq)] = dims(v.substr(eq + 1));
-    } else if (a == "--threads") threads = std::stoi(value());
-    else if (a == "--device") device = value();
-    else if (a == "--batches") {
+      shapes[v.substr(0, eq)] = dims("--shape " + v.substr(0, eq), v.substr(eq + 1), 0, std::int64_t{1} << 31);
+    } else if (a == "--threads") threads = bf::detail::flag_number(a, value(), 1, 1024);  // validate()'s bound
+    else if (a == "--device") {
+      device = value();
+      device_given = true;
+    } else if (a == "--batches") {
       options.batch_sizes.clear();
-      for (auto b : dims(value())) options.batch_sizes.push_back(static_cast<int>(b));
+      for (auto b : dims(a, value(), 1, bf::kMaxBatchSize)) options.batch_sizes.push_back(static_cast<int>(b));
     } else if (a == "--quick") options.quick = true;
     else if (a == "--no-channels") channels = false;
     else if (a == "--no-rate-sweep") options.rate_sweep = false;
-    else if (a == "--optimize") optimize = value() != "0";
+    else if (a == "--optimize") {
+      const std::string v = value();
+      if (v != "0" && v != "1") return usage("--optimize takes 0 or 1, not '" + v + "'");
+      optimize = v == "1";
+      optimize_given = true;
+    }
     else if (a == "--out") out_file = value();
     else if (!a.empty() && a[0] == '-') return usage("unknown option " + a);
     else files.push_back(a);
   }
   if (deployment.empty() == files.empty()) return usage("give TorchScript files or --deployment, not both");
+  if (!deployment.empty() && (device_given || optimize_given || !input.empty())) {
+    return usage("--device, --optimize and --input are for TorchScript files; a deployment's blocks say their own");
+  }
+  // A wrong --out fails now, not after minutes of measuring.
+  if (auto problem = out_file.empty() ? std::string() : bf::tools::check_writable(out_file); !problem.empty()) {
+    std::cerr << "blockflow-profile: " << problem << "\n";
+    return 1;
+  }
   std::vector<bf::BlockDescription> blocks;
   if (!deployment.empty()) {
     auto d = bf::load_deployment(deployment, models);
-    if (!d.ok()) return usage(std::string(d.status().message()));
+    if (!d.ok()) {
+      std::cerr << "blockflow-profile: " << d.status().message() << "\n";
+      return 1;
+    }
     blocks = d->blocks;
     for (auto& b : blocks) {
       if (!b.torchscript.empty()) b.torchscript = absolute_path(b.torchscript);
@@ -118,12 +143,23 @@ int main(int argc, char** argv) try {
   } else {
     for (const auto& f : files) {
       bf::BlockDescription d;
-      d.name = std::filesystem::path(f).stem().string();
+      d.name = std::filesystem::path(f).stem().string();  // named as the planner reads it back: checked now
+      if (auto status = bf::check_name("block", d.name); !status.ok()) {
+        return usage(fmt::format("{}: {} (a block is named after its file)", f, std::string(status.message())));
+      }
+      for (const auto& before : blocks) {
+        if (before.name == d.name) return usage(fmt::format("{}: a second file of block name '{}'", f, d.name));
+      }
       d.torchscript = absolute_path(f);
       blocks.push_back(d);
     }
     if (input.empty() && !shapes.count(blocks.front().name)) return usage("--input: the first block's input shape");
-    if (!input.empty()) blocks.front().options.input_shapes = {dims(input)};
+    if (!input.empty()) blocks.front().options.input_shapes = {dims("--input", input, 0, std::int64_t{1} << 31)};
+  }
+  for (const auto& [name, shape] : shapes) {
+    if (std::none_of(blocks.begin(), blocks.end(), [&](const bf::BlockDescription& b) { return b.name == name; })) {
+      return usage(fmt::format("--shape {}: no block of that name", name));
+    }
   }
   options.progress = [](std::string_view line) { std::cerr << "blockflow-profile: " << line << "\n"; };
   bf::Profile profile;
@@ -156,18 +192,24 @@ int main(int argc, char** argv) try {
     profile.channels = *std::move(costs);
   }
   const std::string text = profile.to_json() + "\n";
+  // What the planner reads back: a profile it would refuse is an error here, naming the field.
+  if (auto back = bf::Profile::parse(text, out_file.empty() ? "the profile" : out_file); !back.ok()) {
+    std::cerr << "blockflow-profile: " << back.status().message() << "\n";
+    return 1;
+  }
   if (out_file.empty()) {
     std::cout << text;
-  } else {
-    std::ofstream out(out_file);
-    out << text;
-    if (!out) {
-      std::cerr << "blockflow-profile: cannot write " << out_file << "\n";
-      return 1;
-    }
-    std::cerr << "blockflow-profile: wrote " << out_file << "\n";
+    return bf::tools::stdout_written("blockflow-profile") ? 0 : 1;
   }
+  if (auto problem = bf::tools::write_file_atomic(out_file, text); !problem.empty()) {
+    std::cerr << "blockflow-profile: " << problem << "\n";
+    return 1;
+  }
+  std::cerr << "blockflow-profile: wrote " << out_file << "\n";
   return 0;
-} catch (const std::exception& e) {
+} catch (const std::invalid_argument& e) {
   return usage(e.what());
+} catch (const std::exception& e) {
+  std::cerr << "blockflow-profile: " << e.what() << "\n";
+  return 1;
 }
