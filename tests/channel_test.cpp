@@ -115,6 +115,26 @@ TEST_CASE("close wakes a blocked sender and a blocked receiver; drain returns wh
   REQUIRE(left.size() == 1);
   CHECK(left[0].request_id == 1);
   CHECK(absl::IsCancelled(channel.send(envelope_with(3)).status));
+  const ChannelStats stats = channel.stats();  // what drain() took out counts as received
+  CHECK(stats.sent == 1);
+  CHECK(stats.received == 1);
+  CHECK(stats.depth == 0);
+}
+
+TEST_CASE("drain() of an open channel makes room: a sender waiting on a full channel goes on", "[channel]") {
+  auto channel = make_channel(1, FullPolicy::kBlock);
+  REQUIRE(channel.send(envelope_with(1)).status.ok());
+  SendOutcome outcome;
+  std::thread sender([&] { outcome = channel.send(envelope_with(2)); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the sender waits for room (or has not come yet)
+  auto left = channel.drain();
+  sender.join();  // without the wake-up it waits for ever
+  CHECK(outcome.status.ok());
+  REQUIRE(left.size() == 1);
+  CHECK(left[0].request_id == 1);
+  auto next = channel.try_receive();
+  REQUIRE(next.has_value());
+  CHECK(next->request_id == 2);
 }
 
 TEST_CASE("many producers and consumers: every envelope is received exactly once", "[channel]") {

@@ -292,6 +292,45 @@ TEST_CASE("an answer whose pidfd this process had no descriptor for: the server 
   ::close(pair[1]);
 }
 
+TEST_CASE("a forked worker takes the application's working directory, umask and limits of the moment it is asked for",
+          "[.][fork_server]") {
+  REQUIRE(fork_server_running());
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / fmt::format("bf-fork-cwd-{}", ::getpid());
+  std::filesystem::create_directories(dir);
+  struct Removed {
+    std::filesystem::path dir;
+    ~Removed() { test::remove_tree(dir.string()); }
+  } removed{dir};
+  const auto was_dir = std::filesystem::current_path();
+  const mode_t was_mask = ::umask(027);
+  rlimit was_core{};
+  REQUIRE(::getrlimit(RLIMIT_CORE, &was_core) == 0);
+  rlimit core = was_core;
+  core.rlim_cur = std::min<rlim_t>(was_core.rlim_max, 4096);
+  REQUIRE(::setrlimit(RLIMIT_CORE, &core) == 0);
+  std::filesystem::current_path(dir);
+  auto w = make_worker(test::test_worker("w8"));
+  Session session;
+  session.add_site(w).add_block(test::plugin_block("a", "affine", "w8")).add_path(Path::chain("t", {"a"}));
+  const absl::Status started = session.start();
+  std::filesystem::current_path(was_dir);
+  ::umask(was_mask);
+  REQUIRE(::setrlimit(RLIMIT_CORE, &was_core) == 0);
+  REQUIRE(started.ok());
+  REQUIRE(w->stats().forked);
+  const pid_t pid = static_cast<pid_t>(w->pid());
+  CHECK(std::filesystem::read_symlink(fmt::format("/proc/{}/cwd", pid)) == std::filesystem::canonical(dir));
+  std::ifstream status(fmt::format("/proc/{}/status", pid));
+  std::string line, umask_line;
+  while (std::getline(status, line)) {
+    if (line.rfind("Umask:", 0) == 0) umask_line = line;
+  }
+  CHECK(umask_line == "Umask:\t0027");
+  rlimit seen{};
+  REQUIRE(::prlimit(pid, RLIMIT_CORE, nullptr, &seen) == 0);
+  CHECK(seen.rlim_cur == core.rlim_cur);
+}
+
 // Last of the [fork_server] cases (Catch runs them in this order): it ends the process's fork server.
 TEST_CASE("a fork server that dies is logged with its signal; later workers start as programs and serve",
           "[.][fork_server]") {

@@ -278,3 +278,29 @@ TEST_CASE("a block whose load grew nothing is known as a page: later loads are n
   CHECK(set.state(tiny).footprint_bytes == 4096);
   CHECK(set.hold(tiny).ok());
 }
+
+TEST_CASE("a block measured over the room left unloads what idle blocks it can, though they do not bring the set "
+          "within the budget",
+          "[memory]") {
+  std::atomic<std::int64_t> rss{1000 * kMB};
+  ResidentSet set(30 * kMB, [&] { return rss.load(); }, std::nullopt, false);
+  auto plain = [](const std::string& name) {
+    return [name]() -> absl::StatusOr<std::shared_ptr<Block>> { return test::unary(name, [](const Tensor& x) { return x; }); };
+  };
+  const int idle = set.add("idle", 10 * kMB, plain("idle"), [] { return false; });
+  const int running = set.add("running", 10 * kMB, plain("running"), [] { return false; });
+  const int measured = set.add("measured", 0, [&]() -> absl::StatusOr<std::shared_ptr<Block>> {
+    rss += 25 * kMB;  // 45 MB of 30 once it is in: the idle block's 10 MB are all that can go
+    return test::unary("measured", [](const Tensor& x) { return x; });
+  }, [] { return false; });
+  REQUIRE(set.hold(idle).ok());
+  auto run = set.hold(running);  // held: a request runs on it
+  REQUIRE(run.ok());
+  auto held = set.hold(measured);
+  INFO(held.status().ToString());
+  REQUIRE(held.ok());
+  CHECK(set.state(measured).footprint_bytes == 25 * kMB);
+  CHECK_FALSE(set.state(idle).resident);  // was: kept, as unloading it alone left the set over its budget
+  CHECK(set.state(running).resident);
+  CHECK(set.totals().resident_bytes == 35 * kMB);
+}

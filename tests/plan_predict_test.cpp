@@ -146,6 +146,14 @@ TEST_CASE("blockflow-plan --predict reports a deployment's own placement, for it
   const std::string without_t = files.write("other.json", R"({"tasks": [{"name": "other", "path": ["A"], "rate_rps": 50, "slo_ms": 100}]})");
   CHECK(tool(without_t, "") == 1);  // the deployment's task has no rate
   CHECK(tool(tasks, "--out " + (files.dir / "d.json").string()) == 2);  // --predict writes no deployment
+  // A tasks file naming the deployment's task twice is refused at reading, by name.
+  const std::string twice = files.write("twice.json", R"({"tasks": [{"name": "t", "path": ["A", "B"], "rate_rps": 30, "slo_ms": 100},
+                                                            {"name": "t", "path": ["A"], "rate_rps": 50, "slo_ms": 100}]})");
+  CHECK(tool(twice, "") == 1);
+  auto read = parse_plan_tasks(R"({"tasks": [{"name": "t", "path": ["A"], "rate_rps": 1, "slo_ms": 9},
+                                             {"name": "t", "path": ["A"], "rate_rps": 1, "slo_ms": 9}]})", "twice.json");
+  REQUIRE_FALSE(read.ok());
+  CHECK_THAT(std::string(read.status().message()), Contains("twice.json: tasks[1].name: 't' appears twice"));
 }
 
 TEST_CASE("predict(): a task is refused for its own sites only, and a batch size the profile lacks counts as the "

@@ -238,6 +238,14 @@ TEST_CASE("ipc:// and tcp:// carry the serialized wire format", "[process_channe
     CHECK(receiver->stats().received == 6);
     CHECK(sender->stats().bytes_copied == 0);
   }
+  // The ipc:// receiver's socket file goes with it (libzmq 4.3 leaves it).
+  const std::string file = fmt::format("{}/blockflow-channels-{}/{}.ipc", blockflow::detail::runtime_root(), ::geteuid(),
+                                       ipc.substr(6));
+  {
+    auto receiver = open_or_fail(ipc, ChannelRole::kReceiver);
+    CHECK(std::filesystem::exists(file));
+  }
+  CHECK_FALSE(std::filesystem::exists(file));
 }
 
 TEST_CASE("an ipc:// receiver takes no frame above max_frame_bytes: the sender is cut off, its next envelope comes",

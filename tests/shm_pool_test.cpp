@@ -171,6 +171,18 @@ TEST_CASE("shm: a producer's pools are retired when it ends, or by retire_made_b
   CHECK(consumer.retired().empty());
   consumer.retire_made_by(::getpid());
   CHECK(consumer.retired() == std::vector<std::uint64_t>{h->pool_id});
+
+  // Pools whose ids carry this pid: one made in this PID namespace, one in another (a container
+  // sharing the host's memfds), where the same number is another process.
+  struct stat ns {};
+  REQUIRE(::stat("/proc/self/ns/pid", &ns) == 0);
+  const std::uint64_t mine = static_cast<std::uint64_t>(::getpid()) << 32;
+  ShmConsumer second;
+  const std::uint64_t magic = 0x0000000150534642ULL;
+  REQUIRE(second.adopt(crafted_pool(8192, {magic, mine | 1, 1, 4096, 4096, 0, static_cast<std::uint64_t>(ns.st_ino)}, kSealed)).ok());
+  REQUIRE(second.adopt(crafted_pool(8192, {magic, mine | 2, 1, 4096, 4096, 0, static_cast<std::uint64_t>(ns.st_ino) + 1}, kSealed)).ok());
+  second.retire_made_by(::getpid());
+  CHECK(second.retired() == std::vector<std::uint64_t>{mine | 1});
 }
 
 namespace {

@@ -178,12 +178,16 @@ void InProcessChannel::close() {
 }
 
 std::vector<Envelope> InProcessChannel::drain() {
-  std::lock_guard lock(mu_);
+  std::unique_lock lock(mu_);
   std::vector<Envelope> out;
   out.reserve(queue_.size());
   for (auto& envelope : queue_) out.push_back(std::move(envelope));
   queue_.clear();
+  stats_.received += out.size();  // taken out, as by receive(): sent = received + dropped + depth
   size_.store(0, std::memory_order_release);
+  const bool wake = !out.empty() && sleeping_senders_ > 0;
+  lock.unlock();
+  if (wake) not_full_.notify_all();  // room for every sender waiting, on a channel still open
   return out;
 }
 

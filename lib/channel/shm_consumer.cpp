@@ -66,6 +66,7 @@ struct ShmConsumer::Impl {
     mapping->slot_bytes = h.slot_bytes;
     mapping->data_offset = h.data_offset;
     mapping->pool_id = h.pool_id;
+    mapping->maker_namespace = h.reserved[kMakerNamespaceWord];
     // The slots' pages are mapped now, as the producer made them (MAP_POPULATE there), so that this
     // process's resident memory moves when a pool comes or goes, not with each slot a burst first
     // reaches. An older kernel without it maps lazily. Not a sparse one (a producer populates its
@@ -108,9 +109,14 @@ std::vector<std::uint64_t> ShmConsumer::retired() const {
 }
 
 void ShmConsumer::retire_made_by(std::int64_t pid) {
+  // The pid in a pool's id is the producer's own view of itself: it names the process `pid` names
+  // only when the pool was made in this process's PID namespace.
+  const std::uint64_t here = pid_namespace_id();
   blockflow::detail::MutexLock lock(&impl_->mu);
   for (const auto& [id, mapping] : impl_->pools) {
-    if (shm_pool_producer(id) == pid) pool_retired(mapping->base)->store(1, std::memory_order_release);
+    if (shm_pool_producer(id) == pid && mapping->maker_namespace == here) {
+      pool_retired(mapping->base)->store(1, std::memory_order_release);
+    }
   }
 }
 

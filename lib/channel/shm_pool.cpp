@@ -108,6 +108,7 @@ struct ShmProducer::Impl {
     if (mapping->base == MAP_FAILED) return fail("mmap");
     auto* header = static_cast<SegmentHeader*>(mapping->base);
     *header = SegmentHeader{kSegmentMagic, kSegmentVersion, pool.id, options.slots_per_pool, slot_bytes, pool.data_offset, {}};
+    header->reserved[kMakerNamespaceWord] = pid_namespace_id();
     for (std::size_t i = 0; i < options.slots_per_pool; ++i) slot_generations(mapping->base)[i].store(0);
     mapping->slot_count = options.slots_per_pool;
     mapping->slot_bytes = slot_bytes;

@@ -10,6 +10,7 @@
 #include <optional>
 #include <string_view>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <random>
@@ -43,6 +44,14 @@ std::uint64_t new_pool_id() {
   static blockflow::detail::Mutex mu;
   blockflow::detail::MutexLock lock(&mu);
   return (static_cast<std::uint64_t>(::getpid()) << 32) | (random() & 0xFFFFFFFFull);
+}
+
+std::uint64_t pid_namespace_id() {
+  static const std::uint64_t id = [] {
+    struct stat st {};
+    return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<std::uint64_t>(st.st_ino) : std::uint64_t{0};
+  }();
+  return id;
 }
 
 ShmPoolFd shm_pool_fd(std::uint64_t pool_id) {

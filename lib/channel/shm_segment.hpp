@@ -51,6 +51,10 @@ inline std::atomic<std::uint64_t>* slot_generations(void* base) {
   return reinterpret_cast<std::atomic<std::uint64_t>*>(static_cast<char*>(base) + kPoolHeaderBytes);
 }
 
+// The header's second reserved word: the producer's PID namespace (pid_namespace_id()), so that a
+// consumer compares the pid in a pool's id with a pid it sees only when both mean the same process.
+inline constexpr std::size_t kMakerNamespaceWord = 1;
+
 // The header's first reserved word: 1 once the producer has let the pool go (trimmed, or the
 // producer ended), so that consumers drop their cached mapping of it.
 inline std::atomic<std::uint64_t>* pool_retired(void* base) {
@@ -69,6 +73,7 @@ struct PoolMapping {
   // the header lies in memory another process can rewrite, so it is never read again.
   std::uint64_t slot_count = 0, slot_bytes = 0, data_offset = 0, pool_id = 0;
   std::uint64_t device = 0, inode = 0;  // the file's, to know it when it is given again
+  std::uint64_t maker_namespace = 0;    // the producer's PID namespace, from the header (0: unknown)
   ~PoolMapping() {
     if (base != MAP_FAILED && own) pool_retired(base)->store(1, std::memory_order_release);
     if (base != MAP_FAILED) ::munmap(base, size);
@@ -108,5 +113,7 @@ struct MappedPools {
 std::string shm_name(std::uint64_t pool_id);
 /// A fresh pool id: this process's pid in the high 32 bits, random low 32 bits.
 std::uint64_t new_pool_id();
+// This process's PID namespace: the inode of /proc/self/ns/pid (0 where /proc does not say).
+std::uint64_t pid_namespace_id();
 
 }  // namespace blockflow::detail

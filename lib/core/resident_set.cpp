@@ -125,7 +125,8 @@ void ResidentSet::erase_if_done_locked(const Entry& e) {
   entries_.erase(id);
 }
 
-bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloaded, const std::vector<int>* keep) {
+bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloaded, const std::vector<int>* keep,
+                                   bool partly) {
   std::int64_t free = budget_ - resident_;
   // kProcess: what the process grew by beyond the loaded blocks' footprints takes room too. Only
   // idle blocks are unloaded for it: it is never a reason to wait (see the loop's end).
@@ -160,7 +161,7 @@ bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloa
   });
   std::size_t taken = 0;
   while (free < need && taken < candidates.size()) free += candidates[taken++].entry->footprint;
-  if (free < need) return false;  // running blocks hold the rest: wait for one to finish
+  if (free < need && !partly) return false;  // running blocks hold the rest: wait for one to finish
   // kProcess: for the growth, more idle blocks only (never one with requests queued). A prefetch
   // loads only if that makes the room; otherwise, every idle block taken, the block loads all the
   // same (it fits the budget by the footprints): waiting would not shrink that growth.
@@ -432,7 +433,7 @@ absl::StatusOr<ResidentSet::Hold> ResidentSet::load_reserved(int id, Entry& slot
         // Measured only now: the others make room after the fact, as far as they can.
         entry->footprint = measured;
         resident_ += measured;
-        (void)make_room_locked(0, id, unloaded);
+        (void)make_room_locked(0, id, unloaded, nullptr, /*partly=*/true);
       }
       entry->block = std::move(*made);
       ++entry->holders;

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -120,11 +121,12 @@ class JsonReader {
 
 // Reads the elements of `list` (the array `key` of `source`), each an object, with
 // `read(reader, element, item)`; errors name the file and "key[i]". A field `read` did not ask
-// about is refused.
+// about is refused, and so is a second element whose `unique` member (its name) an earlier one has.
 template <typename T, typename Read>
 absl::StatusOr<std::vector<T>> read_objects(const nlohmann::json& list, const std::string& source, const std::string& key,
-                                           Read read) {
+                                           std::string T::*unique, const char* unique_field, Read read) {
   std::vector<T> out;
+  std::set<std::string> seen;
   for (std::size_t i = 0; i < list.size(); ++i) {
     const std::string where = fmt::format("{}[{}]", key, i);
     if (!list[i].is_object()) return absl::InvalidArgumentError(fmt::format("{}: {}: expected an object", source, where));
@@ -132,6 +134,9 @@ absl::StatusOr<std::vector<T>> read_objects(const nlohmann::json& list, const st
     const JsonReader reader(list[i], source, where);
     if (auto status = read(reader, list[i], item); !status.ok()) return status;
     if (auto status = reader.unknown_fields(); !status.ok()) return status;
+    if (!seen.insert(item.*unique).second) {
+      return reader.error(unique_field, fmt::format("'{}' appears twice", item.*unique));
+    }
     out.push_back(std::move(item));
   }
   return out;

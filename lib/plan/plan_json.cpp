@@ -48,7 +48,7 @@ absl::StatusOr<json> list_of(const std::string& text, const std::string& source,
 absl::StatusOr<std::vector<PlanTask>> parse_plan_tasks(const std::string& text, const std::string& source) {
   auto list = list_of(text, source, "tasks");
   if (!list.ok()) return list.status();
-  return detail::read_objects<PlanTask>(*list, source, "tasks", [](const JsonReader& r, const json& item, PlanTask& t) {
+  return detail::read_objects<PlanTask>(*list, source, "tasks", &PlanTask::name, "name", [](const JsonReader& r, const json& item, PlanTask& t) {
     BF_TRY(r.string("name", t.name));
     if (auto status = check_name("task", t.name); !status.ok()) return r.error("name", std::string(status.message()));
     if (r.has("nodes") == r.has("path")) return r.error("give \"path\" (a chain) or \"nodes\" (a graph)");
@@ -75,7 +75,7 @@ absl::StatusOr<std::vector<PlanTask>> parse_plan_tasks(const std::string& text, 
 absl::StatusOr<std::vector<PlanSite>> parse_plan_sites(const std::string& text, const std::string& source) {
   auto list = list_of(text, source, "sites");
   if (!list.ok()) return list.status();
-  return detail::read_objects<PlanSite>(*list, source, "sites", [](const JsonReader& r, const json&, PlanSite& s) {
+  return detail::read_objects<PlanSite>(*list, source, "sites", &PlanSite::name, "name", [](const JsonReader& r, const json&, PlanSite& s) {
     BF_TRY(r.string("name", s.name));
     if (auto status = check_name("site", s.name); !status.ok()) return r.error("name", std::string(status.message()));
     BF_TRY(r.string("kind", s.kind));
@@ -93,7 +93,7 @@ absl::StatusOr<std::vector<PlanHost>> parse_plan_hosts(const std::string& text, 
   if (!doc.is_object() || !doc.contains("hosts")) return std::vector<PlanHost>{};  // parse_plan_sites() reports the rest
   auto list = list_of(text, source, "hosts");
   if (!list.ok()) return list.status();
-  return detail::read_objects<PlanHost>(*list, source, "hosts", [](const JsonReader& r, const json&, PlanHost& h) {
+  return detail::read_objects<PlanHost>(*list, source, "hosts", &PlanHost::name, "name", [](const JsonReader& r, const json&, PlanHost& h) {
     BF_TRY(r.string("name", h.name));
     return r.integer("cores", h.cores);
   });

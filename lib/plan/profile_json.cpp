@@ -127,19 +127,13 @@ absl::StatusOr<Profile> Profile::parse(const std::string& text, const std::strin
   }
   const json* channels = nullptr;
   BF_TRY(r.array("channels", channels));
-  auto costs = detail::read_objects<ChannelCost>(*channels, source, "channels", [](const JsonReader& c, const json&, ChannelCost& cost) {
+  auto costs = detail::read_objects<ChannelCost>(*channels, source, "channels", &ChannelCost::kind, "kind", [](const JsonReader& c, const json&, ChannelCost& cost) {
     BF_TRY(c.string("kind", cost.kind));
     BF_TRY(c.number("fixed_us", cost.fixed_us));
     return c.number("us_per_mb", cost.us_per_mb);
   });
   if (!costs.ok()) return costs.status();
   p.channels = *std::move(costs);
-  names.clear();
-  for (std::size_t i = 0; i < p.channels.size(); ++i) {
-    if (!names.insert(p.channels[i].kind).second) {
-      return absl::InvalidArgumentError(fmt::format("{}: channels[{}].kind: '{}' appears twice", source, i, p.channels[i].kind));
-    }
-  }
   BF_TRY(r.unknown_fields());
   return p;
 }

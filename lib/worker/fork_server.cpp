@@ -2,7 +2,8 @@
 // and reaps them, and the application's end of it (detail/fork_server.hpp).
 //
 // Messages are JSON, one per SOCK_SEQPACKET datagram:
-//   application -> server  {"argv": [...], "environment": [...], "launcher_dir": "..."}
+//   application -> server  {"argv": [...], "environment": [...], "launcher_dir": "...", "context": {"cwd": "...",
+//                          "umask": N, "rlimits": [[RESOURCE, CUR, MAX], ...]}} (fork_environment.cpp)
 //                          {"kill": ID}: kill the worker of fork ID, not yet reaped (its answer
 //                          came without its pidfd); not answered
 //   server -> application  {"pid": N, "id": ID} with the worker's pidfd (SCM_RIGHTS), or {"error": "..."};
@@ -119,24 +120,6 @@ Received receive_message(int socket, int flags, std::string& text, int* fd, bool
 
 int pidfd_open(pid_t pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); }
 
-std::string name_of(const std::string& entry) { return entry.substr(0, entry.find('=')); }
-
-// "NAME=VALUE" entries by name.
-std::map<std::string, std::string> by_name(const std::vector<std::string>& environment) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : environment) out[name_of(e)] = e.find('=') == std::string::npos ? "" : e.substr(e.find('=') + 1);
-  return out;
-}
-
-// glibc's tuning variables that mallopt() applies, and its parameters.
-const std::map<std::string, int>& malloc_parameters() {
-  static const std::map<std::string, int> parameters = {
-      {"MALLOC_MMAP_THRESHOLD_", M_MMAP_THRESHOLD}, {"MALLOC_TRIM_THRESHOLD_", M_TRIM_THRESHOLD},
-      {"MALLOC_TOP_PAD_", M_TOP_PAD},               {"MALLOC_MMAP_MAX_", M_MMAP_MAX},
-      {"MALLOC_ARENA_MAX", M_ARENA_MAX},            {"MALLOC_ARENA_TEST", M_ARENA_TEST}};
-  return parameters;
-}
-
 // --- the server process -------------------------------------------------------------------------
 
 // This process's open descriptors, read from /proc/self/fd (the directory's own excepted).
@@ -180,6 +163,7 @@ void as_if_exec() {
     ::clearenv();
     for (const auto& e : environment) ::putenv(::strdup(e.c_str()));  // putenv keeps the string
     apply_malloc_environment(environment);
+    apply_process_context(request.value("context", nlohmann::json::object()));  // the application's, at the request
     ::prctl(PR_SET_NAME, "bf-worker");  // 15 characters at most
     auto args = request.at("argv").get<std::vector<std::string>>();
     std::vector<char*> argv;
@@ -455,7 +439,8 @@ absl::StatusOr<ForkServer::Forked> ForkServer::fork_worker(const std::vector<std
   if (s.unanswered) return absl::UnavailableError("the fork server left a fork unanswered");
   std::string request;
   try {
-    request = nlohmann::json{{"argv", argv}, {"environment", environment}, {"launcher_dir", launcher_dir}}.dump();
+    request = nlohmann::json{{"argv", argv}, {"environment", environment}, {"launcher_dir", launcher_dir},
+                             {"context", process_context()}}.dump();
   } catch (const nlohmann::json::exception& e) {  // e.g. a variable whose value is not UTF-8
     return absl::InvalidArgumentError(fmt::format("its command line or environment cannot be sent: {}", e.what()));
   }
@@ -557,7 +542,7 @@ std::string ForkServer::unforkable(const std::vector<std::string>& environment) 
     const auto h = have.find(name);
     if (w != wanted.end() && h != have.end() && w->second == h->second) return "";
     if (w == wanted.end() && h == have.end()) return "";
-    if (w != wanted.end() && malloc_parameters().count(name) != 0) return "";  // mallopt() applies it
+    if (w != wanted.end() && applied_by_mallopt(name)) return "";  // mallopt() applies it
     return fmt::format("{} (the fork server has {})", w == wanted.end() ? name + " unset" : name + "=" + w->second,
                        h == have.end() ? "it unset" : name + "=" + h->second);
   };
@@ -570,24 +555,6 @@ std::string ForkServer::unforkable(const std::vector<std::string>& environment) 
     if (auto why = differs(name); !why.empty()) return why;
   }
   return "";
-}
-
-bool read_when_loaded(const std::string& name) {
-  for (const char* prefix : {"GOMP_", "OMP_", "KMP_", "LD_", "MALLOC_", "GLIBC_TUNABLES", "MKL_", "DNNL_", "ONEDNN_",
-                             "OPENBLAS_", "ATEN_", "TORCH_", "PYTORCH_", "ASAN_", "LSAN_", "UBSAN_", "TSAN_"}) {
-    if (name.rfind(prefix, 0) == 0) return true;
-  }
-  return false;
-}
-
-void apply_malloc_environment(const std::vector<std::string>& environment) {
-  for (const auto& [name, value] : by_name(environment)) {
-    const auto it = malloc_parameters().find(name);
-    if (it == malloc_parameters().end()) continue;
-    char* end = nullptr;
-    const long v = std::strtol(value.c_str(), &end, 10);
-    if (end != value.c_str() && *end == '\0') (void)::mallopt(it->second, static_cast<int>(v));
-  }
 }
 
 }  // namespace detail

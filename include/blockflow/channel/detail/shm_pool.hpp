@@ -194,7 +194,8 @@ class ShmConsumer {
   void forget(const std::vector<std::uint64_t>& ids);
   /// Marks retired the pools given here that process `pid` made (the pid in their id): it died (a
   /// worker killed), so the consumers this process relayed their slots to drop them too. Pools of
-  /// other processes it relayed here are not its to retire.
+  /// other processes it relayed here are not its to retire, nor pools made in another PID
+  /// namespace (there the same number names another process).
   void retire_made_by(std::int64_t pid);
   std::size_t pools_mapped() const;
 

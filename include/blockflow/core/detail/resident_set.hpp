@@ -144,9 +144,10 @@ class ResidentSet {
   void unload_locked(Entry& e, Evicted& gone) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Picks blocks to unload so that `need` more bytes fit (idle ones first, least recently used
   // first; then ones with queued requests); false when the running ones leave too little room.
-  // `keep` (a prefetch): only idle blocks not listed there.
-  bool make_room_locked(std::int64_t need, int except, Evicted& unloaded, const std::vector<int>* keep = nullptr)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `keep` (a prefetch): only idle blocks not listed there. `partly` (a load measured after the
+  // fact): what can go goes, even when that leaves too little room.
+  bool make_room_locked(std::int64_t need, int except, Evicted& unloaded, const std::vector<int>* keep = nullptr,
+                        bool partly = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The first waiting load (make_room_locked() said no): claims loaded blocks, idle ones first, then
   // running ones (each once it has been loaded as long as its load took) least recently used first, until unloading them all would make `need` fit. Claims
   // only grow until that load leaves the queue (leave_queue_locked()).

@@ -8,11 +8,13 @@
 // site of the process.
 
 #include <absl/status/statusor.h>
+#include <nlohmann/json.hpp>
 
 #include <sys/types.h>
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -69,6 +71,12 @@ class ForkServer {
 /// (SCM_RIGHTS) when it is not -1 (the caller keeps it); false, errno set, when it was not sent.
 bool send_datagram(int socket, const std::string& text, int fd);
 
+/// "NAME=VALUE" entries by name (fork_environment.cpp, as the rest below).
+std::map<std::string, std::string> by_name(const std::vector<std::string>& environment);
+
+/// Whether mallopt() applies the glibc tuning variable `name` (MALLOC_ARENA_MAX, ...).
+bool applied_by_mallopt(const std::string& name);
+
 /// True for an environment variable that a library reads when it loads (so a forked process keeps
 /// its parent's value), except glibc's MALLOC_* settings that mallopt() can apply afterwards.
 bool read_when_loaded(const std::string& name);
@@ -76,5 +84,12 @@ bool read_when_loaded(const std::string& name);
 /// Applies glibc's MALLOC_* tuning variables of `environment` with mallopt() (a forked worker's
 /// allocator was set up before they were given).
 void apply_malloc_environment(const std::vector<std::string>& environment);
+
+/// This process's working directory, umask and resource limits now, for a fork request: a forked
+/// worker takes them as an exec'd one inherits them (not the server's, from when it started).
+nlohmann::json process_context();
+
+/// In a forked worker: takes on process_context()'s directory, umask and limits, as far as it can.
+void apply_process_context(const nlohmann::json& context);
 
 }  // namespace blockflow::detail
