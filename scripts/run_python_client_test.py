@@ -91,8 +91,10 @@ def run(args):
     if keys:
         os.mkdir(os.path.join(keys, "clients"))
         for name in ("server", "alice", "mallory"):
-            subprocess.run([args.keygen, "keygen", name, "--dir", keys], check=True, timeout=30,
-                           stdout=subprocess.DEVNULL)
+            made = subprocess.run([args.keygen, "keygen", name, "--dir", keys], timeout=30, capture_output=True, text=True)
+            if made.returncode != 0:
+                shutil.rmtree(keys, ignore_errors=True)  # secret keys: not left in /tmp
+                raise Failure(f"blockflowctl keygen {name} exited with status {made.returncode}: {made.stderr.strip()}")
         shutil.copy(os.path.join(keys, "alice.key"), os.path.join(keys, "clients"))
         serve_args = ["--key", os.path.join(keys, "server.key_secret"), "--authorized-keys", os.path.join(keys, "clients")]
         client_args = ["--key", os.path.join(keys, "alice.key_secret"), "--server-key", os.path.join(keys, "server.key")]
@@ -137,6 +139,10 @@ def run(args):
         if keys and (not refused or int(refused.group(1)) < 2):
             raise Failure("serve did not count the two refused clients (its last line: "
                           f"{log.strip().splitlines()[-1] if log.strip() else ''!r})")
+    except Failure:
+        serve_log.seek(0)  # what serve said is what explains most failures
+        print("run_python_client_test: serve's stderr:\n" + serve_log.read().decode("utf-8", "replace"), end="", flush=True)
+        raise
     finally:
         if keys:
             shutil.rmtree(keys, ignore_errors=True)

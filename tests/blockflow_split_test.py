@@ -28,7 +28,7 @@ import torch.nn as nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-from ctest_util import check, free_port  # noqa: E402
+from ctest_util import check, free_port, stop_serve  # noqa: E402
 from python_client import BlockflowClient  # noqa: E402
 
 SHAPE = (1, 3, 16, 16)
@@ -187,8 +187,8 @@ def check_served(serve, ctl, out, model, x):
         print(f"  served by the session's two workers: max |y - model(x)| = {diff:.3e}")
         check(diff <= 1e-4, "the session answers the whole model's output")
     finally:
-        srv.stdin.close()
-        srv.wait(timeout=30)
+        rc = stop_serve(srv)
+    check(rc == 0, f"serve exits 0 once its stdin closes (status {rc}; None: killed after 30 s)")
 
 
 def check_refusals(tool, tmp, net_file):

@@ -11,7 +11,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ctest_util import check, free_port  # noqa: E402
+from ctest_util import check, free_port, stop_serve  # noqa: E402
 
 
 
@@ -91,8 +91,8 @@ def main():
             check(json.loads(ctl(tool, endpoint, "status").stdout)["version"] == 1, "nothing changed")
         ctl(tool, endpoint, "frobnicate", expect=2)
     finally:
-        srv.stdin.close()
-        srv.wait(timeout=20)
+        rc = stop_serve(srv)
+    check(rc == 0, f"serve exits 0 once its stdin closes (status {rc}; None: killed after 30 s)")
     control_keys(tool, serve)
     print("blockflowctl test: PASS")
 

@@ -126,7 +126,7 @@ TEST_CASE("drain() of an open channel makes room: a sender waiting on a full cha
   REQUIRE(channel.send(envelope_with(1)).status.ok());
   SendOutcome outcome;
   std::thread sender([&] { outcome = channel.send(envelope_with(2)); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the sender waits for room (or has not come yet)
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the sender waits for room (or, rarely, has not come yet)
   auto left = channel.drain();
   sender.join();  // without the wake-up it waits for ever
   CHECK(outcome.status.ok());

@@ -1,5 +1,6 @@
 """Helpers shared by the Python ctest drivers (tests/*_test.py)."""
 import socket
+import subprocess
 import sys
 
 
@@ -15,3 +16,16 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_serve(srv, timeout_s=30):
+    """Stops the serve example by closing its stdin; kills it when it has not exited within
+    `timeout_s`. Returns its exit status, None when it had to be killed."""
+    if srv.stdin and not srv.stdin.closed:
+        srv.stdin.close()
+    try:
+        return srv.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        srv.kill()
+        srv.wait()
+        return None

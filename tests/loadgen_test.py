@@ -12,7 +12,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ctest_util import check  # noqa: E402
+from ctest_util import check, stop_serve  # noqa: E402
 
 
 def run(cmd, expect=0):
@@ -124,8 +124,8 @@ def main():
             check(warm.returncode == 1 and "no warm-up request succeeded" in warm.stderr and "calibration" in warm.stderr
                   and warm.stdout == "", "a warm-up with no success ends the run, naming the error")
         finally:
-            srv.stdin.close()
-            srv.wait(timeout=20)
+            rc = stop_serve(srv)
+        check(rc == 0, f"serve exits 0 once its stdin closes (status {rc}; None: killed after 30 s)")
     print("loadgen test: PASS")
 
 

@@ -289,10 +289,12 @@ TEST_CASE("a block measured over the room left unloads what idle blocks it can, 
   };
   const int idle = set.add("idle", 10 * kMB, plain("idle"), [] { return false; });
   const int running = set.add("running", 10 * kMB, plain("running"), [] { return false; });
+  const int queued = set.add("queued", 5 * kMB, plain("queued"), [] { return true; });  // requests wait for it
   const int measured = set.add("measured", 0, [&]() -> absl::StatusOr<std::shared_ptr<Block>> {
-    rss += 25 * kMB;  // 45 MB of 30 once it is in: the idle block's 10 MB are all that can go
+    rss += 25 * kMB;  // 50 MB of 30 once it is in: the idle block's 10 MB go, the queued block's 5 MB would not do
     return test::unary("measured", [](const Tensor& x) { return x; });
   }, [] { return false; });
+  REQUIRE(set.hold(queued).ok());
   REQUIRE(set.hold(idle).ok());
   auto run = set.hold(running);  // held: a request runs on it
   REQUIRE(run.ok());
@@ -302,5 +304,6 @@ TEST_CASE("a block measured over the room left unloads what idle blocks it can, 
   CHECK(set.state(measured).footprint_bytes == 25 * kMB);
   CHECK_FALSE(set.state(idle).resident);  // was: kept, as unloading it alone left the set over its budget
   CHECK(set.state(running).resident);
-  CHECK(set.totals().resident_bytes == 35 * kMB);
+  CHECK(set.state(queued).resident);  // it would load again at once: not unloaded for a shortage it cannot end
+  CHECK(set.totals().resident_bytes == 40 * kMB);
 }

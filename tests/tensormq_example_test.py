@@ -21,15 +21,29 @@ import subprocess
 import sys
 
 COUNT = 1000
+STEP_TIMEOUT_S = 90  # each wait; well inside ctest's 300 s, so that a hang names its step
+STARTED = []  # every process started: killed on the way out, whatever happened
 
 
 def fail(message):
-    print(f"tensormq example: FAIL: {message}")
+    print(f"tensormq example: FAIL: {message}", flush=True)
     sys.exit(1)
 
 
+def started(p):
+    STARTED.append(p)
+    return p
+
+
+def wait_for(p, who, uri):
+    try:
+        return p.communicate(timeout=STEP_TIMEOUT_S)[0]
+    except subprocess.TimeoutExpired:
+        fail(f"{uri}: the {who} did not finish within {STEP_TIMEOUT_S} s")
+
+
 def start_consumer(binary, uri, *extra):
-    p = subprocess.Popen([binary, uri, str(COUNT), *extra], stdout=subprocess.PIPE, text=True)
+    p = started(subprocess.Popen([binary, uri, str(COUNT), *extra], stdout=subprocess.PIPE, text=True))
     line = p.stdout.readline()
     if "listening" not in line:
         fail(f"consumer did not start on {uri}: {line!r}")
@@ -45,22 +59,24 @@ def summary(output, pattern, who):
 
 def run(producer, consumer, uri, kill):
     first = start_consumer(consumer, uri, "--last", str(COUNT - 1), "--hold", "8")
-    prod = subprocess.Popen([producer, uri, str(COUNT)], stdout=subprocess.PIPE, text=True)
+    prod = started(subprocess.Popen([producer, uri, str(COUNT)], stdout=subprocess.PIPE, text=True))
     second = None
     if kill:
         for line in first.stdout:
             if "received 200" in line:
                 break
+        else:
+            fail(f"{uri}: the first consumer ended (status {first.wait()}) before it had received 200 tensors")
         first.send_signal(signal.SIGKILL)
         first.wait()
         second = start_consumer(consumer, uri, "--last", str(COUNT - 1))
     last_consumer = second or first
-    out, _ = last_consumer.communicate(timeout=300)
+    out = wait_for(last_consumer, "consumer", uri)
     if last_consumer.returncode != 0:
         fail(f"{uri}: consumer exited {last_consumer.returncode}: {out!r}")
     received, first_id, last_id, wrong, copied = summary(
         out, r"received (\d+) \(ids (-?\d+) to (-?\d+)\), wrong values (\d+), bytes_copied (\d+)", "consumer")
-    pout, _ = prod.communicate(timeout=300)
+    pout = wait_for(prod, "producer", uri)
     if prod.returncode != 0:
         fail(f"{uri}: producer exited {prod.returncode}: {pout!r}")
     sent, pcopied, reclaimed, in_use = summary(
@@ -82,14 +98,23 @@ def run(producer, consumer, uri, kill):
 
 
 def main():
-    producer, consumer = sys.argv[1], sys.argv[2]
+    try:
+        checks(sys.argv[1], sys.argv[2])
+    finally:
+        for p in STARTED:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def checks(producer, consumer):
     run(producer, consumer, f"shm://tensormq-example-{os.getpid()}", kill=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run(producer, consumer, f"tcp://127.0.0.1:{port}", kill=False)
     cuda = f"cuda://tensormq-example-{os.getpid()}"
-    probe = subprocess.run([consumer, cuda, "0"], capture_output=True, text=True, timeout=120)
+    probe = subprocess.run([consumer, cuda, "0"], capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
     if probe.returncode == 0:
         run(producer, consumer, cuda, kill=True)
     elif "no CUDA channel here" in probe.stderr:

@@ -73,10 +73,17 @@ s = socket.create_server(('$host_ip', $clear_port)); c, _ = s.accept()
 while c.recv(65536): pass" &
 sink_pid=$!
 children+=("$sink_pid")
-sleep 0.5
+# Connects once the sink listens (retried for up to 30 s: it may not have bound yet).
 ip netns exec "$ns" "$python" -c "
-import socket
-c = socket.create_connection(('$host_ip', $clear_port)); c.sendall(bytes.fromhex('$marker') * 4096); c.close()"
+import socket, time
+deadline = time.monotonic() + 30
+while True:
+    try:
+        c = socket.create_connection(('$host_ip', $clear_port)); break
+    except ConnectionRefusedError:
+        if time.monotonic() > deadline: raise
+        time.sleep(0.05)
+c.sendall(bytes.fromhex('$marker') * 4096); c.close()"
 wait "$sink_pid"
 stop_capture
 "$python" "$here/wire_capture.py" find "$keys/clear.cap" "$marker" 16 ||

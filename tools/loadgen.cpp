@@ -33,7 +33,10 @@
 // process and its workers), blocks (from each request's trace) and lanes (the session's compute
 // lanes over the run; busy: busy time over the run's duration) exist for in-process runs only;
 // energy_j_per_inference too, and only where NVML reports power (the run then samples every process).
-// Progress goes to stderr once a second unless --quiet.
+// Progress goes to stderr once a second unless --quiet. An arrival due after the run's end is not
+// sent (--duration; --requests counts requests instead, not both). Exit status: 0; 1 when no
+// warm-up request succeeded (its error on stderr, no run), when a run sent requests and none
+// succeeded (its line is printed), or on a failure to write; 2 for a usage error.
 
 #include "bench_util.hpp"  // bench/: percentiles shared with the benchmarks
 #include "tool_output.hpp"
@@ -559,11 +562,8 @@ nlohmann::json measure(const Args& args, Target& target, const std::vector<std::
 
 int main(int argc, char** argv) try {
   const Args args = parse(argc, argv);
-  std::ofstream json_out;
   if (!args.json_file.empty()) {  // before the session starts: a wrong path fails now, not after the runs
     if (auto problem = blockflow::tools::check_writable(args.json_file); !problem.empty()) throw std::invalid_argument("--json: " + problem);
-    json_out.open(args.json_file);
-    if (!json_out) throw std::invalid_argument("--json: cannot write " + args.json_file);
   }
   std::unique_ptr<Target> target;
   std::vector<std::string> tasks = args.tasks;
@@ -615,6 +615,11 @@ int main(int argc, char** argv) try {
     }
   }
 
+  std::ofstream json_out;  // a line per run as it ends (after the warm-up: a failed one leaves the file as it was)
+  if (!args.json_file.empty()) {
+    json_out.open(args.json_file);
+    if (!json_out) throw std::runtime_error("--json: cannot write " + args.json_file);
+  }
   bool any_failed_whole = false;  // a run that sent requests and had none succeed
   auto emit = [&](const nlohmann::json& line) {
     std::cout << line.dump() << std::endl;
@@ -647,7 +652,10 @@ int main(int argc, char** argv) try {
     return 1;
   }
   return 0;
-} catch (const std::exception& e) {
+} catch (const std::invalid_argument& e) {  // the command line
   std::cerr << "blockflow-loadgen: " << e.what() << "\n";
   return 2;
+} catch (const std::exception& e) {
+  std::cerr << "blockflow-loadgen: " << e.what() << "\n";
+  return 1;
 }

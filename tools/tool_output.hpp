@@ -8,20 +8,42 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <string>
+#include <vector>
 
 namespace blockflow::tools {
 
-// Writes `text` to `path` through a temporary file beside it (written, synced, renamed over
-// `path`): a reader sees the old file or the new one, never a part. "" or the error, naming `path`.
-// Something that is not a regular file (/dev/stdout, a pipe) is written in place, never replaced.
+// A new file beside `path` (PATH.tmp.XXXXXX), made exclusively (never through a link planted at its
+// name): its descriptor (-1, errno set, when it could not be made), its name in `name`.
+inline int temporary_beside(const std::string& path, std::string& name) {
+  std::vector<char> pattern(path.begin(), path.end());
+  for (const char c : std::string(".tmp.XXXXXX")) pattern.push_back(c);
+  pattern.push_back('\0');
+  const int fd = ::mkostemp(pattern.data(), O_CLOEXEC);
+  name = pattern.data();
+  return fd;
+}
+
+// Writes `text` to `path`. A regular file (or a new one) is written through a temporary file beside
+// it, made exclusively (mkstemp), synced and renamed over `path`: a reader sees the old file or the
+// new one, never a part; an existing file's mode is kept. A symbolic link, a file of several hard
+// links, a device or a pipe (/dev/stdout) is written in place instead, never replaced.
+// "" or the error, naming `path`.
 inline std::string write_file_atomic(const std::string& path, const std::string& text) {
   struct stat st {};
-  const bool in_place = ::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode);
-  const std::string temporary = in_place ? path : path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const bool exists = ::lstat(path.c_str(), &st) == 0;
+  const bool in_place = exists && (!S_ISREG(st.st_mode) || st.st_nlink > 1);
+  std::string temporary = path;
+  int fd = -1;
+  if (in_place) {
+    fd = ::open(path.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
+  } else {
+    fd = temporary_beside(path, temporary);
+    if (fd >= 0) (void)::fchmod(fd, exists ? (st.st_mode & 07777) : 0644);
+  }
   if (fd < 0) return "cannot write " + path + ": " + std::strerror(errno);
   std::size_t done = 0;
   int error = 0;
@@ -41,16 +63,19 @@ inline std::string write_file_atomic(const std::string& path, const std::string&
   return "";
 }
 
-// Whether a file can be made where `path` names, now: checked before a long run whose result goes
-// there. "" or the error, naming `path`.
+// Whether `path` can be written now: checked before a long run whose result goes there (a file is
+// made and removed beside it). "" or the error, naming `path`.
 inline std::string check_writable(const std::string& path) {
   struct stat st {};
-  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) return "";  // a device or a pipe: written in place
-  const std::string probe = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (::stat(path.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) return "cannot write " + path + ": it is a directory";
+    if (!S_ISREG(st.st_mode)) return ::access(path.c_str(), W_OK) == 0 ? "" : "cannot write " + path + ": " + std::strerror(errno);
+  }
+  std::string name;
+  const int fd = temporary_beside(path, name);
   if (fd < 0) return "cannot write " + path + ": " + std::strerror(errno);
   ::close(fd);
-  ::unlink(probe.c_str());
+  ::unlink(name.c_str());
   return "";
 }
 

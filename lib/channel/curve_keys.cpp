@@ -97,17 +97,26 @@ int write_key_files(const std::string& dir, const std::string& name, const KeyFi
 }
 
 bool read_key_file(const std::string& path, bool need_secret, KeyFile& out, std::string& error) {
-  // Open first, then look at what was opened: the file checked is the file read. O_NONBLOCK keeps a FIFO
-  // from holding the open; it has no effect on a regular file.
+  // Only a regular file is opened (never a device or a FIFO), and what was opened is looked at again:
+  // the file checked is the file read, even when the name was swapped in between.
+  struct stat named {};
+  if (::stat(path.c_str(), &named) != 0) {
+    error = "key file '" + path + "': " + std::strerror(errno);
+    return false;
+  }
+  if (!S_ISREG(named.st_mode)) {
+    error = "key file '" + path + "' is not a regular file";
+    return false;
+  }
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (fd < 0) {
     error = "key file '" + path + "': " + std::strerror(errno);
     return false;
   }
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_dev != named.st_dev || st.st_ino != named.st_ino) {
     ::close(fd);
-    error = "key file '" + path + "' is not a regular file";
+    error = "key file '" + path + "' changed while it was opened: not read";
     return false;
   }
   std::string text;

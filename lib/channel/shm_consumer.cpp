@@ -110,11 +110,11 @@ std::vector<std::uint64_t> ShmConsumer::retired() const {
 
 void ShmConsumer::retire_made_by(std::int64_t pid) {
   // The pid in a pool's id is the producer's own view of itself: it names the process `pid` names
-  // only when the pool was made in this process's PID namespace.
+  // only when the pool was made in this process's PID namespace (0: a producer that did not say).
   const std::uint64_t here = pid_namespace_id();
   blockflow::detail::MutexLock lock(&impl_->mu);
   for (const auto& [id, mapping] : impl_->pools) {
-    if (shm_pool_producer(id) == pid && mapping->maker_namespace == here) {
+    if (shm_pool_producer(id) == pid && (mapping->maker_namespace == here || mapping->maker_namespace == 0)) {
       pool_retired(mapping->base)->store(1, std::memory_order_release);
     }
   }

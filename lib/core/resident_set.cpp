@@ -161,7 +161,12 @@ bool ResidentSet::make_room_locked(std::int64_t need, int except, Evicted& unloa
   });
   std::size_t taken = 0;
   while (free < need && taken < candidates.size()) free += candidates[taken++].entry->footprint;
-  if (free < need && !partly) return false;  // running blocks hold the rest: wait for one to finish
+  if (free < need) {
+    if (!partly) return false;  // running blocks hold the rest: wait for one to finish
+    // After the fact, and short of room whatever goes: idle blocks only (one with requests queued
+    // would load again at once, into the same shortage). They come first in the order.
+    while (taken > 0 && candidates[taken - 1].queued) free -= candidates[--taken].entry->footprint;
+  }
   // kProcess: for the growth, more idle blocks only (never one with requests queued). A prefetch
   // loads only if that makes the room; otherwise, every idle block taken, the block loads all the
   // same (it fits the budget by the footprints): waiting would not shrink that growth.

@@ -3,6 +3,8 @@
 // MALLOC_* ones are applied with mallopt()), and the working directory, umask and resource limits
 // the application has when it asks, as an exec'd worker would inherit them.
 #include <blockflow/worker/detail/fork_server.hpp>
+#include <blockflow/worker/detail/launch_worker.hpp>
+#include <blockflow/core/detail/utf8_text.hpp>
 
 #include <fcntl.h>
 #include <malloc.h>
@@ -10,7 +12,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <string>
 
@@ -70,7 +75,8 @@ void apply_malloc_environment(const std::vector<std::string>& environment) {
 nlohmann::json process_context() {
   nlohmann::json out = nlohmann::json::object();
   if (char* cwd = ::getcwd(nullptr, 0); cwd != nullptr) {
-    out["cwd"] = std::string(cwd);
+    // JSON carries UTF-8 only: a directory named otherwise is not sent (the worker keeps the server's).
+    if (const std::string dir = cwd; utf8_or_replaced(dir) == dir) out["cwd"] = dir;
     std::free(cwd);
   }
   if (const int mask = current_umask(); mask >= 0) out["umask"] = mask;
@@ -87,7 +93,13 @@ nlohmann::json process_context() {
 void apply_process_context(const nlohmann::json& context) {
   if (!context.is_object()) return;
   // Best effort, as far as the server's own state allows (a hard limit it lowered cannot rise).
-  if (context.contains("cwd") && context["cwd"].is_string()) (void)::chdir(context["cwd"].get<std::string>().c_str());
+  if (context.contains("cwd") && context["cwd"].is_string()) {
+    const std::string dir = context["cwd"].get<std::string>();
+    if (::chdir(dir.c_str()) != 0) {
+      std::fprintf(stderr, "%s: cannot enter the application's working directory '%s': %s (it keeps the fork server's)\n",
+                   worker_label().c_str(), dir.c_str(), std::strerror(errno));
+    }
+  }
   if (context.contains("umask") && context["umask"].is_number_integer()) ::umask(static_cast<mode_t>(context["umask"].get<int>() & 0777));
   if (context.contains("rlimits") && context["rlimits"].is_array()) {
     for (const auto& l : context["rlimits"]) {
