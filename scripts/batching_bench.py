@@ -96,7 +96,9 @@ def sweep(loadgen, models, max_batch, rates, duration, delay_ms, threads, lanes=
     try:
         out = subprocess.run([loadgen, "--deployment", path, "--sweep", ",".join(str(r) for r in rates),
                               "--duration", str(duration), "--lanes", str(lanes), "--quiet"],
-                             capture_output=True, text=True, check=True)
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit(f"blockflow-loadgen exited with status {out.returncode}: {out.stderr[-2000:]}")
     finally:
         os.unlink(path)
     runs = [json.loads(l) for l in out.stdout.splitlines() if l.startswith('{"bench":"loadgen"') or '"loadgen"' in l]

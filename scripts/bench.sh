@@ -154,8 +154,11 @@ for name in "$@"; do
       "$PYTHON" "$ROOT/scripts/export_models.py" --out "$BUILD_DIR/models" >&2
       out="$(mktemp)"
       start=$(date +%s.%N)
+      # Its progress is kept aside and shown only when it fails (the temporary files removed either way).
+      err="$(mktemp)"
       "$BUILD_DIR/tools/blockflow-profile" "$BUILD_DIR"/models/block{1,2,3,4}.pt --input 1,3,224,224 \
-        --threads "${BENCH_THREADS:-2}" --out "$out" 2>/dev/null
+        --threads "${BENCH_THREADS:-2}" --out "$out" 2>"$err" || { tail -20 "$err" >&2; rm -f "$out" "$err"; exit 1; }
+      rm -f "$err"
       end=$(date +%s.%N)
       "$PYTHON" - "$out" "$start" "$end" <<'PY'
 import json, os, sys
@@ -189,7 +192,7 @@ def run(budget_mb, prefetch=False, swap="on", measure="blocks"):
                         "--measure", measure] + footprints,
                        capture_output=True, text=True)
     lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
-    if not lines:
+    if not lines or p.returncode != 0:
         sys.exit(f"memory_budget_bench failed ({p.returncode}): {p.stderr[-2000:]}")
     line = json.loads(lines[-1])
     print(json.dumps(line), flush=True)

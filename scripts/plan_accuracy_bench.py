@@ -47,8 +47,10 @@ and {"bench":"plan_accuracy_machine","cpu":..,"cores":..,"intra_op_threads":1,"d
 usage: plan_accuracy_bench.py BUILD_DIR MODELS_DIR [--duration S]
 """
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -99,6 +101,7 @@ def main():
     tools = os.path.join(os.path.abspath(a.build), "tools")
     models = os.path.abspath(a.models)
     work = tempfile.mkdtemp(prefix="bf-plan-accuracy-")
+    atexit.register(shutil.rmtree, work, True)  # removed however the run ends
     profile = os.path.join(work, "profile.json")
 
     def profile_blocks(out, *extra):
