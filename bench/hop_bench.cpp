@@ -401,7 +401,7 @@ double memcpy_us(std::size_t bytes) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   if (argc == 4 && std::string(argv[1]) == "--cuda-receiver") return cuda_receiver(argv[2], std::stoi(argv[3]));
   if (argc == 5 && std::string(argv[1]) == "--channel-receiver") {
     return bf::bench::serve_uri_receiver(argv[2], std::stoul(argv[3]), std::stoi(argv[4]));
@@ -417,7 +417,14 @@ int main(int argc, char** argv) {
                machine, bytes, iterations, f.p50_us, f.p99_us);
   }
   auto dir = bf::detail::make_private_dir("hop");
-  if (!dir.ok()) return 1;
+  if (!dir.ok()) {
+    std::cerr << "hop_bench: " << dir.status() << "\n";
+    return 1;
+  }
+  struct Removed {  // however this ends (a measurement that throws included)
+    std::string dir;
+    ~Removed() { bf::detail::remove_private_dir(dir); }
+  } removed{*dir};
   std::map<std::size_t, double> tcp_p50_us;  // the zmq-tcp line's, for the zmq-tcp-curve line's ratio
   std::map<std::pair<std::string, std::size_t>, double> thread_p50_us;  // for the URI lines' ratios
   for (const auto& [channel, endpoint] : {std::pair<std::string, std::string>{"shm", ""},
@@ -498,6 +505,8 @@ int main(int argc, char** argv) {
   } else {
     std::cerr << "hop: no cuda lines: " << cuda.message() << "\n";
   }
-  bf::detail::remove_private_dir(*dir);
   return 0;
+} catch (const std::exception& e) {
+  std::cerr << "hop_bench: " << e.what() << "\n";
+  return 1;
 }

@@ -135,7 +135,7 @@ void measure(const std::string& server, int port, int threads_added, int trickle
     }
   }
   std::sort(latencies.begin(), latencies.end());
-  const double p50 = latencies.empty() ? -1 : latencies[latencies.size() / 2];
+  const double p50 = latencies.empty() ? -1 : bf::bench::percentile(latencies, 0.5);  // nearest rank, as every bench
   const double max = latencies.empty() ? -1 : latencies.back();
   fmt::print(R"({{"bench":"metrics_http","server":"{}",{},"threads_added":{},"tricklers":{},"trickle_ms":{},)"
              R"("scrapes":{},"scrape_p50_ms":{:.2f},"scrape_max_ms":{:.2f},"scrapes_over_5s":{}}})"

@@ -155,6 +155,8 @@ int main(int argc, char** argv) try {
   if (auto status = session.start(); !status.ok()) throw std::runtime_error(status.ToString());
   std::int64_t pid = 0;
   for (const auto& s : session.metrics().sites) pid = s.name == lost ? s.pid : pid;
+  // kill(0) would kill this process group (the bench's driver, a CI job): a worker must be found.
+  if (pid <= 0) throw std::runtime_error(fmt::format("no live worker process for site '{}' to lose", lost));
 
   const at::Tensor x = at::randn({1, 3, 224, 224});
   std::atomic<bool> run{true};
@@ -218,7 +220,7 @@ int main(int argc, char** argv) try {
   }
   nlohmann::json line = {{"bench", "replan"},
                          {"cpu", bf::bench::cpu_model()},
-                         {"cores", std::thread::hardware_concurrency()},
+                         {"hardware_threads", std::thread::hardware_concurrency()},
                          {"intra_op_threads", 1},
                          {"rate_rps_per_task", rate},
                          {"lost", lost},

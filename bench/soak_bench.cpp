@@ -481,13 +481,14 @@ int main(int argc, char** argv) try {
       fds_json += fmt::format("{}\"{}\":{}", i ? "," : "", names[i], fds >= 0 ? std::to_string(fds) : "null");
     }
     for (const auto& s : m.sites) restarts += s.restarts;
+    // Every line says the machine and the threads it was measured with; the first one the run's settings.
     const std::string head =
-        first_line ? fmt::format("\"cpu\":{},\"threads\":{},\"hardware_threads\":{},\"workers\":{},\"channel\":\"shm\","
-                                 "\"saturation_rps\":{:.2f},\"rate_rps\":{:.2f},\"duration_s\":{},\"kill_every_s\":{},"
-                                 "\"max_in_flight_per_task\":{},",
-                                 json_string(bf::bench::cpu_model()), threads, std::thread::hardware_concurrency(),
-                                 kWorkers, sat, rate, seconds, kill_every_s, max_in_flight)
-                   : "";
+        fmt::format("\"cpu\":{},\"threads\":{},\"hardware_threads\":{},", json_string(bf::bench::cpu_model()), threads,
+                    std::thread::hardware_concurrency()) +
+        (first_line ? fmt::format("\"workers\":{},\"channel\":\"shm\",\"saturation_rps\":{:.2f},\"rate_rps\":{:.2f},"
+                                  "\"duration_s\":{},\"kill_every_s\":{},\"max_in_flight_per_task\":{},",
+                                  kWorkers, sat, rate, seconds, kill_every_s, max_in_flight)
+                    : std::string());
     fmt::print("{{\"bench\":\"soak\",{}\"t_s\":{:.0f},\"sent\":{},\"completed\":{},\"failed\":{},\"lost\":{},"
                "\"outstanding\":{},\"rss_mb\":{{{}}},\"owned_mb\":{{{}}},\"private_mb\":{{{}}},\"shm_slots_in_use\":{},\"shm_slots_idle_min\":{},"
                "\"shm_objects\":{},\"shm_orphans\":{},\"fds\":{},\"worker_fds\":{{{}}},\"restarts\":{},\"version\":{}}}\n",
@@ -525,9 +526,9 @@ int main(int argc, char** argv) try {
       if (seen.created > v.created && age >= kSettledS && now - soak_origin_s >= kSettledS) {
         pools_made_late[key] += seen.created - v.created;
       }
-      fmt::print("{{\"bench\":\"soak_pools\",\"t_s\":{:.1f},\"producer\":\"{}\",\"age_s\":{:.1f},\"pools\":{},"
+      fmt::print("{{\"bench\":\"soak_pools\",{},\"threads\":{},\"t_s\":{:.1f},\"producer\":\"{}\",\"age_s\":{:.1f},\"pools\":{},"
                  "\"created\":{},\"trimmed\":{},\"slots_in_use\":{},\"slots_total\":{},\"mapped_mb\":{:.0f},\"in_flight\":{}}}\n",
-                 now - soak_origin_s, key, age, s.pools, s.pools_created, s.pools_trimmed, s.slots_in_use, s.slots_total,
+                 bf::bench::machine_json(), threads, now - soak_origin_s, key, age, s.pools, s.pools_created, s.pools_trimmed, s.slots_in_use, s.slots_total,
                  static_cast<double>(s.bytes_mapped) / (1 << 20), m.in_flight);
       v = seen;
     };
@@ -633,7 +634,7 @@ int main(int argc, char** argv) try {
   }
   const long lost = c.sent - c.completed - c.failed;
   fmt::print(
-      "{{\"bench\":\"soak\",{},\"final\":true,\"duration_s\":{:.0f},\"rate_rps\":{:.2f},\"saturation_rps\":{:.2f},"
+      "{{\"bench\":\"soak\",{},\"threads\":{},\"final\":true,\"duration_s\":{:.0f},\"rate_rps\":{:.2f},\"saturation_rps\":{:.2f},"
       "\"sent\":{},\"completed\":{},\"failed\":{},\"lost\":{},\"unexplained_failures\":{},\"errors\":{},"
       "\"kills\":{},\"kills_skipped\":{},\"restarts\":{},\"site_failed_requests\":{},\"applies\":{},\"apply_errors\":{},"
       "\"apply_ms_max\":{:.1f},\"rss_slope_mb_per_min\":{{{}}},\"owned_slope_mb_per_min\":{{{}}},\"private_slope_mb_per_min\":{{{}}},"
@@ -643,7 +644,7 @@ int main(int argc, char** argv) try {
       "\"targets\":{{\"lost_zero\":{},\"failures_name_killed_worker\":{},\"rss_slopes_under_1_mb_per_min\":{},"
       "\"owned_slopes_under_1_mb_per_min\":{},\"private_slopes_under_1_mb_per_min\":{},"
       "\"slots_back\":{},\"fds_back\":{},\"shm_orphans_back\":{}}}}}\n",
-      bf::bench::machine_json(), traffic_s, rate, sat, c.sent, c.completed, c.failed, lost, c.unexplained, ledger.errors_json(), kills,
+      bf::bench::machine_json(), threads, traffic_s, rate, sat, c.sent, c.completed, c.failed, lost, c.unexplained, ledger.errors_json(), kills,
       kills_skipped, restarts, site_failed, applies, apply_errors, apply_ms_max, slopes, owned_slopes, private_slopes, points, late, pools_created, pools_trimmed, start.slots, start.fds,
       start.objects.live, start.objects.orphaned, end.slots, end.fds, end.objects.live, end.objects.orphaned, checks, checks_without_idle, lost == 0, c.unexplained == 0, slopes_ok, owned_slopes_ok, private_slopes_ok,
       slots_back && end.slots <= start.slots, fds_back && end.fds <= start.fds,

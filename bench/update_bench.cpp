@@ -20,6 +20,7 @@
 
 #include "bench_util.hpp"
 
+#include <blockflow/core/detail/flag_number.hpp>
 #include <blockflow/blockflow.hpp>
 #include <blockflow/worker/worker_site.hpp>
 #include <blockflow/deploy/deployment.hpp>
@@ -51,9 +52,9 @@ int main(int argc, char** argv) try {
   int updates = 10, threads = 2;
   bf::bench::parse_options(argc, argv, [&](const std::string& a, const std::string& v) {
     if (a == "--models") models = v;
-    else if (a == "--rate") rate = std::stod(v);
-    else if (a == "--updates") updates = std::stoi(v);
-    else if (a == "--threads") threads = std::stoi(v);
+    else if (a == "--rate") rate = bf::detail::flag_number(a, v, 0.1, 1e5);
+    else if (a == "--updates") updates = bf::detail::flag_number(a, v, 1, 100000);
+    else if (a == "--threads") threads = bf::detail::flag_number(a, v, 1, 1024);
     else return false;
     return true;
   });
@@ -93,6 +94,15 @@ int main(int argc, char** argv) try {
   });
   struct Timing {
     std::vector<double> apply, load, route;
+    long sent = 0, failed = 0;  // requests sent while its updates applied and settled, and those of them that failed
+  };
+  // Runs `step` (an update and its settling time) and counts the requests sent and failed meanwhile
+  // to `t`: adds and removes take turns, so each kind's line gets its own.
+  auto counted = [&](Timing& t, const auto& step) {
+    const long s0 = sent.load(), f0 = failed.load();
+    step();
+    t.sent += sent.load() - s0;
+    t.failed += failed.load() - f0;
   };
   auto timed_apply = [&](const bf::Deployment& d, Timing& t) {
     const auto t0 = Clock::now();
@@ -103,7 +113,7 @@ int main(int argc, char** argv) try {
     t.load.push_back(last.load_ms);
     t.route.push_back(last.route_ms);
   };
-  long sent_before = 0, failed_before = 0;  // at the previous line
+  long lost_before = 0;  // unresolved at the previous line: a line counts the requests lost since
   auto report = [&](const char* kind, int blocks_changed, int rerouted, const Timing& t) {
     const std::vector<double>& ms = t.apply;
     // Let what is in flight finish before counting: the first moment nothing is (sent read first,
@@ -117,34 +127,40 @@ int main(int argc, char** argv) try {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     const long failed_now = failed.load();
+    const long lost = std::max(0L, outstanding - lost_before);
     fmt::print("{{\"bench\":\"update\",\"kind\":\"{}\",\"blocks_changed\":{},\"tasks_rerouted\":{},\"updates\":{},"
                "\"apply_ms_p50\":{:.3f},\"apply_ms_max\":{:.3f},\"load_ms_p50\":{:.3f},\"route_ms_p50\":{:.3f},"
                "\"lost\":{},\"failed\":{},\"requests\":{},\"failed_total\":{},\"requests_total\":{},\"rate_per_s\":{},"
                "\"threads_per_block\":{},{}}}\n",
                kind, blocks_changed, rerouted, ms.size(), bf::bench::percentile(ms, 0.5),
                *std::max_element(ms.begin(), ms.end()), bf::bench::percentile(t.load, 0.5),
-               bf::bench::percentile(t.route, 0.5), outstanding, failed_now - failed_before, sent_now - sent_before,
-               failed_now, sent_now, rate, threads, bf::bench::machine_json());
+               bf::bench::percentile(t.route, 0.5), lost, t.failed, t.sent, failed_now, sent_now, rate, threads,
+               bf::bench::machine_json());
     std::fflush(stdout);
-    sent_before = sent_now;
-    failed_before = failed_now;
+    lost_before = outstanding;
   };
 
   std::this_thread::sleep_for(std::chrono::seconds(1));
   Timing reroute;
   for (int u = 0; u < updates; ++u) {
-    timed_apply(deployment(u % 2 == 0 ? "head_b" : "block4", false), reroute);
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    counted(reroute, [&] {
+      timed_apply(deployment(u % 2 == 0 ? "head_b" : "block4", false), reroute);
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    });
   }
   report("reroute", 0, 1, reroute);
 
   for (const std::string placement : {"", "wm"}) {
     Timing add, remove;
     for (int u = 0; u < std::max(1, updates / 4); ++u) {
-      timed_apply(deployment("block4", true, placement), add);
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
-      timed_apply(deployment("block4", false), remove);
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      counted(add, [&] {
+        timed_apply(deployment("block4", true, placement), add);
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      });
+      counted(remove, [&] {
+        timed_apply(deployment("block4", false), remove);
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      });
     }
     report(placement.empty() ? "add" : "add_worker", 1, 0, add);
     report(placement.empty() ? "remove" : "remove_worker", 1, 0, remove);
