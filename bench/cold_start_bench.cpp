@@ -44,6 +44,12 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <map>
 #include <sstream>
 
@@ -187,20 +193,35 @@ Sample measure(const std::string& mode, const std::string& models, int threads, 
                                                                    : std::vector<std::string>{});
   ::close(from_child[1]);
   ::close(devnull);
-  FILE* out = ::fdopen(from_child[0], "r");
-  char line[256] = {};
+  // The child's lines, read as they come, for up to 5 minutes: a child that hangs is killed, not waited on.
+  constexpr std::int64_t kChildLimitNs = 300'000'000'000;
   Sample s;
-  bool got = false;
-  while (std::fgets(line, sizeof line, out) != nullptr) {
-    if (std::sscanf(line, "first_result %lf %lf %lf", &s.start_ms, &s.internal_ms, &s.request_ms) == 3) {
-      s.first_result_ms = static_cast<double>(bf::detail::now_ns() - t0) / 1e6;
-      got = true;
+  bool got = false, hung = false;
+  std::string text;
+  while (!got) {
+    const std::int64_t left_ms = (t0 + kChildLimitNs - bf::detail::now_ns()) / 1'000'000;
+    pollfd p{from_child[0], POLLIN, 0};
+    if (left_ms <= 0 || ::poll(&p, 1, static_cast<int>(left_ms)) == 0) {
+      hung = true;
       break;
     }
+    char chunk[256];
+    const ssize_t n = ::read(from_child[0], chunk, sizeof chunk);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;  // the child closed its end (it ended)
+    text.append(chunk, static_cast<std::size_t>(n));
+    for (std::size_t eol; !got && (eol = text.find('\n')) != std::string::npos; text.erase(0, eol + 1)) {
+      if (std::sscanf(text.substr(0, eol).c_str(), "first_result %lf %lf %lf", &s.start_ms, &s.internal_ms, &s.request_ms) == 3) {
+        s.first_result_ms = static_cast<double>(bf::detail::now_ns() - t0) / 1e6;
+        got = true;
+      }
+    }
   }
-  std::fclose(out);
+  ::close(from_child[0]);
+  if (hung) ::kill(pid, SIGKILL);
   int status = 0;
   ::waitpid(pid, &status, 0);
+  if (hung) throw std::runtime_error(fmt::format("cold_start: the {} child gave no first result within 5 minutes: killed", mode));
   if (!got) throw std::runtime_error(fmt::format("cold_start: the {} child gave no first result", mode));
   return s;
 }

@@ -356,7 +356,9 @@ double saturation_rps(bf::Session& session, const bf::Tensor& x, double seconds,
     });
   }
   std::unique_lock lock(mu);
-  cv.wait(lock, [&] { return in_flight == 0; });
+  if (!cv.wait_for(lock, std::chrono::minutes(2), [&] { return in_flight == 0; })) {
+    throw std::runtime_error(fmt::format("saturation: {} requests still unresolved 2 minutes after the last was sent", in_flight));
+  }
   return static_cast<double>(counted) / (seconds - warm_s);
 }
 
