@@ -11,8 +11,9 @@
 // the same bytes (p50), measured in the same run. socketpair: the floor under zmq-ipc, the same
 // bytes through a bare AF_UNIX stream socket pair between two threads (no ZeroMQ, a reused buffer).
 // zmq-tcp-curve: zmq-tcp with the data sockets talking CURVE (encrypted and authenticated, as a
-// joined worker's and a remote client's do); its line has "over_zmq_tcp", its p50 over the zmq-tcp
-// line's at the same size, measured just before.
+// joined worker's and a remote client's do); its line has "over_zmq_tcp", its p50 over plain zmq-tcp
+// at the same size ("zmq_tcp_p50_us": the lower of that line's and a measurement again right after). memcpy_us times many copies
+// per sample at small sizes, so that the clock's cost does not count.
 //
 // shm: the zero-copy channel as workers use it, over its data link (an AF_UNIX SOCK_SEQPACKET
 // socket pair, detail/packet_link.hpp), with the producer's tensor allocated in a shared-memory
@@ -386,15 +387,21 @@ std::vector<CudaHop> measure_cuda(const char* self, const std::string& dir, cons
   return out;
 }
 
+// One memcpy of `bytes`: the median of 21 samples, each timing enough copies (about 1 MB of them,
+// 1000 at most) that the clock's own cost, near a 4 KB copy's, does not count.
 double memcpy_us(std::size_t bytes) {
   std::vector<char> src(bytes, 1), dst(bytes, 2);
+  const int copies = static_cast<int>(std::clamp<std::size_t>((std::size_t{1} << 20) / std::max<std::size_t>(bytes, 1), 1, 1000));
   std::vector<double> samples;
   for (int i = 0; i < 21; ++i) {
     const std::int64_t t0 = bf::detail::now_ns();
-    std::memcpy(dst.data(), src.data(), bytes);
+    for (int c = 0; c < copies; ++c) {
+      src[static_cast<std::size_t>(c) % bytes] = 1;  // a store between copies: each copy is done again
+      std::memcpy(dst.data(), src.data(), bytes);
+    }
     const std::int64_t t1 = bf::detail::now_ns();
-    samples.push_back(static_cast<double>(t1 - t0) / 1e3);
-    if (dst[bytes / 2] != 1) std::abort();  // keeps the copy from being optimised away
+    samples.push_back(static_cast<double>(t1 - t0) / 1e3 / copies);
+    if (dst[bytes / 2] != 1) std::abort();  // keeps the copies from being optimised away
   }
   return bf::bench::percentile(samples, 0.5);
 }
@@ -425,7 +432,6 @@ int main(int argc, char** argv) try {
     std::string dir;
     ~Removed() { bf::detail::remove_private_dir(dir); }
   } removed{*dir};
-  std::map<std::size_t, double> tcp_p50_us;  // the zmq-tcp line's, for the zmq-tcp-curve line's ratio
   std::map<std::pair<std::string, std::size_t>, double> thread_p50_us;  // for the URI lines' ratios
   for (const auto& [channel, endpoint] : {std::pair<std::string, std::string>{"shm", ""},
                                           std::pair<std::string, std::string>{"shm-copy", ""},
@@ -448,9 +454,12 @@ int main(int argc, char** argv) try {
       // that never spins, as a pipeline stage's whose packets come milliseconds apart: each hop
       // pays a thread's wake-up.
       std::string extra;  // fields of one channel's line only
-      if (channel == "zmq-tcp") tcp_p50_us[bytes] = f.p50_us;
       thread_p50_us[{channel, bytes}] = f.p50_us;
-      if (channel == "zmq-tcp-curve") extra = fmt::format(",\"over_zmq_tcp\":{:.2f}", f.p50_us / tcp_p50_us.at(bytes));
+      if (channel == "zmq-tcp-curve") {  // against plain zmq-tcp: the lower of its line above and again now
+        const double plain = std::min(thread_p50_us.at({"zmq-tcp", bytes}),
+                                      measure_zmq(endpoint, bytes, n, Shm::kNone, false).p50_us);
+        extra = fmt::format(",\"over_zmq_tcp\":{:.2f},\"zmq_tcp_p50_us\":{:.3f}", f.p50_us / plain, plain);
+      }
       if (channel == "shm") {
         extra = fmt::format(",\"spin_us\":{},\"asleep_p50_us\":{:.3f}", absl::ToInt64Microseconds(kSpin),
                              measure_link(bytes, n, Shm::kLease, absl::ZeroDuration()).p50_us);
@@ -462,7 +471,9 @@ int main(int argc, char** argv) try {
     }
   }
   // The public channels, opened by URI in two processes (uri_hop.hpp). "over_threads": p50 over the
-  // line of the same machinery between two threads above (shm, zmq-ipc, zmq-tcp), same size.
+  // same machinery between two threads (shm, zmq-ipc, zmq-tcp), same size ("threads_p50_us"): the
+  // lower of its line above and a measurement again just before, so that a moment of noise on the
+  // baseline's side does not flatter the URI channel.
   for (const auto& [channel, uri] :
        {std::pair<std::string, std::string>{"shm", fmt::format("shm://hop-bench-{}", ::getpid())},
         std::pair<std::string, std::string>{"zmq-ipc", fmt::format("ipc://hop-bench-{}", ::getpid())},
@@ -470,10 +481,14 @@ int main(int argc, char** argv) try {
     if (cuda_only) break;
     for (std::size_t bytes : sizes) {
       const int n = bytes > 50'000'000 ? 30 : bytes > 1'000'000 ? 500 : std::min(iterations, 5000);
+      const double again = channel == "shm" ? measure_link(bytes, n, Shm::kLease).p50_us
+                           : channel == "zmq-ipc" ? measure_zmq("ipc://" + *dir + "/again", bytes, n, Shm::kNone, false).p50_us
+                                                  : measure_zmq("tcp://127.0.0.1:*", bytes, n, Shm::kNone, false).p50_us;
+      const double threads = std::min(again, thread_p50_us.at({channel, bytes}));
       const auto f = bf::bench::measure_uri(uri, bytes, n);
       fmt::print("{{\"bench\":\"hop\",{},\"channel\":\"{}\",\"uri\":\"{}\",\"processes\":2,\"bytes\":{},\"iterations\":{},"
-                 "\"p50_us\":{:.3f},\"p99_us\":{:.3f},\"over_threads\":{:.2f},\"socketpair_p50_us\":{:.3f}}}\n",
-                 machine, channel + "-uri", uri, bytes, n, f.p50_us, f.p99_us, f.p50_us / thread_p50_us.at({channel, bytes}),
+                 "\"p50_us\":{:.3f},\"p99_us\":{:.3f},\"over_threads\":{:.2f},\"threads_p50_us\":{:.3f},\"socketpair_p50_us\":{:.3f}}}\n",
+                 machine, channel + "-uri", uri, bytes, n, f.p50_us, f.p99_us, f.p50_us / threads, threads,
                  thread_p50_us.at({"socketpair", bytes}));
     }
   }
