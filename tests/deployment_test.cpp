@@ -143,6 +143,8 @@ TEST_CASE("malformed deployments are rejected whole, naming the fault", "[deploy
   // Within what the process can do: no OpenMP team of a million threads, no deadline past int64.
   CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "factory": "f", "intra_op_threads": 1000000}], "tasks": {}})"),
              Contains("block 'b': intra_op_threads must be from 0 to 1024"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "factory": "f", "input_shapes": [[-2, 3]]}], "tasks": {}})"),
+             Contains("block 'b': input_shapes[0] has dimension -2"));
   CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "factory": "f", "max_batch": 8, "max_batch_delay_ms": 1e300}], "tasks": {}})"),
              Contains("block 'b': max_batch_delay_ms must be from 0 to 60000"));
   CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "torchscript": "x.pt", "freeze": false, "optimize_for_inference": true}],

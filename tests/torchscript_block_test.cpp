@@ -2,6 +2,7 @@
 #include "test_util.hpp"
 
 #include <blockflow/core/detail/build_scope.hpp>
+#include <blockflow/core/detail/opaque_layout.hpp>
 #include <blockflow/core/detail/session_core.hpp>
 
 #include <fmt/format.h>
@@ -150,4 +151,28 @@ TEST_CASE("blocks build largest TorchScript file first; C++ blocks and unreadabl
   REQUIRE(by_size[1].first > by_size[2].first);
   const std::vector<std::size_t> expected = {by_size[0].second, by_size[1].second, by_size[2].second, 2, 3, 5};
   CHECK(blockflow::detail::build_order(pointers) == expected);
+}
+
+TEST_CASE("a block's layout variants take the forward's inputs as forward() does, and any legal block name",
+          "[torchscript]") {
+  // "stage." is a legal block name (names.hpp) that a qualified name of the block's own would refuse.
+  for (const char* name : {"b1", "stage."}) {
+    INFO(name);
+    BlockOptions options;
+    options.input_shapes = {{-1, 3, 16, 16}};
+    auto loaded = load_torchscript_block(name, test::model_path("cnn_block1.pt"), options);
+    REQUIRE(loaded.ok());
+    auto* layout = dynamic_cast<blockflow::detail::OpaqueLayout*>(loaded->get());
+    REQUIRE(layout != nullptr);
+    Block& block = **loaded;
+    REQUIRE(layout->gives_opaque());  // optimised for inference on this CPU: a variant without the exit reorder
+    const Tensor x = at::randn({1, 3, 16, 16});
+    auto dense = block.forward({x});
+    REQUIRE(dense.ok());
+    auto opaque = layout->forward_layout({x}, /*opaque_output=*/true);
+    REQUIRE(opaque.ok());
+    CHECK(at::allclose(opaque->front().to_dense(), dense->front(), 1e-4, 1e-5));
+    // One input too many: refused as forward() refuses it (the variant alone would bind the last).
+    CHECK_THROWS_WITH(layout->forward_layout({x, x}, true), Contains("argument"));
+  }
 }

@@ -62,6 +62,9 @@ absl::Status validate(const std::string& block, const BlockOptions& o) {
   }
   if (o.warmup_runs < 0) return bad("warmup_runs must be >= 0");
   for (std::size_t i = 0; i < o.input_shapes.size(); ++i) {
+    for (const std::int64_t d : o.input_shapes[i]) {
+      if (d < -1) return bad(fmt::format("input_shapes[{}] has dimension {}: -1 (any size) is the only negative one", i, d));
+    }
     if (!detail::warm_up_elements(o.input_shapes[i])) {
       return bad(fmt::format("input_shapes[{}] has more elements than 64 bits count", i));
     }

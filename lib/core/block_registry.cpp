@@ -89,7 +89,12 @@ absl::Status load_plugin(const std::string& path) {
   using RegisterFn = void (*)(BlockRegistry&);
   auto fn = reinterpret_cast<RegisterFn>(::dlsym(handle, "blockflow_register_blocks"));
   if (fn == nullptr) return absl::NotFoundError(fmt::format("plugin '{}' does not export blockflow_register_blocks", path));
-  fn(BlockRegistry::global());
+  try {
+    fn(BlockRegistry::global());
+  } catch (...) {  // a Status function: whatever the plugin throws is its refusal, named
+    return absl::InvalidArgumentError(
+        fmt::format("plugin '{}': blockflow_register_blocks threw: {}", path, detail::current_exception_text()));
+  }
   return absl::OkStatus();
 }
 

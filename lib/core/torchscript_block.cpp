@@ -1,4 +1,6 @@
 #include <blockflow/core/torchscript_block.hpp>
+#include <blockflow/core/detail/exception_text.hpp>
+#include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/opaque_layout.hpp>
 #include <blockflow/core/detail/weight_swap.hpp>
 
@@ -136,8 +138,9 @@ class TorchScriptBlock final : public Block, public detail::OpaqueLayout {
       const bool opaque_in = (v & 2) != 0;
       const bool opaque_out = (v & 1) != 0;
       if ((opaque_in && !in) || (opaque_out && !out)) continue;
+      // A fixed qualified name: the block's own may hold ".." or end in ".", which c10 refuses.
       variants_[static_cast<std::size_t>(v)] = std::make_unique<torch::jit::GraphFunction>(
-          fmt::format("blockflow.{}.forward_{}{}", name(), opaque_in ? "opaque" : "dense", opaque_out ? "_opaque" : ""),
+          fmt::format("blockflow.variant.forward_{}{}", opaque_in ? "opaque" : "dense", opaque_out ? "_opaque" : ""),
           without_reorders(*graph, opaque_in, opaque_out), nullptr);
     }
   }
@@ -163,6 +166,9 @@ class TorchScriptBlock final : public Block, public detail::OpaqueLayout {
       stack.emplace_back(module_._ivalue());
       for (auto& t : inputs) stack.emplace_back(std::move(t));
       inputs.clear();
+      // As forward() does: the inputs checked against its signature (too many, wrong types) and its
+      // defaults filled in. A variant's graph alone would bind whatever the stack holds.
+      module_.get_method("forward").function().getSchema().checkAndNormalizeInputs(stack, {});
       variant->run(stack);
       value = torch::jit::pop(stack);
     }
@@ -202,23 +208,43 @@ absl::StatusOr<std::shared_ptr<Block>> load_torchscript_block(std::string name, 
   } catch (const c10::Error& e) {
     return absl::InvalidArgumentError(fmt::format("block '{}': '{}' is not a loadable TorchScript file: {}", name,
                                                   file, e.what_without_backtrace()));
+  } catch (...) {  // e.g. torch::jit::ErrorReport (a model from a newer PyTorch), std::bad_alloc
+    return absl::InvalidArgumentError(fmt::format("block '{}': '{}' is not a loadable TorchScript file: {}", name,
+                                                  file, detail::current_exception_text()));
   }
   module.eval();
   bool optimized = false;
   if (ts_options.freeze) {
+    // Some modules (e.g. with attributes mutated in forward) cannot be frozen: run them as loaded.
+    // optimize_for_inference() rewrites the graph it is given in place: it works on a copy, so that
+    // one of its passes failing half way leaves the frozen module as it was, which then runs.
+    bool frozen = false;
     try {
       module = torch::jit::freeze(module);
-      if (ts_options.optimize_for_inference && device.is_cpu()) {
-        module = torch::jit::optimize_for_inference(module);
+      frozen = true;
+    } catch (...) {
+      detail::log(LogLevel::kWarning, fmt::format("block '{}': '{}' cannot be frozen ({}): it runs as loaded", name, file,
+                                          detail::current_exception_text()));
+    }
+    if (frozen && ts_options.optimize_for_inference && device.is_cpu()) {
+      try {
+        torch::jit::Module copy = module.clone();
+        module = torch::jit::optimize_for_inference(copy);
         optimized = true;
+      } catch (...) {
+        detail::log(LogLevel::kWarning, fmt::format("block '{}': optimize_for_inference failed on '{}' ({}): it runs frozen, "
+                                            "unoptimised", name, file, detail::current_exception_text()));
       }
-    } catch (const c10::Error&) {
-      // Some modules (e.g. with attributes mutated in forward) cannot be frozen: run them as loaded.
     }
   }
-  auto block = std::make_shared<TorchScriptBlock>(std::move(name), std::move(options), std::move(module));
-  if (optimized) block->find_reorders();
-  return std::shared_ptr<Block>(std::move(block));
+  const std::string block_name = name;
+  try {
+    auto block = std::make_shared<TorchScriptBlock>(std::move(name), std::move(options), std::move(module));
+    if (optimized) block->find_reorders();
+    return std::shared_ptr<Block>(std::move(block));
+  } catch (...) {
+    return absl::InternalError(fmt::format("block '{}' from '{}': {}", block_name, file, detail::current_exception_text()));
+  }
 }
 
 }  // namespace blockflow
