@@ -201,7 +201,9 @@ Sample measure(const std::string& mode, const std::string& models, int threads, 
   while (!got) {
     const std::int64_t left_ms = (t0 + kChildLimitNs - bf::detail::now_ns()) / 1'000'000;
     pollfd p{from_child[0], POLLIN, 0};
-    if (left_ms <= 0 || ::poll(&p, 1, static_cast<int>(left_ms)) == 0) {
+    const int ready = left_ms <= 0 ? 0 : ::poll(&p, 1, static_cast<int>(left_ms));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) {
       hung = true;
       break;
     }
@@ -219,8 +221,17 @@ Sample measure(const std::string& mode, const std::string& models, int threads, 
   }
   ::close(from_child[0]);
   if (hung) ::kill(pid, SIGKILL);
+  // The child ends after its first result: one that has not within a minute is killed, not waited on.
   int status = 0;
-  ::waitpid(pid, &status, 0);
+  const std::int64_t until = bf::detail::now_ns() + 60'000'000'000;
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    if (bf::detail::now_ns() > until) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      break;
+    }
+    ::usleep(10'000);
+  }
   if (hung) throw std::runtime_error(fmt::format("cold_start: the {} child gave no first result within 5 minutes: killed", mode));
   if (!got) throw std::runtime_error(fmt::format("cold_start: the {} child gave no first result", mode));
   return s;

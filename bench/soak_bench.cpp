@@ -342,9 +342,21 @@ double saturation_rps(bf::Session& session, const bf::Tensor& x, double seconds,
   long counted = 0;
   const auto t0 = Clock::now();
   const double warm_s = std::min(5.0, seconds / 4);
+  // Requests that do not come back within 2 minutes end the bench: the session is shut down first,
+  // which resolves them, so that no callback outlives the locals it uses.
+  auto give_up = [&](std::unique_lock<std::mutex>& lock, const std::string& what) {
+    const int stuck = in_flight;
+    lock.unlock();
+    session.shutdown();
+    lock.lock();
+    cv.wait(lock, [&] { return in_flight == 0; });
+    throw std::runtime_error(fmt::format("saturation: {} requests still unresolved 2 minutes {}", stuck, what));
+  };
   while (seconds_since(t0) < seconds) {
     std::unique_lock lock(mu);
-    cv.wait(lock, [&] { return in_flight < window; });  // woken by a completion
+    if (!cv.wait_for(lock, std::chrono::minutes(2), [&] { return in_flight < window; })) {  // woken by a completion
+      give_up(lock, "into the run");
+    }
     ++in_flight;
     lock.unlock();
     session.submit("task_a", {x}, [&](bf::Result&&) {
@@ -356,9 +368,7 @@ double saturation_rps(bf::Session& session, const bf::Tensor& x, double seconds,
     });
   }
   std::unique_lock lock(mu);
-  if (!cv.wait_for(lock, std::chrono::minutes(2), [&] { return in_flight == 0; })) {
-    throw std::runtime_error(fmt::format("saturation: {} requests still unresolved 2 minutes after the last was sent", in_flight));
-  }
+  if (!cv.wait_for(lock, std::chrono::minutes(2), [&] { return in_flight == 0; })) give_up(lock, "after the last was sent");
   return static_cast<double>(counted) / (seconds - warm_s);
 }
 

@@ -29,6 +29,7 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <deque>
 #include <chrono>
 #include <iostream>
 #include <random>
@@ -82,27 +83,35 @@ int main(int argc, char** argv) try {
   for (auto& p : first.paths()) session.add_path(std::move(p));
   if (auto status = session.start(); !status.ok()) throw std::runtime_error(status.ToString());
 
-  // Poisson traffic on task_a for the whole run.
+  // Each update kind's requests: those sent while its updates applied and settled, and of them the
+  // ones that failed and those still unresolved, whenever they resolve (adds and removes take turns).
+  struct Window {
+    std::atomic<long> sent{0}, failed{0}, resolved{0};
+  };
+  struct Timing {
+    std::vector<double> apply, load, route;
+    Window requests;
+  };
+  // Poisson traffic on task_a for the whole run; each request counted to the window open when it was sent.
   std::atomic<long> sent{0}, resolved{0}, failed{0};
+  std::atomic<Window*> open_window{nullptr};
   const bf::Tensor x = at::randn({1, 3, 224, 224});
   bf::bench::PoissonTraffic traffic(rate, [&] {
     ++sent;
-    session.submit("task_a", {x}, [&](bf::Result&& r) {
+    Window* window = open_window.load();
+    if (window != nullptr) ++window->sent;
+    session.submit("task_a", {x}, [&, window](bf::Result&& r) {
       if (!r.ok()) ++failed;
+      if (window != nullptr && !r.ok()) ++window->failed;
+      if (window != nullptr) ++window->resolved;
       ++resolved;
     });
   });
-  struct Timing {
-    std::vector<double> apply, load, route;
-    long sent = 0, failed = 0;  // requests sent while its updates applied and settled, and those of them that failed
-  };
-  // Runs `step` (an update and its settling time) and counts the requests sent and failed meanwhile
-  // to `t`: adds and removes take turns, so each kind's line gets its own.
+  // Runs `step` (an update and its settling time) with `t`'s window open.
   auto counted = [&](Timing& t, const auto& step) {
-    const long s0 = sent.load(), f0 = failed.load();
+    open_window = &t.requests;
     step();
-    t.sent += sent.load() - s0;
-    t.failed += failed.load() - f0;
+    open_window = nullptr;
   };
   auto timed_apply = [&](const bf::Deployment& d, Timing& t) {
     const auto t0 = Clock::now();
@@ -113,7 +122,6 @@ int main(int argc, char** argv) try {
     t.load.push_back(last.load_ms);
     t.route.push_back(last.route_ms);
   };
-  long lost_before = 0;  // unresolved at the previous line: a line counts the requests lost since
   auto report = [&](const char* kind, int blocks_changed, int rerouted, const Timing& t) {
     const std::vector<double>& ms = t.apply;
     // Let what is in flight finish before counting: the first moment nothing is (sent read first,
@@ -127,21 +135,21 @@ int main(int argc, char** argv) try {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     const long failed_now = failed.load();
-    const long lost = std::max(0L, outstanding - lost_before);
+    const long lost = t.requests.sent.load() - t.requests.resolved.load();  // this kind's, unresolved after the wait
     fmt::print("{{\"bench\":\"update\",\"kind\":\"{}\",\"blocks_changed\":{},\"tasks_rerouted\":{},\"updates\":{},"
                "\"apply_ms_p50\":{:.3f},\"apply_ms_max\":{:.3f},\"load_ms_p50\":{:.3f},\"route_ms_p50\":{:.3f},"
                "\"lost\":{},\"failed\":{},\"requests\":{},\"failed_total\":{},\"requests_total\":{},\"rate_per_s\":{},"
                "\"threads_per_block\":{},{}}}\n",
                kind, blocks_changed, rerouted, ms.size(), bf::bench::percentile(ms, 0.5),
                *std::max_element(ms.begin(), ms.end()), bf::bench::percentile(t.load, 0.5),
-               bf::bench::percentile(t.route, 0.5), lost, t.failed, t.sent, failed_now, sent_now, rate, threads,
-               bf::bench::machine_json());
+               bf::bench::percentile(t.route, 0.5), lost, t.requests.failed.load(), t.requests.sent.load(), failed_now,
+               sent_now, rate, threads, bf::bench::machine_json());
     std::fflush(stdout);
-    lost_before = outstanding;
   };
 
   std::this_thread::sleep_for(std::chrono::seconds(1));
-  Timing reroute;
+  std::deque<Timing> timings;  // each kind's, alive until the session has resolved every request
+  Timing& reroute = timings.emplace_back();
   for (int u = 0; u < updates; ++u) {
     counted(reroute, [&] {
       timed_apply(deployment(u % 2 == 0 ? "head_b" : "block4", false), reroute);
@@ -151,7 +159,8 @@ int main(int argc, char** argv) try {
   report("reroute", 0, 1, reroute);
 
   for (const std::string placement : {"", "wm"}) {
-    Timing add, remove;
+    Timing& add = timings.emplace_back();
+    Timing& remove = timings.emplace_back();
     for (int u = 0; u < std::max(1, updates / 4); ++u) {
       counted(add, [&] {
         timed_apply(deployment("block4", true, placement), add);

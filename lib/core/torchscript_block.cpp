@@ -216,24 +216,30 @@ absl::StatusOr<std::shared_ptr<Block>> load_torchscript_block(std::string name, 
   bool optimized = false;
   if (ts_options.freeze) {
     // Some modules (e.g. with attributes mutated in forward) cannot be frozen: run them as loaded.
-    // optimize_for_inference() rewrites the graph it is given in place: it works on a copy, so that
-    // one of its passes failing half way leaves the frozen module as it was, which then runs.
+    // optimize_for_inference() rewrites the frozen graph in place (a copy would keep the frozen
+    // weights beside the reordered ones: a second copy of every weight): should one of its passes fail
+    // half way, the module is frozen again from the loaded one and runs unoptimised.
+    const torch::jit::Module loaded = module;
     bool frozen = false;
     try {
       module = torch::jit::freeze(module);
       frozen = true;
     } catch (...) {
       detail::log(LogLevel::kWarning, fmt::format("block '{}': '{}' cannot be frozen ({}): it runs as loaded", name, file,
-                                          detail::current_exception_text()));
+                                                  detail::current_exception_text()));
     }
     if (frozen && ts_options.optimize_for_inference && device.is_cpu()) {
       try {
-        torch::jit::Module copy = module.clone();
-        module = torch::jit::optimize_for_inference(copy);
+        module = torch::jit::optimize_for_inference(module);
         optimized = true;
       } catch (...) {
-        detail::log(LogLevel::kWarning, fmt::format("block '{}': optimize_for_inference failed on '{}' ({}): it runs frozen, "
-                                            "unoptimised", name, file, detail::current_exception_text()));
+        detail::log(LogLevel::kWarning, fmt::format("block '{}': optimize_for_inference failed on '{}' ({}): it runs "
+                                                    "frozen, unoptimised", name, file, detail::current_exception_text()));
+        try {
+          module = torch::jit::freeze(loaded);
+        } catch (...) {
+          module = loaded;
+        }
       }
     }
   }

@@ -77,7 +77,7 @@ inline constexpr int kMaxBatchSize = 4096;
 /// constructor, Deployment::parse(), worker configurations): a device libtorch parses and that is
 /// cpu or cuda[:N], workers >= 1, queue_capacity >= 1, intra_op_threads from 0 to 1024, max_batch
 /// from 1 to 4096, max_batch_delay_ms from 0 to 60000, warmup_runs >= 0, memory_bytes >= 0, input_shapes whose element counts
-/// fit 64 bits (a negative dimension counting as 1), cuda_graph only on a CUDA device and with
+/// fit 64 bits and whose only negative dimension is -1 (any size, counting as 1), cuda_graph only on a CUDA device and with
 /// input_shapes. InvalidArgument naming the block and the field.
 absl::Status validate(const std::string& block, const BlockOptions& options);
 

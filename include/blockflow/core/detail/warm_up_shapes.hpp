@@ -1,6 +1,6 @@
 #pragma once
-// Internal: the shapes a block's warm-up runs on. BlockOptions::input_shapes may hold a negative
-// dimension (any size); the warm-up's zeros take it as 1.
+// Internal: the shapes a block's warm-up runs on. BlockOptions::input_shapes may hold -1 (any size;
+// validate() refuses other negative dimensions); the warm-up's zeros take it as 1.
 
 #include <algorithm>
 #include <cstdint>
