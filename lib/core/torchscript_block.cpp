@@ -131,6 +131,7 @@ class TorchScriptBlock final : public Block, public detail::OpaqueLayout {
 
   // Prepares the variants of the forward graph without reorders, when the optimized graph has them.
   void find_reorders() {
+    forward_schema_ = &module_.get_method("forward").function().getSchema();  // looked up once, not per request
     const auto graph = module_.get_method("forward").graph();
     const bool in = entry_reorder(*graph) != nullptr;
     const bool out = exit_reorder(*graph) != nullptr;
@@ -168,7 +169,7 @@ class TorchScriptBlock final : public Block, public detail::OpaqueLayout {
       inputs.clear();
       // As forward() does: the inputs checked against its signature (too many, wrong types) and its
       // defaults filled in. A variant's graph alone would bind whatever the stack holds.
-      module_.get_method("forward").function().getSchema().checkAndNormalizeInputs(stack, {});
+      forward_schema_->checkAndNormalizeInputs(stack, {});
       variant->run(stack);
       value = torch::jit::pop(stack);
     }
@@ -183,6 +184,7 @@ class TorchScriptBlock final : public Block, public detail::OpaqueLayout {
   mutable bool own_packed_ = false;
   // Indexed by (opaque input ? 2 : 0) + (opaque output ? 1 : 0); [0] is the module's forward().
   std::array<std::unique_ptr<torch::jit::GraphFunction>, 4> variants_;
+  const c10::FunctionSchema* forward_schema_ = nullptr;  // the module's forward's (find_reorders()), for the variants
 };
 
 }  // namespace
