@@ -316,6 +316,42 @@ TEST_CASE("confined: a deployment from the wire may not ask for warm-ups beyond 
   CHECK_THAT(std::string(wide.status().message()), Contains("more elements than 64 bits count"));
   CHECK(Deployment::parse(R"({"blocks": [{"name": "a", "factory": "f", "input_shapes": [[200000, 100000]]}], "tasks": {"t": ["a"]}})")
             .ok());  // the application's own: its choice
+  // The bound is on bytes: 2^28 elements are 1 GiB of float32 but 2 GiB of int64.
+  CHECK(confined(R"("input_shapes": [[268435456]])").ok());
+  CHECK(confined(R"("input_shapes": [[134217728]], "input_dtypes": ["int64"])").ok());
+  auto wide_ids = confined(R"("input_shapes": [[268435456]], "input_dtypes": ["int64"])");
+  REQUIRE_FALSE(wide_ids.ok());
+  CHECK_THAT(std::string(wide_ids.status().message()), Contains("1073741824 bytes at most"));
+}
+
+TEST_CASE("input_dtypes: parsed by name, shipped to workers, refused naming the entry", "[deployment]") {
+  auto d = Deployment::parse(R"({"blocks": [{"name": "embed", "factory": "f", "input_shapes": [[-1, 16], [-1]],
+                                             "input_dtypes": ["int64", "bool"]}], "tasks": {"t": ["embed"]}})");
+  INFO(d.status().ToString());
+  REQUIRE(d.ok());
+  CHECK(d->blocks[0].options.input_dtypes == std::vector<at::ScalarType>{at::kLong, at::kBool});
+  const auto json = blockflow::detail::block_to_json(d->blocks[0]);
+  CHECK(json.at("input_dtypes") == nlohmann::json::array({"int64", "bool"}));
+  auto back = blockflow::detail::block_from_json(json, "");
+  REQUIRE(back.ok());
+  CHECK(back->options.input_dtypes == d->blocks[0].options.input_dtypes);
+  CHECK_FALSE(blockflow::detail::block_to_json(BlockDescription{}).contains("input_dtypes"));  // none: float32
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "factory": "f", "input_shapes": [[1]], "input_dtypes": ["int63"]}],
+                       "tasks": {}})"),
+             Contains("block 'b': field 'input_dtypes': entry 0 is \"int63\", not a dtype (float32, float64"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "factory": "f", "input_shapes": [[1]], "input_dtypes": "int64"}],
+                       "tasks": {}})"),
+             Contains("block 'b': field 'input_dtypes': expected an array of dtype names"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "factory": "f", "input_shapes": [[1]], "input_dtypes": ["int64", "int64"]}],
+                       "tasks": {}})"),
+             Contains("block 'b': input_dtypes has 2 entries for 1 input_shapes"));
+  CHECK_THAT(error_of(R"({"blocks": [{"name": "b", "factory": "f", "input_dtypes": ["int64"]}], "tasks": {}})"),
+             Contains("block 'b': input_dtypes has 1 entries for 0 input_shapes"));
+  BlockOptions complex;
+  complex.input_shapes = {{1}};
+  complex.input_dtypes = {at::kComplexFloat};
+  CHECK_THAT(std::string(validate("c", complex).message()),
+             Contains("block 'c': input_dtypes[0] is ComplexFloat, which channels do not carry"));
 }
 
 TEST_CASE("a malformed concat rule is an error naming it, never an exception", "[deployment]") {

@@ -214,6 +214,22 @@ TEST_CASE("profile_block errors name the block", "[profile]") {
   auto missing = profile_block(d, quick());
   CHECK_FALSE(missing.ok());
   CHECK_THAT(std::string(missing.status().message()), Contains("missing"));
+  // A block of token ids is profiled on int64 zeros, and its profile says so.
+  BlockDescription ids;
+  ids.name = "ids";
+  ids.factory = "int64_only";
+  ids.options.input_shapes = {{1, 8}};
+  ids.options.input_dtypes = {at::kLong};
+  BlockRegistry::global().add("int64_only", [](const std::string& name, const BlockOptions& options) {
+    return Block::callable(name, [](Tensors&& in) -> absl::StatusOr<Tensors> {
+      if (in.at(0).scalar_type() != at::kLong) return absl::InvalidArgumentError("ids must be int64");
+      return Tensors{in.at(0) + 1};
+    }, options);
+  });
+  auto typed = profile_block(ids, quick());
+  INFO(typed.status());
+  REQUIRE(typed.ok());
+  CHECK(typed->input_dtypes == std::vector<at::ScalarType>{at::kLong});
   auto failing = Block::callable("fails", [](Tensors&&) -> absl::StatusOr<Tensors> { return absl::InternalError("boom"); });
   auto f = profile_block(failing, {at::ones({1})}, quick());
   CHECK_THAT(std::string(f.status().message()), Contains("fails"));
@@ -265,6 +281,14 @@ TEST_CASE("a profile document round-trips through JSON, and malformed ones are r
   CHECK_THAT(refused(replace("\"fixed_us\":4.5", "\"fixed_us\":\"x\"")), Contains("channels[0].fixed_us"));
   CHECK_THAT(refused(replace("blockflow-profile", "other")), Contains("schema"));
   CHECK(load_profile("/nonexistent/p.json").status().code() == absl::StatusCode::kNotFound);
+  // input_dtypes: written when set, read back, a name that is no dtype refused.
+  p.blocks[0].input_dtypes = {at::kLong};
+  auto typed = Profile::parse(p.to_json(), "mem");
+  INFO(typed.status());
+  REQUIRE(typed.ok());
+  CHECK(typed->block("block1")->input_dtypes == std::vector<at::ScalarType>{at::kLong});
+  good = p.to_json(-1);
+  CHECK_THAT(refused(replace("\"int64\"", "\"long\"")), Contains("blocks[0].input_dtypes: 'long' is not a dtype"));
 }
 
 TEST_CASE("profile_channels measures each channel kind of this build", "[profile]") {

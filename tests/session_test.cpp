@@ -140,6 +140,31 @@ TEST_CASE("a wrong input shape fails the request naming the block and both shape
   CHECK_THAT(std::string(two.status.message()), Contains("expects 1 input(s), got 2"));
 }
 
+TEST_CASE("input_dtypes: warm-up runs on zeros of the declared dtype, and another dtype fails naming the block",
+          "[session]") {
+  BlockOptions options;
+  options.input_shapes = {{-1, 4}};
+  options.input_dtypes = {at::kLong};
+  std::atomic<int> calls{0};
+  Session session;
+  session.add_block(Block::callable("embed", [&](Tensors&& in) -> absl::StatusOr<Tensors> {
+           ++calls;
+           if (in.at(0).scalar_type() != at::kLong) return absl::InternalError("ids must be int64");
+           return Tensors{in.at(0).sum(1)};  // an embedding would index with them
+         }, options))
+      .add_path(Path::chain("t", {"embed"}));
+  test::require_started(session);  // its warm-up runs fail on float32 zeros
+  CHECK(calls.load() == options.warmup_runs);
+  Result ok = session.submit("t", at::full({3, 4}, 2, at::kLong)).get();
+  REQUIRE(ok.ok());
+  CHECK(ok.outputs.at(0).equal(at::full({3}, 8, at::kLong)));
+  Result floats = session.submit("t", at::ones({3, 4})).get();
+  CHECK(absl::IsInvalidArgument(floats.status));
+  CHECK_THAT(std::string(floats.status.message()),
+             Contains("block 'embed': input 0 is [3, 4] float32 cpu, expected dtype int64"));
+  CHECK(calls.load() == options.warmup_runs + 1);  // refused before forward()
+}
+
 TEST_CASE("unknown tasks and submits outside start/shutdown resolve at once with a clear error", "[session]") {
   Session session;
   session.add_block(test::unary("a", [](const Tensor& x) { return x; })).add_path(Path::chain("known", {"a"}));

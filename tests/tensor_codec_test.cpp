@@ -56,3 +56,17 @@ TEST_CASE("a placeholder (meta) tensor is refused on a zero-copy link too, named
   REQUIRE_FALSE(staged.ok());
   CHECK_THAT(std::string(staged.status().message()), Contains("cannot cross a zero-copy channel") && !Contains("use channel"));
 }
+
+TEST_CASE("the wire's dtype names are the ones deployments and messages use", "[wire]") {
+  for (int code = 1; code <= 10; ++code) {
+    const auto dtype = static_cast<blockflow::wire::DType>(code);
+    auto type = blockflow::detail::from_wire_dtype(dtype);
+    REQUIRE(type.ok());
+    INFO(code);
+    CHECK(blockflow::wire::to_string(dtype) == blockflow::dtype_name(*type));
+    CHECK(blockflow::parse_dtype(blockflow::wire::to_string(dtype)) == *type);
+  }
+  CHECK(blockflow::dtype_name(at::kComplexDouble).empty());
+  CHECK_FALSE(blockflow::parse_dtype("long").has_value());
+  CHECK(blockflow::describe(at::zeros({2}, at::kLong)) == "[2] int64 cpu");
+}

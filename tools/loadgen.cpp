@@ -579,19 +579,23 @@ int main(int argc, char** argv) try {
       const auto paths = d.paths();
       auto it = std::find_if(paths.begin(), paths.end(), [&](const auto& p) { return p.task() == task; });
       if (it == paths.end()) throw std::invalid_argument("unknown task '" + task + "' in " + args.deployment);
+      const auto entry = std::find_if(it->nodes().begin(), it->nodes().end(),
+                                      [](const auto& n) { return n.inputs.empty() && !n.block.empty(); });
+      const std::string entry_block = entry == it->nodes().end() ? std::string() : entry->block;
+      const auto& first = *std::find_if(d.blocks.begin(), d.blocks.end(), [&](const auto& b) { return b.name == entry_block; });
       std::vector<std::int64_t> shape = args.shape;
       if (shape.empty()) {  // the first entry block's declared input shape, -1 as 1
-        const auto entry = std::find_if(it->nodes().begin(), it->nodes().end(),
-                                        [](const auto& n) { return n.inputs.empty() && !n.block.empty(); });
-        const std::string entry_block = entry == it->nodes().end() ? std::string() : entry->block;
-        const auto& first = *std::find_if(d.blocks.begin(), d.blocks.end(), [&](const auto& b) { return b.name == entry_block; });
         if (first.options.input_shapes.empty()) {
           throw std::invalid_argument("task '" + task + "': its first block declares no input_shapes; give --shape");
         }
         shape = first.options.input_shapes.front();
         for (auto& dim : shape) dim = dim < 0 ? 1 : dim;
       }
-      inputs[task] = {at::randn(shape)};
+      // Its declared dtype: random floats, or zeros of an integer or bool dtype (token id 0 is
+      // valid for any embedding).
+      const at::ScalarType dtype = first.options.input_dtypes.empty() ? at::kFloat : first.options.input_dtypes.front();
+      inputs[task] = {at::isFloatingType(dtype) ? at::randn(shape, at::TensorOptions().dtype(dtype))
+                                                : at::zeros(shape, at::TensorOptions().dtype(dtype))};
     }
     target = std::move(in_process);
   } else {

@@ -69,6 +69,16 @@ absl::Status validate(const std::string& block, const BlockOptions& o) {
       return bad(fmt::format("input_shapes[{}] has more elements than 64 bits count", i));
     }
   }
+  if (!o.input_dtypes.empty() && o.input_dtypes.size() != o.input_shapes.size()) {
+    return bad(fmt::format("input_dtypes has {} entries for {} input_shapes: give one dtype per input shape",
+                           o.input_dtypes.size(), o.input_shapes.size()));
+  }
+  for (std::size_t i = 0; i < o.input_dtypes.size(); ++i) {
+    if (dtype_name(o.input_dtypes[i]).empty()) {
+      return bad(fmt::format("input_dtypes[{}] is {}, which channels do not carry ({})", i,
+                             c10::toString(o.input_dtypes[i]), dtype_names()));
+    }
+  }
   if (o.memory_bytes < 0) return bad("memory_bytes must be >= 0");
   if (o.cuda_graph && o.device.rfind("cuda", 0) != 0) {
     return bad(fmt::format("cuda_graph needs a CUDA device (device is '{}')", o.device));
@@ -110,6 +120,11 @@ absl::Status check_inputs(const Block& block, const Tensors& inputs) {
     if (!match) {
       return absl::InvalidArgumentError(fmt::format("block '{}': input {} has shape {}, expected [{}]", block.name(),
                                                     i, describe(inputs[i]), fmt::join(want, ", ")));
+    }
+    const auto& dtypes = block.options().input_dtypes;
+    if (!dtypes.empty() && inputs[i].scalar_type() != dtypes[i]) {
+      return absl::InvalidArgumentError(fmt::format("block '{}': input {} is {}, expected dtype {}", block.name(), i,
+                                                    describe(inputs[i]), dtype_name(dtypes[i])));
     }
   }
   return absl::OkStatus();

@@ -104,8 +104,9 @@ std::vector<std::size_t> build_order(const std::vector<const BlockDescription*>&
 
 Tensors warm_up_inputs(const BlockOptions& options, c10::Device device) {
   Tensors zeros;
-  for (const auto& shape : options.input_shapes) {
-    zeros.push_back(at::zeros(warm_up_shape(shape), at::TensorOptions().device(device)));
+  for (std::size_t i = 0; i < options.input_shapes.size(); ++i) {
+    const auto dtype = options.input_dtypes.empty() ? at::kFloat : options.input_dtypes[i];
+    zeros.push_back(at::zeros(warm_up_shape(options.input_shapes[i]), at::TensorOptions().dtype(dtype).device(device)));
   }
   return zeros;
 }

@@ -30,10 +30,10 @@ absl::StatusOr<FullPolicy> policy_from(const std::string& name) {
   return absl::InvalidArgumentError(fmt::format("unknown full_policy '{}' (block, reject, drop-oldest)", name));
 }
 
-// Bounds on a confined (wire) deployment's warm-up: what zeros of its input_shapes allocate (2^28
-// elements: 1 GiB of float32) and how often a block runs before serving.
+// Bounds on a confined (wire) deployment's warm-up: what zeros of its input_shapes allocate (1 GiB:
+// 2^28 float32 elements) and how often a block runs before serving.
 constexpr std::size_t kConfinedMaxDims = 8;
-constexpr std::int64_t kConfinedMaxElements = std::int64_t{1} << 28;
+constexpr std::int64_t kConfinedMaxBytes = std::int64_t{1} << 30;
 constexpr int kConfinedMaxWarmupRuns = 16;
 
 std::string resolve(const std::string& file, const std::string& models_dir) {
@@ -84,6 +84,7 @@ nlohmann::json block_to_json(const BlockDescription& d) {
           {"max_batch_delay_ms", o.max_batch_delay_ms},
           {"memory_bytes", o.memory_bytes},
           {"cuda_graph", o.cuda_graph}};
+  if (!o.input_dtypes.empty()) json["input_dtypes"] = dtype_names(o.input_dtypes);
   if (d.factory.empty()) {  // TorchScript's own settings: block_from_json refuses them on a factory's block
     json["freeze"] = d.torchscript_options.freeze;
     // Only a frozen module is optimized: an unfrozen one never claims it (block_from_json refuses that).
@@ -125,7 +126,7 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
                                               "device",       "intra_op_threads", "workers",   "queue_capacity",
                                               "full_policy",  "input_shapes", "warmup_runs", "max_batch",
                                               "max_batch_delay_ms", "freeze",      "optimize_for_inference", "memory_bytes",
-                                              "cuda_graph"};
+                                              "cuda_graph", "input_dtypes"};
   for (const auto& [key, value] : json.items()) {
     if (known.count(key) == 0) return absl::InvalidArgumentError(fmt::format("block '{}': unknown field '{}'", d.name, detail::key_excerpt(key)));
   }
@@ -157,6 +158,15 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
         auto shapes = json_shapes(v);
         if (!shapes) throw BadField{"expected an array of shapes (arrays of whole numbers)"};
         into = std::move(*shapes);
+      } else if constexpr (std::is_same_v<T, std::vector<at::ScalarType>>) {
+        if (!v.is_array()) throw BadField{fmt::format("expected an array of dtype names ({})", dtype_names())};
+        for (std::size_t i = 0; i < v.size(); ++i) {
+          const auto dtype = v[i].is_string() ? parse_dtype(v[i].get<std::string>()) : std::nullopt;
+          if (!dtype) {
+            throw BadField{fmt::format("entry {} is {}, not a dtype ({})", i, detail::json_excerpt(v[i]), dtype_names())};
+          }
+          into.push_back(*dtype);
+        }
       } else {
         v.get_to(into);
       }
@@ -169,6 +179,7 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
     get("workers", o.workers);
     get("queue_capacity", o.queue_capacity);
     get("input_shapes", o.input_shapes);
+    get("input_dtypes", o.input_dtypes);
     get("warmup_runs", o.warmup_runs);
     get("max_batch", o.max_batch);
     get("max_batch_delay_ms", o.max_batch_delay_ms);
@@ -212,11 +223,13 @@ absl::StatusOr<BlockDescription> block_from_json(const nlohmann::json& json, con
     std::int64_t total = 0;
     for (std::size_t i = 0; i < o.input_shapes.size(); ++i) {
       const std::int64_t numel = detail::warm_up_elements(o.input_shapes[i]).value_or(0);  // validate(): counted
-      total += std::min(numel, kConfinedMaxElements + 1);
-      if (o.input_shapes[i].size() > kConfinedMaxDims || numel > kConfinedMaxElements || total > kConfinedMaxElements) {
+      const std::int64_t element = o.input_dtypes.empty() ? 4 : static_cast<std::int64_t>(c10::elementSize(o.input_dtypes[i]));
+      const std::int64_t bytes = numel > kConfinedMaxBytes / element ? kConfinedMaxBytes + 1 : numel * element;
+      total += bytes;
+      if (o.input_shapes[i].size() > kConfinedMaxDims || bytes > kConfinedMaxBytes || total > kConfinedMaxBytes) {
         return absl::InvalidArgumentError(fmt::format(
             "block '{}': input_shapes[{}] is beyond what a deployment from the wire may warm up ({} dimensions and {} "
-            "elements at most, all its shapes together)", d.name, i, kConfinedMaxDims, kConfinedMaxElements));
+            "bytes at most, all its shapes together)", d.name, i, kConfinedMaxDims, kConfinedMaxBytes));
       }
     }
     if (o.warmup_runs > kConfinedMaxWarmupRuns) {

@@ -171,6 +171,7 @@ std::string Plan::deployment_json(const PlanInput& input) const {
       }
     }
     block["input_shapes"] = shapes;
+    if (!p->input_dtypes.empty()) block["input_dtypes"] = dtype_names(p->input_dtypes);
     blocks_json.push_back(std::move(block));
   }
   // In the order of the plan's verdicts (the input's), kept in the file (ordered_json: Deployment::order).

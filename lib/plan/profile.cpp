@@ -199,6 +199,12 @@ absl::StatusOr<BlockProfile> profile_block(const std::shared_ptr<Block>& block, 
       p.device = block->device().str();
       p.intra_op_threads = block->options().intra_op_threads;
       for (const auto& t : inputs) p.input_shapes.push_back(t.sizes().vec());
+      // Named when not all float32 (the default a deployment's warm-up assumes).
+      const bool typed = !block->options().input_dtypes.empty() ||
+                         std::any_of(inputs.begin(), inputs.end(), [](const Tensor& t) { return t.scalar_type() != at::kFloat; });
+      if (typed) {
+        for (const auto& t : inputs) p.input_dtypes.push_back(t.scalar_type());
+      }
       // Two rounds over the batch sizes, half the iterations each, keeping per batch size the round
       // with the lower p50: a block's speed at one shape can settle in a slow mode for a while (a
       // kernel chosen for another shape, a busy neighbour), and a plan built on that mode is
@@ -261,9 +267,7 @@ absl::StatusOr<BlockProfile> profile_block(const BlockDescription& d, const Prof
       if (!b.ok()) return b.status();
       load_ms = ms_since(t0);
       block = *std::move(b);
-      for (const auto& shape : d.options.input_shapes) {
-        inputs.push_back(at::zeros(detail::warm_up_shape(shape), at::TensorOptions().device(block->device())));
-      }
+      inputs = detail::warm_up_inputs(*block);
       const std::int64_t t1 = detail::now_ns();
       auto ms = time_forward(*block, inputs, 0, std::max(1, options.quick ? 1 : options.warmup));
       if (!ms.ok()) return ms.status();

@@ -27,6 +27,15 @@ absl::Status parse_block(const json& j, const std::string& source, const std::st
   BF_TRY(r.string("device", b.device));
   BF_TRY(r.integer("intra_op_threads", b.intra_op_threads));
   BF_TRY(r.shapes("input_shapes", b.input_shapes));
+  if (r.has("input_dtypes")) {  // absent: float32 inputs
+    std::vector<std::string> names;
+    BF_TRY(r.strings("input_dtypes", names));
+    for (const auto& name : names) {
+      const auto dtype = parse_dtype(name);
+      if (!dtype) return r.error("input_dtypes", fmt::format("'{}' is not a dtype ({})", detail::key_excerpt(name), dtype_names()));
+      b.input_dtypes.push_back(*dtype);
+    }
+  }
   BF_TRY(r.shapes("output_shapes", b.output_shapes));
   BF_TRY(r.number("load_ms", b.load_ms));
   BF_TRY(r.number("warmup_ms", b.warmup_ms));
@@ -60,6 +69,7 @@ absl::Status parse_block(const json& j, const std::string& source, const std::st
   o.device = b.device;
   o.intra_op_threads = b.intra_op_threads;
   o.input_shapes = b.input_shapes;
+  o.input_dtypes = b.input_dtypes;
   o.memory_bytes = b.memory_bytes;
   if (auto status = validate(b.name, o); !status.ok()) return absl::InvalidArgumentError(fmt::format("{}: {}: {}", source, where, std::string(status.message())));
   return absl::OkStatus();
@@ -84,6 +94,7 @@ std::string Profile::to_json(int indent) const {
                            {"max_rate_rps", b.max_rate_rps},
                            {"output_bytes", b.output_bytes},
                            {"output_shapes", b.output_shapes}});
+    if (!b.input_dtypes.empty()) blocks_json.back()["input_dtypes"] = dtype_names(b.input_dtypes);
   }
   json channels_json = json::array();
   for (const auto& c : channels) channels_json.push_back({{"kind", c.kind}, {"fixed_us", c.fixed_us}, {"us_per_mb", c.us_per_mb}});

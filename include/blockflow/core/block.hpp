@@ -34,6 +34,12 @@ struct BlockOptions {
   /// before forward() (a mismatch fails the request with a message naming the block) and each
   /// worker warms the block up on zeros of this shape (-1 read as 1) before traffic arrives.
   std::vector<std::vector<std::int64_t>> input_shapes;
+  /// Element types of the inputs, one per input_shapes entry (so only with input_shapes); empty:
+  /// float32 warm-up zeros and no dtype check. When set, warm-up's zeros take these dtypes and an
+  /// input of another dtype fails the request with a message naming the block, the input and both
+  /// dtypes: a block of token ids says {at::kLong}. Deployment key "input_dtypes": ["int64"]
+  /// (the names of dtype_name()).
+  std::vector<at::ScalarType> input_dtypes;
   /// Warm-up forward passes, on a compute lane, before start() or apply() returns (only with
   /// input_shapes). TorchScript's profiling executor profiles the first call and optimises on the
   /// second; measured on the build machine (split ResNet50, 2 threads), the first request after 2
@@ -77,8 +83,9 @@ inline constexpr int kMaxBatchSize = 4096;
 /// constructor, Deployment::parse(), worker configurations): a device libtorch parses and that is
 /// cpu or cuda[:N], workers >= 1, queue_capacity >= 1, intra_op_threads from 0 to 1024, max_batch
 /// from 1 to 4096, max_batch_delay_ms from 0 to 60000, warmup_runs >= 0, memory_bytes >= 0, input_shapes whose element counts
-/// fit 64 bits and whose only negative dimension is -1 (any size, counting as 1), cuda_graph only on a CUDA device and with
-/// input_shapes. InvalidArgument naming the block and the field.
+/// fit 64 bits and whose only negative dimension is -1 (any size, counting as 1), input_dtypes one per input_shape and each
+/// a dtype dtype_name() names, cuda_graph only on a CUDA device and with input_shapes. InvalidArgument naming the block and
+/// the field.
 absl::Status validate(const std::string& block, const BlockOptions& options);
 
 /// @brief A unit of compute with a name and a device.
@@ -123,8 +130,8 @@ class Block {
   c10::Device device_;
 };
 
-/// @brief Checks `inputs` against `block.options().input_shapes` (if any). The message names the
-/// block, the input and both shapes.
+/// @brief Checks `inputs` against `block.options().input_shapes` and `input_dtypes` (if any). The
+/// message names the block, the input and both shapes or dtypes.
 absl::Status check_inputs(const Block& block, const Tensors& inputs);
 
 }  // namespace blockflow

@@ -4,7 +4,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace blockflow {
@@ -20,5 +22,19 @@ std::string describe(const Tensor& tensor);
 
 /// @brief Number of bytes of the tensor's elements (numel * element size).
 std::size_t byte_size(const Tensor& tensor);
+
+/// @brief The name BlockFlow gives a dtype in deployments, profiles and messages: "float32",
+/// "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64" or "bool" (the
+/// dtypes channels carry); empty for any other dtype.
+std::string_view dtype_name(at::ScalarType dtype);
+
+/// @brief The dtype dtype_name() gives `name`; nullopt for a name not in that list.
+std::optional<at::ScalarType> parse_dtype(std::string_view name);
+
+/// @brief dtype_name()'s names, comma-separated, for messages that list what is accepted.
+std::string_view dtype_names();
+
+/// @brief dtype_name() of each of `dtypes` (BlockOptions::input_dtypes as a deployment writes it).
+std::vector<std::string> dtype_names(const std::vector<at::ScalarType>& dtypes);
 
 }  // namespace blockflow

@@ -68,6 +68,7 @@ struct BlockProfile {
   std::string device = "cpu";
   int intra_op_threads = 0;
   std::vector<std::vector<std::int64_t>> input_shapes;  ///< at batch 1
+  std::vector<at::ScalarType> input_dtypes;              ///< as BlockOptions::input_dtypes (empty: float32)
   double load_ms = 0;    ///< making the block (reading, freezing, optimising a TorchScript file)
   double warmup_ms = 0;  ///< the first forward passes, before the timed ones
   /// Resident memory the block added to the process: RSS after loading and warming up minus RSS

@@ -2,6 +2,7 @@
 // Internal: the machinery behind blockflow::Session.
 
 #include <blockflow/core/block.hpp>
+#include <blockflow/core/detail/warm_up_shapes.hpp>
 #include <blockflow/core/block_registry.hpp>
 #include <blockflow/core/remote_site.hpp>
 #include <blockflow/core/kpi.hpp>
@@ -51,10 +52,6 @@ absl::Status with_prefix(const absl::Status& status, std::string_view prefix);
 absl::StatusOr<Tensors> guarded_forward(Block& block, Tensors&& inputs, OpaqueLayout* layout = nullptr,
                                         bool opaque_output = false);
 
-/// Zeros of the block's input_shapes (-1 read as 1), on its device: what warm-up runs it on.
-Tensors warm_up_inputs(const Block& block);
-/// The same for a block's options, on `device`.
-Tensors warm_up_inputs(const BlockOptions& options, c10::Device device);
 /// The order in which make_blocks() builds `descriptions` (indices): longest job first, so that no
 /// builder is left alone with the largest block at the end. A block's build time grows with its
 /// TorchScript file (deserialising, freezing, prepacking its weights): the largest file first; C++

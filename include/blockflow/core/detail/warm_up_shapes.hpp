@@ -1,6 +1,8 @@
 #pragma once
-// Internal: the shapes a block's warm-up runs on. BlockOptions::input_shapes may hold -1 (any size;
-// validate() refuses other negative dimensions); the warm-up's zeros take it as 1.
+// Internal: the tensors a block's warm-up (and profiling) runs on. BlockOptions::input_shapes may
+// hold -1 (any size; validate() refuses other negative dimensions); the warm-up's zeros take it as 1.
+
+#include <blockflow/core/block.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -24,5 +26,11 @@ inline std::optional<std::int64_t> warm_up_elements(const std::vector<std::int64
   }
   return n;
 }
+
+/// Zeros of the block's input_shapes (-1 read as 1) and input_dtypes (float32 when none), on its
+/// device: what warm-up runs it on.
+Tensors warm_up_inputs(const Block& block);
+/// The same for a block's options, on `device`.
+Tensors warm_up_inputs(const BlockOptions& options, c10::Device device);
 
 }  // namespace blockflow::detail
