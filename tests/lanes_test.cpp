@@ -246,6 +246,41 @@ TEST_CASE("a lane runs a request's next blocks itself, and the trace still adds 
   CHECK(prometheus.find("blockflow_lane_inline_continuations_total{lane=\"0\"} 30") != std::string::npos);
 }
 
+TEST_CASE("batch of several forward() calls: the next block is not held for its lane, another lane runs it meanwhile",
+          "[lanes]") {
+  // Before, the first group's hand-off claimed "next" for the batch's lane: no other lane could run
+  // it until the batch's seven other forward() calls had run.
+  SessionOptions options;
+  options.lanes = 2;
+  options.elastic_lanes = false;
+  Session session(options);
+  std::atomic<int> x_running{0};
+  std::atomic<int> overlaps{0};
+  BlockOptions batched;
+  batched.max_batch = 8;
+  batched.max_batch_delay_ms = 2000;  // the 8 requests are queued at once: the batch fills at once
+  session.add_block(Block::callable("x", [&](Tensors&& in) -> absl::StatusOr<Tensors> {
+    ++x_running;
+    std::this_thread::sleep_for(30ms);
+    --x_running;
+    return Tensors{in.at(0) + 1};
+  }, batched));
+  session.add_block(test::unary("y", [&](const Tensor& t) {
+    if (x_running.load() > 0) ++overlaps;
+    return t * 2;
+  }));
+  session.add_path(Path::chain("t", {"x", "y"}));
+  test::require_started(session);
+  std::vector<std::future<Result>> futures;
+  for (int i = 0; i < 8; ++i) futures.push_back(session.submit("t", at::zeros({1, i + 1})));  // widths differ: 8 groups
+  for (int i = 0; i < 8; ++i) {
+    const Result r = futures[static_cast<std::size_t>(i)].get();
+    REQUIRE(r.ok());
+    CHECK(at::equal(r.output(), at::full({1, i + 1}, 2.0)));
+  }
+  CHECK(overlaps.load() > 0);  // y ran on the other lane while x's batch went on
+}
+
 TEST_CASE("one lane and a full queue (policy block) do not deadlock: the lane helps the full block", "[lanes]") {
   SessionOptions options;
   options.lanes = 1;

@@ -19,6 +19,9 @@ namespace {
 
 // The session whose completion callback this thread is running, if any.
 thread_local const SessionCore* calling_back = nullptr;
+// While a lane runs a forward() of a batch with more to run after it: hand-offs queue, not claim the
+// next block for this lane (which would keep it from every other lane until the batch is done).
+thread_local bool forwards_follow = false;
 
 }  // namespace
 
@@ -167,7 +170,10 @@ void SessionCore::process_batch(BlockRuntime& runtime, std::vector<Envelope>&& b
     }
     it->second.push_back(std::move(envelope));
   }
-  for (auto& [k, group] : groups) {
+  struct Reset { ~Reset() { forwards_follow = false; } } reset;  // NOLINT: one line
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    auto& [k, group] = groups[g];
+    const bool last_group = g + 1 == groups.size();
     // Each request of the group is settled (handed on, or failed) in turn: an exception fails the
     // ones not settled yet, never one that has gone on to its next block.
     std::vector<StatePtr> states;
@@ -177,10 +183,12 @@ void SessionCore::process_batch(BlockRuntime& runtime, std::vector<Envelope>&& b
       for (const auto& envelope : group) states.push_back(envelope.local);
       if (group.size() == 1 || k.empty()) {
         for (auto& envelope : group) {
+          forwards_follow = !last_group || settled + 1 < group.size();
           process(runtime, std::move(envelope));
           ++settled;
         }
       } else {
+        forwards_follow = !last_group;
         process_group(runtime, std::move(group), settled);
       }
     } catch (...) {  // only the requests not yet handed on fail here (a request resolves once)
@@ -382,7 +390,7 @@ void SessionCore::hand_over(const PlanNode& target, Envelope&& envelope) {
   // submit() from a completion callback (a closed loop resubmitting as each result comes): claimed
   // here, its requests would follow one another on this lane for as long as the loop goes on, ahead
   // of every other block's work; through the queue they take their turns.
-  if (calling_back == nullptr && runtime->inbox->depth() == 0 && !runtime->inbox->closed() &&
+  if (calling_back == nullptr && !forwards_follow && runtime->inbox->depth() == 0 && !runtime->inbox->closed() &&
       !runtime->gathering.load(std::memory_order_acquire) && lanes_->claim_next(*runtime)) {
     envelope.sent_ns = now_ns();
     runtime->handed_directly.fetch_add(1, std::memory_order_relaxed);
