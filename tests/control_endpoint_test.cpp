@@ -86,6 +86,36 @@ TEST_CASE("control: destroying the endpoint cancels the apply in progress instea
   CHECK(session.submit("t", at::zeros({1})).get().output().item<double>() == 1);
 }
 
+TEST_CASE("control: destroying the endpoint leaves the application's own apply() alone", "[control]") {
+  // Before, its cancel loop cancelled whichever apply() was in progress: the application's, which
+  // its queued apply waited behind.
+  Session session;
+  auto gate = test::start_with_gate(session);
+  const Deployment through_gate = test::parse(test::kThroughGate);
+  auto own = std::async(std::launch::async, [&] { return session.apply(through_gate); });
+  REQUIRE(gate->wait_until_updating());
+  auto endpoint = std::make_unique<ControlEndpoint>(session, "tcp://127.0.0.1:*");
+  Client updater(endpoint->endpoint()), watcher(endpoint->endpoint());
+  updater.send(kApplyThroughGate);
+  for (bool waiting = false; !waiting;) {  // the endpoint's apply waits behind the application's
+    watcher.send(R"({"cmd": "status"})");
+    const auto status = watcher.receive(30s);
+    REQUIRE_FALSE(status.is_null());
+    waiting = status["updating"] == true;
+  }
+  auto destroyed = std::async(std::launch::async, [&] { endpoint.reset(); });
+  // Its cancel loop runs meanwhile (every 2 ms, once its serving thread has stopped, within 100
+  // ms): the application's apply() must still be waiting at the gate after it.
+  CHECK(own.wait_for(1s) == std::future_status::timeout);
+  gate->open();
+  REQUIRE(own.wait_for(30s) == std::future_status::ready);
+  const auto version = own.get();
+  INFO(version.status().ToString());
+  CHECK(version.ok());
+  REQUIRE(destroyed.wait_for(30s) == std::future_status::ready);
+  CHECK(session.metrics().version >= 1);
+}
+
 TEST_CASE("control: limits on what one request may ask, each refusal naming its limit", "[control]") {
   Session session;
   auto gate = test::start_with_gate(session);

@@ -100,6 +100,11 @@ int main(int argc, char** argv) try {
       return 1;
     }
     timeout_ms = 300000;  // loading and warming up models takes a while
+    if (text.str().size() > (std::size_t{1} << 20)) {  // ControlOptions::max_message_bytes' default
+      std::cerr << fmt::format("blockflowctl: note: '{}' is {} bytes, over the 1 MiB a control endpoint takes by default "
+                               "(ControlOptions::max_message_bytes): one with the default refuses it or drops the connection\n",
+                               args[1], text.str().size());
+    }
   } else if (cmd == "status") {
     if (args.size() != 1) return usage("status takes no argument");
   } else if (cmd == "metrics") {
@@ -142,6 +147,12 @@ int main(int argc, char** argv) try {
   }
   zmq::message_t message;
   if (!socket.recv(message)) {
+    if (cmd == "apply") {  // it may be queued behind other updates: a retry could apply it twice
+      std::cerr << fmt::format("blockflowctl: sent to {}, no answer within {} s: the update may still be applied "
+                               "(see `blockflowctl status`: its version and \"updating\") before you send it again\n",
+                               endpoint, timeout_ms / 1000);
+      return 2;
+    }
     std::cerr << fmt::format("blockflowctl: no answer from {} within {} s (is a session serving its control endpoint there? one with CURVE keys answers only a --key it admits)\n",
                              endpoint, timeout_ms / 1000);
     return 2;
@@ -151,15 +162,35 @@ int main(int argc, char** argv) try {
     std::cerr << "blockflowctl: the answer is not JSON\n";
     return 2;
   }
-  if (!reply.value("ok", false)) {
-    std::cerr << "blockflowctl: " << reply.value("error", std::string("refused")) << "\n";
+  // Fields read as what they must be: an answer of another shape is named, not a type_error.
+  const auto field = [&](const char* name, nlohmann::json::value_t type) -> const nlohmann::json* {
+    const auto it = reply.find(name);
+    return it != reply.end() && it->type() == type ? &*it : nullptr;
+  };
+  const auto* ok = field("ok", nlohmann::json::value_t::boolean);
+  if (ok == nullptr || !ok->get<bool>()) {
+    const auto* error = field("error", nlohmann::json::value_t::string);
+    std::cerr << "blockflowctl: " << (error != nullptr ? error->get<std::string>() : std::string("refused")) << "\n";
     return 1;
   }
-  if (cmd == "apply") std::cout << fmt::format("applied: version {}\n", reply.value("version", 0));
-  else if (cmd == "status") std::cout << reply.dump(2) << "\n";
-  else if (cmd == "metrics") {
-    if (format != "prometheus") std::cout << reply["metrics"].dump(2) << "\n";
-    if (format != "json") std::cout << reply.value("prometheus", std::string());
+  if (cmd == "apply") {
+    const auto* version = field("version", nlohmann::json::value_t::number_unsigned);
+    if (version == nullptr) {
+      std::cerr << "blockflowctl: the answer to apply has no version\n";
+      return 2;
+    }
+    std::cout << fmt::format("applied: version {}\n", version->get<std::uint64_t>());
+  } else if (cmd == "status") {
+    std::cout << reply.dump(2) << "\n";
+  } else if (cmd == "metrics") {
+    const auto* metrics = field("metrics", nlohmann::json::value_t::object);
+    const auto* prometheus = field("prometheus", nlohmann::json::value_t::string);
+    if (metrics == nullptr || prometheus == nullptr) {
+      std::cerr << "blockflowctl: the answer to metrics lacks \"metrics\" or \"prometheus\"\n";
+      return 2;
+    }
+    if (format != "prometheus") std::cout << metrics->dump(2) << "\n";
+    if (format != "json") std::cout << prometheus->get<std::string>();
   } else {
     std::cout << "ok\n";
   }

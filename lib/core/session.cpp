@@ -572,6 +572,7 @@ void SessionCore::set_site_factory(Session::SiteFactoryWithSettings factory) {
 void Session::shutdown(absl::Duration drain) { core_->shutdown(drain); }
 
 void Session::cancel_update() { core_->cancel_update(); }
+bool Session::cancel_update_from(std::thread::id caller) { return core_->cancel_update_from(caller); }
 
 bool Session::post_to_lane(std::function<void()> task) { return core_->post_to_lane(std::move(task)); }
 

@@ -86,6 +86,7 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
     // shutdown() sets stopped_ before it looks for an update to cancel: one of the two sees the other.
     blockflow::detail::MutexLock lock(&busy_mu_);
     updating_ = true;
+    updating_thread_ = std::this_thread::get_id();
     cancelled_ = false;
   }
   struct Done {
@@ -126,38 +127,6 @@ absl::StatusOr<std::uint64_t> SessionCore::apply(const Deployment& wanted, absl:
   collect_retired();
   note_memory();
   return u.version;
-}
-
-bool SessionCore::update_cancelled() const {
-  blockflow::detail::MutexLock lock(&busy_mu_);
-  return cancelled_;
-}
-
-void SessionCore::cancel_update() {
-  std::vector<std::pair<std::shared_ptr<RemoteSite>, bool>> sites;
-  {
-    blockflow::detail::MutexLock lock(&busy_mu_);
-    if (!updating_) return;
-    cancelled_ = true;
-    sites = busy_sites_;
-    ++cancelling_;  // each site's step waits for these calls before it ends (at_site())
-  }
-  struct Done {  // however the calls below end: a step waiting for them must not wait for ever
-    SessionCore* core;
-    ~Done() {
-      blockflow::detail::MutexLock lock(&core->busy_mu_);
-      --core->cancelling_;
-    }
-  } done{this};
-  for (const auto& [site, is_new] : sites) {
-    // A site this update was starting serves nothing yet: stopping it is how its start() ends.
-    try {
-      if (is_new) site->stop();
-      else site->cancel_update();
-    } catch (...) {  // the other sites are still told
-      detail::log(LogLevel::kWarning, fmt::format("cancelling an update: site '{}' threw: {}", site->name(), current_exception_text()));
-    }
-  }
 }
 
 // Runs `step` against `site` so that cancel_update() can interrupt it; not at all once cancelled,

@@ -337,7 +337,7 @@ absl::StatusOr<Path> graph_from_json(const std::string& task, const nlohmann::js
   }
   for (const auto& node : path.nodes()) {
     for (const auto& input : node.inputs) {
-      if (nodes.count(input) == 0) return bad(fmt::format("node '{}': unknown input '{}'", node.name, input));
+      if (nodes.count(input) == 0) return bad(fmt::format("node '{}': unknown input '{}'", node.name, detail::key_excerpt(input)));
     }
   }
   return path;
@@ -506,7 +506,10 @@ absl::StatusOr<Deployment> load_deployment(const std::string& file, const std::s
   std::stringstream text;
   text << in.rdbuf();
   const auto slash = file.find_last_of('/');
-  const std::string dir = !models_dir.empty() ? models_dir : slash == std::string::npos ? "." : file.substr(0, slash);
+  const std::string dir = !models_dir.empty()         ? models_dir
+                          : slash == std::string::npos ? "."
+                          : slash == 0                 ? "/"  // "/deploy.json": the root, not the cwd
+                                                       : file.substr(0, slash);
   auto d = Deployment::parse(text.str(), dir);
   if (!d.ok()) return absl::InvalidArgumentError(fmt::format("{}: {}", file, std::string(d.status().message())));
   return d;

@@ -116,6 +116,7 @@ struct ClientEndpoint::Impl {
   const std::shared_ptr<Outbox> outbox = std::make_shared<Outbox>();  // shared with the callbacks
   std::atomic<bool> stopping{false};
   std::atomic<bool> draining{false};  // drain(): new requests are refused (Unavailable)
+  absl::Time drain_deadline = absl::InfinitePast();  // drain()'s: stop() lets ZeroMQ write until then
   std::atomic<std::uint64_t> malformed{0}, served{0};
   detail::RateLimitedLog noisy;  // per-frame messages a client can trigger
 
@@ -264,6 +265,7 @@ struct ClientEndpoint::Impl {
       }
       reply.encoded = *std::move(encoded);
       reply.tensors.clear();  // the encoded message keeps what is sent (a contiguous copy of any other)
+      std::string().swap(reply.header.message);  // and the message, in its header
     }
     try {
       if (!router.send(zmq::buffer(reply.peer), zmq::send_flags::sndmore | zmq::send_flags::dontwait)) return false;
@@ -277,9 +279,19 @@ struct ClientEndpoint::Impl {
     return true;
   }
 
-  static std::size_t size_of(const Reply& reply) {  // what it holds: its encoded message, once encoded
-    std::size_t bytes = 256;
-    for (const auto& t : reply.encoded ? reply.encoded->tensors : reply.tensors) bytes += t.nbytes();
+  // What it holds: its message and header, and the whole storage of each tensor (a batch's output
+  // row, a slice, keeps all of its storage alive), each storage once.
+  static std::size_t size_of(const Reply& reply) {
+    std::size_t bytes = sizeof(Reply) + reply.peer.size() + reply.header.message.size();
+    if (reply.encoded) bytes += reply.encoded->header.size();
+    std::vector<const void*> storages;
+    for (const auto& t : reply.encoded ? reply.encoded->tensors : reply.tensors) {
+      if (!t.defined() || !t.has_storage()) continue;
+      const void* key = t.storage().unsafeGetStorageImpl();
+      if (std::find(storages.begin(), storages.end(), key) != storages.end()) continue;
+      storages.push_back(key);
+      bytes += std::max<std::size_t>(t.storage().nbytes(), t.nbytes());
+    }
     return bytes;
   }
 
@@ -301,7 +313,17 @@ struct ClientEndpoint::Impl {
     while (!taken.empty()) {
       Reply reply = std::move(taken.front());
       taken.pop_front();
-      if (reply.from_session) release(reply.peer, reply.request_bytes);
+      // Out of flight once sent, backlogged or dropped, not before: drain() must never see a reply
+      // neither in flight nor in a backlog while this thread still holds it.
+      struct Release {
+        Impl& s;
+        std::string peer;
+        std::size_t bytes;
+        bool counted;
+        ~Release() {
+          if (counted) s.release(peer, bytes);
+        }
+      } released{*this, reply.from_session ? reply.peer : std::string(), reply.request_bytes, reply.from_session};
       auto queued = backlogs.find(reply.peer);
       if (queued == backlogs.end() && try_send(reply)) continue;
       Backlog& b = backlogs[reply.peer];
@@ -420,14 +442,24 @@ void ClientEndpoint::stop() {
   if (impl_->thread.joinable()) impl_->thread.join();
   impl_->outbox->close();  // after the join: the socket thread sends nothing any more
   // Nothing reads the socket now: closed, so that clients are no longer accepted (their requests
-  // would wait for a reply until their timeout) and none of their frames is buffered.
+  // would wait for a reply until their timeout) and none of their frames is buffered. After a
+  // drain(), what ZeroMQ has not written yet still goes, until the drain's deadline (the context
+  // waits for it when it ends); otherwise it is dropped.
+  if (impl_->router.handle() != nullptr) {
+    const auto left = absl::ToInt64Milliseconds(impl_->drain_deadline - absl::Now());
+    if (impl_->draining && left > 0) impl_->router.set(zmq::sockopt::linger, static_cast<int>(std::min<std::int64_t>(left, 1 << 30)));
+  }
   impl_->router.close();
 }
 
 void ClientEndpoint::drain(absl::Duration timeout) {
   Impl& s = *impl_;
-  s.draining = true;
   const absl::Time deadline = absl::Now() + timeout;
+  {
+    std::lock_guard lock(s.stop_mu);
+    s.drain_deadline = deadline;
+  }
+  s.draining = true;
   while (!s.stopping && (s.in_flight_total > 0 || s.backlog_bytes_total > 0) && absl::Now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }

@@ -128,7 +128,7 @@ struct ControlEndpoint::Impl {
       session.set_sampling(request["enabled"].get<bool>(), absl::Milliseconds(period));
       return {{"ok", true}};
     }
-    return error(fmt::format("control: unknown cmd '{}' (apply, status, metrics, sampling)", cmd));
+    return error(fmt::format("control: unknown cmd '{}' (apply, status, metrics, sampling)", detail::key_excerpt(cmd)));
   }
 
   // Runs the queued applies one at a time, so that status and metrics are answered meanwhile.
@@ -250,7 +250,19 @@ ControlEndpoint::ControlEndpoint(Session& session, const std::string& endpoint, 
   s.bell_in.bind(bell);
   s.bell_out.connect(bell);
   s.thread = std::thread([&s] { s.main(); });
-  s.updater = std::thread([&s] { s.updater_main(); });
+  try {
+    s.updater = std::thread([&s] { s.updater_main(); });
+  } catch (const std::system_error& e) {  // no thread left (RLIMIT_NPROC): the serving one stops first
+    {
+      std::lock_guard lock(s.mu);
+      s.stopping = true;
+    }
+    s.work.notify_all();
+    s.thread.join();
+    s.socket.close();
+    s.curve.reset();
+    throw std::runtime_error(fmt::format("control endpoint '{}': cannot start its updater thread: {}", s.endpoint, e.what()));
+  }
 }
 
 ControlEndpoint::~ControlEndpoint() {
@@ -262,9 +274,10 @@ ControlEndpoint::~ControlEndpoint() {
   }
   s.work.notify_all();
   s.thread.join();
-  // An apply in progress is cancelled (Session::cancel_update()) rather than waited for.
+  // Its apply in progress is cancelled rather than waited for; one that waits behind another
+  // thread's apply() (the application's, a re-plan) is not that one's cancel.
   while (s.updating.load()) {
-    s.session.cancel_update();
+    s.session.cancel_update_from(s.updater.get_id());
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   s.updater.join();

@@ -21,6 +21,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <type_traits>
 
 namespace blockflow {
@@ -266,6 +267,10 @@ class Session {
   /// update was starting is stopped. Building a block in this process is not interrupted: the
   /// update ends when that build returns.
   void cancel_update();
+  /// @brief As cancel_update(), but only when the apply() in progress is the one thread `caller`
+  /// called: whoever gives up its own update (a ControlEndpoint being destroyed) leaves another
+  /// thread's apply() or a re-plan alone. Returns whether it cancelled one.
+  bool cancel_update_from(std::thread::id caller);
 
   /// @brief Switches KPI sampling (process figures from /proc, GPU figures through NVML where
   /// present) on or off, in this process and in every site (worker), at any time, with the given

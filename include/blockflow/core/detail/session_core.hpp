@@ -156,6 +156,8 @@ class SessionCore {
   void set_sampling(bool enabled, absl::Duration period);
   absl::StatusOr<std::uint64_t> apply(const Deployment& wanted, absl::Duration drain);
   void cancel_update();
+  bool cancel_update_from(std::thread::id caller);
+  bool cancel_update_of(std::optional<std::thread::id> caller);  // nullopt: whoever's
   void set_site_factory(Session::SiteFactoryWithSettings factory);
   void shutdown(absl::Duration drain);
   /// How long shutdown() gives a call into a block of this process that is still running once
@@ -403,6 +405,7 @@ class SessionCore {
   // the sites it waits on (a new one is stopped to cancel it, a running one asked to cancel).
   mutable blockflow::detail::Mutex busy_mu_;
   bool updating_ ABSL_GUARDED_BY(busy_mu_) = false;
+  std::thread::id updating_thread_ ABSL_GUARDED_BY(busy_mu_);  // the thread that called that apply()
   bool cancelled_ ABSL_GUARDED_BY(busy_mu_) = false;
   int cancelling_ ABSL_GUARDED_BY(busy_mu_) = 0;  // cancel_update() calls still reaching sites
   std::vector<std::pair<std::shared_ptr<RemoteSite>, bool>> busy_sites_ ABSL_GUARDED_BY(busy_mu_);  // (site, is new)
