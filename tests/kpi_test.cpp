@@ -30,6 +30,7 @@
 using namespace blockflow;
 using Catch::Matchers::Contains;
 using Catch::Matchers::StartsWith;
+using Catch::Matchers::EndsWith;
 using namespace std::chrono_literals;
 
 namespace {
@@ -260,6 +261,14 @@ TEST_CASE("Prometheus text parses and has every documented metric with its label
   REQUIRE(on_demand.submit("t", at::zeros({1})).get().ok());
   const std::string on_demand_text = on_demand.metrics().to_prometheus();
   const auto on_demand_families = parse_prometheus(on_demand_text);
+  {  // A path with no request yet: its quantiles are NaN (no sample), not 0 s.
+    Session idle;
+    idle.add_block(test::unary("idle_block", [](const Tensor& x) { return x; })).add_path(Path::chain("idle", {"idle_block"}));
+    REQUIRE(idle.start().ok());
+    const std::string idle_text = idle.metrics().to_prometheus();
+    CHECK_THAT(idle_text, Contains("blockflow_path_latency_seconds{path=\"idle\",quantile=\"0.99\"} NaN\n"));
+    CHECK_THAT(idle_text, Contains("blockflow_path_latency_seconds_count{path=\"idle\"} 0\n"));
+  }
 
   const bool gpu = GpuProbe::instance().available();
   std::vector<TorchCudaMemory> torch_cuda;
@@ -360,6 +369,27 @@ TEST_CASE("the metrics endpoint serves Prometheus text and JSON on loopback; the
   CHECK(MetricsSnapshot::from_json(json.substr(json.find("\r\n\r\n") + 4)).ok());
   CHECK_THAT(http_get(server.port(), "/nope"), StartsWith("HTTP/1.1 404"));
   CHECK(server.requests_served() == 3);
+  {  // A POST with a body it never reads: 405 naming GET, the whole reply (what the client still
+     // sends is read until it closes, not reset under the reply).
+    const int fd = connect_to(server.port());
+    const std::string post = "POST /metrics HTTP/1.1\r\nHost: localhost\r\nContent-Length: 200000\r\n\r\n" +
+                             std::string(200000, 'x');
+    std::size_t sent = 0;
+    while (sent < post.size()) {
+      const ssize_t n = ::send(fd, post.data() + sent, post.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) break;
+      sent += static_cast<std::size_t>(n);
+    }
+    ::shutdown(fd, SHUT_WR);
+    std::string response;
+    char buffer[4096];
+    for (ssize_t n; (n = ::recv(fd, buffer, sizeof buffer, 0)) > 0;) response.append(buffer, static_cast<std::size_t>(n));
+    ::close(fd);
+    CHECK_THAT(response, StartsWith("HTTP/1.1 405"));
+    CHECK_THAT(response, Contains("\r\nAllow: GET\r\n"));
+    CHECK_THAT(response, EndsWith("only GET\n"));
+  }
+  CHECK(server.requests_served() == 4);
   CHECK_THROWS_WITH(MetricsHttpServer(session, "localhost:1"), Contains("'localhost' is not an IPv4 address"));
   for (const std::string port : {"70000", "-1", "", "8o", "123456"}) {  // never wrapped to another port
     CHECK_THROWS_WITH(MetricsHttpServer(session, "127.0.0.1:" + port), Contains("bad port (0-65535)"));

@@ -426,6 +426,17 @@ TEST_CASE("a request that throws while it starts resolves with the reason; submi
   CHECK(session.metrics().in_flight == 0);  // before: 1 for good (shutdown waited its whole drain)
 }
 
+TEST_CASE("add_site refuses a second site of one name and the names metrics give the session's own", "[session]") {
+  Session session;
+  session.add_site(std::make_shared<test::GateSite>("w1"));
+  CHECK_THROWS_WITH(session.add_site(std::make_shared<test::GateSite>("w1")),
+                    Contains("Session::add_site(): a site named 'w1' was added already"));
+  for (const char* reserved : {"threads", "host"}) {
+    CHECK_THROWS_WITH(session.add_site(std::make_shared<test::GateSite>(reserved)), Contains("is reserved"));
+  }
+  CHECK_THROWS_WITH(session.add_site(std::make_shared<test::GateSite>("../w")), Contains("site name '../w'"));
+}
+
 TEST_CASE("a site that throws on a site's thread fails the request, naming the block; the process goes on", "[session]") {
   // Before, the exception left the thread (std::terminate) and the request stayed in flight.
   Session session;

@@ -95,11 +95,15 @@ struct GpuProbe::Impl {
   int (*temperature)(Device, int, unsigned int*) = nullptr;
   int (*power)(Device, unsigned int*) = nullptr;
   // Optional (NVML 11.x+); this process's memory comes from the list of compute processes.
-  struct ProcessInfo {  // nvmlProcessInfo_v2_t, the layout _v3 fills
+  // nvmlProcessInfo_v2_t (24 bytes), what _v2 fills on every driver. _v3 fills the same on most,
+  // but 32-byte records on R535 (nvmlProcessInfo_t grew there without a version bump): _v3 is
+  // only a fallback, and the buffer has room for 32-byte records whichever is called.
+  struct ProcessInfo {
     unsigned int pid;
     unsigned long long used_gpu_memory;
     unsigned int gpu_instance_id, compute_instance_id;
   };
+  static constexpr std::size_t kLargestProcessRecord = 32;
   int (*processes)(Device, unsigned int*, ProcessInfo*) = nullptr;
   std::string status;
   unsigned int devices = 0;
@@ -125,7 +129,7 @@ GpuProbe::GpuProbe() : impl_(std::make_shared<Impl>()) {
     n.status = "no GPU: libnvidia-ml.so.1 lacks an expected symbol";
     return;
   }
-  bind(n.processes, "nvmlDeviceGetComputeRunningProcesses_v3");
+  if (!bind(n.processes, "nvmlDeviceGetComputeRunningProcesses_v2")) bind(n.processes, "nvmlDeviceGetComputeRunningProcesses_v3");
   bind(n.memory_v2, "nvmlDeviceGetMemoryInfo_v2");
   if (const int rc = n.init(); rc != 0) {
     n.status = fmt::format("no GPU: nvmlInit failed (NVML error {})", rc);
@@ -176,16 +180,20 @@ std::vector<GpuSample> GpuProbe::sample() const {
     if (n.temperature(device, /*NVML_TEMPERATURE_GPU*/ 0, &value) == 0) g.temperature_c = value;
     if (n.power(device, &value) == 0) g.power_w = value / 1000.0;  // milliwatts
     if (n.processes != nullptr) {
-      std::vector<Impl::ProcessInfo> list(256);
-      auto count = static_cast<unsigned int>(list.size());
+      // `count` records of ProcessInfo are asked for, with room for as many of the largest.
+      constexpr std::size_t kSlack = Impl::kLargestProcessRecord / sizeof(Impl::ProcessInfo) + 1;
+      std::size_t records = 256;
+      std::vector<Impl::ProcessInfo> list(records * kSlack);
+      auto count = static_cast<unsigned int>(records);
       int rc = n.processes(device, &count, list.data());
-      if (rc == 7 /*NVML_ERROR_INSUFFICIENT_SIZE*/ && count > list.size()) {  // a busy shared GPU
-        list.resize(count + 16);
-        count = static_cast<unsigned int>(list.size());
+      if (rc == 7 /*NVML_ERROR_INSUFFICIENT_SIZE*/ && count > records) {  // a busy shared GPU
+        records = count + 16;
+        list.assign(records * kSlack, Impl::ProcessInfo{});
+        count = static_cast<unsigned int>(records);
         rc = n.processes(device, &count, list.data());
       }
       if (rc == 0) {
-        for (unsigned int p = 0; p < count && p < list.size(); ++p) {
+        for (unsigned int p = 0; p < count && p < records; ++p) {
           // NVML_VALUE_NOT_AVAILABLE (all ones) where the driver hides per-process figures.
           if (list[p].pid == pid && list[p].used_gpu_memory != ~0ULL) g.process_memory_bytes = list[p].used_gpu_memory;
         }

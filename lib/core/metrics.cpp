@@ -42,7 +42,8 @@ class Exposition {
     it->second += fmt::format("{}{} {}\n", name, render(labels), number(value));
   }
 
-  // A latency distribution in milliseconds as a summary in seconds: quantiles, _sum, _count.
+  // A latency distribution in milliseconds as a summary in seconds: quantiles (NaN with no sample, as
+  // Prometheus' clients write them; since the block or path was made, not over a window), _sum, _count.
   void summary(const std::string& name, const char* help, const Labels& labels, const LatencyStats& s) {
     auto [it, fresh] = families_.try_emplace(name);
     if (fresh) {
@@ -52,7 +53,7 @@ class Exposition {
     for (const auto& [q, ms] : {std::pair{"0.5", s.p50_ms}, std::pair{"0.9", s.p90_ms}, std::pair{"0.99", s.p99_ms}}) {
       Labels with = labels;
       with.emplace_back("quantile", q);
-      it->second += fmt::format("{}{} {}\n", name, render(with), number(ms / 1e3));
+      it->second += fmt::format("{}{} {}\n", name, render(with), s.count == 0 ? std::string("NaN") : number(ms / 1e3));
     }
     it->second += fmt::format("{}_sum{} {}\n", name, render(labels), number(s.sum_ms / 1e3));
     it->second += fmt::format("{}_count{} {}\n", name, render(labels), s.count);

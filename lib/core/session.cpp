@@ -7,6 +7,7 @@
 #include <blockflow/core/detail/clock.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/session_core.hpp>
+#include <blockflow/core/names.hpp>
 
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
@@ -91,6 +92,15 @@ void SessionCore::add_block(BlockDescription description) {
 void SessionCore::add_site(std::shared_ptr<RemoteSite> site, bool stop_when_empty) {
   if (started_) throw std::logic_error("Session::add_site() after start()");
   if (!site) throw std::invalid_argument("Session::add_site(): null site");
+  // Sites are told apart by name: in placements, and in every metric's labels.
+  if (auto status = check_site_name("site", site->name()); !status.ok()) {
+    throw std::invalid_argument("Session::add_site(): " + std::string(status.message()));
+  }
+  for (const auto& other : sites_) {
+    if (other->site->name() == site->name()) {
+      throw std::invalid_argument(fmt::format("Session::add_site(): a site named '{}' was added already", site->name()));
+    }
+  }
   auto runtime = std::make_shared<SiteRuntime>();
   runtime->site = std::move(site);
   runtime->stop_when_empty = stop_when_empty;

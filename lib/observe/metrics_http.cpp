@@ -33,12 +33,15 @@ constexpr std::size_t kMaxConnections = 64;
 constexpr std::size_t kMaxRequestHead = 8192;
 constexpr std::int64_t kDeadlineMs = 2000;          // per connection, whole request; then whole reply
 constexpr std::int64_t kAcceptBackoffMs = 100;      // after accept() found no descriptor free
+constexpr std::int64_t kLingerMs = 500;             // reply sent: what the client still sends is read until its EOF
 
 std::int64_t now_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// One client: its request head as it arrives, then its reply as it leaves. Each phase has a
+// One client: its request head as it arrives, then its reply as it leaves, then (closing) what it
+// still sends, read and discarded until it closes too: closing with unread bytes would reset the
+// connection and could lose the reply's end (a POST's body, a pipelined request). Each phase has a
 // deadline for the whole of it, so a client trickling a byte at a time cannot hold the server.
 struct Connection {
   int fd = -1;
@@ -46,7 +49,12 @@ struct Connection {
   std::size_t sent = 0;
   std::int64_t deadline_ms = 0;
   bool replying = false;
+  bool closing = false;
 };
+
+// A connection a new client may take the place of: one still waiting for its request head, or
+// one whose reply has gone.
+bool evictable(const Connection& c) { return !c.replying || c.closing; }
 
 }  // namespace
 
@@ -83,8 +91,10 @@ struct MetricsHttpServer::Impl {
     const std::string method = line.substr(0, sp1);
     std::string target = sp1 != std::string::npos && sp2 > sp1 ? line.substr(sp1 + 1, sp2 - sp1 - 1) : "";
     target = target.substr(0, target.find('?'));
+    std::string extra;
     if (method != "GET") {
       status = "405 Method Not Allowed";
+      extra = "Allow: GET\r\n";
       type = "text/plain";
       body = "only GET\n";
     } else if (target == "/metrics") {
@@ -98,8 +108,8 @@ struct MetricsHttpServer::Impl {
       type = "text/plain";
       body = "BlockFlow metrics: GET /metrics (Prometheus) or /metrics.json\n";
     }
-    return fmt::format("HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", status,
-                       type, body.size()) + body;
+    return fmt::format("HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\n{}Connection: close\r\n\r\n", status,
+                       type, body.size(), extra) + body;
   }
 
   // Reads what `c` sent; once the head is whole, prepares the reply. False: close it.
@@ -116,14 +126,26 @@ struct MetricsHttpServer::Impl {
     return true;
   }
 
-  // Sends what `c` can take now. False: close it (done, or gone).
+  // Sends what `c` can take now; once all has gone, our side ends (FIN) and `c` is closing. False:
+  // close it (gone).
   bool on_writable(Connection& c) {
     const ssize_t n = ::send(c.fd, c.out.data() + c.sent, c.out.size() - c.sent, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n < 0) return errno == EAGAIN || errno == EINTR;
     c.sent += static_cast<std::size_t>(n);
     if (c.sent < c.out.size()) return true;
     ++served;
-    return false;
+    ::shutdown(c.fd, SHUT_WR);
+    c.out = std::string();
+    c.closing = true;
+    c.deadline_ms = now_ms() + kLingerMs;
+    return true;
+  }
+
+  // Reads and drops what a closing `c` still sends. False: it has closed its side (or failed).
+  static bool on_closing_readable(Connection& c) {
+    char buffer[1024];
+    const ssize_t n = ::recv(c.fd, buffer, sizeof buffer, MSG_DONTWAIT);
+    return n > 0 || (n < 0 && (errno == EAGAIN || errno == EINTR));
   }
 
   // One thread serves every connection at once (poll), each within its deadlines.
@@ -147,11 +169,10 @@ struct MetricsHttpServer::Impl {
   // out of it before the allocations that could throw.
   void turn(std::vector<Connection>& open, std::vector<pollfd>& polled, std::int64_t& accept_after_ms) {
     polled.clear();
-    const bool room = open.size() < kMaxConnections ||
-                      std::any_of(open.begin(), open.end(), [](const Connection& c) { return !c.replying; });
+    const bool room = open.size() < kMaxConnections || std::any_of(open.begin(), open.end(), evictable);
     const bool accepting = room && now_ms() >= accept_after_ms;
     polled.push_back({accepting ? fd : -1, POLLIN, 0});
-    for (const auto& c : open) polled.push_back({c.fd, static_cast<short>(c.replying ? POLLOUT : POLLIN), 0});
+    for (const auto& c : open) polled.push_back({c.fd, static_cast<short>(c.replying && !c.closing ? POLLOUT : POLLIN), 0});
     (void)::poll(polled.data(), polled.size(), 100);
     const std::int64_t now = now_ms();
     std::vector<Connection> kept;
@@ -161,14 +182,16 @@ struct MetricsHttpServer::Impl {
       const short ready = polled[i + 1].revents;
       bool keep = now < c.deadline_ms;
       if (keep && (ready & (POLLERR | POLLHUP | POLLNVAL)) != 0 && (ready & POLLIN) == 0) keep = false;
-      if (keep && (ready & POLLIN) != 0 && !c.replying) {
+      if (keep && (ready & POLLIN) != 0 && c.closing) {
+        keep = on_closing_readable(c);
+      } else if (keep && (ready & POLLIN) != 0 && !c.replying) {
         try {
           keep = on_readable(c);
         } catch (...) {  // no memory for its request or reply: this connection is closed
           keep = false;
         }
       }
-      if (keep && (ready & POLLOUT) != 0 && c.replying) keep = on_writable(c);
+      if (keep && (ready & POLLOUT) != 0 && c.replying && !c.closing) keep = on_writable(c);
       if (keep) {
         kept.push_back(std::move(c));
       } else {
@@ -176,13 +199,18 @@ struct MetricsHttpServer::Impl {
       }
     }
     open.swap(kept);
-    if ((polled[0].revents & POLLIN) != 0) {
+    // Room again after this turn (a connection may have begun its reply): none, and the client
+    // waits in the listen backlog rather than being accepted and closed at once.
+    const bool room_now = open.size() < kMaxConnections || std::any_of(open.begin(), open.end(), evictable);
+    if ((polled[0].revents & POLLIN) != 0 && room_now) {
       const int client = ::accept4(fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (client >= 0) {
-        if (open.size() >= kMaxConnections) {  // the oldest still waiting for its request makes room
-          auto oldest = open.end();
-          for (auto it = open.begin(); it != open.end(); ++it) {
-            if (!it->replying && (oldest == open.end() || it->deadline_ms < oldest->deadline_ms)) oldest = it;
+        if (open.size() >= kMaxConnections) {  // one whose reply has gone, else the oldest still waiting, makes room
+          auto oldest = std::find_if(open.begin(), open.end(), [](const Connection& c) { return c.closing; });
+          if (oldest == open.end()) {
+            for (auto it = open.begin(); it != open.end(); ++it) {
+              if (!it->replying && (oldest == open.end() || it->deadline_ms < oldest->deadline_ms)) oldest = it;
+            }
           }
           if (oldest != open.end()) {
             ::close(oldest->fd);
@@ -256,6 +284,13 @@ std::uint64_t MetricsHttpServer::requests_served() const { return impl_->served.
 absl::Status write_prometheus_file(const MetricsSnapshot& snapshot, const std::string& path) {
   // A temporary of its own (a random name made with O_EXCL, so no planted file or link is followed,
   // and two writers never share one), renamed over `path`; removed on every error.
+  // The text first: nothing is left behind when making it fails (out of memory throws).
+  std::string text;
+  try {
+    text = snapshot.to_prometheus();
+  } catch (const std::exception& e) {
+    return absl::ResourceExhaustedError(fmt::format("cannot write the metrics for '{}': {}", path, e.what()));
+  }
   std::string temporary = path + ".tmp.XXXXXX";
   const int fd = ::mkostemp(temporary.data(), O_CLOEXEC);
   if (fd < 0) return absl::UnavailableError(fmt::format("cannot create a temporary next to '{}': {}", path, std::strerror(errno)));
@@ -266,13 +301,13 @@ absl::Status write_prometheus_file(const MetricsSnapshot& snapshot, const std::s
     return absl::UnavailableError(fmt::format("{} '{}': {}", what, temporary, why));
   };
   if (::fchmod(fd, 0644) != 0) return fail("cannot set the mode of");  // read by node_exporter's user
-  const std::string text = snapshot.to_prometheus();
   for (std::size_t written = 0; written < text.size();) {
     const ssize_t n = ::write(fd, text.data() + written, text.size() - written);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return fail("cannot write");
     written += static_cast<std::size_t>(n);
   }
+  if (::fsync(fd) != 0) return fail("cannot flush");  // renamed over `path` only once it is on disk
   if (::close(fd) != 0) {
     const std::string why = std::strerror(errno);
     ::unlink(temporary.c_str());

@@ -178,6 +178,8 @@ class Session {
     kStopWhenEmpty  ///< the site is stopped (a worker process exits): sites of deployments and factories
   };
   /// @brief Adds a site where blocks can be placed, e.g. a blockflow::WorkerSite (a child process).
+  /// Throws std::invalid_argument for a null site, a name check_site_name() refuses ("threads" and
+  /// "host" are the session's own in metrics) or the name of a site added already.
   Session& add_site(std::shared_ptr<RemoteSite> site, SiteLifetime lifetime = SiteLifetime::kKeep);
   /// @brief Makes a site of the given name (for instance a blockflow::WorkerSite).
   using SiteFactory = std::function<std::shared_ptr<RemoteSite>(const std::string& name)>;

@@ -22,7 +22,9 @@ class Histogram {
   static constexpr int kBuckets = 1500;
   std::array<std::atomic<std::uint64_t>, kBuckets> buckets_{};
   std::atomic<std::uint64_t> count_{0};
-  std::atomic<std::uint64_t> sum_ns_{0};
+  // In microseconds (each record rounded): 64 bits of them hold ~580k years of latency, 58 years
+  // of a path saturated with 10k requests/s waiting 1 s each (in ns, 21 days, then the sum wraps).
+  std::atomic<std::uint64_t> sum_us_{0};
   std::atomic<std::uint64_t> max_ns_{0};
 };
 
