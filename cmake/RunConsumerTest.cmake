@@ -9,6 +9,17 @@ function(run)
   endif()
 endfunction()
 run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
+# Every installed program starts from the prefix alone (no LD_LIBRARY_PATH, no ld.so cache entry):
+# each library finds the others beside it. Their usage errors are fine; a loader error is not.
+foreach(tool blockflow-loadgen blockflow-plan blockflow-profile blockflow-worker blockflowctl)
+  if(EXISTS ${prefix}/bin/${tool})
+    execute_process(COMMAND ${CMAKE_COMMAND} -E env --unset=LD_LIBRARY_PATH ${prefix}/bin/${tool} --help
+                    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+    if(rc EQUAL 127 OR err MATCHES "error while loading shared libraries")
+      message(FATAL_ERROR "installed ${tool} does not start: ${err}")
+    endif()
+  endif()
+endforeach()
 run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${consumer_build} -G ${GENERATOR}
     -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix})
 run(${CMAKE_COMMAND} --build ${consumer_build})

@@ -19,7 +19,14 @@ if [ ${#missing[@]} -eq 0 ]; then
 fi
 
 sudo=""
-if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+if [ "$(id -u)" -ne 0 ]; then
+  if ! command -v sudo >/dev/null 2>&1; then  # a fresh Debian 12 has no sudo: say what to do
+    echo "install_deps: missing Debian packages: ${missing[*]}" >&2
+    echo "install_deps: not root and no sudo here: run 'apt-get install ${missing[*]}' as root, then this again" >&2
+    exit 1
+  fi
+  sudo="sudo"
+fi
 echo "install_deps: installing ${missing[*]}"
 $sudo apt-get update -q
 $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"

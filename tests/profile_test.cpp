@@ -123,7 +123,7 @@ TEST_CASE("a forward that throws during the rate sweep is an error naming the bl
   CHECK(std::any_of(progress.begin(), progress.end(), [](const std::string& l) { return l.find("batch 1: p50") != std::string::npos; }));
 }
 
-TEST_CASE("batch sizes given out of order or twice are profiled in increasing order, once: the profile parses",
+TEST_CASE("batch sizes given out of order or twice: profiled in increasing order, once, and the profile parses",
           "[profile]") {
   ProfileOptions o = quick();
   o.rate_sweep = false;

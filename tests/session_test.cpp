@@ -125,6 +125,29 @@ TEST_CASE("a block factory that throws something other than a std::exception fai
   CHECK_THAT(std::string(started.message()), Contains("block 'bad'") && Contains("an exception of unknown type"));
 }
 
+TEST_CASE("a factory's block must carry the name and options it was given: another is refused, naming both", "[session]") {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    BlockRegistry::global().add("renames", [](const std::string& name, const BlockOptions& o) {
+      return test::unary(name + "_x", [](const Tensor& x) { return x; }, o);
+    });
+    BlockRegistry::global().add("drops_options", [](const std::string& name, const BlockOptions&) {
+      return test::unary(name, [](const Tensor& x) { return x; });  // the defaults, not what it was given
+    });
+  });
+  BlockDescription d;
+  d.name = "b";
+  d.factory = "renames";
+  auto renamed = make_block(d);
+  CHECK_THAT(std::string(renamed.status().message()), Contains("block 'b': factory 'renames' made a block named 'b_x'"));
+  d.factory = "drops_options";
+  CHECK(make_block(d).ok());  // asked for the defaults: what it made
+  d.options.queue_capacity = 4;
+  auto dropped = make_block(d);
+  CHECK_THAT(std::string(dropped.status().message()),
+             Contains("block 'b': factory 'drops_options' made it with another queue_capacity than its description's"));
+}
+
 TEST_CASE("a wrong input shape fails the request naming the block and both shapes", "[session]") {
   BlockOptions options;
   options.input_shapes = {{-1, 3}};

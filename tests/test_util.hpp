@@ -172,12 +172,18 @@ inline SiteMemory site_memory(const MetricsSnapshot& m, const std::string& site)
   return SiteMemory{};
 }
 
-/// A latch blocks wait on until the test releases it (counts how many entered).
+/// A latch blocks wait on until the test releases it (counts how many entered). A test that fails
+/// before it releases it never hangs on it: its destructor releases it (a waiter left parked would
+/// hold the condition variable's destruction for ever), and a wait ends after 120 s regardless.
 struct Latch {
   std::mutex mu;
   std::condition_variable cv;
   bool open = false;
   std::atomic<int> entered{0};
+  Latch() = default;
+  Latch(const Latch&) = delete;
+  Latch& operator=(const Latch&) = delete;
+  ~Latch() { release(); }
   void release() {
     std::lock_guard lock(mu);
     open = true;
@@ -185,7 +191,7 @@ struct Latch {
   }
   void wait() {
     std::unique_lock lock(mu);
-    cv.wait(lock, [&] { return open; });
+    cv.wait_for(lock, std::chrono::seconds(120), [&] { return open; });
   }
 };
 

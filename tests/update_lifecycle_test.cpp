@@ -607,8 +607,8 @@ TEST_CASE("an update that keeps or adds blocks at a site lost for good is refuse
   CHECK(session.submit("t2", at::zeros({1})).get().output().item<double>() == 2);
 }
 
-TEST_CASE("apply() does not wait for a session whose only lane is in a call that does not return: its builds run "
-          "on the calling thread", "[update_lifecycle]") {
+TEST_CASE("apply() with the only lane in a call that does not return: its builds run on the calling thread",
+          "[update_lifecycle]") {
   static std::once_flag once;
   std::call_once(once, [] {
     BlockRegistry::global().add("upd_plus_two", [](const std::string& name, const BlockOptions& o) {

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <future>
 #include <map>
@@ -180,6 +181,10 @@ TEST_CASE("100 random updates under traffic on three tasks: every request resolv
       valid[task].insert(sum);
     }
   };
+  // Every request's count of completions, checked once the session is gone: a late second one
+  // (resolved again at shutdown, say) counts too.
+  std::vector<std::shared_ptr<std::atomic<int>>> all_calls;
+  std::mutex calls_mu;
   {
     Session session;
     Deployment first = parse(R"({"blocks": [{"name": "b1", "factory": "upd_add_1"}],
@@ -195,6 +200,10 @@ TEST_CASE("100 random updates under traffic on three tasks: every request resolv
         while (run) {
           const std::string& task = tasks[static_cast<std::size_t>(c)];
           auto calls = std::make_shared<std::atomic<int>>(0);
+          {
+            std::lock_guard lock(calls_mu);
+            all_calls.push_back(calls);
+          }
           std::promise<Result> promise;
           auto future = promise.get_future();
           ++submitted;
@@ -242,6 +251,7 @@ TEST_CASE("100 random updates under traffic on three tasks: every request resolv
     CHECK(session.metrics().version == 100);
     CHECK(session.metrics().blocks.size() <= constants.size());
   }
+  CHECK(std::count_if(all_calls.begin(), all_calls.end(), [](const auto& c) { return c->load() != 1; }) == 0);
   // No thread left behind by the blocks that came and went.
   CHECK(sample_process().threads <= threads_before + 1);
 }

@@ -9,6 +9,7 @@
 #include <blockflow/core/detail/mutex.hpp>
 #include <blockflow/channel/detail/curve_auth.hpp>
 #include <blockflow/channel/detail/curve_keys.hpp>
+#include <blockflow/channel/detail/ipc_socket_file.hpp>
 #include <blockflow/channel/detail/tensor_codec.hpp>
 #include <blockflow/channel/detail/zmq_calls.hpp>
 
@@ -149,10 +150,7 @@ class ZmqReceiver final : public ZmqEnd {
     }
     try {
       socket_.bind(endpoint);
-      if (endpoint.rfind("ipc://", 0) == 0) {  // libzmq 4.3 leaves the socket file: removed when this end goes
-        struct stat st {};
-        if (::stat(endpoint.c_str() + 6, &st) == 0) socket_file_ = {endpoint.substr(6), st.st_dev, st.st_ino};
-      }
+      socket_file_ = IpcSocketFile::of(endpoint);  // libzmq 4.3 leaves it: removed when this end goes
       if (uri_.rfind("tcp://", 0) == 0 && uri_.size() > 2 && uri_.compare(uri_.size() - 2, 2, ":*") == 0) {
         uri_ = socket_.get(zmq::sockopt::last_endpoint);  // tcp://HOST:PORT, the port the system chose
         if (curve_) curve_->describe(fmt::format("channel receiver '{}'", uri_));
@@ -213,12 +211,7 @@ class ZmqReceiver final : public ZmqEnd {
 
   // The ipc:// socket file this end bound: unlinked once the socket is closed, if it is still that file
   // (not one a receiver opened since under the same name).
-  struct SocketFile {
-    std::string path;
-    dev_t device = 0;
-    ino_t inode = 0;
-  };
-  std::optional<SocketFile> socket_file_;
+  std::optional<IpcSocketFile> socket_file_;
   std::unique_ptr<CurveServer> curve_;  // destroyed after the socket, before the context
   zmq::socket_t socket_;
   RateLimitedLog noisy_;
@@ -227,11 +220,7 @@ class ZmqReceiver final : public ZmqEnd {
   ~ZmqReceiver() override {
     if (!socket_file_) return;
     socket_.close();
-    struct stat st {};
-    if (::stat(socket_file_->path.c_str(), &st) == 0 && st.st_dev == socket_file_->device &&
-        st.st_ino == socket_file_->inode) {
-      ::unlink(socket_file_->path.c_str());
-    }
+    socket_file_->remove();
   }
 };
 

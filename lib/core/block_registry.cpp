@@ -33,6 +33,25 @@ std::vector<std::string> BlockRegistry::names() const {
   return out;
 }
 
+namespace {
+// The first option in which `made` differs from `asked`; null when none does.
+const char* first_difference(const BlockOptions& made, const BlockOptions& asked) {
+  if (made.device != asked.device) return "device";
+  if (made.intra_op_threads != asked.intra_op_threads) return "intra_op_threads";
+  if (made.workers != asked.workers) return "workers";
+  if (made.queue_capacity != asked.queue_capacity) return "queue_capacity";
+  if (made.full_policy != asked.full_policy) return "full_policy";
+  if (made.input_shapes != asked.input_shapes) return "input_shapes";
+  if (made.input_dtypes != asked.input_dtypes) return "input_dtypes";
+  if (made.warmup_runs != asked.warmup_runs) return "warmup_runs";
+  if (made.max_batch != asked.max_batch) return "max_batch";
+  if (made.max_batch_delay_ms != asked.max_batch_delay_ms) return "max_batch_delay_ms";
+  if (made.memory_bytes != asked.memory_bytes) return "memory_bytes";
+  if (made.cuda_graph != asked.cuda_graph) return "cuda_graph";
+  return nullptr;
+}
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<Block>> BlockRegistry::create(const std::string& factory, const std::string& name,
                                                              const BlockOptions& options) const {
   Factory fn;
@@ -48,6 +67,17 @@ absl::StatusOr<std::shared_ptr<Block>> BlockRegistry::create(const std::string& 
   try {
     auto block = fn(name, options);
     if (!block) return absl::InternalError(fmt::format("block '{}': factory '{}' returned null", name, factory));
+    // The session routes, queues, batches and checks by the description: a block that says
+    // otherwise would be run by rules it does not follow.
+    if (block->name() != name) {
+      return absl::InvalidArgumentError(fmt::format("block '{}': factory '{}' made a block named '{}' (a factory names "
+                                                    "its block with the name it is given)", name, factory, block->name()));
+    }
+    if (const char* field = first_difference(block->options(), options)) {
+      return absl::InvalidArgumentError(fmt::format("block '{}': factory '{}' made it with another {} than its description's "
+                                                    "(a factory passes the options it is given on to its block)",
+                                                    name, factory, field));
+    }
     return block;
   } catch (const std::exception& e) {
     return absl::InvalidArgumentError(fmt::format("block '{}': factory '{}' failed: {}", name, factory, e.what()));

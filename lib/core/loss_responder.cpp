@@ -62,6 +62,7 @@ void LossResponder::stop() {
   }
   wake_.notify_one();
   if (on_own_thread()) return;  // it would join itself: the thread ends once the re-plan returns
+  std::lock_guard join(join_mu_);
   if (thread_.joinable()) thread_.join();
 }
 

@@ -43,9 +43,14 @@ void keep_deployed(Plan& p, const Plan& deployed) {
 // What the re-plan can run: plan() of `in`; when it admits every task, its blocks that stay keep
 // their workers and max_batch and the tasks are predicted again with them (predict()), the plan's
 // verdicts, loads and blocks then being that prediction's (each block with the plan's workers).
-absl::StatusOr<Plan> evaluate(const PlanInput& in, const Plan& deployed, const PlanOptions& options) {
+// `predicted`, when given: whether the verdicts are the prediction's (every task's load counted) rather
+// than plan()'s (a task plan() refused takes no room).
+absl::StatusOr<Plan> evaluate(const PlanInput& in, const Plan& deployed, const PlanOptions& options,
+                              bool* predicted = nullptr) {
+  if (predicted != nullptr) *predicted = false;
   auto p = plan(in, options);
   if (!p.ok() || first_refused(*p) != nullptr) return p;
+  if (predicted != nullptr) *predicted = true;
   keep_deployed(*p, deployed);
   auto again = predict(in, p->blocks);
   if (!again.ok()) return again.status();
@@ -73,8 +78,11 @@ absl::StatusOr<bool> admits_without(const PlanInput& in, const Plan& deployed, s
 }
 
 // The task that makes room for `refused`, and why (docs/replan.md, "Algorithm").
+// `counted`: the plan whose verdicts say which tasks take room (a task it refused takes none, and
+// making it smaller lets nobody in); null: every task does.
 absl::StatusOr<std::pair<std::size_t, std::string>> pick_victim(const PlanInput& in, const Plan& deployed,
-                                                                 const TaskVerdict& refused, const PlanOptions& options) {
+                                                                 const TaskVerdict& refused, const PlanOptions& options,
+                                                                 const Plan* counted) {
   const std::size_t r = index_of(in.tasks, refused.task);
   PlanInput alone = in;
   alone.tasks = {in.tasks[r]};
@@ -87,6 +95,12 @@ absl::StatusOr<std::pair<std::size_t, std::string>> pick_victim(const PlanInput&
   std::vector<std::size_t> order(in.tasks.size());
   for (std::size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;
   std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return in.tasks[a].slo_ms > in.tasks[b].slo_ms; });
+  const auto takes_room = [&](std::size_t i) {
+    if (i == r || counted == nullptr) return true;
+    return std::any_of(counted->tasks.begin(), counted->tasks.end(),
+                       [&](const TaskVerdict& v) { return v.task == in.tasks[i].name && v.admitted; });
+  };
+  order.erase(std::remove_if(order.begin(), order.end(), [&](std::size_t i) { return !takes_room(i); }), order.end());
   // Only tasks looser than it (before it in that order) make room for it: the loosest whose removal
   // lets it in; when no single removal does, the loosest of them all the same (demotions add up);
   // when none is looser, the task itself.
@@ -135,14 +149,15 @@ absl::StatusOr<Replan> replan(const PlanInput& input, const Plan& deployed, cons
     // place), while the plan may have chosen another batch size for it to fit the lost site's
     // blocks: evaluate() predicts the tasks again with the kept ones, and a task that no longer fits
     // is refused there, room being made for it like for any other.
-    auto p = evaluate(in, deployed, options);
+    bool predicted = false;
+    auto p = evaluate(in, deployed, options, &predicted);
     if (!p.ok()) return p.status();
     const TaskVerdict* refused = first_refused(*p);
     if (refused == nullptr) {
       out.plan = *std::move(p);
       break;
     }
-    auto victim = pick_victim(in, deployed, *refused, options);
+    auto victim = pick_victim(in, deployed, *refused, options, predicted ? nullptr : &*p);
     if (!victim.ok()) return victim.status();
     PlanTask& t = in.tasks[victim->first];
     TaskChange& c = changes[t.name];

@@ -1,4 +1,5 @@
 #include <blockflow/serve/client_endpoint.hpp>
+#include <blockflow/channel/detail/ipc_socket_file.hpp>
 #include <blockflow/core/detail/log.hpp>
 #include <blockflow/core/detail/clock.hpp>
 #include <blockflow/core/detail/never_wait.hpp>
@@ -116,7 +117,8 @@ struct ClientEndpoint::Impl {
   const std::shared_ptr<Outbox> outbox = std::make_shared<Outbox>();  // shared with the callbacks
   std::atomic<bool> stopping{false};
   std::atomic<bool> draining{false};  // drain(): new requests are refused (Unavailable)
-  absl::Time drain_deadline = absl::InfinitePast();  // drain()'s: stop() lets ZeroMQ write until then
+  absl::Time drain_deadline = absl::InfinitePast();
+  std::optional<detail::IpcSocketFile> socket_file;  // an ipc:// endpoint's  // drain()'s: stop() lets ZeroMQ write until then
   std::atomic<std::uint64_t> malformed{0}, served{0};
   detail::RateLimitedLog noisy;  // per-frame messages a client can trigger
 
@@ -419,6 +421,7 @@ ClientEndpoint::ClientEndpoint(Session& session, const std::string& endpoint, Cl
     throw std::runtime_error(fmt::format("client endpoint '{}': cannot bind: {}", endpoint, e.what()));
   }
   s.endpoint = s.router.get(zmq::sockopt::last_endpoint);
+  s.socket_file = detail::IpcSocketFile::of(s.endpoint);  // libzmq 4.3 leaves it: removed at stop()
   if (s.curve) s.curve->describe(fmt::format("client endpoint '{}'", s.endpoint));
   s.thread = std::thread([&s] { s.main(); });
 }
@@ -450,6 +453,8 @@ void ClientEndpoint::stop() {
     if (impl_->draining && left > 0) impl_->router.set(zmq::sockopt::linger, static_cast<int>(std::min<std::int64_t>(left, 1 << 30)));
   }
   impl_->router.close();
+  if (impl_->socket_file) impl_->socket_file->remove();
+  impl_->socket_file.reset();
 }
 
 void ClientEndpoint::drain(absl::Duration timeout) {

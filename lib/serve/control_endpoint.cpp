@@ -1,5 +1,6 @@
 #include <blockflow/serve/control_endpoint.hpp>
 #include <blockflow/channel/detail/curve_auth.hpp>
+#include <blockflow/channel/detail/ipc_socket_file.hpp>
 #include <blockflow/channel/detail/zmq_calls.hpp>
 #include <blockflow/core/detail/json_integer.hpp>
 #include <blockflow/core/detail/log.hpp>
@@ -40,6 +41,7 @@ struct ControlEndpoint::Impl {
   Session& session;
   const ControlOptions options;
   std::string endpoint;
+  std::optional<detail::IpcSocketFile> socket_file;  // an ipc:// endpoint's
   detail::RateLimitedLog noisy;  // what a client can make happen again and again
   zmq::context_t context{1};
   std::unique_ptr<detail::CurveServer> curve;  // after the socket's close, before the context's
@@ -245,6 +247,7 @@ ControlEndpoint::ControlEndpoint(Session& session, const std::string& endpoint, 
     throw std::runtime_error(fmt::format("control endpoint '{}': cannot bind: {}", endpoint, e.what()));
   }
   s.endpoint = s.socket.get(zmq::sockopt::last_endpoint);
+  s.socket_file = detail::IpcSocketFile::of(s.endpoint);  // libzmq 4.3 leaves it: removed when the endpoint goes
   if (s.curve) s.curve->describe(fmt::format("control endpoint '{}'", s.endpoint));
   const std::string bell = fmt::format("inproc://control-bell-{}", static_cast<const void*>(&s));
   s.bell_in.bind(bell);
@@ -260,6 +263,7 @@ ControlEndpoint::ControlEndpoint(Session& session, const std::string& endpoint, 
     s.work.notify_all();
     s.thread.join();
     s.socket.close();
+    if (s.socket_file) s.socket_file->remove();
     s.curve.reset();
     throw std::runtime_error(fmt::format("control endpoint '{}': cannot start its updater thread: {}", s.endpoint, e.what()));
   }
@@ -282,6 +286,7 @@ ControlEndpoint::~ControlEndpoint() {
   }
   s.updater.join();
   s.socket.close();  // before the authenticator and the context
+  if (s.socket_file) s.socket_file->remove();
   s.curve.reset();
 }
 

@@ -53,7 +53,8 @@ class BlockRegistry {
   void add(const std::string& factory, Factory fn);
   [[nodiscard]] bool contains(const std::string& factory) const;
   [[nodiscard]] std::vector<std::string> names() const;
-  /// @brief Builds a block; NotFound names the factory and lists the known ones.
+  /// @brief Builds a block; NotFound names the factory and lists the known ones; InvalidArgument
+  /// when the factory made a block of another name, or with other options than it was given.
   [[nodiscard]] absl::StatusOr<std::shared_ptr<Block>> create(const std::string& factory, const std::string& name,
                                                                const BlockOptions& options) const;
 

@@ -53,6 +53,7 @@ class LossResponder {
   ReplanStats stats_;
   bool stopping_ = false;
   std::thread thread_;  // started by the first loss that has something to do
+  std::mutex join_mu_;  // two shutdown()s at once: one joins, the other waits for it
 };
 
 }  // namespace blockflow::detail
