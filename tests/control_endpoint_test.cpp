@@ -97,7 +97,9 @@ TEST_CASE("control: destroying the endpoint leaves the application's own apply()
   auto endpoint = std::make_unique<ControlEndpoint>(session, "tcp://127.0.0.1:*");
   Client updater(endpoint->endpoint()), watcher(endpoint->endpoint());
   updater.send(kApplyThroughGate);
+  const auto give_up = std::chrono::steady_clock::now() + 60s;
   for (bool waiting = false; !waiting;) {  // the endpoint's apply waits behind the application's
+    REQUIRE(std::chrono::steady_clock::now() < give_up);
     watcher.send(R"({"cmd": "status"})");
     const auto status = watcher.receive(30s);
     REQUIRE_FALSE(status.is_null());

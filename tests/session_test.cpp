@@ -218,7 +218,7 @@ std::shared_ptr<Block> gated(const std::string& name, Gate& gate, BlockOptions o
 
 // Submits n requests numbered 0..n-1 while the gated block holds request 0.
 void wait_for(const std::function<bool()>& condition) {
-  while (!condition()) std::this_thread::sleep_for(1ms);
+  REQUIRE(test::eventually(condition, std::chrono::milliseconds(60000)));  // never: a failure, not a hang
 }
 
 std::vector<std::future<Result>> fill(Session& session, Gate& gate, int n) {

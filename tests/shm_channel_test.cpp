@@ -384,7 +384,7 @@ TEST_CASE("shm workers with outputs in slots: a block's weights, made when it is
   CHECK(site.shm_results.leases == 0);  // the 1 MB weight was allocated while the block was built
 }
 
-TEST_CASE("shm workers: kill -9 under load reclaims the host's slots within 1 s; traffic flows again", "[shm]") {
+TEST_CASE("shm workers: kill -9 under load reclaims the host's slots; traffic flows again", "[shm]") {
   auto site = make_worker(test::test_worker("w1", "shm"));
   Session session;
   BlockDescription slow = test::plugin_block("slow", "slow_identity", "w1");

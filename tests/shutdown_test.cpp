@@ -25,7 +25,8 @@ std::shared_ptr<Block> stuck_block(const std::shared_ptr<StuckCall>& call) {
   BlockOptions queue;
   queue.queue_capacity = 8;
   return test::unary("stuck", [call](const Tensor& x) {
-    if (call->armed.load() && !call->entered.exchange(true)) call->opened.wait();
+    // 120 s at most: a shutdown() or ~Session that wrongly waits for the call fails, never hangs.
+    if (call->armed.load() && !call->entered.exchange(true)) call->opened.wait_for(std::chrono::seconds(120));
     return x + 1;
   }, queue);
 }

@@ -183,7 +183,12 @@ struct Latch {
   Latch() = default;
   Latch(const Latch&) = delete;
   Latch& operator=(const Latch&) = delete;
-  ~Latch() { release(); }
+  ~Latch() {  // waits until no waiter is inside wait() (its last touch of `mu` is done)
+    std::unique_lock lock(mu);
+    open = true;
+    cv.notify_all();
+    cv.wait(lock, [&] { return waiting == 0; });
+  }
   void release() {
     std::lock_guard lock(mu);
     open = true;
@@ -191,8 +196,12 @@ struct Latch {
   }
   void wait() {
     std::unique_lock lock(mu);
+    ++waiting;
     cv.wait_for(lock, std::chrono::seconds(120), [&] { return open; });
+    --waiting;
+    cv.notify_all();
   }
+  int waiting = 0;  // guarded by mu
 };
 
 }  // namespace blockflow::test

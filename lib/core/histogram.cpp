@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace blockflow::detail {
 namespace {
@@ -28,7 +29,10 @@ void Histogram::record(std::int64_t ns) {
   buckets_[static_cast<std::size_t>(bucket_of(ns))].fetch_add(1, std::memory_order_relaxed);
   count_.fetch_add(1, std::memory_order_relaxed);
   // After the bucket: whoever reads this sum (acquire) then counts this record in the buckets.
-  sum_us_.fetch_add((static_cast<std::uint64_t>(ns) + 500) / 1000, std::memory_order_release);
+  const auto add = static_cast<std::uint64_t>(ns);
+  if (sum_ns_.fetch_add(add, std::memory_order_release) > std::numeric_limits<std::uint64_t>::max() - add) {
+    sum_wraps_.fetch_add(1, std::memory_order_release);
+  }
   auto seen = max_ns_.load(std::memory_order_relaxed);
   while (static_cast<std::uint64_t>(ns) > seen &&
          !max_ns_.compare_exchange_weak(seen, static_cast<std::uint64_t>(ns), std::memory_order_relaxed)) {
@@ -39,7 +43,8 @@ LatencyStats Histogram::stats() const {
   LatencyStats out;
   // The sum first, then the buckets: every record in the sum is in the count (the mean is never
   // above the truth). The sum itself is given too: it only grows (a summary's _sum).
-  const auto sum_us = sum_us_.load(std::memory_order_acquire);
+  const auto wraps = sum_wraps_.load(std::memory_order_acquire);
+  const auto sum_ns = sum_ns_.load(std::memory_order_acquire);
   std::array<std::uint64_t, kBuckets> counts{};
   std::uint64_t total = 0;
   for (int i = 0; i < kBuckets; ++i) {
@@ -50,7 +55,7 @@ LatencyStats Histogram::stats() const {
   if (total == 0) return out;
   const double max_ms = static_cast<double>(max_ns_.load(std::memory_order_relaxed)) / 1e6;
   out.max_ms = max_ms;
-  out.sum_ms = static_cast<double>(sum_us) / 1e3;
+  out.sum_ms = (static_cast<double>(wraps) * 18446744073709551616.0 + static_cast<double>(sum_ns)) / 1e6;
   out.mean_ms = out.sum_ms / static_cast<double>(total);
   auto percentile = [&](double q) {
     const auto rank = static_cast<std::uint64_t>(std::ceil(q * static_cast<double>(total)));

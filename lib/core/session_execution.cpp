@@ -170,7 +170,7 @@ void SessionCore::process_batch(BlockRuntime& runtime, std::vector<Envelope>&& b
     }
     it->second.push_back(std::move(envelope));
   }
-  struct Reset { ~Reset() { forwards_follow = false; } } reset;  // NOLINT: one line
+  struct Reset { bool was = forwards_follow; ~Reset() { forwards_follow = was; } } reset;  // a batch inside one (helping)
   for (std::size_t g = 0; g < groups.size(); ++g) {
     auto& [k, group] = groups[g];
     const bool last_group = g + 1 == groups.size();

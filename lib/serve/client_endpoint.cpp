@@ -117,8 +117,8 @@ struct ClientEndpoint::Impl {
   const std::shared_ptr<Outbox> outbox = std::make_shared<Outbox>();  // shared with the callbacks
   std::atomic<bool> stopping{false};
   std::atomic<bool> draining{false};  // drain(): new requests are refused (Unavailable)
-  absl::Time drain_deadline = absl::InfinitePast();
-  std::optional<detail::IpcSocketFile> socket_file;  // an ipc:// endpoint's  // drain()'s: stop() lets ZeroMQ write until then
+  std::optional<detail::IpcSocketFile> socket_file;  // an ipc:// endpoint's
+  absl::Time drain_deadline = absl::InfinitePast();  // drain()'s: stop() lets ZeroMQ write until then
   std::atomic<std::uint64_t> malformed{0}, served{0};
   detail::RateLimitedLog noisy;  // per-frame messages a client can trigger
 
@@ -281,6 +281,15 @@ struct ClientEndpoint::Impl {
     return true;
   }
 
+  // A reply about to wait in a backlog holds its own bytes only: a row of a batch's output (a view
+  // of a storage several times its size) is copied, so that it neither keeps the whole batch alive
+  // nor is counted for it.
+  static void compact(Reply& reply) {
+    for (auto& t : reply.encoded ? reply.encoded->tensors : reply.tensors) {
+      if (t.defined() && t.has_storage() && t.storage().nbytes() > 2 * t.nbytes()) t = t.clone();
+    }
+  }
+
   // What it holds: its message and header, and the whole storage of each tensor (a batch's output
   // row, a slice, keeps all of its storage alive), each storage once.
   static std::size_t size_of(const Reply& reply) {
@@ -329,6 +338,7 @@ struct ClientEndpoint::Impl {
       auto queued = backlogs.find(reply.peer);
       if (queued == backlogs.end() && try_send(reply)) continue;
       Backlog& b = backlogs[reply.peer];
+      compact(reply);
       const std::size_t bytes = size_of(reply);
       if (!b.replies.empty() && b.bytes + bytes > options.max_backlog_bytes_per_client) {
         drop(reply, fmt::format("its client does not read its replies ({} bytes wait for it already)", b.bytes));

@@ -6,8 +6,10 @@
 ///
 /// Updates run on a thread of their own, one at a time (up to 4 wait their turn; more are refused,
 /// saying so): status, metrics and sampling are answered while an apply runs. Destroying the
-/// endpoint cancels an apply in progress (Session::cancel_update()) instead of waiting for it;
-/// queued ones are dropped unanswered.
+/// endpoint cancels its apply in progress (Session::cancel_update_from()) instead of waiting for it;
+/// queued ones are dropped unanswered. An apply of the endpoint's that waits behind another
+/// thread's apply() (the application's, a re-plan) is not cancelled before its turn: the
+/// destructor waits for that other apply() to end, which it leaves alone, then cancels its own.
 ///
 /// Requests and replies (every reply has "ok"; a failed one has "error", naming the problem):
 /// - `{"cmd": "apply", "deployment": {...}}` -> `{"ok": true, "version": N}`: Session::apply() of a
@@ -48,7 +50,7 @@ struct ControlOptions {
 
 /// The session must outlive the endpoint (declare the endpoint after the session): its threads
 /// call Session::apply(), metrics() and set_sampling(). Destroying the endpoint cancels an apply()
-/// it has running and waits for its threads.
+/// it has running (once it runs: see the file's comment) and waits for its threads.
 class ControlEndpoint {
  public:
   /// @brief Binds `endpoint` (say "tcp://127.0.0.1:5560"; name another interface only on purpose) and

@@ -22,9 +22,10 @@ class Histogram {
   static constexpr int kBuckets = 1500;
   std::array<std::atomic<std::uint64_t>, kBuckets> buckets_{};
   std::atomic<std::uint64_t> count_{0};
-  // In microseconds (each record rounded): 64 bits of them hold ~580k years of latency, 58 years
-  // of a path saturated with 10k requests/s waiting 1 s each (in ns, 21 days, then the sum wraps).
-  std::atomic<std::uint64_t> sum_us_{0};
+  // In ns, exact; 64 bits of them wrap after 584 years of latency, 21 days of a path saturated with
+  // 10k requests/s waiting 1 s each: whoever's add wraps it counts the wrap, and stats() adds it.
+  std::atomic<std::uint64_t> sum_ns_{0};
+  std::atomic<std::uint64_t> sum_wraps_{0};
   std::atomic<std::uint64_t> max_ns_{0};
 };
 
