@@ -44,7 +44,12 @@ std::optional<at::ScalarType> parse_dtype(std::string_view name) {
 }
 
 std::string_view dtype_names() {
-  return "float32, float64, float16, bfloat16, int8, uint8, int16, int32, int64, bool";
+  static const std::string names = [] {  // the table's names, in its order
+    std::string all;
+    for (const auto& d : kDtypes) all += (all.empty() ? "" : ", ") + std::string(d.name);
+    return all;
+  }();
+  return names;
 }
 
 std::vector<std::string> dtype_names(const std::vector<at::ScalarType>& dtypes) {
